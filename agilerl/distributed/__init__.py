@@ -1,0 +1,97 @@
+"""Torch-native distributed helpers for LLM training.
+
+AgileRL is single-device by default; multi-GPU LLM training initialises
+torch.distributed from the launcher's environment (torchrun, or an
+orchestration layer setting the same variables), and these helpers no-op on a
+single device.
+
+``FSDPConfig`` is imported eagerly and does not import torch; everything else
+is loaded on first access, so ``from agilerl.distributed import FSDPConfig``
+stays cheap for the planner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._config import FSDPConfig
+
+_LAZY = {
+    # process group and collectives
+    "init_distributed": "_runtime",
+    "is_distributed": "_runtime",
+    "get_rank": "_runtime",
+    "get_local_rank": "_runtime",
+    "get_world_size": "_runtime",
+    "is_main_process": "_runtime",
+    "barrier": "_runtime",
+    "broadcast_object_list": "_runtime",
+    "gather_tensor": "_runtime",
+    "gather_objects": "_runtime",
+    "allreduce_minmax_int": "_runtime",
+    "aggregate_metrics_across_gpus": "_runtime",
+    "aggregate_metrics_dict": "_runtime",
+    "sync_grads": "_runtime",
+    "all_reduce_grads": "_runtime",
+    "resolve_device": "_runtime",
+    "require_process_group": "_runtime",
+    # dense views of sharded parameters
+    "materialize_dtensors": "_tensors",
+    "gather_params": "_tensors",
+    "full_shape_views": "_tensors",
+    # sharding
+    "apply_fsdp2": "_fsdp",
+    "apply_activation_checkpointing": "_fsdp",
+    "find_transformer_blocks": "_fsdp",
+    "block_kind": "_fsdp",
+    "fsdp_layout": "_fsdp",
+    "FSDPLayout": "_fsdp",
+    "set_gradient_sync": "_fsdp",
+    # state dicts
+    "materialize_fsdp2_from_cpu_state": "_state",
+    "set_full_model_state_dict": "_state",
+    "full_model_state_dict": "_state",
+    "reinit_non_persistent_buffers": "_state",
+    # optimizers and clipping
+    "build_optimizer": "_optim",
+    "CPUOffloadAdamW": "_optim",
+    "clip_grad_norm_": "_optim",
+    "resolve_optim_cpu_offload": "_optim",
+}
+
+__all__ = ["FSDPConfig", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agilerl.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._fsdp import (  # noqa: F401
+        FSDPLayout,
+        apply_activation_checkpointing,
+        apply_fsdp2,
+        block_kind,
+        find_transformer_blocks,
+        fsdp_layout,
+        set_gradient_sync,
+    )
+    from ._optim import CPUOffloadAdamW, build_optimizer, clip_grad_norm_, resolve_optim_cpu_offload  # noqa: F401
+    from ._runtime import *  # noqa: F401,F403
+    from ._state import (  # noqa: F401
+        full_model_state_dict,
+        materialize_fsdp2_from_cpu_state,
+        reinit_non_persistent_buffers,
+        set_full_model_state_dict,
+    )
+    from ._tensors import full_shape_views, gather_params, materialize_dtensors  # noqa: F401

@@ -1,0 +1,361 @@
+"""apply_fsdp2: shard a Hugging Face causal LM with FSDP2 as an FSDPConfig says.
+
+Unit layout, in forward order (the order prefetching follows):
+
+    [embeddings] -> [blocks 0..n-1, ``wrap_every_n_blocks`` per unit] -> [untied lm_head] -> root
+
+Tied embeddings stay in the root unit together with the lm_head that shares
+their weight (a parameter can belong to one FSDP unit only). The root unit owns
+everything else: final norm, rotary buffers, PEFT wrappers.
+
+Parameters with fewer than ``param_persistence_threshold`` elements are passed
+to ``fully_shard`` as ``ignored_params`` and stay replicated plain tensors
+(DESIGN.md decision 12). FSDP then neither syncs their gradients nor casts them
+for mixed precision, so this module adds both: a post-backward callback
+averages their gradients wherever FSDP would reduce-scatter (honouring
+``set_requires_gradient_sync``), and forward hooks on their owning modules
+compute with ``param_dtype`` casts of them, as FSDP does for its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from ._config import FSDPConfig
+from ._runtime import all_reduce_grads, require_process_group
+
+__all__ = [
+    "apply_fsdp2",
+    "apply_activation_checkpointing",
+    "find_transformer_blocks",
+    "block_kind",
+    "torch_dtype",
+    "FSDPLayout",
+    "fsdp_layout",
+    "set_gradient_sync",
+]
+
+_CKPT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for an FSDPConfig dtype name."""
+    return getattr(torch, name)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def block_kind(block: nn.Module) -> str:
+    """A block's kind: its ``block_type`` (hybrid models) or else its class name."""
+    inner = _unwrap(block)
+    kind = getattr(inner, "block_type", None)
+    return str(kind) if kind else type(inner).__name__
+
+
+def _no_split_names(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for module in model.modules():
+        value = getattr(module, "_no_split_modules", None)
+        if value:
+            names.update(value)
+    return names
+
+
+def find_transformer_blocks(model: nn.Module) -> tuple[nn.ModuleList, list[nn.Module]]:
+    """The ModuleList holding the transformer blocks, and its blocks in order.
+
+    Blocks are the classes a Hugging Face model lists in ``_no_split_modules``;
+    without that hint, the longest ModuleList of same-class modules.
+    """
+    block_names = _no_split_names(model)
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        kinds = {type(_unwrap(m)).__name__ for m in module}
+        if block_names and not kinds & block_names:
+            continue
+        if not block_names and len(kinds) != 1:
+            continue
+        if best is None or len(module) > len(best):
+            best = module
+    if best is None:
+        raise ValueError(
+            f"could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList of "
+            f"{sorted(block_names) or 'same-class modules'}"
+        )
+    return best, list(best)
+
+
+def _embeddings_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None, bool]:
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    # PEFT may wrap the head (modules_to_save); its weight is still the tie test.
+    tied = (
+        embed is not None
+        and head is not None
+        and getattr(head, "weight", None) is not None
+        and head.weight is getattr(embed, "weight", None)
+    )
+    return embed, head, tied
+
+
+def apply_activation_checkpointing(model: nn.Module, config: FSDPConfig) -> list[int]:
+    """Wrap the blocks ``config`` selects with non-reentrant ``checkpoint_wrapper``.
+
+    Blocks whose kind is in ``checkpoint_skip_layer_types`` are left out; of the
+    rest, one in every ``checkpoint_every_n_blocks`` (the first, then every n-th)
+    is wrapped. Returns the wrapped block indices. Idempotent.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        CheckpointWrapper,
+        checkpoint_wrapper,
+    )
+
+    container, blocks = find_transformer_blocks(model)
+    kinds = [block_kind(b) for b in blocks]
+    unknown = set(config.checkpoint_skip_layer_types) - set(kinds)
+    if unknown:
+        raise ValueError(
+            f"checkpoint_skip_layer_types names block kinds this model does not have: "
+            f"{sorted(unknown)}; its blocks are of kinds {sorted(set(kinds))}"
+        )
+    eligible = [i for i, k in enumerate(kinds) if k not in config.checkpoint_skip_layer_types]
+    chosen = eligible[:: config.checkpoint_every_n_blocks]
+    for i in chosen:
+        if not isinstance(container[i], CheckpointWrapper):
+            container[i] = checkpoint_wrapper(container[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return chosen
+
+
+@dataclass
+class FSDPLayout:
+    """What apply_fsdp2 built: read by the trainer, the probe and the tests."""
+
+    config: FSDPConfig
+    units: list[FSDPModule] = field(default_factory=list)  # forward order, root excluded
+    unit_names: list[str] = field(default_factory=list)
+    root: FSDPModule | None = None
+    replicated_params: list[nn.Parameter] = field(default_factory=list)
+    checkpointed_blocks: list[int] = field(default_factory=list)
+    mesh: DeviceMesh | None = None
+    num_replicated_grad_syncs: int = 0  # explicit all-reduces of replicated grads so far
+
+
+def fsdp_layout(model: nn.Module) -> FSDPLayout | None:
+    """The layout apply_fsdp2 recorded on ``model`` (None if it was not sharded)."""
+    return getattr(model, "_agilerl_fsdp_layout", None)
+
+
+def _grad_sync_enabled(layout: FSDPLayout) -> bool:
+    # FSDP2 keeps set_requires_gradient_sync's state on each unit's param group.
+    for module in [*layout.units, layout.root]:
+        if module is None:
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            return bool(group.reduce_grads)
+    return True
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on or off for the next backward passes.
+
+    FSDP2 units skip their reduce-scatter (holding unsharded gradients) and the
+    replicated parameters skip their all-reduce. No-op for an unsharded model.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled, recurse=True)
+
+
+def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
+    trainable = [p for p in layout.replicated_params if p.requires_grad]
+    if not trainable or dist.get_world_size() == 1:
+        return
+    queued = {"flag": False}
+
+    def _average() -> None:
+        queued["flag"] = False
+        if _grad_sync_enabled(layout):
+            all_reduce_grads(trainable)
+            layout.num_replicated_grad_syncs += 1
+
+    def _hook(_param: torch.Tensor) -> None:
+        if not queued["flag"]:
+            queued["flag"] = True
+            torch.autograd.Variable._execution_engine.queue_callback(_average)
+
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(_hook)
+
+
+def _install_param_cast(module: nn.Module, names: list[str], dtype: torch.dtype) -> None:
+    """Compute with ``dtype`` copies of replicated params during ``module``'s forward.
+
+    FSDP casts the parameters it manages to ``param_dtype`` for compute; the
+    replicated ones need the same treatment or a bf16 matmul meets an fp32
+    bias. The pre-hook swaps each parameter for a differentiable cast of itself
+    (gradients still accumulate on the fp32 leaf), the post-hook puts it back.
+    """
+    def _pre(mod: nn.Module, _args: Any) -> None:
+        for name in names:
+            param = mod._parameters.pop(name, None)
+            if param is None:  # already swapped (re-entrant forward)
+                continue
+            mod.__dict__["_agilerl_orig_" + name] = param
+            mod.__dict__[name] = param.to(dtype)
+
+    def _post(mod: nn.Module, _args: Any, _output: Any) -> None:
+        for name in names:
+            param = mod.__dict__.pop("_agilerl_orig_" + name, None)
+            if param is None:
+                continue
+            mod.__dict__.pop(name, None)
+            mod._parameters[name] = param
+
+    module.register_forward_pre_hook(_pre)
+    module.register_forward_hook(_post, always_call=True)
+
+
+def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    if mesh is not None:
+        return mesh
+    world = dist.get_world_size()
+    group = config.shard_group_size
+    if group is None or group == world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if group > world or world % group != 0:
+        raise ValueError(
+            f"shard_group_size={group} must divide the world size {world} "
+            f"(allowed here: {[g for g in range(1, world + 1) if world % g == 0]})"
+        )
+    return init_device_mesh(device_type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def _check_unsupported(config: FSDPConfig) -> None:
+    for name in ("ep", "tp"):
+        if getattr(config, name) > 1:
+            raise NotImplementedError(
+                f"FSDPConfig.{name}={getattr(config, name)} is not supported yet: expert and "
+                f"tensor parallelism are validated and stored but not applied. Use {name}=1."
+            )
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    config: FSDPConfig | None = None,
+    mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: blocks, embeddings, untied lm_head, root, prefetch.
+
+    Parameters become DTensors in place, so any optimizer must be (re)built
+    after this call. ``model`` may live on CPU or the meta device (then fill it
+    with :func:`materialize_fsdp2_from_cpu_state`). ``mesh`` overrides the mesh
+    built from ``config.shard_group_size``; ``expert_mesh`` is used for packed
+    expert modules (none exist in dense models).
+    """
+    require_process_group("apply_fsdp2")
+    config = config if config is not None else FSDPConfig()
+    _check_unsupported(config)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = _mesh_for(config, mesh, device_type)
+    del expert_mesh  # no packed experts in dense models
+
+    layout = FSDPLayout(config=config, mesh=mesh)
+    if gradient_checkpointing:
+        layout.checkpointed_blocks = apply_activation_checkpointing(model, config)
+
+    param_dtype = torch_dtype(config.param_dtype)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch_dtype(config.reduce_dtype))
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload else OffloadPolicy()
+    )
+
+    seen: set[int] = set()
+    replicated: list[nn.Parameter] = []
+    for p in model.parameters():
+        if id(p) not in seen and p.numel() < config.param_persistence_threshold:
+            seen.add(id(p))
+            replicated.append(p)
+    ignored = set(replicated)
+    layout.replicated_params = replicated
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=config.reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+        ignored_params=ignored or None,
+    )
+
+    def _has_shardable(modules: list[nn.Module]) -> bool:
+        return any(p not in ignored for m in modules for p in m.parameters())
+
+    _, blocks = find_transformer_blocks(model)
+    embed, head, tied = _embeddings_and_head(model)
+    named = {id(m): n for n, m in model.named_modules()}
+
+    if embed is not None and not tied and _has_shardable([embed]):
+        fully_shard(embed, **kwargs)
+        layout.units.append(embed)
+        layout.unit_names.append(named.get(id(embed), "embeddings"))
+    n = config.wrap_every_n_blocks
+    for start in range(0, len(blocks), n):
+        group = blocks[start : start + n]
+        if not _has_shardable(group):
+            continue
+        fully_shard(group if len(group) > 1 else group[0], **kwargs)
+        layout.units.append(group[0])
+        layout.unit_names.append(named.get(id(group[0]), f"blocks.{start}"))
+    if head is not None and not tied and _has_shardable([head]):
+        fully_shard(head, **kwargs)
+        layout.units.append(head)
+        layout.unit_names.append(named.get(id(head), "lm_head"))
+    fully_shard(model, **kwargs)
+    layout.root = model
+
+    units = layout.units
+    for i, unit in enumerate(units):
+        forward = units[i + 1 : i + 1 + config.prefetch_units]
+        backward = list(reversed(units[max(0, i - config.backward_prefetch_units) : i]))
+        if forward:
+            unit.set_modules_to_forward_prefetch(forward)
+        if backward:
+            unit.set_modules_to_backward_prefetch(backward)
+
+    if replicated:
+        mesh_device = mesh.device_type
+        for p in replicated:
+            if not p.is_meta and p.device.type != mesh_device:
+                p.data = p.data.to(torch.device(mesh_device, torch.cuda.current_device()) if mesh_device == "cuda" else mesh_device)
+        for module in model.modules():
+            names = [
+                name
+                for name, p in module._parameters.items()
+                if p is not None and p in ignored and p.is_floating_point() and p.dtype != param_dtype
+            ]
+            if names:
+                _install_param_cast(module, names, param_dtype)
+        _install_replicated_grad_sync(layout)
+
+    model._agilerl_fsdp_layout = layout
+    return model

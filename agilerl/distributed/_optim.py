@@ -1,0 +1,172 @@
+"""Optimizers for sharded actors, and gradient clipping over mixed DTensor/Tensor grads.
+
+``FSDPConfig.optim_cpu_offload`` (DESIGN.md decision 8):
+
+- ``False``: fused AdamW on the device, states beside the parameter shards.
+- ``True``: :class:`CPUOffloadAdamW`. Adam moments (and an fp32 copy of each
+  local shard) live on the host and the step runs there with the default AdamW
+  kernel; parameters and gradients stay on the device. Each step copies the
+  local gradient shards to the host and the updated shards back.
+- ``None``: "the memory estimate decides". Without the planner it resolves to
+  the device (:func:`resolve_optim_cpu_offload`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ._config import FSDPConfig
+
+__all__ = [
+    "CPUOffloadAdamW",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "resolve_optim_cpu_offload",
+]
+
+
+def resolve_optim_cpu_offload(config: FSDPConfig | None) -> bool:
+    """``optim_cpu_offload`` with None resolved to the device (False)."""
+    if config is None or config.optim_cpu_offload is None:
+        return False
+    return bool(config.optim_cpu_offload)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class CPUOffloadAdamW(torch.optim.Optimizer):
+    """AdamW whose state and step live on the host; parameters stay on the device.
+
+    ``param_groups`` hold the device parameters (so LR schedulers and gradient
+    clipping work as usual); an inner ``torch.optim.AdamW`` with default kernel
+    selection steps fp32 host copies of the local shards. Host memory per
+    trainable element: 4 B master + 4 B gradient + 8 B moments.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        pin = torch.cuda.is_available()
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        inner_groups = []
+        for group in self.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = _local(p).detach().to("cpu", torch.float32, copy=True)
+                if pin:
+                    master = master.pin_memory()
+                self._pairs.append((p, master))
+                masters.append(master)
+            inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        self.inner = torch.optim.AdamW(inner_groups)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, inner in zip(self.param_groups, self.inner.param_groups):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                inner[key] = group[key]
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            grad = _local(p.grad)
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+            master.grad.copy_(grad, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.inner.step()
+        for p, master in self._pairs:
+            if p.grad is not None:
+                _local(p).copy_(master, non_blocking=True)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+def build_optimizer(
+    params: Iterable[nn.Parameter],
+    *,
+    fsdp_config: FSDPConfig | None,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> torch.optim.Optimizer:
+    """AdamW placed as ``fsdp_config.optim_cpu_offload`` says (None -> device)."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters to optimize")
+    if resolve_optim_cpu_offload(fsdp_config):
+        return CPUOffloadAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    device_type = _local(params[0]).device.type
+    fused = device_type in ("cuda", "cpu", "mps", "xpu")
+    # Fused kernels cannot mix DTensor shards and replicated plain tensors in
+    # one call, and a param group is one call: keep them in separate groups.
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    groups = [{"params": g} for g in (sharded, plain) if g]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm; works on a mix of DTensor and plain grads.
+
+    ``torch.nn.utils.clip_grad_norm_`` cannot stack the norms of sharded
+    (DTensor) and replicated (plain) gradients. Here each group (DTensors per
+    mesh, plain tensors) is normed on its own, DTensor norms are resolved with
+    ``full_tensor()`` (replicas are not double counted), and the groups are
+    combined. Returns the total norm before clipping as a plain tensor.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for members in groups.values():
+        n = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        norms.append(n.float().cpu())
+    stacked = torch.stack(norms)
+    if math.isinf(norm_type):
+        total = stacked.max()
+    else:
+        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        by_type: dict[Any, list[torch.Tensor]] = {}
+        for g in grads:
+            by_type.setdefault((type(g), g.device if not isinstance(g, DTensor) else id(g.device_mesh), g.dtype), []).append(g)
+        for members in by_type.values():
+            torch._foreach_mul_(members, coef)
+    return total

@@ -1,0 +1,306 @@
+"""Process-group helpers: initialisation, ranks, collectives on objects and metrics.
+
+Every helper is a no-op (or the identity) on a single device, so the same
+training script runs unchanged with or without torchrun.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "init_distributed",
+    "is_distributed",
+    "get_rank",
+    "get_local_rank",
+    "get_world_size",
+    "is_main_process",
+    "barrier",
+    "broadcast_object_list",
+    "gather_tensor",
+    "gather_objects",
+    "allreduce_minmax_int",
+    "aggregate_metrics_across_gpus",
+    "aggregate_metrics_dict",
+    "sync_grads",
+    "all_reduce_grads",
+    "resolve_device",
+    "require_process_group",
+]
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launched() -> bool:
+    return all(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def init_distributed(timeout_seconds: int = 1800) -> bool:
+    """Initialise torch.distributed from launcher env vars.
+
+    gloo without CUDA; with CUDA a mixed ``cpu:gloo,cuda:nccl`` group so that
+    CPU tensors (object collectives, offloaded state) and CUDA tensors both have
+    a backend. No-op returning False without launcher env; an existing group is
+    reused.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if not dist.is_available() or not _launched():
+        return False
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(get_local_rank())
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timeout)
+    return True
+
+
+def is_distributed() -> bool:
+    """Whether torch.distributed is available and initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank (launcher RANK, or 0 on a single device)."""
+    if is_distributed():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def get_local_rank() -> int:
+    """Rank within the node, used for device selection."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_world_size() -> int:
+    """Number of processes (launcher WORLD_SIZE, or 1 on a single device)."""
+    if is_distributed():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main_process() -> bool:
+    """Whether this is rank 0 (always True on a single device)."""
+    return get_rank() == 0
+
+
+def require_process_group(what: str) -> None:
+    """Raise a clear error when ``what`` needs torch.distributed and none is running."""
+    if not is_distributed():
+        raise RuntimeError(
+            f"{what} needs a torch.distributed process group, and none is initialised. "
+            "Launch with torchrun (for example `torchrun --nproc_per_node=2 train.py`) and "
+            "call agilerl.distributed.init_distributed() first. Constructing an FSDPConfig "
+            "needs no process group; applying one does."
+        )
+
+
+def _collective_device() -> torch.device:
+    """Device whose tensors the default group's backend can reduce."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def barrier() -> None:
+    """Synchronise all processes; no-op on a single device."""
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object_list(objects: list, src: int = 0) -> list:
+    """Broadcast picklable objects from ``src``; mutates ``objects`` in place."""
+    if is_distributed() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(objects, src=src, device=_collective_device())
+    return objects
+
+
+def _as_tensor(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(np.asarray(value))
+
+
+def gather_tensor(tensor: torch.Tensor | np.ndarray | float) -> torch.Tensor:
+    """Gather a tensor from every rank (identity on a single device).
+
+    0-d inputs are stacked into a 1-d tensor of world-size values; inputs with
+    one or more dims are concatenated along dim 0 in rank order. Ranks may hold
+    different dim-0 sizes (they are padded for the collective and trimmed).
+    """
+    local = _as_tensor(tensor)
+    if not is_distributed() or dist.get_world_size() == 1:
+        return local
+    world = dist.get_world_size()
+    device = _collective_device()
+    original_device = local.device
+    if local.dim() == 0:
+        out = [torch.empty((), dtype=local.dtype, device=device) for _ in range(world)]
+        dist.all_gather(out, local.detach().to(device))
+        return torch.stack(out).to(original_device)
+    sizes = torch.tensor([local.shape[0]], dtype=torch.long, device=device)
+    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes)
+    counts = [int(s.item()) for s in all_sizes]
+    longest = max(counts)
+    padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local.detach().to(device)
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return torch.cat([o[:n] for o, n in zip(out, counts)]).to(original_device)
+
+
+def gather_objects(objects: list) -> list:
+    """Flatten object lists gathered from every rank, in rank order."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return list(objects)
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(objects))
+    return [o for rank_objects in out for o in rank_objects]
+
+
+def allreduce_minmax_int(value: int) -> tuple[int, int]:
+    """Return (min, max) of ``value`` across ranks in one all-reduce."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return int(value), int(value)
+    t = torch.tensor([-int(value), int(value)], dtype=torch.long, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(-t[0].item()), int(t[1].item())
+
+
+def _local_mean(value) -> float:
+    t = _as_tensor(value).detach()
+    if t.numel() == 0:
+        return math.nan
+    return float(t.double().mean().item())
+
+
+def aggregate_metrics_across_gpus(metric_tensor: torch.Tensor | np.ndarray | float) -> float:
+    """Mean across ranks of each rank's local mean (local mean on one device)."""
+    local = _local_mean(metric_tensor)
+    if not is_distributed() or dist.get_world_size() == 1:
+        return local
+    t = torch.tensor([local], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item()) / dist.get_world_size()
+
+
+def aggregate_metrics_dict(
+    metrics: dict[str, torch.Tensor | np.ndarray | float],
+    excluded: Collection[str] = (),
+    maximized: Collection[str] = (),
+) -> dict[str, float]:
+    """Reduce every metric across ranks in one all-reduce.
+
+    Each rank writes its local means and "counts this metric" flags into its own
+    row of a ``[world, 2 * K]`` zero matrix; one SUM all-reduce then holds every
+    rank's row, from which means (over ranks that count the metric) and maxima
+    (over all ranks) are taken locally. A metric every rank excludes is NaN.
+    """
+    unknown = (set(excluded) | set(maximized)) - set(metrics)
+    if unknown:
+        raise KeyError(f"excluded/maximized name metrics not in the dict: {sorted(unknown)}")
+    names = list(metrics)
+    local = [_local_mean(metrics[k]) for k in names]
+    if not is_distributed() or dist.get_world_size() == 1:
+        return dict(zip(names, local))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    k = len(names)
+    table = torch.zeros((world, 2 * k), dtype=torch.float64, device=_collective_device())
+    for i, name in enumerate(names):
+        counted = name in maximized or name not in excluded
+        if counted:
+            table[rank, i] = local[i]
+            table[rank, k + i] = 1.0
+    dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    values, counts = table[:, :k].cpu(), table[:, k:].cpu()
+    out: dict[str, float] = {}
+    for i, name in enumerate(names):
+        if name in maximized:
+            out[name] = float(values[:, i].max().item())
+            continue
+        n = float(counts[:, i].sum().item())
+        out[name] = float(values[:, i].sum().item()) / n if n > 0 else math.nan
+    return out
+
+
+def _coalesced_mean_(grads: list[torch.Tensor]) -> None:
+    """Average tensors across ranks in place: one all-reduce per (device, dtype)."""
+    world = dist.get_world_size()
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        buckets.setdefault((g.device, g.dtype), []).append(g)
+    comm_device = _collective_device()
+    for (device, _), tensors in buckets.items():
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(comm_device)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # SUM then divide: AVG is not on gloo
+        flat.div_(world)
+        flat = flat.to(device)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A replicated-placement DTensor grad is averaged through its local tensor.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sync_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Average gradients across data-parallel ranks (one coalesced all-reduce).
+
+    Parameters without a ``.grad`` are skipped; use :func:`all_reduce_grads` when
+    ranks may differ in which parameters received a gradient.
+    """
+    if not is_distributed() or dist.get_world_size() == 1:
+        return
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if grads:
+        _coalesced_mean_(grads)
+
+
+def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Average gradients like :func:`sync_grads`; a parameter without a ``.grad``
+    takes part with zeros (and receives the average), so every rank joins the
+    same collective."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(_local(p.grad))
+    if grads:
+        _coalesced_mean_(grads)
+
+
+def resolve_device(requested: str | torch.device | None = None) -> str:
+    """Pick the training device.
+
+    Distributed runs are pinned to ``cuda:<local_rank>``, or CPU without CUDA;
+    otherwise the requested device (or the best available) is used.
+    """
+    if is_distributed() or _launched():
+        if torch.cuda.is_available() and (requested is None or "cpu" not in str(requested)):
+            return f"cuda:{get_local_rank()}"
+        return "cpu"
+    if requested is not None:
+        return str(requested)
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"

@@ -1,0 +1,185 @@
+"""Full (unsharded) state dicts in and out of FSDP2-sharded models.
+
+One on-disk layout for every run: state-dict keys are those of the unsharded
+model (no FSDP or checkpoint-wrapper prefixes) and tensors are full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "set_full_model_state_dict",
+    "materialize_fsdp2_from_cpu_state",
+    "full_model_state_dict",
+    "reinit_non_persistent_buffers",
+]
+
+_CKPT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _clean(name: str) -> str:
+    return name.replace(_CKPT_PREFIX, "")
+
+
+def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under their state-dict keys (tied ones once)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[_clean(name)] = p
+    for module_name, module in model.named_modules():
+        for buf_name, buf in module._buffers.items():
+            if buf is None or buf_name in module._non_persistent_buffers_set:
+                continue
+            key = _clean(f"{module_name}.{buf_name}" if module_name else buf_name)
+            out.setdefault(key, buf)
+    return out
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """State-dict key -> the key under which the same tensor is first registered."""
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = _clean(name)
+        if id(p) in first:
+            alias[key] = first[id(p)]
+        else:
+            first[id(p)] = key
+    return alias
+
+
+@torch.no_grad()
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    if tuple(source.shape) != tuple(target.shape):
+        raise ValueError(f"shape mismatch: state dict has {tuple(source.shape)}, model has {tuple(target.shape)}")
+    if isinstance(target, DTensor):
+        local = target.to_local()
+        src = source.to(device=local.device, dtype=target.dtype)
+        # Every rank holds the full tensor, so slice locally: no communication.
+        shard = distribute_tensor(src, target.device_mesh, target.placements, src_data_rank=None)
+        local.copy_(shard.to_local())
+    else:
+        target.copy_(source.to(device=target.device, dtype=target.dtype))
+
+
+def set_full_model_state_dict(
+    model: nn.Module, full_state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    """Write a full (unsharded) state dict into a sharded or unsharded model.
+
+    Each rank copies its own slice of every full tensor. ``full_state_dict`` may
+    be any mapping, including a lazy one reading tensors on access, so host
+    memory holds one tensor at a time. With ``strict``, missing and unexpected
+    keys are an error listing them.
+    """
+    targets = _named_state(model)
+    aliases = _tied_aliases(model)
+    if strict:
+        missing = sorted(k for k in targets if k not in full_state_dict)
+        expected = set(targets) | set(aliases)
+        unexpected = sorted(k for k in full_state_dict.keys() if k not in expected)
+        if missing or unexpected:
+            raise KeyError(
+                f"state dict does not match the model: missing {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+                f"{' ...' if len(unexpected) > 10 else ''}"
+            )
+    for key, target in targets.items():
+        if key in full_state_dict:
+            try:
+                _copy_into(target, full_state_dict[key])
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
+
+
+@torch.no_grad()
+def reinit_non_persistent_buffers(model: nn.Module) -> list[str]:
+    """Recompute non-persistent buffers (rotary ``inv_freq``, embedding scales).
+
+    They are not in any state dict, so after ``to_empty`` they hold garbage
+    (DESIGN.md decision 13). Hugging Face models know how to initialise them in
+    ``_init_weights``; that is called only for the modules owning such buffers,
+    with every parameter flagged as initialised so that no weight is touched.
+    Returns the names of the buffers recomputed.
+    """
+    init_owner = None
+    for module in model.modules():
+        if hasattr(module, "_init_weights") and hasattr(module, "config"):
+            init_owner = module
+            break
+    done: list[str] = []
+    params = list(model.parameters())
+    flags = [getattr(p, "_is_hf_initialized", None) for p in params]
+    for p in params:
+        p._is_hf_initialized = True
+    try:
+        for module_name, module in model.named_modules():
+            names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+            if not names:
+                continue
+            if init_owner is None:
+                raise RuntimeError(
+                    f"cannot re-initialise non-persistent buffers {names} of {module_name!r}: "
+                    "the model has no Hugging Face _init_weights"
+                )
+            rope_init_fn = getattr(module, "rope_init_fn", None)
+            if callable(rope_init_fn) and "inv_freq" in names:
+                # transformers 4.x rotary modules keep their init function.
+                inv_freq, _ = rope_init_fn(module.config, module.inv_freq.device)
+                module.inv_freq.copy_(inv_freq)
+                if "original_inv_freq" in names:
+                    module.original_inv_freq.copy_(inv_freq)
+            else:
+                for n in names:
+                    module._buffers[n]._is_hf_initialized = False
+                init_owner._init_weights(module)
+            done.extend(_clean(f"{module_name}.{n}" if module_name else n) for n in names)
+    finally:
+        for p, flag in zip(params, flags):
+            if flag is None:
+                try:
+                    del p._is_hf_initialized
+                except AttributeError:
+                    pass
+            else:
+                p._is_hf_initialized = flag
+    return done
+
+
+def materialize_fsdp2_from_cpu_state(
+    model: nn.Module,
+    cpu_state_dict: Mapping[str, torch.Tensor],
+    device: str | torch.device,
+    *,
+    strict: bool = True,
+) -> nn.Module:
+    """Fill a model sharded on the meta device with this rank's slices of a full CPU state dict.
+
+    Allocates only local shards on ``device`` (``to_empty``), recomputes the
+    non-persistent buffers, then copies each rank's slice of every tensor.
+    """
+    model.to_empty(device=device)
+    reinit_non_persistent_buffers(model)
+    set_full_model_state_dict(model, cpu_state_dict, strict=strict)
+    return model
+
+
+@torch.no_grad()
+def full_model_state_dict(model: nn.Module, *, to_cpu: bool = True, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded state dict: every DTensor all-gathered (collective: all ranks call it).
+
+    ``keep=False`` still joins every gather but drops the tensors (for ranks
+    that do not write the checkpoint), so only one rank pays the host memory.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if keep:
+            out[_clean(key)] = value.detach().cpu() if to_cpu else value.detach()
+    return out

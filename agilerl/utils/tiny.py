@@ -1,0 +1,118 @@
+"""Tiny random causal LMs and a character tokenizer, built locally (no downloads).
+
+Used by tests, the CPU demo, the probe and benchmarks. Architectures are real
+Hugging Face classes with small dimensions, so sharding, LoRA and generation
+exercise the same code paths as full-size models.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY_ARCHITECTURES", "tiny_config", "tiny_model", "char_tokenizer", "save_tiny_model"]
+
+#: Architecture name -> transformers config class name.
+TINY_ARCHITECTURES = {
+    "qwen2": "Qwen2Config",
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
+    "qwen3": "Qwen3Config",
+}
+
+
+def tiny_config(
+    arch: str = "qwen2",
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool | None = None,
+    **overrides: Any,
+):
+    """A small config of a real architecture (random weights once built)."""
+    import transformers
+
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY_ARCHITECTURES)}")
+    cls = getattr(transformers, TINY_ARCHITECTURES[arch])
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if tie_word_embeddings is not None:
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+    if arch in ("gemma2", "gemma3"):
+        kwargs["sliding_window"] = max_position_embeddings
+    kwargs.update(overrides)
+    config = cls(**kwargs)
+    # Eager attention keeps CPU numerics identical across processes and versions.
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny_model(arch: str = "qwen2", *, seed: int = 0, dtype=None, **config_kwargs: Any):
+    """A randomly initialised tiny causal LM (deterministic for a given seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+#: Characters of the tiny tokenizer's vocabulary after the special tokens.
+CHARS = string.digits + "+-*=?:. " + string.ascii_lowercase
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer: ``<pad>``=0, ``<s>``=1, ``</s>``=2, ``<unk>``=3, then CHARS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    return fast
+
+
+def save_tiny_model(path: str | Path, arch: str = "qwen2", *, seed: int = 0, **config_kwargs: Any) -> Path:
+    """Write a tiny model and the char tokenizer to ``path`` (a from_pretrained directory)."""
+    path = Path(path)
+    tokenizer = char_tokenizer()
+    config_kwargs.setdefault("vocab_size", len(tokenizer))
+    model = tiny_model(arch, seed=seed, **config_kwargs)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
