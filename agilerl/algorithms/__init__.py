@@ -1,0 +1,5 @@
+"""LLM reinforcement-learning algorithms."""
+
+from .grpo import GRPO
+
+__all__ = ["GRPO"]

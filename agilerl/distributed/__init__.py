@@ -53,6 +53,8 @@ _LAZY = {
     "set_full_model_state_dict": "_state",
     "full_model_state_dict": "_state",
     "reinit_non_persistent_buffers": "_state",
+    "full_optimizer_state_dict": "_state",
+    "load_full_optimizer_state_dict": "_state",
     # optimizers and clipping
     "build_optimizer": "_optim",
     "CPUOffloadAdamW": "_optim",
@@ -90,6 +92,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import *  # noqa: F401,F403
     from ._state import (  # noqa: F401
         full_model_state_dict,
+        full_optimizer_state_dict,
+        load_full_optimizer_state_dict,
         materialize_fsdp2_from_cpu_state,
         reinit_non_persistent_buffers,
         set_full_model_state_dict,

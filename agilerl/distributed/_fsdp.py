@@ -46,6 +46,7 @@ __all__ = [
     "FSDPLayout",
     "fsdp_layout",
     "set_gradient_sync",
+    "rebind_replicated_params",
 ]
 
 _CKPT_PREFIX = "_checkpoint_wrapped_module."
@@ -155,6 +156,7 @@ class FSDPLayout:
     unit_names: list[str] = field(default_factory=list)
     root: FSDPModule | None = None
     replicated_params: list[nn.Parameter] = field(default_factory=list)
+    replicated_names: list[str] = field(default_factory=list)
     checkpointed_blocks: list[int] = field(default_factory=list)
     mesh: DeviceMesh | None = None
     num_replicated_grad_syncs: int = 0  # explicit all-reduces of replicated grads so far
@@ -186,7 +188,25 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled, recurse=True)
 
 
+def rebind_replicated_params(model: nn.Module) -> None:
+    """Re-resolve the replicated parameters by name and re-install their hooks.
+
+    ``to_empty`` (materialising a meta model) replaces parameters FSDP does not
+    manage with new objects; hooks registered on the old ones would be lost
+    and replicated gradients would silently stop being averaged.
+    """
+    layout = fsdp_layout(model)
+    if layout is None or not layout.replicated_names:
+        return
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    layout.replicated_params = [by_name[n] for n in layout.replicated_names]
+    _install_replicated_grad_sync(layout)
+
+
 def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
+    for handle in getattr(layout, "_grad_sync_handles", []):
+        handle.remove()
+    layout._grad_sync_handles = []
     trainable = [p for p in layout.replicated_params if p.requires_grad]
     if not trainable or dist.get_world_size() == 1:
         return
@@ -204,7 +224,7 @@ def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
             torch.autograd.Variable._execution_engine.queue_callback(_average)
 
     for p in trainable:
-        p.register_post_accumulate_grad_hook(_hook)
+        layout._grad_sync_handles.append(p.register_post_accumulate_grad_hook(_hook))
 
 
 def _install_param_cast(module: nn.Module, names: list[str], dtype: torch.dtype) -> None:
@@ -293,10 +313,11 @@ def apply_fsdp2(
 
     seen: set[int] = set()
     replicated: list[nn.Parameter] = []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) not in seen and p.numel() < config.param_persistence_threshold:
             seen.add(id(p))
             replicated.append(p)
+            layout.replicated_names.append(name)
     ignored = set(replicated)
     layout.replicated_params = replicated
     kwargs = dict(

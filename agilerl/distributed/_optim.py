@@ -99,6 +99,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 _local(p).copy_(master, non_blocking=True)
         return loss
 
+    @torch.no_grad()
+    def refresh_from_params(self) -> None:
+        """Re-copy the host masters from the device parameters (after loading weights)."""
+        for p, master in self._pairs:
+            master.copy_(_local(p))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
 

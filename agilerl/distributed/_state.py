@@ -17,6 +17,8 @@ __all__ = [
     "materialize_fsdp2_from_cpu_state",
     "full_model_state_dict",
     "reinit_non_persistent_buffers",
+    "full_optimizer_state_dict",
+    "load_full_optimizer_state_dict",
 ]
 
 _CKPT_PREFIX = "_checkpoint_wrapped_module."
@@ -163,7 +165,10 @@ def materialize_fsdp2_from_cpu_state(
     Allocates only local shards on ``device`` (``to_empty``), recomputes the
     non-persistent buffers, then copies each rank's slice of every tensor.
     """
+    from ._fsdp import rebind_replicated_params
+
     model.to_empty(device=device)
+    rebind_replicated_params(model)
     reinit_non_persistent_buffers(model)
     set_full_model_state_dict(model, cpu_state_dict, strict=strict)
     return model
@@ -183,3 +188,73 @@ def full_model_state_dict(model: nn.Module, *, to_cpu: bool = True, keep: bool =
         if keep:
             out[_clean(key)] = value.detach().cpu() if to_cpu else value.detach()
     return out
+
+
+def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """(fqn, param, state dict) for every optimized parameter.
+
+    For ``CPUOffloadAdamW`` the state belongs to the host copy of the local
+    shard: plain CPU tensors, even where the parameter is a DTensor.
+    """
+    from ._optim import CPUOffloadAdamW
+
+    names = {id(p): _clean(n) for n, p in model.named_parameters()}
+    if isinstance(optimizer, CPUOffloadAdamW):
+        for p, master in optimizer._pairs:
+            yield names[id(p)], p, optimizer.inner.state.setdefault(master, {})
+    else:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                yield names[id(p)], p, optimizer.state.setdefault(p, {})
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, keep: bool = True) -> dict:
+    """Optimizer state keyed by parameter name with full (gathered) tensors on CPU.
+
+    The same layout whether the optimizer ran on one device, on DTensor shards
+    (fused AdamW under FSDP2) or on host copies of local shards
+    (``CPUOffloadAdamW``). Collective under FSDP2: every rank calls it.
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, p, state in _param_states(model, optimizer):
+        entry = {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                entry[key] = value
+                continue
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            elif isinstance(p, DTensor) and value.dim() > 0:  # a host copy of this rank's shard
+                local = value.to(p.to_local().device)
+                value = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                value = value.full_tensor()
+            entry[key] = value.detach().cpu()
+        if keep and entry:
+            out[fqn] = entry
+    return out
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Inverse of :func:`full_optimizer_state_dict`: each rank keeps its slices."""
+    from ._optim import CPUOffloadAdamW
+
+    host = isinstance(optimizer, CPUOffloadAdamW)
+    steps_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")) and not host
+    for fqn, p, target in _param_states(model, optimizer):
+        if fqn not in state:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        for key, value in state[fqn].items():
+            if not isinstance(value, torch.Tensor):
+                target[key] = value
+            elif value.dim() == 0:  # the step counter, where this optimizer keeps it
+                target[key] = value.to(device=local.device if steps_on_device else "cpu", dtype=torch.float32)
+            elif isinstance(p, DTensor):
+                shard = distribute_tensor(value.to(local.device), p.device_mesh, p.placements, src_data_rank=None)
+                target[key] = shard.to_local().cpu() if host else shard
+            else:
+                target[key] = value.to("cpu" if host else local.device)
+    if host:
+        optimizer.refresh_from_params()

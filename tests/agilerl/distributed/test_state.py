@@ -84,6 +84,36 @@ for _arch in ("qwen2", "llama", "gemma3"):
 
 
 @cases.case
+def meta_materialised_model_with_replicated_params_trains_like_unsharded(ctx):
+    # to_empty replaces the replicated (non-FSDP) parameters with new objects;
+    # their gradient averaging must survive it.
+    from transformers import AutoModelForCausalLM
+
+    from agilerl.distributed import build_optimizer, fsdp_layout
+    from tests.agilerl.distributed._parity import ATOL, batches, reference_run
+
+    reference = tiny_model("llama", seed=5)
+    data = batches(reference.config.vocab_size)
+    ref_losses, ref_state = reference_run(reference, data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager")
+    apply_fsdp2(model, CONFIG)
+    materialize_fsdp2_from_cpu_state(model, reference.state_dict(), "cpu")
+    replicated = fsdp_layout(model).replicated_params
+    live = {id(p) for p in model.parameters()}
+    assert replicated and all(id(p) in live for p in replicated)
+    opt = build_optimizer(model.parameters(), fsdp_config=CONFIG, lr=1e-3)
+    for ids in data:
+        rows = ids[ctx.rank * 2:(ctx.rank + 1) * 2]
+        model(input_ids=rows, labels=rows).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = full_model_state_dict(model)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, atol=ATOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@cases.case
 def set_full_state_dict_errors_are_clear(ctx):
     model = tiny_model("qwen2")
     apply_fsdp2(model, CONFIG)

@@ -1,0 +1,224 @@
+"""Build the actor: base causal LM + LoRA adapters, sharded or not.
+
+Under FSDP2 with a model on disk, every rank builds the model on the meta
+device, adds the adapters, shards, and then fills only its own slices from a
+lazily read checkpoint: host memory per rank stays near one tensor, and device
+memory never holds a full replica. Without FSDP (one device, or data parallel)
+each rank loads the whole model, as data parallelism requires.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import torch
+from torch import nn
+
+from agilerl.distributed import (
+    FSDPConfig,
+    apply_activation_checkpointing,
+    apply_fsdp2,
+    barrier,
+    is_main_process,
+    materialize_fsdp2_from_cpu_state,
+)
+
+from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
+
+__all__ = ["default_lora_config", "resolve_model_source", "build_actor", "load_tokenizer", "TINY_PREFIX"]
+
+TINY_PREFIX = "tiny:"
+
+
+def default_lora_config():
+    """r=16, alpha=32 on every linear layer (the lm_head excluded), dropout 0.05."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.05, task_type="CAUSAL_LM")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("AGILERL_CACHE", Path.home() / ".cache" / "agilerl"))
+
+
+def parse_tiny(name: str) -> tuple[str, dict[str, Any]]:
+    """``tiny:qwen2?hidden_size=64&num_layers=2`` -> ("qwen2", {...})."""
+    body = name[len(TINY_PREFIX):]
+    arch, _, query = body.partition("?")
+    kwargs: dict[str, Any] = {}
+    for key, value in parse_qsl(query):
+        kwargs[key] = _number(value)
+    return arch, kwargs
+
+
+def _number(value: str) -> int | float | bool | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def resolve_model_source(model_name: str) -> str:
+    """A local directory, a hub id (loaded by transformers), or a built-in tiny model.
+
+    ``tiny:<arch>[?config overrides]`` builds a tiny random model with the
+    character tokenizer, writes it once to the cache directory (rank 0, the
+    others wait) and returns that directory. Nothing is downloaded.
+    """
+    if not model_name.startswith(TINY_PREFIX):
+        return model_name
+    from agilerl.utils.tiny import save_tiny_model
+
+    arch, kwargs = parse_tiny(model_name)
+    seed = int(kwargs.pop("seed", 0))
+    digest = hashlib.sha1(f"{arch}|{sorted(kwargs.items())}|{seed}".encode()).hexdigest()[:12]
+    target = _cache_dir() / "tiny" / f"{arch}-{digest}"
+    if is_main_process() and not (target / "config.json").exists():
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        save_tiny_model(tmp, arch, seed=seed, **kwargs)
+        tmp.rename(target) if not target.exists() else None
+    barrier()
+    return str(target)
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _add_adapters(model: nn.Module, lora_config, use_reference: bool) -> nn.Module:
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora_config, adapter_name=ACTOR)
+    if use_reference:
+        peft_model.add_adapter(REFERENCE, lora_config)
+    return peft_model
+
+
+def _reinit_adapters(peft_model: nn.Module, use_reference: bool, seed: int) -> None:
+    """Initialise every adapter with PEFT's own init from one seed, in a fixed order.
+
+    Construction draws differently on the meta device and on a real one, so
+    every loading path re-initialises here: the actor adapters, layer by layer,
+    then a reference adapter equal to the actor (the initial policy).
+    """
+    torch.manual_seed(seed)
+    layers = tuner_layers(peft_model)
+    for layer in layers:
+        layer.reset_lora_parameters(ACTOR, True)
+    if use_reference:
+        copy_adapter_(peft_model, ACTOR, REFERENCE)
+
+
+def _init_adapters_on_cpu(peft_model: nn.Module, use_reference: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Initialise meta LoRA weights on CPU; return them by key and put them back on meta."""
+    layers = tuner_layers(peft_model)
+    for layer in layers:
+        for attr in layer.adapter_layer_names:  # ModuleDicts / ParameterDicts of every adapter
+            getattr(layer, attr).to_empty(device="cpu")
+    _reinit_adapters(peft_model, use_reference, seed)
+    state = {
+        name.replace("_checkpoint_wrapped_module.", ""): p.detach().clone()
+        for name, p in peft_model.named_parameters()
+        if ".lora_" in name
+    }
+    for layer in layers:
+        for attr in layer.adapter_layer_names:
+            getattr(layer, attr).to(device="meta")
+    return state
+
+
+def build_actor(
+    *,
+    source: str | None,
+    actor_network: nn.Module | None,
+    lora_config,
+    use_reference_adapter: bool,
+    fsdp_config: FSDPConfig | None,
+    gradient_checkpointing: bool,
+    device: str,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    load_in_4bit: bool,
+    seed: int,
+) -> tuple[nn.Module, list[nn.Parameter]]:
+    """The PEFT-wrapped actor (sharded when ``fsdp_config``) and its trainable parameters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    lora_config = lora_config if lora_config is not None else default_lora_config()
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+
+    if fsdp_config is not None and actor_network is None:
+        config = AutoConfig.from_pretrained(source)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
+            peft_model = _add_adapters(model, lora_config, use_reference_adapter)
+        lora_state = _init_adapters_on_cpu(peft_model, use_reference_adapter, seed)
+        mark_trainable(peft_model)
+        apply_fsdp2(peft_model, fsdp_config, gradient_checkpointing=gradient_checkpointing)
+        from agilerl.utils.checkpoint_io import ChainedState, LazyCheckpoint, PeftKeyView
+
+        keys = [k.replace("_checkpoint_wrapped_module.", "") for k in peft_model.state_dict()]
+        base = PeftKeyView(LazyCheckpoint(_local_dir(source)), keys)
+        materialize_fsdp2_from_cpu_state(peft_model, ChainedState(base, lora_state), device)
+        return peft_model, _trainable(peft_model)
+
+    if actor_network is not None:
+        model = actor_network
+    else:
+        kwargs: dict[str, Any] = {"dtype": dtype, **attn}
+        if load_in_4bit:
+            kwargs["quantization_config"] = _bnb_config(dtype)
+            kwargs["device_map"] = {"": device}
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    peft_model = _add_adapters(model, lora_config, use_reference_adapter)
+    with torch.no_grad():
+        _reinit_adapters(peft_model, use_reference_adapter, seed)
+    mark_trainable(peft_model)
+    if fsdp_config is not None:
+        apply_fsdp2(peft_model, fsdp_config, gradient_checkpointing=gradient_checkpointing)
+    else:
+        if gradient_checkpointing:
+            apply_activation_checkpointing(peft_model, FSDPConfig())
+        if not load_in_4bit:
+            peft_model.to(device)
+    # After sharding: fully_shard replaces parameters with DTensor parameters.
+    return peft_model, _trainable(peft_model)
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _local_dir(source: str) -> str:
+    if Path(source).is_dir():
+        return source
+    from huggingface_hub import snapshot_download
+
+    # Resolves from the local cache; downloads only where the user allows it.
+    return snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.bin"])
+
+
+def _bnb_config(dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "load_in_4bit (QLoRA) needs bitsandbytes: `pip install 'agilerl-fsdp-planner[qlora]'`"
+        ) from err
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True
+    )

@@ -1,0 +1,539 @@
+"""GRPO: group relative policy optimisation with LoRA, on one device, data parallel or FSDP2.
+
+One step, and where its memory goes (the phase names the planner uses):
+
+1. ``get_action(prompts)`` (phase ``rollout``): every rank receives the same
+   prompts; each is repeated ``group_size`` times and rank r generates the
+   r-th contiguous slice of the ``batch_size * group_size`` completions, with
+   Hugging Face generate (KV cache; ``synced_gpus`` under FSDP2 so ranks that
+   finish early keep joining the collectives) or a colocated vLLM engine.
+2. ``learn((ids, action_masks, rewards))``: rewards are gathered so each group's
+   advantage ``(r - mean) / (std + eps)`` is computed over the whole group, then
+   phase ``reference`` computes reference log-probs (adapters disabled, or the
+   frozen ``reference`` adapter) and, for ``update_epochs > 1``, the old policy's
+   log-probs, without gradients, one micro-batch at a time.
+3. For each epoch, phase ``learn`` runs forward + backward per micro-batch of
+   ``micro_batch_size_per_gpu`` sequences (gradients accumulate; under FSDP2
+   with ``defer_grad_sync`` only the last micro-batch reduce-scatters), and
+   phase ``step`` clips the global gradient norm and steps the optimizer. All
+   ranks step together; data-parallel ranks average gradients first.
+
+Log-probs come from the final hidden states through the lm_head in chunks of
+``logprob_chunk_size`` token rows, each recomputed in backward, so the logits
+workspace scales with the chunk, not with batch x length x vocabulary.
+
+Defaults follow public GRPO practice: 8 completions per prompt, KL weight
+0.04 against the reference (k3 estimator), clip 0.2, one update epoch,
+gradient-norm clip 1.0, sampling at temperature 1.0 (no top-k / top-p), LoRA
+r=16, alpha=32 on all linear layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from agilerl.distributed import (
+    aggregate_metrics_dict,
+    clip_grad_norm_,
+    gather_tensor,
+    materialize_dtensors,
+    set_gradient_sync,
+    sync_grads,
+)
+from agilerl.utils.algo_utils import VLLMConfig
+from agilerl.utils.logprobs import (
+    causal_lm,
+    chunked_token_logprobs,
+    final_norm,
+    output_head,
+    position_ids_from_mask,
+)
+
+from .core.adapters import ACTOR, REFERENCE, use_adapter
+from .core.base import LLMAlgorithm
+
+__all__ = ["GRPO", "grpo_loss", "group_advantages"]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """``(r - mean) / (std + eps)`` within each group of ``group_size`` consecutive rewards.
+
+    ``std`` is the sample standard deviation, as in public GRPO implementations.
+    """
+    grouped = rewards.float().view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_coef: float,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO objective on token log-probs ``[n, T]`` with a completion ``mask``.
+
+    Per token: ``-min(ratio * A, clip(ratio, 1 - c, 1 + c) * A) + beta * k3`` with
+    ``ratio = exp(logp - old_logp)`` and the k3 KL estimator
+    ``exp(ref - logp) - (ref - logp) - 1``; the masked mean over each sequence's
+    completion tokens, then the mean over sequences.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype).unsqueeze(1)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv
+    per_token = -torch.min(unclipped, clipped)
+    kl = torch.zeros_like(logp)
+    if beta != 0.0 and ref_logp is not None:
+        diff = ref_logp - logp
+        kl = torch.exp(diff) - diff - 1.0
+        per_token = per_token + beta * kl
+    tokens = mask.sum(dim=1).clamp(min=1.0)
+    loss = ((per_token * mask).sum(dim=1) / tokens).mean()
+    with torch.no_grad():
+        is_clipped = ((ratio < 1.0 - clip_coef) & (adv < 0)) | ((ratio > 1.0 + clip_coef) & (adv > 0))
+        total = mask.sum().clamp(min=1.0)
+        stats = {
+            "kl": (kl * mask).sum() / total,
+            "clip_fraction": (is_clipped.to(mask.dtype) * mask).sum() / total,
+        }
+    return loss, stats
+
+
+class GRPO(LLMAlgorithm):
+    """Group Relative Policy Optimisation of a LoRA actor.
+
+    ``batch_size`` is the number of prompts per step across all ranks; each
+    yields ``group_size`` completions. ``batch_size * group_size`` must divide
+    into (data-parallel ranks x ``micro_batch_size_per_gpu``) equal parts.
+    ``micro_batch_size_per_gpu=None`` puts a rank's whole share in one
+    micro-batch. ``fsdp_config``: None trains unsharded (data parallel under
+    torchrun), an ``FSDPConfig`` (or a dict of its fields, or True) shards with
+    FSDP2, ``"auto"`` asks the planner.
+    """
+
+    algo_name = "GRPO"
+
+    def __init__(
+        self,
+        model_name: str | None = None,
+        *,
+        actor_network: nn.Module | None = None,
+        pad_token_id: int | None = None,
+        pad_token: str | None = None,
+        lora_config=None,
+        batch_size: int = 8,
+        group_size: int = 8,
+        beta: float = 0.04,
+        lr: float = 1e-5,
+        clip_coef: float = 0.2,
+        max_grad_norm: float = 1.0,
+        update_epochs: int = 1,
+        temperature: float = 1.0,
+        max_output_tokens: int = 256,
+        max_model_len: int | None = None,
+        micro_batch_size_per_gpu: int | None = None,
+        logprob_chunk_size: int | None = 1024,
+        gradient_checkpointing: bool = True,
+        use_separate_reference_adapter: bool = False,
+        load_in_4bit: bool = False,
+        vllm_config: VLLMConfig | None = None,
+        fsdp_config=None,
+        device: str | None = None,
+        dtype: str = "bfloat16",
+        attn_implementation: str | None = None,
+        seed: int = 42,
+        index: int = 0,
+        tokenizer=None,
+    ) -> None:
+        if group_size < 2:
+            raise ValueError(f"group_size must be at least 2 (advantages are relative within a group), got {group_size}")
+        for name, value in (("batch_size", batch_size), ("update_epochs", update_epochs),
+                            ("max_output_tokens", max_output_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if logprob_chunk_size is not None and logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
+        super().__init__(
+            model_name=model_name,
+            actor_network=actor_network,
+            pad_token_id=pad_token_id,
+            pad_token=pad_token,
+            lora_config=lora_config,
+            fsdp_config=fsdp_config,
+            vllm_config=vllm_config,
+            gradient_checkpointing=gradient_checkpointing,
+            use_separate_reference_adapter=use_separate_reference_adapter,
+            load_in_4bit=load_in_4bit,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            seed=seed,
+            index=index,
+            tokenizer=tokenizer,
+        )
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.beta = beta
+        self.lr = lr
+        self.clip_coef = clip_coef
+        self.max_grad_norm = max_grad_norm
+        self.update_epochs = update_epochs
+        self.temperature = temperature
+        self.max_output_tokens = max_output_tokens
+        self.max_model_len = max_model_len
+        self.logprob_chunk_size = logprob_chunk_size
+        self.generation_kwargs: dict[str, Any] = {}
+        self.engine = None
+        if self.fsdp_config == "auto":
+            self._resolve_auto_fsdp(micro_batch_size_per_gpu)
+        self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
+        self._build(actor_network)
+        self.eos_token_id = self._eos_token_id()
+        if vllm_config is not None:
+            from agilerl.utils.engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank, max_model_len=max_model_len
+            )
+
+    # -- construction helpers ---------------------------------------------------------
+    def _resolve_auto_fsdp(self, micro_batch_size_per_gpu: int | None) -> None:
+        raise NotImplementedError("fsdp_config='auto' needs the planner, which is not available yet")
+
+    def _check_batch_shape(self, micro: int | None) -> int:
+        total = self.batch_size * self.group_size
+        ranks = self.data_parallel_ranks
+        if total % ranks:
+            raise ValueError(
+                f"batch_size x group_size = {self.batch_size} x {self.group_size} = {total} completions do not "
+                f"split evenly over {ranks} data-parallel ranks"
+            )
+        local = total // ranks
+        if micro is None:
+            return local
+        if micro < 1 or local % micro:
+            choices = [m for m in range(1, local + 1) if local % m == 0]
+            raise ValueError(
+                f"batch_size x group_size = {total} completions over {ranks} data-parallel ranks gives {local} "
+                f"per rank, which micro_batch_size_per_gpu={micro} does not divide; choose one of {choices}"
+            )
+        return micro
+
+    def _eos_token_id(self) -> int | list[int] | None:
+        lm = causal_lm(self.model)
+        gen = getattr(lm, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(lm.config, "eos_token_id", None)
+        return eos
+
+    # -- rollout -------------------------------------------------------------------------
+    def _encode(self, prompts: Sequence[str] | dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(prompts, dict):
+            return prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
+        if self.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: pass tokenizer=... or tokenized prompts")
+        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
+                             add_special_tokens=False)
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    def local_slice(self, num_prompts: int) -> slice:
+        """This rank's slice of the ``num_prompts * group_size`` completions."""
+        total = num_prompts * self.group_size
+        if total % self.data_parallel_ranks:
+            raise ValueError(
+                f"{num_prompts} prompts x group_size {self.group_size} do not split over "
+                f"{self.data_parallel_ranks} data-parallel ranks"
+            )
+        per_rank = total // self.data_parallel_ranks
+        start = self.data_parallel_rank * per_rank
+        return slice(start, start + per_rank)
+
+    def _eos_set(self) -> set[int]:
+        eos = self.eos_token_id
+        return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+
+    @torch.no_grad()
+    def get_action(
+        self, prompts: Sequence[str] | dict[str, torch.Tensor], training: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generate ``group_size`` completions per prompt; return this rank's share.
+
+        Returns ``(ids, action_masks)``, both ``[n_local, prompt_len + completion_len]``:
+        ``ids`` holds the left-padded prompt followed by the completion (padded
+        after its end-of-sequence token), and ``action_masks`` is 1 exactly on
+        completion tokens (the end-of-sequence token included).
+        """
+        input_ids, attention_mask = self._encode(prompts)
+        num_prompts = input_ids.shape[0]
+        index = torch.arange(num_prompts, device=input_ids.device).repeat_interleave(self.group_size)
+        index = index[self.local_slice(num_prompts)]
+        ids, mask = input_ids[index], attention_mask[index]
+        with self._phase("rollout"):
+            if self.engine is not None:
+                completions, lengths = self._generate_with_engine(ids, mask)
+            else:
+                completions = self._generate_hf(ids, mask)
+                lengths = None
+        completion_mask = self._completion_mask(completions, lengths)
+        completions = completions.masked_fill(completion_mask == 0, self.pad_token_id)
+        full = torch.cat([ids, completions], dim=1)
+        action_masks = torch.cat([torch.zeros_like(ids), completion_mask], dim=1)
+        return full, action_masks
+
+    def _completion_mask(self, completions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """1 up to and including each row's first end-of-sequence token, else the whole row
+        (or its first ``lengths`` tokens, for engines that return ragged completions)."""
+        eos = torch.tensor(sorted(self._eos_set()), device=completions.device, dtype=completions.dtype)
+        is_eos = torch.isin(completions, eos)
+        width = completions.shape[1]
+        first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1), torch.full_like(is_eos[:, 0], width, dtype=torch.long))
+        length = torch.clamp(first + 1, max=width)
+        if lengths is not None:
+            length = torch.minimum(length, lengths.to(length.device))
+        positions = torch.arange(width, device=completions.device).unsqueeze(0)
+        return (positions < length.unsqueeze(1)).to(completions.dtype)
+
+    def _generate_hf(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            kwargs = dict(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=self.max_output_tokens,
+                do_sample=True,
+                temperature=self.temperature,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                use_cache=True,
+                synced_gpus=self.sharded and self.world_size > 1,
+            )
+            kwargs.update(self.generation_kwargs)
+            with use_adapter(self.model, ACTOR):
+                out = self.model.generate(**kwargs)
+        finally:
+            self.model.train(was_training)
+        completions = out[:, ids.shape[1]:]
+        if completions.shape[1] == 0:
+            completions = torch.full((ids.shape[0], 1), self.pad_token_id, device=ids.device, dtype=ids.dtype)
+        return completions
+
+    def _generate_with_engine(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        self.engine.wake_up()
+        self.sync_engine_weights()
+        outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens, temperature=self.temperature,
+                                       seed=self.seed + self.steps)
+        self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)
+        width = max(1, max(len(o) for o in outputs))
+        out = torch.full((len(outputs), width), self.pad_token_id, dtype=ids.dtype)
+        for i, o in enumerate(outputs):
+            out[i, : len(o)] = torch.tensor(o, dtype=ids.dtype)
+        lengths = torch.tensor([len(o) for o in outputs])
+        return out.to(ids.device), lengths
+
+    @torch.no_grad()
+    def sync_engine_weights(self) -> None:
+        """Send the actor's merged weights (base + scaled LoRA) to the rollout engine (phase ``sync``)."""
+        from agilerl.distributed import gather_params
+
+        with self._phase("sync"):
+            lm = causal_lm(self.model)
+            params = list(self.model.parameters())
+            with gather_params(self.model, params):
+                merged = _merged_weights(self.model, lm)
+                self.engine.load_weights(merged)
+
+    # -- learning ------------------------------------------------------------------------
+    def _attention_mask(self, ids: torch.Tensor, action_masks: torch.Tensor) -> torch.Tensor:
+        prompt_region = action_masks.cumsum(dim=1) == 0
+        return (action_masks.bool() | (prompt_region & (ids != self.pad_token_id))).long()
+
+    def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]) for every position, ``[n, T - 1]`` fp32 (chunked)."""
+        captured: dict[str, torch.Tensor] = {}
+        handle = final_norm(self.model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
+        try:
+            # logits_to_keep=1: the model's own head runs on one position only; the
+            # log-probs below come from the captured final hidden states, chunked.
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False,
+                logits_to_keep=1,
+            )
+        finally:
+            handle.remove()
+        logp = self._head_logprobs(captured["h"][:, :-1], ids[:, 1:])
+        if torch.is_grad_enabled():
+            # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward
+            # (the lm_head) has no output in the graph; a zero-weighted term keeps
+            # its one-position logits in the graph at no cost to the gradient.
+            logp = logp + 0.0 * out.logits.sum()
+        return logp
+
+    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        head = output_head(self.model)
+        softcap = getattr(causal_lm(self.model).config, "final_logit_softcapping", None)
+        weight = getattr(head, "weight", None)
+        if isinstance(head, nn.Linear) and weight is not None:
+            with materialize_dtensors(weight, head.bias) as (w, b):
+                w = w.to(hidden.dtype)
+                b = b.to(hidden.dtype) if b is not None else None
+                return chunked_token_logprobs(
+                    hidden, targets, lambda h: nn.functional.linear(h, w, b),
+                    chunk_size=self.logprob_chunk_size, temperature=self.temperature, softcap=softcap,
+                )
+        return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
+                                      temperature=self.temperature, softcap=softcap)
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        m = self.micro_batch_size_per_gpu
+        if n % m:
+            raise ValueError(f"{n} sequences on this rank do not split into micro-batches of {m}")
+        return [slice(i, i + m) for i in range(0, n, m)]
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, ids, attention, adapter: str | None) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with use_adapter(self.model, adapter):
+                return torch.cat([self.token_logprobs(ids[s], attention[s]) for s in self._micro_batches(ids.shape[0])])
+        finally:
+            self.model.train(was_training)
+
+    def learn(self, experiences: Sequence[torch.Tensor]) -> dict[str, float]:
+        """One GRPO update on ``(ids, action_masks, rewards)`` from :meth:`get_action`.
+
+        ``rewards`` holds this rank's completions' rewards, in order. Returns
+        metrics reduced across ranks: ``loss``, ``kl``, ``clip_fraction``,
+        ``grad_norm``, ``mean_reward``, ``reward_std`` and ``completion_length``.
+        """
+        ids, action_masks, rewards = experiences[0], experiences[1], experiences[2]
+        ids = ids.to(self.device)
+        action_masks = action_masks.to(self.device)
+        rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
+        n = ids.shape[0]
+        if rewards.numel() != n:
+            raise ValueError(f"got {rewards.numel()} rewards for {n} completions")
+        attention = self._attention_mask(ids, action_masks)
+        loss_mask = action_masks[:, 1:]
+
+        all_rewards = gather_tensor(rewards.cpu())
+        if all_rewards.numel() % self.group_size:
+            raise ValueError(f"{all_rewards.numel()} completions in total are not whole groups of {self.group_size}")
+        advantages = group_advantages(all_rewards, self.group_size)
+        start = self.data_parallel_rank * n
+        advantages = advantages[start : start + n].to(self.device)
+
+        with self._phase("reference"):
+            ref_logp = None
+            if self.beta != 0.0:
+                ref_adapter = REFERENCE if self.use_separate_reference_adapter else None
+                ref_logp = self._no_grad_logprobs(ids, attention, ref_adapter)
+            old_logp = self._no_grad_logprobs(ids, attention, ACTOR) if self.update_epochs > 1 else None
+
+        self.model.train()
+        batches = self._micro_batches(n)
+        defer = self.sharded and self.fsdp_config.defer_grad_sync
+        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        norms = []
+        for _ in range(self.update_epochs):
+            for i, s in enumerate(batches):
+                with self._phase("learn"):
+                    if self.sharded:
+                        set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
+                    with use_adapter(self.model, ACTOR):
+                        logp = self.token_logprobs(ids[s], attention[s])
+                    old = old_logp[s] if old_logp is not None else logp.detach()
+                    ref = ref_logp[s] if ref_logp is not None else None
+                    loss, stats = grpo_loss(logp, old, ref, advantages[s], loss_mask[s],
+                                            clip_coef=self.clip_coef, beta=self.beta)
+                    (loss / len(batches)).backward()
+                sums["loss"] += loss.item() / len(batches)
+                sums["kl"] += stats["kl"].item() / len(batches)
+                sums["clip_fraction"] += stats["clip_fraction"].item() / len(batches)
+            with self._phase("step"):
+                norms.append(float(self._optimizer_step()))
+        self.steps += 1
+        mean_reward = float(rewards.mean())
+        self.scores.append(mean_reward)
+        metrics = {
+            "loss": sums["loss"] / self.update_epochs,
+            "kl": sums["kl"] / self.update_epochs,
+            "clip_fraction": sums["clip_fraction"] / self.update_epochs,
+            "grad_norm": sum(norms) / len(norms),
+            "mean_reward": mean_reward,
+            "reward_std": float(all_rewards.std()),
+            "completion_length": float(action_masks.sum(dim=1).float().mean()),
+        }
+        return aggregate_metrics_dict(metrics, maximized=("grad_norm",))
+
+    def _optimizer_step(self) -> torch.Tensor:
+        if not self.sharded and self.distributed and self.world_size > 1:
+            sync_grads(self.trainable_params)
+        norm = clip_grad_norm_(self.trainable_params, self.max_grad_norm)
+        if math.isfinite(float(norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- populations -------------------------------------------------------------------------
+    @classmethod
+    def population(cls, size: int, **kwargs: Any) -> list[GRPO]:
+        """``size`` independent agents (index 0..size-1, seeds offset by index)."""
+        if size < 1:
+            raise ValueError(f"population size must be >= 1, got {size}")
+        seed = kwargs.pop("seed", 42)
+        return [cls(index=i, seed=seed + i, **kwargs) for i in range(size)]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        state = super().checkpoint_state()
+        state["hyperparameters"] = {
+            k: getattr(self, k)
+            for k in ("batch_size", "group_size", "beta", "lr", "clip_coef", "max_grad_norm", "update_epochs",
+                      "temperature", "max_output_tokens", "micro_batch_size_per_gpu", "logprob_chunk_size")
+        }
+        return state
+
+
+def _merged_weights(model: nn.Module, lm: nn.Module):
+    """Base weights with each active LoRA delta merged, under Hugging Face names."""
+    from .core.adapters import tuner_layers
+
+    deltas = {}
+    for layer in tuner_layers(model):
+        if ACTOR in getattr(layer, "lora_A", {}):
+            deltas[id(layer.get_base_layer())] = layer.get_delta_weight(ACTOR)
+    for name, module in lm.named_modules():
+        base = getattr(module, "base_layer", None)
+        if base is not None:
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if ".lora_" in f".{name}.{pname}":
+                continue
+            full_name = f"{name}.{pname}" if name else pname
+            full_name = full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", "")
+            value = p
+            if pname == "weight" and id(module) in deltas:
+                value = p + deltas[id(module)].to(p.dtype)
+            yield full_name, value.detach()

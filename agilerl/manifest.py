@@ -1,0 +1,198 @@
+"""Training manifests: the YAML `python -m agilerl.train` (and `agilerl-plan --output`) read and write.
+
+Every field is described once here; errors name the field path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agilerl.distributed import FSDPConfig
+from agilerl.utils.algo_utils import VLLMConfig
+
+__all__ = ["Manifest", "AlgorithmSection", "TrainingSection", "EnvironmentSection", "LoraSection", "load_manifest",
+           "ManifestError"]
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or validated; the message names the fields."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AlgorithmSection(_Section):
+    name: Annotated[Literal["GRPO"], Field(description="LLM algorithm to train.")] = "GRPO"
+    model_name: Annotated[
+        str,
+        Field(description="Local model directory, hub id, or a built-in tiny model such as "
+                          "'tiny:qwen2?hidden_size=64&num_layers=2' (built locally, no download)."),
+    ]
+    fsdp: Annotated[
+        bool | Literal["auto"] | FSDPConfig,
+        Field(description="false: no sharding (data parallel under torchrun); true: FSDPConfig defaults; a mapping "
+                          "of FSDPConfig fields; 'auto': the planner chooses."),
+    ] = False
+    group_size: Annotated[int, Field(ge=2, description="Completions per prompt.")] = 8
+    beta: Annotated[float, Field(ge=0.0, description="KL penalty weight against the reference policy.")] = 0.04
+    lr: Annotated[float, Field(gt=0.0, description="AdamW learning rate of the LoRA actor.")] = 1e-5
+    clip_coef: Annotated[float, Field(gt=0.0, description="PPO-style ratio clip.")] = 0.2
+    max_grad_norm: Annotated[float, Field(gt=0.0, description="Global gradient-norm clip.")] = 1.0
+    update_epochs: Annotated[int, Field(ge=1, description="Optimizer passes over each batch.")] = 1
+    temperature: Annotated[float, Field(gt=0.0, description="Sampling temperature (log-probs use the same).")] = 1.0
+    max_output_tokens: Annotated[int, Field(ge=1, description="Most tokens generated per completion.")] = 256
+    max_model_len: Annotated[int | None, Field(ge=1, description="Longest prompt + completion.")] = None
+    micro_batch_size_per_gpu: Annotated[
+        int | None, Field(ge=1, description="Sequences per forward/backward on each GPU; None: a rank's whole share.")
+    ] = None
+    logprob_chunk_size: Annotated[
+        int | None, Field(ge=1, description="Token rows per log-prob chunk (bounds the logits workspace).")
+    ] = 1024
+    gradient_checkpointing: Annotated[bool, Field(description="Recompute block activations in backward.")] = True
+    use_separate_reference_adapter: Annotated[
+        bool, Field(description="Keep a frozen 'reference' LoRA adapter instead of disabling adapters.")
+    ] = False
+    load_in_4bit: Annotated[bool, Field(description="QLoRA: 4-bit NF4 base weights (not with fsdp).")] = False
+    dtype: Annotated[
+        Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
+    ] = "bfloat16"
+    vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_mapping(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            try:
+                return FSDPConfig.model_validate(value)
+            except ValidationError as err:
+                raise ValueError("; ".join(
+                    f"{'.'.join(str(p) for p in e['loc']) or 'fsdp'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in err.errors()
+                )) from None
+        return value
+
+    def fsdp_config(self) -> FSDPConfig | str | None:
+        if self.fsdp is False:
+            return None
+        if self.fsdp is True:
+            return FSDPConfig()
+        return self.fsdp
+
+
+class TrainingSection(_Section):
+    rollout_batch_size: Annotated[
+        int, Field(ge=1, description="Prompts per step across the agent's GPUs; a multiple of training_gpus_per_agent.")
+    ] = 8
+    training_gpus_per_agent: Annotated[
+        int, Field(ge=1, description="Data-parallel trainer ranks per population member (torchrun's world size).")
+    ] = 1
+    rollout_engines_per_agent: Annotated[
+        int, Field(ge=0, description="vLLM engines per member; colocated engines only: 0 or training_gpus_per_agent.")
+    ] = 0
+    max_steps: Annotated[int, Field(ge=1, description="Training steps per population member.")] = 100
+    population_size: Annotated[int, Field(ge=1, description="Independent agents trained side by side.")] = 1
+    seed: Annotated[int, Field(description="Seed of the environment and the agents.")] = 0
+    log_every: Annotated[int, Field(ge=1, description="Steps between metric lines.")] = 10
+    checkpoint_dir: Annotated[str | None, Field(description="Where to write attributes.pt at the end.")] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSection:
+        if self.rollout_batch_size % self.training_gpus_per_agent:
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of training_gpus_per_agent "
+                f"({self.training_gpus_per_agent})"
+            )
+        if self.rollout_engines_per_agent not in (0, self.training_gpus_per_agent):
+            raise ValueError(
+                f"rollout_engines_per_agent={self.rollout_engines_per_agent}: only colocated engines are supported "
+                f"(0, or one per trainer GPU: {self.training_gpus_per_agent})"
+            )
+        return self
+
+
+class EnvironmentSection(_Section):
+    name: Annotated[Literal["arithmetic"], Field(description="Built-in environment.")] = "arithmetic"
+    operators: Annotated[str, Field(min_length=1, description="Operators the arithmetic prompts use (+, -, *).")] = "+"
+
+    @field_validator("operators")
+    @classmethod
+    def _ops(cls, value: str) -> str:
+        bad = set(value) - set("+-*")
+        if bad:
+            raise ValueError(f"unsupported operators {sorted(bad)}; allowed: + - *")
+        return value
+
+
+class LoraSection(_Section):
+    r: Annotated[int, Field(ge=1, description="LoRA rank.")] = 16
+    alpha: Annotated[int, Field(ge=1, description="LoRA alpha (scale = alpha / r).")] = 32
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0, description="LoRA dropout.")] = 0.05
+    target_modules: Annotated[
+        str | list[str], Field(description="'all-linear' or module names to adapt.")
+    ] = "all-linear"
+
+    def to_peft(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=self.target_modules, task_type="CAUSAL_LM")
+
+
+class Manifest(_Section):
+    algorithm: AlgorithmSection
+    training: TrainingSection = TrainingSection()
+    environment: EnvironmentSection = EnvironmentSection()
+    lora: LoraSection = LoraSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> Manifest:
+        if self.training.rollout_engines_per_agent and self.algorithm.vllm is None:
+            raise ValueError("training.rollout_engines_per_agent > 0 needs algorithm.vllm settings")
+        total = self.training.rollout_batch_size * self.algorithm.group_size
+        micro = self.algorithm.micro_batch_size_per_gpu
+        per_rank = total // self.training.training_gpus_per_agent
+        if micro is not None and per_rank % micro:
+            raise ValueError(
+                f"rollout_batch_size x group_size = {total} completions over {self.training.training_gpus_per_agent} "
+                f"GPUs gives {per_rank} per GPU, which algorithm.micro_batch_size_per_gpu={micro} does not divide"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def load_manifest(source: str | Path | dict) -> Manifest:
+    """Read and validate a manifest (a path or a mapping); raise ManifestError naming the fields."""
+    name = "manifest"
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        name = str(path)
+        if not path.exists():
+            raise ManifestError(f"{path}: no such manifest")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ManifestError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{name}: a manifest is a mapping with algorithm, training, environment and lora sections")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as err:
+        raise ManifestError(f"{name} is not a valid manifest:\n{_format_errors(err)}") from None

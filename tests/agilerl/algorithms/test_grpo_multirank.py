@@ -1,0 +1,136 @@
+"""GRPO on 2 gloo ranks: data parallel and FSDP2 agree, generation, checkpoints, the trainer CLI.
+
+Tolerance for DP vs FSDP2: both run in float32 and differ only in reduction
+order (all-reduce of full gradients vs reduce-scatter of shards) and in where
+AdamW runs (fused on shards vs fused on full tensors, or the host for
+optim_cpu_offload), each ~1e-7 relative; after one step at lr 1e-2 weights
+agree to 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from agilerl.distributed import FSDPConfig, barrier, full_optimizer_state_dict
+from tests._dist import DistCases
+from tests.agilerl.algorithms._common import lora_state, make_agent, synthetic_experiences
+
+cases = DistCases(__name__, nproc=2)
+
+FP32_SHARDED = dict(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
+
+
+def _learn(agent, seed=0):
+    return agent.learn(synthetic_experiences(agent, seed=seed)[:3])
+
+
+@cases.case
+def data_parallel_and_fsdp_give_the_same_update(ctx):
+    common = dict(micro_batch_size_per_gpu=2, use_separate_reference_adapter=True, gradient_checkpointing=True)
+    dp = make_agent(**common)
+    assert not dp.sharded and dp.data_parallel_ranks == 2
+    variants = {
+        "fsdp": FSDPConfig(**FP32_SHARDED),
+        "fsdp_offload_no_defer": FSDPConfig(**FP32_SHARDED, optim_cpu_offload=True, defer_grad_sync=False),
+        "fsdp_mixed_replicated": FSDPConfig(param_dtype="float32", reduce_dtype="float32",
+                                            param_persistence_threshold=100, reshard_after_forward=False),
+    }
+    start = lora_state(dp)
+    dp_metrics = _learn(dp)
+    dp_after = lora_state(dp)
+    assert any(not torch.equal(dp_after[k], start[k]) for k in start)
+    for name, config in variants.items():
+        agent = make_agent(fsdp_config=config, **common)
+        assert any(isinstance(p, DTensor) for p in agent.model.parameters())
+        for k, v in lora_state(agent).items():  # same initial adapters through the meta-device path
+            assert torch.equal(v, start[k]), (name, k)
+        metrics = _learn(agent)
+        assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7), (name, metrics, dp_metrics)
+        assert math.isclose(metrics["kl"], dp_metrics["kl"], rel_tol=1e-4, abs_tol=1e-7), name
+        for k, v in lora_state(agent).items():
+            torch.testing.assert_close(v, dp_after[k], atol=1e-6, rtol=1e-5, msg=lambda m, n=name, k=k: f"{n} {k}: {m}")
+
+
+@cases.case
+def fsdp_meta_loading_matches_the_checkpoint(ctx):
+    dp = make_agent()
+    fsdp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED))
+    ids, masks, _, _ = synthetic_experiences(dp)
+    attention = dp._attention_mask(ids, masks)
+    with torch.no_grad():
+        torch.testing.assert_close(fsdp.token_logprobs(ids, attention), dp.token_logprobs(ids, attention),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@cases.case
+def generation_where_ranks_finish_at_different_lengths(ctx):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Force(LogitsProcessor):
+        def __init__(self, stop: bool):
+            self.stop = stop
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            if self.stop:  # rank 0 ends every completion at once
+                scores[:] = -float("inf")
+                scores[:, 2] = 0
+            else:  # rank 1 never ends
+                scores[:, 2] = -float("inf")
+            return scores
+
+    agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), max_output_tokens=6)
+    agent.generation_kwargs["logits_processor"] = LogitsProcessorList([Force(ctx.rank == 0)])
+    ids, masks = agent.get_action(["1+2=", "3+4="])
+    lengths = masks.sum(1).tolist()
+    assert lengths == ([1] * 4 if ctx.rank == 0 else [6] * 4), lengths
+    # And again, to show the collectives stayed aligned.
+    agent.get_action(["5+5=", "6+1="])
+
+
+@cases.case
+def fsdp_checkpoint_loads_into_data_parallel(ctx):
+    fsdp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED, optim_cpu_offload=True),
+                      use_separate_reference_adapter=True)
+    _learn(fsdp, seed=3)
+    path = fsdp.save_checkpoint(ctx.shared_dir / "grpo_ckpt")
+    saved = torch.load(path, weights_only=False)
+    assert all(not isinstance(v, DTensor) for w in saved["adapters"].values() for v in w.values())
+    dp = make_agent(seed=77, use_separate_reference_adapter=True)
+    dp.load_checkpoint(ctx.shared_dir / "grpo_ckpt")
+    for k, v in lora_state(fsdp).items():
+        assert torch.equal(lora_state(dp)[k], v), k
+    fsdp_optim = full_optimizer_state_dict(fsdp.model, fsdp.optimizer)
+    dp_optim = full_optimizer_state_dict(dp.model, dp.optimizer)
+    assert set(fsdp_optim) == set(dp_optim) and fsdp_optim
+    for k in fsdp_optim:
+        for field in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(dp_optim[k][field], fsdp_optim[k][field])
+    # Both continue identically from the same state.
+    a, b = _learn(fsdp, seed=4), _learn(dp, seed=4)
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    barrier()
+
+
+@cases.case
+def train_cli_short_runs_data_parallel_and_fsdp(ctx):
+    from agilerl.manifest import load_manifest
+    from agilerl.train import train
+    from tests.agilerl.algorithms._common import TINY
+
+    for fsdp in (False, {"param_dtype": "float32", "param_persistence_threshold": 0}):
+        manifest = load_manifest({
+            "algorithm": {"model_name": TINY, "fsdp": fsdp, "group_size": 4, "max_output_tokens": 2,
+                          "dtype": "float32", "lr": 0.01, "micro_batch_size_per_gpu": 2},
+            "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 2},
+            "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
+        })
+        history = train(manifest, device="cpu")
+        assert len(history) == 1 and len(history[0]) == 2
+        assert all(math.isfinite(m["loss"]) for m in history[0])
+
+
+test_dist = cases.pytest_test()

@@ -1,0 +1,391 @@
+"""GRPO on one device: the objective, log-probs, adapters, checkpoints and bad input."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from agilerl.algorithms.grpo import group_advantages, grpo_loss
+from agilerl.distributed import FSDPConfig
+from agilerl.utils.logprobs import chunked_token_logprobs
+from tests.agilerl.algorithms._common import (
+    TOKENIZER,
+    lora_state,
+    make_agent,
+    synthetic_experiences,
+)
+
+
+@pytest.fixture(autouse=True)
+def _single_device(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# -- bad input: every error comes before any model is loaded ---------------------------------
+MISSING = "/nonexistent/model/dir"
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(pad_token_id=None), ValueError, "pad_token_id and pad_token are required"),
+        (dict(pad_token=None), ValueError, "pad_token_id and pad_token are required"),
+        (dict(group_size=1), ValueError, "group_size must be at least 2"),
+        (dict(batch_size=3, group_size=2, micro_batch_size_per_gpu=4), ValueError, r"choose one of \[1, 2, 3, 6\]"),
+        (dict(fsdp_config=FSDPConfig()), RuntimeError, "torchrun"),
+        (dict(fsdp_config=True), RuntimeError, "torchrun"),
+        (dict(fsdp_config={"reshard_after_forward": False}), RuntimeError, "torchrun"),
+        (dict(fsdp_config=5), TypeError, "fsdp_config must be"),
+        (dict(load_in_4bit=True, fsdp_config=FSDPConfig()), RuntimeError, "torchrun"),
+    ],
+)
+def test_bad_input_fails_before_loading(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_agent(model_name=MISSING, **kwargs)
+
+
+def test_cpu_offload_without_vllm_and_qlora_with_fsdp_are_refused(monkeypatch):
+    # Pretend a process group exists so the checks after it are reached, still before loading.
+    import agilerl.algorithms.core.base as base
+
+    monkeypatch.setattr(base, "is_distributed", lambda: True)
+    with pytest.raises(ValueError, match="cpu_offload=True\\) needs a colocated vLLM engine"):
+        make_agent(model_name=MISSING, fsdp_config=FSDPConfig(cpu_offload=True))
+    with pytest.raises(NotImplementedError, match="QLoRA"):
+        make_agent(model_name=MISSING, fsdp_config=FSDPConfig(), load_in_4bit=True)
+
+
+def test_vllm_config_without_vllm_names_the_extra():
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        from agilerl.utils.algo_utils import VLLMConfig
+
+        with pytest.raises(ImportError, match=r"\[vllm\]"):
+            make_agent(model_name=MISSING, vllm_config=VLLMConfig())
+    else:  # pragma: no cover - vLLM machines
+        pytest.skip("vLLM is installed here")
+
+
+def test_qlora_without_bitsandbytes_is_a_clear_error():
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"bitsandbytes.*\[qlora\]"):
+            make_agent(load_in_4bit=True)
+    else:  # pragma: no cover
+        pytest.skip("bitsandbytes is installed here")
+
+
+# -- the objective ------------------------------------------------------------------------------
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
+    adv = group_advantages(rewards, 4)
+    first = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    expected = (first - first.mean()) / (first.std() + 1e-4)
+    torch.testing.assert_close(adv[:4], expected)
+    assert torch.equal(adv[4:], torch.zeros(4))  # identical rewards carry no signal
+
+
+def _loop_loss(logp, old, ref, adv, mask, clip, beta):
+    """The objective written out token by token in plain Python."""
+    seq_losses = []
+    for i in range(len(logp)):
+        total, count = 0.0, 0
+        for t in range(len(logp[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(logp[i][t] - old[i][t])
+            clipped = min(max(ratio, 1 - clip), 1 + clip)
+            term = -min(ratio * adv[i], clipped * adv[i])
+            d = ref[i][t] - logp[i][t]
+            term += beta * (math.exp(d) - d - 1)
+            total += term
+            count += 1
+        seq_losses.append(total / max(count, 1))
+    return sum(seq_losses) / len(seq_losses)
+
+
+def test_grpo_loss_matches_a_python_loop_where_clipping_matters():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(6, 5, generator=g) * 3
+    old = logp + (torch.rand(6, 5, generator=g) - 0.5) * 1.6  # ratios from ~0.45 to ~2.2
+    ref = logp + (torch.rand(6, 5, generator=g) - 0.5)
+    adv = torch.tensor([1.5, -0.7, 0.3, -1.2, 0.9, -0.1])
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    mask[:, 0] = True
+    ratio = torch.exp(logp - old)
+    assert ((ratio < 0.8) | (ratio > 1.2))[mask].float().mean() > 0.3, "the case must exercise clipping"
+    loss, stats = grpo_loss(logp, old, ref, adv, mask.long(), clip_coef=0.2, beta=0.05)
+    expected = _loop_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.05)
+    assert math.isclose(loss.item(), expected, rel_tol=1e-5)
+    assert 0 < stats["clip_fraction"].item() < 1
+    unclipped, _ = grpo_loss(logp, old, ref, adv, mask.long(), clip_coef=10.0, beta=0.05)
+    assert not math.isclose(unclipped.item(), expected, rel_tol=1e-3)
+
+
+def test_learn_loss_equals_an_independent_computation():
+    agent = make_agent(use_separate_reference_adapter=True, beta=0.1, temperature=0.7)
+    # Make the reference differ from the actor so the KL term is non-zero.
+    with torch.no_grad():
+        for name, p in agent.model.named_parameters():
+            if ".lora_B.reference." in name:
+                p.normal_(0, 0.5)
+            if ".lora_B.actor." in name:
+                p.normal_(0, 0.2)
+    ids, masks, rewards, _ = synthetic_experiences(agent)
+    twin = copy.deepcopy(agent.model)
+    metrics = agent.learn((ids, masks, rewards))
+
+    attention = agent._attention_mask(ids, masks)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+    def logprobs(adapter):
+        twin.set_adapter(adapter)
+        with torch.no_grad():
+            logits = twin(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        logits = logits[:, :-1] / 0.7
+        return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    actor, ref = logprobs("actor"), logprobs("reference")
+    r = rewards.tolist()
+    adv = []
+    for g0 in range(0, len(r), 4):
+        group = r[g0 : g0 + 4]
+        mean = sum(group) / 4
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / 3)
+        adv += [(x - mean) / (std + 1e-4) for x in group]
+    expected = _loop_loss(actor.tolist(), actor.tolist(), ref.tolist(), adv, masks[:, 1:].tolist(), 0.2, 0.1)
+    assert metrics["kl"] > 1e-3
+    assert math.isclose(metrics["loss"], expected, rel_tol=1e-4), (metrics["loss"], expected)
+
+
+# -- log-probs ----------------------------------------------------------------------------------
+def test_chunked_logprobs_equal_unchunked_values_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 11, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11), generator=g)
+
+    def run(chunk):
+        hidden.grad = weight.grad = None
+        out = chunked_token_logprobs(hidden, targets, lambda h: h @ weight.T, chunk_size=chunk,
+                                     temperature=0.8, softcap=30.0)
+        (out * torch.linspace(0, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    full = run(None)
+    for chunk in (1, 5, 32, 33):
+        for a, b in zip(run(chunk), full):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    ref = torch.log_softmax(torch.tanh((hidden @ weight.T) / 30) * 30 / 0.8, -1).gather(-1, targets[..., None])
+    torch.testing.assert_close(full[0], ref.squeeze(-1).detach(), atol=1e-5, rtol=1e-5)
+
+
+def _logprob_peak(chunk):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 128, 32, generator=g).requires_grad_()
+    weight = torch.randn(4000, 32, generator=g)
+    targets = torch.randint(0, 4000, (4, 128), generator=g)
+    tracker = MemTracker()
+    tracker.track_external(weight, hidden, targets)
+    with tracker:
+        out = chunked_token_logprobs(hidden, targets, lambda h: h @ weight.T, chunk_size=chunk)
+        out.sum().backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_chunked_logprob_peak_shrinks_with_the_chunk():
+    logits_bytes = 4 * 128 * 4000 * 4  # 8 MiB of fp32 logits if held at once
+    unchunked, chunk_128, chunk_32 = _logprob_peak(None), _logprob_peak(128), _logprob_peak(32)
+    assert unchunked > logits_bytes
+    assert chunk_128 < unchunked / 2
+    assert chunk_32 < chunk_128
+
+
+def test_token_logprobs_match_generation_scores():
+    agent = make_agent()
+    enc = TOKENIZER(["3+4=", "12+3="], return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=False)
+    out = agent.model.generate(**enc, max_new_tokens=4, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                               output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=-1)
+    seq, p = out.sequences, enc.input_ids.shape[1]
+    from_scores = torch.stack(
+        [torch.log_softmax(s, -1).gather(-1, seq[:, p + i, None]).squeeze(-1) for i, s in enumerate(out.scores)], 1
+    )
+    mask = torch.cat([enc.attention_mask, torch.ones(2, seq.shape[1] - p, dtype=torch.long)], 1)
+    with torch.no_grad():
+        ours = agent.token_logprobs(seq, mask)[:, p - 1 :]
+    torch.testing.assert_close(ours, from_scores, atol=1e-5, rtol=1e-5)
+
+
+# -- rollout and update --------------------------------------------------------------------------
+def test_get_action_shapes_and_masks():
+    agent = make_agent(max_output_tokens=5)
+    prompts = ["1+2=", "13+4="]
+    ids, masks = agent.get_action(prompts)
+    assert ids.shape[0] == 2 * agent.group_size and masks.shape == ids.shape
+    prompt_len = ids.shape[1] - masks.sum(1).max().item()
+    assert prompt_len >= 5 and masks[:, :prompt_len].sum() == 0
+    for row, mask in zip(ids, masks):
+        completion = row[mask.bool()].tolist()
+        assert 1 <= len(completion) <= 5
+        assert 2 not in completion[:-1]  # nothing after the first end-of-sequence token
+        assert torch.all(row[prompt_len + len(completion):] == agent.pad_token_id)
+    # Each prompt repeated group_size times, in order.
+    first = TOKENIZER("1+2=", add_special_tokens=False).input_ids
+    assert ids[0, prompt_len - len(first):prompt_len].tolist() == first
+
+
+def test_learn_updates_actor_only_and_reference_stays_frozen():
+    agent = make_agent(use_separate_reference_adapter=True, update_epochs=2, micro_batch_size_per_gpu=2)
+    ref_before = lora_state(agent, "reference")
+    actor_before = lora_state(agent, "actor")
+    base_before = {k: v.clone() for k, v in agent.model.state_dict().items() if "lora_" not in k}
+    assert all(not p.requires_grad for n, p in agent.model.named_parameters() if ".reference." in n)
+    trainable = {n for n, p in agent.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n and ".actor." in n for n in trainable)
+    metrics = agent.learn(synthetic_experiences(agent)[:3])
+    assert set(metrics) == {"loss", "kl", "clip_fraction", "grad_norm", "mean_reward", "reward_std", "completion_length"}
+    for k, v in lora_state(agent, "reference").items():
+        assert torch.equal(v, ref_before[k]), k
+    assert any(not torch.equal(v, actor_before[k]) for k, v in lora_state(agent, "actor").items())
+    for k, v in agent.model.state_dict().items():
+        if "lora_" not in k:
+            assert torch.equal(v, base_before[k]), k
+    assert {n for n, p in agent.model.named_parameters() if p.requires_grad} == trainable
+    agent.update_reference()
+    for k, v in lora_state(agent, "reference").items():
+        assert torch.equal(v, lora_state(agent, "actor")[k.replace(".reference.", ".actor.")])
+
+
+def test_second_epoch_ratios_leave_the_clip_range():
+    agent = make_agent(update_epochs=3, lr=0.2, clip_coef=0.05)
+    metrics = agent.learn(synthetic_experiences(agent)[:3])
+    assert metrics["clip_fraction"] > 0
+
+
+def test_reward_count_must_match():
+    agent = make_agent()
+    ids, masks, rewards, _ = synthetic_experiences(agent)
+    with pytest.raises(ValueError, match="rewards for"):
+        agent.learn((ids, masks, rewards[:-1]))
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+def test_checkpoint_round_trip_resumes_identically(tmp_path):
+    exp1 = synthetic_experiences(make_agent(), seed=1)[:3]
+    exp2 = synthetic_experiences(make_agent(), seed=2)[:3]
+    agent = make_agent(use_separate_reference_adapter=True)
+    agent.learn(exp1)
+    file = agent.save_checkpoint(tmp_path / "ckpt")
+    assert file.name == "attributes.pt"
+    payload = torch.load(file, weights_only=False)
+    assert payload["algo"] == "GRPO" and set(payload["adapters"]) == {"actor", "reference"}
+    assert payload["optimizer"] and all(not hasattr(v, "to_local") for s in payload["optimizer"].values()
+                                         for v in s.values() if isinstance(v, torch.Tensor))
+
+    resumed = make_agent(use_separate_reference_adapter=True, seed=123)  # different LoRA init
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for k, v in lora_state(agent).items():
+        assert torch.equal(lora_state(resumed)[k], v)
+    assert resumed.steps == 1
+    a = agent.learn(exp2)
+    b = resumed.learn(exp2)
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6)
+    for k, v in lora_state(agent).items():
+        torch.testing.assert_close(lora_state(resumed)[k], v, atol=1e-7, rtol=1e-6)
+
+
+def test_load_rejects_missing_or_foreign_checkpoints(tmp_path):
+    agent = make_agent()
+    with pytest.raises(FileNotFoundError):
+        agent.load_checkpoint(tmp_path / "nope")
+    torch.save({"algo": "DPO"}, tmp_path / "attributes.pt")
+    with pytest.raises(ValueError, match="DPO checkpoint"):
+        agent.load_checkpoint(tmp_path)
+
+
+# -- populations ---------------------------------------------------------------------------------
+def test_population_and_create_population():
+    from agilerl.utils.utils import create_population
+
+    pop = create_population("GRPO", {"ALGO": "GRPO", "BATCH_SIZE": 2, "GROUP_SIZE": 4, "BETA": 0.0, "LR": 1e-3},
+                            population_size=2, algo_kwargs=_agent_kwargs())
+    assert [a.index for a in pop] == [0, 1] and [a.seed for a in pop] == [0, 1]
+    assert pop[0].beta == 0.0 and pop[0].batch_size == 2
+    assert not torch.equal(next(iter(lora_state(pop[0]).values())), next(iter(lora_state(pop[1]).values())))
+    # INIT_HP["FSDP"] as True or a dict reaches the algorithm (which then wants torchrun).
+    for fsdp in (True, {"reshard_after_forward": False, "defer_grad_sync": True}):
+        with pytest.raises(RuntimeError, match="torchrun"):
+            create_population("GRPO", {"FSDP": fsdp}, algo_kwargs=_agent_kwargs())
+    with pytest.raises(KeyError, match="known keys"):
+        create_population("GRPO", {"BATCHSIZE": 2}, algo_kwargs=_agent_kwargs())
+    with pytest.raises(ValueError, match="unknown LLM algorithm"):
+        create_population("PPO", {}, algo_kwargs=_agent_kwargs())
+
+
+def _agent_kwargs():
+    from peft import LoraConfig
+
+    from tests.agilerl.algorithms._common import TINY
+
+    return dict(model_name=TINY, pad_token_id=0, pad_token="<pad>", tokenizer=TOKENIZER, dtype="float32",
+                device="cpu", max_output_tokens=2, gradient_checkpointing=False, seed=0,
+                lora_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+# -- rollout engine protocol -----------------------------------------------------------------------
+class FakeEngine:
+    """Follows the RolloutEngine protocol; generates with a CPU copy of the merged weights."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.calls: list[str] = []
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def generate(self, prompts, *, max_tokens, temperature, seed=None):
+        self.calls.append("generate")
+        return [[5 + (i % 3)] * (1 + i % max_tokens) + ([2] if i % 2 else []) for i, _ in enumerate(prompts)]
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+
+    def load_weights(self, weights):
+        self.calls.append("load_weights")
+        self.weights = {k: v.clone() for k, v in weights}
+
+
+def test_rollout_through_an_engine_syncs_merged_weights():
+    from agilerl.utils.engine import RolloutEngine
+
+    agent = make_agent(max_output_tokens=3)
+    with torch.no_grad():
+        for name, p in agent.model.named_parameters():
+            if ".lora_B.actor." in name:
+                p.normal_(0, 0.1)
+    engine = FakeEngine(agent)
+    assert isinstance(engine, RolloutEngine)
+    agent.engine = engine
+    ids, masks = agent.get_action(["1+1=", "2+2="])
+    assert engine.calls == ["wake_up", "load_weights", "generate", "sleep1"]
+    merged = engine.weights
+    lm = agent.model.get_base_model()
+    assert set(merged) == set(lm.state_dict()) - {k for k in lm.state_dict() if "lora_" in k or "base_layer" in k} | {
+        k.replace(".base_layer", "") for k in lm.state_dict() if "base_layer" in k
+    }
+    # The merged q_proj equals the model's own merge.
+    twin = copy.deepcopy(agent.model).merge_and_unload()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(merged[key], twin.state_dict()[key])
+    assert masks.sum(1).tolist()[:4] == [1, 3, 3, 2]  # [5], [6,6]+eos, [7,7,7], [5]+eos
