@@ -157,7 +157,10 @@ class LLMAlgorithm:
         source = resolve_model_source(self.model_name) if self.model_name else None
         self.model_source = source
         if self.tokenizer is None and source is not None:
-            self.tokenizer = load_tokenizer(source)
+            try:
+                self.tokenizer = load_tokenizer(source)
+            except (OSError, ValueError, TypeError):
+                self.tokenizer = None  # a config without a tokenizer: prompts must come tokenized
         torch.manual_seed(self.seed)
         self.model, self.trainable_params = build_actor(
             source=source,

@@ -169,9 +169,15 @@ def build_actor(
         apply_fsdp2(peft_model, fsdp_config, gradient_checkpointing=gradient_checkpointing)
         from agilerl.utils.checkpoint_io import ChainedState, LazyCheckpoint, PeftKeyView
 
-        keys = [k.replace("_checkpoint_wrapped_module.", "") for k in peft_model.state_dict()]
-        base = PeftKeyView(LazyCheckpoint(_local_dir(source)), keys)
-        materialize_fsdp2_from_cpu_state(peft_model, ChainedState(base, lora_state), device)
+        directory = _local_dir(source)
+        if has_weights(directory):
+            keys = [k.replace("_checkpoint_wrapped_module.", "") for k in peft_model.state_dict()]
+            base = PeftKeyView(LazyCheckpoint(directory), keys)
+            materialize_fsdp2_from_cpu_state(peft_model, ChainedState(base, lora_state), device)
+        else:
+            # A config without weights: random base weights, drawn per local shard.
+            materialize_fsdp2_from_cpu_state(peft_model, lora_state, device, strict=False)
+            _randomise_base(peft_model, getattr(config, "initializer_range", 0.02))
         return peft_model, _trainable(peft_model)
 
     if actor_network is not None:
@@ -181,7 +187,11 @@ def build_actor(
         if load_in_4bit:
             kwargs["quantization_config"] = _bnb_config(dtype)
             kwargs["device_map"] = {"": device}
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if has_weights(_local_dir(source)):
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(source)
+            model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation")})
     peft_model = _add_adapters(model, lora_config, use_reference_adapter)
     with torch.no_grad():
         _reinit_adapters(peft_model, use_reference_adapter, seed)
@@ -201,13 +211,28 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def has_weights(directory: str | Path) -> bool:
+    d = Path(directory)
+    return any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")) or (d / "model.safetensors.index.json").exists()
+
+
+@torch.no_grad()
+def _randomise_base(model: nn.Module, std: float) -> None:
+    for name, p in model.named_parameters():
+        if ".lora_" not in name and p.is_floating_point():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(0.0, std)
+
+
 def _local_dir(source: str) -> str:
     if Path(source).is_dir():
         return source
+    if Path(source).is_file():  # a config.json
+        return str(Path(source).parent)
     from huggingface_hub import snapshot_download
 
     # Resolves from the local cache; downloads only where the user allows it.
-    return snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.bin"])
+    return snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.bin", "*.model", "*.txt"])
 
 
 def _bnb_config(dtype: torch.dtype):

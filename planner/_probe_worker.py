@@ -1,0 +1,212 @@
+"""Rank side of a probe: ``torchrun ... -m planner._probe_worker REQUEST.json OUT_DIR``.
+
+Builds the real GRPO trainer for the requested workload and FSDPConfig, runs
+real learn() steps on synthetic rollouts of exactly the requested shapes (and
+one real generation when asked), and writes this rank's measurement to
+``OUT_DIR/rank<r>.json``:
+
+- step 1 warms up (lazy init, optimizer state) untracked;
+- step 2 runs with one memory tracker per phase;
+- the remaining steps are timed untracked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+def _write(out_dir: Path, rank: int, payload: dict) -> None:
+    tmp = out_dir / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(payload))
+    tmp.rename(out_dir / f"rank{rank}.json")
+
+
+def main() -> None:
+    request = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    rank = int(os.environ.get("RANK", 0))
+    result: dict = {"rank": rank, "phases": {}, "ok": False, "oom": False, "oom_phase": None, "error": None}
+    current = {"phase": "load"}
+    try:
+        _run(request, result, current, out_dir)
+        result["ok"] = True
+    except Exception as err:  # reported to the parent, which decides what failed
+        import torch
+
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+            result["oom"] = True
+            result["oom_phase"] = current["phase"]
+        result["error"] = traceback.format_exc(limit=20)
+    _write(out_dir, rank, result)
+    if not result["ok"]:
+        os._exit(1)  # do not wait in collectives other ranks will never join
+
+
+def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
+    import torch
+    from peft import LoraConfig
+
+    from agilerl.algorithms import GRPO
+    from agilerl.distributed import FSDPConfig, get_world_size, init_distributed
+    from planner._tracking import (
+        PhaseRecorder,
+        device_of,
+        host_peak_bytes,
+        host_peak_reset,
+        param_bytes,
+    )
+    from planner.workload import Workload
+
+    torch.set_num_threads(int(os.environ.get("AGILERL_PROBE_THREADS", "1")))
+    init_distributed(timeout_seconds=int(request.get("collective_timeout_s", 120)))
+    workload = Workload.model_validate(request["workload"])
+    fsdp = FSDPConfig.model_validate(request["fsdp"]) if request.get("fsdp") is not None else None
+    device = request["device"]
+    budget = request.get("memory_budget_bytes")
+    if device == "cuda" and budget:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    world = get_world_size()
+    result["world_size"] = world
+
+    lora = LoraConfig(r=workload.lora_rank, lora_alpha=workload.lora_alpha, lora_dropout=0.0,
+                      target_modules=list(workload.lora_targets) if isinstance(workload.lora_targets, (list, tuple))
+                      else workload.lora_targets, task_type="CAUSAL_LM")
+    kwargs = dict(
+        pad_token_id=0, pad_token="<pad>", lora_config=lora,
+        batch_size=workload.prompts_per_step, group_size=workload.group_size, beta=workload.beta,
+        update_epochs=workload.update_epochs, max_output_tokens=workload.completion_tokens,
+        micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu,
+        logprob_chunk_size=workload.logprob_chunk_size,
+        gradient_checkpointing=bool(workload.gradient_checkpointing),
+        use_separate_reference_adapter=workload.use_separate_reference_adapter,
+        load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=device, dtype=workload.weights_dtype,
+        attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
+    )
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    host_peak_reset()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    load_tracker = MemTracker()
+    start = time.perf_counter()
+    with load_tracker:
+        agent = GRPO(request["model"], **kwargs)
+    result["load_seconds"] = time.perf_counter() - start
+    dev = device_of(agent.model)
+    load = {"host_peak": host_peak_bytes(),
+            "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0))}
+    load.update(param_bytes(agent.model))
+    load["total"] = max(load["tracker_total"], sum(param_bytes(agent.model).values()))
+    if device == "cuda":
+        load["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        load["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
+    result["phases"]["load"] = load
+    result["param_bytes"] = param_bytes(agent.model)
+    result["micro_batch_size_per_gpu"] = agent.micro_batch_size_per_gpu
+    result["logprob_chunk_size"] = agent.logprob_chunk_size
+
+    recorder = PhaseRecorder(agent.model, agent.optimizer, dev, enabled=False)
+
+    fault = _fault_injection(result["rank"])
+
+    def observe(name):
+        current["phase"] = name
+        if fault == name:
+            os.kill(os.getpid(), 9)  # testing: die the way an OOM-killed process dies
+        return recorder(name)
+
+    agent.phase_observer = observe
+    vocab = agent.model.get_base_model().config.vocab_size
+    gen = torch.Generator().manual_seed(1234 + result["rank"])
+    p_len, c_len = workload.prompt_tokens, workload.completion_tokens
+    n_local = workload.completions_per_rank(agent.data_parallel_ranks)
+
+    def experiences():
+        ids = torch.randint(3, vocab, (n_local, p_len + c_len), generator=gen)
+        masks = torch.zeros_like(ids)
+        masks[:, p_len:] = 1
+        rewards = torch.rand(n_local, generator=gen)
+        return ids, masks, rewards
+
+    def rollout():
+        prompts = {"input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
+                   "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long)}
+        agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length
+        ids, masks = agent.get_action(prompts)
+        assert ids.shape[1] == p_len + c_len, ids.shape
+
+    generate = request.get("generate", False)
+    # Step 1: warm-up, untracked.
+    if generate:
+        rollout()
+    agent.learn(experiences())
+    # Step 2: one tracker per phase.
+    recorder.enabled = True
+    if generate:
+        rollout()
+    agent.learn(experiences())
+    if request.get("save", False):
+        with tempfile.TemporaryDirectory() as tmp:
+            agent.save_checkpoint(tmp)
+    recorder.enabled = False
+    result["phases"].update(recorder.peaks)
+    host = _host_state_bytes(agent)
+    if host:
+        for record in result["phases"].values():
+            record["host_optimizer_state"] = host
+    # Timed steps, untracked.
+    seconds = []
+    for _ in range(int(request.get("timed_steps", 3))):
+        batch = experiences()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        current["phase"] = "learn"
+        agent.learn(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    result["step_seconds"] = seconds
+    result["tokens_per_step"] = workload.completions_per_step * (p_len + c_len)
+    if budget:
+        over = {name: rec.get("cuda_max_allocated", rec["total"]) for name, rec in result["phases"].items()
+                if rec.get("cuda_max_allocated", rec["total"]) > budget}
+        result["over_budget_phases"] = over
+    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+
+
+def _fault_injection(rank: int) -> str | None:
+    """``AGILERL_PROBE_KILL=RANK:PHASE`` kills that rank on entering the phase (for tests)."""
+    spec = os.environ.get("AGILERL_PROBE_KILL")
+    if not spec:
+        return None
+    target, _, phase = spec.partition(":")
+    return phase if int(target) == rank else None
+
+
+def _host_state_bytes(agent) -> int:
+    from agilerl.distributed import CPUOffloadAdamW
+
+    opt = agent.optimizer
+    if not isinstance(opt, CPUOffloadAdamW):
+        return 0
+    total = 0
+    for _, master in opt._pairs:
+        total += master.numel() * master.element_size()
+        if master.grad is not None:
+            total += master.grad.numel() * master.grad.element_size()
+        for value in opt.inner.state.get(master, {}).values():
+            if hasattr(value, "numel"):
+                total += value.numel() * value.element_size()
+    return total
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Per-phase peak memory of a real run, by the shared component names (imports torch).
+
+One tracker per phase (a tracker's global peak cannot be reset):
+
+- on CPU, torch's ``FSDPMemTracker`` (sharded) or ``MemTracker`` (unsharded)
+  counts live tensor bytes by category; the categories map onto the
+  component names of DESIGN.md;
+- on CUDA, ``max_memory_allocated`` / ``max_memory_reserved`` are reset per
+  phase and give the totals (the tracker still gives the breakdown);
+- the host's peak resident set (VmHWM, reset per phase through
+  ``/proc/self/clear_refs``) catches ranks that hold full CPU copies.
+
+Parameter bytes are exact (counted from the model, split into base weights,
+replicated weights and LoRA); the rest comes from the tracker:
+
+    Unsharded Param, All Gather -> weights_gathered (FSDP2's all-gather output
+                                   is the gathered weights in flight)
+    Sharded/Unsharded Grad      -> gradients
+    OptState                    -> optimizer_state
+    Activation, Inputs, Other   -> activations
+    Temp                        -> logits (tensors made outside module forwards:
+                                   the chunked log-prob head and the loss)
+    Reduce Scatter              -> comm_buffers
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["PhaseRecorder", "param_bytes", "host_peak_reset", "host_peak_bytes"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def param_bytes(model: nn.Module) -> dict[str, int]:
+    """This rank's parameter bytes: base weights (sharded or full), replicated plain ones, LoRA."""
+    out = {"weights": 0, "weights_replicated": 0, "lora": 0}
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    for name, p in model.named_parameters():
+        nbytes = _local(p).numel() * p.element_size()
+        if ".lora_" in name:
+            out["lora"] += nbytes
+        elif sharded and not isinstance(p, DTensor):
+            out["weights_replicated"] += nbytes
+        else:
+            out["weights"] += nbytes
+    for buf in model.buffers():
+        out["weights"] += buf.numel() * buf.element_size()
+    return out
+
+
+def host_peak_reset() -> None:
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def host_peak_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_CATEGORY = {
+    "Unsharded Param": "weights_gathered",
+    "All Gather": "weights_gathered",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer_state",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Other": "activations",
+    "Temp": "logits",
+    "Reduce Scatter": "comm_buffers",
+}
+_PARAM_CATEGORIES = {"Sharded Param", "Parameter", "Buffer"}
+
+
+def _repeating_mem_tracker():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class RepeatingMemTracker(MemTracker):
+        """MemTracker that accepts a module called again at top level (generate, micro-batches).
+
+        Per-module statistics are reset; the global peak, which is all we
+        read, is kept.
+        """
+
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # Gradient hooks cannot be registered on frozen parameters (the LoRA
+            # base); mark them as already hooked with handles that do nothing.
+            for p in module.parameters():
+                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (_NOOP_HANDLE, _NOOP_HANDLE)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return RepeatingMemTracker()
+
+
+class _NoopHandle:
+    def remove(self) -> None:
+        pass
+
+
+_NOOP_HANDLE = _NoopHandle()
+
+
+@dataclass
+class PhaseRecorder:
+    """A ``phase_observer`` for the trainer: records each phase's peak (max over its occurrences)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+    enabled: bool = True
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        host_peak_reset()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if sharded:
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            tracker = FSDPMemTracker(self.model, self.optimizer)
+        else:
+            tracker = _repeating_mem_tracker()
+            tracker.track_external(*(m for m in (self.model, self.optimizer) if m is not None))
+        try:
+            with tracker:
+                # The root called again at top level (several micro-batches in one
+                # phase) is a new iteration to the tracker: reset its per-module
+                # statistics first (the global peak, which is what we read, stays).
+                handle = self.model.register_forward_pre_hook(
+                    lambda mod, args: tracker.reset_mod_stats() if mod in tracker.memory_tracking else None,
+                    prepend=True,
+                ) if sharded else None
+                try:
+                    yield
+                finally:
+                    if handle is not None:
+                        handle.remove()
+        finally:
+            snapshot = tracker.get_tracker_snapshot("peak")
+            record = self._components(snapshot)
+            record["host_peak"] = host_peak_bytes()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                record["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+                record["cuda_max_reserved"] = torch.cuda.max_memory_reserved(self.device)
+            previous = self.peaks.get(name)
+            if previous is None or record["total"] > previous["total"]:
+                self.peaks[name] = record
+
+    def _components(self, snapshot: dict) -> dict[str, int]:
+        device_snap: dict = {}
+        for dev, values in snapshot.items():
+            if torch.device(dev).type == self.device.type:
+                device_snap = {getattr(k, "value", k): int(v) for k, v in values.items()}
+        exact = param_bytes(self.model)
+        record = dict.fromkeys(
+            ["weights", "weights_gathered", "weights_replicated", "lora", "gradients", "optimizer_state",
+             "activations", "logits", "comm_buffers"], 0)
+        record.update(exact)
+        tracked_params = 0
+        for category, nbytes in device_snap.items():
+            if category == "Total":
+                continue
+            if category in _PARAM_CATEGORIES:
+                tracked_params += nbytes
+                continue
+            record[_CATEGORY.get(category, "activations")] += nbytes
+        record["total"] = sum(v for k, v in record.items())
+        record["tracker_total"] = device_snap.get("Total", 0)
+        record["tracker_params"] = tracked_params
+        return record
+
+
+def device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters())
+    return _local(p).device
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,311 @@
+"""Probe: measure a short real run of the trainer (the planner's ground truth, the tuner's trial).
+
+``run_probe`` launches ``torchrun --nproc_per_node=N`` on :mod:`planner._probe_worker`,
+which builds the real GRPO trainer and runs real learn() steps on synthetic
+rollouts of exactly the requested shapes. The parent never imports torch; it
+enforces the timeout, kills the whole process group on expiry or failure (no
+orphaned ranks), and returns a :class:`Measurement`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agilerl.distributed import FSDPConfig
+
+from .workload import Workload
+
+__all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
+
+#: Phase and component names shared by the CLI, the JSON output, the TUI and the probe.
+PHASES = ("load", "rollout", "reference", "learn", "step", "save", "sync")
+COMPONENTS = (
+    "weights", "weights_gathered", "weights_replicated", "lora", "gradients", "optimizer_state", "activations",
+    "logits", "kv_cache", "vllm", "comm_buffers", "cuda_context", "allocator_slack",
+)
+
+
+class ProbeRequest(BaseModel):
+    """What to measure."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(description="Model directory, hub id, or built-in tiny model ('tiny:qwen2?...').")]
+    workload: Workload = Workload()
+    fsdp: Annotated[FSDPConfig | None, Field(description="Sharding settings; None trains unsharded.")] = None
+    nproc: Annotated[int, Field(ge=1, description="Ranks to launch (GPUs, or CPU processes).")] = 1
+    device: Annotated[Literal["cpu", "cuda"], Field(description="Where the ranks compute.")] = "cpu"
+    generate: Annotated[bool, Field(description="Also measure one real Hugging Face generation.")] = False
+    save: Annotated[bool, Field(description="Also measure a checkpoint save.")] = False
+    memory_budget_bytes: Annotated[
+        int | None, Field(ge=1, description="Per-rank device budget; over it the run is reported as not fitting.")
+    ] = None
+    timeout_s: Annotated[float, Field(gt=0, description="Wall-clock limit; the whole launch is killed after it.")] = 600
+    timed_steps: Annotated[int, Field(ge=1, description="Untracked learn steps timed after the measured one.")] = 3
+    seed: int = 0
+    collective_timeout_s: Annotated[int, Field(ge=10, description="torch.distributed timeout inside the ranks.")] = 120
+
+
+class RankMeasurement(BaseModel):
+    rank: int
+    phases: dict[str, dict[str, int]] = {}
+    step_seconds: list[float] = []
+    param_bytes: dict[str, int] = {}
+    load_seconds: float | None = None
+    error: str | None = None
+    oom: bool = False
+    oom_phase: str | None = None
+
+
+class Measurement(BaseModel):
+    """What a probe measured (per rank, per phase, by component), or why it failed."""
+
+    request: ProbeRequest
+    ok: bool
+    failure: str | None = None
+    oom: bool = False
+    oom_phase: str | None = None
+    over_budget_phases: dict[str, int] = {}
+    ranks: list[RankMeasurement] = []
+    micro_batch_size_per_gpu: int | None = None
+    logprob_chunk_size: int | None = None
+    wall_seconds: float = 0.0
+    work_dir: str | None = None  # request, per-rank results and the worker log
+
+    @property
+    def fits(self) -> bool:
+        return self.ok and not self.oom and not self.over_budget_phases
+
+    def phase_total(self, phase: str, *, key: str = "total") -> int:
+        """The largest per-rank peak of ``phase`` (device bytes)."""
+        return max((r.phases.get(phase, {}).get(key, 0) for r in self.ranks), default=0)
+
+    def device_peak(self, record: dict[str, int]) -> int:
+        return record.get("cuda_max_allocated", record.get("total", 0))
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((self.device_peak(rec) for r in self.ranks for rec in r.phases.values()), default=0)
+
+    @property
+    def peak_phase(self) -> str | None:
+        best, name = -1, None
+        for r in self.ranks:
+            for phase, rec in r.phases.items():
+                if self.device_peak(rec) > best:
+                    best, name = self.device_peak(rec), phase
+        return name
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return max((rec.get("host_peak", 0) for r in self.ranks for rec in r.phases.values()), default=0)
+
+    @property
+    def step_seconds(self) -> list[float]:
+        # A step ends when the slowest rank ends.
+        per_step = zip(*(r.step_seconds for r in self.ranks)) if self.ranks else []
+        return [max(s) for s in per_step]
+
+    @property
+    def step_seconds_median(self) -> float | None:
+        s = self.step_seconds
+        return statistics.median(s) if s else None
+
+    @property
+    def step_seconds_spread(self) -> float | None:
+        s = self.step_seconds
+        return (max(s) - min(s)) if s else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        med = self.step_seconds_median
+        w = self.request.workload
+        return (w.completions_per_step * w.sequence_tokens / med) if med else None
+
+    def summary(self) -> dict:
+        return {
+            "ok": self.ok, "fits": self.fits, "failure": self.failure, "oom": self.oom, "oom_phase": self.oom_phase,
+            "over_budget_phases": self.over_budget_phases, "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase,
+            "host_peak_bytes": self.host_peak_bytes, "step_seconds_median": self.step_seconds_median,
+            "step_seconds_spread": self.step_seconds_spread, "tokens_per_second": self.tokens_per_second,
+        }
+
+    def table(self) -> str:
+        return _format_table(self)
+
+
+def _mib(n: int | float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _format_table(m: Measurement) -> str:
+    req = m.request
+    lines = [f"probe {req.model} on {req.nproc} x {req.device}"
+             + (f", fsdp {req.fsdp.model_dump(exclude_defaults=True) or 'defaults'}" if req.fsdp else ", unsharded")]
+    if not m.ok:
+        lines.append(f"FAILED: {m.failure}")
+        if m.oom:
+            lines.append(f"out of memory in phase {m.oom_phase}")
+        return "\n".join(lines)
+    components = [c for c in COMPONENTS + ("host_optimizer_state",)
+                  if any(rec.get(c, 0) for r in m.ranks for rec in r.phases.values())]
+    header = f"{'rank':>4} {'phase':<10}" + "".join(f"{c[:14]:>15}" for c in components) + f"{'total MiB':>12}{'host MiB':>11}"
+    lines.append(header)
+    for r in m.ranks:
+        for phase in PHASES:
+            rec = r.phases.get(phase)
+            if rec is None:
+                continue
+            cells = "".join(f"{_mib(rec.get(c, 0)):>15}" for c in components)
+            lines.append(f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}")
+    lines.append(f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB")
+    if m.step_seconds:
+        lines.append(f"step {m.step_seconds_median:.3f} s median (spread {m.step_seconds_spread:.3f} s over "
+                     f"{len(m.step_seconds)} steps); {m.tokens_per_second:,.0f} tokens/s")
+    if req.memory_budget_bytes:
+        verdict = "fits" if m.fits else f"does NOT fit (over in {sorted(m.over_budget_phases)})"
+        lines.append(f"budget {_mib(req.memory_budget_bytes)} MiB per rank: {verdict}")
+    return "\n".join(lines)
+
+
+def _command(request: ProbeRequest, request_path: Path, out_dir: Path) -> list[str]:
+    worker = ["-m", "planner._probe_worker", str(request_path), str(out_dir)]
+    if request.nproc == 1 and request.fsdp is None:
+        return [sys.executable, *worker]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={request.nproc}", *worker]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; torchrun puts its ranks in new sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the launch and everything it started: its process group and every descendant."""
+    victims = _descendants(proc.pid) if Path("/proc").is_dir() else []
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_probe(
+    request: ProbeRequest,
+    *,
+    progress: Callable[[str], None] | None = None,
+    failure_grace_s: float = 10.0,
+    env: dict[str, str] | None = None,
+) -> Measurement:
+    """Launch the probe and wait for it; never raises for a failed, killed or out-of-memory run."""
+    say = progress or (lambda _msg: None)
+    work = Path(tempfile.mkdtemp(prefix="agilerl-probe-"))
+    request_path = work / "request.json"
+    request_path.write_text(request.model_dump_json())
+    out_dir = work / "out"
+    out_dir.mkdir()
+    run_env = dict(os.environ)
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    run_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    run_env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + run_env.get("PYTHONPATH", "")
+    run_env.update(env or {})
+    log_path = work / "worker.log"
+    start = time.monotonic()
+    say(f"launching {request.nproc} rank(s) on {request.device}")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(_command(request, request_path, out_dir), stdout=log, stderr=subprocess.STDOUT,
+                                env=run_env, start_new_session=True)
+        failure: str | None = None
+        failed_at: float | None = None
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now - start > request.timeout_s:
+                    failure = f"timed out after {request.timeout_s:.0f}s"
+                    _kill_group(proc)
+                    break
+                if failed_at is None and any(_failed(p) for p in out_dir.glob("rank*.json")):
+                    failed_at = now
+                    say("a rank failed; stopping the others")
+                if failed_at is not None and now - failed_at > failure_grace_s:
+                    _kill_group(proc)
+                    break
+                time.sleep(0.1)
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            _kill_group(proc)  # nothing of the launch outlives the probe
+            proc.wait()
+    wall = time.monotonic() - start
+    tail = log_path.read_text(errors="replace")[-3000:]
+    ranks = []
+    for path in sorted(out_dir.glob("rank*.json")):
+        data = json.loads(path.read_text())
+        ranks.append(RankMeasurement(
+            rank=data["rank"], phases=data.get("phases", {}), step_seconds=data.get("step_seconds", []),
+            param_bytes=data.get("param_bytes", {}), load_seconds=data.get("load_seconds"), error=data.get("error"),
+            oom=data.get("oom", False), oom_phase=data.get("oom_phase"),
+        ))
+        mb, chunk = data.get("micro_batch_size_per_gpu"), data.get("logprob_chunk_size")
+    ranks.sort(key=lambda r: r.rank)
+    oom = any(r.oom for r in ranks)
+    oom_phase = next((r.oom_phase for r in ranks if r.oom), None)
+    complete = len(ranks) == request.nproc and all(r.error is None for r in ranks)
+    if failure is None and not complete:
+        errors = [f"rank {r.rank}: {r.error.strip().splitlines()[-1]}" for r in ranks if r.error]
+        failure = "; ".join(errors) if errors else f"worker exited with {proc.returncode} without a result"
+        failure += f"\n--- worker output (tail) ---\n{tail}"
+    elif failure is not None:
+        failure += f"\n--- worker output (tail) ---\n{tail}"
+    over = {}
+    for r in ranks:
+        for phase, rec in r.phases.items():
+            value = rec.get("cuda_max_allocated", rec.get("total", 0))
+            if request.memory_budget_bytes and value > request.memory_budget_bytes:
+                over[phase] = max(over.get(phase, 0), value)
+    say("done" if failure is None else "failed")
+    return Measurement(
+        request=request, ok=failure is None, failure=failure, oom=oom, oom_phase=oom_phase, over_budget_phases=over,
+        ranks=ranks, micro_batch_size_per_gpu=mb if ranks else None, logprob_chunk_size=chunk if ranks else None,
+        wall_seconds=wall, work_dir=str(work),
+    )
+
+
+def _failed(path: Path) -> bool:
+    try:
+        return not json.loads(path.read_text()).get("ok", True)
+    except (OSError, json.JSONDecodeError):
+        return False

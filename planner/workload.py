@@ -1,0 +1,77 @@
+"""What a GRPO run does, in the terms memory depends on. Pure data: no torch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["Workload"]
+
+
+class Workload(BaseModel):
+    """One GRPO training step's shape (global batch, lengths, LoRA, generation)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts_per_step: Annotated[int, Field(ge=1, description="Prompts per optimizer step across all GPUs (GRPO batch_size).")] = 8
+    group_size: Annotated[int, Field(ge=2, description="Completions generated per prompt.")] = 8
+    prompt_tokens: Annotated[int, Field(ge=1, description="Prompt length in tokens (the longest, as padded).")] = 256
+    completion_tokens: Annotated[int, Field(ge=1, description="Completion length in tokens (max_output_tokens).")] = 256
+    micro_batch_size_per_gpu: Annotated[
+        int | None, Field(ge=1, description="Sequences per forward/backward on each GPU; None: the planner chooses.")
+    ] = None
+    logprob_chunk_size: Annotated[
+        int | None, Field(ge=1, description="Token rows per log-prob chunk; None: the planner chooses.")
+    ] = None
+    gradient_checkpointing: Annotated[
+        bool | None, Field(description="Recompute block activations in backward; None: the planner chooses.")
+    ] = None
+    lora_rank: Annotated[int, Field(ge=1, description="LoRA rank r.")] = 16
+    lora_alpha: Annotated[int, Field(ge=1, description="LoRA alpha.")] = 32
+    lora_targets: Annotated[
+        str | tuple[str, ...], Field(description="'all-linear' or the module names LoRA adapts.")
+    ] = "all-linear"
+    use_separate_reference_adapter: Annotated[
+        bool, Field(description="A frozen 'reference' adapter (fp32) instead of disabling adapters.")
+    ] = False
+    beta: Annotated[float, Field(ge=0.0, description="KL weight; 0 skips the reference pass.")] = 0.04
+    update_epochs: Annotated[int, Field(ge=1, description="Optimizer passes per batch (>1 adds an old log-prob pass).")] = 1
+    weights_dtype: Annotated[
+        Literal["bfloat16", "float16", "float32"], Field(description="Dtype of the frozen base weights.")
+    ] = "bfloat16"
+    load_in_4bit: Annotated[bool, Field(description="QLoRA: NF4 base weights (one device or data parallel only).")] = False
+    generation: Annotated[
+        Literal["hf", "vllm", "none"],
+        Field(description="Rollouts with Hugging Face generate (KV cache), a colocated vLLM engine, or none measured."),
+    ] = "hf"
+    vllm_gpu_memory_utilization: Annotated[
+        float, Field(gt=0, le=1, description="Fraction of GPU memory a colocated vLLM engine takes.")
+    ] = 0.3
+    vllm_sleep_level: Annotated[Literal[1, 2], Field(description="vLLM sleep level between rollouts.")] = 1
+    attn_implementation: Annotated[
+        Literal["sdpa", "eager", "flash_attention_2"],
+        Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),
+    ] = "sdpa"
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        if self.generation == "vllm" and self.load_in_4bit:
+            raise ValueError("generation='vllm' with load_in_4bit is not supported")
+        return self
+
+    @property
+    def sequence_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def completions_per_rank(self, data_parallel_ranks: int) -> int:
+        total = self.completions_per_step
+        if total % data_parallel_ranks:
+            raise ValueError(
+                f"prompts_per_step x group_size = {total} completions do not split over {data_parallel_ranks} ranks"
+            )
+        return total // data_parallel_ranks

@@ -1,0 +1,136 @@
+"""The probe: real launches of the trainer on 2 gloo ranks, measured and judged."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from agilerl.distributed import FSDPConfig
+from planner.probe import ProbeRequest, run_probe
+from planner.workload import Workload
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+MODEL = "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2"
+SMALL = Workload(prompts_per_step=2, group_size=2, prompt_tokens=8, completion_tokens=8, micro_batch_size_per_gpu=1,
+                 logprob_chunk_size=16, gradient_checkpointing=True, lora_rank=4, lora_alpha=8,
+                 weights_dtype="float32", attn_implementation="eager")
+SHARD_ALL = dict(param_dtype="float32", param_persistence_threshold=0)
+
+
+def _expected_local_bytes(world: int) -> dict[int, dict[str, int]]:
+    """Each rank's parameter bytes, from FSDP2's dim-0 chunking rule, computed independently."""
+    import math
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from agilerl.algorithms.core.loading import parse_tiny
+    from agilerl.utils.tiny import char_tokenizer, tiny_config
+
+    arch, kw = parse_tiny(MODEL)
+    kw.setdefault("vocab_size", len(char_tokenizer()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+                               adapter_name="actor")
+    out = {}
+    num_lora = sum(1 for n, _ in model.named_parameters() if ".lora_" in n)
+    for rank in range(world):
+        weights = lora = 0
+        for name, p in model.named_parameters():
+            rows = p.shape[0]
+            per = math.ceil(rows / world)
+            local_rows = max(0, min(per, rows - rank * per))
+            nbytes = local_rows * (p.numel() // rows) * 4
+            if ".lora_" in name:
+                lora += nbytes
+            else:
+                weights += nbytes
+        weights += sum(b.numel() * 4 for b in model.buffers())
+        out[rank] = {"weights": weights, "lora": lora, "num_lora": num_lora}
+    return out
+
+
+def test_two_rank_probe_measures_exact_parameter_bytes_and_judges_the_budget():
+    m = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2, timed_steps=2))
+    assert m.ok, m.failure
+    expected = _expected_local_bytes(2)
+    assert [r.rank for r in m.ranks] == [0, 1]
+    for r in m.ranks:
+        assert r.param_bytes["weights"] == expected[r.rank]["weights"]
+        assert r.param_bytes["lora"] == expected[r.rank]["lora"]
+        for phase in ("reference", "learn", "step"):
+            rec = r.phases[phase]
+            # The tracker's own count of sharded parameters agrees with the exact count.
+            assert rec["tracker_params"] == rec["weights"] + rec["lora"], phase
+            assert rec["total"] >= rec["weights"] + rec["lora"]
+        # Fused AdamW: two fp32 moments per local element, and a 4-byte step tensor per parameter.
+        assert r.phases["step"]["optimizer_state"] == 2 * expected[r.rank]["lora"] + 4 * expected[r.rank]["num_lora"]
+        assert len(r.step_seconds) == 2 and all(s > 0 for s in r.step_seconds)
+    assert m.tokens_per_second > 0 and m.step_seconds_spread >= 0
+    assert m.fits and m.peak_phase in {"reference", "learn", "step", "load"}
+    table = m.table()
+    assert "weights" in table and "tokens/s" in table
+
+    # A budget below the measured peak is reported as not fitting.
+    budget = m.peak_bytes // 2
+    tight = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2, timed_steps=1,
+                                   memory_budget_bytes=budget))
+    assert tight.ok and not tight.fits
+    assert tight.over_budget_phases and all(v > budget for v in tight.over_budget_phases.values())
+    assert "does NOT fit" in tight.table()
+
+
+def test_reshard_off_measures_a_higher_peak_on_a_parameter_dominated_workload():
+    wide = "tiny:qwen2?hidden_size=256&intermediate_size=1024&num_layers=4&num_heads=4"
+    workload = SMALL.model_copy(update={"prompt_tokens": 4, "completion_tokens": 4})
+    peaks = {}
+    for reshard in (True, False):
+        m = run_probe(ProbeRequest(model=wide, workload=workload, timed_steps=1, nproc=2,
+                                   fsdp=FSDPConfig(**SHARD_ALL, reshard_after_forward=reshard)))
+        assert m.ok, m.failure
+        peaks[reshard] = (m.phase_total("learn"), m.phase_total("learn", key="weights_gathered"))
+    assert peaks[False][1] > 1.5 * peaks[True][1], peaks
+    assert peaks[False][0] > 1.2 * peaks[True][0], peaks
+
+
+def _leftover(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_a_killed_rank_is_reported_without_hanging_or_orphans():
+    start = time.monotonic()
+    m = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2,
+                               collective_timeout_s=30), env={"AGILERL_PROBE_KILL": "1:learn"}, failure_grace_s=5)
+    assert not m.ok and m.failure
+    assert time.monotonic() - start < 120
+    assert not _leftover(m.work_dir)
+
+
+def test_a_probe_past_its_timeout_is_killed_whole():
+    start = time.monotonic()
+    m = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2, timeout_s=3))
+    assert not m.ok and "timed out after 3s" in m.failure
+    assert time.monotonic() - start < 30
+    assert not _leftover(m.work_dir)
+
+
+def test_cli_probe_json_and_exit_codes(capsys):
+    import json
+
+    from planner.cli import main
+
+    args = ["probe", MODEL, "--gpus", "1", "--device", "cpu", "--no-fsdp", "--format", "json", "--timed-steps", "1",
+            "--prompts-per-step", "2", "--group-size", "2", "--prompt-tokens", "8", "--completion-tokens", "8",
+            "--weights-dtype", "float32", "--lora-rank", "4", "--gradient-checkpointing", "false"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["fits"] and data["ranks"][0]["phases"]["learn"]["lora"] > 0
+    assert main(args + ["--budget-gib", "0.0000001"]) == 3
+    with pytest.raises(SystemExit):
+        main(["probe", MODEL, "--weights-dtype", "int3"])
