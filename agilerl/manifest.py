@@ -51,9 +51,14 @@ class AlgorithmSection(_Section):
         int | None, Field(ge=1, description="Sequences per forward/backward on each GPU; None: a rank's whole share.")
     ] = None
     logprob_chunk_size: Annotated[
-        int | None, Field(ge=1, description="Token rows per log-prob chunk (bounds the logits workspace).")
-    ] = 1024
-    gradient_checkpointing: Annotated[bool, Field(description="Recompute block activations in backward.")] = True
+        int | None | Literal["auto"],
+        Field(description="Token rows per log-prob chunk (bounds the logits workspace); null: unchunked; 'auto': "
+                          "1024, or the planner's choice with fsdp: auto."),
+    ] = "auto"
+    gradient_checkpointing: Annotated[
+        bool | Literal["auto"],
+        Field(description="Recompute block activations in backward; 'auto': on, or the planner's choice with fsdp: auto."),
+    ] = "auto"
     use_separate_reference_adapter: Annotated[
         bool, Field(description="Keep a frozen 'reference' LoRA adapter instead of disabling adapters.")
     ] = False
@@ -62,6 +67,13 @@ class AlgorithmSection(_Section):
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
     ] = "bfloat16"
     vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
+
+    @field_validator("logprob_chunk_size")
+    @classmethod
+    def _chunk(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1, null (unchunked) or 'auto'")
+        return value
 
     @field_validator("fsdp", mode="before")
     @classmethod

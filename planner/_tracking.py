@@ -26,7 +26,6 @@ replicated weights and LoRA); the rest comes from the tracker:
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -140,13 +139,22 @@ class PhaseRecorder:
     enabled: bool = True
     peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    static: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Exact parameter bytes while sharded. Later, FSDP may hold units unsharded
+        # (reshard_after_forward=False keeps them gathered after a no-grad forward).
+        self.static = param_bytes(self.model)
+        self.sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        self.replicated_lora = sum(_local(p).numel() * p.element_size() for n, p in self.model.named_parameters()
+                                   if ".lora_" in n and not isinstance(p, DTensor)) if self.sharded else 0
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         if not self.enabled:
             yield
             return
-        sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        sharded = self.sharded
         host_peak_reset()
         cuda = self.device.type == "cuda"
         if cuda:
@@ -190,11 +198,10 @@ class PhaseRecorder:
         for dev, values in snapshot.items():
             if torch.device(dev).type == self.device.type:
                 device_snap = {getattr(k, "value", k): int(v) for k, v in values.items()}
-        exact = param_bytes(self.model)
         record = dict.fromkeys(
             ["weights", "weights_gathered", "weights_replicated", "lora", "gradients", "optimizer_state",
              "activations", "logits", "comm_buffers"], 0)
-        record.update(exact)
+        record.update(self.static)
         tracked_params = 0
         for category, nbytes in device_snap.items():
             if category == "Total":
@@ -203,15 +210,20 @@ class PhaseRecorder:
                 tracked_params += nbytes
                 continue
             record[_CATEGORY.get(category, "activations")] += nbytes
-        record["total"] = sum(v for k, v in record.items())
+        if self.sharded:
+            # The FSDP tracker counts the module parameters it finds: the local shards, or whole
+            # units FSDP left unsharded; it does not see replicated (ignored) parameters.
+            seen_sharded = self.static["weights"] + self.static["lora"] - self.replicated_lora
+            record["weights_gathered"] += max(0, tracked_params - seen_sharded)
+            unseen = self.static["weights_replicated"] + self.replicated_lora
+        else:
+            unseen = max(0, sum(self.static.values()) - tracked_params)
         record["tracker_total"] = device_snap.get("Total", 0)
         record["tracker_params"] = tracked_params
+        record["total"] = record["tracker_total"] + unseen
         return record
 
 
 def device_of(model: nn.Module) -> torch.device:
     p = next(model.parameters())
     return _local(p).device
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,5 +1,6 @@
 """``agilerl-plan``: memory plans, probes and tuning for GRPO with FSDP2.
 
+    agilerl-plan MODEL --gpus N [--gpu H100-80GB] [workload flags] [--format table|json|yaml|python]
     agilerl-plan probe MODEL --gpus N [workload and FSDPConfig flags] [--format json]
 """
 
@@ -77,12 +78,101 @@ def probe_main(argv: list[str]) -> int:
     return 0 if measurement.fits else 3
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    from .hardware import GPUS
+
+    parser = argparse.ArgumentParser(
+        prog="agilerl-plan",
+        description="Will GRPO + LoRA on this model fit, how much memory each GPU needs (per phase and "
+                    "component), and which FSDPConfig to use and why. Offline for catalog models. "
+                    "Subcommand: `agilerl-plan probe ...` measures a real run.",
+        epilog="exit status: 0 fits, 3 does not fit, 2 bad input",
+    )
+    parser.add_argument("model", help="catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...'")
+    parser.add_argument("--gpus", type=int, default=1, help="trainer GPUs in total")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)")
+    parser.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="GPU memory in GiB (overrides the catalog figure of --gpu)")
+    parser.add_argument("--sharding", choices=["auto", "fsdp", "none"], default="auto",
+                        help="auto: data parallel when the actor fits on each GPU, else FSDP2")
+    parser.add_argument("--margin", type=float, default=0.05, help="safety margin, fraction of GPU memory")
+    parser.add_argument("--format", choices=["table", "json", "yaml", "python"], default="table")
+    parser.add_argument("--output", metavar="MANIFEST", help="write the manifest YAML for `agilerl.train` here")
+    parser.add_argument("--allow-download", action="store_true", help="fetch the config from the hub if not local")
+    add_fields(parser, Workload, group_title="workload")
+    add_fields(parser, FSDPConfig, group_title="FSDPConfig fields to fix (the planner chooses the rest)")
+    return parser
+
+
+def plan_main(argv: list[str]) -> int:
+    from pydantic import ValidationError
+
+    from . import emit
+    from .calibration import coefficients_for
+    from .choose import plan
+    from .hardware import Cluster, gpu_by_name
+    from .models import ModelNotFound, load_model_spec
+
+    parser = _plan_parser()
+    args = parser.parse_args(argv)
+    try:
+        gpu = gpu_by_name(args.gpu)
+        if args.gpu_memory:
+            gpu = gpu.model_copy(update={"name": f"{gpu.name} ({args.gpu_memory:g} GiB)",
+                                         "memory_bytes": int(args.gpu_memory * GIB)})
+        cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+        workload = Workload(**collect_fields(args, Workload))
+        fixed = collect_fields(args, FSDPConfig)
+        FSDPConfig(**fixed)
+    except (KeyError, ValidationError, ValueError) as err:
+        print(f"error: {_clean(err)}", file=sys.stderr)
+        return 2
+    try:
+        spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)
+    except ModelNotFound as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = plan(spec, workload, cluster, fixed=fixed, sharding=args.sharding,
+                      coefficients=coefficients_for(gpu), margin_fraction=args.margin)
+    except ValueError as err:
+        print(f"error: {_clean(err)}", file=sys.stderr)
+        return 2
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).write_text(emit.manifest_yaml(result))
+    if args.format == "json":
+        print(json.dumps(emit.plan_json(result), indent=2))
+    elif args.format == "yaml":
+        print(emit.manifest_yaml(result), end="")
+    elif args.format == "python":
+        print(emit.python_snippet(result))
+    else:
+        print(emit.table(result))
+        if args.output:
+            print(f"\nmanifest written to {args.output}")
+    return 0 if result.fits else 3
+
+
+def _clean(err: Exception) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in err.errors())
+    return str(err).strip("'\"")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "probe":
         return probe_main(argv[1:])
-    print("usage: agilerl-plan probe MODEL --gpus N ...  (see agilerl-plan probe --help)", file=sys.stderr)
-    return 2
+    return plan_main(argv)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agilerl.distributed import FSDPConfig
 
+from .names import COMPONENTS, PHASES
 from .workload import Workload
 
 __all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
-
-#: Phase and component names shared by the CLI, the JSON output, the TUI and the probe.
-PHASES = ("load", "rollout", "reference", "learn", "step", "save", "sync")
-COMPONENTS = (
-    "weights", "weights_gathered", "weights_replicated", "lora", "gradients", "optimizer_state", "activations",
-    "logits", "kv_cache", "vllm", "comm_buffers", "cuda_context", "allocator_slack",
-)
-
 
 class ProbeRequest(BaseModel):
     """What to measure."""

@@ -144,8 +144,8 @@ class GRPO(LLMAlgorithm):
         max_output_tokens: int = 256,
         max_model_len: int | None = None,
         micro_batch_size_per_gpu: int | None = None,
-        logprob_chunk_size: int | None = 1024,
-        gradient_checkpointing: bool = True,
+        logprob_chunk_size: int | None | str = "auto",
+        gradient_checkpointing: bool | str = "auto",
         use_separate_reference_adapter: bool = False,
         load_in_4bit: bool = False,
         vllm_config: VLLMConfig | None = None,
@@ -163,8 +163,12 @@ class GRPO(LLMAlgorithm):
                             ("max_output_tokens", max_output_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if logprob_chunk_size is not None and logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {logprob_chunk_size}")
+        if logprob_chunk_size not in (None, "auto") and (not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1):
+            raise ValueError(f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}")
+        if gradient_checkpointing not in (True, False, "auto"):
+            raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
+        self._auto_chunk = logprob_chunk_size == "auto"
+        self._auto_gc = gradient_checkpointing == "auto"
         super().__init__(
             model_name=model_name,
             actor_network=actor_network,
@@ -173,7 +177,7 @@ class GRPO(LLMAlgorithm):
             lora_config=lora_config,
             fsdp_config=fsdp_config,
             vllm_config=vllm_config,
-            gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing=True if gradient_checkpointing == "auto" else gradient_checkpointing,
             use_separate_reference_adapter=use_separate_reference_adapter,
             load_in_4bit=load_in_4bit,
             device=device,
@@ -193,11 +197,12 @@ class GRPO(LLMAlgorithm):
         self.temperature = temperature
         self.max_output_tokens = max_output_tokens
         self.max_model_len = max_model_len
-        self.logprob_chunk_size = logprob_chunk_size
+        self.logprob_chunk_size = 1024 if logprob_chunk_size == "auto" else logprob_chunk_size
         self.generation_kwargs: dict[str, Any] = {}
         self.engine = None
+        self.plan = None
         if self.fsdp_config == "auto":
-            self._resolve_auto_fsdp(micro_batch_size_per_gpu)
+            micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
         self._build(actor_network)
         self.eos_token_id = self._eos_token_id()
@@ -209,8 +214,40 @@ class GRPO(LLMAlgorithm):
             )
 
     # -- construction helpers ---------------------------------------------------------
-    def _resolve_auto_fsdp(self, micro_batch_size_per_gpu: int | None) -> None:
-        raise NotImplementedError("fsdp_config='auto' needs the planner, which is not available yet")
+    def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
+        """Ask the planner (on rank 0), share its choice with every rank, apply and log it."""
+        from agilerl.distributed import broadcast_object_list, is_main_process
+
+        from .core.autoplan import plan_for_agent
+
+        if not self.distributed:
+            self.fsdp_config = None
+            print("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
+                  "training unsharded", flush=True)
+            return micro
+        payload = [None]
+        if is_main_process():
+            try:
+                payload = [plan_for_agent(self, actor_network, micro)]
+            except Exception as err:  # every rank must learn about the failure, not only rank 0
+                payload = [{"error": f"{type(err).__name__}: {err}"}]
+        broadcast_object_list(payload, src=0)
+        result = payload[0]
+        if "error" in result:
+            raise RuntimeError(f"fsdp_config='auto': the planner failed: {result['error']}")
+        from agilerl.distributed import FSDPConfig
+
+        self.plan = result
+        self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
+        if self._auto_chunk:
+            self.logprob_chunk_size = result["logprob_chunk_size"]
+        if self._auto_gc:
+            self.gradient_checkpointing = result["gradient_checkpointing"]
+        if is_main_process():
+            print(result["summary"], flush=True)
+        if not result["fits"]:
+            raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
+        return micro if micro is not None else result["micro_batch_size_per_gpu"]
 
     def _check_batch_shape(self, micro: int | None) -> int:
         total = self.batch_size * self.group_size
@@ -352,14 +389,9 @@ class GRPO(LLMAlgorithm):
     @torch.no_grad()
     def sync_engine_weights(self) -> None:
         """Send the actor's merged weights (base + scaled LoRA) to the rollout engine (phase ``sync``)."""
-        from agilerl.distributed import gather_params
 
         with self._phase("sync"):
-            lm = causal_lm(self.model)
-            params = list(self.model.parameters())
-            with gather_params(self.model, params):
-                merged = _merged_weights(self.model, lm)
-                self.engine.load_weights(merged)
+            self.engine.load_weights(_merged_weights(self.model, causal_lm(self.model)))
 
     # -- learning ------------------------------------------------------------------------
     def _attention_mask(self, ids: torch.Tensor, action_masks: torch.Tensor) -> torch.Tensor:
@@ -517,23 +549,32 @@ class GRPO(LLMAlgorithm):
 
 
 def _merged_weights(model: nn.Module, lm: nn.Module):
-    """Base weights with each active LoRA delta merged, under Hugging Face names."""
+    """Base weights with the actor's LoRA delta merged, under Hugging Face names.
+
+    A generator that gathers one module's parameters at a time (and, for a
+    LoRA layer, its adapter), so a sharded actor never holds more than one
+    module unsharded. Every rank must consume it in the same order.
+    """
+    from agilerl.distributed import gather_params
+
     from .core.adapters import tuner_layers
 
-    deltas = {}
-    for layer in tuner_layers(model):
-        if ACTOR in getattr(layer, "lora_A", {}):
-            deltas[id(layer.get_base_layer())] = layer.get_delta_weight(ACTOR)
+    lora_of = {id(layer.get_base_layer()): layer for layer in tuner_layers(model)
+               if ACTOR in getattr(layer, "lora_A", {})}
+    seen: set[int] = set()
     for name, module in lm.named_modules():
-        base = getattr(module, "base_layer", None)
-        if base is not None:
+        if getattr(module, "base_layer", None) is not None or ".lora_" in f".{name}.":
             continue
-        for pname, p in module.named_parameters(recurse=False):
-            if ".lora_" in f".{name}.{pname}":
-                continue
-            full_name = f"{name}.{pname}" if name else pname
-            full_name = full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", "")
-            value = p
-            if pname == "weight" and id(module) in deltas:
-                value = p + deltas[id(module)].to(p.dtype)
-            yield full_name, value.detach()
+        own = [(pname, p) for pname, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        layer = lora_of.get(id(module))
+        extra = [layer.lora_A[ACTOR].weight, layer.lora_B[ACTOR].weight] if layer is not None else []
+        with gather_params(model, [p for _, p in own] + extra):
+            for pname, _ in own:
+                value = getattr(module, pname)
+                if pname == "weight" and layer is not None:
+                    value = value + layer.get_delta_weight(ACTOR).to(value.dtype)
+                full_name = f"{name}.{pname}" if name else pname
+                yield full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", ""), value.detach().clone()

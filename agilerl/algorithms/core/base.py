@@ -21,7 +21,6 @@ from torch import nn
 from agilerl.distributed import (
     FSDPConfig,
     build_optimizer,
-    full_model_state_dict,
     full_optimizer_state_dict,
     get_rank,
     get_world_size,
@@ -90,7 +89,7 @@ class LLMAlgorithm:
             )
         self.fsdp_config = normalise_fsdp_config(fsdp_config)
         self.distributed = init_distributed()
-        if self.fsdp_config is not None and self.fsdp_config != "auto" and not is_distributed():
+        if isinstance(self.fsdp_config, FSDPConfig) and not is_distributed():
             raise RuntimeError(
                 "fsdp_config shards the actor across ranks and needs a torch.distributed process group. "
                 "Launch with torchrun (for example `torchrun --nproc_per_node=2 train.py`), or pass "
@@ -207,10 +206,8 @@ class LLMAlgorithm:
         with self._phase("save"):
             keep = is_main_process()
             adapters = [ACTOR] + ([REFERENCE] if self.use_separate_reference_adapter else [])
-            state = full_model_state_dict(self.model, keep=keep)
-            weights = {
-                name: {k: state[k] for k in adapter_state_dict(self.model, name)} if keep else {} for name in adapters
-            }
+            # Only the adapters are saved: gather them one tensor at a time, never the base.
+            weights = {name: _gather_full(adapter_state_dict(self.model, name), keep) for name in adapters}
             optim = full_optimizer_state_dict(self.model, self.optimizer, keep=keep)
         if keep:
             path.mkdir(parents=True, exist_ok=True)
@@ -236,3 +233,14 @@ class LLMAlgorithm:
         load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
         self.steps = payload.get("steps", 0)
         self.scores = list(payload.get("scores", []))
+
+
+@torch.no_grad()
+def _gather_full(params: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+    """Full CPU copies of (possibly sharded) tensors, one gather at a time (collective)."""
+    out = {}
+    for key, p in params.items():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if keep:
+            out[key] = full.detach().cpu().clone()
+    return out

@@ -1,0 +1,211 @@
+"""Estimate vs measurement: the planner's per-rank peak against real probes of the trainer.
+
+    python benchmarks/accuracy.py [--device cpu] [--limit K] [--rerun] [--fit]
+
+Runs the probe over a fixed, seeded set of configurations of small models
+(two architectures; world sizes 1, 2 and 4; reshard on/off; wrap 1/2;
+checkpointing on/off; micro-batch 1/2/4; sequences of 64 to 512 tokens; LoRA
+rank 8 and 64; optimizer offload on/off), caches each measurement in
+``benchmarks/results/accuracy_<device>.json``, and prints estimated vs
+measured peak per rank, in total and per component.
+
+Configurations alternate between a fit half and a held-out half. ``--fit``
+fits the kernel-dependent coefficients (planner.memory.Coefficients) on the
+fit half only, writes them to ``planner/coefficients_<device>.json``, and the
+report's headline numbers are on the held-out half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agilerl.distributed import FSDPConfig  # noqa: E402
+from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
+from planner.memory import Coefficients, estimate  # noqa: E402
+from planner.models import load_model_spec  # noqa: E402
+from planner.probe import COMPONENTS, ProbeRequest, run_probe  # noqa: E402
+from planner.workload import Workload  # noqa: E402
+
+ARCHS = {
+    "qwen2": "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096",
+    "llama": "tiny:llama?hidden_size=192&intermediate_size=384&num_layers=3&num_heads=6&num_kv_heads=2&vocab_size=6144",
+}
+PHASES = ("rollout", "reference", "learn", "step")
+
+
+def configurations(count: int = 36, seed: int = 0) -> list[dict]:
+    """A seeded sample of the grid that covers every value of every knob."""
+    rng = random.Random(seed)
+    grid = dict(arch=list(ARCHS), world=[1, 2, 4], reshard=[True, False], wrap=[1, 2], gc=[True, False],
+                micro=[1, 2, 4], seq=[64, 128, 256, 512], rank=[8, 64], offload=[False, True], generate=[False, True])
+    configs = []
+    for i in range(count):
+        c = {k: v[i % len(v)] if i < 2 * max(len(x) for x in grid.values()) else rng.choice(v) for k, v in grid.items()}
+        # Decorrelate the knobs: shuffle each knob's cycle position by the seeded rng.
+        c = {k: rng.choice(v) if rng.random() < 0.5 else c[k] for k, v in grid.items()}
+        if c["world"] == 1:
+            c["offload"] = False  # unsharded: the offload knob belongs to FSDPConfig
+        c["id"] = i
+        c["half"] = "fit" if i % 2 == 0 else "held-out"
+        configs.append(c)
+    return configs
+
+
+def request_for(c: dict, device: str) -> ProbeRequest:
+    # Tracked generation is slow on CPU: generated configurations complete 64 tokens.
+    completion = min(64, c["seq"] // 2) if c["generate"] else c["seq"] // 2
+    workload = Workload(
+        prompts_per_step=2, group_size=8, prompt_tokens=c["seq"] - completion, completion_tokens=completion,
+        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
+        lora_rank=c["rank"], lora_alpha=2 * c["rank"], weights_dtype="float32", attn_implementation="sdpa",
+        generation="hf" if c["generate"] else "none",
+    )
+    fsdp = None
+    if c["world"] > 1:
+        fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0,
+                          reshard_after_forward=c["reshard"], wrap_every_n_blocks=c["wrap"],
+                          optim_cpu_offload=c["offload"])
+    return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
+                        generate=c["generate"], timed_steps=1, timeout_s=600)
+
+
+def measure(configs: list[dict], device: str, cache: Path, rerun: bool) -> dict[str, dict]:
+    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
+    for c in configs:
+        req = request_for(c, device)
+        key = req.model_dump_json()
+        if key in results:
+            continue
+        print(f"probe {c['id']:>2}: {json.dumps({k: v for k, v in c.items() if k not in ('id', 'half')})}", flush=True)
+        m = run_probe(req)
+        if not m.ok:
+            print(f"  FAILED: {m.failure.splitlines()[0]}")
+            continue
+        results[key] = {
+            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
+                       for ph in PHASES if any(ph in r.phases for r in m.ranks)},
+            "peak": m.peak_bytes,
+        }
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def estimate_for(c: dict, device: str, coefficients: Coefficients):
+    req = request_for(c, device)
+    spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
+    cluster = Cluster(gpu=CPU_DEVICE, num_gpus=c["world"])
+    return estimate(spec, req.workload, cluster, req.fsdp, coefficients=coefficients)
+
+
+def errors(configs, results, device, coefficients) -> list[dict]:
+    rows = []
+    for c in configs:
+        key = request_for(c, device).model_dump_json()
+        if key not in results:
+            continue
+        measured = results[key]
+        est = estimate_for(c, device, coefficients)
+        phases = {ph: rec for ph, rec in measured["phases"].items() if ph in est.phases}
+        m_peak = max(rec["total"] for rec in phases.values())
+        e_peak = max(est.phases[ph].total for ph in phases)
+        rows.append({"config": c, "measured": m_peak, "estimated": e_peak, "error": (e_peak - m_peak) / m_peak,
+                     "phases": {ph: (est.phases[ph].total, rec["total"]) for ph, rec in phases.items()},
+                     "components": {ph: ({n: est.phases[ph].components.get(n, 0) for n in COMPONENTS},
+                                         {n: rec.get(n, 0) for n in COMPONENTS}) for ph, rec in phases.items()}})
+    return rows
+
+
+def fit(configs, results, device) -> Coefficients:
+    """Least squares on relative phase-total errors over the fit half (Gauss-Newton, non-negative)."""
+    import numpy as np
+
+    names = ["act_hidden", "act_qkv", "act_mlp", "act_lora", "fwd_hidden", "fwd_mlp", "logits_copies_grad",
+             "logits_copies_unchunked", "logits_copies_nograd", "all_gather_overlap"]
+    base = Coefficients().model_dump()
+    x = np.array([base[n] for n in names], dtype=float)
+    train = [c for c in configs if c["half"] == "fit"]
+
+    def residuals(vec):
+        coeffs = Coefficients(**{**base, **dict(zip(names, vec.tolist()))})
+        out = []
+        for row in errors(train, results, device, coeffs):
+            for est, meas in row["phases"].values():
+                out.append((est - meas) / meas)
+        return np.array(out)
+
+    for _ in range(12):
+        r0 = residuals(x)
+        jac = np.zeros((len(r0), len(x)))
+        for j in range(len(x)):
+            step = max(1e-3, 1e-3 * abs(x[j]))
+            xp = x.copy()
+            xp[j] += step
+            jac[:, j] = (residuals(xp) - r0) / step
+        delta, *_ = np.linalg.lstsq(jac, -r0, rcond=None)
+        x = np.maximum(0.0, x + 0.7 * delta)
+    return Coefficients(**{**base, **dict(zip(names, [round(float(v), 4) for v in x]))})
+
+
+def report(rows: list[dict], title: str) -> None:
+    if not rows:
+        print(f"{title}: no measurements")
+        return
+    abs_err = [abs(r["error"]) for r in rows]
+    print(f"\n{title}: {len(rows)} configurations; peak per rank, mean |error| {100 * statistics.fmean(abs_err):.2f}%, "
+          f"max |error| {100 * max(abs_err):.2f}%")
+    print(f"{'id':>3} {'arch':>6} {'W':>2} {'resh':>5} {'wrap':>4} {'gc':>5} {'mb':>3} {'seq':>4} {'r':>3} {'offl':>5}"
+          f" {'gen':>5} {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}")
+    for r in rows:
+        c = r["config"]
+        print(f"{c['id']:>3} {c['arch']:>6} {c['world']:>2} {c['reshard']!s:>5} {c['wrap']:>4} {c['gc']!s:>5}"
+              f" {c['micro']:>3} {c['seq']:>4} {c['rank']:>3} {c['offload']!s:>5} {c['generate']!s:>5}"
+              f" {r['measured'] / 2**20:>13.2f} {r['estimated'] / 2**20:>13.2f} {100 * r['error']:>+6.2f}%")
+
+
+def component_report(rows: list[dict]) -> None:
+    print("\nper component, learn phase (sum over configurations; error of the sum):")
+    for name in COMPONENTS:
+        est = sum(r["components"].get("learn", ({}, {}))[0].get(name, 0) for r in rows)
+        meas = sum(r["components"].get("learn", ({}, {}))[1].get(name, 0) for r in rows)
+        if est or meas:
+            err = (est - meas) / meas * 100 if meas else float("inf")
+            print(f"  {name:<20} measured {meas / 2**20:>10.2f} MiB  estimate {est / 2**20:>10.2f} MiB  {err:+.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--limit", type=int, default=None, help="only the first K configurations")
+    parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
+    parser.add_argument("--fit", action="store_true", help="fit coefficients on the fit half and save them")
+    args = parser.parse_args()
+    configs = configurations()[: args.limit]
+    cache = ROOT / "benchmarks" / "results" / f"accuracy_{args.device}.json"
+    results = measure(configs, args.device, cache, args.rerun)
+    coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
+    if args.fit:
+        coefficients = fit(configs, results, args.device)
+        coeff_path.write_text(coefficients.model_dump_json(indent=1))
+        print(f"fitted on the fit half -> {coeff_path.relative_to(ROOT)}: {coefficients.model_dump()}")
+    elif coeff_path.exists():
+        coefficients = Coefficients.model_validate_json(coeff_path.read_text())
+    else:
+        coefficients = Coefficients()
+    rows = errors(configs, results, args.device, coefficients)
+    report([r for r in rows if r["config"]["half"] == "fit"], "fit half")
+    held = [r for r in rows if r["config"]["half"] == "held-out"]
+    report(held, "HELD-OUT half")
+    component_report(held)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""plan(...): pick the FSDPConfig choices the docs leave to "the memory estimate".
+
+Strategy, deterministic and fast (tens of estimates, a few ms each):
+
+1. Data parallel (no sharding) when the whole actor fits on every GPU with the
+   margin: it needs no weight gathers. Otherwise FSDP2.
+2. Start from the most frugal settings (reshard after forward, one block per
+   unit, prefetch 1, micro-batch 1, checkpointing on, the smallest log-prob
+   chunk, Adam state on the GPU unless only the host can hold it; CPU
+   parameter offload only as a last resort and only with a colocated vLLM).
+3. Relax one knob at a time, in order of what it buys in throughput, keeping
+   the estimated peak under capacity minus a safety margin: Adam on the GPU,
+   the largest micro-batch, no checkpointing, node-local sharding (HSDP),
+   no resharding, the largest log-prob chunk, bigger units, deeper prefetch.
+
+Fields the user fixed are never changed. When nothing fits, the plan says so
+and names the smallest changes that would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from agilerl.distributed import FSDPConfig
+
+from .hardware import Cluster
+from .memory import Coefficients, Estimate, estimate
+from .spec import ModelSpec
+from .workload import Workload
+
+__all__ = ["Decision", "Plan", "plan", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
+
+LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
+EXPERT_CHUNKS_MIB = (64, 128, 256, 512)
+GIB = 2**30
+
+
+class Decision(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    field: str
+    value: Any
+    reason: str
+
+
+class Plan(BaseModel):
+    """The chosen configuration, its estimate and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    cluster: Cluster
+    fsdp: FSDPConfig | None
+    workload: Workload  # with micro-batch, log-prob chunk and checkpointing resolved
+    estimate: Estimate
+    decisions: tuple[Decision, ...]
+    fits: bool
+    margin_bytes: int
+    suggestions: tuple[str, ...] = ()
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.estimate.headroom_bytes
+
+    def reasons(self) -> dict[str, str]:
+        return {d.field: d.reason for d in self.decisions}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+class _Search:
+    def __init__(self, spec, cluster, coefficients, margin):
+        self.spec, self.cluster, self.coefficients, self.margin = spec, cluster, coefficients, margin
+        self.limit = cluster.gpu.memory_bytes - margin
+
+    def estimate(self, workload: Workload, fsdp: FSDPConfig | None) -> Estimate:
+        return estimate(self.spec, workload, self.cluster, fsdp, coefficients=self.coefficients)
+
+    def fits(self, workload, fsdp) -> bool:
+        return self.estimate(workload, fsdp).peak_bytes <= self.limit
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    fixed: dict[str, Any] | None = None,
+    sharding: str = "auto",
+    colocated_vllm: bool | None = None,
+    coefficients: Coefficients | None = None,
+    margin_fraction: float = 0.05,
+) -> Plan:
+    """Choose FSDPConfig fields and workload knobs the user left open.
+
+    ``fixed``: FSDPConfig fields the user set (never changed). ``sharding``:
+    "auto" (data parallel when it fits, else FSDP2), "fsdp" or "none".
+    """
+    fixed = dict(fixed or {})
+    FSDPConfig(**fixed)  # validate the user's fields early, with FSDPConfig's own errors
+    if sharding not in ("auto", "fsdp", "none"):
+        raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
+    colocated = workload.generation == "vllm" if colocated_vllm is None else colocated_vllm
+    margin = int(cluster.gpu.memory_bytes * margin_fraction)
+    search = _Search(spec, cluster, coefficients, margin)
+    W = cluster.num_gpus
+    decisions: list[Decision] = []
+    user_micro = workload.micro_batch_size_per_gpu
+    user_chunk = workload.logprob_chunk_size
+    user_gc = workload.gradient_checkpointing
+
+    def with_(wl: Workload, **kw) -> Workload:
+        return wl.model_copy(update=kw)
+
+    frugal = with_(workload, micro_batch_size_per_gpu=user_micro or 1,
+                   logprob_chunk_size=user_chunk or LOGPROB_CHUNKS[0],
+                   gradient_checkpointing=True if user_gc is None else user_gc)
+    if workload.load_in_4bit and sharding == "fsdp":
+        raise ValueError("QLoRA (load_in_4bit) cannot be sharded with FSDP2 here; use sharding='none'")
+
+    # 1. data parallel or FSDP2
+    use_fsdp = sharding == "fsdp" or (sharding == "auto" and W > 1 and not workload.load_in_4bit)
+    if sharding == "auto" and W > 1 and not workload.load_in_4bit:
+        if search.fits(frugal, None):
+            use_fsdp = False
+            decisions.append(Decision(field="sharding", value="data parallel",
+                                      reason="the whole actor fits on each GPU, so no weight gathers are needed"))
+        else:
+            need = search.estimate(frugal, None).peak_bytes
+            decisions.append(Decision(field="sharding", value="fsdp",
+                                      reason=f"unsharded it needs {_gib(need)} per GPU, over {_gib(search.limit)}"))
+    elif W == 1 and sharding != "fsdp":
+        use_fsdp = False
+        decisions.append(Decision(field="sharding", value="none", reason="one device: no sharding needed"))
+    if sharding == "none":
+        use_fsdp = False
+
+    fsdp: FSDPConfig | None = None
+    if use_fsdp:
+        base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
+                    optim_cpu_offload=False, cpu_offload=False, shard_group_size=None)
+        base.update(fixed)
+        fsdp = FSDPConfig(**base)
+        if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
+            fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
+        if not search.fits(frugal, fsdp) and colocated and "cpu_offload" not in fixed:
+            candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
+            if search.fits(frugal, candidate):
+                fsdp = candidate
+                decisions.append(Decision(field="cpu_offload", value=True, reason=(
+                    "last resort: parameters and gradients on the host; nothing else fits")))
+
+    current = frugal
+    if not search.fits(current, fsdp):
+        est = search.estimate(current, fsdp)
+        suggestions = _suggest(spec, workload, cluster, coefficients, margin, fixed)
+        decisions.append(Decision(field="fits", value=False, reason=(
+            f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
+            f"over the {_gib(search.limit)} available")))
+        return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
+                    decisions=tuple(decisions), fits=False, margin_bytes=margin, suggestions=tuple(suggestions))
+
+    def note(field: str, value: Any, reason: str) -> None:
+        decisions.append(Decision(field=field, value=value, reason=reason))
+
+    # 2. relax, in order of throughput value
+    if fsdp is not None and not fsdp.cpu_offload and "optim_cpu_offload" not in fixed:
+        if fsdp.optim_cpu_offload:
+            on_gpu = search.estimate(current, fsdp.model_copy(update={"optim_cpu_offload": False})).peak_bytes
+            note("optim_cpu_offload", True, f"Adam state on the GPU would need {_gib(on_gpu)} per GPU; "
+                                            f"on the host it fits")
+        else:
+            note("optim_cpu_offload", False, "Adam state fits on the GPU (fused AdamW there is fastest)")
+
+    n = workload.completions_per_rank(W // (fsdp.tp if fsdp else 1))
+    if user_micro is None:
+        best = 1
+        for mb in _divisors(n):
+            if search.fits(with_(current, micro_batch_size_per_gpu=mb), fsdp):
+                best = mb
+        current = with_(current, micro_batch_size_per_gpu=best)
+        note("micro_batch_size_per_gpu", best, f"the largest divisor of the {n} completions per GPU that fits"
+             if best < n else f"all {n} completions per GPU in one micro-batch fit")
+
+    if user_gc is None:
+        if search.fits(with_(current, gradient_checkpointing=False), fsdp):
+            current = with_(current, gradient_checkpointing=False)
+            note("gradient_checkpointing", False, "activations of every block fit: no recompute in backward")
+        else:
+            off = search.estimate(with_(current, gradient_checkpointing=False), fsdp).peak_bytes
+            note("gradient_checkpointing", True, f"without it the learn phase needs {_gib(off)}")
+
+    if fsdp is not None:
+        per_node = cluster.per_node
+        if "shard_group_size" not in fixed and cluster.num_nodes > 1:
+            hsdp = fsdp.model_copy(update={"shard_group_size": per_node})
+            if search.fits(current, hsdp):
+                fsdp = hsdp
+                note("shard_group_size", per_node, f"weights sharded within a node of {per_node} GPUs fit, so "
+                                                   "all-gathers stay on the node's fast links (HSDP)")
+            else:
+                note("shard_group_size", None, f"sharding only within a node of {per_node} GPUs does not fit")
+        elif "shard_group_size" not in fixed:
+            note("shard_group_size", None, "one node: sharding across all its GPUs")
+        if "reshard_after_forward" not in fixed:
+            keep = fsdp.model_copy(update={"reshard_after_forward": False})
+            if search.fits(current, keep):
+                fsdp = keep
+                note("reshard_after_forward", False, "every unit can stay gathered from forward to backward: "
+                                                     "no second all-gather")
+            else:
+                note("reshard_after_forward", True, "keeping all units gathered does not fit")
+
+    if user_chunk is None:
+        best = LOGPROB_CHUNKS[0]
+        for chunk in LOGPROB_CHUNKS:
+            if search.fits(with_(current, logprob_chunk_size=chunk), fsdp):
+                best = chunk
+        current = with_(current, logprob_chunk_size=best)
+        note("logprob_chunk_size", best, "the largest log-prob chunk (token rows) whose logits workspace fits")
+
+    if fsdp is not None:
+        if "wrap_every_n_blocks" not in fixed:
+            best = 1
+            for wrap in (2, 4):
+                if wrap <= spec.num_layers and search.fits(current, fsdp.model_copy(update={"wrap_every_n_blocks": wrap})):
+                    best = wrap
+            fsdp = fsdp.model_copy(update={"wrap_every_n_blocks": best})
+            note("wrap_every_n_blocks", best, "fewer, bigger collectives" if best > 1 else
+                 "bigger units do not fit")
+        for field in ("prefetch_units", "backward_prefetch_units"):
+            if field in fixed:
+                continue
+            deeper = fsdp.model_copy(update={field: 2})
+            if search.fits(current, deeper):
+                fsdp = deeper
+                note(field, 2, "a second unit in flight fits: more overlap of gathers with compute")
+            else:
+                note(field, 1, "only one neighbouring unit fits in flight")
+        if spec.is_moe and "routed_expert_chunk_mib" not in fixed:
+            fsdp = fsdp.model_copy(update={"routed_expert_chunk_mib": EXPERT_CHUNKS_MIB[0]})
+            note("routed_expert_chunk_mib", EXPERT_CHUNKS_MIB[0],
+                 "the expert chunk is not modelled by the estimate yet: the smallest, safest size")
+
+    est = search.estimate(current, fsdp)
+    note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
+                       f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
+    return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
+                decisions=tuple(decisions), fits=True, margin_bytes=margin)
+
+
+def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
+    """The smallest changes that make the most frugal plan fit, by kind."""
+    out: list[str] = []
+
+    def feasible(wl: Workload, cl: Cluster) -> bool:
+        try:
+            p = plan(spec, wl, cl, fixed=fixed, coefficients=coefficients, margin_fraction=margin / cl.gpu.memory_bytes,
+                     sharding="auto" if not wl.load_in_4bit else "none")
+        except ValueError:
+            return False
+        return p.fits
+
+    for factor in (2, 4, 8, 16, 32, 64):
+        gpus = cluster.num_gpus * factor
+        total = workload.completions_per_step
+        if total % gpus:
+            continue
+        per = cluster.gpus_per_node
+        cl = cluster.model_copy(update={"num_gpus": gpus, "gpus_per_node": min(per, gpus) if per else None})
+        if feasible(workload, cl):
+            where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""
+            out.append(f"use {gpus} GPUs{where}")
+            break
+    if workload.micro_batch_size_per_gpu and workload.micro_batch_size_per_gpu > 1:
+        wl = workload.model_copy(update={"micro_batch_size_per_gpu": 1})
+        if feasible(wl, cluster):
+            out.append("use micro_batch_size_per_gpu=1")
+    if not workload.load_in_4bit and cluster.num_gpus == 1:
+        wl = workload.model_copy(update={"load_in_4bit": True})
+        if feasible(wl, cluster):
+            out.append("use QLoRA (load_in_4bit=True; one device or data parallel)")
+    completion = workload.completion_tokens
+    while completion > 16:
+        completion //= 2
+        wl = workload.model_copy(update={"completion_tokens": completion})
+        if feasible(wl, cluster):
+            out.append(f"shorten completions to {completion} tokens")
+            break
+    if not out:
+        out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
+    return out
+
+
+def _fits_ratio(est: Estimate) -> float:
+    return est.peak_bytes / est.capacity_bytes if est.capacity_bytes else math.inf

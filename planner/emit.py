@@ -1,0 +1,178 @@
+"""Write a Plan out: a readable table, JSON, a manifest for `agilerl.train`, a Python snippet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from agilerl.distributed import FSDPConfig
+
+from .choose import Plan
+from .memory import Estimate
+from .names import COMPONENTS, PHASES
+
+__all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
+
+GIB = 2**30
+
+
+def _fsdp_fields(fsdp: FSDPConfig | None) -> dict[str, Any] | bool:
+    if fsdp is None:
+        return False
+    return fsdp.model_dump(mode="json", exclude_defaults=True) or True
+
+
+def manifest_dict(plan: Plan) -> dict[str, Any]:
+    """A manifest (agilerl.manifest.Manifest) that trains exactly the planned run."""
+    w = plan.workload
+    algorithm: dict[str, Any] = {
+        "name": "GRPO",
+        "model_name": plan.model,
+        "fsdp": _fsdp_fields(plan.fsdp),
+        "group_size": w.group_size,
+        "beta": w.beta,
+        "update_epochs": w.update_epochs,
+        "max_output_tokens": w.completion_tokens,
+        "max_model_len": w.sequence_tokens,
+        "micro_batch_size_per_gpu": w.micro_batch_size_per_gpu,
+        "logprob_chunk_size": w.logprob_chunk_size,
+        "gradient_checkpointing": w.gradient_checkpointing,
+        "use_separate_reference_adapter": w.use_separate_reference_adapter,
+        "load_in_4bit": w.load_in_4bit,
+        "dtype": w.weights_dtype,
+    }
+    engines = 0
+    if w.generation == "vllm":
+        algorithm["vllm"] = {"gpu_memory_utilization": w.vllm_gpu_memory_utilization, "sleep_level": w.vllm_sleep_level}
+        engines = plan.cluster.num_gpus
+    targets = w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)
+    return {
+        "algorithm": algorithm,
+        "training": {"rollout_batch_size": w.prompts_per_step, "training_gpus_per_agent": plan.cluster.num_gpus,
+                     "rollout_engines_per_agent": engines},
+        "lora": {"r": w.lora_rank, "alpha": w.lora_alpha, "target_modules": targets},
+    }
+
+
+def manifest_yaml(plan: Plan) -> str:
+    est = plan.estimate
+    header = [
+        f"# agilerl-plan: {plan.model} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}",
+        f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
+        f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
+        f"# run: torchrun --nproc_per_node={plan.cluster.per_node} -m agilerl.train <this file>",
+    ]
+    return "\n".join(header) + "\n" + yaml.safe_dump(manifest_dict(plan), sort_keys=False)
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    est = plan.estimate
+    return {
+        "model": plan.model,
+        "fits": plan.fits,
+        "cluster": plan.cluster.model_dump(mode="json"),
+        "fsdp_config": plan.fsdp.model_dump(mode="json") if plan.fsdp else None,
+        "workload": plan.workload.model_dump(mode="json"),
+        "peak_bytes": est.peak_bytes,
+        "peak_phase": est.peak_phase,
+        "capacity_bytes": est.capacity_bytes,
+        "headroom_bytes": est.headroom_bytes,
+        "margin_bytes": plan.margin_bytes,
+        "host_peak_bytes_per_rank": est.host_peak_bytes,
+        "host_peak_bytes_per_node": est.host_per_node_bytes,
+        "phases": {name: {"components": ph.components, "total": ph.total, "host": ph.host}
+                   for name, ph in est.phases.items()},
+        "decisions": [d.model_dump(mode="json") for d in plan.decisions],
+        "suggestions": list(plan.suggestions),
+        "notes": list(est.notes),
+        "manifest": manifest_dict(plan),
+    }
+
+
+def python_snippet(plan: Plan) -> str:
+    w = plan.workload
+    lines = ["from agilerl.algorithms import GRPO", "from agilerl.distributed import FSDPConfig", ""]
+    if plan.fsdp is not None:
+        fields = plan.fsdp.model_dump(exclude_defaults=True)
+        args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        lines.append(f"fsdp_config = FSDPConfig({args})")
+    else:
+        lines.append("fsdp_config = None  # no sharding needed")
+    lines += [
+        "agent = GRPO(",
+        f"    model_name={plan.model!r},",
+        "    pad_token_id=tokenizer.pad_token_id,",
+        "    pad_token=tokenizer.pad_token,",
+        f"    batch_size={w.prompts_per_step},",
+        f"    group_size={w.group_size},",
+        f"    max_output_tokens={w.completion_tokens},",
+        f"    micro_batch_size_per_gpu={w.micro_batch_size_per_gpu},",
+        f"    logprob_chunk_size={w.logprob_chunk_size},",
+        f"    gradient_checkpointing={w.gradient_checkpointing},",
+        "    fsdp_config=fsdp_config,",
+        ")",
+    ]
+    return "\n".join(lines)
+
+
+def _bar(value: int, capacity: int, width: int = 30) -> str:
+    filled = min(width, round(width * value / capacity)) if capacity else 0
+    return "#" * filled + "." * (width - filled) + ("!" if value > capacity else " ")
+
+
+def estimate_table(est: Estimate, *, capacity: int | None = None) -> str:
+    capacity = capacity or est.capacity_bytes
+    present = [c for c in COMPONENTS if any(p.components.get(c) for p in est.phases.values())]
+    lines = [f"{'phase':<10} {'GiB':>7}  {'of ' + format(capacity / GIB, '.1f') + ' GiB':<31}  largest components"]
+    for name in PHASES:
+        ph = est.phases.get(name)
+        if ph is None:
+            continue
+        top = sorted(((v, c) for c, v in ph.components.items() if v), reverse=True)[:3]
+        parts = ", ".join(f"{c} {v / GIB:.2f}" for v, c in top)
+        marker = "  <- peak" if name == est.peak_phase else ""
+        lines.append(f"{name:<10} {ph.total / GIB:>7.2f}  {_bar(ph.total, capacity)}  {parts}{marker}")
+    lines.append("")
+    header = f"{'GiB per GPU':<20}" + "".join(f"{p[:9]:>10}" for p in PHASES if p in est.phases)
+    lines.append(header)
+    for c in present:
+        row = f"{c:<20}" + "".join(f"{est.phases[p].components.get(c, 0) / GIB:>10.2f}" for p in PHASES if p in est.phases)
+        lines.append(row)
+    lines.append(f"{'total':<20}" + "".join(f"{est.phases[p].total / GIB:>10.2f}" for p in PHASES if p in est.phases))
+    lines.append(f"host per rank {est.host_peak_bytes / GIB:.2f} GiB, per node {est.host_per_node_bytes / GIB:.2f} GiB")
+    return "\n".join(lines)
+
+
+def table(plan: Plan) -> str:
+    est = plan.estimate
+    c = plan.cluster
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines = [
+        f"{plan.model} on {c.num_gpus} x {c.gpu.name} ({c.gpu.memory_bytes / GIB:.1f} GiB"
+        f"{f', {c.per_node} per node' if c.num_nodes > 1 else ''}): {verdict}",
+        f"peak {est.peak_bytes / GIB:.2f} GiB per GPU in phase {est.peak_phase}; headroom "
+        f"{est.headroom_bytes / GIB:.2f} GiB (safety margin {plan.margin_bytes / GIB:.2f} GiB)",
+        "",
+        estimate_table(est),
+        "",
+    ]
+    if plan.fsdp is not None:
+        lines.append("FSDPConfig: " + ", ".join(f"{k}={v}" for k, v in plan.fsdp.model_dump(exclude_defaults=True).items()))
+    else:
+        lines.append("FSDPConfig: none (no sharding)")
+    w = plan.workload
+    lines.append(f"micro_batch_size_per_gpu={w.micro_batch_size_per_gpu}, logprob_chunk_size={w.logprob_chunk_size}, "
+                 f"gradient_checkpointing={w.gradient_checkpointing}")
+    lines.append("")
+    lines.append("why:")
+    for d in plan.decisions:
+        lines.append(f"  {d.field} = {d.value}: {d.reason}")
+    if plan.suggestions:
+        lines.append("")
+        lines.append("what would fit:")
+        lines.extend(f"  - {s}" for s in plan.suggestions)
+    if est.notes:
+        lines.append("")
+        lines.extend(f"note: {n}" for n in est.notes)
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""GPUs and clusters. Pure data.
+
+``memory_bytes`` is what ``torch.cuda.get_device_properties().total_memory``
+reports (less than the marketing figure: the driver reserves some). The CUDA
+context is allocated outside the PyTorch caching allocator; its default here is
+a public measurement where one exists (A100 ~501 MiB, L4 ~226 MiB) and 512 MiB
+otherwise, and probes on the GPU calibrate it (planner.calibration).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE"]
+
+GIB = 2**30
+MIB = 2**20
+
+
+class GPU(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(description="Device name.")]
+    memory_bytes: Annotated[int, Field(gt=0, description="Device memory as torch reports it.")]
+    kind: Annotated[Literal["cuda", "rocm", "cpu"], Field(description="Accelerator family ('cpu' for CPU probes).")] = "cuda"
+    cuda_context_bytes: Annotated[int, Field(ge=0, description="Context memory outside the caching allocator.")] = 512 * MIB
+    memory_bandwidth_gbps: Annotated[float | None, Field(description="HBM bandwidth, GB/s.")] = None
+    source: Annotated[str, Field(description="Where the figures come from.")] = ""
+
+
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in [
+        GPU(name="A100-40GB", memory_bytes=42_505_273_344, cuda_context_bytes=501 * MIB, memory_bandwidth_gbps=1555,
+            source="NVIDIA A100 datasheet; context: public measurement (~501 MiB)"),
+        GPU(name="A100-80GB", memory_bytes=85_100_068_864, cuda_context_bytes=501 * MIB, memory_bandwidth_gbps=2039,
+            source="NVIDIA A100 datasheet; context as A100-40GB"),
+        GPU(name="H100-80GB", memory_bytes=85_045_231_616, memory_bandwidth_gbps=3350,
+            source="NVIDIA H100 SXM datasheet"),
+        GPU(name="H200", memory_bytes=150_754_820_096, memory_bandwidth_gbps=4800,
+            source="NVIDIA H200 datasheet (141 GB HBM3e; ~139.4 GiB visible)"),
+        GPU(name="L4", memory_bytes=23_580_639_232, cuda_context_bytes=226 * MIB, memory_bandwidth_gbps=300,
+            source="NVIDIA L4 datasheet; context: public measurement (~226 MiB)"),
+        GPU(name="A10G", memory_bytes=23_836_098_560, memory_bandwidth_gbps=600, source="AWS G5 / NVIDIA A10G"),
+        GPU(name="RTX-4090", memory_bytes=25_390_809_088, memory_bandwidth_gbps=1008, source="NVIDIA RTX 4090 specs"),
+        GPU(name="MI300X", memory_bytes=205_822_885_888, kind="rocm", memory_bandwidth_gbps=5300,
+            source="AMD Instinct MI300X datasheet (192 GB HBM3)"),
+    ]
+}
+
+#: A CPU "device" for probes and tests: no GPU-only terms.
+CPU_DEVICE = GPU(name="cpu", memory_bytes=64 * GIB, kind="cpu", cuda_context_bytes=0, source="CPU probe")
+
+
+def gpu_by_name(name: str) -> GPU:
+    """A catalog GPU by name (case- and punctuation-insensitive), or KeyError with suggestions."""
+    def norm(s: str) -> str:
+        return "".join(ch for ch in s.lower() if ch.isalnum())
+
+    table = {norm(k): v for k, v in GPUS.items()}
+    key = norm(name)
+    if key in table:
+        return table[key]
+    aliases = {"a100": "A100-80GB", "h100": "H100-80GB", "4090": "RTX-4090", "rtx4090": "RTX-4090"}
+    if key in aliases:
+        return GPUS[aliases[key]]
+    close = difflib.get_close_matches(name, list(GPUS), n=3, cutoff=0.3)
+    raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+
+
+class Cluster(BaseModel):
+    """The GPUs a run gets: how many, how many per node, which kind."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpu: GPU
+    num_gpus: Annotated[int, Field(ge=1, description="Trainer GPUs (ranks) in total.")] = 1
+    gpus_per_node: Annotated[int | None, Field(ge=1, description="GPUs per node; None: all on one node.")] = None
+    host_memory_per_node_bytes: Annotated[int | None, Field(ge=1, description="Host RAM per node, if known.")] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Cluster:
+        per_node = self.gpus_per_node or self.num_gpus
+        if self.num_gpus > per_node and self.num_gpus % per_node:
+            raise ValueError(
+                f"--gpus {self.num_gpus} is not a multiple of --gpus-per-node {per_node}: nodes are assumed identical"
+            )
+        return self
+
+    @property
+    def per_node(self) -> int:
+        return min(self.gpus_per_node or self.num_gpus, self.num_gpus)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.num_gpus // self.per_node)

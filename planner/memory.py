@@ -1,0 +1,436 @@
+"""estimate(spec, workload, cluster, fsdp) -> per-rank, per-phase memory by component.
+
+Pure and fast (no torch; ~1 ms for a 70B once the spec exists). It models what
+*this project's* GRPO trainer does (agilerl.algorithms.GRPO on
+agilerl.distributed.apply_fsdp2), phase by phase; peak is the largest phase
+(DESIGN.md decision 3). Every number is per rank: rank 0, which holds the
+largest shards (FSDP2 gives rank i rows ``[i*ceil(d/S), (i+1)*ceil(d/S))``).
+
+Notation: ``S`` ranks share a weight shard (``shard_group_size`` or all), ``D``
+data-parallel ranks, ``n = prompts x group / D`` completions per rank, ``m``
+the micro-batch, ``T`` prompt + completion tokens, ``N = m T`` tokens per
+micro-batch, ``c`` the log-prob chunk (token rows), ``V`` the vocabulary,
+``H`` hidden size, ``p`` bytes of the compute dtype (FSDP ``param_dtype``,
+or the weights' dtype unsharded), ``w`` bytes of the stored weights.
+
+Where a term's size depends on kernels rather than shapes (activations saved
+for backward, logits temporaries, the all-gather copy-out), it carries a
+coefficient from :class:`Coefficients`, fitted on measured probes
+(benchmarks/accuracy.py fits on one half of its configurations and reports
+the other). The measured error of the whole estimate is in the README.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agilerl.distributed import FSDPConfig
+
+from .hardware import Cluster
+from .spec import ModelSpec
+from .workload import Workload
+
+__all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MIB = 2**20
+GIB = 2**30
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 * 1.0 + 4 / (64 * 256)  # 4-bit + double-quantised absmax per 64
+
+
+class Coefficients(BaseModel):
+    """Kernel-dependent constants of the estimate (fitted; see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Bytes of activations autograd saves per token of one block, as multiples of p x width:
+    act_hidden: Annotated[float, Field(description="saved per token per block, x hidden_size")] = 8.0
+    act_qkv: Annotated[float, Field(description="saved per token per block, x (q + 2 kv) width")] = 2.0
+    act_mlp: Annotated[float, Field(description="saved per token per block, x MLP width")] = 4.0
+    act_lora: Annotated[float, Field(description="saved per token per adapted linear, x rank")] = 1.0
+    # Peak temporaries of one block's forward without grad, as multiples of p x width per token:
+    fwd_hidden: Annotated[float, Field(description="no-grad forward temporaries, x hidden_size")] = 3.0
+    fwd_mlp: Annotated[float, Field(description="no-grad forward temporaries, x MLP width")] = 3.0
+    # Log-prob workspace: copies of a chunk's fp32 logits alive at the peak.
+    logits_copies_grad: Annotated[float, Field(description="fp32 logits copies, chunked with grad")] = 4.0
+    logits_copies_unchunked: Annotated[float, Field(description="fp32 logits copies, all rows at once with grad")] = 3.0
+    logits_copies_nograd: Annotated[float, Field(description="fp32 logits copies without grad")] = 2.0
+    # FSDP2 all-gather: output buffer alive beside the copied-out parameters (fraction of a unit).
+    all_gather_overlap: Annotated[float, Field(description="all-gather buffer beside the unsharded unit")] = 1.0
+    # GPU-only terms.
+    nccl_bytes: Annotated[int, Field(description="NCCL communicator buffers per rank (multi-GPU)")] = 256 * MIB
+    allocator_slack_fraction: Annotated[float, Field(description="caching-allocator fragmentation, x allocated")] = 0.07
+    vllm_sleep_residual_bytes: Annotated[int, Field(description="what a sleeping vLLM engine keeps on the GPU")] = 512 * MIB
+    host_process_bytes: Annotated[int, Field(description="host memory of a trainer process before the model")] = 2 * GIB
+
+
+class PhaseEstimate(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    components: dict[str, int]
+    host: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+class Estimate(BaseModel):
+    """Per-rank memory of one GRPO run, per phase and component, against capacity."""
+
+    model_config = ConfigDict(frozen=True)
+
+    phases: dict[str, PhaseEstimate]
+    capacity_bytes: int
+    gpus_per_node: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k].total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phases[self.peak_phase].total
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return max(p.host_total for p in self.phases.values())
+
+    @property
+    def host_per_node_bytes(self) -> int:
+        return self.host_peak_bytes * self.gpus_per_node
+
+
+@dataclass
+class _Tensor:
+    rows: int
+    rest: int
+    sharded: bool
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.rest
+
+    def local(self, shards: int) -> int:
+        if not self.sharded:
+            return self.numel
+        return math.ceil(self.rows / shards) * self.rest
+
+
+@dataclass
+class _Unit:
+    name: str
+    base: list[_Tensor] = field(default_factory=list)
+    lora: list[_Tensor] = field(default_factory=list)
+
+    def full_sharded_numel(self) -> tuple[int, int]:
+        return (sum(t.numel for t in self.base if t.sharded), sum(t.numel for t in self.lora if t.sharded))
+
+
+def _tensor(shape: tuple[int, ...], threshold: float) -> _Tensor:
+    rows = shape[0] if shape else 1
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    numel = rows * rest
+    return _Tensor(rows=rows, rest=rest, sharded=numel >= threshold)
+
+
+def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
+    """The workload with the trainer's own defaults for fields left to the planner."""
+    n = workload.completions_per_rank(data_parallel_ranks)
+    return workload.model_copy(update={
+        "micro_batch_size_per_gpu": workload.micro_batch_size_per_gpu or n,
+        "gradient_checkpointing": True if workload.gradient_checkpointing is None else workload.gradient_checkpointing,
+    })
+
+
+def _lora_shapes(spec: ModelSpec, workload: Workload) -> list[list[tuple[int, int]]]:
+    """Per block: the (in, out) of every adapted linear."""
+    key = ModelSpec._target_key(workload.lora_targets)
+    if not spec.has_lora_targets(workload.lora_targets):
+        raise KeyError(f"the spec of {spec.name} has no LoRA coverage for targets {key!r}; rebuild it with them")
+    return [[(i, o) for _, i, o in b.lora[key]] for b in spec.blocks]
+
+
+def estimate(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    fsdp: FSDPConfig | None,
+    *,
+    coefficients: Coefficients | None = None,
+) -> Estimate:
+    """Per-rank memory of a GRPO run by phase and component (see the module docstring)."""
+    k = coefficients or Coefficients()
+    gpu_terms = cluster.gpu.kind != "cpu"
+    W = cluster.num_gpus
+    tp = fsdp.tp if fsdp else 1
+    D = max(1, W // tp)
+    workload = resolve_workload(workload, data_parallel_ranks=D)
+    S = (fsdp.shard_group_size or W) if fsdp else 1
+    threshold = fsdp.param_persistence_threshold if fsdp else math.inf
+    w = DTYPE_BYTES[workload.weights_dtype]
+    p = DTYPE_BYTES[fsdp.param_dtype] if fsdp else w
+    n = workload.completions_per_rank(D)
+    m = workload.micro_batch_size_per_gpu
+    T = workload.sequence_tokens
+    N = m * T
+    V, H = spec.vocab_size, spec.hidden_size
+    r = workload.lora_rank
+    adapters = 2 if workload.use_separate_reference_adapter else 1
+    notes: list[str] = []
+
+    # -- tensors and FSDP units --------------------------------------------------------------
+    lora_shapes = _lora_shapes(spec, workload)
+    units: list[_Unit] = []
+    embed = _tensor(spec.embed_shape, threshold)
+    head = _tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
+    root = _Unit("root", base=[_tensor(s, threshold) for _, s in spec.root_tensors])
+    if spec.tie_word_embeddings:
+        root.base.append(embed)
+    else:
+        units.append(_Unit("embed", base=[embed]))
+    wrap = fsdp.wrap_every_n_blocks if fsdp else 1
+    for start in range(0, spec.num_layers, wrap):
+        unit = _Unit(f"blocks.{start}")
+        for i in range(start, min(start + wrap, spec.num_layers)):
+            unit.base.extend(_tensor(s, threshold) for _, s in spec.block(i).tensors)
+            for lin_in, lin_out in lora_shapes[i]:
+                for _ in range(adapters):
+                    unit.lora.append(_tensor((r, lin_in), threshold))
+                    unit.lora.append(_tensor((lin_out, r), threshold))
+        units.append(unit)
+    if head is not None:
+        units.append(_Unit("lm_head", base=[head]))
+    all_units = units + [root]
+    block_units = [u for u in units if u.name.startswith("blocks.")]
+
+    base_tensors = [t for u in all_units for t in u.base]
+    lora_tensors = [t for u in all_units for t in u.lora]
+    if workload.load_in_4bit:
+        weights = int(sum(t.numel for t in base_tensors if t is not embed and t is not head) * NF4_BYTES_PER_PARAM)
+        weights += embed.numel * w + (head.numel * w if head else 0)
+        weights_replicated = 0
+        notes.append("QLoRA: NF4 base weights (embeddings and lm_head kept in the weights dtype)")
+    elif fsdp is None:  # unsharded: every rank holds the whole base
+        weights = sum(t.numel * w for t in base_tensors)
+        weights_replicated = 0
+    else:
+        weights = sum(t.local(S) * w for t in base_tensors if t.sharded)
+        weights_replicated = sum(t.numel * w for t in base_tensors if not t.sharded)
+    lora_local = sum(t.local(S) for t in lora_tensors)  # elements, all adapters
+    trainable_local = lora_local // adapters if adapters else lora_local
+    trainable_tensors = len(lora_tensors) // adapters
+    lora_bytes = lora_local * 4  # PEFT keeps adapters in fp32
+
+    offload_optim = bool(fsdp and fsdp.optim_cpu_offload)
+    cpu_offload = bool(fsdp and fsdp.cpu_offload)
+    optimizer_device = 0 if (offload_optim or cpu_offload) else trainable_local * 8 + trainable_tensors * 4
+    host_optimizer = (trainable_local * 16 + trainable_tensors * 4) if (offload_optim or cpu_offload) else 0
+    if cpu_offload:
+        host_params = weights + lora_bytes
+        weights, lora_bytes_device = 0, sum(t.numel * 4 for t in lora_tensors if not t.sharded)
+    else:
+        host_params = 0
+        lora_bytes_device = lora_bytes
+    grads_sharded = trainable_local * 4
+
+    def unit_gathered(unit: _Unit) -> int:
+        """Full bytes of a unit's sharded tensors in the compute dtype."""
+        if not fsdp:
+            return 0
+        base, lora = unit.full_sharded_numel()
+        return int((base + lora) * p)
+
+    largest_unit = max((unit_gathered(u) for u in units), default=0)
+    root_gathered = unit_gathered(root)
+    all_gathered = sum(unit_gathered(u) for u in all_units)
+    # FSDP2 all-gathers a unit into a flat buffer, then copies it out into its
+    # parameters: at the peak one such buffer is alive beside the gathered units.
+    gather_buffer = int(k.all_gather_overlap * largest_unit)
+
+    def in_flight(prefetch: int) -> int:
+        """Current unit + ``prefetch`` neighbours gathered, the root (never resharded), one buffer.
+
+        With reshard_after_forward=False every unit stays gathered from its
+        forward to its backward, and after a no-grad forward until the next
+        backward (FSDP2 reshards in post-backward only).
+        """
+        if not fsdp:
+            return 0
+        if not fsdp.reshard_after_forward:
+            return all_gathered + gather_buffer
+        return largest_unit * (1 + prefetch) + root_gathered + gather_buffer
+
+    fwd_gathered = in_flight(fsdp.prefetch_units if fsdp else 0)
+    bwd_gathered = in_flight(fsdp.backward_prefetch_units if fsdp else 0)
+    nograd_gathered = in_flight(fsdp.prefetch_units if fsdp else 0) if fsdp and fsdp.reshard_after_forward else (
+        sum(unit_gathered(u) for u in all_units) if fsdp else 0)
+
+    # -- activations ---------------------------------------------------------------------------
+    def block_saved(tokens: int, index: int) -> int:
+        """Bytes autograd saves for one block's backward (LoRA on a frozen base)."""
+        b = spec.block(index)
+        width = b.mlp.intermediate_size
+        if b.mlp.kind == "moe":
+            width = b.mlp.intermediate_size * b.mlp.experts_per_token + b.mlp.shared_intermediate_size
+        qkv = b.attention.q_dim + 2 * b.attention.kv_dim
+        per_token = (k.act_hidden * H + k.act_qkv * qkv + k.act_mlp * width) * p
+        per_token += k.act_lora * r * len(lora_shapes[index]) * 4
+        saved = tokens * per_token
+        if workload.attn_implementation == "eager":
+            saved += m * b.attention.num_heads * T * T * p * 2  # scores and softmax
+        return int(saved)
+
+    def block_forward_temps(tokens: int, index: int) -> int:
+        b = spec.block(index)
+        width = b.mlp.intermediate_size * max(1, b.mlp.experts_per_token) + b.mlp.shared_intermediate_size
+        temps = tokens * (k.fwd_hidden * H + k.fwd_mlp * width) * p
+        if workload.attn_implementation == "eager":
+            temps += (tokens // T) * b.attention.num_heads * T * T * p * 2
+        return int(temps)
+
+    checkpointed = workload.gradient_checkpointing
+    ckpt_blocks = set()
+    if checkpointed:
+        skip = set(fsdp.checkpoint_skip_layer_types) if fsdp else set()
+        every = fsdp.checkpoint_every_n_blocks if fsdp else 1
+        eligible = [i for i in range(spec.num_layers) if spec.block(i).kind not in skip]
+        ckpt_blocks = set(eligible[::every])
+    saved = 0
+    largest_block = 0
+    for i in range(spec.num_layers):
+        full = block_saved(N, i)
+        largest_block = max(largest_block, full)
+        saved += N * H * p if i in ckpt_blocks else full
+    # Recomputing the largest checkpointed block in backward re-creates its saved tensors.
+    recompute = largest_block if ckpt_blocks else 0
+    boundary = 3 * N * H * p  # embedding output, final norm input and output (the captured hidden)
+    learn_activations = saved + recompute + boundary
+
+    rows_learn = m * (T - 1)
+    chunk = workload.logprob_chunk_size
+    head_weight = V * H * p  # the dense lm_head the chunked head multiplies by (gathered under FSDP)
+    if chunk is None or chunk >= rows_learn:
+        logits_learn = rows_learn * V * 4 * k.logits_copies_unchunked
+    else:
+        logits_learn = chunk * V * 4 * k.logits_copies_grad
+    logits_learn = int(logits_learn + (head_weight if fsdp else 0) + m * V * 4)  # + the one-position logits
+    chunk_nograd = min(chunk or rows_learn, rows_learn)
+    logits_ref = int(chunk_nograd * V * 4 * k.logits_copies_nograd + (head_weight if fsdp else 0) + m * V * 4)
+    outputs_ref = n * T * 4 * ((1 if workload.beta > 0 else 0) + (1 if workload.update_epochs > 1 else 0))
+
+    lora_grads_full = sum(t.numel for t in lora_tensors) // adapters * p if fsdp else 0
+    defer = bool(fsdp and fsdp.defer_grad_sync and n // m > 1)
+    if fsdp:
+        # Sharded fp32 grads plus, while reducing, a unit's unsharded grads and its reduce buffer.
+        unit_lora_full = max((sum(t.numel for t in u.lora if t.sharded) for u in block_units), default=0) // adapters
+        learn_grads = grads_sharded + unit_lora_full * p + (lora_grads_full if defer else 0)
+        reduce_buffer = unit_lora_full * DTYPE_BYTES[fsdp.reduce_dtype]
+    else:
+        learn_grads = grads_sharded
+        reduce_buffer = 0
+
+    # -- GPU-only terms -------------------------------------------------------------------------
+    def gpu_overheads(allocated: int) -> dict[str, int]:
+        if not gpu_terms:
+            return {}
+        return {
+            "cuda_context": cluster.gpu.cuda_context_bytes,
+            "allocator_slack": int(allocated * k.allocator_slack_fraction),
+            **({"comm_buffers": k.nccl_bytes} if W > 1 else {}),
+        }
+
+    vllm_awake = int(workload.vllm_gpu_memory_utilization * cluster.gpu.memory_bytes) if workload.generation == "vllm" else 0
+    vllm_asleep = k.vllm_sleep_residual_bytes if workload.generation == "vllm" and gpu_terms else 0
+    if workload.generation == "vllm":
+        notes.append("vLLM terms are not yet validated by a measurement")
+
+    static = {
+        "weights": weights,
+        "weights_replicated": weights_replicated,
+        "lora": lora_bytes_device,
+        "optimizer_state": optimizer_device,
+    }
+    host_base = {"host_process": k.host_process_bytes}
+    if host_optimizer:
+        host_base["host_optimizer_state"] = host_optimizer
+    if host_params:
+        host_base["host_weights"] = host_params
+    if workload.generation == "vllm" and workload.vllm_sleep_level == 1:
+        host_base["host_vllm_weights"] = spec.total_params * w
+
+    def phase(components: dict[str, int], host: dict[str, int] | None = None) -> PhaseEstimate:
+        merged = {name: int(v) for name, v in components.items() if v}
+        allocated = sum(merged.values())
+        for name, v in gpu_overheads(allocated).items():
+            merged[name] = merged.get(name, 0) + v
+        return PhaseEstimate(components=merged, host={**host_base, **(host or {})})
+
+    phases: dict[str, PhaseEstimate] = {}
+    largest_tensor = max([t.numel for t in base_tensors] or [0]) * w
+    phases["load"] = phase(
+        {**static, "optimizer_state": 0, "weights_gathered": largest_tensor if fsdp else 0},
+        {"host_checkpoint": largest_tensor if fsdp else spec.total_params * w},
+    )
+
+    # rollout
+    if workload.generation == "hf":
+        kv = 0
+        for i in range(spec.num_layers):
+            att = spec.block(i).attention
+            length = min(T, att.sliding_window) if att.sliding_window else T
+            kv += 2 * n * length * att.kv_dim * p
+        kv = int(kv * (1 + 1 / max(1, spec.num_layers)))  # the cache grows by concatenation
+        prefill = max(block_forward_temps(n * workload.prompt_tokens, i) for i in range(spec.num_layers))
+        sampling = n * V * 4 * 3
+        phases["rollout"] = phase({**static, "weights_gathered": nograd_gathered, "kv_cache": kv,
+                                   "activations": prefill + n * workload.prompt_tokens * H * p, "logits": sampling})
+    elif workload.generation == "vllm":
+        phases["rollout"] = phase({**static, "vllm": vllm_awake})
+        phases["sync"] = phase({**static, "vllm": vllm_awake, "weights_gathered": largest_unit if fsdp else 0})
+
+    # reference (no grad), per micro-batch
+    if workload.beta > 0 or workload.update_epochs > 1:
+        fwd = max(block_forward_temps(N, i) for i in range(spec.num_layers))
+        phases["reference"] = phase({**static, "vllm": vllm_asleep, "weights_gathered": nograd_gathered,
+                                     "activations": fwd + 2 * N * H * p + outputs_ref, "logits": logits_ref})
+
+    # learn: forward + backward of one micro-batch
+    phases["learn"] = phase({
+        **static, "vllm": vllm_asleep,
+        "weights_gathered": max(fwd_gathered, bwd_gathered),
+        "gradients": learn_grads,
+        "activations": learn_activations + outputs_ref,
+        "logits": logits_learn,
+        "comm_buffers": reduce_buffer,
+    })
+
+    # step: clip and AdamW
+    phases["step"] = phase({**static, "vllm": vllm_asleep, "gradients": grads_sharded,
+                            "optimizer_state": optimizer_device + (0 if host_optimizer else trainable_tensors * 4)})
+
+    # save: adapters gathered one tensor at a time; rank 0 keeps them and the optimizer state on the host
+    largest_lora = max((t.numel for t in lora_tensors), default=0) * 4
+    phases["save"] = phase({**static, "vllm": vllm_asleep, "weights_gathered": largest_lora},
+                           {"host_checkpoint": lora_local * 4 * S + trainable_local * 8 * S})
+    return Estimate(phases=phases, capacity_bytes=cluster.gpu.memory_bytes, gpus_per_node=cluster.per_node,
+                    notes=tuple(notes))

@@ -1,0 +1,120 @@
+"""Find a model's spec: local directory or config.json, local Hugging Face cache, the
+built-in catalog, a built-in tiny model, or the hub only when allowed.
+
+Specs are cached on disk keyed by the config digest, the LoRA target spec and
+the transformers/peft versions; a cached spec loads without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .spec import DEFAULT_LORA_TARGETS, ModelSpec, config_digest, spec_cache_dir
+
+__all__ = ["load_model_spec", "ModelNotFound"]
+
+
+class ModelNotFound(KeyError):
+    """No config for this model here (and downloads are off); the message suggests close names."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "model not found"
+
+
+def _installed_versions() -> tuple[str, str]:
+    from importlib.metadata import version
+
+    return version("transformers"), version("peft")
+
+
+def _cache_path(digest: str, targets: tuple[str, ...]) -> Path:
+    tv, pv = _installed_versions()
+    key = f"{digest}-{'+'.join(ModelSpec._target_key(t) for t in targets).replace('/', '_')}-tf{tv}-peft{pv}"
+    return spec_cache_dir() / f"{key}.json"
+
+
+def _from_config_dict(config: dict, *, name: str, targets: tuple[str, ...]) -> ModelSpec:
+    path = _cache_path(config_digest(config), targets)
+    if path.exists():
+        return ModelSpec.model_validate_json(path.read_text())
+    from .spec import build_spec
+
+    try:
+        spec = build_spec(config, name=name, lora_targets=targets)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(f"transformers cannot build {name} from its config: {err}") from err
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(spec.model_dump_json())
+    tmp.replace(path)
+    return spec
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{path} is not a transformers config (no model_type field)")
+    return data
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def load_model_spec(
+    model: str,
+    *,
+    lora_targets: str | tuple[str, ...] = DEFAULT_LORA_TARGETS[0],
+    allow_download: bool = False,
+) -> ModelSpec:
+    """The spec of ``model`` covering ``lora_targets``; see the module docstring for the lookup order."""
+    targets = tuple(dict.fromkeys([*DEFAULT_LORA_TARGETS, ModelSpec._target_key(lora_targets)]))
+    want = ModelSpec._target_key(lora_targets)
+
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return _from_config_dict(_read_config(path / "config.json"), name=str(path), targets=targets)
+    if path.is_file() and path.suffix == ".json":
+        return _from_config_dict(_read_config(path), name=str(path), targets=targets)
+    if model.startswith("tiny:"):
+        from agilerl.algorithms.core.loading import parse_tiny
+        from agilerl.utils.tiny import char_tokenizer, tiny_config
+
+        arch, kwargs = parse_tiny(model)
+        kwargs.pop("seed", None)
+        kwargs.setdefault("vocab_size", len(char_tokenizer()))
+        config = tiny_config(arch, **kwargs).to_dict()
+        return _from_config_dict(config, name=model, targets=targets)
+
+    from . import catalog
+
+    name = catalog.resolve(model)
+    if name is not None:
+        spec = catalog.load_spec(name)
+        if spec.has_lora_targets(want):
+            return spec
+        return _from_config_dict(catalog.entry(name).config, name=name, targets=targets)
+
+    cached = _hf_cache_config(model)
+    if cached is not None:
+        return _from_config_dict(_read_config(cached), name=model, targets=targets)
+    if allow_download:
+        from huggingface_hub import hf_hub_download
+
+        return _from_config_dict(_read_config(Path(hf_hub_download(model, "config.json"))), name=model, targets=targets)
+    close = catalog.suggest(model)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    raise ModelNotFound(
+        f"unknown model {model!r}: not a local directory or config.json, not in the local Hugging Face cache, "
+        f"not in the built-in catalog.{hint} Pass --allow-download to fetch its config from the hub."
+    )

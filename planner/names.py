@@ -1,0 +1,23 @@
+"""Phase and component names shared by the CLI, the JSON output, the TUI and the probe.
+
+A contract: change a name only deliberately, with its tests (tests/planner/test_names.py).
+"""
+
+PHASES = ("load", "rollout", "reference", "learn", "step", "save", "sync")
+
+#: Device components. Host components are prefixed ``host_``.
+COMPONENTS = (
+    "weights",  # local base shards (all of them, unsharded)
+    "weights_gathered",  # units all-gathered in flight
+    "weights_replicated",  # below param_persistence_threshold
+    "lora",  # LoRA actor (and reference) adapters, fp32
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "logits",  # the log-prob workspace
+    "kv_cache",  # Hugging Face generation
+    "vllm",  # a colocated vLLM engine
+    "comm_buffers",
+    "cuda_context",
+    "allocator_slack",
+)

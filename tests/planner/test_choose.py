@@ -1,0 +1,122 @@
+"""planner.choose.plan: choices, reasons, user-fixed fields, and what to do when nothing fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from agilerl.distributed import FSDPConfig
+from planner.choose import plan
+from planner.hardware import GPU, Cluster
+from planner.memory import estimate
+from planner.models import load_model_spec
+from planner.workload import Workload
+
+TINY = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096"
+MIB = 2**20
+# Weight-dominated (no rollout measured, short sequences) so that sharding decides what fits.
+WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=16, completion_tokens=16, lora_rank=8,
+              weights_dtype="float32", generation="none")
+# Tiny models' tensors are under the default persistence threshold: shard everything, as the
+# multi-rank tests do, so that sharding changes what fits.
+ALL = {"param_persistence_threshold": 0}
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_model_spec(TINY)
+
+
+def _gpu(mib: float) -> GPU:
+    return GPU(name=f"test-{mib}MiB", memory_bytes=int(mib * MIB), kind="cpu", cuda_context_bytes=0)
+
+
+def test_roomy_multi_gpu_picks_data_parallel_and_the_fastest_knobs(spec):
+    p = plan(spec, WL, Cluster(gpu=_gpu(4096), num_gpus=2))
+    assert p.fits and p.fsdp is None
+    assert p.reasons()["sharding"].startswith("the whole actor fits")
+    assert p.workload.micro_batch_size_per_gpu == 8  # the whole share of 16 / 2
+    assert p.workload.gradient_checkpointing is False
+    assert p.workload.logprob_chunk_size == 4096
+
+
+def test_tight_memory_shards_and_every_choice_has_a_reason(spec):
+    frugal = WL.model_copy(update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
+                                   "gradient_checkpointing": True})
+    four = Cluster(gpu=_gpu(4096), num_gpus=4)
+    unsharded = estimate(spec, frugal, four, None).peak_bytes
+    sharded = estimate(spec, frugal, four, FSDPConfig(**ALL, optim_cpu_offload=True)).peak_bytes
+    assert sharded < unsharded
+    gpu = _gpu((sharded + unsharded) / 2 / 0.95 / MIB)  # only sharded fits
+    p = plan(spec, WL, Cluster(gpu=gpu, num_gpus=4), fixed=ALL)
+    assert p.fits and p.fsdp is not None
+    assert p.estimate.peak_bytes <= gpu.memory_bytes - p.margin_bytes
+    for field in ("sharding", "optim_cpu_offload", "micro_batch_size_per_gpu", "gradient_checkpointing",
+                  "reshard_after_forward", "logprob_chunk_size", "wrap_every_n_blocks", "prefetch_units",
+                  "backward_prefetch_units", "shard_group_size", "fits"):
+        assert p.reasons()[field], field
+    # Choices are the estimate's: relaxing any chosen knob one step further would not fit.
+    if p.fsdp.reshard_after_forward:
+        relaxed = p.fsdp.model_copy(update={"reshard_after_forward": False})
+        assert estimate(spec, p.workload, p.cluster, relaxed).peak_bytes > gpu.memory_bytes - p.margin_bytes
+
+
+def test_optimizer_offload_when_only_the_host_can_hold_adam(spec):
+    base = WL.model_copy(update={"lora_rank": 64, "micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
+                                 "gradient_checkpointing": True})
+    cluster = Cluster(gpu=_gpu(4096), num_gpus=2)
+    on = estimate(spec, base, cluster, FSDPConfig(**ALL, optim_cpu_offload=False)).peak_bytes
+    off = estimate(spec, base, cluster, FSDPConfig(**ALL, optim_cpu_offload=True)).peak_bytes
+    assert off < on
+    gpu = _gpu((on + off) / 2 / 0.95 / MIB)
+    p = plan(spec, base, Cluster(gpu=gpu, num_gpus=2), sharding="fsdp", fixed=ALL)
+    assert p.fits and p.fsdp.optim_cpu_offload is True
+    assert "on the host it fits" in p.reasons()["optim_cpu_offload"]
+
+
+def test_user_fixed_fields_are_kept(spec):
+    p = plan(spec, WL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": True}),
+             Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": True, "wrap_every_n_blocks": 1},
+             sharding="fsdp")
+    assert p.fsdp.reshard_after_forward is True and p.fsdp.wrap_every_n_blocks == 1
+    assert p.workload.micro_batch_size_per_gpu == 2 and p.workload.gradient_checkpointing is True
+    assert "reshard_after_forward" not in p.reasons()
+    with pytest.raises(ValueError):
+        plan(spec, WL, Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"cpu_offload": True, "optim_cpu_offload": True})
+
+
+def test_hsdp_across_nodes_when_a_node_can_hold_the_shards(spec):
+    wl = WL.model_copy(update={"prompts_per_step": 4})
+    p = plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=4, gpus_per_node=2), sharding="fsdp", fixed=ALL)
+    assert p.fsdp.shard_group_size == 2
+    assert "within a node" in p.reasons()["shard_group_size"]
+
+
+def test_cpu_offload_only_as_a_last_resort_with_vllm(spec):
+    wl = WL.model_copy(update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
+                               "gradient_checkpointing": True})
+    cluster = Cluster(gpu=_gpu(4096), num_gpus=2)
+    frugal = FSDPConfig(**ALL, optim_cpu_offload=True)
+    need = estimate(spec, wl, cluster, frugal).peak_bytes
+    offloaded = estimate(spec, wl, cluster, FSDPConfig(**ALL, cpu_offload=True)).peak_bytes
+    assert offloaded < need
+    gpu = _gpu((need + offloaded) / 2 / 0.95 / MIB)
+    without = plan(spec, wl, Cluster(gpu=gpu, num_gpus=2), sharding="fsdp", fixed=ALL)
+    assert not without.fits  # no colocated engine: parameter offload is not allowed
+    with_vllm = plan(spec, wl, Cluster(gpu=gpu, num_gpus=2), sharding="fsdp", colocated_vllm=True, fixed=ALL)
+    assert with_vllm.fits and with_vllm.fsdp.cpu_offload is True
+    assert "last resort" in with_vllm.reasons()["cpu_offload"]
+
+
+def test_nothing_fits_names_the_smallest_change(spec):
+    need = estimate(spec, WL.model_copy(update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
+                                                "gradient_checkpointing": True}),
+                    Cluster(gpu=_gpu(4096), num_gpus=2), FSDPConfig(**ALL, optim_cpu_offload=True)).peak_bytes
+    p = plan(spec, WL, Cluster(gpu=_gpu(need * 0.8 / MIB), num_gpus=2), fixed=ALL)
+    assert not p.fits
+    assert "over the" in p.reasons()["fits"]
+    assert any(s.startswith("use ") and "GPUs" in s for s in p.suggestions), p.suggestions
+
+
+def test_single_device_needs_no_sharding(spec):
+    p = plan(spec, WL, Cluster(gpu=_gpu(4096), num_gpus=1))
+    assert p.fsdp is None and p.reasons()["sharding"] == "one device: no sharding needed"
