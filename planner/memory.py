@@ -162,12 +162,12 @@ def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workloa
     })
 
 
-def _lora_shapes(spec: ModelSpec, workload: Workload) -> list[list[tuple[int, int]]]:
-    """Per block: the (in, out) of every adapted linear."""
+def _lora_shapes(spec: ModelSpec, workload: Workload) -> list[list[tuple[int, int, int, int]]]:
+    """Per block: every adapter's (a_rows, a_cols, b_rows, b_cols) at rank 1."""
     key = ModelSpec._target_key(workload.lora_targets)
     if not spec.has_lora_targets(workload.lora_targets):
         raise KeyError(f"the spec of {spec.name} has no LoRA coverage for targets {key!r}; rebuild it with them")
-    return [[(i, o) for _, i, o in b.lora[key]] for b in spec.blocks]
+    return [[shape[1:] for shape in b.lora[key]] for b in spec.blocks]
 
 
 def estimate(
@@ -213,10 +213,10 @@ def estimate(
         unit = _Unit(f"blocks.{start}")
         for i in range(start, min(start + wrap, spec.num_layers)):
             unit.base.extend(_tensor(s, threshold) for _, s in spec.block(i).tensors)
-            for lin_in, lin_out in lora_shapes[i]:
+            for a_rows, a_cols, b_rows, b_cols in lora_shapes[i]:
                 for _ in range(adapters):
-                    unit.lora.append(_tensor((r, lin_in), threshold))
-                    unit.lora.append(_tensor((lin_out, r), threshold))
+                    unit.lora.append(_tensor((r * a_rows, a_cols), threshold))
+                    unit.lora.append(_tensor((b_rows, r * b_cols), threshold))
         units.append(unit)
     if head is not None:
         units.append(_Unit("lm_head", base=[head]))

@@ -7,8 +7,11 @@ versions, and shipped precomputed for catalog models, so a warm plan never
 imports torch.
 
 LoRA coverage is read by applying PEFT itself to the meta model (rank 1), not
-re-derived by hand: a LoRA on a linear ``in -> out`` has ``r * (in + out)``
-parameters (A: ``r x in``, B: ``out x r``), so rank 1 gives every shape.
+re-derived by hand. Each adapted module is recorded with its A and B shapes at
+rank 1, ``(a_rows, a_cols, b_rows, b_cols)``; at rank r, A is
+``(r * a_rows, a_cols)`` and B ``(b_rows, r * b_cols)``. For a linear
+``in -> out`` that is ``(1, in, out, 1)``; for PEFT's LoRA on packed MoE
+experts (a ParamWrapper) the rank dimension also spans the experts.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 1
+SPEC_SCHEMA_VERSION = 2
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -59,13 +62,16 @@ class MlpSpec(_Frozen):
     shared_intermediate_size: int = 0
 
 
+LoraShape = tuple[str, int, int, int, int]  # (module[:parameter], a_rows, a_cols, b_rows, b_cols) at rank 1
+
+
 class BlockSpec(_Frozen):
     kind: str  # block_type, else the class name (FSDPConfig.checkpoint_skip_layer_types)
     tensors: tuple[tuple[str, tuple[int, ...]], ...]
     linears: tuple[tuple[str, int, int], ...]  # (module path, in_features, out_features)
     attention: AttentionSpec
     mlp: MlpSpec
-    lora: dict[str, tuple[tuple[str, int, int], ...]]  # target spec -> linears it adapts
+    lora: dict[str, tuple[LoraShape, ...]]  # target spec -> the adapters it adds
 
     @property
     def numel(self) -> int:
@@ -98,7 +104,7 @@ class ModelSpec(_Frozen):
     layers: tuple[str, ...]  # block type key of each layer, in order
     total_params: int
     final_logit_softcapping: float | None = None
-    lora_outside_blocks: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    lora_outside_blocks: dict[str, tuple[LoraShape, ...]] = {}
 
     # -- derived ------------------------------------------------------------------------
     def block(self, index: int) -> BlockSpec:
@@ -116,16 +122,16 @@ class ModelSpec(_Frozen):
     def is_moe(self) -> bool:
         return any(b.mlp.kind == "moe" for b in self.block_types.values())
 
-    def lora_linears(self, targets: str) -> list[tuple[str, int, int]]:
-        """Every linear the target spec adapts, across the whole model."""
+    def lora_shapes(self, targets: str | tuple[str, ...]) -> list[LoraShape]:
+        """Every adapter the target spec adds, across the whole model (shapes at rank 1)."""
         key = self._target_key(targets)
         out = list(self.lora_outside_blocks.get(key, ()))
         for block in self.blocks:
             out.extend(block.lora[key])
         return out
 
-    def lora_params(self, targets: str, rank: int) -> int:
-        return rank * sum(i + o for _, i, o in self.lora_linears(targets))
+    def lora_params(self, targets: str | tuple[str, ...], rank: int) -> int:
+        return rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in self.lora_shapes(targets))
 
     def has_lora_targets(self, targets: str | tuple[str, ...]) -> bool:
         key = self._target_key(targets)
@@ -162,20 +168,30 @@ def _attention(block, config) -> AttentionSpec:
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     q_dim = heads * head_dim
     kv_dim = kv_heads * head_dim
+    if getattr(config, "kv_lora_rank", None):
+        # MLA as Hugging Face runs it: the cache holds every head's decompressed key
+        # (nope + rope) and value, so 2 x kv_dim is their summed width.
+        qk = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+        head_dim = qk
+        kv_dim = heads * (qk + int(config.v_head_dim)) // 2
     if attn is not None:
-        q = getattr(attn, "q_proj", None)
+        q = getattr(attn, "q_proj", None) or getattr(attn, "q_b_proj", None)
         if isinstance(q, nn.Linear):
             q_dim = q.out_features
         k = getattr(attn, "k_proj", None)
         if isinstance(k, nn.Linear):
             kv_dim = k.out_features
-        elif hasattr(config, "kv_lora_rank"):  # MLA caches the compressed kv plus the rope key
-            kv_dim = int(config.kv_lora_rank) + int(getattr(config, "qk_rope_head_dim", 0))
-    sliding = None
-    attention_type = getattr(block, "attention_type", None) or getattr(attn, "attention_type", None)
+    # The window a layer attends over: its attention module's own attribute (transformers 5),
+    # else config.layer_types, else a model-wide config.sliding_window (Mistral v0.1, Phi-3).
     window = getattr(config, "sliding_window", None)
-    if window and attention_type == "sliding_attention":
-        sliding = int(window)
+    if attn is not None and hasattr(attn, "sliding_window"):
+        sliding = attn.sliding_window
+    elif getattr(config, "layer_types", None) is not None:
+        layer_type = getattr(attn, "layer_type", None)
+        sliding = window if layer_type == "sliding_attention" else None
+    else:
+        sliding = window if getattr(config, "use_sliding_window", True) else None
+    sliding = int(sliding) if sliding else None
     return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, q_dim=q_dim, kv_dim=kv_dim,
                          sliding_window=sliding)
 
@@ -213,7 +229,9 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
     from agilerl.distributed import block_kind, find_transformer_blocks
 
     if isinstance(config, dict):
-        data = dict(config)
+        import copy
+
+        data = copy.deepcopy(config)  # transformers rewrites nested rope dicts in place
         model_type = data.pop("model_type")
         config = AutoConfig.for_model(model_type, **data)
     config_dict = config.to_dict()
@@ -246,8 +264,8 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
             continue
         root_tensors.append((pname, _shape(p)))
 
-    lora_by_block: list[dict[str, list[tuple[str, int, int]]]] = [dict() for _ in blocks]
-    lora_outside: dict[str, list[tuple[str, int, int]]] = {}
+    lora_by_block: list[dict[str, list[LoraShape]]] = [dict() for _ in blocks]
+    lora_outside: dict[str, list[LoraShape]] = {}
     for targets in lora_targets:
         key = ModelSpec._target_key(targets)
         with torch.device("meta"):
@@ -260,13 +278,16 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
                 continue
             a = module.lora_A["default"].weight
             b = module.lora_B["default"].weight
-            entry = (mname, int(a.shape[1]), int(b.shape[0]))
+            label = mname.replace(".base_layer", "")
+            if getattr(module, "parameter_name", None):  # LoRA on a packed parameter (MoE experts)
+                label = f"{label}:{module.parameter_name}"
+            shapes = (int(a.shape[0]), int(a.shape[1]), int(b.shape[0]), int(b.shape[1]))
             index = in_block(mname + ".")
             if index is None:
-                outside.append(entry)
+                outside.append((label, *shapes))
             else:
-                local = mname[len(block_prefix[id(blocks[index])]):]
-                per_block[index].append((local, entry[1], entry[2]))
+                local = label[len(block_prefix[id(blocks[index])]):]
+                per_block[index].append((local, *shapes))
         for i in range(len(blocks)):
             lora_by_block[i][key] = per_block[i]
         lora_outside[key] = outside

@@ -1,0 +1,146 @@
+"""The built-in offline model catalog.
+
+``entries.yaml`` lists popular models by Hugging Face hub id, with the architecture fields
+of their public config.json; ``specs/`` ships each one's :class:`~planner.spec.ModelSpec`
+precomputed as JSON (``python -m planner.catalog.build`` regenerates them). Looking a model
+up and loading its spec reads only those files: no torch, transformers or peft.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from planner.spec import ModelSpec
+
+__all__ = [
+    "CatalogEntry",
+    "ENTRIES_PATH",
+    "SPECS_DIR",
+    "entries",
+    "entry",
+    "load_spec",
+    "names",
+    "resolve",
+    "slug",
+    "suggest",
+]
+
+ENTRIES_PATH = Path(__file__).with_name("entries.yaml")
+SPECS_DIR = Path(__file__).with_name("specs")
+
+
+class CatalogEntry(BaseModel):
+    """One model of the catalog, as written in ``entries.yaml``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str  # hub id
+    aliases: tuple[str, ...] = ()
+    config: dict[str, Any]  # for AutoConfig.for_model(model_type, **rest)
+    source: str  # the config.json it was read from
+    published_params: int
+    published_source: str
+    published_note: str | None = None
+    # unit of the figure's last stated digit, only where rounding to it exceeds 1% (1.7B: 10**8)
+    published_precision: int | None = None
+
+    @property
+    def slug(self) -> str:
+        return slug(self.name)
+
+    @property
+    def spec_path(self) -> Path:
+        return SPECS_DIR / f"{self.slug}.json"
+
+
+def slug(name: str) -> str:
+    """File stem of a hub id's shipped spec: ``Qwen/Qwen2.5-7B`` -> ``qwen__qwen2.5-7b``."""
+    return name.lower().replace("/", "__")
+
+
+@cache
+def _catalog() -> tuple[dict[str, CatalogEntry], dict[str, str]]:
+    """Entries by hub id, and every lower-cased hub id and alias -> hub id."""
+    raw = yaml.safe_load(ENTRIES_PATH.read_text(encoding="utf-8"))
+    by_name: dict[str, CatalogEntry] = {}
+    keys: dict[str, str] = {}
+    for item in raw:
+        e = CatalogEntry.model_validate(item)
+        for key in (e.name.lower(), *e.aliases):
+            if key != key.lower():
+                raise ValueError(f"entries.yaml: alias {key!r} of {e.name} is not lower-case")
+            if key in keys:
+                raise ValueError(f"entries.yaml: {key!r} of {e.name} is taken by {keys[key]}")
+            keys[key] = e.name
+        by_name[e.name] = e
+    return by_name, keys
+
+
+def entries() -> list[CatalogEntry]:
+    """Every entry, in file order (copies, like :func:`entry`)."""
+    return [e.model_copy(deep=True) for e in _catalog()[0].values()]
+
+
+def names() -> list[str]:
+    """Hub id of every entry, in file order."""
+    return list(_catalog()[0])
+
+
+def resolve(name: str) -> str | None:
+    """The catalog hub id for a hub id (any case) or alias; None when not in the catalog."""
+    return _catalog()[1].get(name.strip().lower())
+
+
+def suggest(name: str, n: int = 5) -> list[str]:
+    """Hub ids of up to ``n`` catalog models whose id or an alias is close to ``name``."""
+    query = name.strip().lower()
+    queries = {query, query.rsplit("/", 1)[-1]}  # "org/model" also matches on "model"
+    scores: dict[str, float] = {}
+    for key, hub_id in _catalog()[1].items():
+        matcher = difflib.SequenceMatcher(None, b=key)
+        score = 0.0
+        for q in queries:
+            matcher.set_seq1(q)
+            score = max(score, matcher.ratio())
+        if score >= 0.6 and score > scores.get(hub_id, 0.0):
+            scores[hub_id] = score
+    return sorted(scores, key=lambda hub_id: -scores[hub_id])[:n]
+
+
+def _unknown(name: str) -> KeyError:
+    close = suggest(name)
+    if close:
+        return KeyError(f"{name!r} is not in the model catalog; did you mean {', '.join(close)}?")
+    return KeyError(f"{name!r} is not in the model catalog; known models: {', '.join(names())}")
+
+
+def entry(name: str) -> CatalogEntry:
+    """The entry for a hub id or alias; KeyError (with suggestions) when unknown.
+
+    A deep copy: transformers rewrites nested config dicts (rope settings) in place, so a
+    caller building from ``entry(name).config`` must not reach the cached original.
+    """
+    hub_id = resolve(name)
+    if hub_id is None:
+        raise _unknown(name)
+    return _catalog()[0][hub_id].model_copy(deep=True)
+
+
+def load_spec(name: str) -> ModelSpec:
+    """The shipped spec of a catalog model (hub id or alias), read without torch."""
+    hub_id = resolve(name)
+    if hub_id is None:
+        raise _unknown(name)
+    return _load_spec(hub_id)
+
+
+@cache
+def _load_spec(hub_id: str) -> ModelSpec:
+    path = _catalog()[0][hub_id].spec_path
+    return ModelSpec.model_validate_json(path.read_text(encoding="utf-8"))

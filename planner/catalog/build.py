@@ -1,0 +1,76 @@
+"""Rebuild the catalog's shipped specs from ``entries.yaml``.
+
+    python -m planner.catalog.build             # every entry (and drop stale spec files)
+    python -m planner.catalog.build qwen3-8b    # only these (hub ids or aliases)
+    python -m planner.catalog.build --check     # build and compare, write nothing
+
+Each spec is built on the meta device (torch, transformers and peft are needed here, not
+where the specs are used). Prints each model's built and published parameter counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+from planner.catalog import SPECS_DIR, CatalogEntry, entries, entry
+from planner.spec import ModelSpec, build_spec
+
+#: Fields that record the builder's library versions, not the model.
+VERSION_FIELDS = frozenset({"transformers_version", "peft_version"})
+
+
+def build_entry(e: CatalogEntry) -> ModelSpec:
+    # a copy: transformers rewrites nested config dicts (rope settings) in place
+    return build_spec(copy.deepcopy(e.config), name=e.name)
+
+
+def same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two specs describe the same model, whatever library versions built them."""
+    return a.model_dump(exclude=VERSION_FIELDS) == b.model_dump(exclude=VERSION_FIELDS)
+
+
+def relative_difference(built: int, published: int) -> float:
+    return (built - published) / published
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m planner.catalog.build",
+                                     description="Rebuild the catalog's shipped specs.")
+    parser.add_argument("names", nargs="*", help="hub ids or aliases (default: every entry)")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the shipped specs, write nothing; exit 1 if any differ")
+    args = parser.parse_args(argv)
+
+    todo = [entry(n) for n in args.names] if args.names else entries()
+    SPECS_DIR.mkdir(exist_ok=True)
+    stale = []
+    print(f"{'model':<36} {'built':>16} {'published':>16} {'diff':>8}")
+    for e in todo:
+        spec = build_entry(e)
+        if args.check:
+            path = e.spec_path
+            shipped = ModelSpec.model_validate_json(path.read_text()) if path.exists() else None
+            if shipped is None or not same_model(spec, shipped):
+                stale.append(e.name)
+        else:
+            e.spec_path.write_text(spec.model_dump_json(indent=None) + "\n", encoding="utf-8")
+        diff = relative_difference(spec.total_params, e.published_params)
+        print(f"{e.name:<36} {spec.total_params:>16,} {e.published_params:>16,} {diff:>+8.2%}",
+              flush=True)
+
+    if not args.names and not args.check:
+        keep = {e.spec_path for e in todo}
+        for path in SPECS_DIR.glob("*.json"):
+            if path not in keep:
+                path.unlink()
+                print(f"removed stale {path.name}")
+    if stale:
+        print(f"out of date: {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
