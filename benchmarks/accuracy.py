@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
+from planner.calibration import Sample, fit_coefficients  # noqa: E402
 from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
 from planner.memory import Coefficients, estimate  # noqa: E402
 from planner.models import load_model_spec  # noqa: E402
@@ -124,35 +125,23 @@ def errors(configs, results, device, coefficients) -> list[dict]:
     return rows
 
 
+def samples_for(configs, results, device) -> list[Sample]:
+    out = []
+    for c in configs:
+        req = request_for(c, device)
+        key = req.model_dump_json()
+        if key not in results:
+            continue
+        spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
+        measured = {ph: rec["total"] for ph, rec in results[key]["phases"].items()}
+        out.append(Sample(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=c["world"]), req.fsdp, measured))
+    return out
+
+
 def fit(configs, results, device) -> Coefficients:
-    """Least squares on relative phase-total errors over the fit half (Gauss-Newton, non-negative)."""
-    import numpy as np
-
-    names = ["act_hidden", "act_qkv", "act_mlp", "act_lora", "fwd_hidden", "fwd_mlp", "logits_copies_grad",
-             "logits_copies_unchunked", "logits_copies_nograd", "all_gather_overlap"]
-    base = Coefficients().model_dump()
-    x = np.array([base[n] for n in names], dtype=float)
+    """Fit the kernel-dependent coefficients on the fit half only (planner.calibration)."""
     train = [c for c in configs if c["half"] == "fit"]
-
-    def residuals(vec):
-        coeffs = Coefficients(**{**base, **dict(zip(names, vec.tolist()))})
-        out = []
-        for row in errors(train, results, device, coeffs):
-            for est, meas in row["phases"].values():
-                out.append((est - meas) / meas)
-        return np.array(out)
-
-    for _ in range(12):
-        r0 = residuals(x)
-        jac = np.zeros((len(r0), len(x)))
-        for j in range(len(x)):
-            step = max(1e-3, 1e-3 * abs(x[j]))
-            xp = x.copy()
-            xp[j] += step
-            jac[:, j] = (residuals(xp) - r0) / step
-        delta, *_ = np.linalg.lstsq(jac, -r0, rcond=None)
-        x = np.maximum(0.0, x + 0.7 * delta)
-    return Coefficients(**{**base, **dict(zip(names, [round(float(v), 4) for v in x]))})
+    return fit_coefficients(samples_for(train, results, device))
 
 
 def report(rows: list[dict], title: str) -> None:

@@ -42,7 +42,7 @@ def main() -> None:
         if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
             result["oom"] = True
             result["oom_phase"] = current["phase"]
-        result["error"] = traceback.format_exc(limit=20)
+        result["error"] = traceback.format_exc()[-8000:]
     _write(out_dir, rank, result)
     if not result["ok"]:
         os._exit(1)  # do not wait in collectives other ranks will never join

@@ -121,6 +121,81 @@ def _repeating_mem_tracker():
     return RepeatingMemTracker()
 
 
+def _repeating_fsdp_mem_tracker(model, optimizer):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class RepeatingFSDPMemTracker(FSDPMemTracker):
+        """FSDPMemTracker that accepts units called again at top level (micro-batches, generation).
+
+        The tracker refuses a second top-level call of a unit before touching any
+        state; dropping that unit's per-module statistics and retrying keeps the
+        global peak, which is all we read.
+        """
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+            def retrying(*args, **kwargs):
+                try:
+                    return inner(*args, **kwargs)
+                except NotImplementedError:
+                    self.memory_tracking.pop(fsdp_mod, None)
+                    return inner(*args, **kwargs)
+
+            return retrying
+
+        # Blocks grouped into one unit (wrap_every_n_blocks > 1) share a param group;
+        # the tracker would wrap its backward hooks once per block and restore them in
+        # the wrong order. Wrap each param group once; restore the true originals.
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+            if getattr(orig, "_agilerl_tracked", False):
+                return orig
+            inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
+            inner._agilerl_tracked = True
+            return inner
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+            if getattr(orig, "_agilerl_tracked", False):
+                return orig
+            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+            inner._agilerl_tracked = True
+            return inner
+
+        def __enter__(self):
+            from torch.distributed.fsdp import FSDPModule
+
+            self._agilerl_groups = {}
+            for module in self._root_mod.modules():
+                if isinstance(module, FSDPModule):
+                    group = module._get_fsdp_state()._fsdp_param_group
+                    if group is not None:
+                        self._agilerl_groups[id(group)] = (group, {k: group.__dict__.get(k)
+                                                                   for k in ("pre_backward", "post_backward")})
+            entered = super().__enter__()
+            # Gradients accumulated by earlier micro-batches (defer_grad_sync) predate this
+            # tracker; register them, or its post-backward bookkeeping cannot find them.
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+            for group, _ in self._agilerl_groups.values():
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    grad = getattr(unsharded, "grad", None) if unsharded is not None else None
+                    if grad is not None:
+                        self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+            return entered
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            for group, saved in self._agilerl_groups.values():
+                for name, value in saved.items():
+                    if value is None:
+                        group.__dict__.pop(name, None)
+                    else:
+                        group.__dict__[name] = value
+
+    return RepeatingFSDPMemTracker(model, optimizer)
+
+
 class _NoopHandle:
     def remove(self) -> None:
         pass
@@ -146,6 +221,13 @@ class PhaseRecorder:
         # (reshard_after_forward=False keeps them gathered after a no-grad forward).
         self.static = param_bytes(self.model)
         self.sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        # FSDPMemTracker replaces FSDP2's group hooks of multi-block units with per-module
+        # ones and does not restore them; grouped layouts get the generic tracker, which
+        # observes through global module hooks (no FSDP categories, same totals).
+        from agilerl.distributed import fsdp_layout
+
+        layout = fsdp_layout(self.model)
+        self.fsdp_categories = self.sharded and (layout is None or layout.config.wrap_every_n_blocks == 1)
         self.replicated_lora = sum(_local(p).numel() * p.element_size() for n, p in self.model.named_parameters()
                                    if ".lora_" in n and not isinstance(p, DTensor)) if self.sharded else 0
 
@@ -154,33 +236,19 @@ class PhaseRecorder:
         if not self.enabled:
             yield
             return
-        sharded = self.sharded
         host_peak_reset()
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        if sharded:
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-            tracker = FSDPMemTracker(self.model, self.optimizer)
+        if self.fsdp_categories:
+            tracker = _repeating_fsdp_mem_tracker(self.model, self.optimizer)
         else:
             tracker = _repeating_mem_tracker()
             tracker.track_external(*(m for m in (self.model, self.optimizer) if m is not None))
         try:
             with tracker:
-                # The root called again at top level (several micro-batches in one
-                # phase) is a new iteration to the tracker: reset its per-module
-                # statistics first (the global peak, which is what we read, stays).
-                handle = self.model.register_forward_pre_hook(
-                    lambda mod, args: tracker.reset_mod_stats() if mod in tracker.memory_tracking else None,
-                    prepend=True,
-                ) if sharded else None
-                try:
-                    yield
-                finally:
-                    if handle is not None:
-                        handle.remove()
+                yield
         finally:
             snapshot = tracker.get_tracker_snapshot("peak")
             record = self._components(snapshot)
@@ -211,11 +279,12 @@ class PhaseRecorder:
                 continue
             record[_CATEGORY.get(category, "activations")] += nbytes
         if self.sharded:
-            # The FSDP tracker counts the module parameters it finds: the local shards, or whole
-            # units FSDP left unsharded; it does not see replicated (ignored) parameters.
-            seen_sharded = self.static["weights"] + self.static["lora"] - self.replicated_lora
-            record["weights_gathered"] += max(0, tracked_params - seen_sharded)
-            unseen = self.static["weights_replicated"] + self.replicated_lora
+            # The trackers count the module parameters they find: the local shards, or whole
+            # units FSDP left unsharded; FSDPMemTracker does not see replicated (ignored) ones.
+            local = self.static["weights"] + self.static["lora"] + self.static["weights_replicated"]
+            replicated = self.static["weights_replicated"] + self.replicated_lora
+            unseen = replicated if self.fsdp_categories else 0
+            record["weights_gathered"] += max(0, tracked_params - (local - unseen))
         else:
             unseen = max(0, sum(self.static.values()) - tracked_params)
         record["tracker_total"] = device_snap.get("Total", 0)

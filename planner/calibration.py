@@ -14,7 +14,8 @@ from pathlib import Path
 from .hardware import GPU
 from .memory import Coefficients
 
-__all__ = ["coefficients_for", "calibration_path", "save_calibration"]
+__all__ = ["coefficients_for", "calibration_path", "save_calibration", "Sample", "fit_coefficients", "phase_errors",
+           "FITTED"]
 
 _SHIPPED = Path(__file__).resolve().parent
 
@@ -40,3 +41,88 @@ def save_calibration(gpu: GPU, coefficients: Coefficients) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(coefficients.model_dump_json(indent=1))
     return path
+
+
+# -- fitting -------------------------------------------------------------------------------------
+#: Coefficients fitted from measurements (the GPU-only and host ones are not visible on CPU probes).
+FITTED = ("act_hidden", "act_qkv", "act_mlp", "act_lora", "act_checkpointed", "act_boundary", "fwd_hidden", "fwd_mlp",
+          "gen_hidden", "attn_scores_fwd", "attn_scores_saved", "logits_copies_nograd", "all_gather_overlap")
+
+
+class Sample:
+    """One measured run: what was estimated from, and the measured per-phase device totals."""
+
+    def __init__(self, spec, workload, cluster, fsdp, measured: dict[str, int]) -> None:
+        self.spec, self.workload, self.cluster, self.fsdp, self.measured = spec, workload, cluster, fsdp, measured
+
+    def estimated(self, coefficients: Coefficients) -> dict[str, int]:
+        from .memory import estimate
+
+        est = estimate(self.spec, self.workload, self.cluster, self.fsdp, coefficients=coefficients)
+        return {ph: est.phases[ph].total for ph in self.measured if ph in est.phases}
+
+    def peak_error(self, coefficients: Coefficients) -> float:
+        """Relative error of the estimated peak over the measured phases."""
+        est = self.estimated(coefficients)
+        measured = max(self.measured[ph] for ph in est)
+        return (max(est.values()) - measured) / measured
+
+
+def phase_errors(samples: list[Sample], coefficients: Coefficients) -> list[float]:
+    out = []
+    for s in samples:
+        for ph, value in s.estimated(coefficients).items():
+            out.append((value - s.measured[ph]) / s.measured[ph])
+    return out
+
+
+def fit_coefficients(samples: list[Sample], *, start: Coefficients | None = None,
+                     names: tuple[str, ...] = FITTED, iterations: int = 40,
+                     bounds: tuple[float, float] = (0.0, 32.0)) -> Coefficients:
+    """Least squares on relative per-phase errors (Levenberg-Marquardt, bounded coefficients).
+
+    Only the kernel-dependent coefficients in ``names`` move; the exact terms of
+    the estimate (parameters, adapters, optimizer state) are not fitted. A step is
+    kept only if it lowers the squared error (the estimate takes maxima of
+    sub-peaks, so the problem is not smooth); bounds keep each coefficient to a
+    physically plausible multiple of its width.
+    """
+    import numpy as np
+
+    base = (start or Coefficients()).model_dump()
+    lo, hi = bounds
+    x = np.clip(np.array([base[n] for n in names], dtype=float), lo, hi)
+
+    def residuals(vec) -> np.ndarray:
+        # The peak is what plans are judged by; the phases keep the components honest.
+        coefficients = Coefficients(**{**base, **dict(zip(names, vec.tolist()))})
+        peaks = [s.peak_error(coefficients) for s in samples]
+        return np.array(peaks + [0.5 * e for e in phase_errors(samples, coefficients)])
+
+    r = residuals(x)
+    cost = float(r @ r)
+    damping = 1e-2
+    for _ in range(iterations):
+        jac = np.zeros((len(r), len(x)))
+        for j in range(len(x)):
+            step = max(1e-3, 1e-2 * abs(x[j]))
+            xp = x.copy()
+            xp[j] += step
+            jac[:, j] = (residuals(xp) - r) / step
+        jtj = jac.T @ jac
+        grad = jac.T @ r
+        improved = False
+        for _ in range(8):
+            delta = np.linalg.solve(jtj + damping * (np.diag(np.diag(jtj)) + 1e-9 * np.eye(len(x))), -grad)
+            candidate = np.clip(x + delta, lo, hi)
+            r_new = residuals(candidate)
+            cost_new = float(r_new @ r_new)
+            if cost_new < cost:
+                x, r, cost = candidate, r_new, cost_new
+                damping = max(1e-6, damping / 3)
+                improved = True
+                break
+            damping *= 5
+        if not improved:
+            break
+    return Coefficients(**{**base, **dict(zip(names, [round(float(v), 4) for v in x]))})

@@ -263,12 +263,21 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
     out: list[str] = []
 
     def feasible(wl: Workload, cl: Cluster) -> bool:
+        """Whether the most frugal settings fit (what plan() starts from), sharded or not."""
+        limit = cl.gpu.memory_bytes - margin
+        frugal = wl.model_copy(update={
+            "micro_batch_size_per_gpu": wl.micro_batch_size_per_gpu or 1,
+            "logprob_chunk_size": wl.logprob_chunk_size or LOGPROB_CHUNKS[0],
+            "gradient_checkpointing": True if wl.gradient_checkpointing is None else wl.gradient_checkpointing,
+        })
         try:
-            p = plan(spec, wl, cl, fixed=fixed, coefficients=coefficients, margin_fraction=margin / cl.gpu.memory_bytes,
-                     sharding="auto" if not wl.load_in_4bit else "none")
+            candidates: list[FSDPConfig | None] = [None]
+            if not wl.load_in_4bit and cl.num_gpus > 1:
+                candidates.append(FSDPConfig(**{"optim_cpu_offload": True, **fixed}))
+            return any(estimate(spec, frugal, cl, f, coefficients=coefficients).peak_bytes <= limit
+                       for f in candidates)
         except ValueError:
             return False
-        return p.fits
 
     for factor in (2, 4, 8, 16, 32, 64):
         gpus = cluster.num_gpus * factor

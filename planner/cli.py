@@ -122,7 +122,16 @@ def plan_main(argv: list[str]) -> int:
             gpu = gpu.model_copy(update={"name": f"{gpu.name} ({args.gpu_memory:g} GiB)",
                                          "memory_bytes": int(args.gpu_memory * GIB)})
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
-        workload = Workload(**collect_fields(args, Workload))
+        fields = collect_fields(args, Workload)
+        if "prompts_per_step" not in fields:
+            # Manifests give every GPU whole prompts (rollout_batch_size is a multiple of the GPUs).
+            default = Workload.model_fields["prompts_per_step"].default
+            fields["prompts_per_step"] = -(-default // args.gpus) * args.gpus
+        elif fields["prompts_per_step"] % args.gpus:
+            raise ValueError(f"--prompts-per-step {fields['prompts_per_step']} must be a multiple of --gpus "
+                             f"{args.gpus}: the manifest's rollout_batch_size gives every GPU whole prompts")
+        workload = Workload(**fields)
+        workload.completions_per_rank(args.gpus)
         fixed = collect_fields(args, FSDPConfig)
         FSDPConfig(**fixed)
     except (KeyError, ValidationError, ValueError) as err:

@@ -52,12 +52,20 @@ class Coefficients(BaseModel):
     act_qkv: Annotated[float, Field(description="saved per token per block, x (q + 2 kv) width")] = 2.0
     act_mlp: Annotated[float, Field(description="saved per token per block, x MLP width")] = 4.0
     act_lora: Annotated[float, Field(description="saved per token per adapted linear, x rank")] = 1.0
+    act_checkpointed: Annotated[float, Field(description="saved per token per checkpointed block, x hidden_size")] = 1.0
+    act_boundary: Annotated[float, Field(description="saved per token outside the blocks, x hidden_size")] = 3.0
     # Peak temporaries of one block's forward without grad, as multiples of p x width per token:
     fwd_hidden: Annotated[float, Field(description="no-grad forward temporaries, x hidden_size")] = 3.0
     fwd_mlp: Annotated[float, Field(description="no-grad forward temporaries, x MLP width")] = 3.0
-    # Log-prob workspace: copies of a chunk's fp32 logits alive at the peak.
+    gen_hidden: Annotated[float, Field(description="generation prefill: hidden-state copies alive, x hidden_size per prompt token")] = 1.0
+    # Attention scores, where a kernel materialises them (eager; SDPA's math fallback on CPU):
+    attn_scores_fwd: Annotated[float, Field(description="batch x heads x Tq x Tk score copies alive in a forward")] = 2.0
+    attn_scores_saved: Annotated[float, Field(description="score copies saved per block for backward")] = 1.0
+    # Log-prob workspace: fp32 copies of a chunk's logits alive at the peak. Measured on CPU
+    # with torch's MemTracker: 4 either way (chunked: the recomputed logits, their exp and two
+    # gradients in backward; unchunked: one copy saved in forward, three made in backward).
     logits_copies_grad: Annotated[float, Field(description="fp32 logits copies, chunked with grad")] = 4.0
-    logits_copies_unchunked: Annotated[float, Field(description="fp32 logits copies, all rows at once with grad")] = 3.0
+    logits_copies_unchunked: Annotated[float, Field(description="fp32 logits copies, all rows at once with grad")] = 4.0
     logits_copies_nograd: Annotated[float, Field(description="fp32 logits copies without grad")] = 2.0
     # FSDP2 all-gather: output buffer alive beside the copied-out parameters (fraction of a unit).
     all_gather_overlap: Annotated[float, Field(description="all-gather buffer beside the unsharded unit")] = 1.0
@@ -260,34 +268,50 @@ def estimate(
         base, lora = unit.full_sharded_numel()
         return int((base + lora) * p)
 
-    largest_unit = max((unit_gathered(u) for u in units), default=0)
+    sizes = [unit_gathered(u) for u in units]  # in forward order
+    largest_unit = max(sizes, default=0)
     root_gathered = unit_gathered(root)
-    all_gathered = sum(unit_gathered(u) for u in all_units)
+    all_gathered = sum(sizes) + root_gathered
     # FSDP2 all-gathers a unit into a flat buffer, then copies it out into its
     # parameters: at the peak one such buffer is alive beside the gathered units.
     gather_buffer = int(k.all_gather_overlap * largest_unit)
 
     def in_flight(prefetch: int) -> int:
-        """Current unit + ``prefetch`` neighbours gathered, the root (never resharded), one buffer.
+        """The largest run of 1 + ``prefetch`` consecutive units, the root, one buffer.
 
-        With reshard_after_forward=False every unit stays gathered from its
-        forward to its backward, and after a no-grad forward until the next
-        backward (FSDP2 reshards in post-backward only).
+        Units run in order (embeddings, blocks, lm_head; reversed in backward),
+        so the gathered set is a sliding window over that order. With
+        reshard_after_forward=False every unit stays gathered from its forward
+        to its backward, and after a no-grad forward until the next backward
+        (FSDP2 reshards in post-backward only).
         """
         if not fsdp:
             return 0
         if not fsdp.reshard_after_forward:
             return all_gathered + gather_buffer
-        return largest_unit * (1 + prefetch) + root_gathered + gather_buffer
+        width = 1 + prefetch
+        window = max((sum(sizes[i : i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
+        return window + root_gathered + gather_buffer
 
-    fwd_gathered = in_flight(fsdp.prefetch_units if fsdp else 0)
     bwd_gathered = in_flight(fsdp.backward_prefetch_units if fsdp else 0)
     nograd_gathered = in_flight(fsdp.prefetch_units if fsdp else 0) if fsdp and fsdp.reshard_after_forward else (
         sum(unit_gathered(u) for u in all_units) if fsdp else 0)
 
     # -- activations ---------------------------------------------------------------------------
-    def block_saved(tokens: int, index: int) -> int:
-        """Bytes autograd saves for one block's backward (LoRA on a frozen base)."""
+    # Eager attention materialises batch x heads x Tq x Tk scores; so does SDPA on CPU
+    # (its math fallback, taken with a padding mask). GPU SDPA / flash kernels do not.
+    scores_materialised = workload.attn_implementation == "eager" or (
+        workload.attn_implementation == "sdpa" and not gpu_terms)
+
+    def scores(batch: int, t_q: int, index: int, copies: float) -> int:
+        if not scores_materialised:
+            return 0
+        att = spec.block(index).attention
+        t_k = min(t_q, att.sliding_window) if att.sliding_window and workload.attn_implementation != "eager" else t_q
+        return int(copies * batch * att.num_heads * t_q * t_k * p)
+
+    def block_saved(batch: int, index: int) -> int:
+        """Bytes autograd saves for one block's backward (LoRA on a frozen base), ``batch`` x T tokens."""
         b = spec.block(index)
         width = b.mlp.intermediate_size
         if b.mlp.kind == "moe":
@@ -295,18 +319,14 @@ def estimate(
         qkv = b.attention.q_dim + 2 * b.attention.kv_dim
         per_token = (k.act_hidden * H + k.act_qkv * qkv + k.act_mlp * width) * p
         per_token += k.act_lora * r * len(lora_shapes[index]) * 4
-        saved = tokens * per_token
-        if workload.attn_implementation == "eager":
-            saved += m * b.attention.num_heads * T * T * p * 2  # scores and softmax
-        return int(saved)
+        return int(batch * T * per_token) + scores(batch, T, index, k.attn_scores_saved)
 
-    def block_forward_temps(tokens: int, index: int) -> int:
+    def block_forward_temps(batch: int, length: int, index: int) -> int:
+        """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens."""
         b = spec.block(index)
         width = b.mlp.intermediate_size * max(1, b.mlp.experts_per_token) + b.mlp.shared_intermediate_size
-        temps = tokens * (k.fwd_hidden * H + k.fwd_mlp * width) * p
-        if workload.attn_implementation == "eager":
-            temps += (tokens // T) * b.attention.num_heads * T * T * p * 2
-        return int(temps)
+        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width) * p
+        return int(temps) + scores(batch, length, index, k.attn_scores_fwd)
 
     checkpointed = workload.gradient_checkpointing
     ckpt_blocks = set()
@@ -318,13 +338,13 @@ def estimate(
     saved = 0
     largest_block = 0
     for i in range(spec.num_layers):
-        full = block_saved(N, i)
+        full = block_saved(m, i)
         largest_block = max(largest_block, full)
-        saved += N * H * p if i in ckpt_blocks else full
+        saved += k.act_checkpointed * N * H * p if i in ckpt_blocks else full
     # Recomputing the largest checkpointed block in backward re-creates its saved tensors.
     recompute = largest_block if ckpt_blocks else 0
-    boundary = 3 * N * H * p  # embedding output, final norm input and output (the captured hidden)
-    learn_activations = saved + recompute + boundary
+    boundary = int(k.act_boundary * N * H * p)  # embedding output, final norm in/out (the captured hidden)
+    saved_total = int(saved) + boundary
 
     rows_learn = m * (T - 1)
     chunk = workload.logprob_chunk_size
@@ -338,16 +358,23 @@ def estimate(
     logits_ref = int(chunk_nograd * V * 4 * k.logits_copies_nograd + (head_weight if fsdp else 0) + m * V * 4)
     outputs_ref = n * T * 4 * ((1 if workload.beta > 0 else 0) + (1 if workload.update_epochs > 1 else 0))
 
-    lora_grads_full = sum(t.numel for t in lora_tensors) // adapters * p if fsdp else 0
-    defer = bool(fsdp and fsdp.defer_grad_sync and n // m > 1)
+    # Gradients. Components peak at different moments of a micro-batch, so the learn
+    # phase is the larger of two sub-peaks: the head's backward (every activation still
+    # saved, the logits workspace at its largest) and the first block's backward
+    # (activations, the recomputed block, a unit's unsharded gradients being reduced).
+    micro_batches = n // m
+    trainable_full = sum(t.numel for t in lora_tensors) // adapters
     if fsdp:
-        # Sharded fp32 grads plus, while reducing, a unit's unsharded grads and its reduce buffer.
         unit_lora_full = max((sum(t.numel for t in u.lora if t.sharded) for u in block_units), default=0) // adapters
-        learn_grads = grads_sharded + unit_lora_full * p + (lora_grads_full if defer else 0)
+        if micro_batches > 1:  # gradients of the earlier micro-batches of this step
+            prior_grads = trainable_full * p if fsdp.defer_grad_sync else grads_sharded
+        else:
+            prior_grads = 0
+        reducing = unit_lora_full * p
         reduce_buffer = unit_lora_full * DTYPE_BYTES[fsdp.reduce_dtype]
     else:
-        learn_grads = grads_sharded
-        reduce_buffer = 0
+        prior_grads = trainable_local * 4 if micro_batches > 1 else 0
+        reducing = reduce_buffer = 0
 
     # -- GPU-only terms -------------------------------------------------------------------------
     def gpu_overheads(allocated: int) -> dict[str, int]:
@@ -400,33 +427,46 @@ def estimate(
             length = min(T, att.sliding_window) if att.sliding_window else T
             kv += 2 * n * length * att.kv_dim * p
         kv = int(kv * (1 + 1 / max(1, spec.num_layers)))  # the cache grows by concatenation
-        prefill = max(block_forward_temps(n * workload.prompt_tokens, i) for i in range(spec.num_layers))
+        prefill = max(block_forward_temps(n, workload.prompt_tokens, i) for i in range(spec.num_layers))
         sampling = n * V * 4 * 3
+        residual = int(k.gen_hidden * n * workload.prompt_tokens * H * p)
         phases["rollout"] = phase({**static, "weights_gathered": nograd_gathered, "kv_cache": kv,
-                                   "activations": prefill + n * workload.prompt_tokens * H * p, "logits": sampling})
+                                   "activations": prefill + residual, "logits": sampling})
     elif workload.generation == "vllm":
         phases["rollout"] = phase({**static, "vllm": vllm_awake})
         phases["sync"] = phase({**static, "vllm": vllm_awake, "weights_gathered": largest_unit if fsdp else 0})
 
-    # reference (no grad), per micro-batch
+    def larger(*candidates: dict[str, int]) -> dict[str, int]:
+        return max(candidates, key=lambda c: sum(c.values()))
+
+    # After a forward: the root stays gathered; with reshard_after_forward=False every unit.
+    if fsdp and not fsdp.reshard_after_forward:
+        after_forward = all_gathered
+    else:
+        after_forward = root_gathered if fsdp else 0
+
+    # reference (no grad), per micro-batch: a block's forward, or the chunked head
     if workload.beta > 0 or workload.update_epochs > 1:
-        fwd = max(block_forward_temps(N, i) for i in range(spec.num_layers))
-        phases["reference"] = phase({**static, "vllm": vllm_asleep, "weights_gathered": nograd_gathered,
-                                     "activations": fwd + 2 * N * H * p + outputs_ref, "logits": logits_ref})
+        fwd = max(block_forward_temps(m, T, i) for i in range(spec.num_layers))
+        phases["reference"] = phase({**static, "vllm": vllm_asleep, **larger(
+            {"weights_gathered": nograd_gathered, "activations": fwd + 2 * N * H * p + outputs_ref},
+            {"weights_gathered": after_forward, "activations": N * H * p + outputs_ref, "logits": logits_ref},
+        )})
 
-    # learn: forward + backward of one micro-batch
-    phases["learn"] = phase({
-        **static, "vllm": vllm_asleep,
-        "weights_gathered": max(fwd_gathered, bwd_gathered),
-        "gradients": learn_grads,
-        "activations": learn_activations + outputs_ref,
-        "logits": logits_learn,
-        "comm_buffers": reduce_buffer,
-    })
+    # learn: forward + backward of one micro-batch (the last of the step)
+    phases["learn"] = phase({**static, "vllm": vllm_asleep, **larger(
+        {"weights_gathered": after_forward, "gradients": prior_grads,
+         "activations": saved_total + outputs_ref, "logits": logits_learn},
+        {"weights_gathered": bwd_gathered, "gradients": prior_grads + reducing,
+         "activations": saved_total + recompute + outputs_ref, "comm_buffers": reduce_buffer},
+    )})
 
-    # step: clip and AdamW
+    # step: clip and AdamW (on a CPU run the "host" moments are in the same memory)
+    step_optimizer = optimizer_device + (0 if host_optimizer else trainable_tensors * 4)
+    if host_optimizer and not gpu_terms:
+        step_optimizer += trainable_local * 8
     phases["step"] = phase({**static, "vllm": vllm_asleep, "gradients": grads_sharded,
-                            "optimizer_state": optimizer_device + (0 if host_optimizer else trainable_tensors * 4)})
+                            "optimizer_state": step_optimizer})
 
     # save: adapters gathered one tensor at a time; rank 0 keeps them and the optimizer state on the host
     largest_lora = max((t.numel for t in lora_tensors), default=0) * 4

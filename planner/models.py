@@ -11,7 +11,13 @@ import json
 import os
 from pathlib import Path
 
-from .spec import DEFAULT_LORA_TARGETS, ModelSpec, config_digest, spec_cache_dir
+from .spec import (
+    DEFAULT_LORA_TARGETS,
+    SPEC_SCHEMA_VERSION,
+    ModelSpec,
+    config_digest,
+    spec_cache_dir,
+)
 
 __all__ = ["load_model_spec", "ModelNotFound"]
 
@@ -31,11 +37,29 @@ def _installed_versions() -> tuple[str, str]:
 
 def _cache_path(digest: str, targets: tuple[str, ...]) -> Path:
     tv, pv = _installed_versions()
-    key = f"{digest}-{'+'.join(ModelSpec._target_key(t) for t in targets).replace('/', '_')}-tf{tv}-peft{pv}"
+    targets_key = "+".join(ModelSpec._target_key(t) for t in targets).replace("/", "_")
+    key = f"{digest}-{targets_key}-tf{tv}-peft{pv}-v{SPEC_SCHEMA_VERSION}"
     return spec_cache_dir() / f"{key}.json"
 
 
+_POSITIVE_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                        "intermediate_size", "num_key_value_heads", "head_dim")
+
+
+def _check_config(config: dict, name: str) -> None:
+    """Name the field when a config cannot describe a model (transformers' own errors often do not)."""
+    for key in _POSITIVE_INT_FIELDS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}: config field {key}={value!r} must be a positive integer")
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if heads and hidden and config.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{name}: config field hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                         "(and no head_dim is set)")
+
+
 def _from_config_dict(config: dict, *, name: str, targets: tuple[str, ...]) -> ModelSpec:
+    _check_config(config, name)
     path = _cache_path(config_digest(config), targets)
     if path.exists():
         return ModelSpec.model_validate_json(path.read_text())
@@ -43,8 +67,8 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str, ...]) -> M
 
     try:
         spec = build_spec(config, name=name, lora_targets=targets)
-    except (ValueError, TypeError, KeyError, AttributeError) as err:
-        raise ValueError(f"transformers cannot build {name} from its config: {err}") from err
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, IndexError) as err:
+        raise ValueError(f"transformers cannot build {name} from its config: {type(err).__name__}: {err}") from err
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(spec.model_dump_json())

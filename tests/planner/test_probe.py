@@ -134,3 +134,16 @@ def test_cli_probe_json_and_exit_codes(capsys):
     assert main(args + ["--budget-gib", "0.0000001"]) == 3
     with pytest.raises(SystemExit):
         main(["probe", MODEL, "--weights-dtype", "int3"])
+
+
+def test_grouped_units_deferred_micro_batches_and_generation_are_measured():
+    # wrap_every_n_blocks=2 makes FSDP2 group hooks (tracked with the generic tracker);
+    # micro-batches of 1 accumulate deferred gradients across tracked phases.
+    workload = SMALL.model_copy(update={"generation": "hf"})
+    m = run_probe(ProbeRequest(model=MODEL, workload=workload, nproc=2, generate=True, timed_steps=1,
+                               fsdp=FSDPConfig(**SHARD_ALL, wrap_every_n_blocks=2)))
+    assert m.ok, m.failure
+    for r in m.ranks:
+        assert {"rollout", "reference", "learn", "step"} <= set(r.phases)
+        assert r.phases["learn"]["weights_gathered"] > 0
+        assert r.phases["rollout"]["total"] > r.phases["step"]["total"]

@@ -1,0 +1,135 @@
+"""agilerl-plan MODEL: outputs, the manifest it writes, bad input, and the no-torch fast path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from agilerl.manifest import load_manifest
+from planner.cli import main
+
+
+def run(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_table_for_a_catalog_model(capsys):
+    code, out, _ = run(["Qwen/Qwen2.5-7B", "--gpus", "8", "--gpu", "H100-80GB"], capsys)
+    assert code == 0
+    assert "FITS" in out and "why:" in out and "FSDPConfig" in out
+    for phase in ("load", "rollout", "reference", "learn", "step"):
+        assert phase in out
+
+
+def test_json_has_the_shared_names_and_a_valid_manifest(capsys):
+    code, out, _ = run(["llama-3.1-70b", "--gpus", "8", "--format", "json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["fits"] and data["fsdp_config"] is not None
+    assert data["peak_bytes"] == max(p["total"] for p in data["phases"].values())
+    assert {d["field"] for d in data["decisions"]} >= {"sharding", "micro_batch_size_per_gpu", "reshard_after_forward"}
+    manifest = load_manifest(data["manifest"])
+    assert manifest.training.training_gpus_per_agent == 8
+    assert manifest.algorithm.fsdp_config().model_dump(mode="json") == data["fsdp_config"]
+
+
+def test_yaml_and_output_file_are_loadable_manifests(tmp_path, capsys):
+    path = tmp_path / "plan.yaml"
+    code, out, _ = run(["Qwen/Qwen2.5-72B", "--gpus", "16", "--gpus-per-node", "8", "--format", "yaml",
+                        "--output", str(path), "--completion-tokens", "512"], capsys)
+    assert code == 0
+    assert path.read_text() == out
+    assert out.startswith("# agilerl-plan: Qwen/Qwen2.5-72B on 16 x H100-80GB")
+    manifest = load_manifest(yaml.safe_load(out))
+    assert manifest.algorithm.max_output_tokens == 512 and manifest.training.training_gpus_per_agent == 16
+    assert load_manifest(path) == manifest
+
+
+def test_python_snippet(capsys):
+    code, out, _ = run(["qwen2.5-7b", "--gpus", "1", "--format", "python"], capsys)
+    assert code == 0 and "GRPO(" in out and "fsdp_config = None" in out
+    compile(out.replace("tokenizer.", "tok_"), "<snippet>", "exec")
+
+
+def test_nothing_fits_says_what_would(capsys):
+    code, out, _ = run(["meta-llama/Llama-3.1-70B", "--gpus", "1", "--gpu", "L4"], capsys)
+    assert code == 3
+    assert "DOES NOT FIT" in out and "what would fit:" in out
+    assert "use " in out and "GPUs" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["Qwen/Qwen2.5-7", "--gpus", "2"], "Did you mean: Qwen/Qwen2.5-7B"),
+        (["qwen2.5-7b", "--gpus", "6", "--gpus-per-node", "4"], "not a multiple of --gpus-per-node 4"),
+        (["qwen2.5-7b", "--gpu", "B300"], "unknown GPU 'B300'"),
+        (["qwen2.5-7b", "--group-size", "1"], "group_size"),
+        (["qwen2.5-7b", "--gpus", "16", "--prompts-per-step", "8"], "must be a multiple of --gpus 16"),
+        (["qwen2.5-7b", "--cpu-offload", "true", "--optim-cpu-offload", "true"], "cannot both be set"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message, capsys):
+    code, _, err = run(args, capsys)
+    assert code == 2
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"model_type": "qwen2", "hidden_size": 30, "num_attention_heads": 4}, "hidden_size=30 is not divisible"),
+        ({"model_type": "llama", "num_hidden_layers": "many"}, "num_hidden_layers='many' must be a positive"),
+        ({"model_type": "not_a_model"}, "transformers cannot build"),
+    ],
+)
+def test_unbuildable_config_names_the_problem(tmp_path, capsys, config, message):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps(config))
+    code, _, err = run([str(bad)], capsys)
+    assert code == 2
+    assert message in err
+
+
+def test_not_a_config(tmp_path, capsys):
+    not_config = tmp_path / "other.json"
+    not_config.write_text("{}")
+    code, _, err = run([str(not_config)], capsys)
+    assert code == 2 and "no model_type" in err
+
+
+def test_a_config_json_plans_and_is_cached(tmp_path, capsys):
+    from agilerl.utils.tiny import tiny_config
+
+    config = tiny_config("llama", hidden_size=64, num_layers=2).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run([str(tmp_path), "--gpus", "1", "--format", "json"], capsys)
+    assert code == 0 and json.loads(out)["model"] == str(tmp_path)
+    # Second run: the cached spec, without importing torch.
+    code = ("import sys; from planner.cli import main; rc = main([sys.argv[1], '--format', 'json']); "
+            "print('torch' in sys.modules); raise SystemExit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_catalog_plans_never_import_torch():
+    code = ("import sys; from planner.cli import main; main(['meta-llama/Llama-3.1-70B', '--gpus', '8']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'textual', 'optuna') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_fixed_fields_are_respected(capsys):
+    code, out, _ = run(["llama-3.1-70b", "--gpus", "8", "--format", "json", "--reshard-after-forward", "true",
+                        "--wrap-every-n-blocks", "1", "--micro-batch-size-per-gpu", "2"], capsys)
+    data = json.loads(out)
+    assert data["fsdp_config"]["reshard_after_forward"] is True
+    assert data["fsdp_config"]["wrap_every_n_blocks"] == 1
+    assert data["workload"]["micro_batch_size_per_gpu"] == 2
