@@ -31,7 +31,7 @@ from .memory import Coefficients, Estimate, estimate
 from .spec import ModelSpec
 from .workload import Workload
 
-__all__ = ["Decision", "Plan", "plan", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
+__all__ = ["Decision", "Plan", "plan", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
 
 LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 EXPERT_CHUNKS_MIB = (64, 128, 256, 512)
@@ -99,6 +99,7 @@ def plan(
     colocated_vllm: bool | None = None,
     coefficients: Coefficients | None = None,
     margin_fraction: float = 0.05,
+    suggest: bool = True,
 ) -> Plan:
     """Choose FSDPConfig fields and workload knobs the user left open.
 
@@ -107,6 +108,11 @@ def plan(
     """
     fixed = dict(fixed or {})
     FSDPConfig(**fixed)  # validate the user's fields early, with FSDPConfig's own errors
+    if workload.micro_batch_size_per_gpu is not None:
+        per_gpu = workload.completions_per_rank(cluster.num_gpus // fixed.get("tp", 1))
+        if per_gpu % workload.micro_batch_size_per_gpu:
+            raise ValueError(f"micro_batch_size_per_gpu={workload.micro_batch_size_per_gpu} does not divide the "
+                             f"{per_gpu} completions per GPU")
     if sharding not in ("auto", "fsdp", "none"):
         raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
     colocated = workload.generation == "vllm" if colocated_vllm is None else colocated_vllm
@@ -129,7 +135,10 @@ def plan(
 
     # 1. data parallel or FSDP2
     use_fsdp = sharding == "fsdp" or (sharding == "auto" and W > 1 and not workload.load_in_4bit)
-    if sharding == "auto" and W > 1 and not workload.load_in_4bit:
+    if sharding == "auto" and W > 1 and not workload.load_in_4bit and fixed:
+        decisions.append(Decision(field="sharding", value="fsdp",
+                                  reason=f"FSDPConfig fields were given ({', '.join(sorted(fixed))})"))
+    elif sharding == "auto" and W > 1 and not workload.load_in_4bit:
         if search.fits(frugal, None):
             use_fsdp = False
             decisions.append(Decision(field="sharding", value="data parallel",
@@ -162,7 +171,7 @@ def plan(
     current = frugal
     if not search.fits(current, fsdp):
         est = search.estimate(current, fsdp)
-        suggestions = _suggest(spec, workload, cluster, coefficients, margin, fixed)
+        suggestions = _suggest(spec, workload, cluster, coefficients, margin, fixed) if suggest else []
         decisions.append(Decision(field="fits", value=False, reason=(
             f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
             f"over the {_gib(search.limit)} available")))
@@ -256,6 +265,13 @@ def plan(
                        f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
     return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
                 decisions=tuple(decisions), fits=True, margin_bytes=margin)
+
+
+def suggest_fixes(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any] | None = None,
+                  coefficients: Coefficients | None = None, margin_fraction: float = 0.05) -> list[str]:
+    """The smallest changes that would make a plan fit (what plan() reports when nothing does)."""
+    return _suggest(spec, workload, cluster, coefficients, int(cluster.gpu.memory_bytes * margin_fraction),
+                    dict(fixed or {}))
 
 
 def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:

@@ -100,6 +100,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=["table", "json", "yaml", "python"], default="table")
     parser.add_argument("--output", metavar="MANIFEST", help="write the manifest YAML for `agilerl.train` here")
     parser.add_argument("--allow-download", action="store_true", help="fetch the config from the hub if not local")
+    parser.add_argument("--tui", action="store_true", help="explore the plan interactively (needs the [tui] extra)")
     add_fields(parser, Workload, group_title="workload")
     add_fields(parser, FSDPConfig, group_title="FSDPConfig fields to fix (the planner chooses the rest)")
     return parser
@@ -119,9 +120,17 @@ def plan_main(argv: list[str]) -> int:
     try:
         gpu = gpu_by_name(args.gpu)
         if args.gpu_memory:
-            gpu = gpu.model_copy(update={"name": f"{gpu.name} ({args.gpu_memory:g} GiB)",
-                                         "memory_bytes": int(args.gpu_memory * GIB)})
+            # Same kind (so its calibration applies), other memory.
+            gpu = gpu.model_copy(update={"memory_bytes": int(args.gpu_memory * GIB)})
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+        if args.tui:
+            try:
+                from tui.app import run
+            except ImportError as err:
+                raise ValueError(f"--tui needs the explorer's extra: pip install 'agilerl-fsdp-planner[tui]' ({err})") from None
+            run(args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                gpu_memory_gib=args.gpu_memory)
+            return 0
         fields = collect_fields(args, Workload)
         if "prompts_per_step" not in fields:
             # Manifests give every GPU whole prompts (rollout_batch_size is a multiple of the GPUs).

@@ -91,7 +91,10 @@ def _hf_cache_config(repo_id: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover
         return None
-    found = try_to_load_from_cache(repo_id, "config.json")
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id: not in the cache either
+        return None
     return Path(found) if isinstance(found, str) else None
 
 
@@ -110,6 +113,9 @@ def load_model_spec(
         return _from_config_dict(_read_config(path / "config.json"), name=str(path), targets=targets)
     if path.is_file() and path.suffix == ".json":
         return _from_config_dict(_read_config(path), name=str(path), targets=targets)
+    looks_like_path = model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
+    if looks_like_path and not model.startswith("tiny:") and not path.exists():
+        raise ModelNotFound(f"{model}: no such file or directory (expected a model directory or a config.json)")
     if model.startswith("tiny:"):
         from agilerl.algorithms.core.loading import parse_tiny
         from agilerl.utils.tiny import char_tokenizer, tiny_config

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._config import FSDPConfig
+from ._config import DTYPE_NAMES, FSDPConfig
 
 _LAZY = {
     # process group and collectives
@@ -62,7 +62,7 @@ _LAZY = {
     "resolve_optim_cpu_offload": "_optim",
 }
 
-__all__ = ["FSDPConfig", *_LAZY]
+__all__ = ["FSDPConfig", "DTYPE_NAMES", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -82,11 +82,19 @@ def resolve_model_source(model_name: str) -> str:
     digest = hashlib.sha1(f"{arch}|{sorted(kwargs.items())}|{seed}".encode()).hexdigest()[:12]
     target = _cache_dir() / "tiny" / f"{arch}-{digest}"
     if is_main_process() and not (target / "config.json").exists():
+        _quiet_transformers()
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         save_tiny_model(tmp, arch, seed=seed, **kwargs)
         tmp.rename(target) if not target.exists() else None
     barrier()
     return str(target)
+
+
+def _quiet_transformers() -> None:
+    # Loading bars from transformers would interleave across ranks and drown the trainer's log.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def load_tokenizer(source: str):
@@ -156,6 +164,7 @@ def build_actor(
     """The PEFT-wrapped actor (sharded when ``fsdp_config``) and its trainable parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    _quiet_transformers()
     lora_config = lora_config if lora_config is not None else default_lora_config()
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
 

@@ -1,0 +1,59 @@
+"""tui.app's command line: the flags are a public surface (agilerl-plan-tui, agilerl-plan --tui)."""
+
+from __future__ import annotations
+
+import pytest
+
+import tui.app
+from tui.app import DEFAULT_MODEL, main, parser
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_flags_are_pinned():
+    flags = {a.dest: a.option_strings for a in parser()._actions if a.dest != "help"}
+    assert flags == {
+        "model": [],
+        "gpus": ["--gpus"],
+        "gpus_per_node": ["--gpus-per-node"],
+        "gpu": ["--gpu"],
+        "gpu_memory": ["--gpu-memory"],
+    }
+
+
+def test_main_runs_the_explorer_with_the_parsed_flags(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tui.app, "run", lambda model, **kw: calls.append((model, kw)))
+    assert (
+        main(
+            [
+                "meta-llama/Llama-3.1-70B",
+                "--gpus",
+                "16",
+                "--gpus-per-node",
+                "8",
+                "--gpu",
+                "h200",
+                "--gpu-memory",
+                "120",
+            ]
+        )
+        == 0
+    )
+    assert calls == [
+        (
+            "meta-llama/Llama-3.1-70B",
+            {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": 120.0},
+        )
+    ]
+    assert main([]) == 0
+    assert calls[-1] == (
+        DEFAULT_MODEL,
+        {"gpus": 1, "gpus_per_node": None, "gpu": "H100-80GB", "gpu_memory_gib": None},
+    )
+
+
+def test_an_unknown_gpu_kind_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(tui.app, "run", lambda *a, **kw: pytest.fail("must not start"))
+    assert main(["--gpu", "H1OO"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err

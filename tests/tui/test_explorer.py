@@ -1,0 +1,439 @@
+"""The explorer driven by Pilot.
+
+Knobs replan, bad input is marked and keeps the last plan, the manifest saves and validates,
+dialogs open, slow work never blocks the keyboard. Catalog models only (no torch).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import yaml
+from textual.widgets import Input, Label, OptionList, TextArea
+
+from agilerl.distributed import FSDPConfig
+from agilerl.manifest import load_manifest
+from planner import emit
+from planner.models import load_model_spec
+from tui import _request
+from tui.app import ExplorerApp
+from tui.screens import ExportScreen, HelpScreen, ModelPicker, SavePrompt
+from tui.screens import _explorer as explorer_module
+from tui.widgets import ComponentTable, DecisionView, KnobRow, PhaseBars, Verdict
+
+from ._helpers import BIG_MODEL, MODEL, SMALL, WIDE, control, pilot_test, set_knob, settle
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _row(screen, key: str) -> KnobRow:
+    return next(r for r in screen.query(KnobRow) if r.knob.key == key)
+
+
+def _verdict(screen) -> str:
+    return str(screen.query_one(Verdict).render())
+
+
+@pytest.mark.parametrize("size", [WIDE, SMALL])
+@pilot_test
+async def test_starts_with_the_plan_of_the_given_cluster(size):
+    app = ExplorerApp(MODEL, gpus=8, gpus_per_node=8, gpu="h100")
+    async with app.run_test(size=size) as pilot:
+        screen = await settle(pilot)
+        plan = screen.plan
+        assert plan is not None and plan.fits
+        assert (
+            plan.model == MODEL
+            and plan.cluster.num_gpus == 8
+            and plan.cluster.gpu.name == "H100-80GB"
+        )
+        assert "FITS" in _verdict(screen)
+        assert screen.query_one(PhaseBars).estimate is plan.estimate
+        assert screen.has_class("-narrow") == (size == SMALL)
+        assert app.focused is control(pilot, "cluster.num_gpus")
+
+
+@pytest.mark.parametrize("size", [WIDE, SMALL])
+@pilot_test
+async def test_up_doubles_the_gpus_and_the_plan_follows(size):
+    app = ExplorerApp(BIG_MODEL, gpus=8)
+    async with app.run_test(size=size) as pilot:
+        screen = await settle(pilot)
+        before = screen.plan
+        assert before.fsdp is not None  # 70B does not fit unsharded
+        control(pilot, "cluster.num_gpus").focus()
+        await pilot.press("up")
+        screen = await settle(pilot)
+        after = screen.plan
+        assert control(pilot, "cluster.num_gpus").value == "16"
+        assert after.cluster.num_gpus == 16
+        assert (
+            after.estimate.phases["step"].components["weights"]
+            < before.estimate.phases["step"].components["weights"]
+        )
+        assert screen.last_recompute_seconds is not None
+
+
+@pilot_test
+async def test_typing_a_value_replans():
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        field = control(pilot, "workload.completion_tokens")
+        field.focus()
+        await pilot.pause()
+        await pilot.press(*"1024")  # focus selects the value: typing replaces it
+        screen = await settle(pilot)
+        assert field.value == "1024"
+        assert screen.plan.workload.completion_tokens == 1024
+
+
+@pilot_test
+async def test_an_fsdp_override_is_kept_and_marked_as_yours():
+    app = ExplorerApp(BIG_MODEL, gpus=16)  # fits with room: the planner relaxes every knob
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        assert "wrap_every_n_blocks" in screen.plan.reasons()  # the planner's pick, with its reason
+        mine = 1 if screen.plan.fsdp.wrap_every_n_blocks != 1 else 2
+        screen = await set_knob(pilot, "fsdp.wrap_every_n_blocks", str(mine))
+        assert screen.plan.fsdp.wrap_every_n_blocks == mine
+        assert screen.request.fixed == {"wrap_every_n_blocks": mine}
+        assert "wrap_every_n_blocks" not in screen.plan.reasons()
+        assert f"wrap_every_n_blocks = {mine}  you" in str(screen.query_one(DecisionView).render())
+        screen = await set_knob(pilot, "fsdp.reshard_after_forward", "false")
+        assert screen.plan.fsdp.reshard_after_forward is False
+        screen = await set_knob(pilot, "fsdp.reshard_after_forward", "auto")
+        assert (
+            screen.plan.fsdp.reshard_after_forward is True
+            and "reshard_after_forward" not in screen.request.fixed
+        )
+
+
+@pytest.mark.parametrize("size", [WIDE, SMALL])
+@pilot_test
+async def test_a_bad_group_size_is_marked_in_place_and_keeps_the_last_plan(size):
+    app = ExplorerApp(MODEL, gpus=1)
+    async with app.run_test(size=size) as pilot:
+        screen = await settle(pilot)
+        good = screen.plan
+        screen = await set_knob(pilot, "workload.group_size", "1")
+        row = _row(screen, "workload.group_size")
+        assert row.has_class("-invalid")
+        assert "greater than or equal to 2" in str(row.query_one(".knob-error", Label).render())
+        assert screen.plan is good
+        assert "showing the last good plan" in _verdict(screen)
+        screen = await set_knob(pilot, "workload.group_size", "4")
+        assert not row.has_class("-invalid") and screen.errors == {}
+        assert screen.plan.workload.group_size == 4
+
+
+@pilot_test
+async def test_gpus_not_a_multiple_of_the_gpus_per_node_is_an_inline_error():
+    app = ExplorerApp(MODEL, gpus=16, gpus_per_node=8)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        good = screen.plan
+        screen = await set_knob(pilot, "cluster.num_gpus", "12")
+        assert "not a multiple" in screen.errors["cluster.gpus_per_node"]
+        assert screen.plan is good
+        screen = await set_knob(pilot, "cluster.num_gpus", "32")
+        assert screen.errors == {} and screen.plan.cluster.num_nodes == 4
+
+
+@pilot_test
+async def test_reset_puts_the_focused_knob_back():
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await set_knob(pilot, "workload.group_size", "1")
+        control(pilot, "workload.group_size").focus()
+        await pilot.press("ctrl+r")
+        screen = await settle(pilot)
+        assert control(pilot, "workload.group_size").value == "8" and screen.errors == {}
+
+
+@pilot_test
+async def test_qlora_and_colocated_vllm_change_the_plan():
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        bf16_weights = screen.plan.estimate.phases["step"].components["weights"]
+        control(pilot, "workload.load_in_4bit").focus()
+        await pilot.press("space")
+        screen = await settle(pilot)
+        assert screen.plan.workload.load_in_4bit
+        assert (
+            screen.plan.estimate.phases["step"].components["weights"] < bf16_weights / 2
+        )  # NF4 blocks, bf16 embeddings
+        await pilot.press("space")
+        await set_knob(pilot, "workload.generation", "vllm")
+        screen = await set_knob(pilot, "workload.vllm_gpu_memory_utilization", "0.5")
+        assert screen.plan.workload.generation == "vllm"
+        vllm_bytes = screen.plan.estimate.phases["rollout"].components["vllm"]
+        assert vllm_bytes == int(0.5 * screen.plan.cluster.gpu.memory_bytes)
+
+
+@pytest.mark.parametrize("size", [WIDE, SMALL])
+@pilot_test
+async def test_save_writes_a_manifest_that_validates_and_matches_the_plan(size, tmp_path):
+    app = ExplorerApp(BIG_MODEL, gpus=8, gpus_per_node=4)
+    target = tmp_path / "run.yaml"
+    async with app.run_test(size=size) as pilot:
+        screen = await settle(pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        prompt = app.screen
+        assert isinstance(prompt, SavePrompt)
+        path = prompt.query_one(Input)
+        assert path.value == "manifest.yaml"
+        path.value = str(target)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is screen
+        plan = screen.plan
+    manifest = load_manifest(target)
+    assert yaml.safe_load(target.read_text()) == emit.manifest_dict(plan)
+    assert manifest.algorithm.model_name == BIG_MODEL
+    assert manifest.training.training_gpus_per_agent == 8
+    assert manifest.algorithm.micro_batch_size_per_gpu == plan.workload.micro_batch_size_per_gpu
+    assert manifest.algorithm.fsdp_config() == plan.fsdp
+
+
+@pilot_test
+async def test_a_plan_whose_manifest_would_not_validate_is_flagged_and_not_saved(tmp_path):
+    app = ExplorerApp(
+        BIG_MODEL, gpus=16, gpus_per_node=8
+    )  # 8 prompts do not split over 16 trainer GPUs
+    target = tmp_path / "run.yaml"
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        assert screen.plan.fits and "rollout_batch_size (8)" in screen.manifest_problem
+        assert "manifest would not validate" in _verdict(screen)
+        assert screen.save_manifest(str(target)) is None
+        screen = await set_knob(pilot, "workload.prompts_per_step", "16")
+        assert screen.manifest_problem is None
+        assert screen.save_manifest(str(target)) == target
+    assert load_manifest(target).training.rollout_batch_size == 16
+
+
+@pilot_test
+async def test_escape_cancels_the_save(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.explorer
+    assert not (tmp_path / "manifest.yaml").exists()
+
+
+@pilot_test
+async def test_the_snippet_screen_shows_the_plan_as_python_and_yaml():
+    app = ExplorerApp(BIG_MODEL, gpus=8)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        assert isinstance(app.screen, ExportScreen)
+        assert app.screen.query_one("#python-text", TextArea).text == emit.python_snippet(
+            screen.plan
+        )
+        assert app.screen.query_one("#manifest-text", TextArea).text == emit.manifest_yaml(
+            screen.plan
+        )
+        assert "FSDPConfig(" in emit.python_snippet(screen.plan)
+        await pilot.press("c")
+        assert app.clipboard == emit.python_snippet(screen.plan)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is screen
+
+
+@pilot_test
+async def test_f1_opens_the_help_and_escape_closes_it():
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        keys = dict(app.screen.bindings)
+        assert {"^s", "^o", "^p", "F1"} <= {k.replace("ctrl+", "^") for k in keys}
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.explorer
+
+
+@pilot_test
+async def test_the_model_picker_searches_the_catalog():
+    app = ExplorerApp(MODEL, gpus=8)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        assert isinstance(app.screen, ModelPicker)
+        await pilot.press(*"qwen2.5 14")
+        await pilot.pause()
+        options = app.screen.query_one(OptionList)
+        assert options.option_count == 1
+        await pilot.press("enter")
+        screen = await settle(pilot)
+        assert screen.plan.model == "Qwen/Qwen2.5-14B" and screen.sub_title == "Qwen/Qwen2.5-14B"
+
+
+@pilot_test
+async def test_an_unknown_model_is_an_error_and_the_plan_stays():
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        good = screen.plan
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        app.screen.query_one(Input).value = "no-such-org/no-such-model"
+        await pilot.pause()
+        await pilot.press("enter")
+        screen = await settle(pilot)
+        assert "unknown model" in screen.model_error and "unknown model" in _verdict(screen)
+        assert screen.plan is good and screen.model_name == MODEL
+        screen = await set_knob(
+            pilot, "workload.group_size", "4"
+        )  # the plan goes on with the last model
+        assert screen.plan.model == MODEL and screen.plan.workload.group_size == 4
+
+
+@pilot_test
+async def test_a_model_that_takes_time_to_build_shows_a_loading_indicator(monkeypatch):
+    release = threading.Event()
+
+    def slow_load(name, **kwargs):
+        release.wait(20)
+        return load_model_spec(BIG_MODEL, **kwargs)
+
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        monkeypatch.setattr(explorer_module, "load_model_spec", slow_load)
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        app.screen.query_one(Input).value = "tiny:qwen2?num_layers=2"
+        await pilot.pause()
+        await pilot.press("enter")
+        await pilot.pause()
+        screen = app.explorer
+        assert (
+            screen.busy and screen.query_one("#memory-row").loading
+        )  # covered by a LoadingIndicator
+        assert "loading tiny:qwen2?num_layers=2" in _verdict(screen)
+        release.set()
+        screen = await settle(pilot)
+        assert not screen.query_one("#memory-row").loading
+        assert screen.model_name == "tiny:qwen2?num_layers=2"
+
+
+@pilot_test
+async def test_a_slow_plan_does_not_block_typing_and_stale_plans_are_dropped(monkeypatch):
+    release = threading.Event()
+    computed = []
+    real_compute = _request.compute
+
+    def slow_compute(spec, request):
+        release.wait(20)
+        computed.append(request.workload.prompt_tokens)
+        return real_compute(spec, request)
+
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        monkeypatch.setattr(_request, "compute", slow_compute)
+        field = control(pilot, "workload.prompt_tokens")
+        field.focus()
+        await pilot.press("up")  # 512: its plan blocks until released
+        await pilot.pause()
+        assert screen.busy
+        await pilot.press("up", "up")  # typing still works while that plan runs
+        await pilot.pause()
+        assert field.value == "2048" and screen.busy
+        assert screen.plan.workload.prompt_tokens == 256
+        release.set()
+        screen = await settle(pilot)
+        assert screen.plan.workload.prompt_tokens == 2048
+        assert computed == [512, 2048]  # 1024 never ran: the newest request replaced it
+
+
+@pilot_test
+async def test_the_bars_select_a_phase_for_the_component_table():
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        bars = screen.query_one(PhaseBars)
+        assert bars.selected == screen.plan.estimate.peak_phase
+        await pilot.press("f2")
+        assert app.focused is bars
+        phases = bars.phases()
+        await pilot.press("down")
+        await pilot.pause()
+        expected = phases[(phases.index(screen.plan.estimate.peak_phase) + 1) % len(phases)]
+        assert bars.selected == expected
+        assert screen.query_one(ComponentTable).phase == expected
+        await pilot.press("f3")
+        assert screen.query_one("#tabs").active == "decisions"
+
+
+@pilot_test
+async def test_does_not_fit_is_plain_and_lists_the_planners_fixes():
+    app = ExplorerApp("Qwen/Qwen2.5-14B", gpu="L4")
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        assert not screen.plan.fits and screen.plan.suggestions
+        text = _verdict(screen)
+        assert "DOES NOT FIT" in text
+        for fix in screen.plan.suggestions:
+            assert f"fix: {fix}" in text
+        assert screen.query_one(Verdict).has_class("-over")
+
+
+@pilot_test
+async def test_choices_work_from_the_keyboard_and_the_hint_shows_the_fields_description():
+    app = ExplorerApp(BIG_MODEL, gpus=8)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        select = control(pilot, "fsdp.optim_cpu_offload")
+        select.focus()
+        await pilot.pause()
+        hint = str(screen.query_one("#hint").render())
+        assert FSDPConfig.model_fields["optim_cpu_offload"].description[:40] in hint.replace(
+            "\n", " "
+        )
+        await pilot.press("enter", "down", "enter")  # auto -> true
+        screen = await settle(pilot)
+        assert select.value == "true"
+        assert screen.request.fixed == {"optim_cpu_offload": True}
+        assert screen.plan.fsdp.optim_cpu_offload is True
+        assert screen.plan.estimate.phases["step"].components.get("optimizer_state", 0) == 0
+
+
+@pilot_test
+async def test_question_mark_opens_the_help_outside_text_fields():
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        await pilot.press("f2")  # focus the bars: no text field takes the key
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+
+
+@pilot_test
+async def test_an_fsdp_override_asks_for_fsdp_even_where_data_parallel_fits():
+    app = ExplorerApp(MODEL, gpus=8)  # 7B fits on each GPU: data parallel, no FSDPConfig
+    async with app.run_test(size=SMALL) as pilot:
+        await pilot.pause()
+        assert app.screen.plan.fsdp is None
+        screen = await set_knob(pilot, "fsdp.wrap_every_n_blocks", "2")
+        assert screen.request.fixed == {"wrap_every_n_blocks": 2}
+        assert screen.plan.fsdp is not None and screen.plan.fsdp.wrap_every_n_blocks == 2
+        assert "FSDPConfig fields were given" in screen.plan.reasons()["sharding"]
+        assert screen.warnings() == []

@@ -1,0 +1,5 @@
+"""``python -m tui [MODEL] [--gpus N] ...``: the explorer (same as ``agilerl-plan-tui``)."""
+
+from .app import main
+
+raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""The explorer's knobs, headless: what each one is, its help, and how its text parses.
+
+No textual here: the screens render :func:`knob_table`; :mod:`tui._request` turns the raw
+values back into a plan request. Knob keys are ``"<group>.<field>"`` with group ``cluster``,
+``plan``, ``workload`` or ``fsdp``. A knob's help text is its model field's ``description``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from agilerl.distributed import FSDPConfig
+from agilerl.distributed._config import DTYPE_NAMES  # not re-exported by agilerl.distributed
+from planner.hardware import GPU, GPUS, Cluster, gpu_by_name
+from planner.workload import Workload
+
+__all__ = ["AUTO", "GIB", "Knob", "KnobErrors", "initial_values", "knob_table", "parse"]
+
+AUTO = "auto"
+NONE = "none"
+GIB = 2**30
+Kind = Literal["int", "float", "text", "choice", "flag"]
+
+#: Workload fields in the order the panel shows them: the everyday ones first.
+WORKLOAD_FIELDS = (
+    "prompts_per_step",
+    "group_size",
+    "prompt_tokens",
+    "completion_tokens",
+    "micro_batch_size_per_gpu",
+    "gradient_checkpointing",
+    "logprob_chunk_size",
+    "lora_rank",
+    "lora_alpha",
+    "load_in_4bit",
+    "generation",
+    "vllm_gpu_memory_utilization",
+    "vllm_sleep_level",
+    "weights_dtype",
+    "attn_implementation",
+    "beta",
+    "update_epochs",
+    "use_separate_reference_adapter",
+)
+#: ``plan(sharding=...)`` is an argument, not a model field, so it has no description to reuse.
+SHARDING_HELP = (
+    "auto: data parallel when the whole actor fits on each GPU, else FSDP2; "
+    "fsdp: always FSDP2; none: never shard."
+)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One control of the panel."""
+
+    key: str
+    label: str
+    help: str
+    kind: Kind
+    choices: tuple[str, ...] = ()
+    values: tuple[Any, ...] = ()  # what each choice means, when not the choice's text
+    auto: bool = False  # "auto" (or an empty field) leaves the value to the planner
+    # "none" is a value of its own (FSDPConfig fields whose None means something)
+    nullable: bool = False
+
+    @property
+    def group(self) -> str:
+        return self.key.split(".", 1)[0]
+
+    @property
+    def field(self) -> str:
+        return self.key.split(".", 1)[1]
+
+
+class KnobErrors(ValueError):
+    """Invalid knobs: ``errors`` maps a knob key ("" for the whole request) to its message."""
+
+    def __init__(self, errors: Mapping[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{k or 'input'}: {v}" for k, v in self.errors.items()))
+
+
+def _members(annotation: Any) -> tuple[list[Any], bool]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = list(typing.get_args(annotation))
+    else:
+        args = [annotation]
+    members = [a for a in args if a is not type(None)]
+    return members, len(members) < len(args)
+
+
+def _knob(group: str, model: type[BaseModel], field: str, *, label: str | None = None) -> Knob:
+    info = model.model_fields[field]
+    members, optional = _members(info.annotation)
+    only = members[0] if len(members) == 1 else None
+    key, text = f"{group}.{field}", label or field
+    help_text = info.description or ""
+    overridable = group == "fsdp"  # every FSDPConfig field is "auto" or an override
+    auto = overridable or optional
+    nullable = overridable and optional
+
+    def choice(values: tuple[Any, ...]) -> Knob:
+        lead, tail = ((AUTO,), (AUTO,)) if auto else ((), ())
+        if nullable:
+            values += (None,)
+        return Knob(
+            key,
+            text,
+            help_text,
+            "choice",
+            lead + tuple(_text(v) or NONE for v in values),
+            tail + values,
+            auto,
+            nullable,
+        )
+
+    if typing.get_origin(only) is Literal:
+        return choice(typing.get_args(only))
+    if only is bool:
+        return choice((True, False)) if auto else Knob(key, text, help_text, "flag")
+    if only is str and field.endswith("_dtype"):
+        return choice(tuple(dict.fromkeys(DTYPE_NAMES.values())))
+    kind: Kind = "int" if only is int else "float" if only is float else "text"
+    return Knob(key, text, help_text, kind, (), (), auto, nullable)
+
+
+@functools.cache
+def knob_table() -> tuple[Knob, ...]:
+    """Every knob of the panel, in order, with its model field's description as help."""
+    gpu_help = GPU.model_fields["name"].description or ""
+    memory_help = GPU.model_fields["memory_bytes"].description or ""
+    cluster = (
+        _knob("cluster", Cluster, "num_gpus", label="GPUs"),
+        _knob("cluster", Cluster, "gpus_per_node", label="GPUs per node"),
+        Knob(
+            "cluster.gpu",
+            "GPU kind",
+            f"{gpu_help} Catalog: {', '.join(GPUS)}.",
+            "choice",
+            tuple(GPUS),
+            tuple(GPUS),
+        ),
+        Knob(
+            "cluster.gpu_memory_gib",
+            "GPU memory GiB",
+            f"{memory_help} Empty: the GPU kind's figure.",
+            "float",
+            auto=True,
+        ),
+        Knob(
+            "plan.sharding",
+            "sharding",
+            SHARDING_HELP,
+            "choice",
+            ("auto", "fsdp", "none"),
+            ("auto", "fsdp", "none"),
+        ),
+    )
+    workload = tuple(_knob("workload", Workload, f) for f in WORKLOAD_FIELDS)
+    fsdp = tuple(_knob("fsdp", FSDPConfig, f) for f in FSDPConfig.model_fields)
+    return cluster + workload + fsdp
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def initial_values(
+    *,
+    num_gpus: int = 1,
+    gpus_per_node: int | None = None,
+    gpu: str = "H100-80GB",
+    gpu_memory_gib: float | None = None,
+) -> dict[str, str | bool]:
+    """Each knob's starting value: the cluster given, Workload's defaults, FSDPConfig all on auto.
+
+    ``gpu`` is resolved with :func:`planner.hardware.gpu_by_name` (KeyError with suggestions).
+    """
+    values: dict[str, str | bool] = {
+        "cluster.num_gpus": str(num_gpus),
+        "cluster.gpus_per_node": _text(gpus_per_node),
+        "cluster.gpu": gpu_by_name(gpu).name,
+        "cluster.gpu_memory_gib": _text(gpu_memory_gib),
+        "plan.sharding": "auto",
+    }
+    for knob in knob_table():
+        if knob.group not in ("workload", "fsdp"):
+            continue
+        default = Workload.model_fields[knob.field].default if knob.group == "workload" else None
+        if knob.kind == "flag":
+            values[knob.key] = bool(default)
+        elif default is None:
+            values[knob.key] = AUTO if knob.kind == "choice" else ""
+        else:
+            values[knob.key] = _text(default)
+    return values
+
+
+def parse(knob: Knob, raw: str | bool) -> Any:
+    """The value of a knob's raw text (``AUTO``: the planner chooses); ValueError says why not."""
+    if knob.kind == "flag":
+        return bool(raw)
+    text = str(raw).strip()
+    if knob.auto and text.lower() in ("", AUTO):
+        return AUTO
+    if knob.nullable and knob.kind != "choice" and text.lower() == NONE:
+        return None
+    if text == "" and knob.kind != "text":
+        raise ValueError("required")
+    match knob.kind:
+        case "choice":
+            if text not in knob.choices:
+                raise ValueError(f"choose from {', '.join(knob.choices)}")
+            return knob.values[knob.choices.index(text)]
+        case "int":
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"{text!r} is not a whole number") from None
+        case "float":
+            try:
+                return float(text)
+            except ValueError:
+                raise ValueError(f"{text!r} is not a number") from None
+        case _:
+            return tuple(t.strip() for t in text.split(",") if t.strip())

@@ -1,0 +1,136 @@
+"""``agilerl-plan-tui`` / ``agilerl-plan MODEL --tui``: the interactive explorer of memory plans.
+
+agilerl-plan-tui [MODEL] [--gpus N] [--gpus-per-node N] [--gpu H100-80GB] [--gpu-memory GIB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from textual.app import App
+from textual.binding import Binding
+
+from planner.hardware import GPUS, gpu_by_name
+
+from ._knobs import initial_values
+from .screens import ExplorerScreen, HelpScreen
+
+__all__ = ["DEFAULT_MODEL", "ExplorerApp", "main", "run"]
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-7B"
+
+
+class ExplorerApp(App[None]):
+    """One explorer screen, with its dialogs on top."""
+
+    CSS_PATH = "explorer.tcss"
+    TITLE = "agilerl-plan explorer"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding(
+            "f1",
+            "help",
+            "Help",
+            key_display="F1",
+            tooltip="This help (also ? outside a text field)",
+        ),
+        Binding("question_mark", "help", "Help", show=False),
+        Binding("ctrl+q", "quit", "Quit", tooltip="Leave the explorer"),
+    ]
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        gpus: int = 1,
+        gpus_per_node: int | None = None,
+        gpu: str = "H100-80GB",
+        gpu_memory_gib: float | None = None,
+    ) -> None:
+        super().__init__()
+        values = initial_values(
+            num_gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib
+        )
+        self.explorer = ExplorerScreen(model, values)
+
+    def get_default_screen(self) -> ExplorerScreen:
+        return self.explorer
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        keys = [
+            (b.key_display or b.key, b.tooltip or b.description)
+            for b in (*ExplorerScreen.BINDINGS, *self.BINDINGS)
+            if b.show
+        ]
+        keys += [
+            ("Tab / Shift+Tab", "next / previous knob"),
+            ("Up / Down", "double / halve a number; previous / next phase in the bars"),
+            ("Enter", "open a choice; pick a model in the list"),
+        ]
+        self.push_screen(HelpScreen(keys))
+
+
+def run(
+    model: str = DEFAULT_MODEL,
+    *,
+    gpus: int = 1,
+    gpus_per_node: int | None = None,
+    gpu: str = "H100-80GB",
+    gpu_memory_gib: float | None = None,
+) -> None:
+    """Run the explorer in this terminal until the user quits."""
+    ExplorerApp(
+        model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib
+    ).run()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agilerl-plan-tui",
+        description="Explore GRPO + LoRA memory plans interactively: move the knobs, watch "
+        "each GPU's memory per phase and the chosen FSDPConfig.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...' "
+        f"[default: {DEFAULT_MODEL}]",
+    )
+    p.add_argument("--gpus", type=int, default=1, help="trainer GPUs in total")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)"
+    )
+    p.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GPU memory in GiB (overrides the catalog figure of --gpu)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        gpu_by_name(args.gpu)
+    except KeyError as err:
+        print(f"error: {str(err).strip(chr(39))}", file=sys.stderr)
+        return 2
+    run(
+        args.model,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu=args.gpu,
+        gpu_memory_gib=args.gpu_memory,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The verdict line: fits or DOES NOT FIT, the peak, the planner's suggested fixes, input errors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from rich.text import Text
+from textual.widgets import Static
+
+from planner.choose import Plan
+
+from .._colors import OVER_COLOR
+from .._knobs import GIB
+
+__all__ = ["Verdict"]
+
+
+class Verdict(Static):
+    """What the current plan says, and why it may be stale."""
+
+    _shown: Text | None = None
+
+    def show(
+        self,
+        plan: Plan | None,
+        *,
+        errors: Mapping[str, str],
+        status: str = "",
+        warnings: Sequence[str] = (),
+    ) -> None:
+        """``errors``: bad inputs by knob key; ``warnings``: what is off with the plan itself."""
+        out = Text()
+        if plan is None:
+            out.append(status or "no plan yet", style="dim")
+        else:
+            est = plan.estimate
+            if plan.fits:
+                out.append(" FITS ", style="bold black on green")
+                out.append(
+                    f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}, "
+                    f"{est.headroom_bytes / GIB:.2f} GiB headroom of {est.capacity_bytes / GIB:.2f}"
+                )
+            else:
+                out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
+                limit = est.capacity_bytes - plan.margin_bytes
+                out.append(
+                    f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}"
+                    f" > {limit / GIB:.2f} usable",
+                    style=f"bold {OVER_COLOR}",
+                )
+                for fix in plan.suggestions:
+                    out.append("\n  fix: ", style="bold")
+                    out.append(fix)
+            for warning in warnings:
+                out.append(f"\n⚠ {warning}", style="bold yellow")
+            if status:
+                out.append(f"\n{status}", style="dim italic")
+        for key, message in errors.items():
+            where = key.split(".", 1)[-1] if key else "input"
+            out.append(f"\n⚠ {where}: {message}", style="bold yellow")
+        if errors and plan is not None:
+            out.append("\n  (showing the last good plan)", style="yellow")
+        self.set_class(plan is not None and not plan.fits, "-over")
+        if out != self._shown:  # an unchanged verdict costs no relayout
+            self._shown = out
+            self.update(out)
