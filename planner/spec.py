@@ -264,12 +264,27 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
             continue
         root_tensors.append((pname, _shape(p)))
 
+    # Everything about the base model is read above this line, so the first LoRA target
+    # spec can adapt this very model (building a 70B on meta costs ~0.6 s); later ones
+    # need a fresh one.
+    import torch.nn as nn
+
+    block_types: dict[str, BlockSpec] = {}
+    layers = []
+    block_tensors = [tuple((n, _shape(p)) for n, p in b.named_parameters()) for b in blocks]
+    block_linears = [tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules()
+                           if isinstance(m, nn.Linear)) for b in blocks]
+    block_attention = [_attention(b, text_config) for b in blocks]
+    block_mlp = [_mlp(b, text_config) for b in blocks]
+    block_kinds = [block_kind(b) for b in blocks]
+    total = sum(p.numel() for p in model.parameters())
+
     lora_by_block: list[dict[str, list[LoraShape]]] = [dict() for _ in blocks]
     lora_outside: dict[str, list[LoraShape]] = {}
-    for targets in lora_targets:
+    for position, targets in enumerate(lora_targets):
         key = ModelSpec._target_key(targets)
         with torch.device("meta"):
-            fresh = AutoModelForCausalLM.from_config(config)
+            fresh = model if position == 0 else AutoModelForCausalLM.from_config(config)
             pm = get_peft_model(fresh, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
         per_block = [[] for _ in blocks]
         outside = []
@@ -292,23 +307,14 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
             lora_by_block[i][key] = per_block[i]
         lora_outside[key] = outside
 
-    block_types: dict[str, BlockSpec] = {}
-    layers = []
-    for i, b in enumerate(blocks):
-        import torch.nn as nn
-
-        tensors = tuple((n, _shape(p)) for n, p in b.named_parameters())
-        linears = tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules()
-                        if isinstance(m, nn.Linear))
+    for i in range(len(blocks)):
         spec = BlockSpec(
-            kind=block_kind(b), tensors=tensors, linears=linears, attention=_attention(b, text_config),
-            mlp=_mlp(b, text_config), lora={k: tuple(v) for k, v in lora_by_block[i].items()},
+            kind=block_kinds[i], tensors=block_tensors[i], linears=block_linears[i], attention=block_attention[i],
+            mlp=block_mlp[i], lora={k: tuple(v) for k, v in lora_by_block[i].items()},
         )
         key = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:10]
         block_types.setdefault(key, spec)
         layers.append(key)
-
-    total = sum(p.numel() for p in model.parameters())
     return ModelSpec(
         name=name,
         model_type=str(config_dict.get("model_type")),

@@ -62,10 +62,14 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def block_kind(block: nn.Module) -> str:
-    """A block's kind: its ``block_type`` (hybrid models) or else its class name."""
+    """A block's kind: its ``block_type``, else its ``layer_type`` (hybrid models in
+    transformers 5, e.g. 'linear_attention' / 'full_attention'), else its class name."""
     inner = _unwrap(block)
-    kind = getattr(inner, "block_type", None)
-    return str(kind) if kind else type(inner).__name__
+    for attr in ("block_type", "layer_type"):
+        kind = getattr(inner, attr, None)
+        if isinstance(kind, str) and kind:
+            return kind
+    return type(inner).__name__
 
 
 def _no_split_names(model: nn.Module) -> set[str]:

@@ -61,9 +61,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
     if actor_network is not None:
         spec = build_spec(actor_network.config.to_dict(), name=type(actor_network).__name__, lora_targets=(targets,))
     else:
-        from .loading import resolve_model_source
-
-        spec = load_model_spec(resolve_model_source(agent.model_name), lora_targets=targets)
+        spec = load_model_spec(agent.model_source, lora_targets=targets)
     completion = agent.max_output_tokens
     prompt = max(1, (agent.max_model_len or 2 * completion) - completion)
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]

@@ -128,6 +128,10 @@ class LLMAlgorithm:
         self.world_size = get_world_size()
         self.device = resolve_device(device)
         self.tokenizer = tokenizer
+        from .loading import resolve_model_source
+
+        # Collective (rank 0 may write a built-in model while the others wait): every rank, now.
+        self.model_source = resolve_model_source(model_name) if model_name else None
         self.phase_observer: Callable[[str], ContextManager] | None = None
         self.steps = 0
         self.scores: list[float] = []
@@ -151,10 +155,9 @@ class LLMAlgorithm:
 
     # -- actor -----------------------------------------------------------------------
     def _build(self, actor_network: nn.Module | None) -> None:
-        from .loading import build_actor, load_tokenizer, resolve_model_source
+        from .loading import build_actor, load_tokenizer
 
-        source = resolve_model_source(self.model_name) if self.model_name else None
-        self.model_source = source
+        source = self.model_source
         if self.tokenizer is None and source is not None:
             try:
                 self.tokenizer = load_tokenizer(source)

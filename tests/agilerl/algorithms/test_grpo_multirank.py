@@ -133,4 +133,43 @@ def train_cli_short_runs_data_parallel_and_fsdp(ctx):
         assert all(math.isfinite(m["loss"]) for m in history[0])
 
 
+@cases.case
+def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
+    import io
+    from contextlib import redirect_stdout
+
+    from agilerl.distributed import gather_objects
+
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        agent = make_agent(fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto",
+                           max_model_len=16)
+    assert agent.plan is not None
+    plans = gather_objects([agent.plan["summary"]])
+    assert plans[0] == plans[1]  # rank 0 planned, every rank applied the same plan
+    printed = buffer.getvalue()
+    assert ("fsdp_config='auto' planned" in printed) == (ctx.rank == 0)
+    assert agent.logprob_chunk_size == agent.plan["logprob_chunk_size"]
+    assert agent.micro_batch_size_per_gpu == agent.plan["micro_batch_size_per_gpu"]
+    assert agent.sharded == (agent.plan["fsdp"] is not None)
+    metrics = _learn(agent)
+    assert math.isfinite(metrics["loss"])
+
+
+@cases.case
+def train_cli_with_fsdp_auto(ctx):
+    from agilerl.manifest import load_manifest
+    from agilerl.train import train
+    from tests.agilerl.algorithms._common import TINY
+
+    manifest = load_manifest({
+        "algorithm": {"model_name": TINY, "fsdp": "auto", "group_size": 4, "max_output_tokens": 2,
+                      "dtype": "float32", "max_model_len": 8},
+        "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 1},
+        "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
+    })
+    history = train(manifest, device="cpu")
+    assert len(history[0]) == 1
+
+
 test_dist = cases.pytest_test()

@@ -389,3 +389,10 @@ def test_rollout_through_an_engine_syncs_merged_weights():
     key = "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(merged[key], twin.state_dict()[key])
     assert masks.sum(1).tolist()[:4] == [1, 3, 3, 2]  # [5], [6,6]+eos, [7,7,7], [5]+eos
+
+
+def test_auto_fsdp_on_one_device_trains_unsharded(capsys):
+    agent = make_agent(fsdp_config="auto")
+    assert agent.fsdp_config is None and not agent.sharded
+    assert "no sharding needed" in capsys.readouterr().out
+    agent.learn(synthetic_experiences(agent)[:3])

@@ -181,6 +181,14 @@ def checkpoint_block_selection(ctx):
         model.model.layers[i].block_type = "linear_attention"
     chosen = apply_activation_checkpointing(model, FSDPConfig(checkpoint_skip_layer_types=("linear_attention",)))
     assert chosen == [0, 2]
+    # transformers 5 hybrid models name their blocks' kind in layer_type.
+    model = tiny_model("qwen2", num_layers=4)
+    for i, kind in enumerate(["linear_attention", "linear_attention", "linear_attention", "full_attention"]):
+        model.model.layers[i].layer_type = kind
+    assert [block_kind(b) for b in model.model.layers] == ["linear_attention"] * 3 + ["full_attention"]
+    chosen = apply_activation_checkpointing(model, FSDPConfig(checkpoint_skip_layer_types=("full_attention",),
+                                                              checkpoint_every_n_blocks=2))
+    assert chosen == [0, 2]
     model = tiny_model("qwen2", num_layers=4)
     with pytest.raises(ValueError, match="Qwen2DecoderLayer"):
         apply_activation_checkpointing(model, FSDPConfig(checkpoint_skip_layer_types=("moe",)))

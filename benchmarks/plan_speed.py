@@ -1,0 +1,69 @@
+"""How fast is planning? Estimate latency, and the command line cold and warm.
+
+    python benchmarks/plan_speed.py
+
+- ``estimate``: one call of planner.memory.estimate, median of 200, per catalog model;
+- ``plan``: one call of planner.choose.plan (tens of estimates);
+- the CLI cold for a catalog model (a fresh interpreter: the shipped spec, no torch);
+- the CLI for a config.json cold (empty spec cache: builds the spec on the meta device)
+  and warm (cached spec, no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _timed_cli(args: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "planner.cli", *args], env=env, capture_output=True, check=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    from agilerl.distributed import FSDPConfig
+    from planner import catalog
+    from planner.choose import plan
+    from planner.hardware import GPUS, Cluster
+    from planner.memory import estimate
+    from planner.workload import Workload
+
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8)
+    workload = Workload(micro_batch_size_per_gpu=1, logprob_chunk_size=1024, gradient_checkpointing=True)
+    print(f"{'model':<34} {'estimate ms':>12} {'plan ms':>9}")
+    for name in ("Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B", "Qwen/Qwen3-235B-A22B"):
+        spec = catalog.load_spec(name)
+        times = []
+        for _ in range(200):
+            t = time.perf_counter()
+            estimate(spec, workload, cluster, FSDPConfig())
+            times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        plan(spec, Workload(), cluster)
+        plan_ms = (time.perf_counter() - t) * 1000
+        print(f"{name:<34} {statistics.median(times) * 1000:>12.2f} {plan_ms:>9.1f}")
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cold = [_timed_cli(["meta-llama/Llama-3.1-70B", "--gpus", "8"], env) for _ in range(3)]
+    print(f"CLI, catalog Llama-3.1-70B on 8 GPUs: {min(cold):.2f} s (best of 3, cold interpreter)")
+    config = catalog.entry("Qwen/Qwen2.5-7B").config
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as cache:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        env_cfg = dict(env, AGILERL_CACHE=cache)
+        first = _timed_cli([tmp, "--gpus", "8"], env_cfg)
+        warm = min(_timed_cli([tmp, "--gpus", "8"], env_cfg) for _ in range(3))
+    print(f"CLI, a config.json (Qwen2.5-7B's): {first:.2f} s cold (builds and caches the spec), {warm:.2f} s warm")
+
+
+if __name__ == "__main__":
+    main()
