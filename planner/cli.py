@@ -1,6 +1,8 @@
 """``agilerl-plan``: memory plans, probes and tuning for GRPO with FSDP2.
 
     agilerl-plan MODEL --gpus N [--gpu H100-80GB] [workload flags] [--format table|json|yaml|python]
+    agilerl-plan MODEL --gpus N --tune [--trials K] [--storage URL]   (short real trials, Optuna)
+    agilerl-plan MODEL --tui                                          (interactive explorer)
     agilerl-plan probe MODEL --gpus N [workload and FSDPConfig flags] [--format json]
 """
 
@@ -86,7 +88,8 @@ def _plan_parser() -> argparse.ArgumentParser:
         description="Will GRPO + LoRA on this model fit, how much memory each GPU needs (per phase and "
                     "component), and which FSDPConfig to use and why. Offline for catalog models. "
                     "Subcommand: `agilerl-plan probe ...` measures a real run.",
-        epilog="exit status: 0 fits, 3 does not fit, 2 bad input",
+        epilog="exit status: 0 fits, 3 does not fit, 2 bad input; --tune: 0 a measured config fits, 3 none did, "
+               "130 interrupted (rerun to resume)",
     )
     parser.add_argument("model", help="catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...'")
     parser.add_argument("--gpus", type=int, default=1, help="trainer GPUs in total")
@@ -103,6 +106,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tui", action="store_true", help="explore the plan interactively (needs the [tui] extra)")
     add_fields(parser, Workload, group_title="workload")
     add_fields(parser, FSDPConfig, group_title="FSDPConfig fields to fix (the planner chooses the rest)")
+    from .tune import add_tune_arguments
+
+    add_tune_arguments(parser)
     return parser
 
 
@@ -154,6 +160,11 @@ def plan_main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.tune:
+        from .tune import tune_main
+
+        return tune_main(args, spec=spec, model=args.model, workload=workload, cluster=cluster, fixed=fixed,
+                         coefficients=coefficients_for(gpu))
     try:
         result = plan(spec, workload, cluster, fixed=fixed, sharding=args.sharding,
                       coefficients=coefficients_for(gpu), margin_fraction=args.margin)

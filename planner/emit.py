@@ -15,6 +15,12 @@ from .names import COMPONENTS, PHASES
 __all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
 
 GIB = 2**30
+MIB = 2**20
+
+
+def _unit(capacity: int) -> tuple[str, int]:
+    """GiB for GPUs; MiB for the small budgets of CPU probes and tests."""
+    return ("MiB", MIB) if capacity < 4 * GIB else ("GiB", GIB)
 
 
 def _fsdp_fields(fsdp: FSDPConfig | None) -> dict[str, Any] | bool:
@@ -123,23 +129,21 @@ def _bar(value: int, capacity: int, width: int = 30) -> str:
 
 def estimate_table(est: Estimate, *, capacity: int | None = None) -> str:
     capacity = capacity or est.capacity_bytes
-    present = [c for c in COMPONENTS if any(p.components.get(c) for p in est.phases.values())]
-    lines = [f"{'phase':<10} {'GiB':>7}  {'of ' + format(capacity / GIB, '.1f') + ' GiB':<31}  largest components"]
-    for name in PHASES:
-        ph = est.phases.get(name)
-        if ph is None:
-            continue
+    unit, scale = _unit(capacity)
+    phases = [p for p in PHASES if p in est.phases]
+    present = [c for c in COMPONENTS if any(est.phases[p].components.get(c) for p in phases)]
+    lines = [f"{'phase':<10} {unit:>7}  {'of ' + format(capacity / scale, '.1f') + ' ' + unit:<31}  largest components"]
+    for name in phases:
+        ph = est.phases[name]
         top = sorted(((v, c) for c, v in ph.components.items() if v), reverse=True)[:3]
-        parts = ", ".join(f"{c} {v / GIB:.2f}" for v, c in top)
+        parts = ", ".join(f"{c} {v / scale:.2f}" for v, c in top)
         marker = "  <- peak" if name == est.peak_phase else ""
-        lines.append(f"{name:<10} {ph.total / GIB:>7.2f}  {_bar(ph.total, capacity)}  {parts}{marker}")
+        lines.append(f"{name:<10} {ph.total / scale:>7.2f}  {_bar(ph.total, capacity)}  {parts}{marker}")
     lines.append("")
-    header = f"{'GiB per GPU':<20}" + "".join(f"{p[:9]:>10}" for p in PHASES if p in est.phases)
-    lines.append(header)
+    lines.append(f"{unit + ' per GPU':<20}" + "".join(f"{p[:9]:>10}" for p in phases))
     for c in present:
-        row = f"{c:<20}" + "".join(f"{est.phases[p].components.get(c, 0) / GIB:>10.2f}" for p in PHASES if p in est.phases)
-        lines.append(row)
-    lines.append(f"{'total':<20}" + "".join(f"{est.phases[p].total / GIB:>10.2f}" for p in PHASES if p in est.phases))
+        lines.append(f"{c:<20}" + "".join(f"{est.phases[p].components.get(c, 0) / scale:>10.2f}" for p in phases))
+    lines.append(f"{'total':<20}" + "".join(f"{est.phases[p].total / scale:>10.2f}" for p in phases))
     lines.append(f"host per rank {est.host_peak_bytes / GIB:.2f} GiB, per node {est.host_per_node_bytes / GIB:.2f} GiB")
     return "\n".join(lines)
 
@@ -147,12 +151,13 @@ def estimate_table(est: Estimate, *, capacity: int | None = None) -> str:
 def table(plan: Plan) -> str:
     est = plan.estimate
     c = plan.cluster
+    unit, scale = _unit(c.gpu.memory_bytes)
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines = [
-        f"{plan.model} on {c.num_gpus} x {c.gpu.name} ({c.gpu.memory_bytes / GIB:.1f} GiB"
+        f"{plan.model} on {c.num_gpus} x {c.gpu.name} ({c.gpu.memory_bytes / scale:.1f} {unit}"
         f"{f', {c.per_node} per node' if c.num_nodes > 1 else ''}): {verdict}",
-        f"peak {est.peak_bytes / GIB:.2f} GiB per GPU in phase {est.peak_phase}; headroom "
-        f"{est.headroom_bytes / GIB:.2f} GiB (safety margin {plan.margin_bytes / GIB:.2f} GiB)",
+        f"peak {est.peak_bytes / scale:.2f} {unit} per GPU in phase {est.peak_phase}; headroom "
+        f"{est.headroom_bytes / scale:.2f} {unit} (safety margin {plan.margin_bytes / scale:.2f} {unit})",
         "",
         estimate_table(est),
         "",

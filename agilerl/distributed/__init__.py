@@ -48,6 +48,7 @@ _LAZY = {
     "fsdp_layout": "_fsdp",
     "FSDPLayout": "_fsdp",
     "set_gradient_sync": "_fsdp",
+    "register_forward_method": "_fsdp",
     # state dicts
     "materialize_fsdp2_from_cpu_state": "_state",
     "set_full_model_state_dict": "_state",

@@ -13,8 +13,9 @@ to ``fully_shard`` as ``ignored_params`` and stay replicated plain tensors
 (DESIGN.md decision 12). FSDP then neither syncs their gradients nor casts them
 for mixed precision, so this module adds both: a post-backward callback
 averages their gradients wherever FSDP would reduce-scatter (honouring
-``set_requires_gradient_sync``), and forward hooks on their owning modules
-compute with ``param_dtype`` casts of them, as FSDP does for its own.
+``set_requires_gradient_sync``), and each FSDP unit's forward computes with
+``param_dtype`` casts of the replicated parameters inside it, as FSDP does for
+its own (see :class:`_ReplicatedCast`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "fsdp_layout",
     "set_gradient_sync",
     "rebind_replicated_params",
+    "register_forward_method",
 ]
 
 _CKPT_PREFIX = "_checkpoint_wrapped_module."
@@ -92,10 +94,11 @@ def find_transformer_blocks(model: nn.Module) -> tuple[nn.ModuleList, list[nn.Mo
     for module in model.modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        kinds = {type(_unwrap(m)).__name__ for m in module}
+        # Class names along the MRO: fully_shard swaps a block's class for FSDP<Name>.
+        kinds = {c.__name__ for m in module for c in type(_unwrap(m)).__mro__}
         if block_names and not kinds & block_names:
             continue
-        if not block_names and len(kinds) != 1:
+        if not block_names and len({type(_unwrap(m)).__name__ for m in module}) != 1:
             continue
         if best is None or len(module) > len(best):
             best = module
@@ -164,6 +167,7 @@ class FSDPLayout:
     checkpointed_blocks: list[int] = field(default_factory=list)
     mesh: DeviceMesh | None = None
     num_replicated_grad_syncs: int = 0  # explicit all-reduces of replicated grads so far
+    root_cast: Any = None  # the root unit's replicated-parameter casts (see register_forward_method)
 
 
 def fsdp_layout(model: nn.Module) -> FSDPLayout | None:
@@ -231,32 +235,113 @@ def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
         layout._grad_sync_handles.append(p.register_post_accumulate_grad_hook(_hook))
 
 
-def _install_param_cast(module: nn.Module, names: list[str], dtype: torch.dtype) -> None:
-    """Compute with ``dtype`` copies of replicated params during ``module``'s forward.
+class _ReplicatedCast:
+    """Compute with ``param_dtype`` copies of the replicated parameters of one FSDP unit.
 
-    FSDP casts the parameters it manages to ``param_dtype`` for compute; the
-    replicated ones need the same treatment or a bf16 matmul meets an fp32
-    bias. The pre-hook swaps each parameter for a differentiable cast of itself
-    (gradients still accumulate on the fp32 leaf), the post-hook puts it back.
+    FSDP casts the parameters it manages for a whole unit at the unit's
+    pre-forward, so code inside the unit reads them in the compute dtype (PEFT,
+    for one, casts its input to ``lora_A.weight.dtype`` before calling
+    ``lora_A``). The replicated parameters are swapped at the same boundary:
+    each is replaced, on every module that registers it, by a differentiable
+    cast of itself (gradients still accumulate on the fp32 leaf) and put back
+    after the unit's forward.
     """
-    def _pre(mod: nn.Module, _args: Any) -> None:
-        for name in names:
-            param = mod._parameters.pop(name, None)
-            if param is None:  # already swapped (re-entrant forward)
-                continue
-            mod.__dict__["_agilerl_orig_" + name] = param
-            mod.__dict__[name] = param.to(dtype)
 
-    def _post(mod: nn.Module, _args: Any, _output: Any) -> None:
-        for name in names:
-            param = mod.__dict__.pop("_agilerl_orig_" + name, None)
+    def __init__(self, owners: list[list[tuple[nn.Module, str]]], dtype: torch.dtype) -> None:
+        # Places only, never parameter objects: materialising a meta model (to_empty)
+        # replaces the replicated parameters, so the live one is looked up each time.
+        self.owners = owners
+        self.dtype = dtype
+        self.depth = 0
+        self.swapped: list[tuple[list[tuple[nn.Module, str]], nn.Parameter]] = []
+
+    def enter(self, *_args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:  # re-entrant (a unit called inside itself)
+            return
+        self.swapped = []
+        for places in self.owners:
+            module, name = places[0]
+            param = module._parameters.get(name)
             if param is None:
                 continue
-            mod.__dict__.pop(name, None)
-            mod._parameters[name] = param
+            cast = param.to(self.dtype)
+            for owner, owner_name in places:
+                owner._parameters.pop(owner_name, None)
+                owner.__dict__[owner_name] = cast
+            self.swapped.append((places, param))
 
-    module.register_forward_pre_hook(_pre)
-    module.register_forward_hook(_post, always_call=True)
+    def exit(self, *_args: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth:
+            return
+        for places, param in self.swapped:
+            for module, name in places:
+                module.__dict__.pop(name, None)
+                module._parameters[name] = param
+        self.swapped = []
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(lambda mod, args: self.enter(), prepend=True)
+        module.register_forward_hook(lambda mod, args, out: self.exit(), always_call=True)
+
+
+def _install_replicated_casts(model: nn.Module, layout: FSDPLayout, ignored: set, dtype: torch.dtype,
+                              containers_in_order: list[nn.Module]) -> None:
+    """Group the replicated parameters needing a cast by the unit they sit in, hook each unit.
+
+    ``containers_in_order``: every transformer block (unwrapped: checkpoint
+    recompute calls the inner block, so its hooks fire in backward too; a block
+    whose parameters are all replicated is no FSDP unit at all), the embeddings
+    and the head; anything else belongs to the root.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    unit_modules = [_unwrap(m) for m in containers_in_order]
+    prefixes = sorted(((names[id(m)], m) for m in unit_modules), key=lambda x: -len(x[0]))
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None and p in ignored and p.is_floating_point() and p.dtype != dtype:
+                places.setdefault(id(p), []).append((module, pname))
+    groups: dict[int, list[list[tuple[nn.Module, str]]]] = {}
+    containers: dict[int, nn.Module] = {}
+    for owner_list in places.values():
+        owner_name = names[id(owner_list[0][0])]
+        container = next((m for prefix, m in prefixes if owner_name == prefix or owner_name.startswith(prefix + ".")),
+                         model)
+        groups.setdefault(id(container), []).append(owner_list)
+        containers[id(container)] = container
+    casts = []
+    for cid, owners in groups.items():
+        cast = _ReplicatedCast(owners, dtype)
+        cast.install(containers[cid])
+        casts.append((containers[cid], cast))
+    layout.root_cast = next((c for m, c in casts if m is model), None)
+
+
+def register_forward_method(model: nn.Module, method_name: str) -> None:
+    """Run ``model.<method_name>`` (e.g. ``generate``) with FSDP's root hooks, like ``forward``.
+
+    FSDP2's ``register_fsdp_forward_method`` plus the root unit's casts of
+    replicated parameters, which a method other than ``forward`` would skip.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    register_fsdp_forward_method(model, method_name)
+    layout = fsdp_layout(model)
+    cast = getattr(layout, "root_cast", None) if layout is not None else None
+    if cast is None:
+        return
+    method = getattr(model, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        cast.enter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            cast.exit()
+
+    setattr(model, method_name, wrapped)
 
 
 def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
@@ -372,14 +457,8 @@ def apply_fsdp2(
         for p in replicated:
             if not p.is_meta and p.device.type != mesh_device:
                 p.data = p.data.to(torch.device(mesh_device, torch.cuda.current_device()) if mesh_device == "cuda" else mesh_device)
-        for module in model.modules():
-            names = [
-                name
-                for name, p in module._parameters.items()
-                if p is not None and p in ignored and p.is_floating_point() and p.dtype != param_dtype
-            ]
-            if names:
-                _install_param_cast(module, names, param_dtype)
+        containers = list(blocks) + [m for m in (embed, head) if m is not None]
+        _install_replicated_casts(model, layout, ignored, param_dtype, containers)
         _install_replicated_grad_sync(layout)
 
     model._agilerl_fsdp_layout = layout

@@ -178,10 +178,10 @@ class LLMAlgorithm:
             seed=self.seed,
         )
         if self.sharded:
-            from torch.distributed.fsdp import register_fsdp_forward_method
+            from agilerl.distributed import register_forward_method
 
             # generate() bypasses the root's forward; this routes it through FSDP's root hooks.
-            register_fsdp_forward_method(self.model, "generate")
+            register_forward_method(self.model, "generate")
         self.optimizer = build_optimizer(
             self.trainable_params, fsdp_config=self.fsdp_config if self.sharded else None, lr=self.lr
         )

@@ -55,6 +55,32 @@ def data_parallel_and_fsdp_give_the_same_update(ctx):
 
 
 @cases.case
+def bf16_fsdp_with_partly_replicated_lora_layers(ctx):
+    # As in real models: with the default bf16 compute, some LoRA matrices fall under
+    # the persistence threshold (replicated, fp32) beside sharded ones in the same layer
+    # (threshold 150 here: q's A and B (4 x 32) are replicated, the MLP's B (64 x 4) is
+    # sharded). PEFT reads lora_A's dtype outside lora_A, so the casts must cover the
+    # whole unit, in checkpoint recompute too.
+    reference = make_agent()  # fp32, unsharded: the yardstick
+    for reshard in (True, False):
+        agent = make_agent(fsdp_config=FSDPConfig(param_persistence_threshold=150, reshard_after_forward=reshard),
+                           gradient_checkpointing=True, use_separate_reference_adapter=True)
+        replicated = [n for n, p in agent.model.named_parameters() if ".lora_" in n and not isinstance(p, DTensor)]
+        sharded = [n for n, p in agent.model.named_parameters() if ".lora_" in n and isinstance(p, DTensor)]
+        assert replicated and sharded
+        ids, masks, _, _ = synthetic_experiences(agent)
+        attention = agent._attention_mask(ids, masks)
+        with torch.no_grad():
+            ours = agent.token_logprobs(ids, attention)
+            exact = reference.token_logprobs(ids, attention)
+        torch.testing.assert_close(ours, exact, atol=0.05, rtol=0.02)  # bf16 compute
+        metrics = _learn(agent)
+        assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        out, masks = agent.get_action(["1+2=", "3+4="])
+        assert out.shape[0] == 4 and masks.sum() > 0
+
+
+@cases.case
 def fsdp_meta_loading_matches_the_checkpoint(ctx):
     dp = make_agent()
     fsdp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED))

@@ -1,0 +1,288 @@
+"""The tuning run: create or resume the study, seed the planner's pick, run the trials,
+calibrate, and turn the best measured trial into a :class:`~planner.choose.Plan`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._tune_calibrate import CalibrationReport, calibrate
+from ._tune_objective import Objective
+from ._tune_report import fmt_bytes, progress_line
+from ._tune_space import Candidate, grid, plan_params, search_space
+from ._tune_storage import (
+    DEFAULT_STORAGE,
+    OWNER_ENV,
+    default_study_name,
+    kill_orphans,
+    open_storage,
+    owner_tag,
+    redact,
+    storage_url,
+)
+from ._tune_study import (
+    create_study,
+    earlier_result,
+    enqueue_confirmations,
+    enqueue_planner_pick,
+    finished,
+    launched_trials,
+    measured_by_key,
+    median_tokens,
+    run_trials,
+)
+from .choose import Decision, Plan, plan
+from .hardware import Cluster
+from .memory import Coefficients
+from .probe import Measurement, ProbeRequest
+from .spec import ModelSpec
+from .workload import Workload
+
+__all__ = ["TuneResult", "tune", "tuned_plan", "probe_model", "MAX_ENUMERATED"]
+
+#: Spaces up to this many candidates are estimated whole, so the study can stop once it has
+#: measured every candidate the estimate admits (a few ms per estimate).
+MAX_ENUMERATED = 2000
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    study_name: str
+    storage: str
+    cluster: Cluster  # what the trials ran on (a CPU "device" with the budget for CPU probes)
+    trials: list[Any]  # every trial of the study (optuna FrozenTrial)
+    best: Any | None  # the first trial of the fitting candidate with the most tokens/s (median of its runs)
+    best_runs: list[Any]  # every measured trial of that candidate
+    best_plan: Plan | None
+    planner_trial: Any | None  # the planner's own pick, measured
+    calibration: CalibrationReport | None
+    stop_reason: str
+
+    @property
+    def best_tokens_per_second(self) -> float | None:
+        return median_tokens(self.best_runs) if self.best_runs else None
+
+    @property
+    def num_launched(self) -> int:
+        """Trials whose probe ran to a result (what ``--trials`` counts)."""
+        return _num_launched(self.trials)
+
+
+def _num_launched(trials: list[Any]) -> int:
+    return sum(1 for t in trials if t.state.name == "COMPLETE" and t.user_attrs.get("launched"))
+
+
+def probe_model(model: str) -> str:
+    """What the probe loads for ``model``: local paths and tiny models as given, a hub id with
+    weights in the local Hugging Face cache as given; otherwise (a catalog model, or a hub id
+    whose config alone is cached) a cached directory holding only its config.json, which the
+    trainer builds with random weights (memory and speed do not depend on their values), so a
+    trial never downloads."""
+    if model.startswith("tiny:") or Path(model).expanduser().exists():
+        return model
+    from . import catalog
+    from .spec import config_digest, spec_cache_dir
+
+    name = catalog.resolve(model) or model
+    if _cached_file(name, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        return name
+    if catalog.resolve(model) is not None:
+        config = catalog.entry(name).config
+    else:
+        cached = _cached_file(name, "config.json")
+        if cached is None:
+            return model  # nothing local: the probe reports what the trainer says
+        config = json.loads(Path(cached).read_text())
+    folder = spec_cache_dir().parent / "tune-models" / f"{catalog.slug(name)}-{config_digest(config)}"
+    target = folder / "config.json"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".config.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(config, indent=1))
+        tmp.replace(target)
+    return str(folder)
+
+
+def _cached_file(repo_id: str, *names: str) -> str | None:
+    """The local Hugging Face cache path of the first of ``names`` cached for ``repo_id``."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return None
+    for filename in names:
+        try:
+            found = try_to_load_from_cache(repo_id, filename)
+        except ValueError:  # not a valid repo id
+            return None
+        if isinstance(found, str):
+            return found
+    return None
+
+
+def _best(trials: list[Any]) -> list[Any] | None:
+    """The runs of the fastest candidate (median tokens/s over its runs) whose every run fits."""
+    groups = measured_by_key(trials)
+    fitting = [runs for runs in groups.values() if all(t.user_attrs["status"] == "fits" for t in runs)]
+    return max(fitting, key=lambda runs: (median_tokens(runs), -runs[0].number), default=None)
+
+
+def _candidate(trial: Any) -> Candidate:
+    from agilerl.distributed import FSDPConfig
+
+    key = json.loads(trial.user_attrs["key"])
+    return Candidate(fsdp=FSDPConfig.model_validate(key["fsdp"]) if key["fsdp"] is not None else None,
+                     workload=Workload.model_validate(key["workload"]))
+
+
+def tuned_plan(runs: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficients: Coefficients | None,
+               margin_fraction: float, num_launched: int, planner_runs: list[Any] | None = None) -> Plan:
+    """A :class:`Plan` for a measured candidate (its trials, ``runs``), so the planner's emitters
+    (table, JSON, manifest) work unchanged.
+
+    Its estimate is the planner's; ``fits`` and the reasons are the measurement's.
+    """
+    trial = runs[0]
+    c = _candidate(trial)
+    fixed = c.fsdp.model_dump() if c.fsdp is not None else {}
+    base = plan(spec, c.workload, cluster, fixed=fixed, sharding="fsdp" if c.fsdp else "none",
+                coefficients=coefficients, margin_fraction=margin_fraction)
+    a = trial.user_attrs
+    tokens = median_tokens(runs)
+    numbers = ", ".join(f"#{t.number}" for t in runs)
+    why = f"the most tokens/s of {num_launched} measured trials (trial {numbers})"
+    decisions = [Decision(field=k, value=v, reason=f"tuned: {why}") for k, v in c.knobs().items()]
+    if planner_runs and all(t.user_attrs["status"] == "fits" for t in planner_runs):
+        ref = median_tokens(planner_runs)
+        gain = tokens / ref - 1 if ref else 0.0
+        decisions.append(Decision(field="tuner", value=f"{gain:+.1%}", reason=(
+            f"the planner's own pick (trial #{planner_runs[0].number}) measured {ref:,.0f} tokens/s")))
+    peak = max(runs, key=lambda t: t.user_attrs["peak_bytes"]).user_attrs
+    many = f" (median of {len(runs)} runs)" if len(runs) > 1 else ""
+    decisions.append(Decision(field="fits", value=True, reason=(
+        f"measured peak {fmt_bytes(peak['peak_bytes'])} per rank in phase {peak['peak_phase']}, within the "
+        f"{fmt_bytes(a['limit_bytes'])} limit ({fmt_bytes(a['budget_bytes'])} less the {margin_fraction:.0%} "
+        f"margin); {tokens:,.0f} tokens/s{many}")))
+    return base.model_copy(update={"fits": True, "decisions": tuple(decisions), "suggestions": ()})
+
+
+def tune(
+    *,
+    spec: ModelSpec,
+    model: str,
+    workload: Workload,
+    cluster: Cluster,
+    fixed: dict[str, Any],
+    coefficients: Coefficients | None,
+    sharding: str = "auto",
+    margin_fraction: float = 0.05,
+    device: str = "cpu",
+    max_trials: int = 20,
+    timeout_s: float | None = None,
+    storage: str | None = DEFAULT_STORAGE,
+    study_name: str | None = None,
+    trial_timeout_s: float = 600.0,
+    timed_steps: int = 3,
+    generate: bool | None = None,
+    seed: int | None = None,
+    heartbeat_interval_s: int = 10,
+    calibration: bool = True,
+    confirm: int = 0,
+    probe: Callable[[ProbeRequest], Measurement] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> TuneResult:
+    """Run (or resume) the study; ``cluster.gpu.memory_bytes`` is the per-rank budget.
+
+    The last ``confirm`` of the ``max_trials`` launches (at most a quarter of them) measure
+    the fastest candidates a second time, and the pick is by each candidate's median. Off by
+    default: in benchmarks/tune_efficiency.py replays, second runs paid off only where the
+    run-to-run spread was large; with a small budget and a quiet machine exploring wins.
+    ``probe`` replaces planner.probe.run_probe (tests, replays); ``storage`` is as
+    ``--storage`` (None: in memory). Raises ValueError for bad input and
+    KeyboardInterrupt after recording the interrupted trial as FAIL.
+    """
+    say = progress or (lambda _msg: None)
+    if max_trials < 1:
+        raise ValueError(f"--trials must be at least 1, got {max_trials}")
+    space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding)
+    generate = workload.generation == "hf" if generate is None else generate
+    killed = kill_orphans()
+    if killed:
+        say(f"killed {len(killed)} process(es) left behind by a tuner that died: {killed}")
+    store = open_storage(storage or "memory", heartbeat_interval_s=heartbeat_interval_s)
+    name = study_name or default_study_name(model, {
+        "model": model, "cluster": cluster.model_dump(mode="json"), "workload": workload.model_dump(mode="json"),
+        "fixed": fixed, "sharding": sharding, "device": device, "margin": margin_fraction, "generate": generate})
+    study = create_study(storage=store, study_name=name, seed=seed,
+                         n_startup_trials=max(1, min(10, max_trials // 3)))
+    stale = [t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") is None
+             and t.state.name == "FAIL"]
+    url = storage_url(storage or "memory")
+    where = "memory" if url is None else redact(url)
+    say(f"study {name!r} in {where}: {len(launched_trials(study))} trial(s) measured before"
+        + (f"; trial(s) {stale} lost their tuner mid-run and are FAIL" if stale else ""))
+
+    picked = plan(spec, workload, cluster, fixed=fixed, sharding=sharding, coefficients=coefficients,
+                  margin_fraction=margin_fraction)
+    if enqueue_planner_pick(study, plan_params(space, picked) if picked.fits else None):
+        say("the planner's pick is the first trial")
+    request = ProbeRequest(model=probe_model(model), workload=workload, nproc=cluster.num_gpus, device=device,
+                           generate=generate, memory_budget_bytes=cluster.gpu.memory_bytes,
+                           timeout_s=trial_timeout_s, timed_steps=timed_steps)
+    if probe is None:
+        from .probe import run_probe
+
+        env = {OWNER_ENV: owner_tag()}
+        probe = lambda req: run_probe(req, env=env)  # noqa: E731
+    run = probe
+
+    def launch(req: ProbeRequest) -> Measurement:
+        knobs = " ".join(f"{k}={v}" for k, v in Candidate(fsdp=req.fsdp, workload=req.workload).knobs().items())
+        say(f"trial {_num_launched(finished(study)) + 1}/{max_trials}: launching {req.nproc} rank(s) on "
+            f"{req.device}: {knobs}")
+        return run(req)
+
+    objective = Objective(space=space, spec=spec, cluster=cluster, coefficients=coefficients,
+                          margin_fraction=margin_fraction, request=request, probe=launch,
+                          previous=earlier_result(study))
+
+    def on_trial(frozen: Any) -> None:
+        done = finished(study)
+        best = _best(done)
+        say(progress_line(frozen, launched=_num_launched(done), max_launches=max_trials,
+                          best=(best[0], median_tokens(best), len(best)) if best else None))
+
+    points = grid(space)
+    admissible = None
+    if len(points) <= MAX_ENUMERATED:
+        admissible = {c.key for c in map(space.candidate, points) if objective.admits(c)}
+    confirm = max(0, min(confirm, max_trials // 4))
+    start = time.monotonic()
+    common = dict(storage=store, space_size=len(points), admissible=admissible, on_trial=on_trial)
+    reason = run_trials(study, objective, max_launches=max_trials - confirm, timeout_s=timeout_s, **common)
+    left = None if timeout_s is None else timeout_s - (time.monotonic() - start)
+    if confirm and (left is None or left > 0):
+        queued = enqueue_confirmations(study, confirm)
+        if queued:
+            say(f"measuring the {queued} fastest fitting candidate(s) once more (the pick is by median)")
+        reason = run_trials(study, objective, max_launches=max_trials, timeout_s=left, **common)
+    say(f"stopped: {reason}")
+    trials = study.get_trials(deepcopy=False)
+    best = _best(trials)
+    planner_trial = next((t for t in finished(study) if t.user_attrs.get("source") == "planner"), None)
+    planner_runs = measured_by_key(trials).get(planner_trial.user_attrs.get("key")) if planner_trial else None
+    report = None
+    if calibration:
+        report = calibrate(launched_trials(study), spec=spec, cluster=cluster, coefficients=coefficients)
+    best_plan = None
+    if best is not None:
+        best_plan = tuned_plan(best, spec=spec, cluster=cluster, coefficients=coefficients,
+                               margin_fraction=margin_fraction, num_launched=_num_launched(trials),
+                               planner_runs=planner_runs)
+    return TuneResult(study_name=name, storage=where, cluster=cluster, trials=trials,
+                      best=best[0] if best else None, best_runs=best or [], best_plan=best_plan,
+                      planner_trial=planner_trial, calibration=report, stop_reason=reason)

@@ -1,0 +1,203 @@
+"""The tuner's search space: the knobs ``plan()`` chooses, as Optuna suggestions.
+
+A :class:`Space` holds, per knob, the values worth trying; a knob the user
+fixed, or with one sensible value, has a single choice and is not suggested.
+The FSDP knobs only exist for sharded candidates, so the space is conditional
+(Optuna's define-by-run handles that; :func:`grid` enumerates it the same way).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from agilerl.distributed import FSDPConfig
+
+from .choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
+from .hardware import Cluster
+from .spec import ModelSpec
+from .workload import Workload
+
+__all__ = ["Candidate", "Space", "FSDP_KNOBS", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
+           "plan_params"]
+
+#: FSDPConfig fields the planner fills, in the order it relaxes them.
+FSDP_KNOBS = ("optim_cpu_offload", "shard_group_size", "reshard_after_forward", "wrap_every_n_blocks",
+              "prefetch_units", "backward_prefetch_units")
+#: Workload fields left to the planner when None.
+WORKLOAD_KNOBS = ("micro_batch_size_per_gpu", "gradient_checkpointing", "logprob_chunk_size")
+
+
+class SuggestsCategorical(Protocol):
+    def suggest_categorical(self, name: str, choices: Any) -> Any: ...
+
+
+class Candidate(BaseModel):
+    """One configuration to measure: the sharding settings and the resolved workload."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fsdp: FSDPConfig | None
+    workload: Workload
+
+    @property
+    def key(self) -> str:
+        """Identity of the configuration (equal keys measure the same run)."""
+        return json.dumps({"fsdp": self.fsdp.model_dump(mode="json") if self.fsdp else None,
+                           "workload": self.workload.model_dump(mode="json")}, sort_keys=True)
+
+    def knobs(self) -> dict[str, Any]:
+        """The tuned fields and their values, for tables."""
+        out: dict[str, Any] = {"sharding": "fsdp" if self.fsdp else "none"}
+        if self.fsdp:
+            out.update({k: getattr(self.fsdp, k) for k in FSDP_KNOBS})
+        out.update({k: getattr(self.workload, k) for k in WORKLOAD_KNOBS})
+        return out
+
+
+class Space(BaseModel):
+    """Per knob, the values to try (one value: not searched)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    choices: dict[str, tuple[Any, ...]]
+    fsdp_base: dict[str, Any]  # FSDPConfig fields every sharded candidate shares (the user's, and defaults)
+    workload: Workload
+
+    @property
+    def searched(self) -> tuple[str, ...]:
+        return tuple(name for name, values in self.choices.items() if len(values) > 1)
+
+    def candidate(self, params: dict[str, Any]) -> Candidate:
+        """The candidate for a full assignment (single-choice knobs may be left out)."""
+        value = {name: params.get(name, values[0]) for name, values in self.choices.items()}
+        fsdp = None
+        if value["sharding"] == "fsdp":
+            fsdp = FSDPConfig(**{**self.fsdp_base, **{k: value[k] for k in FSDP_KNOBS}})
+        workload = self.workload.model_copy(update={k: value[k] for k in WORKLOAD_KNOBS})
+        return Candidate(fsdp=fsdp, workload=workload)
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _chunks(max_rows: int) -> tuple[int, ...]:
+    """LOGPROB_CHUNKS up to the first that holds every row at once (larger ones run identically)."""
+    out = []
+    for chunk in LOGPROB_CHUNKS:
+        out.append(chunk)
+        if chunk >= max_rows:
+            break
+    return tuple(out)
+
+
+def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any],
+                 sharding: str) -> Space:
+    """What ``plan(spec, workload, cluster, fixed=fixed, sharding=sharding)`` would choose, as choices.
+
+    ``sharding``: "auto" searches sharded and unsharded (data parallel) on more than one GPU;
+    "fsdp" and "none" fix it. A fixed ``tp`` > 1 implies FSDP.
+    """
+    match sharding:
+        case "auto":
+            options = ("fsdp", "none") if cluster.num_gpus > 1 and not workload.load_in_4bit else ("none",)
+        case "fsdp":
+            options = ("fsdp",)
+        case "none":
+            options = ("none",)
+        case _:
+            raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
+    if workload.load_in_4bit and "fsdp" in options:
+        raise ValueError("QLoRA (load_in_4bit) cannot be sharded with FSDP2 here; use sharding='none'")
+    tp = int(fixed.get("tp", 1))
+    if tp > 1:
+        if options == ("none",):
+            raise ValueError(f"tp={tp} needs FSDP; sharding='none' cannot use it")
+        options = ("fsdp",)
+    FSDPConfig(**fixed)  # the user's fields, validated with FSDPConfig's own errors
+
+    def one_or(name: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (fixed[name],) if name in fixed else values
+
+    base = dict(fixed)
+    base.setdefault("cpu_offload", False)
+    if spec.is_moe:
+        base.setdefault("routed_expert_chunk_mib", EXPERT_CHUNKS_MIB[0])
+    choices: dict[str, tuple[Any, ...]] = {"sharding": options}
+    choices["optim_cpu_offload"] = (False,) if base["cpu_offload"] else one_or("optim_cpu_offload", (False, True))
+    per_node = cluster.per_node
+    choices["shard_group_size"] = one_or("shard_group_size", (None, per_node) if cluster.num_nodes > 1 else (None,))
+    choices["reshard_after_forward"] = one_or("reshard_after_forward", (True, False))
+    choices["wrap_every_n_blocks"] = one_or("wrap_every_n_blocks",
+                                            tuple(w for w in (1, 2, 4) if w <= max(1, spec.num_layers)))
+    choices["prefetch_units"] = one_or("prefetch_units", (1, 2))
+    choices["backward_prefetch_units"] = one_or("backward_prefetch_units", (1, 2))
+    for name in FSDP_KNOBS:
+        base.pop(name, None)
+
+    # Completions per GPU: under tp the ranks of a group share a batch shard.
+    per_gpu = workload.completions_per_rank(cluster.num_gpus // tp)
+    user = workload.micro_batch_size_per_gpu
+    choices["micro_batch_size_per_gpu"] = (user,) if user else _divisors(per_gpu)
+    gc = workload.gradient_checkpointing
+    choices["gradient_checkpointing"] = (gc,) if gc is not None else (True, False)
+    chunk = workload.logprob_chunk_size
+    max_rows = max(choices["micro_batch_size_per_gpu"]) * (workload.sequence_tokens - 1)
+    choices["logprob_chunk_size"] = (chunk,) if chunk else _chunks(max_rows)
+    return Space(choices=choices, fsdp_base=base, workload=workload)
+
+
+def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
+    """Build a candidate with ``trial.suggest_categorical`` for every searched knob.
+
+    FSDP knobs are only suggested for sharded candidates (a conditional space).
+    """
+    def pick(name: str) -> Any:
+        values = space.choices[name]
+        return values[0] if len(values) == 1 else trial.suggest_categorical(name, values)
+
+    params = {"sharding": pick("sharding")}
+    if params["sharding"] == "fsdp":
+        params.update({name: pick(name) for name in FSDP_KNOBS})
+    params.update({name: pick(name) for name in WORKLOAD_KNOBS})
+    return space.candidate(params)
+
+
+def _searched_params(space: Space, value: dict[str, Any]) -> dict[str, Any]:
+    """The Optuna params of a full assignment: searched knobs that apply to it."""
+    names = ["sharding", *(FSDP_KNOBS if value["sharding"] == "fsdp" else ()), *WORKLOAD_KNOBS]
+    return {n: value[n] for n in names if len(space.choices[n]) > 1}
+
+
+def grid(space: Space) -> list[dict[str, Any]]:
+    """Every distinct assignment of the searched knobs, as Optuna params (for exhaustive grids)."""
+    out, seen = [], set()
+    names = list(space.choices)
+    for combo in itertools.product(*(space.choices[n] for n in names)):
+        params = _searched_params(space, dict(zip(names, combo)))
+        key = json.dumps(params, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(params)
+    return out
+
+
+def plan_params(space: Space, plan: Plan) -> dict[str, Any] | None:
+    """The Optuna params reproducing the planner's pick; None when it lies outside the space."""
+    value: dict[str, Any] = {"sharding": "fsdp" if plan.fsdp is not None else "none"}
+    if plan.fsdp is not None:
+        value.update({k: getattr(plan.fsdp, k) for k in FSDP_KNOBS})
+    value.update({k: getattr(plan.workload, k) for k in WORKLOAD_KNOBS})
+    chunks = space.choices["logprob_chunk_size"]
+    if value["logprob_chunk_size"] > chunks[-1]:
+        value["logprob_chunk_size"] = chunks[-1]  # every chunk past the last runs all rows at once
+    names = ["sharding", *(FSDP_KNOBS if plan.fsdp is not None else ()), *WORKLOAD_KNOBS]
+    if any(value[n] not in space.choices[n] for n in names):
+        return None
+    if plan.fsdp is not None and any(getattr(plan.fsdp, k) != v for k, v in space.fsdp_base.items()):
+        return None  # e.g. the planner's last resort, cpu_offload, which the tuner does not search
+    return _searched_params(space, value)

@@ -1,0 +1,200 @@
+"""``agilerl-plan MODEL --gpus N --tune``: refine the planner's choice with short real runs (Optuna).
+
+Each trial is a probe (planner.probe: a real GRPO run under torchrun, in
+subprocesses) of one candidate from the space ``plan()`` chooses in
+(planner._tune_space). The objective is measured tokens per second, maximised,
+subject to the measured peak staying within the budget less a safety margin
+(planner._tune_objective); candidates the estimate rejects are recorded as
+constraint violations without a launch. The planner's own pick is the first
+trial; optionally (--confirm) the last ones measure the fastest candidates
+again, and the pick is the fitting candidate with the best median
+(planner._tune_run). Studies live in a
+SQLite file by default and resume where they stopped (planner._tune_storage,
+planner._tune_study). After the trials the estimate is calibrated on them
+(planner._tune_calibrate) and the best measured config is emitted like a plan.
+
+Optuna is imported only when a study runs: the planner core never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ._tune_calibrate import CalibrationReport
+from ._tune_objective import Objective
+from ._tune_report import trial_json, trials_table
+from ._tune_run import TuneResult, probe_model, tune, tuned_plan
+from ._tune_space import Candidate, Space, grid, search_space, suggest_candidate
+from ._tune_storage import DEFAULT_STORAGE, open_storage
+from .hardware import CPU_DEVICE, Cluster
+from .memory import Coefficients
+from .probe import Measurement, ProbeRequest
+from .spec import ModelSpec
+from .workload import Workload
+
+__all__ = ["add_tune_arguments", "tune_main", "tune", "TuneResult", "Objective", "Candidate", "Space",
+           "search_space", "suggest_candidate", "grid", "open_storage", "probe_model", "tuned_plan",
+           "CalibrationReport", "DEFAULT_STORAGE"]
+
+GIB = 2**30
+
+
+# -- CLI glue (planner/cli.py calls these) -------------------------------------------------------
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--tune`` flags of ``agilerl-plan``."""
+    g = parser.add_argument_group("tuning with real trials (--tune; needs the 'tune' extra: optuna)")
+    g.add_argument("--tune", action="store_true",
+                   help="refine the plan with short real runs (Optuna trials) and emit the best measured config")
+    g.add_argument("--trials", type=int, default=20, metavar="K",
+                   help="probes to launch in the study, counted across restarts and workers [default: 20]")
+    g.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop starting trials after S seconds of this session [default: no limit]")
+    g.add_argument("--storage", default=DEFAULT_STORAGE, metavar="URL",
+                   help="study storage: a SQLite file path, 'memory', or a SQLAlchemy URL "
+                        "(postgresql://... lets workers on several nodes tune one study) "
+                        f"[default: ./{DEFAULT_STORAGE}]")
+    g.add_argument("--study-name", default=None, metavar="NAME",
+                   help="study to create or resume [default: derived from model, cluster and workload]")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where trials run [default: cuda when available]; on cpu, --gpu-memory is the "
+                        "per-rank budget")
+    g.add_argument("--trial-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds before one trial's launch is killed and recorded as crashed [default: 600]")
+    g.add_argument("--timed-steps", type=int, default=3, metavar="N",
+                   help="timed learn steps per trial (tokens/s is their median) [default: 3]")
+    g.add_argument("--skip-rollout", action="store_true",
+                   help="do not measure a real generation in each trial (faster; the rollout phase is then "
+                        "only estimated)")
+    g.add_argument("--confirm", type=int, default=0, metavar="N",
+                   help="spend the last N of the trials (at most a quarter) measuring the fastest candidates a "
+                        "second time; the pick is by median, so one lucky run does not win (worth it when "
+                        "run-to-run noise is large next to the differences between configs) [default: 0]")
+    g.add_argument("--seed", type=int, default=None, help="sampler seed [default: random]")
+    g.add_argument("--no-calibration", action="store_true",
+                   help="do not fit and save the estimate's coefficients from the trials")
+    g.add_argument("--heartbeat-interval", type=int, default=10, metavar="S",
+                   help="seconds between a running trial's heartbeats; a trial silent for 3 intervals is "
+                        "marked FAIL by the next tuner [default: 10]")
+
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover
+        return "cpu"
+
+
+def tune_main(
+    args: argparse.Namespace,
+    *,
+    spec: ModelSpec,
+    model: str,
+    workload: Workload,
+    cluster: Cluster,
+    fixed: dict[str, Any],
+    coefficients: Coefficients | None,
+    probe: Callable[[ProbeRequest], Measurement] | None = None,
+) -> int:
+    """Run ``--tune``; print per ``--format``, write ``--output``. Exit 0: a fitting config was
+    measured; 3: none was; 2: bad input; 130: interrupted (rerun the command to resume)."""
+    from .calibration import coefficients_for
+
+    try:
+        import optuna
+    except ImportError:
+        print("error: --tune needs Optuna: pip install 'agilerl-fsdp-planner[tune]'", file=sys.stderr)
+        return 2
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress lines say what happens
+    device = getattr(args, "device", None) or _default_device()
+    if device == "cpu":
+        # CPU probes: a CPU "device" (no GPU-only terms) whose memory is the per-rank budget.
+        budget = cluster.gpu.memory_bytes
+        cluster = cluster.model_copy(update={"gpu": CPU_DEVICE.model_copy(update={"memory_bytes": budget})})
+        coefficients = coefficients_for(cluster.gpu)
+    else:
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < cluster.num_gpus:
+            print(f"error: --gpus {cluster.num_gpus} but this machine has {have} GPU(s): every trial runs on "
+                  "this machine", file=sys.stderr)
+            return 2
+    fmt = getattr(args, "format", "table")
+
+    def say(msg: str) -> None:
+        print(f"[tune] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = tune(
+            spec=spec, model=model, workload=workload, cluster=cluster, fixed=fixed, coefficients=coefficients,
+            sharding=getattr(args, "sharding", "auto"), margin_fraction=getattr(args, "margin", 0.05),
+            device=device, max_trials=args.trials, timeout_s=args.timeout, storage=args.storage,
+            study_name=args.study_name, trial_timeout_s=args.trial_timeout, timed_steps=args.timed_steps,
+            generate=False if args.skip_rollout else None, seed=args.seed,
+            heartbeat_interval_s=args.heartbeat_interval, calibration=not args.no_calibration,
+            confirm=args.confirm, probe=probe,
+            progress=say)
+    except KeyboardInterrupt:
+        say("interrupted: the running trial is marked FAIL and its processes are gone; "
+            "run the same command again to resume")
+        return 130
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    _emit(result, fmt=fmt, output=getattr(args, "output", None))
+    return 0 if result.best_plan is not None else 3
+
+
+def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
+    from . import emit
+
+    best_number = result.best.number if result.best is not None else None
+    table = trials_table(result.trials, best_numbers=tuple(t.number for t in result.best_runs))
+    summary = (f"study {result.study_name!r} ({result.storage}): {result.num_launched} trial(s) launched, "
+               f"{len(result.trials)} in all; stopped: {result.stop_reason}")
+    if output and result.best_plan is not None:
+        Path(output).write_text(emit.manifest_yaml(result.best_plan))
+    if fmt == "json":
+        print(json.dumps({
+            "study_name": result.study_name,
+            "storage": result.storage,
+            "stop_reason": result.stop_reason,
+            "num_launched": result.num_launched,
+            "trials": [trial_json(t) for t in result.trials],
+            "best_trial": best_number,
+            "best_trials": [t.number for t in result.best_runs],
+            "best_tokens_per_second": result.best_tokens_per_second,
+            "best": emit.plan_json(result.best_plan) if result.best_plan is not None else None,
+            "calibration": result.calibration.model_dump() if result.calibration else None,
+        }, indent=2, default=str))
+        return
+    if fmt in ("yaml", "python"):
+        # stdout carries only the artefact; the account of the trials goes to stderr.
+        print(f"{summary}\n{table}", file=sys.stderr)
+        if result.calibration:
+            print(result.calibration.line(), file=sys.stderr)
+        if result.best_plan is None:
+            print("no trial measured a config that fits", file=sys.stderr)
+        elif fmt == "yaml":
+            print(emit.manifest_yaml(result.best_plan), end="")
+        else:
+            print(emit.python_snippet(result.best_plan))
+        return
+    print(summary)
+    print(table)
+    if result.calibration:
+        print(result.calibration.line())
+    print()
+    if result.best_plan is None:
+        print("no trial measured a config that fits the budget less the margin: see 'why infeasible' above")
+    else:
+        print(emit.table(result.best_plan))
+        if output:
+            print(f"\nmanifest written to {output}")

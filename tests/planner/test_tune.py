@@ -1,0 +1,549 @@
+"""The tuner: its objective (FixedTrial, fake probes), storage, pruning by estimate, calibration,
+output, and a few real tiny probes (resume after a kill, a crashed rank)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+
+from planner.choose import plan
+from planner.hardware import CPU_DEVICE, Cluster
+from planner.memory import Coefficients, estimate
+from planner.models import load_model_spec
+from planner.probe import Measurement, ProbeRequest, RankMeasurement
+from planner.tune import (
+    Objective,
+    add_tune_arguments,
+    grid,
+    open_storage,
+    probe_model,
+    search_space,
+    tune,
+    tune_main,
+)
+from planner.workload import Workload
+
+MODEL = "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2"
+SMALL = Workload(prompts_per_step=2, group_size=2, prompt_tokens=8, completion_tokens=8, lora_rank=4, lora_alpha=8,
+                 weights_dtype="float32", attn_implementation="eager", generation="none")
+SHARD_ALL = {"param_dtype": "float32", "param_persistence_threshold": 0}
+KIB = 2**10
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_model_spec(MODEL)
+
+
+def cpu_cluster(budget_bytes: int, num_gpus: int = 2, gpus_per_node: int | None = None) -> Cluster:
+    return Cluster(gpu=CPU_DEVICE.model_copy(update={"memory_bytes": budget_bytes}), num_gpus=num_gpus,
+                   gpus_per_node=gpus_per_node)
+
+
+class FakeProbe:
+    """Measures what the estimate says times ``scale``; step time falls with the micro-batch."""
+
+    def __init__(self, spec, cluster, *, scale=1.0, failure=None, oom=False):
+        self.spec, self.cluster, self.scale, self.failure, self.oom = spec, cluster, scale, failure, oom
+        self.requests: list[ProbeRequest] = []
+
+    def __call__(self, request: ProbeRequest) -> Measurement:
+        self.requests.append(request)
+        if self.failure or self.oom:
+            ranks = [RankMeasurement(rank=0, error="torch.OutOfMemoryError" if self.oom else "boom", oom=self.oom,
+                                     oom_phase="learn" if self.oom else None)]
+            return Measurement(request=request, ok=False, failure=self.failure or "rank 0: out of memory",
+                               oom=self.oom, oom_phase="learn" if self.oom else None, ranks=ranks)
+        est = estimate(self.spec, request.workload, self.cluster, request.fsdp)
+        w = request.workload
+        step = 0.1 / w.micro_batch_size_per_gpu + (0.05 if w.gradient_checkpointing else 0.0)
+        phases = {ph: {"total": int(p.total * self.scale)} for ph, p in est.phases.items()
+                  if ph in ("load", "reference", "learn", "step")}
+        ranks = [RankMeasurement(rank=r, phases=phases, step_seconds=[step, step, step]) for r in range(2)]
+        return Measurement(request=request, ok=True, ranks=ranks)
+
+
+def objective_for(spec, cluster, probe, *, fixed=None, sharding="auto", workload=SMALL, margin=0.05):
+    space = search_space(spec, workload, cluster, fixed=dict(fixed or {}), sharding=sharding)
+    request = ProbeRequest(model=MODEL, workload=workload, nproc=cluster.num_gpus, device="cpu",
+                           memory_budget_bytes=cluster.gpu.memory_bytes)
+    return Objective(space=space, spec=spec, cluster=cluster, coefficients=None, margin_fraction=margin,
+                     request=request, probe=probe)
+
+
+# -- the headless core -----------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_planner_core_and_the_cli_glue_never_import_optuna():
+    code = ("import argparse, sys; import planner.choose, planner.memory, planner.probe, planner.tune; "
+            "planner.tune.add_tune_arguments(argparse.ArgumentParser()); "
+            "print(sorted(m for m in ('optuna', 'torch', 'transformers', 'peft', 'sqlalchemy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# -- search space ----------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_search_space_is_what_the_planner_chooses_less_what_the_user_fixed(spec):
+    one_node = search_space(spec, SMALL, cpu_cluster(MIB), fixed={}, sharding="auto")
+    assert set(one_node.searched) == {"sharding", "optim_cpu_offload", "reshard_after_forward",
+                                      "wrap_every_n_blocks", "prefetch_units", "backward_prefetch_units",
+                                      "micro_batch_size_per_gpu", "gradient_checkpointing"}
+    assert one_node.choices["wrap_every_n_blocks"] == (1, 2)  # 2 layers: no 4-block units
+    assert one_node.choices["micro_batch_size_per_gpu"] == (1, 2)  # 4 completions over 2 GPUs
+    assert one_node.choices["shard_group_size"] == (None,)
+    # 16 tokens a row, at most 2 rows a micro-batch: every chunk from 256 up runs all rows at once.
+    assert one_node.choices["logprob_chunk_size"] == (256,)
+
+    two_nodes = search_space(spec, SMALL.model_copy(update={"prompts_per_step": 4}), cpu_cluster(MIB, 4, 2),
+                             fixed={}, sharding="auto")
+    assert two_nodes.choices["shard_group_size"] == (None, 2)
+
+    fixed = search_space(spec, SMALL.model_copy(update={"micro_batch_size_per_gpu": 1}), cpu_cluster(MIB),
+                         fixed={"reshard_after_forward": False, **SHARD_ALL}, sharding="fsdp")
+    assert "reshard_after_forward" not in fixed.searched and "micro_batch_size_per_gpu" not in fixed.searched
+    assert "sharding" not in fixed.searched
+    candidate = fixed.candidate({"wrap_every_n_blocks": 2})
+    assert candidate.fsdp.reshard_after_forward is False and candidate.fsdp.param_persistence_threshold == 0
+    assert candidate.fsdp.wrap_every_n_blocks == 2 and candidate.workload.micro_batch_size_per_gpu == 1
+    # Unsharded candidates carry no FSDP knobs: the grid does not multiply them.
+    points = grid(one_node)
+    assert sum(p["sharding"] == "none" for p in points) == 2 * 2
+    assert sum(p["sharding"] == "fsdp" for p in points) == 2 * 2 * 2 * 2 * 2 * 2 * 2
+
+
+# -- the objective, with FixedTrial ----------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_objective_measures_a_candidate_and_reports_tokens_per_second(spec):
+    cluster = cpu_cluster(64 * MIB)
+    probe = FakeProbe(spec, cluster)
+    objective = objective_for(spec, cluster, probe, fixed=SHARD_ALL)
+    params = {"sharding": "fsdp", "optim_cpu_offload": False, "reshard_after_forward": False,
+              "wrap_every_n_blocks": 2, "prefetch_units": 2, "backward_prefetch_units": 1,
+              "micro_batch_size_per_gpu": 2, "gradient_checkpointing": False}
+    trial = optuna.trial.FixedTrial(params)
+    value = objective(trial)
+    [request] = probe.requests
+    assert request.fsdp.wrap_every_n_blocks == 2 and request.fsdp.reshard_after_forward is False
+    assert request.fsdp.param_persistence_threshold == 0 and request.nproc == 2
+    assert request.workload.micro_batch_size_per_gpu == 2 and request.workload.gradient_checkpointing is False
+    assert value == pytest.approx(SMALL.completions_per_step * SMALL.sequence_tokens / 0.05)
+    assert trial.user_attrs["status"] == "fits" and trial.user_attrs["launched"]
+    assert trial.user_attrs["constraint"] < 0 and trial.constraints["memory"] < 0
+
+
+@pytest.mark.timeout(60)
+def test_a_candidate_the_estimate_rejects_is_never_launched(spec):
+    params = {"sharding": "none", "micro_batch_size_per_gpu": 2, "gradient_checkpointing": False}
+    peak = estimate(spec, SMALL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False,
+                                                   "logprob_chunk_size": 256}), cpu_cluster(MIB), None).peak_bytes
+    cluster = cpu_cluster(peak - 1)
+    probe = FakeProbe(spec, cluster)
+    trial = optuna.trial.FixedTrial(params)
+    assert objective_for(spec, cluster, probe)(trial) == 0.0
+    assert probe.requests == []
+    assert trial.user_attrs["status"] == "rejected" and not trial.user_attrs["launched"]
+    assert trial.user_attrs["constraint"] > 0 and "not launched" in trial.user_attrs["why"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["oom", "crashed", "over_budget"])
+def test_an_oom_crash_or_overrun_is_an_infeasible_trial_not_an_error(spec, kind):
+    cluster = cpu_cluster(64 * MIB)
+    probe = {"oom": FakeProbe(spec, cluster, oom=True),
+             "crashed": FakeProbe(spec, cluster, failure="rank 1: killed (signal 9)"),
+             "over_budget": FakeProbe(spec, cluster, scale=200.0)}[kind]
+    trial = optuna.trial.FixedTrial({"sharding": "none", "micro_batch_size_per_gpu": 1,
+                                     "gradient_checkpointing": True})
+    value = objective_for(spec, cluster, probe)(trial)
+    assert len(probe.requests) == 1 and trial.user_attrs["launched"]
+    assert trial.user_attrs["status"] == kind and trial.user_attrs["constraint"] > 0
+    if kind == "over_budget":
+        assert value > 0 and "over the" in trial.user_attrs["why"]
+    else:
+        assert value == 0.0 and trial.user_attrs["constraint"] == 1.0
+        assert ("learn" if kind == "oom" else "killed") in trial.user_attrs["why"]
+
+
+# -- storage ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_storage_urls(tmp_path):
+    from planner._tune_storage import storage_url
+
+    assert storage_url(str(tmp_path / "t.db")) == f"sqlite:///{tmp_path / 't.db'}"
+    assert storage_url(None).startswith("sqlite:///") and storage_url(None).endswith("/agilerl-tune.db")
+    assert storage_url("memory") is None and storage_url(":memory:") is None
+    assert storage_url("postgresql://tuner:secret@db.internal:5432/studies") == \
+        "postgresql://tuner:secret@db.internal:5432/studies"
+    assert isinstance(open_storage("memory"), optuna.storages.InMemoryStorage)
+    rdb = open_storage(str(tmp_path / "t.db"), heartbeat_interval_s=2)
+    assert isinstance(rdb, optuna.storages.RDBStorage) and rdb.heartbeat_interval == 2 and rdb.grace_period == 6
+    for bad, message in [("postgresql:/tuner@host/db", "looks like a URL"),
+                         ("://nothing", "not a valid SQLAlchemy URL"),
+                         (str(tmp_path / "missing" / "t.db"), "does not exist"),
+                         (str(tmp_path), "is a directory"),
+                         ("", "is empty")]:
+        with pytest.raises(ValueError, match=message) as err:
+            storage_url(bad)
+        assert str(err.value).startswith("--storage")
+    # A URL whose driver is missing is a clear error, with the password hidden.
+    with pytest.raises(ValueError) as err:
+        open_storage("postgresql+nosuchdriver://tuner:secret@localhost/studies")
+    assert "secret" not in str(err.value) and "***" in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_orphans_of_a_dead_tuner_are_killed_and_live_ones_kept():
+    from planner._tune_storage import OWNER_ENV, kill_orphans
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    orphan = subprocess.Popen(["sleep", "60"], env={**os.environ, OWNER_ENV: f"{host}:{dead.pid}"},
+                              start_new_session=True)
+    kept = subprocess.Popen(["sleep", "60"], env={**os.environ, OWNER_ENV: f"{host}:{os.getpid()}"})
+    try:
+        time.sleep(0.2)
+        killed = kill_orphans()
+        assert orphan.pid in killed and kept.pid not in killed
+        assert orphan.wait(timeout=5) == -signal.SIGKILL
+        assert kept.poll() is None
+    finally:
+        for p in (orphan, kept):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+# -- the study, with a fake probe ------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_study_seeds_the_planner_pick_prunes_by_estimate_and_keeps_the_constraint(spec):
+    # A budget between the smallest and the largest estimates: some candidates cannot be launched.
+    cluster = cpu_cluster(64 * MIB)
+    space = search_space(spec, SMALL, cluster, fixed=SHARD_ALL, sharding="auto")
+    peaks = sorted(estimate(spec, space.candidate(p).workload, cluster, space.candidate(p).fsdp).peak_bytes
+                   for p in grid(space))
+    cluster = cpu_cluster(peaks[len(peaks) // 2])
+    probe = FakeProbe(spec, cluster)
+    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None,
+                  storage="memory", max_trials=6, probe=probe, seed=3, calibration=False, confirm=0)
+    trials = result.trials
+    picked = plan(spec, SMALL, cluster, fixed=SHARD_ALL)
+    first = trials[0]
+    assert first.user_attrs["source"] == "planner"
+    assert first.user_attrs["knobs"]["micro_batch_size_per_gpu"] == picked.workload.micro_batch_size_per_gpu
+    assert first.user_attrs["knobs"]["sharding"] == ("fsdp" if picked.fsdp else "none")
+    launched = [t for t in trials if t.user_attrs["launched"]]
+    rejected = [t for t in trials if t.user_attrs["status"] == "rejected"]
+    assert rejected, "the budget should leave some candidates to the estimate"
+    assert len(probe.requests) == len(launched) <= 6
+    for t in rejected:
+        assert t.user_attrs["estimated_peak_bytes"] > cluster.gpu.memory_bytes
+        assert t.constraints["memory"] > 0 and t.state == optuna.trial.TrialState.COMPLETE
+    launched_keys = {json.dumps({"fsdp": r.fsdp.model_dump(mode="json") if r.fsdp else None,
+                                 "workload": r.workload.model_dump(mode="json")}, sort_keys=True)
+                     for r in probe.requests}
+    assert launched_keys.isdisjoint({t.user_attrs["key"] for t in rejected})
+    assert len(launched_keys) == len(probe.requests)  # nothing measured twice
+    best = result.best
+    assert best is not None and best.user_attrs["status"] == "fits"
+    assert best.user_attrs["tokens_per_second"] == max(t.user_attrs["tokens_per_second"] for t in launched
+                                                       if t.user_attrs["status"] == "fits")
+    assert result.best_plan.fits and result.best_plan.workload.micro_batch_size_per_gpu == \
+        best.user_attrs["knobs"]["micro_batch_size_per_gpu"]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spec, tmp_path):
+    cluster = cpu_cluster(64 * MIB)
+    storage = str(tmp_path / "study.db")
+    common = dict(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None,
+                  storage=storage, study_name="resume", seed=0, calibration=False, heartbeat_interval_s=1, confirm=0)
+    first = FakeProbe(spec, cluster)
+    tune(**common, max_trials=2, probe=first)
+    assert len(first.requests) == 2
+    # A tuner that died mid-trial: a RUNNING trial whose heartbeat stopped.
+    store = open_storage(storage, heartbeat_interval_s=1)
+    study = optuna.load_study(study_name="resume", storage=store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Heartbeat ... supposed to be used with Study.optimize"
+        dead = study.ask()
+    store.record_heartbeat(dead._trial_id)
+    time.sleep(4.5)  # past the grace period (3 intervals; SQLite's clock counts whole seconds)
+    second = FakeProbe(spec, cluster)
+    result = tune(**common, max_trials=4, probe=second)
+    assert len(second.requests) == 2  # only the two trials still missing
+    seen = {json.dumps({"fsdp": r.fsdp.model_dump(mode="json") if r.fsdp else None,
+                        "workload": r.workload.model_dump(mode="json")}, sort_keys=True)
+            for r in first.requests + second.requests}
+    assert len(seen) == 4
+    states = {t.number: t.state for t in result.trials}
+    assert states[dead.number] == optuna.trial.TrialState.FAIL
+    assert result.num_launched == 4
+
+
+@pytest.mark.timeout(120)
+def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(spec):
+    cluster = cpu_cluster(64 * MIB, num_gpus=1)  # unsharded only: 3 micro-batches x checkpointing on/off
+    calls: dict[tuple, int] = {}
+
+    def probe(request: ProbeRequest) -> Measurement:
+        w = request.workload
+        knobs = (w.micro_batch_size_per_gpu, w.gradient_checkpointing)
+        calls[knobs] = calls.get(knobs, 0) + 1
+        if knobs == (4, False):  # lucky once, then slow: median 1/0.04 and 1/0.2 -> 15 steps/s
+            step = 0.04 if calls[knobs] == 1 else 0.2
+        else:  # (2, False) steady at 20 steps/s; the rest at 10
+            step = 0.05 if knobs == (2, False) else 0.1
+        ranks = [RankMeasurement(rank=0, phases={"learn": {"total": MIB}}, step_seconds=[step] * 3)]
+        return Measurement(request=request, ok=True, ranks=ranks)
+
+    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed={}, coefficients=None,
+                  storage="memory", max_trials=8, probe=probe, seed=0, calibration=False, confirm=2)
+    seconds = [t for t in result.trials if "confirm_of" in t.user_attrs]
+    assert len(seconds) == 2 and all(t.user_attrs["launched"] for t in seconds)
+    by_number = {t.number: t for t in result.trials}
+    assert {by_number[t.user_attrs["confirm_of"]].user_attrs["knobs"]["micro_batch_size_per_gpu"]
+            for t in seconds} == {4, 2}
+    assert calls[(4, False)] == 2 and calls[(2, False)] == 2
+    assert result.best.user_attrs["knobs"]["micro_batch_size_per_gpu"] == 2
+    assert len(result.best_runs) == 2 and "median of 2 runs" in result.best_plan.reasons()["fits"]
+
+
+# -- calibration -----------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_calibration_fits_on_some_trials_judges_on_the_others_and_saves(spec, tmp_path, monkeypatch):
+    from planner._tune_calibrate import calibrate
+    from planner.calibration import calibration_path, coefficients_for
+
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
+    cluster = cpu_cluster(64 * MIB)
+    truth = Coefficients(act_hidden=10.0, fwd_hidden=4.0)
+
+    class Trial:
+        def __init__(self, number, workload):
+            est = estimate(spec, workload, cluster, None, coefficients=truth)
+            measured = {ph: p.total for ph, p in est.phases.items() if ph in ("load", "reference", "learn", "step")}
+            self.number = number
+            self.user_attrs = {"status": "fits", "measured_phases": measured, "key": json.dumps(
+                {"fsdp": None, "workload": workload.model_dump(mode="json")})}
+
+    base = SMALL.model_copy(update={"prompt_tokens": 32, "completion_tokens": 32, "logprob_chunk_size": 256,
+                                    "prompts_per_step": 4})
+    trials = [Trial(i, base.model_copy(update={"micro_batch_size_per_gpu": mb, "gradient_checkpointing": gc}))
+              for i, (mb, gc) in enumerate((m, g) for m in (1, 2, 4) for g in (True, False))]
+    report = calibrate(trials, spec=spec, cluster=cluster, coefficients=Coefficients())
+    assert (report.num_fit, report.num_held_out, report.in_sample) == (4, 2, False)
+    assert report.error_after < report.error_before
+    assert report.saved_path == str(calibration_path(cluster.gpu))
+    assert coefficients_for(cluster.gpu) != Coefficients()
+    assert "held-out" in report.line()
+
+    few = calibrate(trials[:2], spec=spec, cluster=cluster, coefficients=Coefficients(), save=False)
+    assert few.in_sample and few.num_held_out == 0 and "none held out" in few.line()
+
+
+# -- the CLI glue ----------------------------------------------------------------------------------
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--format", default="table")
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--sharding", default="auto")
+    add_tune_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.timeout(120)
+def test_tune_main_prints_the_trials_and_emits_the_best_config(spec, tmp_path, capsys):
+    from agilerl.manifest import load_manifest
+
+    cluster = cpu_cluster(64 * MIB)
+    out = tmp_path / "best.yaml"
+    common = dict(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None)
+    argv = ["--tune", "--trials", "3", "--storage", "memory", "--device", "cpu", "--seed", "0", "--no-calibration"]
+    code = tune_main(_args(argv + ["--output", str(out)]), probe=FakeProbe(spec, cluster), **common)
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "trial 1/3" in captured.err and "best so far" in captured.err
+    assert "why infeasible" in captured.out and "FITS" in captured.out and "tuned:" in captured.out
+    manifest = load_manifest(out)
+    assert manifest.training.training_gpus_per_agent == 2
+
+    code = tune_main(_args(argv + ["--format", "json"]), probe=FakeProbe(spec, cluster), **common)
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["best"]["fits"] and data["num_launched"] == 3
+    assert data["trials"][data["best_trial"]]["status"] == "fits"
+    assert data["best"]["manifest"]["algorithm"]["micro_batch_size_per_gpu"] == \
+        data["trials"][data["best_trial"]]["knobs"]["micro_batch_size_per_gpu"]
+
+    code = tune_main(_args(argv + ["--format", "yaml"]), probe=FakeProbe(spec, cluster), **common)
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out.startswith("# agilerl-plan:") and "why infeasible" in captured.err
+
+    # Everything measured over the budget: exit 3, and no config is emitted.
+    code = tune_main(_args(argv + ["--output", str(tmp_path / "none.yaml")]),
+                     probe=FakeProbe(spec, cluster, scale=500.0), **common)
+    assert code == 3 and not (tmp_path / "none.yaml").exists()
+    assert "no trial measured a config that fits" in capsys.readouterr().out
+
+    code = tune_main(_args(argv + ["--storage", "postgresql:/x"]), probe=FakeProbe(spec, cluster), **common)
+    assert code == 2 and "looks like a URL" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_catalog_model_without_weights_is_probed_from_its_config(tmp_path, monkeypatch):
+    from planner import catalog
+
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
+    assert probe_model(MODEL) == MODEL
+    assert probe_model(str(tmp_path)) == str(tmp_path)
+    folder = Path(probe_model("qwen2.5-0.5b"))
+    assert folder.is_relative_to(tmp_path)
+    assert json.loads((folder / "config.json").read_text()) == catalog.entry("Qwen/Qwen2.5-0.5B").config
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    assert probe_model("Qwen/Qwen2.5-0.5B") == str(folder)
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(folder).num_hidden_layers == 24
+
+
+# -- real probes -----------------------------------------------------------------------------------
+TUNER = textwrap.dedent("""
+    import argparse, sys
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.models import load_model_spec
+    from planner.tune import add_tune_arguments, tune_main
+    from planner.workload import Workload
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--budget-mib", type=float, default=64)
+    parser.add_argument("--format", default="table")
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--sharding", default="auto")
+    add_tune_arguments(parser)
+    args = parser.parse_args()
+    workload = Workload(prompts_per_step=2, group_size=2, prompt_tokens=8, completion_tokens=8, lora_rank=4,
+                        lora_alpha=8, weights_dtype="float32", attn_implementation="eager", generation="none")
+    cluster = Cluster(gpu=CPU_DEVICE.model_copy(update={"memory_bytes": int(args.budget_mib * 2**20)}),
+                      num_gpus=args.gpus)
+    spec = load_model_spec(args.model)
+    sys.exit(tune_main(args, spec=spec, model=args.model, workload=workload, cluster=cluster,
+                       fixed={"param_dtype": "float32", "param_persistence_threshold": 0}, coefficients=None))
+""")
+
+
+def _owned_by(pid: int) -> list[int]:
+    """Live processes a tuner with this pid launched (they carry its owner tag)."""
+    marker = f"AGILERL_TUNE_OWNER={socket.gethostname()}:{pid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_a_tuner_killed_mid_trial_resumes_without_rerunning_or_orphans(tmp_path):
+    db = tmp_path / "tune.db"
+    cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "3", "--storage", str(db), "--study-name", "s",
+           "--device", "cpu", "--timed-steps", "1", "--heartbeat-interval", "1", "--seed", "0", "--no-calibration"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}")
+    deadline = time.monotonic() + 240
+    try:
+        while True:  # until one trial is measured and the next one's probe is running
+            assert time.monotonic() < deadline and first.poll() is None, log.read_text()
+            time.sleep(0.5)
+            if not db.exists():
+                continue
+            try:
+                trials = optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
+            except KeyError:
+                continue
+            done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("launched")]
+            running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+            if done and running and _owned_by(first.pid):
+                break
+    finally:
+        first.kill()  # SIGKILL: no chance to clean up; the next tuner must
+        first.wait()
+    [measured_before] = done
+    killed_number = running[0].number
+    time.sleep(4.5)  # past the heartbeat grace period (3 intervals; SQLite's clock counts whole seconds)
+    second = subprocess.run(cmd + ["--format", "json"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert not _owned_by(first.pid), "the killed tuner's probe outlived it"
+    data = json.loads(second.stdout)
+    by_number = {t["number"]: t for t in data["trials"]}
+    assert by_number[killed_number]["state"] == "FAIL"
+    assert by_number[measured_before.number]["state"] == "COMPLETE"
+    assert by_number[measured_before.number]["wall_seconds"] == measured_before.user_attrs["wall_seconds"]
+    launched = [t for t in data["trials"] if t["state"] == "COMPLETE" and t["launched"]]
+    assert len(launched) == 3 and data["num_launched"] == 3
+    assert len({json.dumps(t["knobs"], sort_keys=True) for t in launched}) == 3  # nothing measured twice
+    assert data["best"]["fits"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_kills_the_probe_and_fails_the_trial(tmp_path, signum):
+    db = tmp_path / "tune.db"
+    cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "2", "--storage", str(db), "--study-name", "s",
+           "--device", "cpu", "--seed", "0", "--no-calibration"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    tuner = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _owned_by(tuner.pid):  # its first probe is running
+        assert time.monotonic() < deadline and tuner.poll() is None
+        time.sleep(0.2)
+    tuner.send_signal(signum)
+    _, err = tuner.communicate(timeout=60)
+    assert tuner.returncode == 130, err
+    assert "run the same command again to resume" in err
+    assert not _owned_by(tuner.pid)
+    [trial] = optuna.load_study(study_name="s", storage=f"sqlite:///{db}").get_trials()
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["status"] == "interrupted"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_crashed_rank_is_an_infeasible_trial_and_the_study_goes_on(spec, monkeypatch):
+    monkeypatch.setenv("AGILERL_PROBE_KILL", "1:learn")
+    cluster = cpu_cluster(64 * MIB)
+    seen: list[str] = []
+    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None,
+                  sharding="fsdp", storage="memory", max_trials=2, seed=0, timed_steps=1, trial_timeout_s=120,
+                  calibration=False, progress=seen.append)
+    launched = [t for t in result.trials if t.user_attrs["launched"]]
+    assert len(launched) == 2  # the first crash did not end the study
+    for t in launched:
+        assert t.state == optuna.trial.TrialState.COMPLETE
+        assert t.user_attrs["status"] == "crashed" and t.user_attrs["constraint"] == 1.0
+    assert result.best is None and result.best_plan is None
+    assert any("crashed" in line for line in seen)
+
