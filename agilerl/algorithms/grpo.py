@@ -320,6 +320,7 @@ class GRPO(LLMAlgorithm):
         index = torch.arange(num_prompts, device=input_ids.device).repeat_interleave(self.group_size)
         index = index[self.local_slice(num_prompts)]
         ids, mask = input_ids[index], attention_mask[index]
+        self._sync_tensor_parallel_rng()
         with self._phase("rollout"):
             if self.engine is not None:
                 completions, lengths = self._generate_with_engine(ids, mask)
@@ -437,6 +438,13 @@ class GRPO(LLMAlgorithm):
         return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
                                       temperature=self.temperature, softcap=softcap)
 
+    def _sync_tensor_parallel_rng(self) -> None:
+        """Ranks of one tensor-parallel group must sample the same tokens (and dropout masks)."""
+        if self.sharded and self.fsdp_config.tp > 1:
+            from agilerl.distributed import fsdp_layout, sync_tp_rng
+
+            sync_tp_rng(fsdp_layout(self.model).mesh["tp"])
+
     def _micro_batches(self, n: int) -> list[slice]:
         m = self.micro_batch_size_per_gpu
         if n % m:
@@ -471,6 +479,9 @@ class GRPO(LLMAlgorithm):
         loss_mask = action_masks[:, 1:]
 
         all_rewards = gather_tensor(rewards.cpu())
+        tp = self.fsdp_config.tp if self.sharded else 1
+        if tp > 1:  # every rank of a tensor-parallel group holds the same rows: keep one copy
+            all_rewards = all_rewards.view(self.world_size, n)[::tp].reshape(-1)
         if all_rewards.numel() % self.group_size:
             raise ValueError(f"{all_rewards.numel()} completions in total are not whole groups of {self.group_size}")
         advantages = group_advantages(all_rewards, self.group_size)
@@ -485,6 +496,7 @@ class GRPO(LLMAlgorithm):
             old_logp = self._no_grad_logprobs(ids, attention, ACTOR) if self.update_epochs > 1 else None
 
         self.model.train()
+        self._sync_tensor_parallel_rng()  # identical dropout masks within a TP group
         batches = self._micro_batches(n)
         defer = self.sharded and self.fsdp_config.defer_grad_sync
         sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}

@@ -49,6 +49,16 @@ _LAZY = {
     "FSDPLayout": "_fsdp",
     "set_gradient_sync": "_fsdp",
     "register_forward_method": "_fsdp",
+    # tensor parallelism
+    "apply_tensor_parallel": "_tp",
+    "build_dp_tp_mesh": "_tp",
+    "tp_mesh_layout": "_tp",
+    "check_tp_divides": "_tp",
+    "parallel_ranks": "_tp",
+    "ParallelRanks": "_tp",
+    "tp_layout": "_tp",
+    "TPLayout": "_tp",
+    "sync_tp_rng": "_tp",
     # state dicts
     "materialize_fsdp2_from_cpu_state": "_state",
     "set_full_model_state_dict": "_state",

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 from ._config import FSDPConfig
 from ._runtime import all_reduce_grads, require_process_group
@@ -168,6 +169,7 @@ class FSDPLayout:
     mesh: DeviceMesh | None = None
     num_replicated_grad_syncs: int = 0  # explicit all-reduces of replicated grads so far
     root_cast: Any = None  # the root unit's replicated-parameter casts (see register_forward_method)
+    dp_group: Any = None  # with tp > 1: the data-parallel group replicated gradients are averaged over
 
 
 def fsdp_layout(model: nn.Module) -> FSDPLayout | None:
@@ -216,14 +218,17 @@ def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
         handle.remove()
     layout._grad_sync_handles = []
     trainable = [p for p in layout.replicated_params if p.requires_grad]
-    if not trainable or dist.get_world_size() == 1:
+    # Replicated across tensor-parallel ranks, a parameter already has the same gradient on
+    # every rank of a TP group: average over the data-parallel ranks only.
+    group = layout.dp_group
+    if not trainable or dist.get_world_size(group) == 1:
         return
     queued = {"flag": False}
 
     def _average() -> None:
         queued["flag"] = False
         if _grad_sync_enabled(layout):
-            all_reduce_grads(trainable)
+            all_reduce_grads(trainable, group=group)
             layout.num_replicated_grad_syncs += 1
 
     def _hook(_param: torch.Tensor) -> None:
@@ -345,6 +350,18 @@ def register_forward_method(model: nn.Module, method_name: str) -> None:
 
 
 def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    if config.tp > 1:
+        from ._tp import build_dp_tp_mesh
+
+        if mesh is None:
+            if config.shard_group_size not in (None, dist.get_world_size() // config.tp):
+                raise NotImplementedError(
+                    f"tp={config.tp} with shard_group_size={config.shard_group_size} (HSDP) is not supported yet: "
+                    "leave shard_group_size unset with tp > 1")
+            return build_dp_tp_mesh(config.tp, device_type)
+        if mesh.mesh_dim_names != ("dp", "tp") or mesh.size(1) != config.tp:
+            raise ValueError(f"with tp={config.tp} the mesh must have dims ('dp', 'tp') with tp innermost")
+        return mesh
     if mesh is not None:
         return mesh
     world = dist.get_world_size()
@@ -360,12 +377,11 @@ def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> 
 
 
 def _check_unsupported(config: FSDPConfig) -> None:
-    for name in ("ep", "tp"):
-        if getattr(config, name) > 1:
-            raise NotImplementedError(
-                f"FSDPConfig.{name}={getattr(config, name)} is not supported yet: expert and "
-                f"tensor parallelism are validated and stored but not applied. Use {name}=1."
-            )
+    if config.ep > 1:
+        raise NotImplementedError(
+            f"FSDPConfig.ep={config.ep} is not supported yet: expert parallelism is validated and "
+            "stored but not applied. Use ep=1."
+        )
 
 
 def apply_fsdp2(
@@ -390,7 +406,15 @@ def apply_fsdp2(
     mesh = _mesh_for(config, mesh, device_type)
     del expert_mesh  # no packed experts in dense models
 
+    shard_mesh = mesh
+    if config.tp > 1:
+        from ._tp import apply_tensor_parallel
+
+        # TP first (DTensors over "tp"); FSDP then shards those over "dp" (2-D, as torchtitan).
+        apply_tensor_parallel(model, mesh["tp"])
+        shard_mesh = mesh["dp"]
     layout = FSDPLayout(config=config, mesh=mesh)
+    layout.dp_group = shard_mesh.get_group() if config.tp > 1 else None
     if gradient_checkpointing:
         layout.checkpointed_blocks = apply_activation_checkpointing(model, config)
 
@@ -410,7 +434,7 @@ def apply_fsdp2(
     ignored = set(replicated)
     layout.replicated_params = replicated
     kwargs = dict(
-        mesh=mesh,
+        mesh=shard_mesh,
         reshard_after_forward=config.reshard_after_forward,
         mp_policy=mp_policy,
         offload_policy=offload,
@@ -455,7 +479,7 @@ def apply_fsdp2(
     if replicated:
         mesh_device = mesh.device_type
         for p in replicated:
-            if not p.is_meta and p.device.type != mesh_device:
+            if not isinstance(p, DTensor) and not p.is_meta and p.device.type != mesh_device:
                 p.data = p.data.to(torch.device(mesh_device, torch.cuda.current_device()) if mesh_device == "cuda" else mesh_device)
         containers = list(blocks) + [m for m in (embed, head) if m is not None]
         _install_replicated_casts(model, layout, ignored, param_dtype, containers)

@@ -234,16 +234,16 @@ def aggregate_metrics_dict(
     return out
 
 
-def _coalesced_mean_(grads: list[torch.Tensor]) -> None:
-    """Average tensors across ranks in place: one all-reduce per (device, dtype)."""
-    world = dist.get_world_size()
+def _coalesced_mean_(grads: list[torch.Tensor], group=None) -> None:
+    """Average tensors across ``group``'s ranks in place: one all-reduce per (device, dtype)."""
+    world = dist.get_world_size(group)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         buckets.setdefault((g.device, g.dtype), []).append(g)
     comm_device = _collective_device()
     for (device, _), tensors in buckets.items():
         flat = torch.cat([t.reshape(-1) for t in tensors]).to(comm_device)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # SUM then divide: AVG is not on gloo
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # SUM then divide: AVG is not on gloo
         flat.div_(world)
         flat = flat.to(device)
         offset = 0
@@ -271,11 +271,11 @@ def sync_grads(params: Sequence[torch.nn.Parameter]) -> None:
         _coalesced_mean_(grads)
 
 
-def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
+def all_reduce_grads(params: Sequence[torch.nn.Parameter], group=None) -> None:
     """Average gradients like :func:`sync_grads`; a parameter without a ``.grad``
     takes part with zeros (and receives the average), so every rank joins the
-    same collective."""
-    if not is_distributed() or dist.get_world_size() == 1:
+    same collective. ``group`` limits it to those ranks (default: all)."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
         return
     grads = []
     for p in params:
@@ -283,7 +283,7 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
         grads.append(_local(p.grad))
     if grads:
-        _coalesced_mean_(grads)
+        _coalesced_mean_(grads, group)
 
 
 def resolve_device(requested: str | torch.device | None = None) -> str:

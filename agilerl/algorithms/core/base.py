@@ -185,6 +185,10 @@ class LLMAlgorithm:
         self.optimizer = build_optimizer(
             self.trainable_params, fsdp_config=self.fsdp_config if self.sharded else None, lr=self.lr
         )
+        # Every rank built the same adapters from one seed; from here on, sampling must differ
+        # between data-parallel ranks (two ranks may hold copies of the same prompt) and match
+        # within a tensor-parallel group.
+        torch.manual_seed(self.seed + 1_000_003 * self.data_parallel_rank)
 
     def _phase(self, name: str) -> ContextManager:
         return self.phase_observer(name) if self.phase_observer is not None else contextlib.nullcontext()

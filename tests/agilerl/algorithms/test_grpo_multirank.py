@@ -81,6 +81,38 @@ def bf16_fsdp_with_partly_replicated_lora_layers(ctx):
 
 
 @cases.case
+def tensor_parallel_gives_the_same_update_as_data_parallel(ctx):
+    # tp=2 on 2 ranks: one tensor-parallel group processes every completion; data
+    # parallel gives each rank half. Both average the same per-sequence losses.
+    common = dict(micro_batch_size_per_gpu=2, use_separate_reference_adapter=True)
+    dp = make_agent(**common)
+    dp_metrics = _learn(dp)
+    tp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED, tp=2), **common)
+    assert tp.data_parallel_ranks == 1 and tp.local_slice(2) == slice(0, 8)
+    q = tp.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert q.to_local().shape[0] == q.shape[0] // 2  # heads split over the TP group
+    metrics = _learn(tp)
+    assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    for k, v in lora_state(tp).items():
+        torch.testing.assert_close(v, lora_state(dp)[k], atol=3e-5, rtol=1e-4)
+    ids, masks = tp.get_action(["1+2=", "3+4="])
+    from agilerl.distributed import gather_objects
+
+    both = gather_objects([ids.tolist()])
+    assert both[0] == both[1]  # the TP group sampled identical completions
+
+
+@cases.case
+def data_parallel_ranks_sample_differently(ctx):
+    from agilerl.distributed import gather_objects
+
+    agent = make_agent(batch_size=1, group_size=8, max_output_tokens=6)  # one prompt split over 2 ranks
+    ids, _ = agent.get_action(["1+2="])
+    both = gather_objects([ids.tolist()])
+    assert both[0] != both[1]  # different completions of the same prompt
+
+
+@cases.case
 def fsdp_meta_loading_matches_the_checkpoint(ctx):
     dp = make_agent()
     fsdp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED))
