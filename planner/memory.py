@@ -152,13 +152,37 @@ class _Unit:
         return (sum(t.numel for t in self.base if t.sharded), sum(t.numel for t in self.lora if t.sharded))
 
 
-def _tensor(shape: tuple[int, ...], threshold: float) -> _Tensor:
-    rows = shape[0] if shape else 1
+def _tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: int | None = None) -> _Tensor:
+    """A tensor as FSDP sees it on one rank: split by tensor parallelism along ``tp_dim`` first.
+
+    The persistence threshold applies to the global size (a TP DTensor's numel).
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    local = list(shape) or [1]
+    if tp > 1 and tp_dim is not None:
+        local[tp_dim] = -(-local[tp_dim] // tp)
     rest = 1
-    for d in shape[1:]:
+    for d in local[1:]:
         rest *= d
-    numel = rows * rest
-    return _Tensor(rows=rows, rest=rest, sharded=numel >= threshold)
+    return _Tensor(rows=local[0], rest=rest, sharded=numel >= threshold)
+
+
+#: Linears tensor parallelism splits (agilerl.distributed._tp): colwise split their output
+#: (weight dim 0, bias), rowwise their input (weight dim 1).
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+
+
+def _tp_dim(tensor_name: str) -> int | None:
+    parts = tensor_name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in _COLWISE:
+        return 0
+    if module in _ROWWISE and parts[-1] == "weight":
+        return 1
+    return None
 
 
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
@@ -193,7 +217,7 @@ def estimate(
     tp = fsdp.tp if fsdp else 1
     D = max(1, W // tp)
     workload = resolve_workload(workload, data_parallel_ranks=D)
-    S = (fsdp.shard_group_size or W) if fsdp else 1
+    S = (fsdp.shard_group_size or D) if fsdp else 1  # with tp, FSDP shards over the dp axis
     threshold = fsdp.param_persistence_threshold if fsdp else math.inf
     w = DTYPE_BYTES[workload.weights_dtype]
     p = DTYPE_BYTES[fsdp.param_dtype] if fsdp else w
@@ -208,6 +232,14 @@ def estimate(
 
     # -- tensors and FSDP units --------------------------------------------------------------
     lora_shapes = _lora_shapes(spec, workload)
+    lora_key = ModelSpec._target_key(workload.lora_targets)
+    lora_names = [[entry[0] for entry in b.lora[lora_key]] for b in spec.blocks]
+    if tp > 1:
+        for b in spec.block_types.values():
+            if b.attention.num_heads % tp or b.attention.num_kv_heads % tp or b.mlp.kind == "moe":
+                raise ValueError(
+                    f"tp={tp} needs attention heads ({b.attention.num_heads}) and KV heads "
+                    f"({b.attention.num_kv_heads}) divisible by it, and dense MLPs")
     units: list[_Unit] = []
     embed = _tensor(spec.embed_shape, threshold)
     head = _tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
@@ -220,11 +252,14 @@ def estimate(
     for start in range(0, spec.num_layers, wrap):
         unit = _Unit(f"blocks.{start}")
         for i in range(start, min(start + wrap, spec.num_layers)):
-            unit.base.extend(_tensor(s, threshold) for _, s in spec.block(i).tensors)
-            for a_rows, a_cols, b_rows, b_cols in lora_shapes[i]:
-                for _ in range(adapters):
-                    unit.lora.append(_tensor((r * a_rows, a_cols), threshold))
-                    unit.lora.append(_tensor((b_rows, r * b_cols), threshold))
+            unit.base.extend(_tensor(s, threshold, tp=tp, tp_dim=_tp_dim(n)) for n, s in spec.block(i).tensors)
+            for name, (a_rows, a_cols, b_rows, b_cols) in zip(lora_names[i], lora_shapes[i]):
+                module = name.rsplit(".", 1)[-1]
+                for _ in range(adapters):  # colwise base: B split on its output; rowwise: A on its input
+                    unit.lora.append(_tensor((r * a_rows, a_cols), threshold, tp=tp,
+                                             tp_dim=1 if module in _ROWWISE else None))
+                    unit.lora.append(_tensor((b_rows, r * b_cols), threshold, tp=tp,
+                                             tp_dim=0 if module in _COLWISE else None))
         units.append(unit)
     if head is not None:
         units.append(_Unit("lm_head", base=[head]))
@@ -308,7 +343,7 @@ def estimate(
             return 0
         att = spec.block(index).attention
         t_k = min(t_q, att.sliding_window) if att.sliding_window and workload.attn_implementation != "eager" else t_q
-        return int(copies * batch * att.num_heads * t_q * t_k * p)
+        return int(copies * batch * att.num_heads // tp * t_q * t_k * p)
 
     def block_saved(batch: int, index: int) -> int:
         """Bytes autograd saves for one block's backward (LoRA on a frozen base), ``batch`` x T tokens."""
@@ -317,7 +352,8 @@ def estimate(
         if b.mlp.kind == "moe":
             width = b.mlp.intermediate_size * b.mlp.experts_per_token + b.mlp.shared_intermediate_size
         qkv = b.attention.q_dim + 2 * b.attention.kv_dim
-        per_token = (k.act_hidden * H + k.act_qkv * qkv + k.act_mlp * width) * p
+        # Tensor parallelism splits heads and MLP columns; the hidden stream is whole.
+        per_token = (k.act_hidden * H + (k.act_qkv * qkv + k.act_mlp * width) / tp) * p
         per_token += k.act_lora * r * len(lora_shapes[index]) * 4
         return int(batch * T * per_token) + scores(batch, T, index, k.attn_scores_saved)
 
@@ -325,7 +361,7 @@ def estimate(
         """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens."""
         b = spec.block(index)
         width = b.mlp.intermediate_size * max(1, b.mlp.experts_per_token) + b.mlp.shared_intermediate_size
-        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width) * p
+        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / tp) * p
         return int(temps) + scores(batch, length, index, k.attn_scores_fwd)
 
     checkpointed = workload.gradient_checkpointing
@@ -425,7 +461,7 @@ def estimate(
         for i in range(spec.num_layers):
             att = spec.block(i).attention
             length = min(T, att.sliding_window) if att.sliding_window else T
-            kv += 2 * n * length * att.kv_dim * p
+            kv += 2 * n * length * att.kv_dim // tp * p
         kv = int(kv * (1 + 1 / max(1, spec.num_layers)))  # the cache grows by concatenation
         prefill = max(block_forward_temps(n, workload.prompt_tokens, i) for i in range(spec.num_layers))
         sampling = n * V * 4 * 3

@@ -147,3 +147,24 @@ def test_estimate_is_deterministic_and_coefficients_matter(spec):
     assert a == estimate(spec, WL, _cluster(2), SHARD_ALL)
     b = estimate(spec, WL, _cluster(2), SHARD_ALL, coefficients=Coefficients(act_hidden=100.0))
     assert b.phases["learn"].components["activations"] > a.phases["learn"].components["activations"]
+
+
+def test_tensor_parallel_weights_are_exact(spec):
+    """tp=2 on 4 GPUs: q/k/v/gate/up split on their outputs, o/down on their inputs, then
+    FSDP2 shards dim 0 of the local piece over the 2 data-parallel ranks."""
+    tp, dp = 2, 2
+    est = estimate(spec, WL, _cluster(4), FSDPConfig(param_persistence_threshold=0, tp=tp))
+    expected = 0
+    shapes = [("embed", spec.embed_shape)] + ([("lm_head", spec.lm_head_shape)] if spec.lm_head_shape else [])
+    shapes += list(spec.root_tensors) + [t for b in spec.blocks for t in b.tensors]
+    for name, shape in shapes:
+        local = list(shape)
+        module = name.split(".")[-2] if "." in name else ""
+        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            local[0] //= tp
+        elif module in ("o_proj", "down_proj") and name.endswith("weight"):
+            local[1] //= tp
+        expected += math.ceil(local[0] / dp) * math.prod(local[1:]) * 2
+    assert est.phases["learn"].components["weights"] == expected
+    with pytest.raises(ValueError, match="KV heads"):
+        estimate(spec, WL.model_copy(update={"prompts_per_step": 4}), _cluster(4), FSDPConfig(tp=4))
