@@ -535,7 +535,7 @@ class GRPO(LLMAlgorithm):
     def _optimizer_step(self) -> torch.Tensor:
         if not self.sharded and self.distributed and self.world_size > 1:
             sync_grads(self.trainable_params)
-        norm = clip_grad_norm_(self.trainable_params, self.max_grad_norm)
+        norm = clip_grad_norm_(self.trainable_params, self.max_grad_norm, model=self.model)
         if math.isfinite(float(norm)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -37,6 +37,19 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from ._config import FSDPConfig
+from ._moe import (
+    EP_AXIS,
+    EXPERT_SHARD_AXIS,
+    MoELayout,
+    apply_expert_parallel,
+    build_expert_mesh,
+    checkpoint_moe_block,
+    expert_modules,
+    find_moe_layers,
+    fully_shard_experts,
+    install_router_forwards,
+    is_moe_block,
+)
 from ._runtime import all_reduce_grads, require_process_group
 
 __all__ = [
@@ -150,8 +163,14 @@ def apply_activation_checkpointing(model: nn.Module, config: FSDPConfig) -> list
     eligible = [i for i, k in enumerate(kinds) if k not in config.checkpoint_skip_layer_types]
     chosen = eligible[:: config.checkpoint_every_n_blocks]
     for i in chosen:
-        if not isinstance(container[i], CheckpointWrapper):
+        if isinstance(container[i], CheckpointWrapper):
+            continue
+        if is_moe_block(container[i]):  # the recompute reuses the forward's routing
+            container[i] = checkpoint_moe_block(container[i])
+        else:
             container[i] = checkpoint_wrapper(container[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if any(is_moe_block(blocks[i]) for i in chosen):
+        install_router_forwards(model)  # out-of-place top-k renormalisation, replayable
     return chosen
 
 
@@ -167,6 +186,9 @@ class FSDPLayout:
     replicated_names: list[str] = field(default_factory=list)
     checkpointed_blocks: list[int] = field(default_factory=list)
     mesh: DeviceMesh | None = None
+    expert_units: list[FSDPModule] = field(default_factory=list)  # experts on expert_mesh
+    expert_mesh: DeviceMesh | None = None  # (expert_shard, ep) under ep > 1
+    moe: MoELayout | None = None  # what apply_expert_parallel did (None: experts untouched)
     num_replicated_grad_syncs: int = 0  # explicit all-reduces of replicated grads so far
     root_cast: Any = None  # the root unit's replicated-parameter casts (see register_forward_method)
     dp_group: Any = None  # with tp > 1: the data-parallel group replicated gradients are averaged over
@@ -377,11 +399,41 @@ def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> 
 
 
 def _check_unsupported(config: FSDPConfig) -> None:
-    if config.ep > 1:
+    if config.ep > 1 and (config.tp > 1 or config.shard_group_size is not None):
         raise NotImplementedError(
-            f"FSDPConfig.ep={config.ep} is not supported yet: expert parallelism is validated and "
-            "stored but not applied. Use ep=1."
+            f"FSDPConfig.ep={config.ep} with tp > 1 or shard_group_size (HSDP) is not supported "
+            "yet. Use ep=1, or tp=1 and shard_group_size=None."
         )
+
+
+def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | None,
+               device_type: str) -> tuple[MoELayout | None, DeviceMesh | None]:
+    """Expert parallel (ep > 1), or chunked local experts (a chunk size set); else nothing.
+
+    Returns the MoE layout and the mesh for the experts' FSDP units (None: they
+    shard inside their block on the dense mesh, as before).
+    """
+    has_moe = bool(find_moe_layers(model))
+    if config.ep == 1:
+        if expert_mesh is not None and has_moe and expert_mesh.size() != dist.get_world_size():
+            raise ValueError("with ep=1, expert_mesh must span every rank")
+        moe = None
+        if has_moe and config.routed_expert_chunk_mib is not None:
+            moe = apply_expert_parallel(model, None, ep_token_blocks=config.ep_token_blocks,
+                                        routed_expert_chunk_mib=config.routed_expert_chunk_mib)
+        return moe, expert_mesh if has_moe else None
+    if not has_moe:
+        raise ValueError(f"FSDPConfig.ep={config.ep} needs packed MoE experts; "
+                         f"{type(model).__name__} has none. Use ep=1.")
+    if expert_mesh is None:
+        expert_mesh = build_expert_mesh(ep=config.ep, device_type=device_type)
+    names = tuple(expert_mesh.mesh_dim_names or ())
+    if names != (EXPERT_SHARD_AXIS, EP_AXIS) or expert_mesh[EP_AXIS].size() != config.ep:
+        raise ValueError(f"expert_mesh must be build_expert_mesh(ep={config.ep}): dims "
+                         f"({EXPERT_SHARD_AXIS!r}, {EP_AXIS!r}) with an ep axis of {config.ep}")
+    moe = apply_expert_parallel(model, expert_mesh[EP_AXIS], ep_token_blocks=config.ep_token_blocks,
+                                routed_expert_chunk_mib=config.routed_expert_chunk_mib)
+    return moe, expert_mesh
 
 
 def apply_fsdp2(
@@ -404,7 +456,7 @@ def apply_fsdp2(
     _check_unsupported(config)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = _mesh_for(config, mesh, device_type)
-    del expert_mesh  # no packed experts in dense models
+    moe, expert_mesh = _apply_moe(model, config, expert_mesh, device_type)
 
     shard_mesh = mesh
     if config.tp > 1:
@@ -413,7 +465,10 @@ def apply_fsdp2(
         # TP first (DTensors over "tp"); FSDP then shards those over "dp" (2-D, as torchtitan).
         apply_tensor_parallel(model, mesh["tp"])
         shard_mesh = mesh["dp"]
-    layout = FSDPLayout(config=config, mesh=mesh)
+    layout = FSDPLayout(config=config, mesh=mesh, moe=moe)
+    if expert_mesh is not None:
+        layout.expert_mesh = expert_mesh
+        expert_mesh = expert_mesh[EXPERT_SHARD_AXIS] if expert_mesh.ndim == 2 else expert_mesh
     layout.dp_group = shard_mesh.get_group() if config.tp > 1 else None
     if gradient_checkpointing:
         layout.checkpointed_blocks = apply_activation_checkpointing(model, config)
@@ -425,6 +480,10 @@ def apply_fsdp2(
     )
 
     seen: set[int] = set()
+    if expert_mesh is not None:
+        # Expert parameters always shard on the expert mesh: under ep > 1 they differ per
+        # EP rank, so the world-wide all-reduce of replicated gradients would mix experts.
+        seen = {id(p) for m in expert_modules(model) for p in m.parameters()}
     replicated: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if id(p) not in seen and p.numel() < config.param_persistence_threshold:
@@ -443,6 +502,12 @@ def apply_fsdp2(
 
     def _has_shardable(modules: list[nn.Module]) -> bool:
         return any(p not in ignored for m in modules for p in m.parameters())
+
+    if expert_mesh is not None:  # nested units first: the blocks then skip their parameters
+        expert_kwargs = {k: v for k, v in kwargs.items() if k not in ("mesh", "ignored_params")}
+        layout.expert_units = fully_shard_experts(
+            model, expert_mesh=expert_mesh, gradient_divide_factor=dist.get_world_size(), **expert_kwargs
+        )
 
     _, blocks = find_transformer_blocks(model)
     embed, head, tied = _embeddings_and_head(model)

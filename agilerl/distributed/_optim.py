@@ -115,6 +115,20 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
+def _expert_grad_ids(model: nn.Module | None) -> tuple[set[int], Any]:
+    """Ids of the parameters split by expert parallelism, and the EP group (none without EP)."""
+    if model is None:
+        return set(), None
+    from ._state import _expert_parallel
+
+    moe, group = _expert_parallel(model)
+    if moe is None:
+        return set(), None
+    from ._moe import expert_modules
+
+    return {id(p) for m in expert_modules(model) for p in m.parameters()}, group
+
+
 def build_optimizer(
     params: Iterable[nn.Parameter],
     *,
@@ -141,28 +155,46 @@ def build_optimizer(
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
+                    model: nn.Module | None = None) -> torch.Tensor:
     """Clip gradients by their global norm; works on a mix of DTensor and plain grads.
 
     ``torch.nn.utils.clip_grad_norm_`` cannot stack the norms of sharded
     (DTensor) and replicated (plain) gradients. Here each group (DTensors per
     mesh, plain tensors) is normed on its own, DTensor norms are resolved with
     ``full_tensor()`` (replicas are not double counted), and the groups are
-    combined. Returns the total norm before clipping as a plain tensor.
+    combined. Under expert parallelism each rank's expert gradients cover only
+    its experts: pass ``model`` so their part of the norm is summed over the EP
+    group. Returns the total norm before clipping as a plain tensor.
     """
+    parameters = list(parameters)
+    expert_ids, ep_group = _expert_grad_ids(model)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
         key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
-        groups.setdefault(key, []).append(g)
+        groups.setdefault((id(p) in expert_ids, key), []).append(g)
     norms = []
-    for members in groups.values():
+    for (is_expert, _), members in groups.items():
         n = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        norms.append(n.float().cpu())
+        n = n.float()
+        if is_expert and ep_group is not None:
+            import torch.distributed as dist
+
+            if math.isinf(norm_type):
+                dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ep_group)
+            else:
+                n = n.pow(norm_type)
+                dist.all_reduce(n, op=dist.ReduceOp.SUM, group=ep_group)
+                n = n.pow(1.0 / norm_type)
+        norms.append(n.cpu())
     stacked = torch.stack(norms)
     if math.isinf(norm_type):
         total = stacked.max()

@@ -69,6 +69,38 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source.to(device=target.device, dtype=target.dtype))
 
 
+def _expert_parallel(model: nn.Module):
+    """(MoE layout, EP process group) when the model's experts are split by expert parallelism."""
+    from ._fsdp import fsdp_layout
+
+    layout = fsdp_layout(model)
+    moe = getattr(layout, "moe", None) if layout is not None else None
+    if moe is None or moe.ep == 1 or layout.expert_mesh is None:
+        return None, None
+    return moe, layout.expert_mesh["ep"].get_group()
+
+
+def _local_experts(moe, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This EP rank's experts of a full (all-experts) tensor; other tensors unchanged."""
+    shard = moe.expert_shard(name) if moe is not None else None
+    if shard is None:
+        return full
+    from ._moe import expert_slice
+
+    local = shard.num_experts // moe.ep
+    return expert_slice(full, shard=shard, first=moe.ep_rank * local, num_local=local)
+
+
+def _all_experts(moe, group, name: str, local: torch.Tensor) -> torch.Tensor:
+    """Every expert of this rank's (FSDP-gathered) expert tensor, gathered over the EP group."""
+    shard = moe.expert_shard(name) if moe is not None else None
+    if shard is None:
+        return local
+    from ._moe import gather_expert_tensor
+
+    return gather_expert_tensor(local, shard=shard, group=group)
+
+
 def set_full_model_state_dict(
     model: nn.Module, full_state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
 ) -> None:
@@ -91,10 +123,11 @@ def set_full_model_state_dict(
                 f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
                 f"{' ...' if len(unexpected) > 10 else ''}"
             )
+    moe, _ = _expert_parallel(model)
     for key, target in targets.items():
         if key in full_state_dict:
             try:
-                _copy_into(target, full_state_dict[key])
+                _copy_into(target, _local_experts(moe, key, full_state_dict[key]))
             except ValueError as err:
                 raise ValueError(f"{key}: {err}") from None
 
@@ -182,9 +215,11 @@ def full_model_state_dict(model: nn.Module, *, to_cpu: bool = True, keep: bool =
     that do not write the checkpoint), so only one rank pays the host memory.
     """
     out: dict[str, torch.Tensor] = {}
+    moe, ep_group = _expert_parallel(model)
     for key, value in model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
+        value = _all_experts(moe, ep_group, key, value)
         if keep:
             out[_clean(key)] = value.detach().cpu() if to_cpu else value.detach()
     return out
@@ -217,6 +252,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     (``CPUOffloadAdamW``). Collective under FSDP2: every rank calls it.
     """
     out: dict[str, dict[str, torch.Tensor]] = {}
+    moe, ep_group = _expert_parallel(model)
     for fqn, p, state in _param_states(model, optimizer):
         entry = {}
         for key, value in state.items():
@@ -229,6 +265,8 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                 local = value.to(p.to_local().device)
                 value = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 value = value.full_tensor()
+            if value.dim() > 0:
+                value = _all_experts(moe, ep_group, fqn, value)
             entry[key] = value.detach().cpu()
         if keep and entry:
             out[fqn] = entry
@@ -242,11 +280,14 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
 
     host = isinstance(optimizer, CPUOffloadAdamW)
     steps_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")) and not host
+    moe, _ = _expert_parallel(model)
     for fqn, p, target in _param_states(model, optimizer):
         if fqn not in state:
             continue
         local = p.to_local() if isinstance(p, DTensor) else p
         for key, value in state[fqn].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = _local_experts(moe, fqn, value)
             if not isinstance(value, torch.Tensor):
                 target[key] = value
             elif value.dim() == 0:  # the step counter, where this optimizer keeps it

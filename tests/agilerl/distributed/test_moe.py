@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from agilerl.distributed import FSDPConfig, apply_fsdp2, find_transformer_blocks
+from agilerl.distributed import FSDPConfig, apply_fsdp2, find_transformer_blocks, fsdp_layout
 from agilerl.distributed._moe import (
     EP_AXIS,
     EXPERT_SHARD_AXIS,
@@ -531,6 +531,99 @@ def ep2_checkpointing_olmoe(ctx):
 
 
 # tests._dist_worker looks cases up by name in ``cases``; each launch runs only its own.
+# -- through apply_fsdp2(FSDPConfig(ep=...)) ---------------------------------------------------
+def via_apply_fsdp2(model, *, ep, checkpointing=False, **fields):
+    apply_fsdp2(model, FSDPConfig(**{**FP32, **fields}, ep=ep), gradient_checkpointing=checkpointing)
+    layout = fsdp_layout(model)
+    return layout.expert_mesh, layout.moe
+
+
+@two.case
+def qwen3_lora_ep2_via_apply_fsdp2(ctx):
+    model, mesh, _ = ep_parity("qwen3_moe", ep=2, lora=True, shard=via_apply_fsdp2, ep_token_blocks=2,
+                               routed_expert_chunk_mib=1)
+    assert len(fsdp_layout(model).expert_units) == 2
+    for layer in find_moe_layers(model):
+        assert all(isinstance(p, DTensor) and p.device_mesh == mesh[EXPERT_SHARD_AXIS]
+                   for p in layer.experts.parameters())
+
+
+@two.case
+def mixtral_full_ep2_checkpointing_via_apply_fsdp2(ctx):
+    _, _, layout = ep_parity("mixtral", ep=2, lora=False, shard=via_apply_fsdp2, checkpointing=True)
+    assert _routing_counts(layout) == [(1, 1)] * 2
+
+
+@two.case
+def olmoe_lora_ep2_default_threshold_via_apply_fsdp2(ctx):
+    model, _, _ = ep_parity("olmoe", ep=2, lora=True, shard=via_apply_fsdp2, param_persistence_threshold=100000)
+    layout = fsdp_layout(model)
+    assert layout.replicated_params and not any(".experts." in n for n in layout.replicated_names)
+    assert all(isinstance(p, DTensor) for layer in find_moe_layers(model) for p in layer.experts.parameters())
+
+
+@two.case
+def ep1_checkpointing_routes_once_via_apply_fsdp2(ctx):
+    rank = dist.get_rank()
+    model = tiny_moe("qwen3_moe", lora=True)
+    ids = token_ids(4)
+    ref = copy.deepcopy(model)
+    _loss(ref, ids).loss.backward()
+    apply_fsdp2(model, FSDPConfig(**FP32), gradient_checkpointing=True)
+    _loss(model, ids[rank * 2:(rank + 1) * 2]).loss.backward()
+    assert fsdp_layout(model).moe is None
+    expected = _grads(ref)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            _close(p.grad.full_tensor(), expected[n.replace(_CKPT, "")], n)
+    routers = [layer.router for layer in find_moe_layers(model)]
+    assert [(r._agilerl_router_stats.selections, r._agilerl_router_stats.replays) for r in routers] == [(1, 1)] * 2
+
+
+@two.case
+def clipping_under_ep_uses_the_global_norm(ctx):
+    from agilerl.distributed import clip_grad_norm_, gather_objects
+
+    reference = tiny_moe("qwen3_moe", lora=True)
+    model = copy.deepcopy(reference)
+    ids = token_ids(4)
+    _loss(reference, ids).loss.backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
+    via_apply_fsdp2(model, ep=2)
+    _loss(model, ids[ctx.rank * 2:(ctx.rank + 1) * 2]).loss.backward()
+    norm = clip_grad_norm_(list(model.parameters()), max_norm=1e9, model=model)
+    _close(norm, expected, "total norm")
+    assert len(set(gather_objects([round(float(norm), 6)]))) == 1  # every rank agrees
+
+
+@two.case
+def state_dicts_gather_and_slice_over_the_ep_group(ctx):
+    from agilerl.distributed import full_model_state_dict, set_full_model_state_dict
+
+    reference = tiny_moe("mixtral", lora=True)
+    model = copy.deepcopy(reference)
+    via_apply_fsdp2(model, ep=2)
+    state = full_model_state_dict(model)
+    expected = reference.state_dict()
+    assert set(state) == set(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(state[k], v, msg=lambda m, k=k: f"{k}: {m}")
+    fresh = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)  # different weights until loaded
+    via_apply_fsdp2(fresh, ep=2)
+    set_full_model_state_dict(fresh, expected)
+    reloaded = full_model_state_dict(fresh)
+    for k, v in expected.items():
+        torch.testing.assert_close(reloaded[k], v, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@four.case
+def ep2_four_ranks_via_apply_fsdp2(ctx):
+    ep_parity("qwen3_moe", ep=2, lora=True, shard=via_apply_fsdp2, ep_token_blocks=2)
+
+
 cases = SimpleNamespace(cases={**two.cases, **four.cases})
 test_two_ranks = two.pytest_test()
 test_four_ranks = four.pytest_test()
