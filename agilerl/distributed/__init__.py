@@ -63,6 +63,7 @@ _LAZY = {
     "materialize_fsdp2_from_cpu_state": "_state",
     "set_full_model_state_dict": "_state",
     "full_model_state_dict": "_state",
+    "full_tensors": "_state",
     "reinit_non_persistent_buffers": "_state",
     "full_optimizer_state_dict": "_state",
     "load_full_optimizer_state_dict": "_state",

@@ -16,6 +16,7 @@ __all__ = [
     "set_full_model_state_dict",
     "materialize_fsdp2_from_cpu_state",
     "full_model_state_dict",
+    "full_tensors",
     "reinit_non_persistent_buffers",
     "full_optimizer_state_dict",
     "load_full_optimizer_state_dict",
@@ -205,6 +206,24 @@ def materialize_fsdp2_from_cpu_state(
     reinit_non_persistent_buffers(model)
     set_full_model_state_dict(model, cpu_state_dict, strict=strict)
     return model
+
+
+@torch.no_grad()
+def full_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Full CPU copies of some of ``model``'s (possibly sharded) tensors, by state-dict key.
+
+    One gather at a time (collective: every rank calls it): FSDP shards with
+    ``full_tensor()``, expert slices over the EP group. ``keep=False`` joins the
+    gathers but keeps nothing.
+    """
+    moe, ep_group = _expert_parallel(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = _all_experts(moe, ep_group, key, full.detach())
+        if keep:
+            out[key] = full.cpu().clone()
+    return out
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LazyCheckpoint", "PeftKeyView", "ChainedState"]
+__all__ = ["LazyCheckpoint", "PeftKeyView", "ChainedState", "ConvertedCheckpoint"]
 
 
 class LazyCheckpoint(Mapping[str, torch.Tensor]):
@@ -60,12 +60,14 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
 
 
 _PEFT_PREFIX = re.compile(r"^base_model\.model\.")
+_BASE_LAYERS = re.compile(r"(\.base_layer)+\.")  # PEFT nests one per adapted parameter of a module
 
 
 class PeftKeyView(Mapping[str, torch.Tensor]):
     """A base checkpoint seen under the keys of a PEFT-wrapped model.
 
-    ``base_model.model.X.base_layer.weight`` reads ``X.weight``; adapter keys
+    ``base_model.model.X.base_layer.weight`` reads ``X.weight`` (packed MoE
+    experts with LoRA on both tensors nest two ``base_layer``); adapter keys
     (``lora_A``/``lora_B``) are not part of the base checkpoint.
     """
 
@@ -73,7 +75,7 @@ class PeftKeyView(Mapping[str, torch.Tensor]):
         self.base = base
         self._map: dict[str, str] = {}
         for key in model_keys:
-            plain = _PEFT_PREFIX.sub("", key).replace(".base_layer.", ".")
+            plain = _BASE_LAYERS.sub(".", _PEFT_PREFIX.sub("", key))
             if plain in base:
                 self._map[key] = plain
 
@@ -109,3 +111,76 @@ class ChainedState(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+class ConvertedCheckpoint(Mapping[str, torch.Tensor]):
+    """A checkpoint seen through transformers' own load-time conversion for ``model_type``.
+
+    Transformers 5 keeps MoE experts packed (``mlp.experts.gate_up_proj`` [E, 2I, H])
+    while checkpoints store them per expert (``mlp.experts.3.gate_proj.weight``);
+    ``from_pretrained`` converts with a mapping of renamings and weight converters
+    (``transformers.conversion_mapping``). This reads that mapping as data and
+    applies its renamings and the two operations MoE packing uses, stacking per-expert
+    tensors along a dim (``MergeModulelist``) and concatenating sources
+    (``Concatenate``), lazily: a packed tensor is built when it is read, so host
+    memory holds one layer's experts at a time. Other operations are refused by name.
+    """
+
+    def __init__(self, base: Mapping[str, torch.Tensor], model_type: str) -> None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        self.base = base
+        transforms = get_checkpoint_conversion_mapping(model_type) or []
+        renames: list[tuple[str, str]] = []
+        converters = []
+        for t in transforms:
+            ops = [type(o).__name__ for o in getattr(t, "operations", None) or []]
+            if not ops:
+                for src, dst in zip(t.source_patterns, t.target_patterns):
+                    renames.append((src, dst))
+                continue
+            unknown = set(ops) - {"MergeModulelist", "Concatenate"}
+            if unknown:
+                raise NotImplementedError(f"checkpoint conversion for {model_type} uses {sorted(unknown)}, "
+                                          "which the sharded loader does not apply")
+            converters.append(t)
+        self._renamed: dict[str, str] = {}
+        for key in base:
+            new = key
+            for src, dst in renames:
+                new = new.replace(src, dst)
+            self._renamed[new] = key
+        self._packed: dict[str, tuple[list[dict[int, str]], list]] = {}
+        consumed: set[str] = set()
+        for t in converters:
+            regexes = [re.compile(re.escape(p).replace(r"\*", r"(\d+)")) for p in t.source_patterns]
+            groups: dict[str, list[dict[int, str]]] = {}
+            for key in self._renamed:
+                for i, rx in enumerate(regexes):
+                    m = rx.search(key)
+                    if m:
+                        prefix = key[: m.start()]
+                        groups.setdefault(prefix, [dict() for _ in regexes])[i][int(m.group(1))] = key
+                        consumed.add(key)
+            for prefix, sources in groups.items():
+                self._packed[prefix + t.target_patterns[0]] = (sources, list(t.operations))
+        self._plain = {k: v for k, v in self._renamed.items() if k not in consumed}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._plain:
+            return self.base[self._plain[key]]
+        sources, ops = self._packed[key]
+        stacked = []
+        merge_dim = next((o.dim for o in ops if type(o).__name__ == "MergeModulelist"), 0)
+        for per_expert in sources:
+            tensors = [self.base[self._renamed[per_expert[e]]] for e in sorted(per_expert)]
+            stacked.append(torch.stack(tensors, dim=merge_dim))
+        concat = next((o for o in ops if type(o).__name__ == "Concatenate"), None)
+        return torch.cat(stacked, dim=concat.dim) if concat is not None and len(stacked) > 1 else stacked[0]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._plain
+        yield from self._packed
+
+    def __len__(self) -> int:
+        return len(self._plain) + len(self._packed)

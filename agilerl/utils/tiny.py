@@ -21,6 +21,16 @@ TINY_ARCHITECTURES = {
     "gemma2": "Gemma2Config",
     "gemma3": "Gemma3TextConfig",
     "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
+    "olmoe": "OlmoeConfig",
+}
+
+#: Tiny mixture-of-experts defaults: 4 packed experts, 2 per token.
+_MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -60,6 +70,7 @@ def tiny_config(
         kwargs["tie_word_embeddings"] = tie_word_embeddings
     if arch in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = max_position_embeddings
+    kwargs.update(_MOE_DEFAULTS.get(arch, {}))
     kwargs.update(overrides)
     config = cls(**kwargs)
     # Eager attention keeps CPU numerics identical across processes and versions.

@@ -22,6 +22,7 @@ from agilerl.distributed import (
     FSDPConfig,
     build_optimizer,
     full_optimizer_state_dict,
+    full_tensors,
     get_rank,
     get_world_size,
     init_distributed,
@@ -214,7 +215,8 @@ class LLMAlgorithm:
             keep = is_main_process()
             adapters = [ACTOR] + ([REFERENCE] if self.use_separate_reference_adapter else [])
             # Only the adapters are saved: gather them one tensor at a time, never the base.
-            weights = {name: _gather_full(adapter_state_dict(self.model, name), keep) for name in adapters}
+            weights = {name: full_tensors(self.model, adapter_state_dict(self.model, name), keep=keep)
+                       for name in adapters}
             optim = full_optimizer_state_dict(self.model, self.optimizer, keep=keep)
         if keep:
             path.mkdir(parents=True, exist_ok=True)
@@ -241,13 +243,3 @@ class LLMAlgorithm:
         self.steps = payload.get("steps", 0)
         self.scores = list(payload.get("scores", []))
 
-
-@torch.no_grad()
-def _gather_full(params: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
-    """Full CPU copies of (possibly sharded) tensors, one gather at a time (collective)."""
-    out = {}
-    for key, p in params.items():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        if keep:
-            out[key] = full.detach().cpu().clone()
-    return out

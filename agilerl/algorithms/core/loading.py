@@ -176,12 +176,17 @@ def build_actor(
         lora_state = _init_adapters_on_cpu(peft_model, use_reference_adapter, seed)
         mark_trainable(peft_model)
         apply_fsdp2(peft_model, fsdp_config, gradient_checkpointing=gradient_checkpointing)
-        from agilerl.utils.checkpoint_io import ChainedState, LazyCheckpoint, PeftKeyView
+        from agilerl.utils.checkpoint_io import (
+            ChainedState,
+            ConvertedCheckpoint,
+            LazyCheckpoint,
+            PeftKeyView,
+        )
 
         directory = _local_dir(source)
         if has_weights(directory):
             keys = [k.replace("_checkpoint_wrapped_module.", "") for k in peft_model.state_dict()]
-            base = PeftKeyView(LazyCheckpoint(directory), keys)
+            base = PeftKeyView(ConvertedCheckpoint(LazyCheckpoint(directory), config.model_type), keys)
             materialize_fsdp2_from_cpu_state(peft_model, ChainedState(base, lora_state), device)
         else:
             # A config without weights: random base weights, drawn per local shard.

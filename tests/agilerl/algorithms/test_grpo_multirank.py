@@ -103,6 +103,32 @@ def tensor_parallel_gives_the_same_update_as_data_parallel(ctx):
 
 
 @cases.case
+def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
+    moe = "tiny:qwen3_moe?hidden_size=32&intermediate_size=64&num_layers=2&initializer_range=0.1"
+    common = dict(model_name=moe, micro_batch_size_per_gpu=2, use_separate_reference_adapter=True,
+                  gradient_checkpointing=True)
+    dp = make_agent(**common)
+    dp_metrics = _learn(dp)
+    ep = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED, ep=2, routed_expert_chunk_mib=1), **common)
+    from agilerl.distributed import fsdp_layout
+
+    layout = fsdp_layout(ep.model)
+    assert layout.moe is not None and layout.moe.ep == 2 and layout.expert_units
+    metrics = _learn(ep)
+    assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    assert math.isclose(metrics["grad_norm"], dp_metrics["grad_norm"], rel_tol=1e-4)
+    for k, v in lora_state(ep).items():  # expert LoRA gathered over the EP group
+        torch.testing.assert_close(v, lora_state(dp)[k], atol=3e-5, rtol=1e-4)
+    ids, masks = ep.get_action(["1+2=", "3+4="])  # every decode step joins the all-to-alls
+    assert masks.sum() > 0
+    path = ep.save_checkpoint(ctx.shared_dir / "ep_ckpt")
+    fresh = make_agent(seed=5, **common)
+    fresh.load_checkpoint(path)
+    for k, v in lora_state(ep).items():
+        assert torch.equal(lora_state(fresh)[k], v), k
+
+
+@cases.case
 def data_parallel_ranks_sample_differently(ctx):
     from agilerl.distributed import gather_objects
 
