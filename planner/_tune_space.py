@@ -18,15 +18,18 @@ from agilerl.distributed import FSDPConfig
 
 from .choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
 from .hardware import Cluster
+from .memory import DTYPE_BYTES, expert_parallel_degrees
 from .spec import ModelSpec
 from .workload import Workload
 
 __all__ = ["Candidate", "Space", "FSDP_KNOBS", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
            "plan_params"]
 
-#: FSDPConfig fields the planner fills, in the order it relaxes them.
+#: FSDPConfig fields the planner fills, in the order it relaxes them (the last two for MoE models only).
 FSDP_KNOBS = ("optim_cpu_offload", "shard_group_size", "reshard_after_forward", "wrap_every_n_blocks",
-              "prefetch_units", "backward_prefetch_units")
+              "prefetch_units", "backward_prefetch_units", "ep", "routed_expert_chunk_mib")
+#: Knobs shown in tables only when searched or not at their default (dense models never have them).
+_MOE_KNOBS = ("ep", "routed_expert_chunk_mib")
 #: Workload fields left to the planner when None.
 WORKLOAD_KNOBS = ("micro_batch_size_per_gpu", "gradient_checkpointing", "logprob_chunk_size")
 
@@ -53,7 +56,8 @@ class Candidate(BaseModel):
         """The tuned fields and their values, for tables."""
         out: dict[str, Any] = {"sharding": "fsdp" if self.fsdp else "none"}
         if self.fsdp:
-            out.update({k: getattr(self.fsdp, k) for k in FSDP_KNOBS})
+            out.update({k: getattr(self.fsdp, k) for k in FSDP_KNOBS
+                        if k not in _MOE_KNOBS or getattr(self.fsdp, k) != FSDPConfig.model_fields[k].default})
         out.update({k: getattr(self.workload, k) for k in WORKLOAD_KNOBS})
         return out
 
@@ -74,6 +78,8 @@ class Space(BaseModel):
     def candidate(self, params: dict[str, Any]) -> Candidate:
         """The candidate for a full assignment (single-choice knobs may be left out)."""
         value = {name: params.get(name, values[0]) for name, values in self.choices.items()}
+        if value["ep"] > 1:
+            value["shard_group_size"] = None  # expert parallel is not combined with HSDP
         fsdp = None
         if value["sharding"] == "fsdp":
             fsdp = FSDPConfig(**{**self.fsdp_base, **{k: value[k] for k in FSDP_KNOBS}})
@@ -93,6 +99,24 @@ def _chunks(max_rows: int) -> tuple[int, ...]:
         if chunk >= max_rows:
             break
     return tuple(out)
+
+
+def _expert_chunks(spec: ModelSpec, workload: Workload, max_micro: int, param_dtype: str) -> tuple[int, ...]:
+    """EXPERT_CHUNKS_MIB up to the first that holds a micro-batch's routed rows at once."""
+    moe = [b.mlp for b in spec.block_types.values() if b.mlp.kind == "moe"]
+    need = max(max_micro * workload.sequence_tokens * m.experts_per_token
+               * max(2 * m.intermediate_size, spec.hidden_size) * DTYPE_BYTES[param_dtype] for m in moe)
+    out = []
+    for chunk in EXPERT_CHUNKS_MIB:
+        out.append(chunk)
+        if chunk * 2**20 >= need:
+            break
+    return tuple(out)
+
+
+def _ep_degrees(spec: ModelSpec, cluster: Cluster) -> tuple[int, ...]:
+    """EP degrees the runtime accepts, within a node (all-to-alls off the node are slow)."""
+    return tuple(d for d in expert_parallel_degrees(spec, cluster.num_gpus) if d <= cluster.per_node)
 
 
 def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any],
@@ -125,8 +149,6 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
 
     base = dict(fixed)
     base.setdefault("cpu_offload", False)
-    if spec.is_moe:
-        base.setdefault("routed_expert_chunk_mib", EXPERT_CHUNKS_MIB[0])
     choices: dict[str, tuple[Any, ...]] = {"sharding": options}
     choices["optim_cpu_offload"] = (False,) if base["cpu_offload"] else one_or("optim_cpu_offload", (False, True))
     per_node = cluster.per_node
@@ -136,13 +158,25 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
                                             tuple(w for w in (1, 2, 4) if w <= max(1, spec.num_layers)))
     choices["prefetch_units"] = one_or("prefetch_units", (1, 2))
     choices["backward_prefetch_units"] = one_or("backward_prefetch_units", (1, 2))
-    for name in FSDP_KNOBS:
-        base.pop(name, None)
 
     # Completions per GPU: under tp the ranks of a group share a batch shard.
     per_gpu = workload.completions_per_rank(cluster.num_gpus // tp)
     user = workload.micro_batch_size_per_gpu
     choices["micro_batch_size_per_gpu"] = (user,) if user else _divisors(per_gpu)
+    # MoE: expert parallel (not with tp or HSDP, which the runtime refuses) and the expert
+    # chunk; tp itself stays as given (the runtime's TP covers dense MLPs only).
+    if spec.is_moe and "fsdp" in options:
+        hsdp_fixed = fixed.get("shard_group_size") is not None
+        choices["ep"] = one_or("ep", (1,) if tp > 1 or hsdp_fixed else _ep_degrees(spec, cluster))
+        dtype = fixed.get("param_dtype", FSDPConfig.model_fields["param_dtype"].default)
+        dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        choices["routed_expert_chunk_mib"] = one_or(
+            "routed_expert_chunk_mib", _expert_chunks(spec, workload, max(choices["micro_batch_size_per_gpu"]), dtype))
+    else:
+        choices["ep"] = one_or("ep", (1,))
+        choices["routed_expert_chunk_mib"] = one_or("routed_expert_chunk_mib", (None,))
+    for name in FSDP_KNOBS:
+        base.pop(name, None)
     gc = workload.gradient_checkpointing
     choices["gradient_checkpointing"] = (gc,) if gc is not None else (True, False)
     chunk = workload.logprob_chunk_size
@@ -162,7 +196,9 @@ def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
 
     params = {"sharding": pick("sharding")}
     if params["sharding"] == "fsdp":
-        params.update({name: pick(name) for name in FSDP_KNOBS})
+        params["ep"] = pick("ep")
+        params.update({name: pick(name) for name in FSDP_KNOBS
+                       if name != "ep" and not (name == "shard_group_size" and params["ep"] > 1)})
     params.update({name: pick(name) for name in WORKLOAD_KNOBS})
     return space.candidate(params)
 
@@ -170,6 +206,8 @@ def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
 def _searched_params(space: Space, value: dict[str, Any]) -> dict[str, Any]:
     """The Optuna params of a full assignment: searched knobs that apply to it."""
     names = ["sharding", *(FSDP_KNOBS if value["sharding"] == "fsdp" else ()), *WORKLOAD_KNOBS]
+    if value["sharding"] == "fsdp" and value["ep"] > 1:
+        names.remove("shard_group_size")  # not suggested under expert parallel
     return {n: value[n] for n in names if len(space.choices[n]) > 1}
 
 
@@ -178,7 +216,10 @@ def grid(space: Space) -> list[dict[str, Any]]:
     out, seen = [], set()
     names = list(space.choices)
     for combo in itertools.product(*(space.choices[n] for n in names)):
-        params = _searched_params(space, dict(zip(names, combo)))
+        value = dict(zip(names, combo))
+        if value["ep"] > 1 and value["shard_group_size"] is not None:
+            continue
+        params = _searched_params(space, value)
         key = json.dumps(params, sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -195,6 +236,11 @@ def plan_params(space: Space, plan: Plan) -> dict[str, Any] | None:
     chunks = space.choices["logprob_chunk_size"]
     if value["logprob_chunk_size"] > chunks[-1]:
         value["logprob_chunk_size"] = chunks[-1]  # every chunk past the last runs all rows at once
+    if plan.fsdp is None:
+        value.update(ep=1, routed_expert_chunk_mib=space.choices["routed_expert_chunk_mib"][0])
+    chunks_mib = space.choices["routed_expert_chunk_mib"]
+    if value["routed_expert_chunk_mib"] is not None and chunks_mib[-1] is not None:
+        value["routed_expert_chunk_mib"] = min(value["routed_expert_chunk_mib"], chunks_mib[-1])
     names = ["sharding", *(FSDP_KNOBS if plan.fsdp is not None else ()), *WORKLOAD_KNOBS]
     if any(value[n] not in space.choices[n] for n in names):
         return None

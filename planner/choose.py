@@ -6,12 +6,16 @@ Strategy, deterministic and fast (tens of estimates, a few ms each):
    margin: it needs no weight gathers. Otherwise FSDP2.
 2. Start from the most frugal settings (reshard after forward, one block per
    unit, prefetch 1, micro-batch 1, checkpointing on, the smallest log-prob
-   chunk, Adam state on the GPU unless only the host can hold it; CPU
-   parameter offload only as a last resort and only with a colocated vLLM).
+   chunk, Adam state on the GPU unless only the host can hold it; for MoE
+   models the smallest expert chunk, and expert parallelism only when the
+   experts' gathered weights do not fit without it; CPU parameter offload
+   only as a last resort and only with a colocated vLLM).
 3. Relax one knob at a time, in order of what it buys in throughput, keeping
    the estimated peak under capacity minus a safety margin: Adam on the GPU,
    the largest micro-batch, no checkpointing, node-local sharding (HSDP),
-   no resharding, the largest log-prob chunk, bigger units, deeper prefetch.
+   no resharding, the largest log-prob chunk, bigger units, deeper prefetch,
+   and for MoE models the largest expert chunk of 64/128/256/512 MiB that
+   fits (FSDPConfig.routed_expert_chunk_mib's documented choice).
 
 Fields the user fixed are never changed. When nothing fits, the plan says so
 and names the smallest changes that would.
@@ -27,14 +31,13 @@ from pydantic import BaseModel, ConfigDict
 from agilerl.distributed import FSDPConfig
 
 from .hardware import Cluster
-from .memory import Coefficients, Estimate, estimate
+from .memory import EXPERT_CHUNKS_MIB, Coefficients, Estimate, estimate, expert_parallel_degrees
 from .spec import ModelSpec
 from .workload import Workload
 
 __all__ = ["Decision", "Plan", "plan", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
 
 LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
-EXPERT_CHUNKS_MIB = (64, 128, 256, 512)
 GIB = 2**30
 
 
@@ -87,6 +90,12 @@ class _Search:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _expert_parallel_degrees(spec: ModelSpec, cluster: Cluster) -> list[int]:
+    """EP degrees above 1 the runtime accepts, within a node first."""
+    allowed = [d for d in expert_parallel_degrees(spec, cluster.num_gpus) if d > 1]
+    return sorted(allowed, key=lambda d: (d > cluster.per_node, d))
 
 
 def plan(
@@ -157,8 +166,19 @@ def plan(
     if use_fsdp:
         base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
                     optim_cpu_offload=False, cpu_offload=False, shard_group_size=None)
+        if spec.is_moe:  # the row-wise experts in chunks: far below PEFT's merged expert stacks
+            base["routed_expert_chunk_mib"] = EXPERT_CHUNKS_MIB[0]
         base.update(fixed)
         fsdp = FSDPConfig(**base)
+        if spec.is_moe and "ep" not in fixed and not search.fits(frugal, fsdp):
+            # Expert parallel: each rank gathers E / ep experts, sharded over world / ep ranks.
+            for ep in _expert_parallel_degrees(spec, cluster):
+                candidate = fsdp.model_copy(update={"ep": ep})
+                if search.fits(frugal, candidate):
+                    fsdp = candidate
+                    decisions.append(Decision(field="ep", value=ep, reason=(
+                        f"experts split over {ep} GPUs: each gathers {1 / ep:.3g} of a layer's experts")))
+                    break
         if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
             fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
         if not search.fits(frugal, fsdp) and colocated and "cpu_offload" not in fixed:
@@ -256,9 +276,16 @@ def plan(
             else:
                 note(field, 1, "only one neighbouring unit fits in flight")
         if spec.is_moe and "routed_expert_chunk_mib" not in fixed:
-            fsdp = fsdp.model_copy(update={"routed_expert_chunk_mib": EXPERT_CHUNKS_MIB[0]})
-            note("routed_expert_chunk_mib", EXPERT_CHUNKS_MIB[0],
-                 "the expert chunk is not modelled by the estimate yet: the smallest, safest size")
+            best = EXPERT_CHUNKS_MIB[0]
+            for chunk in EXPERT_CHUNKS_MIB[1:]:
+                if search.fits(current, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk})):
+                    best = chunk
+            fsdp = fsdp.model_copy(update={"routed_expert_chunk_mib": best})
+            note("routed_expert_chunk_mib", best, "the largest of 64/128/256/512 MiB whose expert chunk fits: "
+                 "fewer kernel launches per MoE layer" if best > EXPERT_CHUNKS_MIB[0] else
+                 "only the smallest expert chunk fits")
+        if spec.is_moe and "ep" not in fixed and not any(d.field == "ep" for d in decisions):
+            note("ep", fsdp.ep, "every rank holds a shard of every expert: no all-to-all needed")
 
     est = search.estimate(current, fsdp)
     note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "

@@ -34,9 +34,14 @@ from .hardware import Cluster
 from .spec import ModelSpec
 from .workload import Workload
 
-__all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload"]
+__all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload",
+           "expert_parallel_degrees", "resolve_expert_chunk", "EXPERT_CHUNKS_MIB", "MARGIN_FRACTION"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: What FSDPConfig.routed_expert_chunk_mib=None picks from, as documented: the largest that fits.
+EXPERT_CHUNKS_MIB = (64, 128, 256, 512)
+#: Share of a GPU the chunk resolution (and plan()) keeps free.
+MARGIN_FRACTION = 0.05
 MIB = 2**20
 GIB = 2**30
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 * 1.0 + 4 / (64 * 256)  # 4-bit + double-quantised absmax per 64
@@ -67,6 +72,12 @@ class Coefficients(BaseModel):
     logits_copies_grad: Annotated[float, Field(description="fp32 logits copies, chunked with grad")] = 4.0
     logits_copies_unchunked: Annotated[float, Field(description="fp32 logits copies, all rows at once with grad")] = 4.0
     logits_copies_nograd: Annotated[float, Field(description="fp32 logits copies without grad")] = 2.0
+    # Mixture-of-experts blocks (see the module docstring's MoE section). Per (token, expert) row:
+    moe_rows_saved: Annotated[float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")] = 2.0
+    moe_rows_hf: Annotated[float, Field(description="Hugging Face experts loop: saved per routed row, x hidden_size (besides act_mlp x width)")] = 2.0
+    moe_chunk: Annotated[float, Field(description="one expert chunk's recompute and gradients, x chunk rows x (3 x expert width + hidden)")] = 1.3
+    moe_dispatch: Annotated[float, Field(description="expert-parallel all-to-all buffers in backward, x routed rows of a token block x hidden")] = 2.0
+    moe_stack_grad: Annotated[float, Field(description="Hugging Face experts: copies of a block's expert stack made in its backward (the merged weight's gradient)")] = 1.0
     # FSDP2 all-gather: output buffer alive beside the copied-out parameters (fraction of a unit).
     all_gather_overlap: Annotated[float, Field(description="all-gather buffer beside the unsharded unit")] = 1.0
     # GPU-only terms.
@@ -131,6 +142,7 @@ class _Tensor:
     rows: int
     rest: int
     sharded: bool
+    group: int | None = None  # ranks its FSDP shard spans, when not the dense mesh's (experts under EP)
 
     @property
     def numel(self) -> int:
@@ -139,7 +151,7 @@ class _Tensor:
     def local(self, shards: int) -> int:
         if not self.sharded:
             return self.numel
-        return math.ceil(self.rows / shards) * self.rest
+        return math.ceil(self.rows / (self.group or shards)) * self.rest
 
 
 @dataclass
@@ -152,10 +164,13 @@ class _Unit:
         return (sum(t.numel for t in self.base if t.sharded), sum(t.numel for t in self.lora if t.sharded))
 
 
-def _tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: int | None = None) -> _Tensor:
-    """A tensor as FSDP sees it on one rank: split by tensor parallelism along ``tp_dim`` first.
+def _tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: int | None = None,
+            ep: int = 1, ep_dim: int | None = None, group: int | None = None) -> _Tensor:
+    """A tensor as FSDP sees it on one rank: split by tensor parallelism along ``tp_dim``, or
+    by expert parallelism along ``ep_dim`` (then FSDP-sharded over ``group`` ranks), first.
 
-    The persistence threshold applies to the global size (a TP DTensor's numel).
+    The persistence threshold applies to the global size (a TP DTensor's numel); expert
+    parameters always shard (agilerl.distributed keeps them on the expert mesh).
     """
     numel = 1
     for d in shape:
@@ -163,10 +178,24 @@ def _tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: in
     local = list(shape) or [1]
     if tp > 1 and tp_dim is not None:
         local[tp_dim] = -(-local[tp_dim] // tp)
+    if ep_dim is not None:
+        local[ep_dim] //= ep
     rest = 1
     for d in local[1:]:
         rest *= d
-    return _Tensor(rows=local[0], rest=rest, sharded=numel >= threshold)
+    return _Tensor(rows=local[0], rest=rest, sharded=ep_dim is not None or numel >= threshold, group=group)
+
+
+def _is_packed_expert(name: str, shape: tuple[int, ...] | None = None) -> bool:
+    """A routed-expert tensor: ``...experts.gate_up_proj`` [E, ., .], or its LoRA ``...experts:gate_up_proj``.
+
+    Only packed experts (3-D, transformers 5) count: shared experts and per-expert
+    module lists are ordinary linears.
+    """
+    path = name.split(":", 1)[0]
+    if "experts" not in path.split("."):
+        return False
+    return ":" in name or (shape is not None and len(shape) == 3)
 
 
 #: Linears tensor parallelism splits (agilerl.distributed._tp): colwise split their output
@@ -183,6 +212,46 @@ def _tp_dim(tensor_name: str) -> int | None:
     if module in _ROWWISE and parts[-1] == "weight":
         return 1
     return None
+
+
+def _has_packed_experts(spec: ModelSpec) -> bool:
+    return any(_is_packed_expert(n, s) for b in spec.block_types.values() for n, s in b.tensors)
+
+
+def expert_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
+    """EP degrees agilerl.distributed accepts on ``world`` GPUs: [1] unless the model has packed
+    experts, else every degree dividing the GPUs and each layer's expert count."""
+    counts = {b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"}
+    if not counts or not _has_packed_experts(spec):
+        return [1]
+    return [d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts)]
+
+
+def _check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
+    """The EP degree agilerl.distributed accepts: packed experts, dividing the world and every expert count."""
+    allowed = expert_parallel_degrees(spec, world)
+    if allowed == [1]:
+        raise ValueError(f"ep={ep} needs packed MoE experts; {spec.name} has none. Use ep=1.")
+    if fsdp.tp > 1 or fsdp.shard_group_size is not None:
+        raise ValueError(f"ep={ep} with tp > 1 or shard_group_size (HSDP) is not supported yet")
+    counts = sorted({b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"})
+    if ep not in allowed:
+        raise ValueError(f"ep={ep} must divide the {world} GPUs and the {counts[-1]} experts per layer; "
+                         f"allowed: {allowed}")
+
+
+def resolve_expert_chunk(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig, *,
+                         coefficients: Coefficients | None = None) -> tuple[int, dict[int, int]]:
+    """routed_expert_chunk_mib=None as the trainer resolves it: the largest of EXPERT_CHUNKS_MIB
+    whose estimated peak leaves MARGIN_FRACTION of the GPU free, else the smallest.
+
+    Returns the chunk and the estimated peak at every candidate.
+    """
+    limit = cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
+    peaks = {chunk: estimate(spec, workload, cluster, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}),
+                             coefficients=coefficients).peak_bytes for chunk in EXPERT_CHUNKS_MIB}
+    fitting = [chunk for chunk, peak in peaks.items() if peak <= limit]
+    return (fitting[-1] if fitting else EXPERT_CHUNKS_MIB[0]), peaks
 
 
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
@@ -212,6 +281,14 @@ def estimate(
 ) -> Estimate:
     """Per-rank memory of a GRPO run by phase and component (see the module docstring)."""
     k = coefficients or Coefficients()
+    if (fsdp is not None and fsdp.routed_expert_chunk_mib is None and fsdp.tp == 1 and spec.is_moe
+            and _has_packed_experts(spec)):
+        # agilerl's GRPO resolves None before sharding (FSDPConfig's documented choice).
+        chunk, _ = resolve_expert_chunk(spec, workload, cluster, fsdp, coefficients=k)
+        est = estimate(spec, workload, cluster, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}),
+                       coefficients=k)
+        note = f"routed_expert_chunk_mib=None: the trainer picks {chunk} MiB (the largest of 64/128/256/512 that fits)"
+        return est.model_copy(update={"notes": (*est.notes, note)})
     gpu_terms = cluster.gpu.kind != "cpu"
     W = cluster.num_gpus
     tp = fsdp.tp if fsdp else 1
@@ -240,6 +317,14 @@ def estimate(
                 raise ValueError(
                     f"tp={tp} needs attention heads ({b.attention.num_heads}) and KV heads "
                     f"({b.attention.num_kv_heads}) divisible by it, and dense MLPs")
+    ep = fsdp.ep if fsdp else 1
+    if ep > 1:
+        _check_ep(spec, ep, W, fsdp)
+    # Which expert code runs (agilerl.distributed._moe): PEFT's merged expert stack in the
+    # Hugging Face loop, or the project's row-wise experts (expert parallel or a chunk size).
+    chunk_mib = fsdp.routed_expert_chunk_mib if fsdp else None
+    expert_rowwise = ep > 1 or chunk_mib is not None
+    expert_group = W // ep if ep > 1 else None
     units: list[_Unit] = []
     embed = _tensor(spec.embed_shape, threshold)
     head = _tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
@@ -249,13 +334,26 @@ def estimate(
     else:
         units.append(_Unit("embed", base=[embed]))
     wrap = fsdp.wrap_every_n_blocks if fsdp else 1
+    packed = [any(_is_packed_expert(n, s) for n, s in spec.block(i).tensors) for i in range(spec.num_layers)]
+    expert_stack = [0] * spec.num_layers  # elements of a block's routed experts held by one EP rank
     for start in range(0, spec.num_layers, wrap):
         unit = _Unit(f"blocks.{start}")
         for i in range(start, min(start + wrap, spec.num_layers)):
-            unit.base.extend(_tensor(s, threshold, tp=tp, tp_dim=_tp_dim(n)) for n, s in spec.block(i).tensors)
+            for tname, shape in spec.block(i).tensors:
+                if packed[i] and _is_packed_expert(tname, shape):  # [E, ., .]: split by ep, FSDP over world / ep
+                    t = _tensor(shape, threshold, ep=ep, ep_dim=0, group=expert_group)
+                    expert_stack[i] += t.numel
+                else:
+                    t = _tensor(shape, threshold, tp=tp, tp_dim=_tp_dim(tname))
+                unit.base.append(t)
             for name, (a_rows, a_cols, b_rows, b_cols) in zip(lora_names[i], lora_shapes[i]):
                 module = name.rsplit(".", 1)[-1]
-                for _ in range(adapters):  # colwise base: B split on its output; rowwise: A on its input
+                for _ in range(adapters):
+                    if packed[i] and _is_packed_expert(name):  # A (r E, in) by its rows, B (out, r E) by its columns
+                        unit.lora.append(_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=expert_group))
+                        unit.lora.append(_tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=expert_group))
+                        continue
+                    # colwise base: B split on its output; rowwise: A on its input
                     unit.lora.append(_tensor((r * a_rows, a_cols), threshold, tp=tp,
                                              tp_dim=1 if module in _ROWWISE else None))
                     unit.lora.append(_tensor((b_rows, r * b_cols), threshold, tp=tp,
@@ -345,23 +443,73 @@ def estimate(
         t_k = min(t_q, att.sliding_window) if att.sliding_window and workload.attn_implementation != "eager" else t_q
         return int(copies * batch * att.num_heads // tp * t_q * t_k * p)
 
+    def routed(index: int) -> tuple[int, int] | None:
+        """(experts per token, expert width) of a block with packed routed experts, else None."""
+        b = spec.block(index)
+        if b.mlp.kind != "moe" or not packed[index]:
+            return None
+        return max(1, b.mlp.experts_per_token), b.mlp.intermediate_size
+
+    def expert_chunk(rows: int, width: int) -> int:
+        """Rows one expert chunk computes at once (agilerl.distributed._moe.expert_chunk_rows)."""
+        if chunk_mib is None:
+            return rows
+        return min(rows, max(1, int(chunk_mib * MIB) // (max(2 * width, H) * p)))
+
     def block_saved(batch: int, index: int) -> int:
         """Bytes autograd saves for one block's backward (LoRA on a frozen base), ``batch`` x T tokens."""
         b = spec.block(index)
-        width = b.mlp.intermediate_size
-        if b.mlp.kind == "moe":
-            width = b.mlp.intermediate_size * b.mlp.experts_per_token + b.mlp.shared_intermediate_size
+        width = b.mlp.shared_intermediate_size if b.mlp.kind == "moe" else b.mlp.intermediate_size
         qkv = b.attention.q_dim + 2 * b.attention.kv_dim
         # Tensor parallelism splits heads and MLP columns; the hidden stream is whole.
         per_token = (k.act_hidden * H + (k.act_qkv * qkv + k.act_mlp * width) / tp) * p
         per_token += k.act_lora * r * len(lora_shapes[index]) * 4
-        return int(batch * T * per_token) + scores(batch, T, index, k.attn_scores_saved)
+        extra = 0
+        moe = routed(index)
+        if moe is None and b.mlp.kind == "moe":  # unpacked experts: the active ones, like a dense MLP
+            per_token += k.act_mlp * b.mlp.intermediate_size * b.mlp.experts_per_token * p
+        elif moe is not None:
+            top_k, expert_width = moe
+            if expert_rowwise and chunk_mib is not None:
+                # Each chunk is checkpointed: only the dispatched rows and the combine's inputs stay.
+                per_token += k.moe_rows_saved * top_k * H * p
+            else:
+                per_token += (k.act_mlp * expert_width + k.moe_rows_hf * H) * top_k * p
+                if not expert_rowwise:  # PEFT folds LoRA into a copy of the stack the expert linears save
+                    extra = expert_stack[index] * p
+        return int(batch * T * per_token) + extra + scores(batch, T, index, k.attn_scores_saved)
+
+    def block_backward_transient(batch: int, index: int) -> int:
+        """What a MoE block's backward allocates beyond its saved tensors (0 for a dense block)."""
+        moe = routed(index)
+        if moe is None:
+            return 0
+        top_k, expert_width = moe
+        rows = batch * T * top_k
+        if not expert_rowwise:
+            return int(k.moe_stack_grad * expert_stack[index] * p)  # the merged stack's gradient
+        out = 0.0
+        if chunk_mib is not None:
+            out += k.moe_chunk * expert_chunk(rows, expert_width) * (3 * expert_width + H) * p
+        if ep > 1:
+            out += k.moe_dispatch * rows / fsdp.ep_token_blocks * H * p
+        return int(out)
 
     def block_forward_temps(batch: int, length: int, index: int) -> int:
         """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens."""
         b = spec.block(index)
         width = b.mlp.intermediate_size * max(1, b.mlp.experts_per_token) + b.mlp.shared_intermediate_size
-        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / tp) * p
+        moe = routed(index)
+        experts = 0
+        if moe is not None:
+            top_k, expert_width = moe
+            width = b.mlp.shared_intermediate_size
+            rows = batch * length * top_k
+            if expert_rowwise:  # dispatched rows and their outputs, one chunk's intermediates
+                experts = (2 * rows * H + expert_chunk(rows, expert_width) * (3 * expert_width + H)) * p
+            else:  # PEFT's merged stack, the gathered rows of one expert at a time
+                experts = expert_stack[index] * p + 2 * batch * length * H * p
+        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / tp) * p + experts
         return int(temps) + scores(batch, length, index, k.attn_scores_fwd)
 
     checkpointed = workload.gradient_checkpointing
@@ -372,13 +520,12 @@ def estimate(
         eligible = [i for i in range(spec.num_layers) if spec.block(i).kind not in skip]
         ckpt_blocks = set(eligible[::every])
     saved = 0
-    largest_block = 0
     for i in range(spec.num_layers):
-        full = block_saved(m, i)
-        largest_block = max(largest_block, full)
-        saved += k.act_checkpointed * N * H * p if i in ckpt_blocks else full
-    # Recomputing the largest checkpointed block in backward re-creates its saved tensors.
-    recompute = largest_block if ckpt_blocks else 0
+        saved += k.act_checkpointed * N * H * p if i in ckpt_blocks else block_saved(m, i)
+    # Recomputing the largest checkpointed block in backward re-creates its saved tensors;
+    # a MoE block's backward also makes its experts' transients (a chunk, all-to-all buffers).
+    recompute = max((block_saved(m, i) if i in ckpt_blocks else 0) + block_backward_transient(m, i)
+                    for i in range(spec.num_layers))
     boundary = int(k.act_boundary * N * H * p)  # embedding output, final norm in/out (the captured hidden)
     saved_total = int(saved) + boundary
 

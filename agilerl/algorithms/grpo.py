@@ -204,6 +204,8 @@ class GRPO(LLMAlgorithm):
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
+        if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None and self.fsdp_config.tp == 1:
+            self._resolve_expert_chunk(actor_network)
         self._build(actor_network)
         self.eos_token_id = self._eos_token_id()
         if vllm_config is not None:
@@ -248,6 +250,37 @@ class GRPO(LLMAlgorithm):
         if not result["fits"]:
             raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
+
+    def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
+        """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512
+        MiB the memory estimate fits (rank 0 asks the planner; every rank applies the same)."""
+        from agilerl.distributed import broadcast_object_list, is_main_process
+
+        from .core.autoplan import config_is_moe, pick_expert_chunk
+
+        if actor_network is not None:
+            config = actor_network.config
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.model_source)
+        if not config_is_moe(config):
+            return
+        payload = [None]
+        if is_main_process():
+            try:
+                payload = [pick_expert_chunk(self, actor_network, self.micro_batch_size_per_gpu)]
+            except Exception as err:  # every rank must learn about the failure, not only rank 0
+                payload = [{"error": f"{type(err).__name__}: {err}"}]
+        broadcast_object_list(payload, src=0)
+        result = payload[0]
+        if "error" in result:
+            raise RuntimeError("routed_expert_chunk_mib=None: the memory estimate failed "
+                               f"({result['error']}); set routed_expert_chunk_mib explicitly")
+        self.fsdp_config = self.fsdp_config.model_copy(
+            update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]})
+        if is_main_process():
+            print(result["summary"], flush=True)
 
     def _check_batch_shape(self, micro: int | None) -> int:
         total = self.batch_size * self.group_size

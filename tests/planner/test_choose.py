@@ -120,3 +120,54 @@ def test_nothing_fits_names_the_smallest_change(spec):
 def test_single_device_needs_no_sharding(spec):
     p = plan(spec, WL, Cluster(gpu=_gpu(4096), num_gpus=1))
     assert p.fsdp is None and p.reasons()["sharding"] == "one device: no sharding needed"
+
+
+# -- mixture of experts ---------------------------------------------------------------------------
+# Long sequences, so that a micro-batch routes more than 512 MiB of expert rows: every
+# candidate chunk (64 to 512 MiB) binds.
+MOE = ("tiny:qwen3_moe?hidden_size=512&moe_intermediate_size=1024&num_experts=8&num_experts_per_tok=2"
+       "&num_layers=2&num_heads=8&num_kv_heads=2&vocab_size=4096")
+MOE_WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=4096, completion_tokens=4096, lora_rank=8,
+                  micro_batch_size_per_gpu=8, gradient_checkpointing=True, logprob_chunk_size=256,
+                  weights_dtype="bfloat16", generation="none")
+# Experts dominate the weights (64 per layer, 1 GiB in bf16): expert parallel decides what fits.
+WIDE = ("tiny:qwen3_moe?hidden_size=1024&moe_intermediate_size=512&num_experts=64&num_experts_per_tok=2"
+        "&num_layers=4&num_heads=8&num_kv_heads=2&vocab_size=4096")
+
+
+@pytest.fixture(scope="module")
+def moe_spec():
+    return load_model_spec(MOE)
+
+
+def test_moe_expert_chunk_is_the_largest_that_fits(moe_spec):
+    roomy = plan(moe_spec, MOE_WL, Cluster(gpu=_gpu(256 * 1024), num_gpus=2), fixed=ALL)
+    assert roomy.fits and roomy.fsdp.routed_expert_chunk_mib == 512
+    assert "largest of 64/128/256/512" in roomy.reasons()["routed_expert_chunk_mib"]
+    cluster = Cluster(gpu=_gpu(256 * 1024), num_gpus=2)
+    peaks = {c: estimate(moe_spec, MOE_WL, cluster, roomy.fsdp.model_copy(update={"routed_expert_chunk_mib": c}))
+             .peak_bytes for c in (64, 128, 256, 512)}
+    assert peaks[64] < peaks[128] < peaks[256] < peaks[512]  # every chunk binds here
+    # Room for the 128 MiB chunk and not the 256 MiB one (the plan keeps a 5% margin).
+    gpu = _gpu((peaks[128] + peaks[256]) / 2 / 0.95 / MIB)
+    tight = plan(moe_spec, MOE_WL, Cluster(gpu=gpu, num_gpus=2), fixed={**ALL, **{
+        k: getattr(roomy.fsdp, k) for k in ("reshard_after_forward", "wrap_every_n_blocks", "prefetch_units",
+                                            "backward_prefetch_units", "optim_cpu_offload", "ep")}})
+    assert tight.fits and tight.fsdp.routed_expert_chunk_mib == 128
+    fixed = plan(moe_spec, MOE_WL, Cluster(gpu=_gpu(256 * 1024), num_gpus=2),
+                 fixed={**ALL, "routed_expert_chunk_mib": 64})
+    assert fixed.fsdp.routed_expert_chunk_mib == 64 and "routed_expert_chunk_mib" not in fixed.reasons()
+
+
+def test_moe_uses_expert_parallel_only_when_the_experts_do_not_fit_without_it():
+    spec = load_model_spec(WIDE)
+    wl = MOE_WL.model_copy(update={"prompt_tokens": 64, "completion_tokens": 64, "micro_batch_size_per_gpu": 1})
+    four = Cluster(gpu=_gpu(256 * 1024), num_gpus=4)
+    assert plan(spec, wl, four, sharding="fsdp", fixed=ALL).fsdp.ep == 1  # room: no all-to-all
+    frugal = FSDPConfig(**ALL, routed_expert_chunk_mib=64, optim_cpu_offload=False)
+    need = {ep: estimate(spec, wl, four, frugal.model_copy(update={"ep": ep})).peak_bytes for ep in (1, 2, 4)}
+    assert need[1] > need[2] > need[4]
+    gpu = _gpu((need[1] + need[2]) / 2 / 0.95 / MIB)
+    p = plan(spec, wl, Cluster(gpu=gpu, num_gpus=4), sharding="fsdp", fixed=ALL)
+    assert p.fits and p.fsdp.ep == 2
+    assert "experts split over 2 GPUs" in p.reasons()["ep"]

@@ -168,3 +168,101 @@ def test_tensor_parallel_weights_are_exact(spec):
     assert est.phases["learn"].components["weights"] == expected
     with pytest.raises(ValueError, match="KV heads"):
         estimate(spec, WL.model_copy(update={"prompts_per_step": 4}), _cluster(4), FSDPConfig(tp=4))
+
+
+# -- mixture of experts ---------------------------------------------------------------------------
+MOE = ("tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
+       "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024")
+MOE_WL = WL.model_copy(update={"prompts_per_step": 4, "group_size": 4, "prompt_tokens": 256, "completion_tokens": 256,
+                               "micro_batch_size_per_gpu": 4, "weights_dtype": "float32"})
+FP32 = dict(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
+
+
+@pytest.fixture(scope="module")
+def moe_spec():
+    return load_model_spec(MOE)
+
+
+def _is_expert(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "experts"
+
+
+@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_expert_weights_split_by_ep_then_sharded_over_the_rest(moe_spec, world, ep):
+    """Rank 0 keeps experts [0, E/ep) of each packed tensor, FSDP-sharded over world/ep ranks;
+    everything else shards over all ranks (agilerl.distributed's expert mesh)."""
+    est = estimate(moe_spec, MOE_WL, _cluster(world), FSDPConfig(**FP32, ep=ep))
+    shapes = [("embed", moe_spec.embed_shape)] + ([("lm_head", moe_spec.lm_head_shape)] if moe_spec.lm_head_shape else [])
+    shapes += list(moe_spec.root_tensors) + [t for b in moe_spec.blocks for t in b.tensors]
+    expected = 0
+    for name, shape in shapes:
+        if _is_expert(name):
+            assert len(shape) == 3
+            experts = shape[0] // ep
+            expected += math.ceil(experts / (world // ep)) * math.prod(shape[1:]) * 4
+        else:
+            expected += math.ceil(shape[0] / world) * math.prod(shape[1:]) * 4
+    assert est.phases["learn"].components["weights"] == expected
+
+
+def test_expert_parallel_gathers_a_fraction_of_the_experts(moe_spec):
+    """A unit all-gathers E/ep experts over world/ep ranks: the gathered stack shrinks by ep."""
+    no_grad = {ep: estimate(moe_spec, MOE_WL, _cluster(4), FSDPConfig(**FP32, ep=ep, routed_expert_chunk_mib=1))
+               .phases["reference"].components["weights_gathered"] for ep in (1, 2, 4)}
+    assert no_grad[1] > no_grad[2] > no_grad[4]
+    stack = sum(math.prod(s) for _, s in moe_spec.block(0).tensors if _is_expert(_))
+    # Same prefetch window and buffer in each: the difference is the experts no longer gathered.
+    assert no_grad[1] - no_grad[2] > stack * 4 / 2
+
+
+def test_expert_chunk_slope_comes_from_the_chunk_rows(moe_spec):
+    """Between two chunk sizes that both bind, the learn peak moves by the chunk's rows times
+    (3 x expert width + hidden) x bytes x moe_chunk (one chunk's recompute and gradients)."""
+    k = Coefficients()
+    peaks = {c: estimate(moe_spec, MOE_WL, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c), coefficients=k)
+             .phases["learn"].total for c in (1, 2, 4)}
+    mlp = moe_spec.block(0).mlp
+    row_bytes = max(2 * mlp.intermediate_size, moe_spec.hidden_size) * 4
+    rows = {c: c * 2**20 // row_bytes for c in (1, 2, 4)}
+    per_row = k.moe_chunk * (3 * mlp.intermediate_size + moe_spec.hidden_size) * 4
+    assert peaks[2] - peaks[1] == pytest.approx((rows[2] - rows[1]) * per_row, rel=1e-6, abs=8)
+    assert peaks[4] - peaks[2] == pytest.approx((rows[4] - rows[2]) * per_row, rel=1e-6, abs=8)
+    # A chunk past every routed row of a micro-batch computes them all at once: no further growth.
+    routed = MOE_WL.micro_batch_size_per_gpu * MOE_WL.sequence_tokens * mlp.experts_per_token * row_bytes
+    big = [c for c in (64, 128) if c * 2**20 >= routed]
+    at = [estimate(moe_spec, MOE_WL, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c)).peak_bytes for c in big]
+    assert len(set(at)) == 1
+
+
+def test_chunk_none_is_resolved_as_the_trainer_does(moe_spec):
+    """FSDPConfig.routed_expert_chunk_mib=None: the largest of 64/128/256/512 MiB that fits."""
+    big = MOE_WL.model_copy(update={"prompt_tokens": 8192, "completion_tokens": 8192, "prompts_per_step": 2,
+                                    "group_size": 4, "micro_batch_size_per_gpu": 4})  # 512 MiB routed
+    roomy = _cluster(2, gpu=CPU_DEVICE.model_copy(update={"memory_bytes": 2**40}))
+    none = estimate(moe_spec, big, roomy, FSDPConfig(**FP32))
+    assert none.peak_bytes == estimate(moe_spec, big, roomy, FSDPConfig(**FP32, routed_expert_chunk_mib=512)).peak_bytes
+    assert "picks 512 MiB" in none.notes[-1]
+    peaks = {c: estimate(moe_spec, big, roomy, FSDPConfig(**FP32, routed_expert_chunk_mib=c)).peak_bytes
+             for c in (64, 128)}
+    assert peaks[64] < peaks[128]
+    tight = _cluster(2, gpu=CPU_DEVICE.model_copy(update={"memory_bytes": int((peaks[64] + peaks[128]) / 2 / 0.95)}))
+    assert estimate(moe_spec, big, tight, FSDPConfig(**FP32)).peak_bytes == peaks[64]
+
+
+def test_unsharded_moe_keeps_peft_merged_expert_stacks(moe_spec):
+    """Unsharded (one GPU, or data parallel) the trainer runs the Hugging Face experts, whose
+    linears save PEFT's merged copy of each layer's expert stack for backward."""
+    stack = sum(math.prod(s) for _, s in moe_spec.block(0).tensors if _is_expert(_)) * 4
+    wl = MOE_WL.model_copy(update={"prompts_per_step": 1, "gradient_checkpointing": False})
+    single = estimate(moe_spec, wl, _cluster(1), None)
+    assert single.phases["learn"].components["activations"] > moe_spec.num_layers * stack
+
+
+def test_invalid_expert_parallel_degrees_say_what_is_allowed(moe_spec, spec):
+    with pytest.raises(ValueError, match=r"allowed: \[1, 2\]"):
+        estimate(moe_spec, MOE_WL.model_copy(update={"prompts_per_step": 6}), _cluster(6), FSDPConfig(**FP32, ep=3))
+    with pytest.raises(ValueError, match="needs packed MoE experts"):
+        estimate(spec, WL, _cluster(2), FSDPConfig(ep=2))
+    with pytest.raises(ValueError, match="HSDP"):
+        estimate(moe_spec, MOE_WL, _cluster(4), FSDPConfig(**FP32, ep=2, shard_group_size=2))

@@ -126,6 +126,42 @@ def test_search_space_is_what_the_planner_chooses_less_what_the_user_fixed(spec)
 
 # -- the objective, with FixedTrial ----------------------------------------------------------------
 @pytest.mark.timeout(60)
+def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
+    from planner._tune_space import grid, suggest_candidate
+
+    moe = load_model_spec("tiny:qwen3_moe?hidden_size=64&moe_intermediate_size=256&num_experts=4&num_layers=2")
+    wl = SMALL.model_copy(update={"prompts_per_step": 8, "prompt_tokens": 256, "completion_tokens": 256})
+    one_node = search_space(moe, wl, cpu_cluster(MIB, 4), fixed={}, sharding="fsdp")
+    assert "ep" in one_node.searched
+    assert one_node.choices["ep"] == (1, 2, 4)  # divides the 4 GPUs and the 4 experts
+    # 4 completions x 512 tokens x 2 experts x 1 KiB bf16 rows = 4 MiB routed: 64 MiB holds them all.
+    assert one_node.choices["routed_expert_chunk_mib"] == (64,)
+    long = wl.model_copy(update={"prompt_tokens": 8192, "completion_tokens": 8192})  # 128 MiB routed
+    assert search_space(moe, long, cpu_cluster(MIB, 4), fixed={}, sharding="fsdp").choices[
+        "routed_expert_chunk_mib"] == (64, 128)
+    dense = search_space(load_model_spec(MODEL), SMALL, cpu_cluster(MIB), fixed={}, sharding="fsdp")
+    assert "ep" not in dense.searched and dense.choices["routed_expert_chunk_mib"] == (None,)
+    assert "ep" not in dense.candidate({}).knobs()  # dense tables keep their columns
+
+    two_nodes = search_space(moe, wl, cpu_cluster(MIB, 4, 2), fixed={}, sharding="fsdp")
+    assert two_nodes.choices["ep"] == (1, 2)  # all-to-alls stay inside a node
+    params = grid(two_nodes)
+    assert not any(p.get("ep", 1) > 1 and p.get("shard_group_size") for p in params)  # no EP with HSDP
+    assert any(p.get("ep") == 2 for p in params) and any(p.get("shard_group_size") == 2 for p in params)
+
+    class Trial:  # suggests the last value of every knob
+        def suggest_categorical(self, name, choices):
+            return choices[-1]
+
+    c = suggest_candidate(Trial(), two_nodes)
+    assert c.fsdp.ep == 2 and c.fsdp.shard_group_size is None
+    assert c.knobs()["ep"] == 2
+    fixed = search_space(moe, wl, cpu_cluster(MIB, 4), fixed={"ep": 2, "routed_expert_chunk_mib": 8},
+                         sharding="fsdp")
+    assert "ep" not in fixed.searched and fixed.candidate({}).fsdp.routed_expert_chunk_mib == 8
+
+
+@pytest.mark.timeout(60)
 def test_objective_measures_a_candidate_and_reports_tokens_per_second(spec):
     cluster = cpu_cluster(64 * MIB)
     probe = FakeProbe(spec, cluster)

@@ -1,7 +1,8 @@
-"""fsdp_config="auto": the trainer describes its own run to the planner and applies the plan.
+"""The trainer describes its own run to the planner: fsdp_config="auto", and the expert chunk.
 
-Imported only when an algorithm meets fsdp_config="auto" (the planner is not
-on the trainer's import path otherwise).
+Imported only when an algorithm meets fsdp_config="auto", or an FSDPConfig with
+routed_expert_chunk_mib=None on a MoE model (the planner is not on the trainer's
+import path otherwise).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["plan_for_agent", "visible_cluster"]
+__all__ = ["plan_for_agent", "visible_cluster", "config_is_moe", "pick_expert_chunk"]
 
 
 def _host_available_bytes() -> int:
@@ -43,39 +44,53 @@ def visible_cluster(world_size: int):
     return Cluster(gpu=gpu, num_gpus=world_size, gpus_per_node=min(per_node, world_size))
 
 
-def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) -> dict[str, Any]:
-    from planner import emit
-    from planner.calibration import coefficients_for
-    from planner.choose import plan
+def _spec_for(agent, actor_network: nn.Module | None):
     from planner.models import load_model_spec
     from planner.spec import build_spec
+
+    targets = _lora_targets(agent)
+    if actor_network is not None:
+        return build_spec(actor_network.config.to_dict(), name=type(actor_network).__name__, lora_targets=(targets,))
+    return load_model_spec(agent.model_source, lora_targets=targets)
+
+
+def _lora_targets(agent) -> str | tuple[str, ...]:
+    lora = agent.lora_config
+    if lora is None:
+        return "all-linear"
+    tm = lora.target_modules
+    return tm if isinstance(tm, str) else tuple(sorted(tm))
+
+
+def _workload_for(agent, micro: int | None):
+    """The planner's description of this trainer's run."""
     from planner.workload import Workload
 
     lora = agent.lora_config
-    targets = "all-linear"
-    rank, alpha = 16, 32
-    if lora is not None:
-        rank, alpha = int(lora.r), int(lora.lora_alpha)
-        tm = lora.target_modules
-        targets = tm if isinstance(tm, str) else tuple(sorted(tm))
-    if actor_network is not None:
-        spec = build_spec(actor_network.config.to_dict(), name=type(actor_network).__name__, lora_targets=(targets,))
-    else:
-        spec = load_model_spec(agent.model_source, lora_targets=targets)
+    rank, alpha = (int(lora.r), int(lora.lora_alpha)) if lora is not None else (16, 32)
     completion = agent.max_output_tokens
     prompt = max(1, (agent.max_model_len or 2 * completion) - completion)
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]
-    workload = Workload(
+    return Workload(
         prompts_per_step=agent.batch_size, group_size=agent.group_size, prompt_tokens=prompt,
         completion_tokens=completion, micro_batch_size_per_gpu=micro,
         logprob_chunk_size=None if agent._auto_chunk else agent.logprob_chunk_size,
         gradient_checkpointing=None if agent._auto_gc else agent.gradient_checkpointing,
-        lora_rank=rank, lora_alpha=alpha, lora_targets=targets,
+        lora_rank=rank, lora_alpha=alpha, lora_targets=_lora_targets(agent),
         use_separate_reference_adapter=agent.use_separate_reference_adapter, beta=agent.beta,
         update_epochs=agent.update_epochs, weights_dtype=dtype, load_in_4bit=agent.load_in_4bit,
         generation="vllm" if agent.vllm_config is not None else "hf",
         vllm_gpu_memory_utilization=agent.vllm_config.gpu_memory_utilization if agent.vllm_config else 0.3,
-    )
+    ), prompt
+
+
+def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) -> dict[str, Any]:
+    from planner import emit
+    from planner.calibration import coefficients_for
+    from planner.choose import plan
+
+    spec = _spec_for(agent, actor_network)
+    workload, prompt = _workload_for(agent, micro)
     cluster = visible_cluster(agent.world_size)
     result = plan(spec, workload, cluster, coefficients=coefficients_for(cluster.gpu),
                   sharding="none" if agent.load_in_4bit else "auto")
@@ -90,3 +105,31 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         "fits": result.fits,
         "summary": summary,
     }
+
+
+def config_is_moe(config: Any) -> bool:
+    """Whether a transformers config describes routed experts (cheap: no model is built)."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    return any(int(getattr(config, k, 0) or 0) > 1 for k in keys)
+
+
+def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
+    """FSDPConfig.routed_expert_chunk_mib=None on a MoE model: the largest of 64/128/256/512
+    MiB the memory estimate fits (with the user's other fields), else the smallest."""
+    from planner.calibration import coefficients_for
+    from planner.memory import EXPERT_CHUNKS_MIB, MARGIN_FRACTION, resolve_expert_chunk
+
+    spec = _spec_for(agent, actor_network)
+    workload, _ = _workload_for(agent, micro)
+    workload = workload.model_copy(update={"logprob_chunk_size": agent.logprob_chunk_size,
+                                           "gradient_checkpointing": bool(agent.gradient_checkpointing)})
+    cluster = visible_cluster(agent.world_size)
+    chosen, peaks = resolve_expert_chunk(spec, workload, cluster, agent.fsdp_config,
+                                         coefficients=coefficients_for(cluster.gpu))
+    gib = 2**30
+    fits = peaks[chosen] <= cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
+    why = (f"the largest of {'/'.join(map(str, EXPERT_CHUNKS_MIB))} MiB the memory estimate fits "
+           f"(peak {peaks[chosen] / gib:.2f} GiB of {cluster.gpu.memory_bytes / gib:.2f} GiB per GPU)" if fits else
+           f"none fits the estimate ({peaks[chosen] / gib:.2f} GiB at the smallest, of "
+           f"{cluster.gpu.memory_bytes / gib:.2f} GiB): the smallest chunk")
+    return {"routed_expert_chunk_mib": chosen, "summary": f"[agilerl] routed_expert_chunk_mib={chosen}: {why}"}

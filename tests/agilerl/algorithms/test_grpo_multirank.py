@@ -126,6 +126,12 @@ def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
     fresh.load_checkpoint(path)
     for k, v in lora_state(ep).items():
         assert torch.equal(lora_state(fresh)[k], v), k
+    # routed_expert_chunk_mib=None: as documented, the largest of 64/128/256/512 MiB the memory
+    # estimate fits. The visible "device" is this host's RAM, which holds a tiny model at any chunk.
+    auto = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), **common)
+    assert auto.fsdp_config.routed_expert_chunk_mib == 512
+    assert fsdp_layout(auto.model).moe.chunk_mib == 512  # the row-wise experts, not PEFT's merged stack
+    assert math.isclose(_learn(auto)["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7)
 
 
 @cases.case

@@ -6,7 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agilerl.utils.checkpoint_io import ChainedState, ConvertedCheckpoint, LazyCheckpoint, PeftKeyView
+from agilerl.utils.checkpoint_io import (
+    ChainedState,
+    ConvertedCheckpoint,
+    LazyCheckpoint,
+    PeftKeyView,
+)
 from agilerl.utils.tiny import save_tiny_model
 
 
