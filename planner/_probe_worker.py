@@ -115,11 +115,14 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     recorder = PhaseRecorder(agent.model, agent.optimizer, dev, enabled=False)
 
     fault = _fault_injection(result["rank"])
+    stall = _fault_injection(result["rank"], "AGILERL_PROBE_STALL")
 
     def observe(name):
         current["phase"] = name
         if fault == name:
             os.kill(os.getpid(), 9)  # testing: die the way an OOM-killed process dies
+        if stall == name:
+            time.sleep(3600)  # testing: a probe reliably in flight until it is stopped
         return recorder(name)
 
     agent.phase_observer = observe
@@ -182,9 +185,10 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
 
 
-def _fault_injection(rank: int) -> str | None:
-    """``AGILERL_PROBE_KILL=RANK:PHASE`` kills that rank on entering the phase (for tests)."""
-    spec = os.environ.get("AGILERL_PROBE_KILL")
+def _fault_injection(rank: int, variable: str = "AGILERL_PROBE_KILL") -> str | None:
+    """For tests: ``AGILERL_PROBE_KILL=RANK:PHASE`` kills that rank on entering the phase,
+    ``AGILERL_PROBE_STALL=RANK:PHASE`` makes it sleep there until it is stopped."""
+    spec = os.environ.get(variable)
     if not spec:
         return None
     target, _, phase = spec.partition(":")

@@ -551,7 +551,8 @@ def test_ctrl_c_or_sigterm_kills_the_probe_and_fails_the_trial(tmp_path, signum)
     db = tmp_path / "tune.db"
     cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "2", "--storage", str(db), "--study-name", "s",
            "--device", "cpu", "--seed", "0", "--no-calibration"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The first probe stalls in learn, so it is still running when the signal arrives.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "AGILERL_PROBE_STALL": "0:learn"}
     tuner = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not _owned_by(tuner.pid):  # its first probe is running
