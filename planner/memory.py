@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agilerl.distributed import FSDPConfig
 
 from .hardware import Cluster
-from .spec import ModelSpec
+from .spec import ModelSpec, _is_ple_name
 from .workload import Workload
 
 __all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload",
@@ -303,6 +303,8 @@ def estimate(
     T = workload.sequence_tokens
     N = m * T
     V, H = spec.vocab_size, spec.hidden_size
+    Hs = H * spec.hidden_streams  # the hidden state every block carries (x4 under Gemma-3n's AltUp)
+    extra_streams = spec.hidden_streams - 1
     r = workload.lora_rank
     adapters = 2 if workload.use_separate_reference_adapter else 1
     notes: list[str] = []
@@ -328,11 +330,21 @@ def estimate(
     units: list[_Unit] = []
     embed = _tensor(spec.embed_shape, threshold)
     head = _tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
-    root = _Unit("root", base=[_tensor(s, threshold) for _, s in spec.root_tensors])
+    root = _Unit("root", base=[_tensor(s, threshold) for name, s in spec.root_tensors if not _is_ple_name(name)])
+    for _, (a_rows, a_cols, b_rows, b_cols) in ((e[0], e[1:]) for e in spec.lora_outside_blocks.get(lora_key, ())):
+        for _ in range(adapters):  # adapted linears outside the blocks (Gemma-3n's AltUp projections)
+            root.lora.append(_tensor((r * a_rows, a_cols), threshold))
+            root.lora.append(_tensor((b_rows, r * b_cols), threshold))
     if spec.tie_word_embeddings:
         root.base.append(embed)
     else:
         units.append(_Unit("embed", base=[embed]))
+    # Per-layer embeddings (PLE) are a unit of their own, looked up right after the embeddings.
+    ple = [_tensor(s, threshold) for name, s in spec.root_tensors if _is_ple_name(name)]
+    if ple and fsdp is not None:
+        units.append(_Unit("embed_tokens_per_layer", base=ple))
+    elif ple:
+        root.base.extend(ple)
     wrap = fsdp.wrap_every_n_blocks if fsdp else 1
     packed = [any(_is_packed_expert(n, s) for n, s in spec.block(i).tensors) for i in range(spec.num_layers)]
     expert_stack = [0] * spec.num_layers  # elements of a block's routed experts held by one EP rank
@@ -463,6 +475,9 @@ def estimate(
         qkv = b.attention.q_dim + 2 * b.attention.kv_dim
         # Tensor parallelism splits heads and MLP columns; the hidden stream is whole.
         per_token = (k.act_hidden * H + (k.act_qkv * qkv + k.act_mlp * width) / tp) * p
+        # AltUp's predict / correct over every stream and its router save about 7.5 hidden-sized
+        # tensors per token per extra stream (counted on Gemma-3n's forward with LoRA).
+        per_token += 7.5 * extra_streams * H * p
         per_token += k.act_lora * r * len(lora_shapes[index]) * 4
         extra = 0
         moe = routed(index)
@@ -510,6 +525,8 @@ def estimate(
             else:  # PEFT's merged stack, the gathered rows of one expert at a time
                 experts = expert_stack[index] * p + 2 * batch * length * H * p
         temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / tp) * p + experts
+        if extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
+            temps += (4 * extra_streams + 2) * batch * length * H * p
         return int(temps) + scores(batch, length, index, k.attn_scores_fwd)
 
     checkpointed = workload.gradient_checkpointing
@@ -519,14 +536,19 @@ def estimate(
         every = fsdp.checkpoint_every_n_blocks if fsdp else 1
         eligible = [i for i in range(spec.num_layers) if spec.block(i).kind not in skip]
         ckpt_blocks = set(eligible[::every])
+    # Gemma-3n's AltUp: a checkpointed block keeps every stream of its input, and outside the
+    # blocks the per-stream magnitude rescaling at the embeddings and at the unembedding saves
+    # about 5 x (streams - 1) + 3 hidden-sized tensors per token (counted on its forward).
+    altup_outside = (5 * extra_streams + 3) * N * H * p if extra_streams else 0
     saved = 0
     for i in range(spec.num_layers):
-        saved += k.act_checkpointed * N * H * p if i in ckpt_blocks else block_saved(m, i)
+        saved += (k.act_checkpointed + extra_streams) * N * H * p if i in ckpt_blocks else block_saved(m, i)
     # Recomputing the largest checkpointed block in backward re-creates its saved tensors;
     # a MoE block's backward also makes its experts' transients (a chunk, all-to-all buffers).
     recompute = max((block_saved(m, i) if i in ckpt_blocks else 0) + block_backward_transient(m, i)
                     for i in range(spec.num_layers))
-    boundary = int(k.act_boundary * N * H * p)  # embedding output, final norm in/out (the captured hidden)
+    # Embedding output, final norm in/out (the captured hidden), Gemma-3n's per-layer inputs.
+    boundary = int(k.act_boundary * N * (H + spec.per_layer_input_width) * p) + altup_outside
     saved_total = int(saved) + boundary
 
     rows_learn = m * (T - 1)
@@ -612,7 +634,7 @@ def estimate(
         kv = int(kv * (1 + 1 / max(1, spec.num_layers)))  # the cache grows by concatenation
         prefill = max(block_forward_temps(n, workload.prompt_tokens, i) for i in range(spec.num_layers))
         sampling = n * V * 4 * 3
-        residual = int(k.gen_hidden * n * workload.prompt_tokens * H * p)
+        residual = int(k.gen_hidden * n * workload.prompt_tokens * Hs * p)
         phases["rollout"] = phase({**static, "weights_gathered": nograd_gathered, "kv_cache": kv,
                                    "activations": prefill + residual, "logits": sampling})
     elif workload.generation == "vllm":
@@ -632,8 +654,8 @@ def estimate(
     if workload.beta > 0 or workload.update_epochs > 1:
         fwd = max(block_forward_temps(m, T, i) for i in range(spec.num_layers))
         phases["reference"] = phase({**static, "vllm": vllm_asleep, **larger(
-            {"weights_gathered": nograd_gathered, "activations": fwd + 2 * N * H * p + outputs_ref},
-            {"weights_gathered": after_forward, "activations": N * H * p + outputs_ref, "logits": logits_ref},
+            {"weights_gathered": nograd_gathered, "activations": fwd + 2 * N * Hs * p + outputs_ref},
+            {"weights_gathered": after_forward, "activations": N * Hs * p + outputs_ref, "logits": logits_ref},
         )})
 
     # learn: forward + backward of one micro-batch (the last of the step)

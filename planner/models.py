@@ -48,9 +48,16 @@ _POSITIVE_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads
 
 def _check_config(config: dict, name: str) -> None:
     """Name the field when a config cannot describe a model (transformers' own errors often do not)."""
+    def positive(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
     for key in _POSITIVE_INT_FIELDS:
         value = config.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if key == "intermediate_size" and isinstance(value, list):  # per layer (Gemma-3n)
+            if value and all(positive(v) for v in value):
+                continue
+            raise ValueError(f"{name}: config field {key}={value!r} must be positive integers, one per layer")
+        if value is not None and not positive(value):
             raise ValueError(f"{name}: config field {key}={value!r} must be a positive integer")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") is None and hidden % heads:

@@ -36,7 +36,7 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 2
+SPEC_SCHEMA_VERSION = 3  # 3: hidden_streams, per_layer_input_width (Gemma-3n)
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -105,6 +105,11 @@ class ModelSpec(_Frozen):
     total_params: int
     final_logit_softcapping: float | None = None
     lora_outside_blocks: dict[str, tuple[LoraShape, ...]] = {}
+    # Gemma-3n: AltUp carries ``hidden_streams`` copies of the hidden state through every
+    # block, and the per-layer inputs (num_layers x hidden_size_per_layer_input per token)
+    # live from the embeddings to the last block.
+    hidden_streams: int = 1
+    per_layer_input_width: int = 0
 
     # -- derived ------------------------------------------------------------------------
     def block(self, index: int) -> BlockSpec:
@@ -153,6 +158,11 @@ def config_digest(config_dict: dict[str, Any]) -> str:
 def spec_cache_dir() -> Path:
     root = os.environ.get("AGILERL_CACHE") or os.path.join(Path.home(), ".cache", "agilerl")
     return Path(root) / "specs"
+
+
+def _is_ple_name(name: str) -> bool:
+    """A per-layer embedding table (Gemma-3n's ``embed_tokens_per_layer``)."""
+    return "embed_tokens_per_layer" in name.split(".")
 
 
 def _shape(p) -> tuple[int, ...]:
@@ -211,7 +221,8 @@ def _mlp(block, config) -> MlpSpec:
             shared_width = int(up.out_features) if up is not None else 0
         return MlpSpec(kind="moe", intermediate_size=width, num_experts=num, experts_per_token=top_k,
                        shared_intermediate_size=shared_width)
-    width = int(getattr(config, "intermediate_size", 4 * config.hidden_size))
+    width = getattr(config, "intermediate_size", 4 * config.hidden_size)
+    width = int(max(width) if isinstance(width, list) else width)  # per layer (Gemma-3n): read off up_proj
     up = getattr(mlp, "up_proj", None) if mlp is not None else None
     if up is not None and hasattr(up, "out_features"):
         width = int(up.out_features)
@@ -335,4 +346,7 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
         total_params=int(total),
         final_logit_softcapping=getattr(text_config, "final_logit_softcapping", None),
         lora_outside_blocks={k: tuple(v) for k, v in lora_outside.items()},
+        hidden_streams=int(getattr(text_config, "altup_num_inputs", 1) or 1),
+        per_layer_input_width=len(blocks) * int(getattr(text_config, "hidden_size_per_layer_input", 0) or 0)
+        if any(_is_ple_name(n) for n, _ in root_tensors) else 0,
     )

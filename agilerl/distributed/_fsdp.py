@@ -2,7 +2,13 @@
 
 Unit layout, in forward order (the order prefetching follows):
 
-    [embeddings] -> [blocks 0..n-1, ``wrap_every_n_blocks`` per unit] -> [untied lm_head] -> root
+    [embeddings] -> [per-layer embeddings] -> [blocks 0..n-1, ``wrap_every_n_blocks`` per unit]
+    -> [untied lm_head] -> root
+
+Per-layer embeddings (PLE, Gemma-3n's ``embed_tokens_per_layer``: a
+vocabulary x (layers x per-layer width) table, often larger than the main
+embeddings) are a unit of their own, gathered only while they are looked up,
+rather than part of the root, which stays gathered for the whole forward.
 
 Tied embeddings stay in the root unit together with the lm_head that shares
 their weight (a parameter can belong to one FSDP unit only). The root unit owns
@@ -122,6 +128,22 @@ def find_transformer_blocks(model: nn.Module) -> tuple[nn.ModuleList, list[nn.Mo
             f"{sorted(block_names) or 'same-class modules'}"
         )
     return best, list(best)
+
+
+#: Attribute names of per-layer embedding tables (PLE) that shard as their own unit.
+PER_LAYER_EMBEDDINGS = ("embed_tokens_per_layer",)
+
+
+def find_per_layer_embeddings(model: nn.Module) -> list[nn.Module]:
+    """The model's per-layer embedding tables (Gemma-3n's ``embed_tokens_per_layer``), outermost first."""
+    found, seen = [], set()
+    for _, module in model.named_modules():
+        for attr in PER_LAYER_EMBEDDINGS:
+            table = getattr(module, attr, None)
+            if isinstance(table, nn.Module) and id(table) not in seen:
+                seen.add(id(table))
+                found.append(table)
+    return found
 
 
 def _embeddings_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None, bool]:
@@ -517,6 +539,11 @@ def apply_fsdp2(
         fully_shard(embed, **kwargs)
         layout.units.append(embed)
         layout.unit_names.append(named.get(id(embed), "embeddings"))
+    for table in find_per_layer_embeddings(model):  # looked up right after the embeddings
+        if _has_shardable([table]):
+            fully_shard(table, **kwargs)
+            layout.units.append(table)
+            layout.unit_names.append(named.get(id(table), "embed_tokens_per_layer"))
     n = config.wrap_every_n_blocks
     for start in range(0, len(blocks), n):
         group = blocks[start : start + n]

@@ -143,11 +143,19 @@ def reinit_non_persistent_buffers(model: nn.Module) -> list[str]:
     with every parameter flagged as initialised so that no weight is touched.
     Returns the names of the buffers recomputed.
     """
-    init_owner = None
-    for module in model.modules():
-        if hasattr(module, "_init_weights") and hasattr(module, "config"):
-            init_owner = module
-            break
+    # Each module is initialised by its innermost Hugging Face model (itself included): some
+    # _init_weights read attributes of the model class they belong to (Gemma-3n's text model
+    # reads its own hidden_size), which an outer wrapper does not have.
+    owners = {name: m for name, m in model.named_modules() if hasattr(m, "_init_weights") and hasattr(m, "config")}
+
+    def owner_of(module_name: str):
+        parts = module_name.split(".") if module_name else []
+        for cut in range(len(parts), -1, -1):
+            owner = owners.get(".".join(parts[:cut]))
+            if owner is not None:
+                return owner
+        return None
+
     done: list[str] = []
     params = list(model.parameters())
     flags = [getattr(p, "_is_hf_initialized", None) for p in params]
@@ -158,6 +166,7 @@ def reinit_non_persistent_buffers(model: nn.Module) -> list[str]:
             names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
             if not names:
                 continue
+            init_owner = owner_of(module_name)
             if init_owner is None:
                 raise RuntimeError(
                     f"cannot re-initialise non-persistent buffers {names} of {module_name!r}: "

@@ -24,6 +24,7 @@ TINY_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
     "olmoe": "OlmoeConfig",
+    "gemma3n": "Gemma3nTextConfig",
 }
 
 #: Tiny mixture-of-experts defaults: 4 packed experts, 2 per token.
@@ -71,6 +72,11 @@ def tiny_config(
     if arch in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = max_position_embeddings
     kwargs.update(_MOE_DEFAULTS.get(arch, {}))
+    if arch == "gemma3n":  # per-layer embeddings (PLE), AltUp and Laurel at tiny sizes; no KV sharing
+        kwargs.update(vocab_size_per_layer_input=vocab_size, hidden_size_per_layer_input=8, laurel_rank=4,
+                      num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * num_layers,
+                      sliding_window=max_position_embeddings,
+                      layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"])
     kwargs.update(overrides)
     config = cls(**kwargs)
     # Eager attention keeps CPU numerics identical across processes and versions.

@@ -266,3 +266,60 @@ def test_invalid_expert_parallel_degrees_say_what_is_allowed(moe_spec, spec):
         estimate(spec, WL, _cluster(2), FSDPConfig(ep=2))
     with pytest.raises(ValueError, match="HSDP"):
         estimate(moe_spec, MOE_WL, _cluster(4), FSDPConfig(**FP32, ep=2, shard_group_size=2))
+
+
+# -- per-layer embeddings (Gemma-3n) ------------------------------------------------------------
+# A large per-layer table (4096 x 4 layers x 16) so its unit is the largest one.
+PLE = ("tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
+       "&vocab_size_per_layer_input=4096&hidden_size_per_layer_input=16")
+
+
+@pytest.fixture(scope="module")
+def ple_spec():
+    return load_model_spec(PLE)
+
+
+def test_gemma3n_spec_reads_altup_and_per_layer_inputs(ple_spec):
+    names = [n for n, _ in ple_spec.root_tensors]
+    assert "model.embed_tokens_per_layer.weight" in names
+    assert dict(ple_spec.root_tensors)["model.embed_tokens_per_layer.weight"] == (4096, 4 * 16)
+    assert ple_spec.hidden_streams == 4  # Gemma3nTextConfig's altup_num_inputs default
+    assert ple_spec.per_layer_input_width == 4 * 16
+    assert ple_spec.lora_shapes("all-linear")[0][0].startswith("model.")  # AltUp / PLE projections adapted
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_per_layer_embedding_weights_are_exact_per_rank(ple_spec, gpus):
+    est = estimate(ple_spec, WL, _cluster(gpus), SHARD_ALL)
+    local, replicated = _sharded_bytes(ple_spec, gpus, 2, 0)
+    assert est.phases["learn"].components["weights"] == local
+    assert replicated == 0
+
+
+def test_per_layer_embeddings_are_gathered_as_their_own_unit(ple_spec):
+    """Units run PLE table, block 0, ..., block 3 (the embeddings are tied, so in the root).
+    With one unit prefetched and no gather buffer, a no-grad forward holds at most the table
+    and block 0 beside the root (norms, tied embeddings, AltUp / PLE projections and their
+    LoRA); were the table in the root it would sit beside two blocks."""
+    fsdp = FSDPConfig(param_persistence_threshold=0, prefetch_units=1, param_dtype="float32")
+    workload = WL.model_copy(update={"logprob_chunk_size": 4, "weights_dtype": "float32"})
+    est = estimate(ple_spec, workload, _cluster(2), fsdp, coefficients=Coefficients(all_gather_overlap=0.0))
+    ple_name = "model.embed_tokens_per_layer.weight"
+    table = math.prod(dict(ple_spec.root_tensors)[ple_name])
+    root = math.prod(ple_spec.embed_shape) + sum(math.prod(s) for n, s in ple_spec.root_tensors if n != ple_name)
+    root += WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in ple_spec.lora_outside_blocks["all-linear"])
+    blocks = [sum(math.prod(s) for _, s in b.tensors)
+              + WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in b.lora["all-linear"])
+              for b in ple_spec.blocks]
+    assert table > max(blocks)
+    assert est.phases["reference"].components["weights_gathered"] == (table + blocks[0] + root) * 4
+
+
+def test_altup_streams_raise_the_activation_estimate(ple_spec):
+    """The same model read as one hidden stream (no AltUp) saves less per token."""
+    one_stream = ple_spec.model_copy(update={"hidden_streams": 1, "per_layer_input_width": 0})
+    for checkpointing in (True, False):
+        workload = WL.model_copy(update={"gradient_checkpointing": checkpointing})
+        a = estimate(ple_spec, workload, _cluster(2), SHARD_ALL).phases["learn"].components["activations"]
+        b = estimate(one_stream, workload, _cluster(2), SHARD_ALL).phases["learn"].components["activations"]
+        assert a > b

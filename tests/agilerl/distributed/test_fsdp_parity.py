@@ -93,6 +93,18 @@ def gemma3_default(ctx):
 
 
 @cases.case
+def gemma3n_per_layer_embeddings_are_their_own_unit(ctx):
+    model = assert_parity("gemma3n", FSDPConfig(**FP32), gradient_checkpointing=True)
+    layout = fsdp_layout(model)
+    names = [n.rsplit(".", 1)[-1] for n in layout.unit_names]
+    # Tied embeddings stay in the root; the PLE table is looked up first, then the 4 blocks.
+    assert names[0] == "embed_tokens_per_layer" and len(names) == 1 + 4, layout.unit_names
+    ple = layout.units[0]
+    assert all(isinstance(p, DTensor) for p in ple.parameters())
+    assert ple.weight.to_local().shape[0] == ple.weight.shape[0] // 2  # vocabulary rows split over 2 ranks
+
+
+@cases.case
 def bf16_mixed_precision_with_replicated_fp32_params(ctx):
     # bf16 compute with fp32 replicated norms: the output cast keeps dtypes
     # consistent. Compared loosely (bf16 has 8 bits of mantissa).

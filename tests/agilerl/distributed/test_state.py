@@ -79,7 +79,7 @@ def _materialize_case(arch: str):
     return materialize_from_meta
 
 
-for _arch in ("qwen2", "llama", "gemma3"):
+for _arch in ("qwen2", "llama", "gemma3", "gemma3n"):
     cases.case(_materialize_case(_arch))
 
 

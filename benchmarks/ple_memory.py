@@ -1,0 +1,120 @@
+"""Per-layer-embedding models: the planner's estimate against probes of Gemma-3n-style runs.
+
+    python benchmarks/ple_memory.py [--device cpu] [--rerun]
+
+Real probes of the GRPO trainer on tiny random Gemma-3n text models (per-layer
+embedding tables sharded as their own FSDP unit, AltUp's four hidden streams,
+Laurel, LoRA on every linear including the AltUp and PLE projections outside
+the blocks), against ``planner.memory.estimate`` with the shipped coefficients.
+The AltUp activation terms were counted from the tensors Gemma-3n's forward
+saves (a saved-tensors hook on the 128-wide model), not fitted to these
+probes; no coefficient is fitted here.
+
+Measurements are cached in ``benchmarks/results/ple_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agilerl.distributed import FSDPConfig  # noqa: E402
+from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
+from planner.memory import Coefficients, estimate  # noqa: E402
+from planner.models import load_model_spec  # noqa: E402
+from planner.probe import ProbeRequest, run_probe  # noqa: E402
+from planner.workload import Workload  # noqa: E402
+
+MODELS = {
+    "h128-L4": "tiny:gemma3n?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
+               "&vocab_size=2048",
+    "h96-L6": "tiny:gemma3n?hidden_size=96&intermediate_size=384&num_layers=6&num_heads=4&num_kv_heads=2"
+              "&vocab_size=1024",
+}
+PHASES = ("reference", "learn", "step")
+CONFIGS = [
+    dict(model="h128-L4", world=2, gc=True, micro=2, prompt=64, completion=64),
+    dict(model="h96-L6", world=2, gc=True, micro=4, prompt=96, completion=32),
+    dict(model="h128-L4", world=2, gc=False, micro=2, prompt=48, completion=48),
+    dict(model="h96-L6", world=4, gc=True, micro=2, prompt=64, completion=64),
+]
+
+
+def request_for(c: dict, device: str) -> ProbeRequest:
+    workload = Workload(
+        prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
+        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
+        lora_rank=8, lora_alpha=16, weights_dtype="float32", attn_implementation="sdpa", generation="none",
+    )
+    fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
+    return ProbeRequest(model=MODELS[c["model"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
+                        timed_steps=1, timeout_s=600)
+
+
+def measure(device: str, cache: Path, rerun: bool) -> dict[str, dict]:
+    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
+    for i, c in enumerate(CONFIGS):
+        req = request_for(c, device)
+        key = req.model_dump_json()
+        if key in results:
+            continue
+        print(f"probe {i + 1}/{len(CONFIGS)}: {json.dumps(c)}", flush=True)
+        m = run_probe(req)
+        if not m.ok:
+            print(f"  FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
+            continue
+        results[key] = {
+            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
+                       for ph in PHASES if any(ph in r.phases for r in m.ranks)},
+            "weights": max(r.param_bytes.get("weights", 0) for r in m.ranks),
+        }
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
+    args = parser.parse_args()
+    cache = ROOT / "benchmarks" / "results" / f"ple_{args.device}.json"
+    results = measure(args.device, cache, args.rerun)
+    coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
+    coefficients = (Coefficients.model_validate_json(coeff_path.read_text()) if coeff_path.exists()
+                    else Coefficients())
+    mib = 2**20
+    print(f"\nPer-layer-embedding models ({args.device}): measured vs estimated per-rank peak, MiB")
+    print(f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
+          + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in PHASES))
+    errors = []
+    for c in CONFIGS:
+        req = request_for(c, args.device)
+        rec = results.get(req.model_dump_json())
+        if rec is None:
+            continue
+        spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
+        est = estimate(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=c["world"]), req.fsdp,
+                       coefficients=coefficients)
+        weights_e = est.phases["learn"].components.get("weights", 0)
+        row = (f"{c['model']:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
+               f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
+        for ph in PHASES:
+            measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
+            err = (guess - measured) / measured
+            if ph != "step":
+                errors.append(abs(err))
+            row += f" {measured / mib:8.2f}/{guess / mib:<8.2f} {err:+6.1%}"
+        print(row)
+    if errors:
+        print(f"\nreference + learn: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
+              f"over {len(errors)} phase peaks")
+
+
+if __name__ == "__main__":
+    main()
