@@ -443,8 +443,10 @@ def estimate(
         sum(unit_gathered(u) for u in all_units) if fsdp else 0)
 
     # -- activations ---------------------------------------------------------------------------
-    # Eager attention materialises batch x heads x Tq x Tk scores; so does SDPA on CPU
-    # (its math fallback, taken with a padding mask). GPU SDPA / flash kernels do not.
+    # Eager attention materialises batch x heads x Tq x Tk scores. GPU SDPA / flash
+    # kernels do not, nor does CPU SDPA (measured: its flash kernel peaks far below the
+    # scores; a boolean padding mask costs one batch x Tq x Tk float copy). On CPU the
+    # fitted coefficients of this head-sized term stand in for that mask-sized one.
     scores_materialised = workload.attn_implementation == "eager" or (
         workload.attn_implementation == "sdpa" and not gpu_terms)
 
@@ -553,14 +555,17 @@ def estimate(
 
     rows_learn = m * (T - 1)
     chunk = workload.logprob_chunk_size
-    head_weight = V * H * p  # the dense lm_head the chunked head multiplies by (gathered under FSDP)
+    # The chunked head multiplies by the dense lm_head weight: under FSDP a gathered copy
+    # (materialize_dtensors), unless reshard_after_forward=False left the unit unsharded
+    # after the forward, when the head uses that unsharded weight as it is.
+    head_weight = V * H * p if fsdp and fsdp.reshard_after_forward else 0
     if chunk is None or chunk >= rows_learn:
         logits_learn = rows_learn * V * 4 * k.logits_copies_unchunked
     else:
         logits_learn = chunk * V * 4 * k.logits_copies_grad
-    logits_learn = int(logits_learn + (head_weight if fsdp else 0) + m * V * 4)  # + the one-position logits
+    logits_learn = int(logits_learn + head_weight + m * V * 4)  # + the one-position logits
     chunk_nograd = min(chunk or rows_learn, rows_learn)
-    logits_ref = int(chunk_nograd * V * 4 * k.logits_copies_nograd + (head_weight if fsdp else 0) + m * V * 4)
+    logits_ref = int(chunk_nograd * V * 4 * k.logits_copies_nograd + head_weight + m * V * 4)
     outputs_ref = n * T * 4 * ((1 if workload.beta > 0 else 0) + (1 if workload.update_epochs > 1 else 0))
 
     # Gradients. Components peak at different moments of a micro-batch, so the learn
@@ -624,25 +629,32 @@ def estimate(
         {"host_checkpoint": largest_tensor if fsdp else spec.total_params * w},
     )
 
+    def larger(*candidates: dict[str, int]) -> dict[str, int]:
+        return max(candidates, key=lambda c: sum(c.values()))
+
     # rollout
     if workload.generation == "hf":
-        kv = 0
-        for i in range(spec.num_layers):
-            att = spec.block(i).attention
-            length = min(T, att.sliding_window) if att.sliding_window else T
-            kv += 2 * n * length * att.kv_dim // tp * p
-        kv = int(kv * (1 + 1 / max(1, spec.num_layers)))  # the cache grows by concatenation
+        def kv_cache(tokens: int) -> int:
+            out = 0
+            for i in range(spec.num_layers):
+                att = spec.block(i).attention
+                length = min(tokens, att.sliding_window) if att.sliding_window else tokens
+                out += 2 * n * length * att.kv_dim // tp * p
+            return out
+
+        # Two moments: the prefill of the prompts (its largest block's temporaries beside
+        # the prompt's cache and hidden states; logits of the last position only), and
+        # the last decode steps (the whole cache, grown by concatenation, and sampling).
         prefill = max(block_forward_temps(n, workload.prompt_tokens, i) for i in range(spec.num_layers))
-        sampling = n * V * 4 * 3
         residual = int(k.gen_hidden * n * workload.prompt_tokens * Hs * p)
-        phases["rollout"] = phase({**static, "weights_gathered": nograd_gathered, "kv_cache": kv,
-                                   "activations": prefill + residual, "logits": sampling})
+        full_kv = kv_cache(T)
+        phases["rollout"] = phase({**static, "weights_gathered": nograd_gathered, **larger(
+            {"kv_cache": kv_cache(workload.prompt_tokens), "activations": prefill + residual, "logits": n * V * 4},
+            {"kv_cache": int(full_kv * (1 + 1 / max(1, spec.num_layers))), "logits": n * V * 4 * 3},
+        )})
     elif workload.generation == "vllm":
         phases["rollout"] = phase({**static, "vllm": vllm_awake})
         phases["sync"] = phase({**static, "vllm": vllm_awake, "weights_gathered": largest_unit if fsdp else 0})
-
-    def larger(*candidates: dict[str, int]) -> dict[str, int]:
-        return max(candidates, key=lambda c: sum(c.values()))
 
     # After a forward: the root stays gathered; with reshard_after_forward=False every unit.
     if fsdp and not fsdp.reshard_after_forward:

@@ -170,6 +170,34 @@ def test_tensor_parallel_weights_are_exact(spec):
         estimate(spec, WL.model_copy(update={"prompts_per_step": 4}), _cluster(4), FSDPConfig(tp=4))
 
 
+
+def test_unsharded_lm_head_is_not_gathered_again_for_the_chunked_head(spec):
+    """reshard_after_forward=False leaves the lm_head unit unsharded after the forward, so the
+    chunked log-prob head uses that weight; with True it gathers one vocab x hidden copy."""
+    reshard = estimate(spec, WL, _cluster(2), SHARD_ALL)
+    keep = estimate(spec, WL, _cluster(2), SHARD_ALL.model_copy(update={"reshard_after_forward": False}))
+    head_copy = spec.vocab_size * spec.hidden_size * 2  # bf16 compute dtype
+    for phase in ("reference", "learn"):
+        a, b = reshard.phases[phase].components, keep.phases[phase].components
+        assert a["logits"] - b["logits"] == head_copy  # both peak at the head on this workload
+
+
+@pytest.mark.parametrize("prompt,completion", [(120, 8), (8, 120)])
+def test_generation_peaks_at_prefill_or_at_the_last_decode_step(spec, prompt, completion):
+    """The KV cache at the rollout peak: the prompt's cache at prefill (long prompts), or the
+    whole cache, grown by concatenation (one layer's worth extra), at the end of decoding."""
+    workload = WL.model_copy(update={"generation": "hf", "prompt_tokens": prompt, "completion_tokens": completion})
+    est = estimate(spec, workload, _cluster(1), None)
+    n = workload.completions_per_step
+    per_token = sum(2 * b.attention.kv_dim * 2 for b in spec.blocks)  # K and V, bf16, every layer
+    kv = est.phases["rollout"].components["kv_cache"]
+    if prompt > completion:
+        assert kv == n * prompt * per_token
+    else:
+        full = n * (prompt + completion) * per_token
+        assert kv == int(full * (1 + 1 / spec.num_layers))
+        assert est.phases["rollout"].components["logits"] == n * spec.vocab_size * 4 * 3  # sampling copies
+
 # -- mixture of experts ---------------------------------------------------------------------------
 MOE = ("tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
        "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024")
