@@ -553,7 +553,10 @@ def test_ctrl_c_or_sigterm_kills_the_probe_and_fails_the_trial(tmp_path, signum)
            "--device", "cpu", "--seed", "0", "--no-calibration"]
     # The first probe stalls in learn, so it is still running when the signal arrives.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "AGILERL_PROBE_STALL": "0:learn"}
-    tuner = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # A shell that runs the suite in the background ignores SIGINT, and Python keeps an ignored
+    # SIGINT ignored: give the tuner the default disposition a terminal would.
+    tuner = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not _owned_by(tuner.pid):  # its first probe is running
         assert time.monotonic() < deadline and tuner.poll() is None
