@@ -504,7 +504,9 @@ def estimate(
         top_k, expert_width = moe
         rows = batch * T * top_k
         if not expert_rowwise:
-            return int(k.moe_stack_grad * expert_stack[index] * p)  # the merged stack's gradient
+            # The merged stack's gradient, and the grouped GEMMs' row gradient (down's input
+            # gradient, width wide) beside the saved tensors.
+            return int((k.moe_stack_grad * expert_stack[index] + rows * expert_width) * p)
         out = 0.0
         if chunk_mib is not None:
             out += k.moe_chunk * expert_chunk(rows, expert_width) * (3 * expert_width + H) * p
@@ -512,8 +514,11 @@ def estimate(
             out += k.moe_dispatch * rows / fsdp.ep_token_blocks * H * p
         return int(out)
 
-    def block_forward_temps(batch: int, length: int, index: int) -> int:
-        """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens."""
+    def block_forward_temps(batch: int, length: int, index: int, adapters_on: bool = True) -> int:
+        """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens.
+
+        ``adapters_on=False``: the reference pass on the base model (adapters disabled), where
+        PEFT merges no expert stacks."""
         b = spec.block(index)
         width = b.mlp.intermediate_size * max(1, b.mlp.experts_per_token) + b.mlp.shared_intermediate_size
         moe = routed(index)
@@ -524,8 +529,13 @@ def estimate(
             rows = batch * length * top_k
             if expert_rowwise:  # dispatched rows and their outputs, one chunk's intermediates
                 experts = (2 * rows * H + expert_chunk(rows, expert_width) * (3 * expert_width + H)) * p
-            else:  # PEFT's merged stack, the gathered rows of one expert at a time
-                experts = expert_stack[index] * p + 2 * batch * length * H * p
+            else:
+                # Hugging Face's grouped-GEMM experts run every routed row at once: the
+                # gathered rows, gate_up's output (2 x width), the activation and the
+                # product (width each); with the adapter on, PEFT's merged stacks beside
+                # them (three copies of gate_up's, two of down's, about 8/3 of the stack;
+                # counted on a no-grad forward with transformers 5).
+                experts = (rows * (4 * expert_width + H) + (8 / 3 * expert_stack[index] if adapters_on else 0)) * p
         temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / tp) * p + experts
         if extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
             temps += (4 * extra_streams + 2) * batch * length * H * p
@@ -664,7 +674,10 @@ def estimate(
 
     # reference (no grad), per micro-batch: a block's forward, or the chunked head
     if workload.beta > 0 or workload.update_epochs > 1:
-        fwd = max(block_forward_temps(m, T, i) for i in range(spec.num_layers))
+        # The old-policy pass (update_epochs > 1) runs the actor; the reference pass runs the
+        # base model with adapters disabled unless the reference is an adapter of its own.
+        adapters_on = workload.use_separate_reference_adapter or workload.update_epochs > 1
+        fwd = max(block_forward_temps(m, T, i, adapters_on) for i in range(spec.num_layers))
         phases["reference"] = phase({**static, "vllm": vllm_asleep, **larger(
             {"weights_gathered": nograd_gathered, "activations": fwd + 2 * N * Hs * p + outputs_ref},
             {"weights_gathered": after_forward, "activations": N * Hs * p + outputs_ref, "logits": logits_ref},

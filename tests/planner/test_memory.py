@@ -287,6 +287,18 @@ def test_unsharded_moe_keeps_peft_merged_expert_stacks(moe_spec):
     assert single.phases["learn"].components["activations"] > moe_spec.num_layers * stack
 
 
+
+def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
+    """The reference pass runs the base model with adapters disabled, so PEFT builds no merged
+    expert stacks; a separate reference adapter (or the old-policy pass) does: three copies
+    of gate_up's stack and two of down's, 8/3 of the stack per layer."""
+    stack = sum(math.prod(s) for _, s in moe_spec.block(0).tensors if _is_expert(_))
+    wl = MOE_WL.model_copy(update={"prompts_per_step": 1, "logprob_chunk_size": 16})
+    base = estimate(moe_spec, wl, _cluster(1), None).phases["reference"].components
+    adapter = estimate(moe_spec, wl.model_copy(update={"use_separate_reference_adapter": True}), _cluster(1),
+                       None).phases["reference"].components
+    assert adapter["activations"] - base["activations"] == int(8 / 3 * stack * 4)
+
 def test_invalid_expert_parallel_degrees_say_what_is_allowed(moe_spec, spec):
     with pytest.raises(ValueError, match=r"allowed: \[1, 2\]"):
         estimate(moe_spec, MOE_WL.model_copy(update={"prompts_per_step": 6}), _cluster(6), FSDPConfig(**FP32, ep=3))
