@@ -44,9 +44,10 @@ def save_calibration(gpu: GPU, coefficients: Coefficients) -> Path:
 
 
 # -- fitting -------------------------------------------------------------------------------------
-#: Coefficients fitted from measurements (the GPU-only and host ones are not visible on CPU probes).
+#: Coefficients fitted from measurements (the GPU-only and host ones are not visible on CPU probes,
+#: nor eager attention's score copies: probes run SDPA, and those copies are counted, not fitted).
 FITTED = ("act_hidden", "act_qkv", "act_mlp", "act_lora", "act_checkpointed", "act_boundary", "fwd_hidden", "fwd_mlp",
-          "gen_hidden", "attn_scores_fwd", "attn_scores_saved", "logits_copies_nograd", "all_gather_overlap")
+          "gen_hidden", "logits_copies_nograd", "all_gather_overlap")
 
 
 class Sample:

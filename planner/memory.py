@@ -64,8 +64,8 @@ class Coefficients(BaseModel):
     fwd_mlp: Annotated[float, Field(description="no-grad forward temporaries, x MLP width")] = 3.0
     gen_hidden: Annotated[float, Field(description="generation prefill: hidden-state copies alive, x hidden_size per prompt token")] = 1.0
     # Attention scores, where a kernel materialises them (eager; SDPA's math fallback on CPU):
-    attn_scores_fwd: Annotated[float, Field(description="batch x heads x Tq x Tk score copies alive in a forward")] = 2.0
-    attn_scores_saved: Annotated[float, Field(description="score copies saved per block for backward")] = 1.0
+    attn_scores_fwd: Annotated[float, Field(description="eager attention: batch x heads x Tq x Tk score copies alive in a forward")] = 2.0
+    attn_scores_saved: Annotated[float, Field(description="eager attention: score copies saved per block for backward")] = 1.0
     # Log-prob workspace: fp32 copies of a chunk's logits alive at the peak. Measured on CPU
     # with torch's MemTracker: 4 either way (chunked: the recomputed logits, their exp and two
     # gradients in backward; unchunked: one copy saved in forward, three made in backward).
@@ -443,12 +443,13 @@ def estimate(
         sum(unit_gathered(u) for u in all_units) if fsdp else 0)
 
     # -- activations ---------------------------------------------------------------------------
-    # Eager attention materialises batch x heads x Tq x Tk scores. GPU SDPA / flash
-    # kernels do not, nor does CPU SDPA (measured: its flash kernel peaks far below the
-    # scores; a boolean padding mask costs one batch x Tq x Tk float copy). On CPU the
-    # fitted coefficients of this head-sized term stand in for that mask-sized one.
-    scores_materialised = workload.attn_implementation == "eager" or (
-        workload.attn_implementation == "sdpa" and not gpu_terms)
+    # Eager attention materialises batch x heads x Tq x Tk scores (one copy saved per block
+    # for backward, two alive in a forward; counted with saved-tensor hooks). SDPA does not,
+    # on GPUs nor on CPU (torch's CPU flash kernel: a 448-token call whose scores would take
+    # 73.5 MiB peaks at 5.4 MiB). Padded batches add Hugging Face's boolean
+    # batch x Tq x Tk mask (a float copy on CPU), which fixed-length probes never have and
+    # the estimate does not model yet.
+    scores_materialised = workload.attn_implementation == "eager"
 
     def scores(batch: int, t_q: int, index: int, copies: float) -> int:
         if not scores_materialised:
