@@ -18,7 +18,6 @@ report's headline numbers are on the held-out half.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -27,12 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _probe_cache import measure_cached  # noqa: E402
+
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.calibration import Sample, fit_coefficients  # noqa: E402
 from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
 from planner.memory import Coefficients, estimate  # noqa: E402
 from planner.models import load_model_spec  # noqa: E402
-from planner.probe import COMPONENTS, ProbeRequest, run_probe  # noqa: E402
+from planner.probe import COMPONENTS, ProbeRequest  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
 ARCHS = {
@@ -76,28 +77,6 @@ def request_for(c: dict, device: str) -> ProbeRequest:
                           optim_cpu_offload=c["offload"])
     return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
                         generate=c["generate"], timed_steps=1, timeout_s=600)
-
-
-def measure(configs: list[dict], device: str, cache: Path, rerun: bool) -> dict[str, dict]:
-    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
-    for c in configs:
-        req = request_for(c, device)
-        key = req.model_dump_json()
-        if key in results:
-            continue
-        print(f"probe {c['id']:>2}: {json.dumps({k: v for k, v in c.items() if k not in ('id', 'half')})}", flush=True)
-        m = run_probe(req)
-        if not m.ok:
-            print(f"  FAILED: {m.failure.splitlines()[0]}")
-            continue
-        results[key] = {
-            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
-                       for ph in PHASES if any(ph in r.phases for r in m.ranks)},
-            "peak": m.peak_bytes,
-        }
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(results, indent=1))
-    return results
 
 
 def estimate_for(c: dict, device: str, coefficients: Coefficients):
@@ -179,7 +158,8 @@ def main() -> None:
     args = parser.parse_args()
     configs = configurations()[: args.limit]
     cache = ROOT / "benchmarks" / "results" / f"accuracy_{args.device}.json"
-    results = measure(configs, args.device, cache, args.rerun)
+    results = measure_cached(configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
+                             phases=PHASES)
     coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
     if args.fit:
         coefficients = fit(configs, results, args.device)

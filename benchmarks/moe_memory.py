@@ -26,7 +26,6 @@ Measurements are cached in ``benchmarks/results/moe_<device>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,12 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _probe_cache import measure_cached  # noqa: E402
+
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.calibration import Sample, fit_coefficients  # noqa: E402
 from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
 from planner.memory import Coefficients, estimate  # noqa: E402
 from planner.models import load_model_spec  # noqa: E402
-from planner.probe import ProbeRequest, run_probe  # noqa: E402
+from planner.probe import ProbeRequest  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
 ARCHS = {
@@ -103,29 +104,6 @@ def request_for(c: dict, device: str) -> ProbeRequest:
                           ep=c["ep"], routed_expert_chunk_mib=c["chunk"])
     return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
                         timed_steps=1, timeout_s=600)
-
-
-def measure(configs: list[dict], device: str, cache: Path, rerun: bool) -> dict[str, dict]:
-    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
-    for i, c in enumerate(configs):
-        req = request_for(c, device)
-        key = req.model_dump_json()
-        if key in results:
-            continue
-        print(f"probe {i + 1}/{len(configs)}: {json.dumps({k: v for k, v in c.items() if k not in ('id', 'half')})}",
-              flush=True)
-        m = run_probe(req)
-        if not m.ok:
-            print(f"  FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
-            continue
-        results[key] = {
-            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
-                       for ph in PHASES if any(ph in r.phases for r in m.ranks)},
-            "peak": m.peak_bytes,
-        }
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(results, indent=1))
-    return results
 
 
 def estimated(c: dict, device: str, coefficients: Coefficients):
@@ -214,7 +192,8 @@ def main() -> None:
     args = parser.parse_args()
     grid = grid_configs()
     cache = ROOT / "benchmarks" / "results" / f"moe_{args.device}.json"
-    results = measure(slope_configs() + grid, args.device, cache, args.rerun)
+    results = measure_cached(slope_configs() + grid, lambda c: request_for(c, args.device), cache=cache,
+                             rerun=args.rerun, phases=PHASES)
     coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
     coefficients = (Coefficients.model_validate_json(coeff_path.read_text()) if coeff_path.exists()
                     else Coefficients())

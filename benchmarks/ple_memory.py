@@ -16,18 +16,19 @@ Measurements are cached in ``benchmarks/results/ple_<device>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _probe_cache import measure_cached  # noqa: E402
+
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
 from planner.memory import Coefficients, estimate  # noqa: E402
 from planner.models import load_model_spec  # noqa: E402
-from planner.probe import ProbeRequest, run_probe  # noqa: E402
+from planner.probe import ProbeRequest  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
 MODELS = {
@@ -56,35 +57,14 @@ def request_for(c: dict, device: str) -> ProbeRequest:
                         timed_steps=1, timeout_s=600)
 
 
-def measure(device: str, cache: Path, rerun: bool) -> dict[str, dict]:
-    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
-    for i, c in enumerate(CONFIGS):
-        req = request_for(c, device)
-        key = req.model_dump_json()
-        if key in results:
-            continue
-        print(f"probe {i + 1}/{len(CONFIGS)}: {json.dumps(c)}", flush=True)
-        m = run_probe(req)
-        if not m.ok:
-            print(f"  FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
-            continue
-        results[key] = {
-            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
-                       for ph in PHASES if any(ph in r.phases for r in m.ranks)},
-            "weights": max(r.param_bytes.get("weights", 0) for r in m.ranks),
-        }
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(results, indent=1))
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
     args = parser.parse_args()
     cache = ROOT / "benchmarks" / "results" / f"ple_{args.device}.json"
-    results = measure(args.device, cache, args.rerun)
+    results = measure_cached(CONFIGS, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
+                             phases=PHASES)
     coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
     coefficients = (Coefficients.model_validate_json(coeff_path.read_text()) if coeff_path.exists()
                     else Coefficients())

@@ -1,0 +1,41 @@
+"""Shared by the accuracy benchmarks: run each probe once, cache its per-phase peaks.
+
+The cache maps a probe request (its JSON) to the worst rank's record of every
+phase, the per-rank peak and the base weights per rank, so reports re-run in
+seconds and ``--rerun`` measures again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from planner.probe import ProbeRequest, run_probe
+
+
+def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest], *,
+                   cache: Path, rerun: bool, phases: Sequence[str]) -> dict[str, dict]:
+    """Probe every configuration missing from ``cache``; returns the whole cache."""
+    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
+    for i, c in enumerate(configs):
+        req = request_for(c)
+        key = req.model_dump_json()
+        if key in results:
+            continue
+        shown = {k: v for k, v in c.items() if k not in ("id", "half")}
+        print(f"probe {i + 1}/{len(configs)}: {json.dumps(shown)}", flush=True)
+        m = run_probe(req)
+        if not m.ok:
+            print(f"  FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
+            continue
+        results[key] = {
+            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
+                       for ph in phases if any(ph in r.phases for r in m.ranks)},
+            "peak": m.peak_bytes,
+            "weights": max(r.param_bytes.get("weights", 0) for r in m.ranks),
+        }
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(results, indent=1))
+    return results
