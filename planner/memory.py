@@ -76,7 +76,7 @@ class Coefficients(BaseModel):
     moe_rows_saved: Annotated[float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")] = 2.0
     moe_rows_hf: Annotated[float, Field(description="Hugging Face experts loop: saved per routed row, x hidden_size (besides act_mlp x width)")] = 2.0
     moe_chunk: Annotated[float, Field(description="one expert chunk's recompute and gradients, x chunk rows x (3 x expert width + hidden)")] = 1.3
-    moe_dispatch: Annotated[float, Field(description="expert-parallel all-to-all buffers in backward, x routed rows of a token block x hidden")] = 2.0
+    moe_dispatch: Annotated[float, Field(description="expert-parallel all-to-all buffers in backward beyond the row gradients, x routed rows of a token block x hidden (none on CPU probes)")] = 0.0
     moe_stack_grad: Annotated[float, Field(description="Hugging Face experts: copies of a block's expert stack made in its backward (the merged weight's gradient)")] = 1.0
     # FSDP2 all-gather: output buffer alive beside the copied-out parameters (fraction of a unit).
     all_gather_overlap: Annotated[float, Field(description="all-gather buffer beside the unsharded unit")] = 1.0
@@ -184,6 +184,25 @@ def _tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: in
     for d in local[1:]:
         rest *= d
     return _Tensor(rows=local[0], rest=rest, sharded=ep_dim is not None or numel >= threshold, group=group)
+
+
+def _reversed_with_parents(order: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """Backward order of (bytes, parent index) entries: reversed, parents re-indexed.
+
+    In backward a block's own unit is gathered first (its pre-backward), then
+    its nested units, so each parent moves ahead of its children."""
+    groups: list[list[tuple[int, int | None]]] = []
+    for size, parent in order:
+        if parent is None:
+            groups.append([(size, None)])
+        else:
+            groups[-1].append((size, parent))
+    out: list[tuple[int, int | None]] = []
+    for group in reversed(groups):
+        head = len(out)
+        out.append(group[0])
+        out.extend((size, head) for size, _ in reversed(group[1:]))
+    return out
 
 
 def _is_packed_expert(name: str, shape: tuple[int, ...] | None = None) -> bool:
@@ -348,6 +367,7 @@ def estimate(
     wrap = fsdp.wrap_every_n_blocks if fsdp else 1
     packed = [any(_is_packed_expert(n, s) for n, s in spec.block(i).tensors) for i in range(spec.num_layers)]
     expert_stack = [0] * spec.num_layers  # elements of a block's routed experts held by one EP rank
+    expert_units: dict[int, _Unit] = {}  # under FSDP each layer's packed experts are a nested unit
     for start in range(0, spec.num_layers, wrap):
         unit = _Unit(f"blocks.{start}")
         for i in range(start, min(start + wrap, spec.num_layers)):
@@ -355,6 +375,7 @@ def estimate(
                 if packed[i] and _is_packed_expert(tname, shape):  # [E, ., .]: split by ep, FSDP over world / ep
                     t = _tensor(shape, threshold, ep=ep, ep_dim=0, group=expert_group)
                     expert_stack[i] += t.numel
+                    expert_units.setdefault(i, _Unit(f"blocks.{i}.experts")).base.append(t)
                 else:
                     t = _tensor(shape, threshold, tp=tp, tp_dim=_tp_dim(tname))
                 unit.base.append(t)
@@ -362,8 +383,10 @@ def estimate(
                 module = name.rsplit(".", 1)[-1]
                 for _ in range(adapters):
                     if packed[i] and _is_packed_expert(name):  # A (r E, in) by its rows, B (out, r E) by its columns
-                        unit.lora.append(_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=expert_group))
-                        unit.lora.append(_tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=expert_group))
+                        pair = (_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=expert_group),
+                                _tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=expert_group))
+                        unit.lora.extend(pair)
+                        expert_units.setdefault(i, _Unit(f"blocks.{i}.experts")).lora.extend(pair)
                         continue
                     # colwise base: B split on its output; rowwise: A on its input
                     unit.lora.append(_tensor((r * a_rows, a_cols), threshold, tp=tp,
@@ -414,28 +437,44 @@ def estimate(
         return int((base + lora) * p)
 
     sizes = [unit_gathered(u) for u in units]  # in forward order
-    largest_unit = max(sizes, default=0)
     root_gathered = unit_gathered(root)
     all_gathered = sum(sizes) + root_gathered
+    # The order FSDP2 gathers in: a block's own parameters, then each of its layers'
+    # nested expert units. Entries are (bytes, index of the enclosing entry or None).
+    order: list[tuple[int, int | None]] = []
+    for u, size in zip(units, sizes):
+        layers = ([i for i in range(int(u.name.split(".")[1]), min(int(u.name.split(".")[1]) + wrap,
+                                                                  spec.num_layers)) if i in expert_units]
+                  if u.name.startswith("blocks.") else [])
+        inner = [unit_gathered(expert_units[i]) for i in layers]
+        outer = len(order)
+        order.append((size - sum(inner), None))
+        order.extend((b, outer) for b in inner)
+    largest_unit = max((b for b, _ in order), default=0)
     # FSDP2 all-gathers a unit into a flat buffer, then copies it out into its
     # parameters: at the peak one such buffer is alive beside the gathered units.
     gather_buffer = int(k.all_gather_overlap * largest_unit)
 
     def in_flight(prefetch: int) -> int:
-        """The largest run of 1 + ``prefetch`` consecutive units, the root, one buffer.
+        """The most gathered at once: a unit, its enclosing block, the next ``prefetch``
+        units in order, the root and one buffer.
 
-        Units run in order (embeddings, blocks, lm_head; reversed in backward),
-        so the gathered set is a sliding window over that order. With
-        reshard_after_forward=False every unit stays gathered from its forward
-        to its backward, and after a no-grad forward until the next backward
-        (FSDP2 reshards in post-backward only).
+        Units run in order (embeddings, blocks with their nested expert units,
+        lm_head; reversed in backward), so the gathered set is a sliding window
+        over that order. With reshard_after_forward=False every unit stays
+        gathered from its forward to its backward, and after a no-grad forward
+        until the next backward (FSDP2 reshards in post-backward only).
         """
         if not fsdp:
             return 0
         if not fsdp.reshard_after_forward:
             return all_gathered + gather_buffer
-        width = 1 + prefetch
-        window = max((sum(sizes[i : i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
+        window = 0
+        for direction in (order, _reversed_with_parents(order)):
+            for j, (size, parent) in enumerate(direction):
+                held = size + (direction[parent][0] if parent is not None else 0)
+                held += sum(b for b, _ in direction[j + 1 : j + 1 + prefetch])
+                window = max(window, held)
         return window + root_gathered + gather_buffer
 
     bwd_gathered = in_flight(fsdp.backward_prefetch_units if fsdp else 0)
@@ -508,7 +547,10 @@ def estimate(
             # The merged stack's gradient, and the grouped GEMMs' row gradient (down's input
             # gradient, width wide) beside the saved tensors.
             return int((k.moe_stack_grad * expert_stack[index] + rows * expert_width) * p)
-        out = 0.0
+        # Row gradients of one token block, each rows x hidden: the combine's, the
+        # un-permute's (or the all-to-all's), the expert input's accumulator and one
+        # chunk's zero-padded slice gradient added into it (counted in backward).
+        out = 4.0 * rows / (fsdp.ep_token_blocks if fsdp else 1) * H * p
         if chunk_mib is not None:
             out += k.moe_chunk * expert_chunk(rows, expert_width) * (3 * expert_width + H) * p
         if ep > 1:

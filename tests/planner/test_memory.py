@@ -299,6 +299,33 @@ def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
                        None).phases["reference"].components
     assert adapter["activations"] - base["activations"] == int(8 / 3 * stack * 4)
 
+
+def test_expert_units_are_gathered_inside_their_block(moe_spec):
+    """Under FSDP each layer's packed experts are a unit nested in the block's: a no-grad
+    forward holds the experts, their block's own parameters and the next unit in order,
+    not two whole blocks (plus the root; no all-gather buffer here)."""
+    fsdp = FSDPConfig(**FP32, routed_expert_chunk_mib=1, prefetch_units=1)
+    wl = MOE_WL.model_copy(update={"prompts_per_step": 2, "logprob_chunk_size": 16})
+    est = estimate(moe_spec, wl, _cluster(2), fsdp, coefficients=Coefficients(all_gather_overlap=0.0))
+    r = wl.lora_rank
+
+    def lora(entries, experts):
+        return r * sum(ar * ac + br * bc for n, ar, ac, br, bc in entries if ("experts" in n) == experts)
+
+    outer = [sum(math.prod(s) for n, s in b.tensors if not _is_expert(n)) + lora(b.lora["all-linear"], False)
+             for b in moe_spec.blocks]
+    experts = [sum(math.prod(s) for n, s in b.tensors if _is_expert(n)) + lora(b.lora["all-linear"], True)
+               for b in moe_spec.blocks]
+    embed, head = math.prod(moe_spec.embed_shape), math.prod(moe_spec.lm_head_shape)
+    root = sum(math.prod(s) for _, s in moe_spec.root_tensors)
+    # forward order: embed, outer0, experts0, outer1, experts1, lm_head
+    held = [embed + outer[0], outer[0] + experts[0], outer[0] + experts[0] + outer[1],
+            outer[1] + experts[1], outer[1] + experts[1] + head, head]
+    assert moe_spec.num_layers == 2 and not moe_spec.tie_word_embeddings
+    assert est.phases["reference"].components["weights_gathered"] == (max(held) + root) * 4
+    two_blocks = outer[0] + experts[0] + outer[1] + experts[1]
+    assert max(held) < two_blocks
+
 def test_invalid_expert_parallel_degrees_say_what_is_allowed(moe_spec, spec):
     with pytest.raises(ValueError, match=r"allowed: \[1, 2\]"):
         estimate(moe_spec, MOE_WL.model_copy(update={"prompts_per_step": 6}), _cluster(6), FSDPConfig(**FP32, ep=3))
