@@ -160,6 +160,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
             agent.save_checkpoint(tmp)
     recorder.enabled = False
     result["phases"].update(recorder.peaks)
+    result["moe_rows"] = _moe_rows(agent.model)
     host = _host_state_bytes(agent)
     if host:
         for record in result["phases"].values():
@@ -183,6 +184,20 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
                 if rec.get("cuda_max_allocated", rec["total"]) > budget}
         result["over_budget_phases"] = over
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+
+
+def _moe_rows(model) -> dict[str, float]:
+    """Routed rows this rank's experts computed per token block: the largest block and the mean
+    (row-wise experts only; empty otherwise). Their ratio across ranks is the load imbalance."""
+    from agilerl.distributed._moe import moe_layout
+
+    layout = moe_layout(model)
+    if layout is None or not layout.layers:
+        return {}
+    stats = layout.stats()
+    blocks = sum(s.num_token_blocks for s in stats)
+    return {"max_block": float(max(s.max_rows_received for s in stats)),
+            "mean_block": sum(s.num_rows_received for s in stats) / max(1, blocks)}
 
 
 def _fault_injection(rank: int, variable: str = "AGILERL_PROBE_KILL") -> str | None:

@@ -60,6 +60,8 @@ class RankMeasurement(BaseModel):
     error: str | None = None
     oom: bool = False
     oom_phase: str | None = None
+    # Row-wise MoE experts: routed rows computed per token block, the largest and the mean.
+    moe_rows: dict[str, float] = {}
 
 
 class Measurement(BaseModel):
@@ -84,6 +86,16 @@ class Measurement(BaseModel):
     def phase_total(self, phase: str, *, key: str = "total") -> int:
         """The largest per-rank peak of ``phase`` (device bytes)."""
         return max((r.phases.get(phase, {}).get(key, 0) for r in self.ranks), default=0)
+
+    @property
+    def moe_load_imbalance(self) -> float | None:
+        """Rows of the busiest rank's largest token block over the mean rows per block on a rank
+        (row-wise MoE experts; 1.0 is perfectly balanced routing). None without such experts."""
+        rows = [r.moe_rows for r in self.ranks if r.moe_rows]
+        if not rows:
+            return None
+        mean = sum(r["mean_block"] for r in rows) / len(rows)
+        return max(r["max_block"] for r in rows) / mean if mean else None
 
     def device_peak(self, record: dict[str, int]) -> int:
         return record.get("cuda_max_allocated", record.get("total", 0))
@@ -164,6 +176,11 @@ def _format_table(m: Measurement) -> str:
             cells = "".join(f"{_mib(rec.get(c, 0)):>15}" for c in components)
             lines.append(f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}")
     lines.append(f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB")
+    imbalance = m.moe_load_imbalance
+    if imbalance is not None:
+        busiest = max(r.moe_rows["max_block"] for r in m.ranks if r.moe_rows)
+        lines.append(f"MoE routed rows per token block: busiest {busiest:,.0f}, "
+                     f"{imbalance:.2f}x the mean (1.00 is balanced)")
     if m.step_seconds:
         lines.append(f"step {m.step_seconds_median:.3f} s median (spread {m.step_seconds_spread:.3f} s over "
                      f"{len(m.step_seconds)} steps); {m.tokens_per_second:,.0f} tokens/s")
@@ -270,7 +287,7 @@ def run_probe(
         ranks.append(RankMeasurement(
             rank=data["rank"], phases=data.get("phases", {}), step_seconds=data.get("step_seconds", []),
             param_bytes=data.get("param_bytes", {}), load_seconds=data.get("load_seconds"), error=data.get("error"),
-            oom=data.get("oom", False), oom_phase=data.get("oom_phase"),
+            oom=data.get("oom", False), oom_phase=data.get("oom_phase"), moe_rows=data.get("moe_rows", {}),
         ))
         mb, chunk = data.get("micro_batch_size_per_gpu"), data.get("logprob_chunk_size")
     ranks.sort(key=lambda r: r.rank)

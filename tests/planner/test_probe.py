@@ -58,6 +58,7 @@ def _expected_local_bytes(world: int) -> dict[int, dict[str, int]]:
 def test_two_rank_probe_measures_exact_parameter_bytes_and_judges_the_budget():
     m = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2, timed_steps=2))
     assert m.ok, m.failure
+    assert m.moe_load_imbalance is None  # a dense model routes nothing
     expected = _expected_local_bytes(2)
     assert [r.rank for r in m.ranks] == [0, 1]
     for r in m.ranks:
@@ -147,3 +148,19 @@ def test_grouped_units_deferred_micro_batches_and_generation_are_measured():
         assert {"rollout", "reference", "learn", "step"} <= set(r.phases)
         assert r.phases["learn"]["weights_gathered"] > 0
         assert r.phases["rollout"]["total"] > r.phases["step"]["total"]
+
+
+def test_expert_parallel_probe_reports_routed_rows_and_load_imbalance():
+    """ep=2 on 2 ranks: every token's k rows are computed on some rank, so the ranks' mean rows
+    per token block sum to world x micro-batch x sequence x k; the busiest block is at least
+    the mean (1.0 is balanced routing)."""
+    model = ("tiny:qwen3_moe?hidden_size=32&moe_intermediate_size=32&num_experts=4&num_experts_per_tok=2"
+             "&num_layers=2&num_heads=4&num_kv_heads=2")
+    workload = SMALL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False})
+    fsdp = FSDPConfig(**SHARD_ALL, ep=2, routed_expert_chunk_mib=1)
+    m = run_probe(ProbeRequest(model=model, workload=workload, fsdp=fsdp, nproc=2, timed_steps=1))
+    assert m.ok, m.failure
+    tokens = 2 * workload.micro_batch_size_per_gpu * (workload.prompt_tokens + workload.completion_tokens)
+    assert sum(r.moe_rows["mean_block"] for r in m.ranks) == pytest.approx(tokens * 2)
+    assert all(r.moe_rows["max_block"] >= r.moe_rows["mean_block"] for r in m.ranks)
+    assert m.moe_load_imbalance >= 1.0
