@@ -334,10 +334,15 @@ def estimate(
     lora_names = [[entry[0] for entry in b.lora[lora_key]] for b in spec.blocks]
     if tp > 1:
         for b in spec.block_types.values():
-            if b.attention.num_heads % tp or b.attention.num_kv_heads % tp or b.mlp.kind == "moe":
+            if b.attention.num_heads % tp or b.attention.num_kv_heads % tp:
                 raise ValueError(
                     f"tp={tp} needs attention heads ({b.attention.num_heads}) and KV heads "
-                    f"({b.attention.num_kv_heads}) divisible by it, and dense MLPs")
+                    f"({b.attention.num_kv_heads}) divisible by it")
+            packed_block = any(_is_packed_expert(n, s) for n, s in b.tensors)
+            if b.mlp.kind == "moe" and not packed_block:
+                raise ValueError(f"tp={tp} needs MoE experts packed per layer ({b.kind} loops over expert modules)")
+            if b.mlp.kind != "moe" and b.mlp.intermediate_size % tp:
+                raise ValueError(f"tp={tp} needs the MLP width ({b.mlp.intermediate_size}) divisible by it")
     ep = fsdp.ep if fsdp else 1
     if ep > 1:
         _check_ep(spec, ep, W, fsdp)
@@ -377,7 +382,9 @@ def estimate(
                     expert_stack[i] += t.numel
                     expert_units.setdefault(i, _Unit(f"blocks.{i}.experts")).base.append(t)
                 else:
-                    t = _tensor(shape, threshold, tp=tp, tp_dim=_tp_dim(tname))
+                    # A MoE block splits its attention only (agilerl.distributed._tp).
+                    split = not packed[i] or tname.startswith("self_attn.")
+                    t = _tensor(shape, threshold, tp=tp, tp_dim=_tp_dim(tname) if split else None)
                 unit.base.append(t)
             for name, (a_rows, a_cols, b_rows, b_cols) in zip(lora_names[i], lora_shapes[i]):
                 module = name.rsplit(".", 1)[-1]
@@ -389,9 +396,10 @@ def estimate(
                         expert_units.setdefault(i, _Unit(f"blocks.{i}.experts")).lora.extend(pair)
                         continue
                     # colwise base: B split on its output; rowwise: A on its input
-                    unit.lora.append(_tensor((r * a_rows, a_cols), threshold, tp=tp,
+                    split = tp if not packed[i] or name.startswith("self_attn.") else 1
+                    unit.lora.append(_tensor((r * a_rows, a_cols), threshold, tp=split,
                                              tp_dim=1 if module in _ROWWISE else None))
-                    unit.lora.append(_tensor((b_rows, r * b_cols), threshold, tp=tp,
+                    unit.lora.append(_tensor((b_rows, r * b_cols), threshold, tp=split,
                                              tp_dim=0 if module in _COLWISE else None))
         units.append(unit)
     if head is not None:
@@ -516,7 +524,8 @@ def estimate(
         width = b.mlp.shared_intermediate_size if b.mlp.kind == "moe" else b.mlp.intermediate_size
         qkv = b.attention.q_dim + 2 * b.attention.kv_dim
         # Tensor parallelism splits heads and MLP columns; the hidden stream is whole.
-        per_token = (k.act_hidden * H + (k.act_qkv * qkv + k.act_mlp * width) / tp) * p
+        mlp_tp = 1 if packed[index] else tp  # a MoE block's MLP is whole on every TP rank
+        per_token = (k.act_hidden * H + k.act_qkv * qkv / tp + k.act_mlp * width / mlp_tp) * p
         # AltUp's predict / correct over every stream and its router save about 7.5 hidden-sized
         # tensors per token per extra stream (counted on Gemma-3n's forward with LoRA).
         per_token += 7.5 * extra_streams * H * p
@@ -579,7 +588,7 @@ def estimate(
                 # them (three copies of gate_up's, two of down's, about 8/3 of the stack;
                 # counted on a no-grad forward with transformers 5).
                 experts = (rows * (4 * expert_width + H) + (8 / 3 * expert_stack[index] if adapters_on else 0)) * p
-        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / tp) * p + experts
+        temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / (1 if packed[index] else tp)) * p + experts
         if extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
             temps += (4 * extra_streams + 2) * batch * length * H * p
         return int(temps) + scores(batch, length, index, k.attn_scores_fwd)

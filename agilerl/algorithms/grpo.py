@@ -204,7 +204,7 @@ class GRPO(LLMAlgorithm):
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
-        if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None and self.fsdp_config.tp == 1:
+        if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
             self._resolve_expert_chunk(actor_network)
         self._build(actor_network)
         self.eos_token_id = self._eos_token_id()

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-style) for dense decoder blocks, composed with FSDP2.
+"""Tensor parallelism (Megatron-style) for decoder blocks, composed with FSDP2.
 
 Ranks form a 2-D mesh ``("dp", "tp")`` with ``tp`` innermost, so the ranks of one
 TP group are consecutive and ``rank // tp`` is the data-parallel rank. Inside a
@@ -16,6 +16,11 @@ and back with ``reshape(*shape, -1)``, so it infers the local head count;
 ``num_key_value_groups = heads / kv_heads`` is the same locally (each rank holds
 whole GQA groups when ``kv_heads % tp == 0``); Gemma's attention softcapping acts
 on per-head scores and its final-logit softcapping on the whole lm_head output.
+
+In a MoE block only the attention is split: the router, the packed experts and
+any shared experts stay whole and run alike on every TP rank (their inputs are
+identical after ``o_proj``'s all-reduce), so their gradients are identical on
+every TP rank too. Expert parallelism (``ep > 1``) is not combined with TP.
 
 Per-head norms (Qwen3 and Gemma 3 ``q_norm`` / ``k_norm``) see only local heads,
 so their weight gradient on one rank is a partial sum over its heads. They
@@ -108,14 +113,16 @@ def tp_mesh_layout(world_size: int, tp: int) -> tuple[int, int]:
     return world_size // tp, tp
 
 
-def check_tp_divides(config: Any, tp: int) -> None:
-    """Raise unless ``tp`` ranks can each hold whole heads, whole GQA groups and MLP columns."""
+def check_tp_divides(config: Any, tp: int, *, dense_mlp: bool = True) -> None:
+    """Raise unless ``tp`` ranks can each hold whole heads, whole GQA groups and MLP columns
+    (``dense_mlp=False``: no dense MLP is split, as in a model whose every block is MoE)."""
     num_heads = config.num_attention_heads
     counts = {
         "num_attention_heads": num_heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or num_heads,
-        "intermediate_size": config.intermediate_size,
     }
+    if dense_mlp:
+        counts["intermediate_size"] = config.intermediate_size
     bad = {name: n for name, n in counts.items() if n % tp}
     if bad:
         raise ValueError(
@@ -260,20 +267,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPLayout:
         raise ValueError("apply_tensor_parallel was already applied to this model")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_tensor_parallel must run before fully_shard (TP first, then FSDP)")
-    check_tp_divides(_text_config(model), tp_mesh.size())
+    from ._moe import is_moe_block
+
     _, blocks = find_transformer_blocks(model)
     names = {id(m): n for n, m in model.named_modules()}
     plan = []
     for block in blocks:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         prefix = names.get(id(block), type(inner).__name__)
-        for path in BLOCK_PLAN:
+        # A MoE block splits its attention only: its router and experts (and any shared
+        # experts) stay whole, computed alike on every TP rank from identical inputs.
+        paths = [p for p in BLOCK_PLAN if not (is_moe_block(inner) and p.startswith("mlp."))]
+        for path in paths:
             _check_linear(_get(inner, path), f"{prefix}.{path}")
-        plan.append((prefix, inner))
+        plan.append((prefix, inner, paths))
+    check_tp_divides(_text_config(model), tp_mesh.size(),
+                     dense_mlp=any(p.startswith("mlp.") for _, _, paths in plan for p in paths))
 
     layout = TPLayout(mesh=tp_mesh)
-    for prefix, inner in plan:
-        for path, kind in BLOCK_PLAN.items():
+    for prefix, inner, paths in plan:
+        for path in paths:
+            kind = BLOCK_PLAN[path]
             layout.num_lora_layers += _split_linear(inner.get_submodule(path), tp_mesh, kind)
             (layout.colwise if kind == "colwise" else layout.rowwise).append(f"{prefix}.{path}")
         for path in HEAD_NORMS:

@@ -234,6 +234,28 @@ def test_expert_weights_split_by_ep_then_sharded_over_the_rest(moe_spec, world, 
     assert est.phases["learn"].components["weights"] == expected
 
 
+
+def test_tensor_parallel_moe_splits_attention_only(moe_spec):
+    """tp=2 on 4 GPUs: a MoE block's q/k/v split on their outputs and o on its input; the
+    router and packed experts stay whole on every TP rank; then FSDP shards dim 0 over dp=2."""
+    tp, dp = 2, 2
+    wl = MOE_WL.model_copy(update={"prompts_per_step": 2})
+    est = estimate(moe_spec, wl, _cluster(4), FSDPConfig(**FP32, tp=tp, routed_expert_chunk_mib=1))
+    shapes = [("embed", moe_spec.embed_shape), ("lm_head", moe_spec.lm_head_shape)]
+    shapes += list(moe_spec.root_tensors) + [t for b in moe_spec.blocks for t in b.tensors]
+    expected = 0
+    for name, shape in shapes:
+        local = list(shape)
+        module = name.split(".")[-2] if "." in name else ""
+        if name.startswith("self_attn.") and module in ("q_proj", "k_proj", "v_proj"):
+            local[0] //= tp
+        elif name.startswith("self_attn.") and module == "o_proj":
+            local[1] //= tp
+        expected += math.ceil(local[0] / dp) * math.prod(local[1:]) * 4
+    assert est.phases["learn"].components["weights"] == expected
+    with pytest.raises(ValueError, match="with tp > 1"):
+        estimate(moe_spec, wl, _cluster(4), FSDPConfig(**FP32, tp=2, ep=2))
+
 def test_expert_parallel_gathers_a_fraction_of_the_experts(moe_spec):
     """A unit all-gathers E/ep experts over world/ep ranks: the gathered stack shrinks by ep."""
     no_grad = {ep: estimate(moe_spec, MOE_WL, _cluster(4), FSDPConfig(**FP32, ep=ep, routed_expert_chunk_mib=1))

@@ -346,9 +346,10 @@ def _grad_parity(arch: str, attn: str = "eager"):
     return run
 
 
-# Gemma: softcapping; Gemma 3: q/k norms; SDPA: the kernel transformers picks by default.
+# Gemma: softcapping; Gemma 3: q/k norms; SDPA: the kernel transformers picks by default;
+# MoE: attention split, router and packed experts whole.
 for _arch, _attn in (("mistral", "eager"), ("gemma2", "eager"), ("gemma3", "eager"),
-                     ("qwen2", "sdpa")):
+                     ("qwen2", "sdpa"), ("qwen3_moe", "eager"), ("mixtral", "eager")):
     _fn = _grad_parity(_arch, _attn)
     _fn.__name__ = f"tp2_logits_and_grads_{_arch}_{_attn}"
     _case(two_ranks)(_fn)
@@ -487,6 +488,26 @@ def dp2_tp2_fsdp_lora_adapters_replicated_over_dp(ctx):
     assert {n for n, p in model.named_parameters() if p.requires_grad} <= {
         n for n, p in model.named_parameters() if any(p is r for r in replicated)}
     losses, state = _sharded_train(model, data, mesh, replicated=replicated)
+    _assert_trained_like(model0, ref_losses, ref_state, losses, state, atol=LORA_ATOL)
+
+
+@_case(four_ranks)
+def dp2_tp2_apply_fsdp2_moe_with_lora_and_expert_chunks(ctx):
+    """apply_fsdp2 with tp=2 on a MoE model: attention split over tp, experts run row-wise in
+    1-MiB chunks under LoRA on their packed stacks, everything FSDP-sharded over dp."""
+    from agilerl.distributed import apply_fsdp2, fsdp_layout
+
+    model0 = _lora(tiny_model("qwen3_moe"))
+    data = batches(model0.config.vocab_size)
+    model = copy.deepcopy(model0)
+    apply_fsdp2(model, FSDPConfig(**FP32, tp=2, routed_expert_chunk_mib=1))
+    mesh = fsdp_layout(model).mesh
+    assert fsdp_layout(model).moe is not None
+    q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert q.device_mesh.mesh_dim_names == ("dp", "tp")
+    _assert_grads_like(model, copy.deepcopy(model0), data[0], mesh)  # cleared by zero_grad
+    ref_losses, ref_state = reference_run(model0, data)
+    losses, state = _sharded_train(model, data, mesh)
     _assert_trained_like(model0, ref_losses, ref_state, losses, state, atol=LORA_ATOL)
 
 
