@@ -18,18 +18,20 @@ from agilerl.distributed import FSDPConfig
 
 from .choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
 from .hardware import Cluster
-from .memory import DTYPE_BYTES, expert_parallel_degrees
+from .memory import DTYPE_BYTES, expert_parallel_degrees, tensor_parallel_degrees
 from .spec import ModelSpec
 from .workload import Workload
 
-__all__ = ["Candidate", "Space", "FSDP_KNOBS", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
+__all__ = ["Candidate", "Space", "FSDP_KNOBS", "TUNED_FSDP", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
            "plan_params"]
 
 #: FSDPConfig fields the planner fills, in the order it relaxes them (the last two for MoE models only).
 FSDP_KNOBS = ("optim_cpu_offload", "shard_group_size", "reshard_after_forward", "wrap_every_n_blocks",
               "prefetch_units", "backward_prefetch_units", "ep", "routed_expert_chunk_mib")
+#: FSDPConfig fields the tuner sets: the planner's, and tp (searched for MoE models only).
+TUNED_FSDP = (*FSDP_KNOBS, "tp")
 #: Knobs shown in tables only when searched or not at their default (dense models never have them).
-_MOE_KNOBS = ("ep", "routed_expert_chunk_mib")
+_MOE_KNOBS = ("ep", "routed_expert_chunk_mib", "tp")
 #: Workload fields left to the planner when None.
 WORKLOAD_KNOBS = ("micro_batch_size_per_gpu", "gradient_checkpointing", "logprob_chunk_size")
 
@@ -56,7 +58,7 @@ class Candidate(BaseModel):
         """The tuned fields and their values, for tables."""
         out: dict[str, Any] = {"sharding": "fsdp" if self.fsdp else "none"}
         if self.fsdp:
-            out.update({k: getattr(self.fsdp, k) for k in FSDP_KNOBS
+            out.update({k: getattr(self.fsdp, k) for k in TUNED_FSDP
                         if k not in _MOE_KNOBS or getattr(self.fsdp, k) != FSDPConfig.model_fields[k].default})
         out.update({k: getattr(self.workload, k) for k in WORKLOAD_KNOBS})
         return out
@@ -78,11 +80,14 @@ class Space(BaseModel):
     def candidate(self, params: dict[str, Any]) -> Candidate:
         """The candidate for a full assignment (single-choice knobs may be left out)."""
         value = {name: params.get(name, values[0]) for name, values in self.choices.items()}
+        if value["tp"] > 1:
+            value["ep"] = 1  # tensor parallel is not combined with expert parallel or HSDP
+            value["shard_group_size"] = None
         if value["ep"] > 1:
             value["shard_group_size"] = None  # expert parallel is not combined with HSDP
         fsdp = None
         if value["sharding"] == "fsdp":
-            fsdp = FSDPConfig(**{**self.fsdp_base, **{k: value[k] for k in FSDP_KNOBS}})
+            fsdp = FSDPConfig(**{**self.fsdp_base, **{k: value[k] for k in TUNED_FSDP}})
         workload = self.workload.model_copy(update={k: value[k] for k in WORKLOAD_KNOBS})
         return Candidate(fsdp=fsdp, workload=workload)
 
@@ -112,6 +117,12 @@ def _expert_chunks(spec: ModelSpec, workload: Workload, max_micro: int, param_dt
         if chunk * 2**20 >= need:
             break
     return tuple(out)
+
+
+def _tp_degrees(spec: ModelSpec, workload: Workload, cluster: Cluster) -> tuple[int, ...]:
+    """TP degrees the runtime accepts, within a node (TP all-reduces every block), that leave
+    whole micro-batches: the micro-batch choices are tp=1's, which divide every larger share."""
+    return tuple(d for d in tensor_parallel_degrees(spec, cluster.num_gpus) if d <= cluster.per_node)
 
 
 def _ep_degrees(spec: ModelSpec, cluster: Cluster) -> tuple[int, ...]:
@@ -163,19 +174,22 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
     per_gpu = workload.completions_per_rank(cluster.num_gpus // tp)
     user = workload.micro_batch_size_per_gpu
     choices["micro_batch_size_per_gpu"] = (user,) if user else _divisors(per_gpu)
-    # MoE: expert parallel (not with tp or HSDP, which the runtime refuses) and the expert
-    # chunk; tp itself stays as given (the runtime's TP covers dense MLPs only).
+    # MoE: expert parallel and tensor parallel (attention only; neither with the other nor
+    # with HSDP, which the runtime refuses), and the expert chunk. Dense models keep tp as given.
     if spec.is_moe and "fsdp" in options:
         hsdp_fixed = fixed.get("shard_group_size") is not None
         choices["ep"] = one_or("ep", (1,) if tp > 1 or hsdp_fixed else _ep_degrees(spec, cluster))
+        choices["tp"] = one_or("tp", (1,) if hsdp_fixed or "ep" in fixed and fixed["ep"] > 1
+                               else _tp_degrees(spec, workload, cluster))
         dtype = fixed.get("param_dtype", FSDPConfig.model_fields["param_dtype"].default)
         dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         choices["routed_expert_chunk_mib"] = one_or(
             "routed_expert_chunk_mib", _expert_chunks(spec, workload, max(choices["micro_batch_size_per_gpu"]), dtype))
     else:
         choices["ep"] = one_or("ep", (1,))
+        choices["tp"] = (tp,)
         choices["routed_expert_chunk_mib"] = one_or("routed_expert_chunk_mib", (None,))
-    for name in FSDP_KNOBS:
+    for name in TUNED_FSDP:
         base.pop(name, None)
     gc = workload.gradient_checkpointing
     choices["gradient_checkpointing"] = (gc,) if gc is not None else (True, False)
@@ -196,18 +210,22 @@ def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
 
     params = {"sharding": pick("sharding")}
     if params["sharding"] == "fsdp":
-        params["ep"] = pick("ep")
+        params["tp"] = pick("tp")
+        params["ep"] = pick("ep") if params["tp"] == 1 else 1
+        alone = params["ep"] > 1 or params["tp"] > 1  # neither is combined with HSDP
         params.update({name: pick(name) for name in FSDP_KNOBS
-                       if name != "ep" and not (name == "shard_group_size" and params["ep"] > 1)})
+                       if name != "ep" and not (name == "shard_group_size" and alone)})
     params.update({name: pick(name) for name in WORKLOAD_KNOBS})
     return space.candidate(params)
 
 
 def _searched_params(space: Space, value: dict[str, Any]) -> dict[str, Any]:
     """The Optuna params of a full assignment: searched knobs that apply to it."""
-    names = ["sharding", *(FSDP_KNOBS if value["sharding"] == "fsdp" else ()), *WORKLOAD_KNOBS]
-    if value["sharding"] == "fsdp" and value["ep"] > 1:
-        names.remove("shard_group_size")  # not suggested under expert parallel
+    names = ["sharding", *(TUNED_FSDP if value["sharding"] == "fsdp" else ()), *WORKLOAD_KNOBS]
+    if value["sharding"] == "fsdp" and value["tp"] > 1:
+        names.remove("ep")  # not suggested under tensor parallel
+    if value["sharding"] == "fsdp" and (value["ep"] > 1 or value["tp"] > 1):
+        names.remove("shard_group_size")  # not suggested under expert or tensor parallel
     return {n: value[n] for n in names if len(space.choices[n]) > 1}
 
 
@@ -218,6 +236,8 @@ def grid(space: Space) -> list[dict[str, Any]]:
     for combo in itertools.product(*(space.choices[n] for n in names)):
         value = dict(zip(names, combo))
         if value["ep"] > 1 and value["shard_group_size"] is not None:
+            continue
+        if value["tp"] > 1 and (value["ep"] > 1 or value["shard_group_size"] is not None):
             continue
         params = _searched_params(space, value)
         key = json.dumps(params, sort_keys=True)
@@ -231,17 +251,18 @@ def plan_params(space: Space, plan: Plan) -> dict[str, Any] | None:
     """The Optuna params reproducing the planner's pick; None when it lies outside the space."""
     value: dict[str, Any] = {"sharding": "fsdp" if plan.fsdp is not None else "none"}
     if plan.fsdp is not None:
-        value.update({k: getattr(plan.fsdp, k) for k in FSDP_KNOBS})
+        value.update({k: getattr(plan.fsdp, k) for k in TUNED_FSDP})
     value.update({k: getattr(plan.workload, k) for k in WORKLOAD_KNOBS})
     chunks = space.choices["logprob_chunk_size"]
     if value["logprob_chunk_size"] > chunks[-1]:
         value["logprob_chunk_size"] = chunks[-1]  # every chunk past the last runs all rows at once
     if plan.fsdp is None:
-        value.update(ep=1, routed_expert_chunk_mib=space.choices["routed_expert_chunk_mib"][0])
+        value.update(ep=1, tp=space.choices["tp"][0],
+                     routed_expert_chunk_mib=space.choices["routed_expert_chunk_mib"][0])
     chunks_mib = space.choices["routed_expert_chunk_mib"]
     if value["routed_expert_chunk_mib"] is not None and chunks_mib[-1] is not None:
         value["routed_expert_chunk_mib"] = min(value["routed_expert_chunk_mib"], chunks_mib[-1])
-    names = ["sharding", *(FSDP_KNOBS if plan.fsdp is not None else ()), *WORKLOAD_KNOBS]
+    names = ["sharding", *(TUNED_FSDP if plan.fsdp is not None else ()), *WORKLOAD_KNOBS]
     if any(value[n] not in space.choices[n] for n in names):
         return None
     if plan.fsdp is not None and any(getattr(plan.fsdp, k) != v for k, v in space.fsdp_base.items()):

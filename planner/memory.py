@@ -246,6 +246,24 @@ def expert_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
     return [d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts)]
 
 
+def tensor_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
+    """TP degrees agilerl.distributed accepts on ``world`` GPUs: dividing the GPUs, every block's
+    attention and KV heads and each dense MLP's width (a MoE block splits its attention only,
+    and needs its experts packed)."""
+    out = []
+    for d in range(1, world + 1):
+        if world % d:
+            continue
+        ok = True
+        for b in spec.block_types.values():
+            packed = any(_is_packed_expert(n, s) for n, s in b.tensors)
+            ok &= not (b.attention.num_heads % d or b.attention.num_kv_heads % d)
+            ok &= packed if b.mlp.kind == "moe" else not b.mlp.intermediate_size % d
+        if ok or d == 1:
+            out.append(d)
+    return out
+
+
 def _check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
     """The EP degree agilerl.distributed accepts: packed experts, dividing the world and every expert count."""
     allowed = expert_parallel_degrees(spec, world)

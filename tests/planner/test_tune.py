@@ -149,9 +149,9 @@ def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
     assert not any(p.get("ep", 1) > 1 and p.get("shard_group_size") for p in params)  # no EP with HSDP
     assert any(p.get("ep") == 2 for p in params) and any(p.get("shard_group_size") == 2 for p in params)
 
-    class Trial:  # suggests the last value of every knob
+    class Trial:  # suggests the last value of every knob but tp (which excludes ep)
         def suggest_categorical(self, name, choices):
-            return choices[-1]
+            return 1 if name == "tp" else choices[-1]
 
     c = suggest_candidate(Trial(), two_nodes)
     assert c.fsdp.ep == 2 and c.fsdp.shard_group_size is None
@@ -159,6 +159,35 @@ def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
     fixed = search_space(moe, wl, cpu_cluster(MIB, 4), fixed={"ep": 2, "routed_expert_chunk_mib": 8},
                          sharding="fsdp")
     assert "ep" not in fixed.searched and fixed.candidate({}).fsdp.routed_expert_chunk_mib == 8
+    assert fixed.choices["tp"] == (1,)  # expert parallel is not combined with tensor parallel
+
+
+@pytest.mark.timeout(60)
+def test_moe_search_space_adds_tensor_parallel_for_the_attention():
+    from planner._tune_space import grid, plan_params, suggest_candidate
+
+    # 4 heads, 2 KV heads: tp 1 or 2 of the 4 GPUs; the experts stay whole, so their width does not matter.
+    moe = load_model_spec("tiny:qwen3_moe?hidden_size=64&moe_intermediate_size=24&num_experts=4&num_layers=2")
+    wl = SMALL.model_copy(update={"prompts_per_step": 8})
+    space = search_space(moe, wl, cpu_cluster(MIB, 4), fixed={}, sharding="fsdp")
+    assert space.choices["tp"] == (1, 2) and "tp" in space.searched
+    params = grid(space)
+    assert any(p.get("tp") == 2 for p in params)
+    assert not any(p.get("tp") == 2 and ("ep" in p or "shard_group_size" in p) for p in params)
+
+    class Trial:  # suggests the last value of every knob
+        def suggest_categorical(self, name, choices):
+            return choices[-1]
+
+    c = suggest_candidate(Trial(), space)
+    assert c.fsdp.tp == 2 and c.fsdp.ep == 1 and c.knobs()["tp"] == 2
+    est = estimate(moe, c.workload, cpu_cluster(MIB, 4), c.fsdp)  # the estimate takes every candidate
+    assert est.peak_bytes > 0
+    picked = plan(moe, wl, cpu_cluster(2**40, 4), fixed={}, sharding="fsdp")
+    assert plan_params(space, picked) is not None and picked.fsdp.tp == 1  # the planner leaves tp at 1
+    assert search_space(moe, wl, cpu_cluster(MIB, 4), fixed={"tp": 2}, sharding="fsdp").choices["tp"] == (2,)
+    dense = search_space(load_model_spec(MODEL), SMALL, cpu_cluster(MIB), fixed={}, sharding="fsdp")
+    assert "tp" not in dense.searched and "tp" not in dense.candidate({}).knobs()
 
 
 @pytest.mark.timeout(60)
