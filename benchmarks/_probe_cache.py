@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from planner.calibration import Sample
+from planner.hardware import CPU_DEVICE, Cluster
+from planner.models import load_model_spec
 from planner.probe import ProbeRequest, run_probe
 
 
@@ -39,3 +42,18 @@ def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dic
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(results, indent=1))
     return results
+
+
+def calibration_samples(configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest],
+                        results: dict[str, dict]) -> list[Sample]:
+    """The cached measurements of ``configs`` as planner.calibration samples (CPU clusters)."""
+    out = []
+    for c in configs:
+        req = request_for(c)
+        rec = results.get(req.model_dump_json())
+        if rec is None:
+            continue
+        spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
+        measured = {ph: r["total"] for ph, r in rec["phases"].items()}
+        out.append(Sample(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=req.nproc), req.fsdp, measured))
+    return out

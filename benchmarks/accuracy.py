@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import measure_cached  # noqa: E402
+from _probe_cache import calibration_samples, measure_cached  # noqa: E402
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.calibration import Sample, fit_coefficients  # noqa: E402
@@ -105,16 +105,7 @@ def errors(configs, results, device, coefficients) -> list[dict]:
 
 
 def samples_for(configs, results, device) -> list[Sample]:
-    out = []
-    for c in configs:
-        req = request_for(c, device)
-        key = req.model_dump_json()
-        if key not in results:
-            continue
-        spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
-        measured = {ph: rec["total"] for ph, rec in results[key]["phases"].items()}
-        out.append(Sample(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=c["world"]), req.fsdp, measured))
-    return out
+    return calibration_samples(configs, lambda c: request_for(c, device), results)
 
 
 def fit(configs, results, device) -> Coefficients:

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import measure_cached  # noqa: E402
+from _probe_cache import calibration_samples, measure_cached  # noqa: E402
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.calibration import Sample, fit_coefficients  # noqa: E402
@@ -171,17 +171,8 @@ def grid_report(configs: list[dict], results: dict, device: str, coefficients: C
                   f" {c['micro']:>3} {c['seq']:>4} {m / 2**20:>13.2f} {e / 2**20:>13.2f} {100 * (e - m) / m:>+6.2f}%")
 
 
-def samples(configs: list[dict], results: dict, device: str) -> list[Sample]:
-    out = []
-    for c in configs:
-        req = request_for(c, device)
-        key = req.model_dump_json()
-        if key not in results:
-            continue
-        spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
-        measured = {ph: rec["total"] for ph, rec in results[key]["phases"].items()}
-        out.append(Sample(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=c["world"]), req.fsdp, measured))
-    return out
+def samples(configs, results, device) -> list[Sample]:
+    return calibration_samples(configs, lambda c: request_for(c, device), results)
 
 
 def main() -> None:

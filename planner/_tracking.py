@@ -147,19 +147,19 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
         # Blocks grouped into one unit (wrap_every_n_blocks > 1) share a param group;
         # the tracker would wrap its backward hooks once per block and restore them in
         # the wrong order. Wrap each param group once; restore the true originals.
-        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+        @staticmethod
+        def _wrap_once(wrap, fsdp_mod, orig):
             if getattr(orig, "_agilerl_tracked", False):
                 return orig
-            inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
+            inner = wrap(fsdp_mod, orig)
             inner._agilerl_tracked = True
             return inner
 
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+            return self._wrap_once(super()._fsdp_param_group_pre_backward, fsdp_mod, orig)
+
         def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-            if getattr(orig, "_agilerl_tracked", False):
-                return orig
-            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
-            inner._agilerl_tracked = True
-            return inner
+            return self._wrap_once(super()._fsdp_param_group_post_backward, fsdp_mod, orig)
 
         def __enter__(self):
             from torch.distributed.fsdp import FSDPModule

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agilerl.distributed import FSDPConfig
 
 from .hardware import Cluster
-from .spec import ModelSpec, _is_ple_name
+from .spec import BlockSpec, ModelSpec, is_per_layer_embedding
 from .workload import Workload
 
 __all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload",
@@ -246,22 +246,29 @@ def expert_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
     return [d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts)]
 
 
+def _packed(block: BlockSpec) -> bool:
+    """Whether a block's routed experts are packed per layer ([E, ., .] tensors)."""
+    return any(_is_packed_expert(n, s) for n, s in block.tensors)
+
+
+def _tp_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why agilerl.distributed cannot split ``spec`` over ``tp`` ranks, or None: every block's
+    attention and KV heads and each dense MLP's width must divide by it (a MoE block splits
+    its attention only, and needs its experts packed)."""
+    for b in spec.block_types.values():
+        if b.attention.num_heads % tp or b.attention.num_kv_heads % tp:
+            return (f"tp={tp} needs attention heads ({b.attention.num_heads}) and KV heads "
+                    f"({b.attention.num_kv_heads}) divisible by it")
+        if b.mlp.kind == "moe" and not _packed(b):
+            return f"tp={tp} needs MoE experts packed per layer ({b.kind} loops over expert modules)"
+        if b.mlp.kind != "moe" and b.mlp.intermediate_size % tp:
+            return f"tp={tp} needs the MLP width ({b.mlp.intermediate_size}) divisible by it"
+    return None
+
+
 def tensor_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
-    """TP degrees agilerl.distributed accepts on ``world`` GPUs: dividing the GPUs, every block's
-    attention and KV heads and each dense MLP's width (a MoE block splits its attention only,
-    and needs its experts packed)."""
-    out = []
-    for d in range(1, world + 1):
-        if world % d:
-            continue
-        ok = True
-        for b in spec.block_types.values():
-            packed = any(_is_packed_expert(n, s) for n, s in b.tensors)
-            ok &= not (b.attention.num_heads % d or b.attention.num_kv_heads % d)
-            ok &= packed if b.mlp.kind == "moe" else not b.mlp.intermediate_size % d
-        if ok or d == 1:
-            out.append(d)
-    return out
+    """TP degrees agilerl.distributed accepts on ``world`` GPUs (see :func:`_tp_problem`)."""
+    return [d for d in range(1, world + 1) if world % d == 0 and (d == 1 or _tp_problem(spec, d) is None)]
 
 
 def _check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
@@ -350,17 +357,8 @@ def estimate(
     lora_shapes = _lora_shapes(spec, workload)
     lora_key = ModelSpec._target_key(workload.lora_targets)
     lora_names = [[entry[0] for entry in b.lora[lora_key]] for b in spec.blocks]
-    if tp > 1:
-        for b in spec.block_types.values():
-            if b.attention.num_heads % tp or b.attention.num_kv_heads % tp:
-                raise ValueError(
-                    f"tp={tp} needs attention heads ({b.attention.num_heads}) and KV heads "
-                    f"({b.attention.num_kv_heads}) divisible by it")
-            packed_block = any(_is_packed_expert(n, s) for n, s in b.tensors)
-            if b.mlp.kind == "moe" and not packed_block:
-                raise ValueError(f"tp={tp} needs MoE experts packed per layer ({b.kind} loops over expert modules)")
-            if b.mlp.kind != "moe" and b.mlp.intermediate_size % tp:
-                raise ValueError(f"tp={tp} needs the MLP width ({b.mlp.intermediate_size}) divisible by it")
+    if tp > 1 and (problem := _tp_problem(spec, tp)):
+        raise ValueError(problem)
     ep = fsdp.ep if fsdp else 1
     if ep > 1:
         _check_ep(spec, ep, W, fsdp)
@@ -372,7 +370,7 @@ def estimate(
     units: list[_Unit] = []
     embed = _tensor(spec.embed_shape, threshold)
     head = _tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
-    root = _Unit("root", base=[_tensor(s, threshold) for name, s in spec.root_tensors if not _is_ple_name(name)])
+    root = _Unit("root", base=[_tensor(s, threshold) for name, s in spec.root_tensors if not is_per_layer_embedding(name)])
     for _, (a_rows, a_cols, b_rows, b_cols) in ((e[0], e[1:]) for e in spec.lora_outside_blocks.get(lora_key, ())):
         for _ in range(adapters):  # adapted linears outside the blocks (Gemma-3n's AltUp projections)
             root.lora.append(_tensor((r * a_rows, a_cols), threshold))
@@ -382,23 +380,24 @@ def estimate(
     else:
         units.append(_Unit("embed", base=[embed]))
     # Per-layer embeddings (PLE) are a unit of their own, looked up right after the embeddings.
-    ple = [_tensor(s, threshold) for name, s in spec.root_tensors if _is_ple_name(name)]
+    ple = [_tensor(s, threshold) for name, s in spec.root_tensors if is_per_layer_embedding(name)]
     if ple and fsdp is not None:
         units.append(_Unit("embed_tokens_per_layer", base=ple))
     elif ple:
         root.base.extend(ple)
     wrap = fsdp.wrap_every_n_blocks if fsdp else 1
-    packed = [any(_is_packed_expert(n, s) for n, s in spec.block(i).tensors) for i in range(spec.num_layers)]
-    expert_stack = [0] * spec.num_layers  # elements of a block's routed experts held by one EP rank
-    expert_units: dict[int, _Unit] = {}  # under FSDP each layer's packed experts are a nested unit
+    packed = [_packed(spec.block(i)) for i in range(spec.num_layers)]
+    # Under FSDP each layer's packed experts are a unit nested in its block's (also counted there).
+    expert_units = {i: _Unit(f"blocks.{i}.experts") for i in range(spec.num_layers) if packed[i]}
+    nested: dict[str, list[_Unit]] = {}  # block unit name -> its nested expert units
     for start in range(0, spec.num_layers, wrap):
         unit = _Unit(f"blocks.{start}")
-        for i in range(start, min(start + wrap, spec.num_layers)):
+        layers = range(start, min(start + wrap, spec.num_layers))
+        for i in layers:
             for tname, shape in spec.block(i).tensors:
                 if packed[i] and _is_packed_expert(tname, shape):  # [E, ., .]: split by ep, FSDP over world / ep
                     t = _tensor(shape, threshold, ep=ep, ep_dim=0, group=expert_group)
-                    expert_stack[i] += t.numel
-                    expert_units.setdefault(i, _Unit(f"blocks.{i}.experts")).base.append(t)
+                    expert_units[i].base.append(t)
                 else:
                     # A MoE block splits its attention only (agilerl.distributed._tp).
                     split = not packed[i] or tname.startswith("self_attn.")
@@ -411,7 +410,7 @@ def estimate(
                         pair = (_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=expert_group),
                                 _tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=expert_group))
                         unit.lora.extend(pair)
-                        expert_units.setdefault(i, _Unit(f"blocks.{i}.experts")).lora.extend(pair)
+                        expert_units[i].lora.extend(pair)
                         continue
                     # colwise base: B split on its output; rowwise: A on its input
                     split = tp if not packed[i] or name.startswith("self_attn.") else 1
@@ -420,6 +419,9 @@ def estimate(
                     unit.lora.append(_tensor((b_rows, r * b_cols), threshold, tp=split,
                                              tp_dim=0 if module in _COLWISE else None))
         units.append(unit)
+        nested[unit.name] = [expert_units[i] for i in layers if packed[i]]
+    # Elements of each layer's routed experts held by one EP rank.
+    expert_stack = [sum(t.numel for t in expert_units[i].base) if packed[i] else 0 for i in range(spec.num_layers)]
     if head is not None:
         units.append(_Unit("lm_head", base=[head]))
     all_units = units + [root]
@@ -469,10 +471,7 @@ def estimate(
     # nested expert units. Entries are (bytes, index of the enclosing entry or None).
     order: list[tuple[int, int | None]] = []
     for u, size in zip(units, sizes):
-        layers = ([i for i in range(int(u.name.split(".")[1]), min(int(u.name.split(".")[1]) + wrap,
-                                                                  spec.num_layers)) if i in expert_units]
-                  if u.name.startswith("blocks.") else [])
-        inner = [unit_gathered(expert_units[i]) for i in layers]
+        inner = [unit_gathered(x) for x in nested.get(u.name, ())]
         outer = len(order)
         order.append((size - sum(inner), None))
         order.extend((b, outer) for b in inner)

@@ -160,7 +160,7 @@ def spec_cache_dir() -> Path:
     return Path(root) / "specs"
 
 
-def _is_ple_name(name: str) -> bool:
+def is_per_layer_embedding(name: str) -> bool:
     """A per-layer embedding table (Gemma-3n's ``embed_tokens_per_layer``)."""
     return "embed_tokens_per_layer" in name.split(".")
 
@@ -348,5 +348,5 @@ def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LOR
         lora_outside_blocks={k: tuple(v) for k, v in lora_outside.items()},
         hidden_streams=int(getattr(text_config, "altup_num_inputs", 1) or 1),
         per_layer_input_width=len(blocks) * int(getattr(text_config, "hidden_size_per_layer_input", 0) or 0)
-        if any(_is_ple_name(n) for n, _ in root_tensors) else 0,
+        if any(is_per_layer_embedding(n) for n, _ in root_tensors) else 0,
     )

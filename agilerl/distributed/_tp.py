@@ -277,7 +277,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPLayout:
         prefix = names.get(id(block), type(inner).__name__)
         # A MoE block splits its attention only: its router and experts (and any shared
         # experts) stay whole, computed alike on every TP rank from identical inputs.
-        paths = [p for p in BLOCK_PLAN if not (is_moe_block(inner) and p.startswith("mlp."))]
+        moe = is_moe_block(inner)
+        paths = [p for p in BLOCK_PLAN if not (moe and p.startswith("mlp."))]
         for path in paths:
             _check_linear(_get(inner, path), f"{prefix}.{path}")
         plan.append((prefix, inner, paths))
