@@ -75,8 +75,8 @@ class Coefficients(BaseModel):
     # Mixture-of-experts blocks (see the module docstring's MoE section). Per (token, expert) row:
     moe_rows_saved: Annotated[float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")] = 2.0
     moe_rows_hf: Annotated[float, Field(description="Hugging Face experts loop: saved per routed row, x hidden_size (besides act_mlp x width)")] = 2.0
-    moe_chunk: Annotated[float, Field(description="one expert chunk's recompute and gradients, x chunk rows x (3 x expert width + hidden)")] = 1.3
-    moe_dispatch: Annotated[float, Field(description="expert-parallel all-to-all buffers in backward beyond the row gradients, x routed rows of a token block x hidden (none on CPU probes)")] = 0.0
+    moe_chunk: Annotated[float, Field(description="one expert chunk's recompute in backward, x its counted tensors")] = 1.0
+    moe_dispatch: Annotated[float, Field(description="row-wise experts: buffers in the dispatch's backward beyond the four row gradients, x routed rows of a token block x hidden (none on CPU probes)")] = 0.0
     moe_stack_grad: Annotated[float, Field(description="Hugging Face experts: copies of a block's expert stack made in its backward (the merged weight's gradient)")] = 1.0
     # FSDP2 all-gather: output buffer alive beside the copied-out parameters (fraction of a unit).
     all_gather_overlap: Annotated[float, Field(description="all-gather buffer beside the unsharded unit")] = 1.0
@@ -522,6 +522,8 @@ def estimate(
         t_k = min(t_q, att.sliding_window) if att.sliding_window and workload.attn_implementation != "eager" else t_q
         return int(copies * batch * att.num_heads // tp * t_q * t_k * p)
 
+    expert_lora = [any(_is_packed_expert(n) for n in names) for names in lora_names]  # LoRA on the stacks
+
     def routed(index: int) -> tuple[int, int] | None:
         """(experts per token, expert width) of a block with packed routed experts, else None."""
         b = spec.block(index)
@@ -549,6 +551,11 @@ def estimate(
         per_token += k.act_lora * r * len(lora_shapes[index]) * 4
         extra = 0
         moe = routed(index)
+        if b.mlp.kind == "moe":
+            # The router saves its input (the MLP input, which in a dense block gate_proj saves
+            # and act_mlp counts), its fp32 scores and the top-k (counted with saved-tensor hooks:
+            # 1.12 and 1.10 hidden-sized tensors per token on the tiny Mixtral and Qwen3-MoE).
+            per_token += (H * p if moe is not None else 0) + (b.mlp.num_experts + 3 * b.mlp.experts_per_token) * 4
         if moe is None and b.mlp.kind == "moe":  # unpacked experts: the active ones, like a dense MLP
             per_token += k.act_mlp * b.mlp.intermediate_size * b.mlp.experts_per_token * p
         elif moe is not None:
@@ -573,15 +580,23 @@ def estimate(
             # The merged stack's gradient, and the grouped GEMMs' row gradient (down's input
             # gradient, width wide) beside the saved tensors.
             return int((k.moe_stack_grad * expert_stack[index] + rows * expert_width) * p)
-        # Row gradients of one token block, each rows x hidden: the combine's, the
-        # un-permute's (or the all-to-all's), the expert input's accumulator and one
-        # chunk's zero-padded slice gradient added into it (counted in backward).
-        out = 4.0 * rows / (fsdp.ep_token_blocks if fsdp else 1) * H * p
-        if chunk_mib is not None:
-            out += k.moe_chunk * expert_chunk(rows, expert_width) * (3 * expert_width + H) * p
-        if ep > 1:
-            out += k.moe_dispatch * rows / fsdp.ep_token_blocks * H * p
-        return int(out)
+        # Row-wise experts (agilerl.distributed._moe): per token block, the backward peaks at one
+        # of two moments (each located with a tracker on 2 and 4 gloo ranks):
+        # - the dispatch: row gradients of the combine, the un-permute (or the all-to-all's
+        #   receive buffer), the regrouping, and the expert input's accumulator;
+        # - a chunk's recompute: the experts of the chunk run one after another, each keeping
+        #   its intermediates for backward (gate_up's output, the activation, the product:
+        #   4 x width per row, and down's output, hidden) while the last one's gate_up is
+        #   made: the base product, the LoRA product and its scaled copy (2 x width each),
+        #   beside the block's row gradient and the chunk's input.
+        rows = rows / (fsdp.ep_token_blocks if fsdp else 1)
+        dispatch = (4 + k.moe_dispatch) * rows * H
+        chunk_rows = expert_chunk(int(rows), expert_width)
+        per_expert = min(chunk_rows, rows / (spec.block(index).mlp.num_experts // ep))
+        gate_up_copies = 3 if expert_lora[index] else 1
+        recompute = 2 * rows * H + k.moe_chunk * ((chunk_rows - per_expert) * (4 * expert_width + H)
+                                                  + gate_up_copies * per_expert * 2 * expert_width)
+        return int(max(dispatch, recompute) * p)
 
     def block_forward_temps(batch: int, length: int, index: int, adapters_on: bool = True) -> int:
         """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens.
