@@ -589,13 +589,13 @@ def estimate(
         #   4 x width per row, and down's output, hidden) while the last one's gate_up is
         #   made: the base product, the LoRA product and its scaled copy (2 x width each),
         #   beside the block's row gradient and the chunk's input.
-        rows = rows / (fsdp.ep_token_blocks if fsdp else 1)
-        dispatch = (4 + k.moe_dispatch) * rows * H
-        chunk_rows = expert_chunk(int(rows), expert_width)
-        per_expert = min(chunk_rows, rows / (spec.block(index).mlp.num_experts // ep))
+        block_rows = rows / (fsdp.ep_token_blocks if fsdp else 1)
+        dispatch = (4 + k.moe_dispatch) * block_rows * H
+        chunk_rows = expert_chunk(int(block_rows), expert_width)
+        per_expert = min(chunk_rows, block_rows / (spec.block(index).mlp.num_experts // ep))
         gate_up_copies = 3 if expert_lora[index] else 1
-        recompute = 2 * rows * H + k.moe_chunk * ((chunk_rows - per_expert) * (4 * expert_width + H)
-                                                  + gate_up_copies * per_expert * 2 * expert_width)
+        recompute = 2 * block_rows * H + k.moe_chunk * ((chunk_rows - per_expert) * (4 * expert_width + H)
+                                                        + gate_up_copies * per_expert * 2 * expert_width)
         return int(max(dispatch, recompute) * p)
 
     def block_forward_temps(batch: int, length: int, index: int, adapters_on: bool = True) -> int:

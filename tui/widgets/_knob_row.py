@@ -102,23 +102,9 @@ class KnobRow(Vertical):
                     compact=True,
                 )
             case "int" | "float":
-                return StepInput(
-                    str(value),
-                    placeholder=AUTO if knob.auto else "",
-                    id=cid,
-                    tooltip=knob.help,
-                    compact=True,
-                    number=knob.kind,
-                    can_be_auto=knob.auto,
-                )
+                return StepInput(str(value), **_text_options(knob, cid), number=knob.kind, can_be_auto=knob.auto)
             case _:
-                return Input(
-                    str(value),
-                    placeholder=AUTO if knob.auto else "",
-                    id=cid,
-                    tooltip=knob.help,
-                    compact=True,
-                )
+                return Input(str(value), **_text_options(knob, cid))
 
     @property
     def control(self) -> Widget:
@@ -157,3 +143,8 @@ class KnobRow(Vertical):
         if isinstance(event, Checkbox.Changed):
             event.checkbox.label = _flag_label(event.value)
         self.post_message(self.Changed(self.knob.key, self.value))
+
+
+def _text_options(knob: Knob, cid: str) -> dict:
+    """What every text control of a knob is built with."""
+    return {"placeholder": AUTO if knob.auto else "", "id": cid, "tooltip": knob.help, "compact": True}
