@@ -442,10 +442,14 @@ def _expert_linear(x: Tensor, weight: Tensor, loras: tuple[_Lora, ...], e: int) 
 
 def _experts_on_segments(x: Tensor, *, weights: _ExpertWeights,
                          segments: tuple[tuple[int, int, int], ...]) -> Tensor:
-    """Expert e's MLP on rows ``x[lo:hi]`` for each (e, lo, hi); rows are grouped by expert."""
+    """Expert e's MLP on rows ``x[lo:hi]`` for each (e, lo, hi); rows are grouped by expert.
+
+    The segments tile ``x`` in order, so it is split (one concatenation of the
+    gradients in backward) rather than sliced (a zero-padded full-size gradient
+    per segment, summed)."""
     outs = []
-    for e, lo, hi in segments:
-        h = _expert_linear(x[lo:hi], weights.gate_up, weights.loras["gate_up_proj"], e)
+    for (e, _, _), rows in zip(segments, x.split([hi - lo for _, lo, hi in segments])):
+        h = _expert_linear(rows, weights.gate_up, weights.loras["gate_up_proj"], e)
         h = weights.apply_gate(h)
         outs.append(_expert_linear(h, weights.down, weights.loras["down_proj"], e))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -466,8 +470,16 @@ def _run_local_experts(rows: Tensor, counts: list[int], weights: _ExpertWeights,
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
+    # Without grad each chunk's output goes straight into one buffer (no list, no cat copy).
+    nograd = not torch.is_grad_enabled()
+    out: Tensor | None = None
     outs = []
-    for lo in range(0, max(total, 1), step):
+    # Chunks are split views of ``rows``, not slices: split's backward concatenates the
+    # chunks' gradients once, where each slice's backward would pad its gradient to the
+    # full rows and add it to an accumulator (three full-size copies at once, and
+    # O(chunks x rows) zero-filling).
+    pieces = rows.split(step) if total else (rows,)
+    for lo, piece in zip(range(0, max(total, 1), step), pieces):
         hi = min(lo + step, total)
         segments = tuple(
             (e, max(lo, s) - lo, min(hi, s + c) - lo)
@@ -475,11 +487,20 @@ def _run_local_experts(rows: Tensor, counts: list[int], weights: _ExpertWeights,
             if c and s < hi and s + c > lo
         ) or ((0, 0, 0),)
         fn = functools.partial(_experts_on_segments, weights=weights, segments=segments)
-        if chunk_rows is not None and torch.is_grad_enabled():
-            outs.append(checkpoint(fn, rows[lo:hi], use_reentrant=False))
+        if nograd:
+            y = fn(piece)
+            if out is None:
+                out = y if hi - lo == total else y.new_empty((total, *y.shape[1:]))
+            if out is not y:
+                out[lo:hi] = y
+            del y
+        elif chunk_rows is not None:
+            outs.append(checkpoint(fn, piece, use_reentrant=False))
         else:
-            outs.append(fn(rows[lo:hi]))
+            outs.append(fn(piece))
         stats.num_expert_chunks += 1
+    if out is not None:
+        return out
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -557,10 +578,14 @@ def _token_block(state: _ExpertState, weights: _ExpertWeights, x: Tensor, indice
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, hence by owning rank
     counts = torch.bincount(flat, minlength=state.num_experts)
+    # Each row buffer below is dropped as soon as the next one exists (``del``): autograd
+    # keeps none of them (indexing and the all-to-all save only indices and splits), so a
+    # block holds at most two row copies besides one chunk's intermediates.
     send = x[order // k]
     if state.ep == 1:
         local_counts = counts.tolist()
         out = _run_local_experts(send, local_counts, weights, chunk_rows, state.stats)
+        del send
     else:
         recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
         dist.all_to_all_single(recv_counts, counts, group=state.group)
@@ -568,16 +593,24 @@ def _token_block(state: _ExpertState, weights: _ExpertWeights, x: Tensor, indice
         send_splits = counts.view(state.ep, -1).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
         recv = _AllToAll.apply(send, recv_splits, send_splits, state.group)
+        del send
         # Rows arrive by source rank, then expert; the experts want them by expert.
         expert_of_row = torch.arange(state.num_local_experts, device=x.device).repeat(state.ep)
         regroup = torch.argsort(expert_of_row.repeat_interleave(recv_counts.flatten()), stable=True)
         local_counts = recv_counts.sum(0).tolist()
-        out = _run_local_experts(recv[regroup], local_counts, weights, chunk_rows, state.stats)
-        out = _AllToAll.apply(out[_inverse(regroup)], send_splits, recv_splits, state.group)
+        grouped = recv[regroup]
+        del recv
+        out = _run_local_experts(grouped, local_counts, weights, chunk_rows, state.stats)
+        del grouped
+        back = out[_inverse(regroup)]
+        del out
+        out = _AllToAll.apply(back, send_splits, recv_splits, state.group)
+        del back
     received = sum(local_counts)
     state.stats.num_rows_received += received
     state.stats.max_rows_received = max(state.stats.max_rows_received, received)
     pairs = out[_inverse(order)].view(num_tokens, k, x.shape[-1])
+    del out
     step = combine_rows or max(num_tokens, 1)
     parts = [_WeightedCombine.apply(p, w) for p, w in zip(pairs.split(step), routing.split(step))]
     return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -231,6 +231,8 @@ def test_local_experts_match_transformers_and_peft(family):
             _close(grads[name], g, name)
         assert moe_layout(sharded) is layout
         assert all(s.num_token_blocks == blocks for s in layout.stats())
+        with torch.no_grad():  # the no-grad path writes chunks into one buffer instead
+            _close(sharded(input_ids=ids, use_cache=False).logits, expected.logits, "no-grad logits")
         if chunk_mib is not None:
             assert all(s.num_expert_chunks > s.num_token_blocks for s in layout.stats())
 
@@ -488,13 +490,16 @@ def chunk_count_follows_chunk_mib(ctx):
     """Structure only (no timing or memory): chunks = ceil(rows received / rows per chunk)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ids = token_ids(2 * world)[rank * 2:(rank + 1) * 2]
-    previous = None
+    previous = first_logits = None
     for chunk_mib in (None, 1 / 256, 1 / 1024, 1 / 4096):
         model = tiny_moe("qwen3_moe", lora=True)
         layout = apply_expert_parallel(model, build_expert_mesh(ep=2)[EP_AXIS],
                                        routed_expert_chunk_mib=chunk_mib)
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+            logits = model(input_ids=ids, use_cache=False).logits
+        if first_logits is None:
+            first_logits = logits
+        _close(logits, first_logits, f"no-grad logits, chunk {chunk_mib} MiB")  # same model seed
         # A row's widest activation: gate_up's 2 * 16 fp32 values (wider than hidden 32).
         rows = expert_chunk_rows(chunk_mib=chunk_mib, row_bytes=2 * EXPERT_INTERMEDIATE * 4)
         total = 0
