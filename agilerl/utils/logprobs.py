@@ -32,10 +32,16 @@ def _chunk_logprobs(
     softcap: float | None,
 ) -> torch.Tensor:
     logits = head(hidden).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    if temperature != 1.0:
-        logits = logits / temperature
+    if not torch.is_grad_enabled():  # nothing is saved: rescale the one logits buffer in place
+        if softcap:
+            logits = logits.div_(softcap).tanh_().mul_(softcap)
+        if temperature != 1.0:
+            logits = logits.div_(temperature)
+    else:
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if temperature != 1.0:
+            logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 

@@ -185,6 +185,11 @@ def test_chunked_logprobs_equal_unchunked_values_and_gradients():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     ref = torch.log_softmax(torch.tanh((hidden @ weight.T) / 30) * 30 / 0.8, -1).gather(-1, targets[..., None])
     torch.testing.assert_close(full[0], ref.squeeze(-1).detach(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the in-place rescaling of the no-grad path
+        for chunk in (None, 5):
+            out = chunked_token_logprobs(hidden, targets, lambda h: h @ weight.T, chunk_size=chunk,
+                                         temperature=0.8, softcap=30.0)
+            torch.testing.assert_close(out, full[0], atol=1e-5, rtol=1e-5)
 
 
 def _logprob_peak(chunk):
