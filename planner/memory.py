@@ -77,9 +77,9 @@ class Coefficients(BaseModel):
     moe_rows_hf: Annotated[float, Field(description="Hugging Face experts loop: saved per routed row, x hidden_size (besides act_mlp x width)")] = 2.0
     moe_chunk: Annotated[float, Field(description="one expert chunk's recompute in backward, x its counted tensors")] = 1.0
     moe_dispatch: Annotated[float, Field(description="row-wise experts: buffers in the dispatch's backward beyond the four row gradients, x routed rows of a token block x hidden (none on CPU probes)")] = 0.0
-    moe_stack_grad: Annotated[float, Field(description="Hugging Face experts: copies of a block's expert stack made in its backward (the merged weight's gradient)")] = 1.0
-    # FSDP2 all-gather: output buffer alive beside the copied-out parameters (fraction of a unit).
-    all_gather_overlap: Annotated[float, Field(description="all-gather buffer beside the unsharded unit")] = 1.0
+    moe_stack_grad: Annotated[float, Field(description="Hugging Face experts with LoRA on the stacks: copies of PEFT's merged down stack made in its backward (its gradient)")] = 1.0
+    # FSDP2: buffers beside the backward's gathered window (fraction of the largest edge unit).
+    all_gather_overlap: Annotated[float, Field(description="FSDP buffers beside the gathered window, x the largest of the embeddings, head and root units")] = 1.0
     # GPU-only terms.
     nccl_bytes: Annotated[int, Field(description="NCCL communicator buffers per rank (multi-GPU)")] = 256 * MIB
     allocator_slack_fraction: Annotated[float, Field(description="caching-allocator fragmentation, x allocated")] = 0.07
@@ -186,22 +186,23 @@ def _tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: in
     return _Tensor(rows=local[0], rest=rest, sharded=ep_dim is not None or numel >= threshold, group=group)
 
 
-def _reversed_with_parents(order: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
-    """Backward order of (bytes, parent index) entries: reversed, parents re-indexed.
+def _reversed_with_parents(order: list[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
+    """Backward order of (bytes, parent index, prefetched bytes) entries: reversed, parents
+    re-indexed.
 
     In backward a block's own unit is gathered first (its pre-backward), then
     its nested units, so each parent moves ahead of its children."""
-    groups: list[list[tuple[int, int | None]]] = []
-    for size, parent in order:
+    groups: list[list[tuple[int, int | None, int]]] = []
+    for size, parent, ahead in order:
         if parent is None:
-            groups.append([(size, None)])
+            groups.append([(size, None, ahead)])
         else:
-            groups[-1].append((size, parent))
-    out: list[tuple[int, int | None]] = []
+            groups[-1].append((size, parent, ahead))
+    out: list[tuple[int, int | None, int]] = []
     for group in reversed(groups):
         head = len(out)
         out.append(group[0])
-        out.extend((size, head) for size, _ in reversed(group[1:]))
+        out.extend((size, head, ahead) for size, _, ahead in reversed(group[1:]))
     return out
 
 
@@ -325,7 +326,7 @@ def estimate(
 ) -> Estimate:
     """Per-rank memory of a GRPO run by phase and component (see the module docstring)."""
     k = coefficients or Coefficients()
-    if (fsdp is not None and fsdp.routed_expert_chunk_mib is None and fsdp.tp == 1 and spec.is_moe
+    if (fsdp is not None and fsdp.routed_expert_chunk_mib is None and spec.is_moe
             and _has_packed_experts(spec)):
         # agilerl's GRPO resolves None before sharding (FSDPConfig's documented choice).
         chunk, _ = resolve_expert_chunk(spec, workload, cluster, fsdp, coefficients=k)
@@ -387,9 +388,11 @@ def estimate(
         root.base.extend(ple)
     wrap = fsdp.wrap_every_n_blocks if fsdp else 1
     packed = [_packed(spec.block(i)) for i in range(spec.num_layers)]
-    # Under FSDP each layer's packed experts are a unit nested in its block's (also counted there).
+    # Under FSDP with ep > 1 each layer's packed experts are a unit nested in its block's
+    # (also counted there).
     expert_units = {i: _Unit(f"blocks.{i}.experts") for i in range(spec.num_layers) if packed[i]}
     nested: dict[str, list[_Unit]] = {}  # block unit name -> its nested expert units
+    expert_down = [0] * spec.num_layers  # elements of each layer's down_proj stack on one EP rank
     for start in range(0, spec.num_layers, wrap):
         unit = _Unit(f"blocks.{start}")
         layers = range(start, min(start + wrap, spec.num_layers))
@@ -398,6 +401,8 @@ def estimate(
                 if packed[i] and _is_packed_expert(tname, shape):  # [E, ., .]: split by ep, FSDP over world / ep
                     t = _tensor(shape, threshold, ep=ep, ep_dim=0, group=expert_group)
                     expert_units[i].base.append(t)
+                    if tname.endswith("down_proj"):
+                        expert_down[i] += t.numel
                 else:
                     # A MoE block splits its attention only (agilerl.distributed._tp).
                     split = not packed[i] or tname.startswith("self_attn.")
@@ -419,7 +424,8 @@ def estimate(
                     unit.lora.append(_tensor((b_rows, r * b_cols), threshold, tp=split,
                                              tp_dim=0 if module in _COLWISE else None))
         units.append(unit)
-        nested[unit.name] = [expert_units[i] for i in layers if packed[i]]
+        # With ep=1 agilerl.distributed shards the experts inside their block's unit.
+        nested[unit.name] = [expert_units[i] for i in layers if packed[i]] if ep > 1 else []
     # Elements of each layer's routed experts held by one EP rank.
     expert_stack = [sum(t.numel for t in expert_units[i].base) if packed[i] else 0 for i in range(spec.num_layers)]
     if head is not None:
@@ -468,43 +474,56 @@ def estimate(
     root_gathered = unit_gathered(root)
     all_gathered = sum(sizes) + root_gathered
     # The order FSDP2 gathers in: a block's own parameters, then each of its layers'
-    # nested expert units. Entries are (bytes, index of the enclosing entry or None).
-    order: list[tuple[int, int | None]] = []
+    # nested expert units. Entries are (bytes, index of the enclosing entry or None, bytes
+    # a prefetch of it holds). Prefetching a unit holds its all-gather output until it
+    # runs; on a one-rank shard group FSDP2 all-gathers nothing and makes the unsharded
+    # parameters when the unit runs, so a prefetch there holds nothing.
+    order: list[tuple[int, int | None, int]] = []
     for u, size in zip(units, sizes):
         inner = [unit_gathered(x) for x in nested.get(u.name, ())]
         outer = len(order)
-        order.append((size - sum(inner), None))
-        order.extend((b, outer) for b in inner)
-    largest_unit = max((b for b, _ in order), default=0)
-    # FSDP2 all-gathers a unit into a flat buffer, then copies it out into its
-    # parameters: at the peak one such buffer is alive beside the gathered units.
-    gather_buffer = int(k.all_gather_overlap * largest_unit)
+        own = size - sum(inner)
+        order.append((own, None, own if S > 1 else 0))
+        order.extend((b, outer, b if (expert_group or S) > 1 else 0) for b in inner)
+    largest_unit = max((b for b, _, _ in order), default=0)
+    # Beside the window of gathered units (the current ones, and the prefetched ones whose
+    # all-gather output is in flight) the peak holds more FSDP buffers than the window
+    # counts: an allowance of all_gather_overlap x the largest of the embeddings, PLE,
+    # head and root units, fitted on the dense probes (which buffer it stands for there is
+    # not pinned down). It does not scale with the blocks: MoE probes (a tensor-level
+    # tracker on 2 and 4 gloo ranks) show no expert- or block-sized buffer at the experts'
+    # backward, and a dense two-block unit's probe none beyond the prefetched embeddings.
+    edges = [size for u, size in zip(units, sizes) if not u.name.startswith("blocks.")]
+    gather_buffer = int(k.all_gather_overlap * max(edges + [root_gathered]))
 
-    def in_flight(prefetch: int) -> int:
+    def in_flight(prefetch: int, *, forward: bool) -> int:
         """The most gathered at once: a unit, its enclosing block, the next ``prefetch``
-        units in order, the root and one buffer.
+        units in order, the root and the buffer allowance.
 
         Units run in order (embeddings, blocks with their nested expert units,
         lm_head; reversed in backward), so the gathered set is a sliding window
-        over that order. With reshard_after_forward=False every unit stays
-        gathered from its forward to its backward, and after a no-grad forward
-        until the next backward (FSDP2 reshards in post-backward only).
+        over that order. In forward FSDP2 defers freeing a unit's all-gather output
+        until the next unit's copy-out (to overlap the two), so a running unit is
+        held twice; in backward it is freed at the copy-out. With
+        reshard_after_forward=False every unit stays gathered from its forward to
+        its backward, and after a no-grad forward until the next backward (FSDP2
+        reshards in post-backward only).
         """
         if not fsdp:
             return 0
         if not fsdp.reshard_after_forward:
             return all_gathered + gather_buffer
+        direction = order if forward else _reversed_with_parents(order)
         window = 0
-        for direction in (order, _reversed_with_parents(order)):
-            for j, (size, parent) in enumerate(direction):
-                held = size + (direction[parent][0] if parent is not None else 0)
-                held += sum(b for b, _ in direction[j + 1 : j + 1 + prefetch])
-                window = max(window, held)
-        return window + root_gathered + gather_buffer
+        for j, (size, parent, ahead) in enumerate(direction):
+            held = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
+            held += sum(b for _, _, b in direction[j + 1 : j + 1 + prefetch])
+            window = max(window, held)
+        return window + root_gathered + (0 if forward else gather_buffer)
 
-    bwd_gathered = in_flight(fsdp.backward_prefetch_units if fsdp else 0)
-    nograd_gathered = in_flight(fsdp.prefetch_units if fsdp else 0) if fsdp and fsdp.reshard_after_forward else (
-        sum(unit_gathered(u) for u in all_units) if fsdp else 0)
+    bwd_gathered = in_flight(fsdp.backward_prefetch_units if fsdp else 0, forward=False)
+    nograd_gathered = (in_flight(fsdp.prefetch_units, forward=True) if fsdp.reshard_after_forward
+                       else all_gathered) if fsdp else 0
 
     # -- activations ---------------------------------------------------------------------------
     # Eager attention materialises batch x heads x Tq x Tk scores (one copy saved per block
@@ -565,8 +584,8 @@ def estimate(
                 per_token += k.moe_rows_saved * top_k * H * p
             else:
                 per_token += (k.act_mlp * expert_width + k.moe_rows_hf * H) * top_k * p
-                if not expert_rowwise:  # PEFT folds LoRA into a copy of the stack the expert linears save
-                    extra = expert_stack[index] * p
+                if not expert_rowwise and expert_lora[index]:  # PEFT folds LoRA into a copy of the stack
+                    extra = expert_stack[index] * p                   # the expert linears save
         return int(batch * T * per_token) + extra + scores(batch, T, index, k.attn_scores_saved)
 
     def block_backward_transient(batch: int, index: int) -> int:
@@ -577,13 +596,21 @@ def estimate(
         top_k, expert_width = moe
         rows = batch * T * top_k
         if not expert_rowwise:
-            # The merged stack's gradient, and the grouped GEMMs' row gradient (down's input
-            # gradient, width wide) beside the saved tensors.
-            return int((k.moe_stack_grad * expert_stack[index] + rows * expert_width) * p)
+            # Hugging Face's grouped GEMMs peak at one of two moments of the backward (located
+            # with a tracker on the tiny Qwen3-MoE and Mixtral):
+            # - down's: its input's gradient (rows x width) and, with LoRA on the stacks, the
+            #   gradient of PEFT's merged down stack;
+            # - the activation product's: its output gradient and its two input gradients
+            #   (3 x rows x width), once down's saved input (rows x width) and its merged
+            #   stack are freed.
+            merged_down = k.moe_stack_grad * expert_down[index] if expert_lora[index] else 0
+            down = rows * expert_width + merged_down
+            product = 2 * rows * expert_width - merged_down
+            return int(max(down, product) * p)
         # Row-wise experts (agilerl.distributed._moe): per token block, the backward peaks at one
         # of two moments (each located with a tracker on 2 and 4 gloo ranks):
         # - the dispatch: row gradients of the combine, the un-permute (or the all-to-all's
-        #   receive buffer), the regrouping, and the expert input's accumulator;
+        #   receive buffer), the regrouping, and the concatenation of the chunks' gradients;
         # - a chunk's recompute: the experts of the chunk run one after another, each keeping
         #   its intermediates for backward (gate_up's output, the activation, the product:
         #   4 x width per row, and down's output, hidden) while the last one's gate_up is
@@ -611,15 +638,26 @@ def estimate(
             top_k, expert_width = moe
             width = b.mlp.shared_intermediate_size
             rows = batch * length * top_k
-            if expert_rowwise:  # dispatched rows and their outputs, one chunk's intermediates
-                experts = (2 * rows * H + expert_chunk(rows, expert_width) * (3 * expert_width + H)) * p
+            if expert_rowwise:
+                # agilerl.distributed._moe without grad: the dispatched rows and the output
+                # buffer, and inside a chunk the outputs of its experts so far (then their
+                # concatenation) beside one expert's intermediates: gate_up's output (three
+                # 2 x width products with an active adapter on the stacks), or the gate's
+                # activation and product (width each) beside it; and the block's normed input,
+                # which the experts' caller holds until they return.
+                chunk_rows = expert_chunk(rows, expert_width)
+                per_expert = min(chunk_rows, rows / max(1, b.mlp.num_experts // ep))
+                gate_up = (3 if adapters_on and expert_lora[index] else 1) * 2 * expert_width
+                one_expert = per_expert * (max(gate_up, 4 * expert_width) + H)
+                in_chunk = max(2 * chunk_rows * H, (chunk_rows - per_expert) * H + one_expert)
+                experts = (2 * rows * H + in_chunk + batch * length * H) * p
             else:
                 # Hugging Face's grouped-GEMM experts run every routed row at once: the
                 # gathered rows, gate_up's output (2 x width), the activation and the
-                # product (width each); with the adapter on, PEFT's merged stacks beside
-                # them (three copies of gate_up's, two of down's, about 8/3 of the stack;
+                # product (width each); with the adapter on the stacks, PEFT's merged stacks
+                # beside them (three copies of gate_up's, two of down's, about 8/3 of the stack;
                 # counted on a no-grad forward with transformers 5).
-                experts = (rows * (4 * expert_width + H) + (8 / 3 * expert_stack[index] if adapters_on else 0)) * p
+                experts = (rows * (4 * expert_width + H) + (8 / 3 * expert_stack[index] if adapters_on and expert_lora[index] else 0)) * p
         temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / (1 if packed[index] else tp)) * p + experts
         if extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
             temps += (4 * extra_streams + 2) * batch * length * H * p

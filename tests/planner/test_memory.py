@@ -332,12 +332,14 @@ def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
 
 
 def test_expert_units_are_gathered_inside_their_block(moe_spec):
-    """Under FSDP each layer's packed experts are a unit nested in the block's: a no-grad
-    forward holds the experts, their block's own parameters and the next unit in order,
-    not two whole blocks (plus the root; no all-gather buffer here)."""
-    fsdp = FSDPConfig(**FP32, routed_expert_chunk_mib=1, prefetch_units=1)
+    """With ep > 1 each layer's packed experts are an FSDP unit nested in the block's (on the
+    expert mesh): a no-grad forward holds the experts, their block's own parameters and
+    the next unit in order, not two whole blocks. With ep=1 agilerl.distributed shards
+    the experts inside their block's unit, so a window is two whole blocks. In forward
+    FSDP2 frees a unit's all-gather output only at the next unit's copy-out, so a running
+    unit is held twice, except on a one-rank shard group (the experts with ep=2 on two
+    GPUs), where nothing is all-gathered. (Plus the root; no buffer allowance here.)"""
     wl = MOE_WL.model_copy(update={"prompts_per_step": 2, "logprob_chunk_size": 16})
-    est = estimate(moe_spec, wl, _cluster(2), fsdp, coefficients=Coefficients(all_gather_overlap=0.0))
     r = wl.lora_rank
 
     def lora(entries, experts):
@@ -349,13 +351,25 @@ def test_expert_units_are_gathered_inside_their_block(moe_spec):
                for b in moe_spec.blocks]
     embed, head = math.prod(moe_spec.embed_shape), math.prod(moe_spec.lm_head_shape)
     root = sum(math.prod(s) for _, s in moe_spec.root_tensors)
-    # forward order: embed, outer0, experts0, outer1, experts1, lm_head
-    held = [embed + outer[0], outer[0] + experts[0], outer[0] + experts[0] + outer[1],
-            outer[1] + experts[1], outer[1] + experts[1] + head, head]
     assert moe_spec.num_layers == 2 and not moe_spec.tie_word_embeddings
-    assert est.phases["reference"].components["weights_gathered"] == (max(held) + root) * 4
-    two_blocks = outer[0] + experts[0] + outer[1] + experts[1]
-    assert max(held) < two_blocks
+
+    def gathered(ep):
+        fsdp = FSDPConfig(**FP32, routed_expert_chunk_mib=1, prefetch_units=1, ep=ep)
+        est = estimate(moe_spec, wl, _cluster(2), fsdp, coefficients=Coefficients(all_gather_overlap=0.0))
+        return est.phases["reference"].components["weights_gathered"]
+
+    # ep=2: each rank holds half of every layer's experts (and of their LoRA factors).
+    # Forward order: embed, outer0, experts0, outer1, experts1, lm_head.
+    local = [e // 2 for e in experts]
+    held = [2 * embed + outer[0], 2 * outer[0], outer[0] + local[0] + outer[1],
+            2 * outer[1], outer[1] + local[1] + head, 2 * head]
+    assert gathered(2) == (max(held) + root) * 4
+    assert max(held) < outer[0] + local[0] + outer[1] + local[1]
+    # ep=1: embed, block0, block1, lm_head with the experts inside each block.
+    blocks = [o + e for o, e in zip(outer, experts)]
+    held = [2 * embed + blocks[0], 2 * blocks[0] + blocks[1], 2 * blocks[1] + head, 2 * head]
+    assert gathered(1) == (max(held) + root) * 4
+
 
 def test_invalid_expert_parallel_degrees_say_what_is_allowed(moe_spec, spec):
     with pytest.raises(ValueError, match=r"allowed: \[1, 2\]"):
@@ -396,9 +410,10 @@ def test_per_layer_embedding_weights_are_exact_per_rank(ple_spec, gpus):
 
 def test_per_layer_embeddings_are_gathered_as_their_own_unit(ple_spec):
     """Units run PLE table, block 0, ..., block 3 (the embeddings are tied, so in the root).
-    With one unit prefetched and no gather buffer, a no-grad forward holds at most the table
-    and block 0 beside the root (norms, tied embeddings, AltUp / PLE projections and their
-    LoRA); were the table in the root it would sit beside two blocks."""
+    With one unit prefetched and no buffer allowance, a no-grad forward holds at most the
+    table (twice: FSDP2 frees its all-gather output at the next unit's copy-out) and block 0
+    beside the root (norms, tied embeddings, AltUp / PLE projections and their LoRA); were
+    the table in the root it would sit beside two blocks for the whole step."""
     fsdp = FSDPConfig(param_persistence_threshold=0, prefetch_units=1, param_dtype="float32")
     workload = WL.model_copy(update={"logprob_chunk_size": 4, "weights_dtype": "float32"})
     est = estimate(ple_spec, workload, _cluster(2), fsdp, coefficients=Coefficients(all_gather_overlap=0.0))
@@ -410,7 +425,7 @@ def test_per_layer_embeddings_are_gathered_as_their_own_unit(ple_spec):
               + WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in b.lora["all-linear"])
               for b in ple_spec.blocks]
     assert table > max(blocks)
-    assert est.phases["reference"].components["weights_gathered"] == (table + blocks[0] + root) * 4
+    assert est.phases["reference"].components["weights_gathered"] == (2 * table + blocks[0] + root) * 4
 
 
 def test_altup_streams_raise_the_activation_estimate(ple_spec):
