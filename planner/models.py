@@ -35,7 +35,7 @@ def _installed_versions() -> tuple[str, str]:
     return version("transformers"), version("peft")
 
 
-def _cache_path(digest: str, targets: tuple[str, ...]) -> Path:
+def _cache_path(digest: str, targets: tuple[str | tuple[str, ...], ...]) -> Path:
     tv, pv = _installed_versions()
     targets_key = "+".join(ModelSpec._target_key(t) for t in targets).replace("/", "_")
     key = f"{digest}-{targets_key}-tf{tv}-peft{pv}-v{SPEC_SCHEMA_VERSION}"
@@ -65,7 +65,7 @@ def _check_config(config: dict, name: str) -> None:
                          "(and no head_dim is set)")
 
 
-def _from_config_dict(config: dict, *, name: str, targets: tuple[str, ...]) -> ModelSpec:
+def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str, ...], ...]) -> ModelSpec:
     _check_config(config, name)
     path = _cache_path(config_digest(config), targets)
     if path.exists():
@@ -112,7 +112,9 @@ def load_model_spec(
     allow_download: bool = False,
 ) -> ModelSpec:
     """The spec of ``model`` covering ``lora_targets``; see the module docstring for the lookup order."""
-    targets = tuple(dict.fromkeys([*DEFAULT_LORA_TARGETS, ModelSpec._target_key(lora_targets)]))
+    # Module names stay a tuple: PEFT reads a string as one regular expression.
+    wanted = lora_targets if isinstance(lora_targets, str) else tuple(sorted(lora_targets))
+    targets = tuple(dict.fromkeys([*DEFAULT_LORA_TARGETS, wanted]))
     want = ModelSpec._target_key(lora_targets)
 
     path = Path(model).expanduser()

@@ -229,7 +229,8 @@ def _mlp(block, config) -> MlpSpec:
     return MlpSpec(kind="dense", intermediate_size=width)
 
 
-def build_spec(config, *, name: str, lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> ModelSpec:
+def build_spec(config, *, name: str,
+               lora_targets: tuple[str | tuple[str, ...], ...] = DEFAULT_LORA_TARGETS) -> ModelSpec:
     """Build a spec from a transformers config (or config dict) on the meta device."""
     import peft
     import torch

@@ -331,6 +331,27 @@ def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
     assert adapter["activations"] - base["activations"] == int(8 / 3 * stack * 4)
 
 
+def test_lora_off_the_expert_stacks_merges_none():
+    """PEFT merges an expert stack only when LoRA adapts it: with attention-only LoRA an
+    active adapter changes no expert temporaries, and the stacks' backward has no merged
+    gradient (the learn peak gains only the attention adapters' own activations)."""
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    spec = load_model_spec(MOE, lora_targets=targets)
+    wl = MOE_WL.model_copy(update={"prompts_per_step": 1, "logprob_chunk_size": 16, "lora_targets": targets})
+    base = estimate(spec, wl, _cluster(1), None).phases["reference"].components
+    adapter = estimate(spec, wl.model_copy(update={"use_separate_reference_adapter": True}), _cluster(1),
+                       None).phases["reference"].components
+    assert adapter["activations"] == base["activations"]
+    stack = sum(math.prod(s) for _, s in spec.block(0).tensors if _is_expert(_)) * 4
+    nogc = wl.model_copy(update={"gradient_checkpointing": False})
+    attention_only = estimate(spec, nogc, _cluster(1), None).phases["learn"].components["activations"]
+    everything = estimate(load_model_spec(MOE), nogc.model_copy(update={"lora_targets": "all-linear"}), _cluster(1),
+                          None).phases["learn"].components["activations"]
+    # Every layer saves its merged stack for backward; at the activation product's moment the
+    # running layer's merged down stack (a third of the stack) is already freed.
+    assert everything - attention_only >= spec.num_layers * stack - stack // 3
+
+
 def test_expert_units_are_gathered_inside_their_block(moe_spec):
     """With ep > 1 each layer's packed experts are an FSDP unit nested in the block's (on the
     expert mesh): a no-grad forward holds the experts, their block's own parameters and
