@@ -37,12 +37,14 @@ def create_study(*, storage: Any, study_name: str, seed: int | None, n_startup_t
     kwargs: dict[str, Any] = {}
     if not hasattr(optuna.trial.Trial, "set_constraint"):  # Optuna < 5 reads constraints through a function
         kwargs["constraints_func"] = lambda t: (t.user_attrs.get(CONSTRAINT_KEY, 1.0),)
+    if tuple(int(x) for x in optuna.__version__.split(".")[:2] if x.isdigit()) < (4, 9):
+        kwargs["warn_independent_sampling"] = False  # deprecated (a FutureWarning per study) from 4.9
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # group=True: the FSDP knobs exist only for sharded candidates (a conditional space), which
         # multivariate TPE models per group instead of falling back to independent sampling.
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True,
-                                             group=True, constant_liar=True, warn_independent_sampling=False,
+                                             group=True, constant_liar=True,
                                              **kwargs)
     study = optuna.create_study(storage=storage, study_name=study_name, direction="maximize", sampler=sampler,
                                 load_if_exists=True)

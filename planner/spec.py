@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -295,7 +296,10 @@ def build_spec(config, *, name: str,
     lora_outside: dict[str, list[LoraShape]] = {}
     for position, targets in enumerate(lora_targets):
         key = ModelSpec._target_key(targets)
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            # PEFT asks transformers 5 for is_gradient_checkpointing, deprecated there: the
+            # FutureWarning is about PEFT's code, not the user's, so the planner keeps it quiet.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             fresh = model if position == 0 else AutoModelForCausalLM.from_config(config)
             pm = get_peft_model(fresh, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
         per_block = [[] for _ in blocks]
