@@ -517,7 +517,10 @@ def estimate(
         window = 0
         for j, (size, parent, ahead) in enumerate(direction):
             held = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
-            held += sum(b for _, _, b in direction[j + 1 : j + 1 + prefetch])
+            # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
+            # a nested expert unit is gathered when its own forward or backward starts.
+            outer_after = [b for _, up, b in direction[j + 1 :] if up is None]
+            held += sum(outer_after[:prefetch])
             window = max(window, held)
         return window + root_gathered + (0 if forward else gather_buffer)
 
@@ -603,8 +606,8 @@ def estimate(
             # - the activation product's: its output gradient and its two input gradients
             #   (3 x rows x width), once down's saved input (rows x width) and its merged
             #   stack are freed.
-            merged_down = k.moe_stack_grad * expert_down[index] if expert_lora[index] else 0
-            down = rows * expert_width + merged_down
+            merged_down = expert_down[index] if expert_lora[index] else 0  # the saved merged copy
+            down = rows * expert_width + k.moe_stack_grad * merged_down
             product = 2 * rows * expert_width - merged_down
             return int(max(down, product) * p)
         # Row-wise experts (agilerl.distributed._moe): per token block, the backward peaks at one

@@ -578,9 +578,10 @@ def _token_block(state: _ExpertState, weights: _ExpertWeights, x: Tensor, indice
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, hence by owning rank
     counts = torch.bincount(flat, minlength=state.num_experts)
-    # Each row buffer below is dropped as soon as the next one exists (``del``): autograd
-    # keeps none of them (indexing and the all-to-all save only indices and splits), so a
-    # block holds at most two row copies besides one chunk's intermediates.
+    # Each row buffer below is dropped as soon as the next one exists (``del``): indexing
+    # and the all-to-all save only indices and splits, so without grad a block holds at
+    # most two row copies besides one chunk's intermediates. With grad the experts' input
+    # rows stay saved for backward (by the chunks' checkpoints or the linears).
     send = x[order // k]
     if state.ep == 1:
         local_counts = counts.tolist()

@@ -374,18 +374,22 @@ def test_expert_units_are_gathered_inside_their_block(moe_spec):
     root = sum(math.prod(s) for _, s in moe_spec.root_tensors)
     assert moe_spec.num_layers == 2 and not moe_spec.tie_word_embeddings
 
-    def gathered(ep):
-        fsdp = FSDPConfig(**FP32, routed_expert_chunk_mib=1, prefetch_units=1, ep=ep)
+    def gathered(ep, prefetch=1):
+        fsdp = FSDPConfig(**FP32, routed_expert_chunk_mib=1, prefetch_units=prefetch, ep=ep)
         est = estimate(moe_spec, wl, _cluster(2), fsdp, coefficients=Coefficients(all_gather_overlap=0.0))
         return est.phases["reference"].components["weights_gathered"]
 
     # ep=2: each rank holds half of every layer's experts (and of their LoRA factors).
     # Forward order: embed, outer0, experts0, outer1, experts1, lm_head.
     local = [e // 2 for e in experts]
-    held = [2 * embed + outer[0], 2 * outer[0], outer[0] + local[0] + outer[1],
-            2 * outer[1], outer[1] + local[1] + head, 2 * head]
+    # A unit prefetches the next outer unit (blocks, head), never a nested expert unit.
+    held = [2 * embed + outer[0], 2 * outer[0] + outer[1], outer[0] + local[0] + outer[1],
+            2 * outer[1] + head, outer[1] + local[1] + head, 2 * head]
     assert gathered(2) == (max(held) + root) * 4
     assert max(held) < outer[0] + local[0] + outer[1] + local[1]
+    held = [2 * embed + outer[0] + outer[1], 2 * outer[0] + outer[1] + head, outer[0] + local[0] + outer[1] + head,
+            2 * outer[1] + head, outer[1] + local[1] + head, 2 * head]
+    assert gathered(2, prefetch=2) == (max(held) + root) * 4
     # ep=1: embed, block0, block1, lm_head with the experts inside each block.
     blocks = [o + e for o, e in zip(outer, experts)]
     held = [2 * embed + blocks[0], 2 * blocks[0] + blocks[1], 2 * blocks[1] + head, 2 * head]
