@@ -14,8 +14,29 @@ from typing import Any
 
 from planner.calibration import Sample
 from planner.hardware import CPU_DEVICE, Cluster
+from planner.memory import Coefficients, Estimate, estimate
 from planner.models import load_model_spec
 from planner.probe import ProbeRequest, run_probe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def coefficients_path(device: str) -> Path:
+    """Where the planner keeps the fitted coefficients for ``device``."""
+    return ROOT / "planner" / f"coefficients_{device}.json"
+
+
+def saved_coefficients(device: str) -> Coefficients:
+    """The planner's fitted coefficients for ``device`` (its defaults before any fit)."""
+    path = coefficients_path(device)
+    return Coefficients.model_validate_json(path.read_text()) if path.exists() else Coefficients()
+
+
+def estimate_request(req: ProbeRequest, coefficients: Coefficients) -> Estimate:
+    """The planner's estimate of what ``req`` runs (its model, workload, FSDP config and ranks)."""
+    spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
+    return estimate(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=req.nproc), req.fsdp,
+                    coefficients=coefficients)
 
 
 def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest], *,

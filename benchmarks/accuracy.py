@@ -26,13 +26,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import calibration_samples, measure_cached  # noqa: E402
+from _probe_cache import (  # noqa: E402
+    calibration_samples,
+    coefficients_path,
+    estimate_request,
+    measure_cached,
+    saved_coefficients,
+)
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.calibration import Sample, fit_coefficients  # noqa: E402
-from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
-from planner.memory import Coefficients, estimate  # noqa: E402
-from planner.models import load_model_spec  # noqa: E402
+from planner.memory import Coefficients  # noqa: E402
 from planner.probe import COMPONENTS, ProbeRequest  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
@@ -80,10 +84,7 @@ def request_for(c: dict, device: str) -> ProbeRequest:
 
 
 def estimate_for(c: dict, device: str, coefficients: Coefficients):
-    req = request_for(c, device)
-    spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
-    cluster = Cluster(gpu=CPU_DEVICE, num_gpus=c["world"])
-    return estimate(spec, req.workload, cluster, req.fsdp, coefficients=coefficients)
+    return estimate_request(request_for(c, device), coefficients)
 
 
 def errors(configs, results, device, coefficients) -> list[dict]:
@@ -151,15 +152,13 @@ def main() -> None:
     cache = ROOT / "benchmarks" / "results" / f"accuracy_{args.device}.json"
     results = measure_cached(configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
                              phases=PHASES)
-    coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
     if args.fit:
         coefficients = fit(configs, results, args.device)
+        coeff_path = coefficients_path(args.device)
         coeff_path.write_text(coefficients.model_dump_json(indent=1))
         print(f"fitted on the fit half -> {coeff_path.relative_to(ROOT)}: {coefficients.model_dump()}")
-    elif coeff_path.exists():
-        coefficients = Coefficients.model_validate_json(coeff_path.read_text())
     else:
-        coefficients = Coefficients()
+        coefficients = saved_coefficients(args.device)
     rows = errors(configs, results, args.device, coefficients)
     report([r for r in rows if r["config"]["half"] == "fit"], "fit half")
     held = [r for r in rows if r["config"]["half"] == "held-out"]

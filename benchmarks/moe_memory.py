@@ -33,13 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import calibration_samples, measure_cached  # noqa: E402
+from _probe_cache import (  # noqa: E402
+    calibration_samples,
+    coefficients_path,
+    estimate_request,
+    measure_cached,
+    saved_coefficients,
+)
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.calibration import Sample, fit_coefficients  # noqa: E402
-from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
-from planner.memory import Coefficients, estimate  # noqa: E402
-from planner.models import load_model_spec  # noqa: E402
+from planner.memory import Coefficients  # noqa: E402
 from planner.probe import ProbeRequest  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
@@ -107,10 +111,7 @@ def request_for(c: dict, device: str) -> ProbeRequest:
 
 
 def estimated(c: dict, device: str, coefficients: Coefficients):
-    req = request_for(c, device)
-    spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
-    return estimate(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=c["world"]), req.fsdp,
-                    coefficients=coefficients)
+    return estimate_request(request_for(c, device), coefficients)
 
 
 def peaks(c: dict, results: dict, device: str, coefficients: Coefficients) -> tuple[int, int] | None:
@@ -185,9 +186,8 @@ def main() -> None:
     cache = ROOT / "benchmarks" / "results" / f"moe_{args.device}.json"
     results = measure_cached(slope_configs() + grid, lambda c: request_for(c, args.device), cache=cache,
                              rerun=args.rerun, phases=PHASES)
-    coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
-    coefficients = (Coefficients.model_validate_json(coeff_path.read_text()) if coeff_path.exists()
-                    else Coefficients())
+    coeff_path = coefficients_path(args.device)
+    coefficients = saved_coefficients(args.device)
     if args.fit:
         train = samples([c for c in grid if c["half"] == "fit"] + slope_configs(), results, args.device)
         coefficients = fit_coefficients(train, start=coefficients, names=MOE_COEFFICIENTS)

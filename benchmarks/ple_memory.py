@@ -22,12 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import measure_cached  # noqa: E402
+from _probe_cache import estimate_request, measure_cached, saved_coefficients  # noqa: E402
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
-from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
-from planner.memory import Coefficients, estimate  # noqa: E402
-from planner.models import load_model_spec  # noqa: E402
 from planner.probe import ProbeRequest  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
@@ -65,9 +62,7 @@ def main() -> None:
     cache = ROOT / "benchmarks" / "results" / f"ple_{args.device}.json"
     results = measure_cached(CONFIGS, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
                              phases=PHASES)
-    coeff_path = ROOT / "planner" / f"coefficients_{args.device}.json"
-    coefficients = (Coefficients.model_validate_json(coeff_path.read_text()) if coeff_path.exists()
-                    else Coefficients())
+    coefficients = saved_coefficients(args.device)
     mib = 2**20
     print(f"\nPer-layer-embedding models ({args.device}): measured vs estimated per-rank peak, MiB")
     print(f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
@@ -78,9 +73,7 @@ def main() -> None:
         rec = results.get(req.model_dump_json())
         if rec is None:
             continue
-        spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
-        est = estimate(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=c["world"]), req.fsdp,
-                       coefficients=coefficients)
+        est = estimate_request(req, coefficients)
         weights_e = est.phases["learn"].components.get("weights", 0)
         row = (f"{c['model']:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
                f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")

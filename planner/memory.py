@@ -22,6 +22,7 @@ the other). The measured error of the whole estimate is in the README.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -514,13 +515,14 @@ def estimate(
         if not fsdp.reshard_after_forward:
             return all_gathered + gather_buffer
         direction = order if forward else _reversed_with_parents(order)
+        # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
+        # a nested expert unit is gathered when its own forward or backward starts.
+        outer = [j for j, (_, parent, _) in enumerate(direction) if parent is None]
         window = 0
         for j, (size, parent, ahead) in enumerate(direction):
             held = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
-            # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
-            # a nested expert unit is gathered when its own forward or backward starts.
-            outer_after = [b for _, up, b in direction[j + 1 :] if up is None]
-            held += sum(outer_after[:prefetch])
+            first = bisect.bisect_right(outer, j)
+            held += sum(direction[i][2] for i in outer[first : first + prefetch])
             window = max(window, held)
         return window + root_gathered + (0 if forward else gather_buffer)
 

@@ -331,7 +331,7 @@ def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
     assert adapter["activations"] - base["activations"] == int(8 / 3 * stack * 4)
 
 
-def test_lora_off_the_expert_stacks_merges_none():
+def test_lora_off_the_expert_stacks_merges_none(moe_spec):
     """PEFT merges an expert stack only when LoRA adapts it: with attention-only LoRA an
     active adapter changes no expert temporaries, and the stacks' backward has no merged
     gradient (the learn peak gains only the attention adapters' own activations)."""
@@ -345,7 +345,7 @@ def test_lora_off_the_expert_stacks_merges_none():
     stack = sum(math.prod(s) for _, s in spec.block(0).tensors if _is_expert(_)) * 4
     nogc = wl.model_copy(update={"gradient_checkpointing": False})
     attention_only = estimate(spec, nogc, _cluster(1), None).phases["learn"].components["activations"]
-    everything = estimate(load_model_spec(MOE), nogc.model_copy(update={"lora_targets": "all-linear"}), _cluster(1),
+    everything = estimate(moe_spec, nogc.model_copy(update={"lora_targets": "all-linear"}), _cluster(1),
                           None).phases["learn"].components["activations"]
     # Every layer saves its merged stack for backward; at the activation product's moment the
     # running layer's merged down stack (a third of the stack) is already freed.
