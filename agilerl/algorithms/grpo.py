@@ -50,6 +50,7 @@ from agilerl.utils.logprobs import (
     causal_lm,
     chunked_token_logprobs,
     final_norm,
+    linear_token_logprobs,
     output_head,
     position_ids_from_mask,
 )
@@ -448,7 +449,10 @@ class GRPO(LLMAlgorithm):
             )
         finally:
             handle.remove()
-        logp = self._head_logprobs(captured["h"][:, :-1], ids[:, 1:])
+        # Every position goes through the head (the last with a dummy target, dropped after), so
+        # the final hidden states are used as they are rather than copied without their last row.
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        logp = self._head_logprobs(captured["h"], targets)[:, :-1]
         if torch.is_grad_enabled():
             # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward
             # (the lm_head) has no output in the graph; a zero-weighted term keeps
@@ -464,10 +468,8 @@ class GRPO(LLMAlgorithm):
             with materialize_dtensors(weight, head.bias) as (w, b):
                 w = w.to(hidden.dtype)
                 b = b.to(hidden.dtype) if b is not None else None
-                return chunked_token_logprobs(
-                    hidden, targets, lambda h: nn.functional.linear(h, w, b),
-                    chunk_size=self.logprob_chunk_size, temperature=self.temperature, softcap=softcap,
-                )
+                return linear_token_logprobs(hidden, targets, w, b, chunk_size=self.logprob_chunk_size,
+                                             temperature=self.temperature, softcap=softcap)
         return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
                                       temperature=self.temperature, softcap=softcap)
 

@@ -1,16 +1,22 @@
 """Per-token log-probabilities without holding batch x length x vocab logits.
 
 The logits are the largest GRPO memory term for 150k-token vocabularies
-(DESIGN.md decision 4). ``chunked_token_logprobs`` computes them ``chunk_size``
-token rows at a time and, when gradients are on, wraps each chunk in
-non-reentrant activation checkpointing so autograd saves only the chunk's
-inputs and recomputes its logits in backward. Naive chunking does not help:
-autograd would keep every chunk's logits alive until backward.
+(DESIGN.md decision 4). Two paths, both ``chunk_size`` token rows at a time:
 
-Peak log-prob workspace, per the equation the planner uses
-(``planner.memory``): about ``3 * chunk_rows * vocab * 4`` bytes (fp32 logits,
-their exp/softmax temporary in logsumexp and its gradient), instead of the
-same with ``rows = batch * length`` for every chunk kept until backward.
+- ``linear_token_logprobs`` (the head is a linear layer: every model the
+  trainer ships): one autograd function that keeps only the hidden states and
+  each row's log-sum-exp for backward, and in backward recomputes a chunk's
+  logits and turns them into their gradient in place. Its workspace is one
+  logits tile in the compute dtype (the matmul output, freed once cast) and
+  one fp32 tile: ``chunk x V x (p + 4)`` bytes at the peak, in forward and in
+  backward alike (with ``softcap`` one more fp32 tile for tanh's derivative).
+  On an fp32 model the cast is a no-op and one tile remains. Counted by
+  ``planner.memory``'s logits term.
+- ``chunked_token_logprobs`` (any head callable): each chunk under
+  non-reentrant activation checkpointing, so autograd saves only the chunk's
+  inputs and recomputes its logits in backward (naive chunking does not help:
+  autograd would keep every chunk's logits alive until backward). Its backward
+  holds about four fp32 tiles (the logits, their softmax and two gradients).
 """
 
 from __future__ import annotations
@@ -19,9 +25,17 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_token_logprobs", "final_norm", "output_head", "position_ids_from_mask", "causal_lm"]
+__all__ = [
+    "chunked_token_logprobs",
+    "linear_token_logprobs",
+    "final_norm",
+    "output_head",
+    "position_ids_from_mask",
+    "causal_lm",
+]
 
 
 def _chunk_logprobs(
@@ -80,6 +94,126 @@ def chunked_token_logprobs(
         else:
             out.append(_chunk_logprobs(h, t, head, temperature, softcap))
     return torch.cat(out).view(shape)
+
+
+# -- the fused linear head ---------------------------------------------------------------------
+def _scaled_logits(hidden, weight, bias, temperature: float, softcap: float | None) -> torch.Tensor:
+    """fp32 logits of one chunk, soft-capped and tempered in place (the compute-dtype matmul
+    output is freed as soon as it is cast)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-sum-exp that overwrites ``logits`` (with ``exp(logits - max)``) instead of
+    allocating a second tile, as ``torch.logsumexp`` does."""
+    top = logits.amax(dim=-1, keepdim=True)
+    sums = logits.sub_(top).exp_().sum(dim=-1)
+    return sums.log_().add_(top.squeeze(-1))
+
+
+def _chunks(rows: int, chunk_size: int | None) -> range:
+    step = rows if chunk_size is None or chunk_size >= rows else chunk_size
+    return range(0, rows, max(1, step))
+
+
+def _linear_logprobs_nograd(hidden, weight, bias, targets, chunk_size, temperature, softcap) -> torch.Tensor:
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    step = chunk_size or hidden.shape[0]
+    for start in _chunks(hidden.shape[0], chunk_size):
+        rows = slice(start, start + step)
+        logits = _scaled_logits(hidden[rows], weight, bias, temperature, softcap)
+        picked = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+        out[rows] = picked - _logsumexp_(logits)
+        del logits
+    return out
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """log p(targets) through a linear head; saves the hidden states and one fp32 value per row."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, softcap):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        step = chunk_size or hidden.shape[0]
+        for start in _chunks(hidden.shape[0], chunk_size):
+            rows = slice(start, start + step)
+            logits = _scaled_logits(hidden[rows], weight, bias, temperature, softcap)
+            picked = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+            lse[rows] = _logsumexp_(logits)
+            out[rows] = picked - lse[rows]
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_size, ctx.temperature, ctx.softcap = chunk_size, temperature, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        step = ctx.chunk_size or hidden.shape[0]
+        for start in _chunks(hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + step)
+            g = grad_out[rows].float().unsqueeze(-1)
+            logits = _scaled_logits(hidden[rows], weight, bias, ctx.temperature, ctx.softcap)
+            # d/dz tanh(z / s) s = 1 - (tanh(z / s))^2, from the capped logits before the temperature
+            cap = 1 - (logits * (ctx.temperature / ctx.softcap)).square_() if ctx.softcap else None
+            # d log p_t / d y = onehot(t) - softmax(y), times the incoming gradient, in place
+            grad = logits.sub_(lse[rows].unsqueeze(-1)).exp_().mul_(-g)
+            grad.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            if cap is not None:
+                grad.mul_(cap)
+                del cap
+            grad = grad.to(hidden.dtype)
+            if need_h:
+                grad_h[rows] = grad @ weight.to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(grad.t().float(), hidden[rows].float())
+            if need_b:
+                grad_b.add_(grad.float().sum(0))
+            del grad, logits
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int | None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """log p(targets) for logits ``hidden @ weight.T + bias``, ``chunk_size`` rows at a time.
+
+    Equal to :func:`chunked_token_logprobs` with a linear head (values and
+    gradients, including the weight's when it trains), in a smaller workspace
+    (see the module docstring). ``hidden``: ``[..., H]`` in the compute dtype;
+    returns fp32 log-probs shaped like ``targets``.
+    """
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    shape = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    if torch.is_grad_enabled() and (flat_h.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        out = _LinearLogprobs.apply(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap)
+    else:
+        out = _linear_logprobs_nograd(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap)
+    return out.view(shape)
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

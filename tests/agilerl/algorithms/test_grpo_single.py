@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from agilerl.algorithms.grpo import group_advantages, grpo_loss
 from agilerl.distributed import FSDPConfig
-from agilerl.utils.logprobs import chunked_token_logprobs
+from agilerl.utils.logprobs import chunked_token_logprobs, linear_token_logprobs
 from tests.agilerl.algorithms._common import (
     TOKENIZER,
     lora_state,
@@ -213,6 +214,61 @@ def test_chunked_logprob_peak_shrinks_with_the_chunk():
     assert unchunked > logits_bytes
     assert chunk_128 < unchunked / 2
     assert chunk_32 < chunk_128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("temperature", "softcap"), [(1.0, None), (0.8, 30.0), (0.7, None)])
+def test_linear_logprobs_equal_the_checkpointed_head(dtype, temperature, softcap):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 11, 16, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(50, generator=g).to(dtype).requires_grad_()
+    targets = torch.randint(0, 50, (3, 11), generator=g)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+
+    def run(fn):
+        hidden.grad = weight.grad = bias.grad = None
+        out = fn()
+        (out * torch.linspace(0, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()
+
+    expected = run(lambda: chunked_token_logprobs(hidden, targets, lambda h: nn.functional.linear(h, weight, bias),
+                                                  chunk_size=None, temperature=temperature, softcap=softcap))
+    for chunk in (None, 1, 5, 32, 33):
+        got = run(lambda chunk=chunk: linear_token_logprobs(hidden, targets, weight, bias, chunk_size=chunk,
+                                                temperature=temperature, softcap=softcap))
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    with torch.no_grad():
+        out = linear_token_logprobs(hidden, targets, weight, bias, chunk_size=5, temperature=temperature,
+                                    softcap=softcap)
+    torch.testing.assert_close(out, expected[0], atol=tol, rtol=tol)
+
+
+def _head_workspace(fn, dtype, rows=1024, vocab=4000, width=32):
+    """Peak tensor bytes of a log-prob forward + backward beyond its inputs and the hidden gradient."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, width, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, width, generator=g).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    tracker = MemTracker()
+    tracker.track_external(weight, hidden, targets)
+    with tracker:
+        fn(hidden, weight, targets).sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return peak - (2 * hidden.numel() + weight.numel()) * hidden.element_size() - targets.numel() * 8
+
+
+def test_linear_logprob_workspace_is_one_fp32_and_one_compute_dtype_tile():
+    chunk, vocab = 128, 4000
+    fused = _head_workspace(lambda h, w, t: linear_token_logprobs(h, t, w, chunk_size=chunk), torch.bfloat16)
+    checkpointed = _head_workspace(
+        lambda h, w, t: chunked_token_logprobs(h, t, lambda x: x @ w.T, chunk_size=chunk), torch.bfloat16)
+    tile = chunk * vocab
+    assert fused <= tile * (4 + 2) * 1.05  # one fp32 tile and its bf16 matmul output (and a few rows)
+    assert checkpointed >= tile * 4 * 3  # the path it replaces keeps about four fp32 tiles
 
 
 def test_token_logprobs_match_generation_scores():
