@@ -67,6 +67,10 @@ class AlgorithmSection(_Section):
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
     ] = "bfloat16"
     vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
+    offload_weights_during_rollout: Annotated[
+        bool, Field(description="Park the trainer's base weights in host memory while the vLLM engine generates "
+                                "(needs vllm).")
+    ] = False
 
     @field_validator("logprob_chunk_size")
     @classmethod
@@ -87,6 +91,12 @@ class AlgorithmSection(_Section):
                     for e in err.errors()
                 )) from None
         return value
+
+    @model_validator(mode="after")
+    def _offload_needs_vllm(self) -> AlgorithmSection:
+        if self.offload_weights_during_rollout and self.vllm is None:
+            raise ValueError("offload_weights_during_rollout: true needs algorithm.vllm settings (a colocated engine)")
+        return self
 
     def fsdp_config(self) -> FSDPConfig | str | None:
         if self.fsdp is False:

@@ -68,6 +68,7 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
         use_separate_reference_adapter=algo.use_separate_reference_adapter,
         load_in_4bit=algo.load_in_4bit,
         vllm_config=algo.vllm,
+        offload_weights_during_rollout=algo.offload_weights_during_rollout,
         fsdp_config=algo.fsdp_config(),
         dtype=algo.dtype,
         seed=training.seed,

@@ -150,6 +150,7 @@ class GRPO(LLMAlgorithm):
         use_separate_reference_adapter: bool = False,
         load_in_4bit: bool = False,
         vllm_config: VLLMConfig | None = None,
+        offload_weights_during_rollout: bool = False,
         fsdp_config=None,
         device: str | None = None,
         dtype: str = "bfloat16",
@@ -168,6 +169,12 @@ class GRPO(LLMAlgorithm):
             raise ValueError(f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}")
         if gradient_checkpointing not in (True, False, "auto"):
             raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
+        if offload_weights_during_rollout and vllm_config is None:
+            raise ValueError(
+                "offload_weights_during_rollout=True needs a colocated vLLM engine (vllm_config): it parks the "
+                "trainer's base weights in host memory while the engine generates, and Hugging Face generate "
+                "runs on those weights"
+            )
         self._auto_chunk = logprob_chunk_size == "auto"
         self._auto_gc = gradient_checkpointing == "auto"
         super().__init__(
@@ -209,6 +216,15 @@ class GRPO(LLMAlgorithm):
             self._resolve_expert_chunk(actor_network)
         self._build(actor_network)
         self.eos_token_id = self._eos_token_id()
+        self.offload_weights_during_rollout = offload_weights_during_rollout
+        self._weight_offload = None
+        if offload_weights_during_rollout:
+            if self.sharded and self.fsdp_config.cpu_offload:
+                raise ValueError("offload_weights_during_rollout=True with FSDPConfig(cpu_offload=True): the "
+                                 "weights already live in host memory; drop one of the two")
+            from .core.offload import BaseWeightOffload
+
+            self._weight_offload = BaseWeightOffload(self.model)
         if vllm_config is not None:
             from agilerl.utils.engine import VLLMEngine
 
@@ -409,11 +425,22 @@ class GRPO(LLMAlgorithm):
 
     def _generate_with_engine(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        self.engine.wake_up()
+        offload = self._weight_offload
+        # With the base weights offloaded, the engine wakes in two steps: its weights first, to take
+        # the new ones while the trainer's are still on the device, then its KV cache in the memory
+        # the trainer's weights leave.
+        self.engine.wake_up(tags=["weights"]) if offload is not None else self.engine.wake_up()
         self.sync_engine_weights()
-        outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens, temperature=self.temperature,
-                                       seed=self.seed + self.steps)
-        self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)
+        try:
+            if offload is not None:
+                offload.offload()
+                self.engine.wake_up(tags=["kv_cache"])
+            outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens,
+                                           temperature=self.temperature, seed=self.seed + self.steps)
+        finally:
+            self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)
+            if offload is not None:
+                offload.restore()
         width = max(1, max(len(o) for o in outputs))
         out = torch.full((len(outputs), width), self.pad_token_id, dtype=ids.dtype)
         for i, o in enumerate(outputs):

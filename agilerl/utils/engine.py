@@ -29,7 +29,8 @@ class RolloutEngine(Protocol):
 
     def sleep(self, level: int) -> None: ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Reallocate what sleep freed: everything, or only ``tags`` ("weights", "kv_cache")."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights (full, merged, Hugging Face names)."""
@@ -75,9 +76,9 @@ class VLLMEngine:
         if self.config.sleep_mode:
             self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags=None) -> None:
         if self.config.sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=list(tags)) if tags else self.llm.wake_up()
 
     def load_weights(self, weights):
         weights = list(weights)

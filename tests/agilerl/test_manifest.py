@@ -51,11 +51,17 @@ def test_shipped_manifest_validates_and_round_trips(path):
         ({"algorithm": {"model_name": "m", "micro_batch_size_per_gpu": 3}}, "does not divide"),
         ({**GOOD, "environment": {"operators": "/"}}, "unsupported operators"),
         ({**GOOD, "lora": {"r": 0}}, "lora.r"),
+        ({"algorithm": {"model_name": "m", "offload_weights_during_rollout": True}}, "needs algorithm.vllm"),
     ],
 )
 def test_bad_manifests_name_the_field(data, match):
     with pytest.raises(ManifestError, match=match):
         load_manifest(data)
+
+
+def test_weight_offload_with_an_engine_is_accepted():
+    manifest = load_manifest({"algorithm": {"model_name": "m", "vllm": {}, "offload_weights_during_rollout": True}})
+    assert manifest.algorithm.offload_weights_during_rollout
 
 
 def test_fsdp_forms():

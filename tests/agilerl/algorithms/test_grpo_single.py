@@ -419,8 +419,8 @@ class FakeEngine:
     def sleep(self, level):
         self.calls.append(f"sleep{level}")
 
-    def wake_up(self):
-        self.calls.append("wake_up")
+    def wake_up(self, tags=None):
+        self.calls.append("wake_up" + (f"[{','.join(tags)}]" if tags else ""))
 
     def load_weights(self, weights):
         self.calls.append("load_weights")
@@ -439,7 +439,7 @@ def test_rollout_through_an_engine_syncs_merged_weights():
     assert isinstance(engine, RolloutEngine)
     agent.engine = engine
     ids, masks = agent.get_action(["1+1=", "2+2="])
-    assert engine.calls == ["wake_up", "load_weights", "generate", "sleep1"]
+    assert engine.calls == ["wake_up", "load_weights", "generate", "sleep1"]  # no offload: one wake-up
     merged = engine.weights
     lm = agent.model.get_base_model()
     assert set(merged) == set(lm.state_dict()) - {k for k in lm.state_dict() if "lora_" in k or "base_layer" in k} | {
@@ -450,6 +450,48 @@ def test_rollout_through_an_engine_syncs_merged_weights():
     key = "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(merged[key], twin.state_dict()[key])
     assert masks.sum(1).tolist()[:4] == [1, 3, 3, 2]  # [5], [6,6]+eos, [7,7,7], [5]+eos
+
+
+class OffloadCheckingEngine(FakeEngine):
+    """Records, at generation time, how many base-weight bytes the trainer still holds."""
+
+    def generate(self, prompts, *, max_tokens, temperature, seed=None):
+        from torch.distributed.tensor import DTensor
+
+        def stored(p):  # the bytes this rank's storage of p holds (a shard's, under FSDP2)
+            return (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes()
+
+        params = list(self.agent.model.named_parameters())
+        self.held = sum(stored(p) for n, p in params if not p.requires_grad and ".lora_" not in n)
+        self.lora_held = sum(stored(p) for n, p in params if ".lora_" in n)
+        return super().generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+
+def test_offload_weights_during_rollout_frees_the_base_and_restores_it_bit_for_bit():
+    from agilerl.algorithms.core.offload import BaseWeightOffload
+
+    agent = make_agent(max_output_tokens=3)
+    before = {n: p.detach().clone() for n, p in agent.model.named_parameters()}
+    base_bytes = sum(p.numel() * p.element_size() for n, p in agent.model.named_parameters()
+                     if not p.requires_grad and ".lora_" not in n)
+    agent.engine = engine = OffloadCheckingEngine(agent)
+    agent._weight_offload = BaseWeightOffload(agent.model)  # what offload_weights_during_rollout=True builds
+    assert agent._weight_offload.nbytes >= base_bytes  # tied weights share one storage, counted once
+    agent.get_action(["1+1=", "2+2="])
+    # weights first (the sync needs the trainer's), the KV cache once the base is on the host
+    assert engine.calls == ["wake_up[weights]", "load_weights", "wake_up[kv_cache]", "generate", "sleep1"]
+    assert engine.held == 0 and engine.lora_held > 0
+    for n, p in agent.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    # and training after the restore is what training without any offload gives
+    twin = make_agent(max_output_tokens=3)
+    batch = synthetic_experiences(agent)[:3]
+    assert agent.learn(batch)["loss"] == twin.learn(batch)["loss"]
+
+
+def test_offload_weights_during_rollout_needs_a_rollout_engine():
+    with pytest.raises(ValueError, match="needs a colocated vLLM engine"):
+        make_agent(offload_weights_during_rollout=True)
 
 
 def test_auto_fsdp_on_one_device_trains_unsharded(capsys):
