@@ -1,0 +1,41 @@
+"""estimate(spec, workload, cluster, fsdp) -> per-rank, per-phase memory by component.
+
+Pure and fast (no torch; ~1 ms for a 70B once the spec exists). It models what
+*this project's* GRPO trainer does (agilerl.algorithms.GRPO on
+agilerl.distributed.apply_fsdp2), phase by phase; peak is the largest phase
+(DESIGN.md decision 3). Every number is per rank: rank 0, which holds the
+largest shards (FSDP2 gives rank i rows ``[i*ceil(d/S), (i+1)*ceil(d/S))``).
+
+Notation (the :class:`~planner.memory._context.Context` field in brackets): ``S``
+ranks share a weight shard (``shard_group_size`` or all) [shard_group], ``D``
+data-parallel ranks [data_parallel_ranks], ``n = prompts x group / D`` completions
+per rank [completions_per_rank], ``m`` the micro-batch [micro_batch], ``T`` prompt +
+completion tokens [sequence_tokens], ``N = m T`` tokens per micro-batch
+[micro_batch_tokens], ``c`` the log-prob chunk (token rows), ``V`` the vocabulary
+[vocab_size], ``H`` hidden size [hidden_size], ``p`` bytes of the compute dtype (FSDP
+``param_dtype``, or the weights' dtype unsharded) [compute_bytes], ``w`` bytes of the
+stored weights [weight_bytes].
+
+Where a term's size depends on kernels rather than shapes (activations saved
+for backward, logits temporaries, the all-gather copy-out), it carries a
+coefficient from :class:`Coefficients`, fitted on measured probes
+(benchmarks/accuracy.py fits on one half of its configurations and reports
+the other). The measured error of the whole estimate is in the README.
+
+One module per concern: the inputs resolved and validated once (``_context``), how
+agilerl.distributed splits the model (``_parallel``), tensors and FSDP units
+(``_units``), gathered windows (``_gathered``), weights, adapters, optimizer state and
+gradients (``_static``), activations (``_activations``), routed experts (``_moe``),
+the log-prob workspace (``_logits``), generation (``_generation``), GPU-only terms
+(``_overheads``), the phases (``_phases``) and the entry points (``_estimate``).
+"""
+
+from ._coefficients import Coefficients
+from ._context import DTYPE_BYTES, resolve_workload
+from ._estimate import EXPERT_CHUNKS_MIB, MARGIN_FRACTION, estimate, resolve_expert_chunk
+from ._parallel import expert_parallel_degrees, tensor_parallel_degrees
+from ._result import Estimate, PhaseEstimate
+
+__all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload",
+           "expert_parallel_degrees", "tensor_parallel_degrees", "resolve_expert_chunk", "EXPERT_CHUNKS_MIB",
+           "MARGIN_FRACTION"]

@@ -1,0 +1,161 @@
+"""The inputs of one estimate, resolved and validated once: a frozen :class:`Context`.
+
+Every term of the estimate is a pure function of a context (and of the FSDP layout built
+from it, :mod:`._units`). Building it raises what the trainer would refuse: a batch that
+does not split over the data-parallel ranks, a spec without the LoRA targets, a TP or
+EP degree agilerl.distributed does not accept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from agilerl.distributed import FSDPConfig
+
+from ..hardware import Cluster
+from ..spec import ModelSpec
+from ..workload import Workload
+from ._coefficients import Coefficients
+from ._parallel import check_ep, is_packed, is_packed_expert, tp_problem
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: One adapter's (a_rows, a_cols, b_rows, b_cols) at rank 1.
+LoraShape = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What one estimate needs, per rank (rank 0, which holds the largest shards).
+
+    Per-layer fields are tuples indexed by layer. Layers of one block type have equal
+    terms, so the maxima over layers are taken over ``distinct_layers`` only.
+    """
+
+    spec: ModelSpec
+    workload: Workload  # with the trainer's defaults (resolve_workload)
+    cluster: Cluster
+    fsdp: FSDPConfig | None
+    coefficients: Coefficients
+    sharded: bool  # under FSDP
+    on_gpu: bool  # GPU-only terms apply
+    num_gpus: int
+    tp: int
+    ep: int
+    data_parallel_ranks: int
+    shard_group: int  # ranks a weight shard spans (with tp, FSDP shards over the dp axis)
+    persistence_threshold: float  # tensors smaller than this stay replicated
+    weight_bytes: int  # per element of the stored weights
+    compute_bytes: int  # per element of the compute dtype (FSDP param_dtype, else the weights')
+    completions_per_rank: int
+    micro_batch: int
+    micro_batches: int  # per step
+    sequence_tokens: int  # prompt + completion
+    micro_batch_tokens: int
+    vocab_size: int
+    hidden_size: int
+    carried_hidden: int  # the hidden state every block carries (x4 under Gemma-3n's AltUp)
+    extra_streams: int  # AltUp streams beyond the first
+    lora_rank: int
+    num_adapters: int  # 2 with a separate reference adapter
+    lora_key: str
+    lora_names: tuple[tuple[str, ...], ...]  # per layer
+    lora_shapes: tuple[tuple[LoraShape, ...], ...]  # per layer
+    packed: tuple[bool, ...]  # per layer: routed experts packed per layer
+    expert_lora: tuple[bool, ...]  # per layer: LoRA on the expert stacks
+    expert_chunk_mib: int | None
+    expert_rowwise: bool  # the project's row-wise experts rather than the Hugging Face loop
+    expert_group: int | None  # ranks an expert shard spans under EP
+    checkpointed: frozenset[int]  # layers wrapped for activation checkpointing
+    scores_materialised: bool  # eager attention
+    distinct_layers: tuple[int, ...]  # the first layer of each block type
+    representative: tuple[int, ...]  # per layer: the first layer of its block type
+
+
+def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
+    """The workload with the trainer's own defaults for fields left to the planner."""
+    n = workload.completions_per_rank(data_parallel_ranks)
+    return workload.model_copy(update={
+        "micro_batch_size_per_gpu": workload.micro_batch_size_per_gpu or n,
+        "gradient_checkpointing": True if workload.gradient_checkpointing is None else workload.gradient_checkpointing,
+    })
+
+
+def checkpointed_layers(spec: ModelSpec, workload: Workload, fsdp: FSDPConfig | None) -> frozenset[int]:
+    """The layers agilerl.distributed.apply_activation_checkpointing wraps: of the blocks whose
+    kind is not in ``checkpoint_skip_layer_types``, the first and then every n-th."""
+    if not workload.gradient_checkpointing:
+        return frozenset()
+    skip = set(fsdp.checkpoint_skip_layer_types) if fsdp else set()
+    every = fsdp.checkpoint_every_n_blocks if fsdp else 1
+    eligible = [i for i in range(spec.num_layers) if spec.block(i).kind not in skip]
+    return frozenset(eligible[::every])
+
+
+def _lora_by_type(spec: ModelSpec, workload: Workload) -> dict[str, tuple[tuple[str, ...], tuple[LoraShape, ...]]]:
+    """Per block type: its adapters' names and (a_rows, a_cols, b_rows, b_cols) at rank 1."""
+    key = ModelSpec._target_key(workload.lora_targets)
+    if not spec.has_lora_targets(workload.lora_targets):
+        raise KeyError(f"the spec of {spec.name} has no LoRA coverage for targets {key!r}; rebuild it with them")
+    return {kind: (tuple(e[0] for e in b.lora[key]), tuple(e[1:] for e in b.lora[key]))
+            for kind, b in spec.block_types.items()}
+
+
+def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig | None, *,
+                  coefficients: Coefficients) -> Context:
+    """Resolve and validate the inputs of one estimate (raises ValueError / KeyError as the trainer would)."""
+    num_gpus = cluster.num_gpus
+    tp = fsdp.tp if fsdp else 1
+    data_parallel_ranks = max(1, num_gpus // tp)
+    workload = resolve_workload(workload, data_parallel_ranks=data_parallel_ranks)
+    weight_bytes = DTYPE_BYTES[workload.weights_dtype]
+    completions = workload.completions_per_rank(data_parallel_ranks)
+    micro_batch = workload.micro_batch_size_per_gpu
+    lora = _lora_by_type(spec, workload)
+    if tp > 1 and (problem := tp_problem(spec, tp)):
+        raise ValueError(problem)
+    ep = fsdp.ep if fsdp else 1
+    if ep > 1:
+        check_ep(spec, ep, num_gpus, fsdp)
+    # Which expert code runs (agilerl.distributed._moe): PEFT's merged expert stack in the
+    # Hugging Face loop, or the project's row-wise experts (expert parallel or a chunk size).
+    chunk_mib = fsdp.routed_expert_chunk_mib if fsdp else None
+    first: dict[str, int] = {}
+    for i, kind in enumerate(spec.layers):
+        first.setdefault(kind, i)
+    packed = {kind: is_packed(b) for kind, b in spec.block_types.items()}
+    expert_lora = {kind: any(is_packed_expert(n) for n in names) for kind, (names, _) in lora.items()}
+    return Context(
+        spec=spec, workload=workload, cluster=cluster, fsdp=fsdp, coefficients=coefficients,
+        sharded=fsdp is not None,
+        on_gpu=cluster.gpu.kind != "cpu",
+        num_gpus=num_gpus, tp=tp, ep=ep,
+        data_parallel_ranks=data_parallel_ranks,
+        shard_group=(fsdp.shard_group_size or data_parallel_ranks) if fsdp else 1,
+        persistence_threshold=fsdp.param_persistence_threshold if fsdp else math.inf,
+        weight_bytes=weight_bytes,
+        compute_bytes=DTYPE_BYTES[fsdp.param_dtype] if fsdp else weight_bytes,
+        completions_per_rank=completions,
+        micro_batch=micro_batch,
+        micro_batches=completions // micro_batch,
+        sequence_tokens=workload.sequence_tokens,
+        micro_batch_tokens=micro_batch * workload.sequence_tokens,
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        carried_hidden=spec.hidden_size * spec.hidden_streams,
+        extra_streams=spec.hidden_streams - 1,
+        lora_rank=workload.lora_rank,
+        num_adapters=2 if workload.use_separate_reference_adapter else 1,
+        lora_key=ModelSpec._target_key(workload.lora_targets),
+        lora_names=tuple(lora[kind][0] for kind in spec.layers),
+        lora_shapes=tuple(lora[kind][1] for kind in spec.layers),
+        packed=tuple(packed[kind] for kind in spec.layers),
+        expert_lora=tuple(expert_lora[kind] for kind in spec.layers),
+        expert_chunk_mib=chunk_mib,
+        expert_rowwise=ep > 1 or chunk_mib is not None,
+        expert_group=num_gpus // ep if ep > 1 else None,
+        checkpointed=checkpointed_layers(spec, workload, fsdp),
+        scores_materialised=workload.attn_implementation == "eager",
+        distinct_layers=tuple(first.values()),
+        representative=tuple(first[kind] for kind in spec.layers),
+    )

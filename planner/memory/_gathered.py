@@ -1,0 +1,150 @@
+"""Weights FSDP2 holds gathered (unsharded, in the compute dtype) at once: the window of
+running and prefetched units, in forward and in backward.
+
+Units run in order (embeddings, blocks with their nested expert units, lm_head; reversed
+in backward), so the gathered set is a sliding window over that order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from ._context import Context
+from ._units import Layout, Unit
+
+#: (bytes, index of the enclosing entry or None, bytes a prefetch of it holds)
+OrderEntry = tuple[int, int | None, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    unit_bytes: tuple[int, ...]  # each unit of Layout.units gathered, in forward order
+    root_bytes: int
+    all_bytes: int  # every unit and the root at once
+    order: tuple[OrderEntry, ...]  # forward gathering order, nested expert units apart
+    largest_bytes: int  # the largest entry of ``order``
+    buffer_bytes: int  # the allowance beside the backward's window
+
+
+def unit_gathered_bytes(ctx: Context, unit: Unit) -> int:
+    """Full bytes of a unit's sharded tensors in the compute dtype (0 unsharded)."""
+    if not ctx.sharded:
+        return 0
+    base, lora = unit.full_sharded_numel()
+    return int((base + lora) * ctx.compute_bytes)
+
+
+def gather_order(ctx: Context, layout: Layout, unit_bytes: tuple[int, ...]) -> tuple[OrderEntry, ...]:
+    """The order FSDP2 gathers in: a block's own parameters, then each of its layers'
+    nested expert units.
+
+    Entries are (bytes, index of the enclosing entry or None, bytes a prefetch of it
+    holds). Prefetching a unit holds its all-gather output until it runs; on a one-rank
+    shard group FSDP2 all-gathers nothing and makes the unsharded parameters when the
+    unit runs, so a prefetch there holds nothing.
+    """
+    order: list[OrderEntry] = []
+    for u, size in zip(layout.units, unit_bytes):
+        inner = [unit_gathered_bytes(ctx, x) for x in layout.nested.get(u.name, ())]
+        outer = len(order)
+        own = size - sum(inner)
+        order.append((own, None, own if ctx.shard_group > 1 else 0))
+        order.extend((b, outer, b if (ctx.expert_group or ctx.shard_group) > 1 else 0) for b in inner)
+    return tuple(order)
+
+
+def gather_buffer_bytes(ctx: Context, layout: Layout, unit_bytes: tuple[int, ...], root_bytes: int) -> int:
+    """all_gather_overlap x the largest of the embeddings, PLE, head and root units.
+
+    Beside the window of gathered units (the current ones, and the prefetched ones whose
+    all-gather output is in flight) the peak holds more FSDP buffers than the window
+    counts: this allowance, fitted on the dense probes (which buffer it stands for there
+    is not pinned down). It does not scale with the blocks: MoE probes (a tensor-level
+    tracker on 2 and 4 gloo ranks) show no expert- or block-sized buffer at the experts'
+    backward, and a dense two-block unit's probe none beyond the prefetched embeddings.
+    """
+    edges = [size for u, size in zip(layout.units, unit_bytes) if not u.name.startswith("blocks.")]
+    return int(ctx.coefficients.all_gather_overlap * max(edges + [root_bytes]))
+
+
+def build_gathered(ctx: Context, layout: Layout) -> Gathered:
+    unit_bytes = tuple(unit_gathered_bytes(ctx, u) for u in layout.units)
+    root_bytes = unit_gathered_bytes(ctx, layout.root)
+    order = gather_order(ctx, layout, unit_bytes)
+    return Gathered(
+        unit_bytes=unit_bytes, root_bytes=root_bytes, all_bytes=sum(unit_bytes) + root_bytes, order=order,
+        largest_bytes=max((b for b, _, _ in order), default=0),
+        buffer_bytes=gather_buffer_bytes(ctx, layout, unit_bytes, root_bytes),
+    )
+
+
+def reversed_with_parents(order: tuple[OrderEntry, ...]) -> list[OrderEntry]:
+    """Backward order of (bytes, parent index, prefetched bytes) entries: reversed, parents
+    re-indexed.
+
+    In backward a block's own unit is gathered first (its pre-backward), then
+    its nested units, so each parent moves ahead of its children."""
+    groups: list[list[OrderEntry]] = []
+    for size, parent, ahead in order:
+        if parent is None:
+            groups.append([(size, None, ahead)])
+        else:
+            groups[-1].append((size, parent, ahead))
+    out: list[OrderEntry] = []
+    for group in reversed(groups):
+        head = len(out)
+        out.append(group[0])
+        out.extend((size, head, ahead) for size, _, ahead in reversed(group[1:]))
+    return out
+
+
+def in_flight(ctx: Context, gathered: Gathered, prefetch: int, *, forward: bool) -> int:
+    """The most gathered at once: a unit, its enclosing block, the next ``prefetch``
+    units in order, the root and the buffer allowance.
+
+    In forward FSDP2 defers freeing a unit's all-gather output until the next unit's
+    copy-out (to overlap the two), so a running unit is held twice; in backward it is
+    freed at the copy-out. With reshard_after_forward=False every unit stays gathered
+    from its forward to its backward, and after a no-grad forward until the next
+    backward (FSDP2 reshards in post-backward only).
+    """
+    if not ctx.sharded:
+        return 0
+    if not ctx.fsdp.reshard_after_forward:
+        return gathered.all_bytes + gathered.buffer_bytes
+    direction = gathered.order if forward else reversed_with_parents(gathered.order)
+    # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
+    # a nested expert unit is gathered when its own forward or backward starts.
+    outer = [j for j, (_, parent, _) in enumerate(direction) if parent is None]
+    window = 0
+    for j, (size, parent, ahead) in enumerate(direction):
+        held = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
+        first = bisect.bisect_right(outer, j)
+        held += sum(direction[i][2] for i in outer[first : first + prefetch])
+        window = max(window, held)
+    return window + gathered.root_bytes + (0 if forward else gathered.buffer_bytes)
+
+
+def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
+    """The backward's window with ``backward_prefetch_units`` prefetched."""
+    return in_flight(ctx, gathered, ctx.fsdp.backward_prefetch_units if ctx.fsdp else 0, forward=False)
+
+
+def nograd_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
+    """A no-grad forward's window (generation, the reference pass) with ``prefetch_units``
+    prefetched; everything with reshard_after_forward=False."""
+    if not ctx.sharded:
+        return 0
+    if not ctx.fsdp.reshard_after_forward:
+        return gathered.all_bytes
+    return in_flight(ctx, gathered, ctx.fsdp.prefetch_units, forward=True)
+
+
+def after_forward_bytes(ctx: Context, gathered: Gathered) -> int:
+    """Gathered after a forward: the root stays gathered; with reshard_after_forward=False every unit."""
+    if not ctx.sharded:
+        return 0
+    if not ctx.fsdp.reshard_after_forward:
+        return gathered.all_bytes
+    return gathered.root_bytes

@@ -1,0 +1,193 @@
+"""The phases of a GRPO step, assembled from the terms: load, rollout (and vLLM's weight
+sync), reference, learn, step, save. Peak is the largest phase (DESIGN.md decision 3).
+
+Within a phase components peak at different moments, so a phase is the larger of its
+moments (each a full set of components at one instant), never the sum of their maxima.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._activations import (
+    largest_forward_temps,
+    recompute_bytes,
+    saved_activation_bytes,
+    saved_by_type,
+)
+from ._context import Context
+from ._gathered import (
+    Gathered,
+    after_forward_bytes,
+    backward_gathered_bytes,
+    build_gathered,
+    nograd_gathered_bytes,
+)
+from ._generation import (
+    VLLM_NOTE,
+    hf_rollout_moments,
+    host_vllm_weight_bytes,
+    vllm_asleep_bytes,
+    vllm_awake_bytes,
+)
+from ._logits import kept_logprob_bytes, learn_logits_bytes, reference_logits_bytes
+from ._overheads import gpu_overheads, host_process_bytes
+from ._result import Estimate, PhaseEstimate
+from ._static import (
+    QLORA_NOTE,
+    StaticMemory,
+    gradient_terms,
+    load_gathered_bytes,
+    load_host_checkpoint_bytes,
+    save_gathered_bytes,
+    save_host_checkpoint_bytes,
+    static_components,
+    static_memory,
+    step_optimizer_bytes,
+)
+from ._units import Layout, build_layout
+
+Components = dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """The terms several phases share."""
+
+    layout: Layout
+    memory: StaticMemory
+    static: Components  # held in every phase
+    host: Components  # host memory held in every phase
+    gathered: Gathered
+    nograd_gathered: int  # a no-grad forward's window
+    after_forward: int  # what stays gathered after a forward
+    vllm_asleep: int
+    kept_logprobs: int
+
+
+def host_resident(ctx: Context, memory: StaticMemory) -> Components:
+    """The host memory every phase holds: the process, offloaded optimizer state and
+    weights, vLLM's offloaded weights."""
+    host = {"host_process": host_process_bytes(ctx)}
+    if memory.host_optimizer:
+        host["host_optimizer_state"] = memory.host_optimizer
+    if memory.host_weights:
+        host["host_weights"] = memory.host_weights
+    if ctx.workload.generation == "vllm" and ctx.workload.vllm_sleep_level == 1:
+        host["host_vllm_weights"] = host_vllm_weight_bytes(ctx)
+    return host
+
+
+def shared_terms(ctx: Context, layout: Layout) -> Terms:
+    memory = static_memory(ctx, layout)
+    gathered = build_gathered(ctx, layout)
+    return Terms(
+        layout=layout, memory=memory, static=static_components(memory), host=host_resident(ctx, memory),
+        gathered=gathered, nograd_gathered=nograd_gathered_bytes(ctx, gathered),
+        after_forward=after_forward_bytes(ctx, gathered), vllm_asleep=vllm_asleep_bytes(ctx),
+        kept_logprobs=kept_logprob_bytes(ctx),
+    )
+
+
+def make_phase(ctx: Context, terms: Terms, components: Components, host: Components | None = None) -> PhaseEstimate:
+    """A phase's non-zero components (as ints) with the GPU overheads on what they allocate."""
+    merged = {name: int(v) for name, v in components.items() if v}
+    allocated = sum(merged.values())
+    for name, v in gpu_overheads(ctx, allocated).items():
+        merged[name] = merged.get(name, 0) + v
+    return PhaseEstimate(components=merged, host={**terms.host, **(host or {})})
+
+
+def larger(*candidates: Components) -> Components:
+    """The moment with the most bytes (the first on a tie)."""
+    return max(candidates, key=lambda c: sum(c.values()))
+
+
+def load_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
+    """Loading the weights: no optimizer state yet, a tensor at a time through the host."""
+    return make_phase(ctx, terms,
+                      {**terms.static, "optimizer_state": 0, "weights_gathered": load_gathered_bytes(ctx, terms.layout)},
+                      {"host_checkpoint": load_host_checkpoint_bytes(ctx, terms.layout)})
+
+
+def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
+    """Generation: Hugging Face generate block after block (no-grad window), or vLLM awake,
+    with its weight sync gathering one unit at a time."""
+    match ctx.workload.generation:
+        case "hf":
+            moments = hf_rollout_moments(ctx, terms.layout)
+            return {"rollout": make_phase(ctx, terms, {**terms.static, "weights_gathered": terms.nograd_gathered,
+                                                       **larger(*moments)})}
+        case "vllm":
+            awake = vllm_awake_bytes(ctx)
+            largest_unit = terms.gathered.largest_bytes if ctx.sharded else 0
+            return {"rollout": make_phase(ctx, terms, {**terms.static, "vllm": awake}),
+                    "sync": make_phase(ctx, terms, {**terms.static, "vllm": awake, "weights_gathered": largest_unit})}
+    return {}
+
+
+def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
+    """The no-grad passes per micro-batch (None without them): a block's forward, or the chunked head.
+
+    The old-policy pass (update_epochs > 1) runs the actor; the reference pass runs the
+    base model with adapters disabled unless the reference is an adapter of its own.
+    """
+    workload = ctx.workload
+    if not (workload.beta > 0 or workload.update_epochs > 1):
+        return None
+    adapters_on = workload.use_separate_reference_adapter or workload.update_epochs > 1
+    fwd = largest_forward_temps(ctx, terms.layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on)
+    hidden = ctx.micro_batch_tokens * ctx.carried_hidden * ctx.compute_bytes
+    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
+        {"weights_gathered": terms.nograd_gathered, "activations": fwd + 2 * hidden + terms.kept_logprobs},
+        {"weights_gathered": terms.after_forward, "activations": hidden + terms.kept_logprobs,
+         "logits": reference_logits_bytes(ctx)},
+    )})
+
+
+def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
+    """Forward + backward of one micro-batch (the last of the step).
+
+    Components peak at different moments of a micro-batch, so the learn phase is the
+    larger of two sub-peaks: the head's backward (every activation still saved, the
+    logits workspace at its largest) and the first block's backward (activations, the
+    recomputed block, a unit's unsharded gradients being reduced).
+    """
+    saved = saved_by_type(ctx, terms.layout)
+    saved_total = saved_activation_bytes(ctx, saved)
+    grads = gradient_terms(ctx, terms.layout, terms.memory)
+    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
+        {"weights_gathered": terms.after_forward, "gradients": grads.prior,
+         "activations": saved_total + terms.kept_logprobs, "logits": learn_logits_bytes(ctx)},
+        {"weights_gathered": backward_gathered_bytes(ctx, terms.gathered), "gradients": grads.prior + grads.reducing,
+         "activations": saved_total + recompute_bytes(ctx, terms.layout, saved) + terms.kept_logprobs,
+         "comm_buffers": grads.reduce_buffer},
+    )})
+
+
+def step_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
+    """Clip and AdamW over the sharded gradients."""
+    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep,
+                                   "gradients": terms.memory.gradients_sharded,
+                                   "optimizer_state": step_optimizer_bytes(ctx, terms.memory)})
+
+
+def save_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
+    """Adapters gathered one tensor at a time; rank 0 keeps them and the optimizer state on the host."""
+    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep,
+                                   "weights_gathered": save_gathered_bytes(terms.layout)},
+                      {"host_checkpoint": save_host_checkpoint_bytes(ctx, terms.memory)})
+
+
+def assemble(ctx: Context) -> Estimate:
+    """Every phase of the step from a built context."""
+    terms = shared_terms(ctx, build_layout(ctx))
+    phases = {"load": load_phase(ctx, terms), **rollout_phases(ctx, terms)}
+    if (reference := reference_phase(ctx, terms)) is not None:
+        phases["reference"] = reference
+    phases["learn"] = learn_phase(ctx, terms)
+    phases["step"] = step_phase(ctx, terms)
+    phases["save"] = save_phase(ctx, terms)
+    notes = ([QLORA_NOTE] if ctx.workload.load_in_4bit else []) + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else [])
+    return Estimate(phases=phases, capacity_bytes=ctx.cluster.gpu.memory_bytes, gpus_per_node=ctx.cluster.per_node,
+                    notes=tuple(notes))

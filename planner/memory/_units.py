@@ -1,0 +1,186 @@
+"""Tensors as FSDP sees them on one rank, and the FSDP units agilerl.distributed wraps.
+
+FSDP2 gives rank i rows ``[i*ceil(d/S), (i+1)*ceil(d/S))`` of every sharded tensor, so rank 0
+holds the largest shards. Units run in order: the embeddings (unless tied), the per-layer
+embeddings, the blocks (``wrap_every_n_blocks`` layers each), the lm_head; the root holds
+the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..spec import is_per_layer_embedding
+from ._context import Context
+from ._parallel import COLWISE, ROWWISE, is_packed_expert, tp_dim
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One rank's piece before FSDP: ``rows`` x ``rest`` elements (``numel``)."""
+
+    rows: int
+    rest: int
+    numel: int
+    sharded: bool
+    group: int | None = None  # ranks its FSDP shard spans, when not the dense mesh's (experts under EP)
+
+    def local(self, shards: int) -> int:
+        """Elements rank 0 holds: ceil(rows / shards) rows when sharded, all of them otherwise."""
+        if not self.sharded:
+            return self.numel
+        return math.ceil(self.rows / (self.group or shards)) * self.rest
+
+
+def make_tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: int | None = None,
+                ep: int = 1, ep_dim: int | None = None, group: int | None = None) -> Tensor:
+    """A tensor as FSDP sees it on one rank: split by tensor parallelism along ``tp_dim``, or
+    by expert parallelism along ``ep_dim`` (then FSDP-sharded over ``group`` ranks), first.
+
+    The persistence threshold applies to the global size (a TP DTensor's numel); expert
+    parameters always shard (agilerl.distributed keeps them on the expert mesh).
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    local = list(shape) or [1]
+    if tp > 1 and tp_dim is not None:
+        local[tp_dim] = -(-local[tp_dim] // tp)
+    if ep_dim is not None:
+        local[ep_dim] //= ep
+    rest = 1
+    for d in local[1:]:
+        rest *= d
+    return Tensor(rows=local[0], rest=rest, numel=local[0] * rest,
+                  sharded=ep_dim is not None or numel >= threshold, group=group)
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    name: str
+    base: tuple[Tensor, ...] = ()
+    lora: tuple[Tensor, ...] = ()
+
+    def full_sharded_numel(self) -> tuple[int, int]:
+        """Elements of the unit's sharded (base, LoRA) tensors, unsharded."""
+        return (sum(t.numel for t in self.base if t.sharded), sum(t.numel for t in self.lora if t.sharded))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTensors:
+    """One layer's tensors (equal for every layer of a block type)."""
+
+    base: tuple[Tensor, ...]  # in the spec's order, packed experts included
+    lora: tuple[Tensor, ...]  # A then B of each adapter, once per adapter copy
+    expert_base: tuple[Tensor, ...]  # the packed routed experts
+    expert_lora: tuple[Tensor, ...]  # their adapters
+    expert_down: int  # elements of the down_proj stack on one EP rank
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Every tensor of the model on rank 0, grouped in FSDP units."""
+
+    units: tuple[Unit, ...]  # in forward order, the root apart
+    root: Unit
+    embed: Tensor
+    head: Tensor | None
+    nested: dict[str, tuple[Unit, ...]]  # block unit name -> its expert units (ep > 1)
+    base_tensors: tuple[Tensor, ...]
+    lora_tensors: tuple[Tensor, ...]
+    block_units: tuple[Unit, ...]
+    expert_stack: tuple[int, ...]  # per layer: elements of its routed experts on one EP rank
+    expert_down: tuple[int, ...]  # per layer: elements of its down_proj stack on one EP rank
+
+
+def layer_tensors(ctx: Context, index: int) -> LayerTensors:
+    """One layer's tensors on rank 0, as agilerl.distributed splits them before FSDP shards
+    them (built once per block type)."""
+    threshold, tp, ep, r = ctx.persistence_threshold, ctx.tp, ctx.ep, ctx.lora_rank
+    packed, group = ctx.packed[index], ctx.expert_group
+    base, lora, expert_base, expert_lora = [], [], [], []
+    expert_down = 0
+    for name, shape in ctx.spec.block(index).tensors:
+        if packed and is_packed_expert(name, shape):  # [E, ., .]: split by ep, FSDP over world / ep
+            t = make_tensor(shape, threshold, ep=ep, ep_dim=0, group=group)
+            expert_base.append(t)
+            if name.endswith("down_proj"):
+                expert_down += t.numel
+        else:
+            # A MoE block splits its attention only (agilerl.distributed._tp).
+            split = not packed or name.startswith("self_attn.")
+            t = make_tensor(shape, threshold, tp=tp, tp_dim=tp_dim(name) if split else None)
+        base.append(t)
+    for name, (a_rows, a_cols, b_rows, b_cols) in zip(ctx.lora_names[index], ctx.lora_shapes[index]):
+        if packed and is_packed_expert(name):  # A (r E, in) by its rows, B (out, r E) by its columns
+            pair = (make_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=group),
+                    make_tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=group))
+            expert_lora.extend(pair * ctx.num_adapters)
+        else:
+            # colwise base: B split on its output; rowwise: A on its input
+            module = name.rsplit(".", 1)[-1]
+            split = tp if not packed or name.startswith("self_attn.") else 1
+            pair = (make_tensor((r * a_rows, a_cols), threshold, tp=split, tp_dim=1 if module in ROWWISE else None),
+                    make_tensor((b_rows, r * b_cols), threshold, tp=split, tp_dim=0 if module in COLWISE else None))
+        lora.extend(pair * ctx.num_adapters)
+    return LayerTensors(tuple(base), tuple(lora), tuple(expert_base), tuple(expert_lora), expert_down)
+
+
+def _outside_blocks(ctx: Context) -> tuple[list[Unit], Unit, Tensor, Tensor | None]:
+    """The units before the blocks (embeddings, per-layer embeddings), the root, and the
+    embedding and lm_head tensors."""
+    spec, threshold, r = ctx.spec, ctx.persistence_threshold, ctx.lora_rank
+    units: list[Unit] = []
+    embed = make_tensor(spec.embed_shape, threshold)
+    head = make_tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
+    root_base = [make_tensor(s, threshold) for name, s in spec.root_tensors if not is_per_layer_embedding(name)]
+    root_lora: list[Tensor] = []
+    for _, a_rows, a_cols, b_rows, b_cols in spec.lora_outside_blocks.get(ctx.lora_key, ()):
+        for _ in range(ctx.num_adapters):  # adapted linears outside the blocks (Gemma-3n's AltUp projections)
+            root_lora.append(make_tensor((r * a_rows, a_cols), threshold))
+            root_lora.append(make_tensor((b_rows, r * b_cols), threshold))
+    if spec.tie_word_embeddings:
+        root_base.append(embed)
+    else:
+        units.append(Unit("embed", base=(embed,)))
+    # Per-layer embeddings (PLE) are a unit of their own, looked up right after the embeddings.
+    ple = [make_tensor(s, threshold) for name, s in spec.root_tensors if is_per_layer_embedding(name)]
+    if ple and ctx.sharded:
+        units.append(Unit("embed_tokens_per_layer", base=tuple(ple)))
+    elif ple:
+        root_base.extend(ple)
+    return units, Unit("root", base=tuple(root_base), lora=tuple(root_lora)), embed, head
+
+
+def build_layout(ctx: Context) -> Layout:
+    """The FSDP units of the model in forward order.
+
+    Under FSDP with ep > 1 each layer's packed experts are a unit nested in its block's
+    (also counted there); with ep=1 agilerl.distributed shards the experts inside their
+    block's unit.
+    """
+    spec = ctx.spec
+    units, root, embed, head = _outside_blocks(ctx)
+    by_type = {i: layer_tensors(ctx, i) for i in ctx.distinct_layers}
+    layers = [by_type[i] for i in ctx.representative]
+    wrap = ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1
+    nested: dict[str, tuple[Unit, ...]] = {}
+    for start in range(0, spec.num_layers, wrap):
+        members = range(start, min(start + wrap, spec.num_layers))
+        unit = Unit(f"blocks.{start}", base=tuple(t for i in members for t in layers[i].base),
+                    lora=tuple(t for i in members for t in layers[i].lora))
+        units.append(unit)
+        nested[unit.name] = tuple(Unit(f"blocks.{i}.experts", layers[i].expert_base, layers[i].expert_lora)
+                                  for i in members if ctx.packed[i]) if ctx.ep > 1 else ()
+    if head is not None:
+        units.append(Unit("lm_head", base=(head,)))
+    all_units = [*units, root]
+    return Layout(
+        units=tuple(units), root=root, embed=embed, head=head, nested=nested,
+        base_tensors=tuple(t for u in all_units for t in u.base),
+        lora_tensors=tuple(t for u in all_units for t in u.lora),
+        block_units=tuple(u for u in units if u.name.startswith("blocks.")),
+        expert_stack=tuple(sum(t.numel for t in layer.expert_base) for layer in layers),
+        expert_down=tuple(layer.expert_down for layer in layers),
+    )

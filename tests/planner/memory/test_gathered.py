@@ -1,0 +1,49 @@
+"""planner.memory._gathered: the window of gathered units, on a hand-made gathering order."""
+
+from __future__ import annotations
+
+from agilerl.distributed import FSDPConfig
+from planner.memory._gathered import (
+    Gathered,
+    after_forward_bytes,
+    in_flight,
+    nograd_gathered_bytes,
+    reversed_with_parents,
+)
+
+from .conftest import make_context
+
+# embed 10, block 0 (own 20, experts 5), block 1 (own 20, experts 5), head 30; root 1, buffer 7.
+ORDER = ((10, None, 10), (20, None, 20), (5, 1, 5), (20, None, 20), (5, 3, 5), (30, None, 30))
+GATHERED = Gathered(unit_bytes=(10, 25, 25, 30), root_bytes=1, all_bytes=91, order=ORDER, largest_bytes=30,
+                    buffer_bytes=7)
+
+
+def test_backward_order_puts_each_block_ahead_of_its_experts():
+    assert reversed_with_parents(ORDER) == [(30, None, 30), (20, None, 20), (5, 1, 5), (20, None, 20), (5, 3, 5),
+                                            (10, None, 10)]
+
+
+def test_forward_window_holds_the_running_unit_twice_and_the_next_outer_unit(dense_spec):
+    ctx = make_context(dense_spec, fsdp=FSDPConfig())
+    # Block 1's own parameters twice and the head prefetched: 20 + 20 + 30, beside the root.
+    assert in_flight(ctx, GATHERED, 1, forward=True) == 70 + 1
+    # Two prefetched: block 0's experts (5) in block 0 (20), its own copy-out (5), block 1 and the head.
+    assert in_flight(ctx, GATHERED, 2, forward=True) == max(10 + 10 + 20 + 20, 20 + 20 + 20 + 30,
+                                                            5 + 20 + 5 + 20 + 30, 20 + 20 + 30) + 1
+    assert nograd_gathered_bytes(ctx, GATHERED) == 71
+
+
+def test_backward_window_adds_the_buffer(dense_spec):
+    ctx = make_context(dense_spec, fsdp=FSDPConfig())
+    # The head with block 1 prefetched: 30 + 20, the root and the buffer.
+    assert in_flight(ctx, GATHERED, 1, forward=False) == 50 + 1 + 7
+
+
+def test_without_resharding_everything_stays_gathered(dense_spec):
+    ctx = make_context(dense_spec, fsdp=FSDPConfig(reshard_after_forward=False))
+    assert in_flight(ctx, GATHERED, 1, forward=False) == 91 + 7
+    assert nograd_gathered_bytes(ctx, GATHERED) == after_forward_bytes(ctx, GATHERED) == 91
+    assert after_forward_bytes(make_context(dense_spec, fsdp=FSDPConfig()), GATHERED) == 1  # the root
+    unsharded = make_context(dense_spec, fsdp=None)
+    assert in_flight(unsharded, GATHERED, 1, forward=True) == nograd_gathered_bytes(unsharded, GATHERED) == 0

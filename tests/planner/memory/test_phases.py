@@ -1,0 +1,33 @@
+"""planner.memory._phases: a phase is the larger of its moments, with the GPU terms on top."""
+
+from __future__ import annotations
+
+from planner.hardware import GPUS
+from planner.memory import Coefficients
+from planner.memory._phases import larger, make_phase, reference_phase, shared_terms
+from planner.memory._units import build_layout
+
+from .conftest import make_context
+
+
+def test_larger_takes_the_bigger_moment_first_on_a_tie():
+    a, b = {"x": 3, "y": 1}, {"x": 1, "z": 3}
+    assert larger(a, b) is a and larger(b, a) is b
+    assert larger(a, {"x": 5}) == {"x": 5}
+
+
+def test_a_phase_drops_empty_components_and_adds_the_gpu_terms(dense_spec):
+    gpu = GPUS["A100-80GB"]
+    ctx = make_context(dense_spec, gpu=gpu, gpus=1)
+    terms = shared_terms(ctx, build_layout(ctx))
+    phase = make_phase(ctx, terms, {"weights": 1000.9, "logits": 0, "allocator_slack": 5})
+    slack = int(1005 * Coefficients().allocator_slack_fraction)
+    assert phase.components == {"weights": 1000, "allocator_slack": 5 + slack, "cuda_context": gpu.cuda_context_bytes}
+    assert phase.host == {"host_process": Coefficients().host_process_bytes}
+
+
+def test_no_reference_phase_without_kl_or_a_second_epoch(dense_spec):
+    ctx = make_context(dense_spec, beta=0.0, update_epochs=1)
+    assert reference_phase(ctx, shared_terms(ctx, build_layout(ctx))) is None
+    ctx = make_context(dense_spec, beta=0.0, update_epochs=2)
+    assert reference_phase(ctx, shared_terms(ctx, build_layout(ctx))) is not None
