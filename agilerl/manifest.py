@@ -68,7 +68,7 @@ class AlgorithmSection(_Section):
     ] = "bfloat16"
     vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
     offload_weights_during_rollout: Annotated[
-        bool, Field(description="Park the trainer's base weights in host memory while the vLLM engine generates "
+        bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the vLLM engine generates "
                                 "(needs vllm).")
     ] = False
 

@@ -172,7 +172,7 @@ class GRPO(LLMAlgorithm):
         if offload_weights_during_rollout and vllm_config is None:
             raise ValueError(
                 "offload_weights_during_rollout=True needs a colocated vLLM engine (vllm_config): it parks the "
-                "trainer's base weights in host memory while the engine generates, and Hugging Face generate "
+                "trainer's weights in host memory while the engine generates, and Hugging Face generate "
                 "runs on those weights"
             )
         self._auto_chunk = logprob_chunk_size == "auto"
@@ -222,9 +222,9 @@ class GRPO(LLMAlgorithm):
             if self.sharded and self.fsdp_config.cpu_offload:
                 raise ValueError("offload_weights_during_rollout=True with FSDPConfig(cpu_offload=True): the "
                                  "weights already live in host memory; drop one of the two")
-            from .core.offload import BaseWeightOffload
+            from .core.offload import WeightOffload
 
-            self._weight_offload = BaseWeightOffload(self.model)
+            self._weight_offload = WeightOffload(self.model)
         if vllm_config is not None:
             from agilerl.utils.engine import VLLMEngine
 
@@ -426,9 +426,9 @@ class GRPO(LLMAlgorithm):
     def _generate_with_engine(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         offload = self._weight_offload
-        # With the base weights offloaded, the engine wakes in two steps: its weights first, to take
-        # the new ones while the trainer's are still on the device, then its KV cache in the memory
-        # the trainer's weights leave.
+        # With the trainer's weights offloaded, the engine wakes in two steps: its weights first, to
+        # take the new ones while the trainer's are still on the device, then its KV cache in the
+        # memory the trainer's weights leave.
         self.engine.wake_up(tags=["weights"]) if offload is not None else self.engine.wake_up()
         self.sync_engine_weights()
         try:

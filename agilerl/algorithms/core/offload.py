@@ -1,18 +1,17 @@
-"""Base weights parked in host memory while a colocated rollout engine generates.
+"""The trainer's weights parked in host memory while a colocated rollout engine generates.
 
 ``offload_weights_during_rollout=True`` (upstream AgileRL calls it
 ``use_memory_efficient_params``): after the engine has received the new
-weights, the trainer copies its frozen base weights to host memory and frees
-their device storage, the engine takes the freed memory for its KV cache, and
-after generation the weights are copied back before training. Only one copy
-of the base is then on the device at any time.
+weights, the trainer copies its weights (the frozen base and the LoRA
+adapters) to host memory and frees their device storage, the engine takes the
+freed memory for its KV cache, and after generation the weights are copied back
+before training. Only one copy of the base is then on the device at any time.
 
 The device storage is released with ``untyped_storage().resize_(0)`` and
 restored in place, so every parameter, view and FSDP2 shard keeps pointing at
 the same storage object: nothing is re-registered, and sharded and unsharded
 models are handled alike. Host buffers are allocated once (pinned on CUDA) and
-reused every rollout. LoRA adapters, their optimizer state and buffers stay on
-the device; they are small and trained.
+reused every rollout. The optimizer state and buffers stay on the device.
 """
 
 from __future__ import annotations
@@ -21,21 +20,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BaseWeightOffload"]
+__all__ = ["WeightOffload"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class BaseWeightOffload:
-    """Moves the frozen, non-adapter parameters of ``model`` to host memory and back."""
+class WeightOffload:
+    """Moves every parameter of ``model`` (base and adapters) to host memory and back."""
 
     def __init__(self, model: nn.Module) -> None:
         storages: dict[int, torch.UntypedStorage] = {}
         for name, p in model.named_parameters():
-            if p.requires_grad or ".lora_" in name:
-                continue
             if not _local(p).untyped_storage().resizable():
                 # Weights memory-mapped from a checkpoint file (CPU only; device storages resize).
                 if isinstance(p, DTensor):

@@ -136,19 +136,18 @@ def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
 
 @cases.case
 def fsdp_weight_offload_during_rollout_frees_the_shards_and_restores_them(ctx):
-    from agilerl.algorithms.core.offload import BaseWeightOffload
+    from agilerl.algorithms.core.offload import WeightOffload
     from tests.agilerl.algorithms.test_grpo_single import OffloadCheckingEngine
 
     config = FSDPConfig(**FP32_SHARDED)
     agent, twin = make_agent(fsdp_config=config), make_agent(fsdp_config=config)
-    before = {n: p.to_local().clone() for n, p in agent.model.named_parameters() if isinstance(p, DTensor)}
+    before = {n: (p.to_local() if isinstance(p, DTensor) else p).clone() for n, p in agent.model.named_parameters()}
     agent.engine = engine = OffloadCheckingEngine(agent)
-    agent._weight_offload = BaseWeightOffload(agent.model)  # what offload_weights_during_rollout=True builds
+    agent._weight_offload = WeightOffload(agent.model)  # what offload_weights_during_rollout=True builds
     agent.get_action(["1+1=", "2+2="])
-    assert engine.held == 0 and engine.lora_held > 0  # every local base shard was freed while generating
+    assert engine.held == 0 and engine.lora_held == 0  # every local shard was freed while generating
     for n, p in agent.model.named_parameters():
-        if n in before:
-            assert torch.equal(p.to_local(), before[n]), n
+        assert torch.equal(p.to_local() if isinstance(p, DTensor) else p, before[n]), n
     batch = synthetic_experiences(agent)[:3]
     assert agent.learn(batch)["loss"] == twin.learn(batch)["loss"]
 
