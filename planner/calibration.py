@@ -1,9 +1,11 @@
 """Coefficients of the estimate per device kind: shipped defaults, then the user's calibration.
 
-Shipped: ``planner/coefficients_<kind>.json`` fitted by benchmarks/accuracy.py
-(CPU probes; also the GPU default until GPU probes exist). A calibration the
+Shipped: ``planner/coefficients_cpu.json`` for CPU probes and
+``planner/coefficients_cuda.json`` for every GPU (its GPU-only terms fitted by
+benchmarks/gpu_public.py on half of the public A100 peaks). A calibration the
 tuner fits from trials on a GPU kind is stored in the user's cache directory
-(``$AGILERL_CACHE/calibration/<gpu>.json``) and wins.
+(``$AGILERL_CACHE/calibration/<gpu>.json``) and wins; plan output names which
+coefficients it used (:func:`coefficients_source`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from .hardware import GPU
 from .memory import Coefficients
 
-__all__ = ["coefficients_for", "calibration_path", "save_calibration", "Sample", "fit_coefficients", "phase_errors",
+__all__ = ["coefficients_for", "coefficients_source", "calibration_path", "save_calibration", "Sample", "fit_coefficients", "phase_errors",
            "FITTED"]
 
 _SHIPPED = Path(__file__).resolve().parent
@@ -26,14 +28,30 @@ def calibration_path(gpu: GPU) -> Path:
     return Path(root) / "calibration" / f"{safe}.json"
 
 
+def _shipped_path(gpu: GPU) -> Path:
+    """The shipped coefficients for a device kind: the CPU probes', or the GPUs' (CUDA and
+    ROCm alike: the GPU-only terms, fitted on public A100 peaks)."""
+    return _SHIPPED / ("coefficients_cpu.json" if gpu.kind == "cpu" else "coefficients_cuda.json")
+
+
 def coefficients_for(gpu: GPU) -> Coefficients:
+    """The user's calibration for this GPU when there is one, else the shipped coefficients
+    of its device kind."""
     user = calibration_path(gpu)
     if user.exists():
-        return Coefficients.model_validate_json(user.read_text())
-    shipped = _SHIPPED / "coefficients_cpu.json"
+        return Coefficients.from_json(user.read_text())
+    shipped = _shipped_path(gpu)
     if shipped.exists():
-        return Coefficients.model_validate_json(shipped.read_text())
+        return Coefficients.from_json(shipped.read_text())
     return Coefficients()
+
+
+def coefficients_source(gpu: GPU) -> str:
+    """Which coefficients :func:`coefficients_for` returns, in words, for plan output."""
+    user = calibration_path(gpu)
+    if user.exists():
+        return f"your calibration for {gpu.name} ({user})"
+    return "shipped CPU" if gpu.kind == "cpu" else "shipped CUDA"
 
 
 def save_calibration(gpu: GPU, coefficients: Coefficients) -> Path:
@@ -44,10 +62,10 @@ def save_calibration(gpu: GPU, coefficients: Coefficients) -> Path:
 
 
 # -- fitting -------------------------------------------------------------------------------------
-#: Coefficients fitted from measurements (the GPU-only and host ones are not visible on CPU probes,
-#: nor eager attention's score copies: probes run SDPA, and those copies are counted, not fitted).
-FITTED = ("act_hidden", "act_qkv", "act_mlp", "act_lora", "act_checkpointed", "act_boundary", "fwd_hidden", "fwd_mlp",
-          "gen_hidden", "logits_copies_nograd", "all_gather_overlap")
+#: Coefficients fitted from measured trials: what tensor-level probes can see but the code does not
+#: own, FSDP's buffers beside the gathered window. Activations, logits and weights are counted,
+#: not fitted; the GPU-only terms are fitted on GPU peaks (benchmarks/gpu_public.py).
+FITTED = ("all_gather_overlap",)
 
 
 class Sample:

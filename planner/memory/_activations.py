@@ -1,14 +1,16 @@
-"""Activations: what autograd saves per block for backward, the recompute of a
-checkpointed block, what is saved outside the blocks, the temporaries of a no-grad
-forward, and eager attention's scores.
+"""Activations of a micro-batch: what each block keeps for backward, the moments of a
+forward, a checkpointed block's recompute and a backward, what lives outside the blocks,
+and a forward without grad.
 
-Sizes that depend on kernels carry a coefficient (``act_*``, ``fwd_*``, ``attn_scores_*``)
-fitted on measured probes by benchmarks/accuracy.py, which reports the measured error.
-Layers of one block type have equal terms, so the maxima over layers are taken over
-``Context.distinct_layers``.
+Dense parts are counted op by op (:mod:`._tape`); a MoE block's routed experts add
+:mod:`._moe`'s terms, Gemma-3n's AltUp its streams, eager attention its scores. Layers of
+one block type have equal terms, so per-type values are computed once
+(``Context.distinct_layers``) and sums run over every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ._context import Context
 from ._moe import (
@@ -19,7 +21,12 @@ from ._moe import (
     routed_experts,
     router_saved_per_token,
 )
+from ._tape import BlockTape, block_tape
 from ._units import Layout
+
+#: Per token outside the blocks with grad, besides the final norm and the hidden states:
+#: the log-sum-exp of each row (4), the targets (8), the log-probs and their mask (8).
+HEAD_ROW_BYTES = 20
 
 
 def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, copies: float) -> int:
@@ -35,103 +42,163 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, copie
     if not ctx.scores_materialised:
         return 0
     att = ctx.spec.block(index).attention
-    t_k = min(t_q, att.sliding_window) if att.sliding_window and ctx.workload.attn_implementation != "eager" else t_q
-    return int(copies * batch * att.num_heads // ctx.tp * t_q * t_k * ctx.compute_bytes)
+    return int(copies * batch * att.num_heads // ctx.tp * t_q * t_q * ctx.compute_bytes)
 
 
-def block_saved_bytes(ctx: Context, layout: Layout, batch: int, index: int) -> int:
-    """Bytes autograd saves for one block's backward (LoRA on a frozen base), ``batch`` x T tokens.
+def tape_of(ctx: Context, index: int) -> BlockTape:
+    """The counted tape of layer ``index``'s block type (:func:`._tape.block_tape`)."""
+    block = ctx.spec.block(index)
+    return block_tape(block, hidden=ctx.hidden_size, adapted=frozenset(n.split(":", 1)[0] for n in ctx.lora_names[index]),
+                      rank=ctx.lora_rank, compute_bytes=ctx.compute_bytes,
+                      adapter_bytes=ctx.adapter_compute_bytes, tp=ctx.tp,
+                      mlp_tp=1 if ctx.packed[index] else ctx.tp,
+                      include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe")
 
-    Per token: (act_hidden H + act_qkv (q + 2 kv) / tp + act_mlp width / tp) p, plus
-    AltUp's streams, act_lora x r x 4 per adapted linear, and a MoE block's router and
-    experts (:mod:`._moe`); plus PEFT's merged expert stack and eager attention's scores.
+
+@dataclass(frozen=True, slots=True)
+class BlockActivations:
+    """One block type over one micro-batch, in bytes (see :class:`._tape.BlockTape`)."""
+
+    saved: int  # kept for backward by the block when not checkpointed
+    forward: int  # the most alive in its forward with grad beyond its input
+    recompute: int  # checkpointed: the most alive in its recompute
+    backward: int  # the most alive in its backward, its saved tensors included
+    nograd_per_token: float  # a no-grad forward's most beyond its input, adapters on
+    nograd_base_per_token: float  # the same with adapters disabled
+
+
+def _moe_saved_per_token(ctx: Context, index: int) -> float:
+    """A MoE block's router and routed experts, per token (:mod:`._moe`)."""
+    if ctx.spec.block(index).mlp.kind != "moe":
+        return 0.0
+    return router_saved_per_token(ctx, index) + experts_saved_per_token(ctx, index)
+
+
+def block_activations(ctx: Context, layout: Layout, index: int) -> BlockActivations:
+    """Scale the tape of layer ``index`` to one micro-batch and add the experts, AltUp's
+    streams and eager attention's scores.
+
+    AltUp's predict / correct over every stream and its router save about 7.5
+    hidden-sized tensors per token per extra stream (counted on Gemma-3n's forward
+    with LoRA).
     """
-    k, H, p = ctx.coefficients, ctx.hidden_size, ctx.compute_bytes
-    b = ctx.spec.block(index)
-    width = b.mlp.shared_intermediate_size if b.mlp.kind == "moe" else b.mlp.intermediate_size
-    qkv = b.attention.q_dim + 2 * b.attention.kv_dim
-    # Tensor parallelism splits heads and MLP columns; the hidden stream is whole.
-    mlp_tp = 1 if ctx.packed[index] else ctx.tp  # a MoE block's MLP is whole on every TP rank
-    per_token = (k.act_hidden * H + k.act_qkv * qkv / ctx.tp + k.act_mlp * width / mlp_tp) * p
-    # AltUp's predict / correct over every stream and its router save about 7.5 hidden-sized
-    # tensors per token per extra stream (counted on Gemma-3n's forward with LoRA).
-    per_token += 7.5 * ctx.extra_streams * H * p
-    per_token += k.act_lora * ctx.lora_rank * len(ctx.lora_shapes[index]) * 4
-    extra = 0
-    if b.mlp.kind == "moe":
-        per_token += router_saved_per_token(ctx, index)
-        per_token += experts_saved_per_token(ctx, index)
-        extra = merged_stack_saved_bytes(ctx, layout, index)
-    return (int(batch * ctx.sequence_tokens * per_token) + extra
-            + attention_scores_bytes(ctx, batch, ctx.sequence_tokens, index, k.attn_scores_saved))
+    tape = tape_of(ctx, index)
+    N, H, p = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes
+    moe = _moe_saved_per_token(ctx, index)
+    altup = 7.5 * ctx.extra_streams * H * p
+    extra_saved = N * (moe + altup) + merged_stack_saved_bytes(ctx, layout, index)
+    scores = attention_scores_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, index, ctx.coefficients.attn_scores_saved)
+    saved = int(N * tape.saved + extra_saved) + scores
+    transient = backward_transient_bytes(ctx, layout, ctx.micro_batch, index)  # a MoE block's experts
+    return BlockActivations(
+        saved=saved,
+        forward=int(N * tape.grad_peak + extra_saved) + scores,
+        recompute=int(N * tape.recompute_peak + extra_saved) + scores + transient,
+        backward=max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient),
+        nograd_per_token=tape.nograd_peak, nograd_base_per_token=tape.nograd_peak_base,
+    )
 
 
-def block_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, index: int,
-                        adapters_on: bool = True) -> int:
-    """Peak temporaries of one block's forward without grad over ``batch`` x ``length`` tokens:
-    (fwd_hidden H + fwd_mlp width / tp) p per token, the routed experts' (:mod:`._moe`),
-    AltUp's streams and eager attention's scores.
+def activations_by_type(ctx: Context, layout: Layout) -> dict[int, BlockActivations]:
+    """:func:`block_activations` of every distinct layer."""
+    return {i: block_activations(ctx, layout, i) for i in ctx.distinct_layers}
+
+
+def checkpointed_block_bytes(ctx: Context) -> int:
+    """A checkpointed block keeps its input: N x H x p (counted with saved-tensor hooks:
+    exactly one hidden state per block, in the compute dtype); under Gemma-3n's AltUp
+    every stream of it."""
+    return (1 + ctx.extra_streams) * ctx.micro_batch_tokens * ctx.hidden_size * ctx.compute_bytes
+
+
+def kept_bytes(ctx: Context, blocks: dict[int, BlockActivations]) -> list[int]:
+    """Per layer, what it keeps once its forward has run: its input when checkpointed,
+    else its saved tensors."""
+    checkpoint = checkpointed_block_bytes(ctx)
+    return [checkpoint if i in ctx.checkpointed else blocks[ctx.representative[i]].saved
+            for i in range(ctx.spec.num_layers)]
+
+
+def rotary_bytes(ctx: Context) -> int:
+    """The rotary cos and sin one forward computes and every block reads: 2 x head_dim x p
+    per token."""
+    return 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * ctx.micro_batch_tokens
+
+
+def boundary_bytes(ctx: Context) -> int:
+    """Kept outside the blocks after a forward with grad: the final RMSNorm's fp32 input
+    (4 H + 4), the final hidden states the log-prob head saves (H x p), the rotary
+    tables, HEAD_ROW_BYTES per token; Gemma-3n's per-layer inputs (p each), and its
+    AltUp rescaling at the embeddings and the unembedding, about 5 x (streams - 1) + 3
+    hidden-sized tensors per token (counted on its forward)."""
+    N, H, p, extra = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
+    altup = (5 * extra + 3) * N * H * p if extra else 0
+    per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p
+    return int(N * per_token) + rotary_bytes(ctx) + altup
+
+
+def gradients_in_flight(ctx: Context, *, recompute: bool) -> int:
+    """Gradients flowing into a block's backward: the block output's and the residual's
+    (2 x H x p per token), and during the last block's recompute also the final norm's
+    fp32 input gradient (4 H), all seen with the tracker at the peak."""
+    N, H, p = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes
+    return N * (2 * H * p + (4 * H if recompute else 0))
+
+
+def learn_block_moment(ctx: Context, blocks: dict[int, BlockActivations]) -> int:
+    """The most alive while the blocks run forward and backward.
+
+    At block j: everything the earlier blocks keep, and j's own most (its forward
+    with grad, its recompute with the gradients flowing in, or its backward). The later
+    blocks have not run (forward) or are freed (backward).
+    """
+    kept = kept_bytes(ctx, blocks)
+    # The block's input, referenced by the caller (in fp32 the input norm saves it, so the
+    # block's own terms count it).
+    x_in = ctx.micro_batch_tokens * ctx.carried_hidden * ctx.compute_bytes if ctx.compute_bytes != 4 else 0
+    best, before = 0, 0
+    for j in range(ctx.spec.num_layers):
+        b = blocks[ctx.representative[j]]
+        if j in ctx.checkpointed:
+            own = kept[j] + max(b.recompute + gradients_in_flight(ctx, recompute=True),
+                                b.backward + gradients_in_flight(ctx, recompute=False))
+        else:
+            own = max(b.forward + x_in, b.backward + gradients_in_flight(ctx, recompute=False))
+        best = max(best, before + own)
+        before += kept[j]
+    return best
+
+
+def saved_activation_bytes(ctx: Context, blocks: dict[int, BlockActivations]) -> int:
+    """Everything kept for backward after one micro-batch's forward: every block's (a
+    checkpointed block its input only) and the boundary."""
+    return sum(kept_bytes(ctx, blocks)) + boundary_bytes(ctx)
+
+
+def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, index: int,
+                       adapters_on: bool = True) -> int:
+    """The most a block's forward without grad holds over ``batch`` x ``length`` tokens beyond
+    its input: the tape's moments, or the experts' temporaries beside the stream; AltUp's
+    streams and eager attention's scores.
 
     ``adapters_on=False``: the reference pass on the base model (adapters disabled), where
-    PEFT merges no expert stacks."""
-    k, H, p = ctx.coefficients, ctx.hidden_size, ctx.compute_bytes
-    b = ctx.spec.block(index)
-    width = b.mlp.intermediate_size * max(1, b.mlp.experts_per_token) + b.mlp.shared_intermediate_size
-    experts = 0
+    PEFT merges no expert stacks and casts nothing."""
+    acts = block_activations(ctx, layout, index)
+    tokens = batch * length
+    H, p = ctx.hidden_size, ctx.compute_bytes
+    per_token = acts.nograd_per_token if adapters_on else acts.nograd_base_per_token
+    peak = tokens * per_token
     if routed_experts(ctx, index) is not None:
-        width = b.mlp.shared_intermediate_size
-        experts = expert_forward_temps(ctx, layout, batch, length, index, adapters_on)
-    temps = batch * length * (k.fwd_hidden * H + k.fwd_mlp * width / (1 if ctx.packed[index] else ctx.tp)) * p + experts
+        peak = max(peak, 2 * tokens * H * p + expert_forward_temps(ctx, layout, batch, length, index, adapters_on))
     if ctx.extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
-        temps += (4 * ctx.extra_streams + 2) * batch * length * H * p
-    return int(temps) + attention_scores_bytes(ctx, batch, length, index, k.attn_scores_fwd)
+        peak += (4 * ctx.extra_streams + 2) * tokens * H * p
+    return int(peak) + attention_scores_bytes(ctx, batch, length, index, ctx.coefficients.attn_scores_fwd)
 
 
-def largest_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True) -> int:
-    """The largest block's no-grad forward temporaries (a no-grad pass runs block after block)."""
-    return max(block_forward_temps(ctx, layout, batch, length, i, adapters_on) for i in ctx.distinct_layers)
-
-
-def saved_by_type(ctx: Context, layout: Layout) -> dict[int, int]:
-    """block_saved_bytes of one micro-batch, per distinct layer."""
-    return {i: block_saved_bytes(ctx, layout, ctx.micro_batch, i) for i in ctx.distinct_layers}
-
-
-def checkpointed_block_bytes(ctx: Context) -> float:
-    """A checkpointed block saves its input: act_checkpointed x N x H x p; under Gemma-3n's
-    AltUp every stream of it."""
-    return (ctx.coefficients.act_checkpointed + ctx.extra_streams) * ctx.micro_batch_tokens * ctx.hidden_size * ctx.compute_bytes
-
-
-def boundary_bytes(ctx: Context) -> float:
-    """Saved outside the blocks: act_boundary x N x (H + per-layer input width) x p.
-
-    The embedding output, final norm in/out (the captured hidden), Gemma-3n's per-layer
-    inputs. Under Gemma-3n's AltUp the per-stream magnitude rescaling at the embeddings
-    and at the unembedding saves about 5 x (streams - 1) + 3 hidden-sized tensors per
-    token besides (counted on its forward).
-    """
-    k, N, H, p, extra = ctx.coefficients, ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
-    altup_outside = (5 * extra + 3) * N * H * p if extra else 0
-    return int(k.act_boundary * N * (H + ctx.spec.per_layer_input_width) * p) + altup_outside
-
-
-def saved_activation_bytes(ctx: Context, saved: dict[int, int]) -> float:
-    """Everything saved for backward after one micro-batch's forward: every block's saved
-    tensors (a checkpointed block its input only) and the boundary."""
-    checkpointed = checkpointed_block_bytes(ctx)
-    total = 0
-    for i in range(ctx.spec.num_layers):
-        total += checkpointed if i in ctx.checkpointed else saved[ctx.representative[i]]
-    return int(total) + boundary_bytes(ctx)
-
-
-def recompute_bytes(ctx: Context, layout: Layout, saved: dict[int, int]) -> int:
-    """The largest of one block's backward extras.
-
-    Recomputing the largest checkpointed block in backward re-creates its saved tensors;
-    a MoE block's backward also makes its experts' transients (a chunk, all-to-all buffers).
-    """
-    transient = {i: backward_transient_bytes(ctx, layout, ctx.micro_batch, i) for i in ctx.distinct_layers}
-    return max((saved[rep] if i in ctx.checkpointed else 0) + transient[rep]
-               for i, rep in enumerate(ctx.representative))
+def nograd_forward_bytes(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True) -> int:
+    """A no-grad forward's most over its blocks, with what the model holds beside: the
+    embeddings' output (referenced until the forward returns), the block's input and
+    the rotary tables."""
+    tokens = batch * length
+    beside = 2 * tokens * ctx.carried_hidden * ctx.compute_bytes + 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * tokens
+    return beside + max(nograd_block_bytes(ctx, layout, batch, length, i, adapters_on) for i in ctx.distinct_layers)

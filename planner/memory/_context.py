@@ -48,6 +48,7 @@ class Context:
     persistence_threshold: float  # tensors smaller than this stay replicated
     weight_bytes: int  # per element of the stored weights
     compute_bytes: int  # per element of the compute dtype (FSDP param_dtype, else the weights')
+    adapter_compute_bytes: int  # the adapters' compute dtype: fp32 (PEFT) unsharded, param_dtype under FSDP
     completions_per_rank: int
     micro_batch: int
     micro_batches: int  # per step
@@ -136,6 +137,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         persistence_threshold=fsdp.param_persistence_threshold if fsdp else math.inf,
         weight_bytes=weight_bytes,
         compute_bytes=DTYPE_BYTES[fsdp.param_dtype] if fsdp else weight_bytes,
+        adapter_compute_bytes=DTYPE_BYTES[fsdp.param_dtype] if fsdp else 4,
         completions_per_rank=completions,
         micro_batch=micro_batch,
         micro_batches=completions // micro_batch,

@@ -16,6 +16,9 @@ from ._coefficients import MIB
 from ._context import Context
 from ._units import Layout
 
+#: Widths a gated MLP saves per row: the gate's output, the activation's and up's (planner.memory._tape).
+GATED_MLP_SAVED = 3
+
 
 def routed_experts(ctx: Context, index: int) -> tuple[int, int] | None:
     """(experts per token, expert width) of a block with packed routed experts, else None."""
@@ -36,8 +39,7 @@ def expert_chunk_rows(ctx: Context, rows: int, width: int) -> int:
 def router_saved_per_token(ctx: Context, index: int) -> int:
     """Bytes per token a MoE block's router saves for backward.
 
-    The router saves its input (the MLP input, which in a dense block gate_proj saves
-    and act_mlp counts), its fp32 scores and the top-k (counted with saved-tensor hooks:
+    The router saves its input (the normed MLP input), its fp32 scores and the top-k (counted with saved-tensor hooks:
     1.12 and 1.10 hidden-sized tensors per token on the tiny Mixtral and Qwen3-MoE).
     """
     mlp = ctx.spec.block(index).mlp
@@ -48,19 +50,20 @@ def router_saved_per_token(ctx: Context, index: int) -> int:
 def experts_saved_per_token(ctx: Context, index: int) -> float:
     """Bytes per token a MoE block's experts save for backward.
 
-    Unpacked experts: the active ones, like a dense MLP (act_mlp x width x top-k).
+    Unpacked experts: the active ones, like a dense gated MLP (the gate's, the
+    activation's and up's outputs: 3 x width x top-k).
     Row-wise experts with a chunk size: each chunk is checkpointed, so only the
     dispatched rows and the combine's inputs stay (moe_rows_saved x H per row).
-    Otherwise every routed row saves act_mlp x width + moe_rows_hf x H.
+    Otherwise every routed row saves 3 x width + moe_rows_hf x H.
     """
     k, p, mlp = ctx.coefficients, ctx.compute_bytes, ctx.spec.block(index).mlp
     moe = routed_experts(ctx, index)
     if moe is None:
-        return k.act_mlp * mlp.intermediate_size * mlp.experts_per_token * p
+        return GATED_MLP_SAVED * mlp.intermediate_size * mlp.experts_per_token * p
     top_k, expert_width = moe
     if ctx.expert_rowwise and ctx.expert_chunk_mib is not None:
         return k.moe_rows_saved * top_k * ctx.hidden_size * p
-    return (k.act_mlp * expert_width + k.moe_rows_hf * ctx.hidden_size) * top_k * p
+    return (GATED_MLP_SAVED * expert_width + k.moe_rows_hf * ctx.hidden_size) * top_k * p
 
 
 def merged_stack_saved_bytes(ctx: Context, layout: Layout, index: int) -> int:

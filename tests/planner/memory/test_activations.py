@@ -1,33 +1,33 @@
-"""planner.memory._activations: saved activations, recompute, boundary, forward temporaries."""
+"""planner.memory._activations: the tape scaled to a micro-batch, what the blocks keep,
+the moments of learn, the boundary and a no-grad forward."""
 
 from __future__ import annotations
 
 from agilerl.distributed import FSDPConfig
-from planner.memory import Coefficients
 from planner.memory._activations import (
+    activations_by_type,
     attention_scores_bytes,
-    block_forward_temps,
-    block_saved_bytes,
+    block_activations,
     boundary_bytes,
-    recompute_bytes,
+    checkpointed_block_bytes,
+    kept_bytes,
+    learn_block_moment,
+    nograd_forward_bytes,
     saved_activation_bytes,
-    saved_by_type,
+    tape_of,
 )
 from planner.memory._units import build_layout
 
 from .conftest import WL, make_context
 
-K = Coefficients()
 TOKENS = WL.micro_batch_size_per_gpu * WL.sequence_tokens  # 2 x 128, bf16 (p = 2) unsharded
 
 
-def test_a_dense_block_saves_its_hidden_qkv_mlp_and_adapter_inputs(dense_spec):
+def test_a_block_scales_its_tape_to_the_micro_batch(dense_spec):
     ctx = make_context(dense_spec)
-    b = dense_spec.block(0)
-    hidden, qkv, width = dense_spec.hidden_size, b.attention.q_dim + 2 * b.attention.kv_dim, b.mlp.intermediate_size
-    per_token = (K.act_hidden * hidden + K.act_qkv * qkv + K.act_mlp * width) * 2
-    per_token += K.act_lora * WL.lora_rank * len(b.lora["all-linear"]) * 4  # fp32 adapter inputs
-    assert block_saved_bytes(ctx, build_layout(ctx), 2, 0) == int(TOKENS * per_token)
+    tape, acts = tape_of(ctx, 0), block_activations(ctx, build_layout(ctx), 0)
+    assert acts.saved == int(TOKENS * tape.saved)
+    assert acts.recompute == int(TOKENS * tape.recompute_peak)
 
 
 def test_eager_attention_saves_one_copy_of_the_scores(dense_spec):
@@ -36,36 +36,61 @@ def test_eager_attention_saves_one_copy_of_the_scores(dense_spec):
     scores = 2 * dense_spec.block(0).attention.num_heads * WL.sequence_tokens**2 * 2  # batch x heads x T x T, bf16
     assert attention_scores_bytes(eager, 2, WL.sequence_tokens, 0, 1.0) == scores
     assert attention_scores_bytes(sdpa, 2, WL.sequence_tokens, 0, 1.0) == 0
-    assert (block_saved_bytes(eager, build_layout(eager), 2, 0)
-            - block_saved_bytes(sdpa, build_layout(sdpa), 2, 0)) == scores
+    assert (block_activations(eager, build_layout(eager), 0).saved
+            - block_activations(sdpa, build_layout(sdpa), 0).saved) == scores
 
 
-def test_checkpointed_blocks_keep_their_input(dense_spec):
+def test_checkpointed_blocks_keep_exactly_their_input(dense_spec):
     hidden = dense_spec.hidden_size
-    boundary = K.act_boundary * TOKENS * hidden * 2
     every = make_context(dense_spec)
-    saved = saved_by_type(every, build_layout(every))
-    assert boundary_bytes(every) == boundary
-    assert saved_activation_bytes(every, saved) == 4 * K.act_checkpointed * TOKENS * hidden * 2 + boundary
+    assert checkpointed_block_bytes(every) == TOKENS * hidden * 2
+    blocks = activations_by_type(every, build_layout(every))
+    assert kept_bytes(every, blocks) == [TOKENS * hidden * 2] * 4
     half = make_context(dense_spec, fsdp=FSDPConfig(checkpoint_every_n_blocks=2, param_dtype="bfloat16"))
-    full_block = block_saved_bytes(half, build_layout(half), 2, 0)
-    assert saved_activation_bytes(half, saved_by_type(half, build_layout(half))) == (
-        2 * K.act_checkpointed * TOKENS * hidden * 2 + 2 * full_block + boundary)
-    # Recomputing a checkpointed dense block re-creates what it would have saved.
-    assert recompute_bytes(half, build_layout(half), saved_by_type(half, build_layout(half))) == full_block
+    blocks = activations_by_type(half, build_layout(half))
+    full = blocks[0].saved
+    assert kept_bytes(half, blocks) == [TOKENS * hidden * 2, full, TOKENS * hidden * 2, full]
+    assert saved_activation_bytes(half, blocks) == 2 * TOKENS * hidden * 2 + 2 * full + boundary_bytes(half)
+
+
+def test_the_boundary_is_the_final_norm_the_head_input_and_the_rotary_tables(dense_spec):
+    ctx = make_context(dense_spec)
+    hidden, head_dim = dense_spec.hidden_size, dense_spec.block(0).attention.head_dim
+    # fp32 norm input + its rsqrt, bf16 hidden states, 20 bytes of per-row head state, cos and sin
+    assert boundary_bytes(ctx) == TOKENS * (4 * hidden + 4 + 2 * hidden + 20) + 2 * head_dim * 2 * TOKENS
+
+
+def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
+    ctx = make_context(dense_spec)
+    blocks = activations_by_type(ctx, build_layout(ctx))
+    hidden, b = dense_spec.hidden_size, blocks[0]
+    checkpoint = TOKENS * hidden * 2
+    recompute = b.recompute + TOKENS * (2 * hidden * 2 + 4 * hidden)  # with the gradients flowing in
+    backward = b.backward + TOKENS * 2 * hidden * 2
+    assert learn_block_moment(ctx, blocks) == 3 * checkpoint + checkpoint + max(recompute, backward)
     none = make_context(dense_spec, gradient_checkpointing=False)
-    assert recompute_bytes(none, build_layout(none), saved_by_type(none, build_layout(none))) == 0
+    blocks = activations_by_type(none, build_layout(none))
+    b = blocks[0]
+    forward = b.forward + TOKENS * hidden * 2  # its input, held by the caller
+    assert learn_block_moment(none, blocks) == 3 * b.saved + max(forward, b.backward + TOKENS * 2 * hidden * 2)
 
 
 def test_altup_streams_add_to_the_boundary(ple_spec):
     ctx = make_context(ple_spec)
+    dense = make_context(ple_spec)
     hidden, width = ple_spec.hidden_size, ple_spec.per_layer_input_width
-    expected = int(K.act_boundary * TOKENS * (hidden + width) * 2) + (5 * 3 + 3) * TOKENS * hidden * 2
-    assert boundary_bytes(ctx) == expected
+    head_dim = ple_spec.block(0).attention.head_dim
+    plain = TOKENS * (4 * hidden + 4 + 2 * hidden + 20 + 2 * width) + 2 * head_dim * 2 * TOKENS
+    assert boundary_bytes(dense) == plain + (5 * 3 + 3) * TOKENS * hidden * 2
+    assert boundary_bytes(ctx) == boundary_bytes(dense)
 
 
-def test_a_dense_blocks_no_grad_forward(dense_spec):
+def test_a_no_grad_forward_holds_the_embeddings_and_the_block_input(dense_spec):
     ctx = make_context(dense_spec)
-    hidden, width = dense_spec.hidden_size, dense_spec.block(0).mlp.intermediate_size
-    assert block_forward_temps(ctx, build_layout(ctx), 3, 10, 0) == int(3 * 10 * (K.fwd_hidden * hidden
-                                                                                 + K.fwd_mlp * width) * 2)
+    tape = tape_of(ctx, 0)
+    hidden, head_dim = dense_spec.hidden_size, dense_spec.block(0).attention.head_dim
+    tokens = 3 * 10
+    expected = 2 * tokens * hidden * 2 + 2 * head_dim * 2 * tokens + int(tokens * tape.nograd_peak)
+    assert nograd_forward_bytes(ctx, build_layout(ctx), 3, 10) == expected
+    base = nograd_forward_bytes(ctx, build_layout(ctx), 3, 10, adapters_on=False)
+    assert base < expected  # the base model casts nothing to fp32

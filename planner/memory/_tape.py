@@ -1,0 +1,253 @@
+"""One block's activations, counted op by op as the trainer's code runs them.
+
+A transformer block of the trainer is Hugging Face's decoder layer with PEFT's LoRA
+linears. Its memory is a sequence of moments: each op saves some tensors for backward,
+keeps some alive for the next ops, and allocates temporaries. :func:`block_tape`
+walks that sequence once per block type and returns, per token, what the block saves
+for backward and the most it holds at any moment of its forward with grad (or its
+recompute), of its backward, and of a forward without grad. Every term below was
+counted with saved-tensor hooks and a live-tensor tracker (a TorchDispatchMode with
+storage finalizers) on tiny Qwen2 and Llama models in bf16 with fp32 adapters and in
+fp32, 1k to 16k tokens per micro-batch, SDPA; the counted totals match to the byte
+for saved tensors and within 1% for the moments (benchmarks/activation_census.py).
+
+What the code keeps, with ``p`` the compute dtype's bytes and ``a`` the adapters'
+(PEFT keeps LoRA in fp32 on a bf16 base, ``autocast_adapter_dtype``):
+
+- an RMSNorm upcasts its input to fp32 and saves it and the reciprocal RMS: 4 H + 4
+  (a head norm, Qwen3's q_norm / k_norm, the same over q or k);
+- a LoRA linear casts its input to the adapter dtype when the two differ and lora_A
+  saves that copy (``a x in``: one copy per adapted linear, q, k and v each make
+  their own); with equal dtypes lora_A saves the input itself, once per input;
+  lora_A's output (``a x r``) is saved by lora_B; the frozen base saves nothing;
+- the LoRA forward's peak: the base output, lora_B's output and its scaled copy
+  (``out x (p + 2a)``), which the sum with the base output promotes to fp32;
+- SDPA saves the rotated q and k, v, its output and a log-sum-exp per head; its
+  output is o_proj's input as a view, not a copy;
+- a gated MLP saves the gate's output (the activation's input), the activation's
+  output and up's output (the product's inputs): 3 x width x p;
+- the block's input stays referenced by the caller while the block runs, and the
+  residual stream after attention until the block returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import BlockSpec
+
+ADAPTER_BYTES = 4  # PEFT's LoRA weights (and its casts of their inputs) are fp32
+
+_ATTENTION_MODULES = ("self_attn", "attn", "attention", "self_attention")
+_MLP_MODULES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+_ATTN_OUT = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+_MLP_OUT = ("down_proj", "fc2", "w2", "c_proj", "wo")
+_GATES = ("gate_proj", "gate_up_proj", "w1", "w3")
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """One linear of a block as the tape sees it: widths on this rank, adapted or not."""
+
+    name: str
+    in_features: float
+    out_features: float
+    adapted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTape:
+    """Per token of a micro-batch, bytes of one block (see the module docstring).
+
+    ``saved``: kept for backward after the block's forward with grad.
+    ``grad_peak``: the most alive during its forward with grad beyond the block's input,
+    the saved tensors so far included (in fp32 the input norm saves the input itself,
+    which is then counted here).
+    ``recompute_peak``: the same during a checkpointed block's recompute in backward,
+    which stops at the op that saves the last tensor backward needs (torch's
+    non-reentrant checkpoint stops early): down's lora_A with an adapted down, else the
+    MLP's product.
+    ``backward_peak``: the most alive during its backward beyond the input, every
+    saved tensor included, besides the gradients flowing in.
+    ``nograd_peak`` / ``nograd_peak_base``: the most alive during a forward without
+    grad beyond the input, with the adapters on / disabled.
+    """
+
+    saved: float
+    grad_peak: float
+    recompute_peak: float
+    backward_peak: float
+    nograd_peak: float
+    nograd_peak_base: float
+
+
+def _role(path: str) -> str | None:
+    """Which part of the block a linear belongs to: attention or MLP, in or out."""
+    parts = path.split(".")
+    module = parts[-1]
+    scope = parts[0] if len(parts) > 1 else ""
+    if scope in _ATTENTION_MODULES:
+        return "attn_out" if module in _ATTN_OUT else "attn_in"
+    if scope in _MLP_MODULES:
+        return "mlp_out" if module in _MLP_OUT else "mlp_in"
+    return None
+
+
+def block_linears(block: BlockSpec, adapted: frozenset[str], *, tp: int = 1, mlp_tp: int = 1) -> dict[str, list[Linear]]:
+    """The block's linears by role (attn_in, attn_out, mlp_in, mlp_out), widths per TP rank.
+
+    Tensor parallelism splits the outputs of q, k, v, gate and up and the inputs of o and
+    down (agilerl.distributed's block plan), so every width but the hidden stream's is
+    divided by it.
+    """
+    out: dict[str, list[Linear]] = {"attn_in": [], "attn_out": [], "mlp_in": [], "mlp_out": []}
+    for path, d_in, d_out in block.linears:
+        role = _role(path)
+        if role is None:
+            continue
+        split = tp if role.startswith("attn") else mlp_tp
+        d_in, d_out = (d_in, d_out / split) if role.endswith("_in") else (d_in / split, d_out)
+        out[role].append(Linear(path, d_in, d_out, path in adapted))
+    return out
+
+
+def _norms(block: BlockSpec, hidden: int) -> tuple[int, float]:
+    """(RMSNorms over the hidden stream, widths of the head norms' inputs)."""
+    hidden_norms, head_width = 0, 0.0
+    att = block.attention
+    for name, shape in block.tensors:
+        leaf = name.rsplit(".", 1)
+        if len(leaf) < 2 or leaf[1] != "weight" or "norm" not in leaf[0].rsplit(".", 1)[-1] or len(shape) != 1:
+            continue
+        module = leaf[0].rsplit(".", 1)[-1]
+        if shape[0] == hidden and not module.startswith(("q_", "k_")):
+            hidden_norms += 1
+        elif module.startswith("q_"):
+            head_width += att.q_dim
+        elif module.startswith("k_"):
+            head_width += att.kv_dim
+    return hidden_norms, head_width
+
+
+def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool) -> float:
+    """Bytes a linear allocates at its peak beyond its input: out x (p + 2a) for an active
+    adapter (base output, lora_B's output and its scaled copy), out x p for the base alone."""
+    if lin.adapted and adapters_on:
+        return lin.out_features * (p + 2 * a) if a != p else lin.out_features * 3 * p
+    return lin.out_features * p
+
+
+def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: int, compute_bytes: int,
+               adapter_bytes: int = ADAPTER_BYTES, tp: int = 1, mlp_tp: int = 1, include_mlp: bool = True) -> BlockTape:
+    """Walk one block's ops (see the module docstring) and return its :class:`BlockTape`.
+
+    ``adapter_bytes``: the adapters' compute dtype, fp32 unsharded (PEFT), FSDP's
+    ``param_dtype`` under FSDP2 (its mixed precision casts every parameter it gathers,
+    the adapters too, so PEFT casts nothing).
+
+    ``include_mlp=False`` leaves the MLP out (a MoE block, whose experts
+    planner.memory._moe counts); its two hidden-stream tensors and norms stay in.
+    """
+    p, a, H = compute_bytes, adapter_bytes, hidden
+    cast = a != p
+    att = block.attention
+    q, kv = att.q_dim / tp, att.kv_dim / tp
+    heads = att.num_heads / tp
+    lin = block_linears(block, adapted, tp=tp, mlp_tp=mlp_tp)
+    hidden_norms, head_width = _norms(block, hidden)
+    norm_saved = 4 * H + 4
+
+    def cast_copy(x: Linear, input_width: float) -> float:
+        return a * input_width if cast and x.adapted else 0.0
+
+    grad: list[float] = []  # forward-with-grad moments
+    nograd: list[float] = []
+    nograd_base: list[float] = []
+    saved = 0.0
+    # -- attention --------------------------------------------------------------------------
+    # input norm: fp32 upcast (saved) and its square's temporary, the bf16 output
+    saved += norm_saved
+    grad.append(saved + 4 * H + H * p)
+    nograd.append((4 * H if p != 4 else 0) + 4 * H + H * p)  # the upcast (a no-op in fp32), its square
+    nograd_base.append(nograd[-1])
+    normed = H * p  # the normed input, alive through the attention's input projections
+    held_normed = normed  # the same in a forward with grad, unless it is saved
+    outputs = 0.0
+    for x in lin["attn_in"]:
+        grad.append(saved + normed + outputs + cast_copy(x, H) + _lora_transient(x, p, a, True))
+        nograd.append(normed + outputs + cast_copy(x, H) + _lora_transient(x, p, a, True))
+        nograd_base.append(normed + outputs + _lora_transient(x, p, a, False))
+        saved += cast_copy(x, H) + (a * rank if x.adapted else 0)
+        outputs += x.out_features * p
+    if not cast and any(x.adapted for x in lin["attn_in"]):
+        saved += p * H  # lora_A of q, k and v save the one normed input
+        held_normed = 0.0  # which is then counted as saved
+    saved += 4 * head_width + 4 * heads * (1 if head_width else 0)
+    # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
+    saved += 2 * q * p + 2 * kv * p + 4 * heads
+    # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
+    # as does its argument, the normed input.
+    attention_locals = (2 * q + 2 * kv) * p
+    for x in lin["attn_out"]:
+        grad.append(saved + held_normed + cast_copy(x, q) + _lora_transient(x, p, a, True))
+        nograd.append(normed + attention_locals + cast_copy(x, q) + _lora_transient(x, p, a, True))
+        nograd_base.append(normed + attention_locals + _lora_transient(x, p, a, False))
+        # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new
+        saved += cast_copy(x, q) + (a * rank if x.adapted else 0)
+    stream = held_stream = H * p  # the residual stream after attention, alive until the block returns
+    # -- MLP ------------------------------------------------------------------------------------
+    saved += (hidden_norms - 1) * norm_saved  # pre-MLP (and Gemma's post-attention / post-MLP) norms
+    if p == 4:
+        held_stream = 0.0  # with grad an fp32 norm saves the stream itself rather than an upcast copy
+    if not include_mlp or not lin["mlp_in"]:
+        grad.append(saved + held_stream + H * p)
+        return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(grad), backward_peak=saved + H * p,
+                         nograd_peak=max(nograd) + stream, nograd_peak_base=max(nograd_base) + stream)
+    gated = any(x.name.rsplit(".", 1)[-1] in _GATES for x in lin["mlp_in"])
+    width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
+    normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
+    activated = 0.0  # the activation's output, alive while up runs
+    for x in lin["mlp_in"]:
+        grad.append(saved + held_stream + held_normed + activated + cast_copy(x, H) + _lora_transient(x, p, a, True))
+        nograd.append(stream + normed + activated + cast_copy(x, H) + _lora_transient(x, p, a, True))
+        nograd_base.append(stream + normed + activated + _lora_transient(x, p, a, False))
+        saved += cast_copy(x, H) + (a * rank if x.adapted else 0)
+        if gated and not activated and len(lin["mlp_in"]) > 1:
+            saved += width * p  # the gate's output, saved by the activation
+            activated = width * p  # which makes its own output
+    if not cast and any(x.adapted for x in lin["mlp_in"]):
+        saved += p * H  # lora_A of gate and up save the one normed input
+        held_normed = 0.0
+    if gated and len(lin["mlp_in"]) > 1:
+        saved += 2 * width * p  # the product's inputs: the activation's and up's outputs
+    elif gated:
+        saved += 3 * width * p  # a fused gate_up output (the gate's and up's views) and the activation's
+    else:
+        saved += width * p  # the activation's input
+    product = width * p
+    # the product is made while its inputs are alive (saved with grad)
+    grad.append(saved + held_stream + held_normed + product)
+    nograd.append(stream + normed + (3 if gated else 2) * width * p)
+    nograd_base.append(nograd[-1])
+    recompute = list(grad)
+    down_input_saved = 0.0
+    for x in lin["mlp_out"]:
+        held = saved + held_stream + held_normed + product + cast_copy(x, width)
+        grad.append(held + _lora_transient(x, p, a, True))
+        if x.adapted:  # the recompute runs down's base and lora_A, then stops
+            recompute.append(held + x.out_features * p + a * rank)
+        nograd.append(stream + normed + product + cast_copy(x, width) + _lora_transient(x, p, a, True))
+        nograd_base.append(stream + normed + product + _lora_transient(x, p, a, False))
+        down_input_saved = cast_copy(x, width) if cast else (p * width if x.adapted else 0)
+        saved += down_input_saved + (a * rank if x.adapted else 0)
+    # Backward, at down: the block output's gradient, the fp32 gradient of the LoRA sum, and
+    # down's input gradient (the adapter's, in fp32, beside the saved cast it consumes), or the
+    # base's alone.
+    # Then at the product: its output's gradient and its two input gradients, once the input
+    # down's lora_A saved is freed.
+    down_adapted = any(x.adapted for x in lin["mlp_out"])
+    at_down = saved + (width * a if down_adapted else width * p)
+    at_product = saved - down_input_saved + 3 * width * p
+    backward = max(at_down, at_product)
+    return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(recompute), backward_peak=backward,
+                     nograd_peak=max(nograd), nograd_peak_base=max(nograd_base))

@@ -1,0 +1,118 @@
+"""planner.memory._tape against a real block: PEFT's LoRA on Hugging Face's Qwen2 and Llama
+layers, in bf16 with fp32 adapters and in fp32, counted with saved-tensor hooks (what
+autograd keeps) and a live-tensor tracker (the most alive at once)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from planner.memory._tape import block_tape
+from planner.models import load_model_spec
+
+H, WIDTH, RANK, TOKENS = 64, 160, 4, 2 * 96
+
+
+def _peft_block(arch: str, dtype: torch.dtype, targets):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from agilerl.utils.tiny import tiny_config
+
+    config = tiny_config(arch, hidden_size=H, intermediate_size=WIDTH, num_layers=1, num_heads=4, num_kv_heads=2)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    return model.get_base_model().model, config
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of tensors made inside the mode that are still alive, and their peak."""
+
+    def __init__(self, exclude):
+        super().__init__()
+        self.exclude, self.live, self.total, self.peak = exclude, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in self.exclude:
+                    self.live[key] = storage.nbytes()
+                    self.total += storage.nbytes()
+                    self.peak = max(self.peak, self.total)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key):
+        self.total -= self.live.pop(key, 0)
+
+
+def _measure(arch, dtype, targets):
+    """(saved bytes, forward-with-grad peak, no-grad peak) of one block, per token, beyond its input."""
+    decoder, config = _peft_block(arch, dtype, targets)
+    layer, rotary = decoder.layers[0], decoder.rotary_emb
+    x = torch.randn(2, TOKENS // 2, H, dtype=dtype, requires_grad=True)
+    positions = torch.arange(TOKENS // 2).unsqueeze(0).expand(2, -1)
+    cos_sin = rotary(x, positions)
+    # The block's input counts when a block saves it (an fp32 norm saves its input itself).
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    params |= {t.untyped_storage().data_ptr() for t in cos_sin}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    live = _Live(params)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+        out = layer(x, position_embeddings=cos_sin, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+    grad_peak = live.peak
+    del out
+    with torch.no_grad():
+        nograd = _Live(params)
+        with nograd:
+            layer(x, position_embeddings=cos_sin, attention_mask=None)
+    return sum(saved.values()) / TOKENS, grad_peak / TOKENS, nograd.peak / TOKENS
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
+def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
+    spec = load_model_spec(f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4"
+                           f"&num_kv_heads=2", lora_targets=targets)
+    from planner.spec import ModelSpec
+
+    key = ModelSpec._target_key(targets)
+    block = spec.block(0)
+    adapted = frozenset(e[0] for e in block.lora[key])
+    p = 2 if dtype == torch.bfloat16 else 4
+    tape = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p)
+    saved, grad_peak, nograd_peak = _measure(arch, dtype, targets if isinstance(targets, str) else list(targets))
+    assert tape.saved == pytest.approx(saved, rel=0.01)
+    # The moments: the forward's peak includes what it saves so far (in fp32 the input norm
+    # saves the block's input itself, which the tracker, started after it, does not see).
+    assert tape.grad_peak - (4 * H if p == 4 else 0) == pytest.approx(grad_peak, rel=0.03)
+    assert tape.nograd_peak == pytest.approx(nograd_peak, rel=0.03)
+
+
+def test_adapters_on_a_bf16_base_cost_an_fp32_input_copy_each():
+    spec = load_model_spec(f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2")
+    block = spec.block(0)
+    adapted = frozenset(e[0] for e in block.lora["all-linear"])
+    bf16 = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=2)
+    frozen = block_tape(block, hidden=H, adapted=frozenset(), rank=RANK, compute_bytes=2)
+    q = block.attention.q_dim
+    # q, k, v, gate and up each cast the hidden input, o the attention output, down the product
+    # (4 bytes per element), and each lora_A output (rank, fp32) is saved for lora_B
+    assert bf16.saved - frozen.saved == 4 * (5 * H + q + WIDTH) + 7 * 4 * RANK
