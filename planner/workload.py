@@ -49,6 +49,22 @@ class Workload(BaseModel):
         float, Field(gt=0, le=1, description="Fraction of GPU memory a colocated vLLM engine takes.")
     ] = 0.3
     vllm_sleep_level: Annotated[Literal[1, 2], Field(description="vLLM sleep level between rollouts.")] = 1
+    vllm_max_num_seqs: Annotated[int, Field(ge=1, description="Most sequences the vLLM engine schedules at once.")] = 256
+    vllm_max_model_len: Annotated[
+        int | None, Field(ge=1, description="Longest sequence the vLLM engine accepts; None: prompt + completion tokens.")
+    ] = None
+    vllm_max_num_batched_tokens: Annotated[
+        int | None,
+        Field(ge=1, description="Tokens the vLLM engine schedules per step; None: the trainer's rule "
+                                "(agilerl.utils.algo_utils.vllm_batched_tokens).")
+    ] = None
+    vllm_enforce_eager: Annotated[
+        bool, Field(description="vLLM without CUDA graphs (their pool comes out of its KV cache, not on top).")
+    ] = False
+    offload_weights_during_rollout: Annotated[
+        bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the colocated vLLM engine "
+                                "generates (needs generation='vllm').")
+    ] = False
     attn_implementation: Annotated[
         Literal["sdpa", "eager", "flash_attention_2"],
         Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),
@@ -58,7 +74,15 @@ class Workload(BaseModel):
     def _check(self) -> Workload:
         if self.generation == "vllm" and self.load_in_4bit:
             raise ValueError("generation='vllm' with load_in_4bit is not supported")
+        if self.offload_weights_during_rollout and self.generation != "vllm":
+            raise ValueError("offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
+                             "Hugging Face generate runs on the trainer's weights")
         return self
+
+    @property
+    def vllm_model_len(self) -> int:
+        """The vLLM engine's max_model_len: as given, else prompt + completion."""
+        return self.vllm_max_model_len or self.sequence_tokens
 
     @property
     def sequence_tokens(self) -> int:

@@ -6,7 +6,19 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["VLLMConfig"]
+__all__ = ["VLLMConfig", "vllm_batched_tokens"]
+
+
+def vllm_batched_tokens(*, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+    """The tokens a vLLM engine schedules in one step, as the trainer configures it: the
+    given cap, else ``min(max_num_seqs x max_model_len, max(max_model_len, 8192))`` (one
+    whole sequence at least, about vLLM's own default otherwise, never more than the
+    engine can hold). vLLM profiles a forward of that many tokens at start-up and keeps
+    its activations out of the KV cache, which is why a colocated engine's footprint
+    shrinks as it grows (planner.memory._generation)."""
+    if max_num_batched_tokens is not None:
+        return max_num_batched_tokens
+    return min(max_num_seqs * max_model_len, max(max_model_len, 8192))
 
 
 class VLLMConfig(BaseModel):
@@ -38,8 +50,13 @@ class VLLMConfig(BaseModel):
         int, Field(ge=1, description="GPUs one engine spans with tensor parallelism.")
     ] = 1
     enforce_eager: Annotated[
-        bool, Field(description="Disable CUDA graphs (saves their ~2 GiB pool, slower decoding).")
+        bool, Field(description="Disable CUDA graphs (their pool comes out of the engine's KV cache; slower decoding).")
     ] = False
     max_model_len: Annotated[
         int | None, Field(ge=1, description="Longest prompt + completion the engine accepts; None uses the model's.")
+    ] = None
+    max_num_batched_tokens: Annotated[
+        int | None,
+        Field(ge=1, description="Tokens the engine schedules per step; None: min(max_num_seqs x max_model_len, "
+                                "max(max_model_len, 8192)).")
     ] = None

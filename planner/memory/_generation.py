@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from ._activations import largest_forward_temps
+from agilerl.utils.algo_utils import vllm_batched_tokens
+
+from ._activations import nograd_forward_bytes
 from ._context import Context
 from ._units import Layout
 
-VLLM_NOTE = "vLLM terms are not yet validated by a measurement"
+VLLM_NOTE = ("vLLM terms are fitted on public A100 peaks of upstream AgileRL's engine (benchmarks/gpu_public.py); "
+             "this project's engine is not yet measured")
 
 
 def kv_cache_bytes(ctx: Context, tokens: int) -> int:
@@ -22,29 +25,76 @@ def kv_cache_bytes(ctx: Context, tokens: int) -> int:
 
 
 def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
-    """The two moments Hugging Face generate peaks at: the prefill of the prompts (its
-    largest block's temporaries beside the prompt's cache and gen_hidden hidden states;
-    logits of the last position only), and the last decode steps (the whole cache, grown
-    by concatenation, so one layer's worth extra, and sampling's three logits copies)."""
+    """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
+    forward over n x prompt tokens beside the prompt's cache; logits of the last position
+    only), and the last decode steps (the whole cache, grown by concatenation, so one
+    layer's worth extra, and sampling's three logits copies)."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
-    prefill = largest_forward_temps(ctx, layout, n, prompt)
-    residual = int(ctx.coefficients.gen_hidden * n * prompt * ctx.carried_hidden * ctx.compute_bytes)
+    prefill = nograd_forward_bytes(ctx, layout, n, prompt)
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
     return (
-        {"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill + residual, "logits": n * V * 4},
+        {"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill, "logits": n * V * 4},
         {"kv_cache": int(full_kv * (1 + 1 / max(1, ctx.spec.num_layers))), "logits": n * V * 4 * 3},
     )
 
 
-def vllm_awake_bytes(ctx: Context) -> int:
-    """A colocated vLLM engine awake: vllm_gpu_memory_utilization of the GPU."""
+def _batched_tokens(ctx: Context) -> int:
     workload = ctx.workload
-    return int(workload.vllm_gpu_memory_utilization * ctx.cluster.gpu.memory_bytes) if workload.generation == "vllm" else 0
+    return vllm_batched_tokens(max_num_seqs=workload.vllm_max_num_seqs, max_model_len=workload.vllm_model_len,
+                               max_num_batched_tokens=workload.vllm_max_num_batched_tokens)
+
+
+def vllm_profile_bytes(ctx: Context) -> int:
+    """The activations of the forward vLLM profiles at start-up, which it keeps out of its KV
+    cache and frees: batched tokens (agilerl.utils.algo_utils.vllm_batched_tokens) x the
+    largest dense block's MLP per token, (3 x width + H) x p (gate and up, the activation,
+    the hidden state). Measured on the public A100 rows: an engine's footprint falls 30 KB
+    per batched token on Qwen2.5-0.5B and 57 KB on 1.5B, where this counts 31 and 57."""
+    H = ctx.spec.hidden_size
+    per_token = max((3 * b.mlp.intermediate_size + H for b in ctx.spec.block_types.values() if b.mlp.kind != "moe"),
+                    default=H)
+    return _batched_tokens(ctx) * per_token * ctx.weight_bytes
+
+
+def vllm_moe_workspace_bytes(ctx: Context) -> int:
+    """Fused MoE's intermediate caches, sized for the batched tokens at start-up and kept for
+    the engine's life, asleep too: top-k x (3 x expert width + H) x p per token. Measured on
+    the public A100 rows: the sleeping OLMoE engine's floor grows 70 KB per batched token;
+    counted: 82 KB (0 for a dense model)."""
+    H = ctx.spec.hidden_size
+    per_token = max((max(1, b.mlp.experts_per_token) * (3 * b.mlp.intermediate_size + H)
+                     for b in ctx.spec.block_types.values() if b.mlp.kind == "moe"), default=0)
+    return _batched_tokens(ctx) * per_token * ctx.weight_bytes if ctx.workload.generation == "vllm" else 0
+
+
+def vllm_awake_bytes(ctx: Context) -> int:
+    """A colocated vLLM engine awake: vllm_gpu_memory_utilization of the GPU, less the
+    profiled activations it never holds again (on a GPU)."""
+    workload = ctx.workload
+    if workload.generation != "vllm":
+        return 0
+    budget = int(workload.vllm_gpu_memory_utilization * ctx.cluster.gpu.memory_bytes)
+    return max(0, budget - vllm_profile_bytes(ctx)) if ctx.on_gpu else budget
+
+
+def vllm_weight_bytes(ctx: Context) -> int:
+    """The engine's own copy of the weights (in the trainer's dtype), all it holds between
+    waking its weights and waking its KV cache."""
+    return ctx.spec.total_params * ctx.weight_bytes if ctx.workload.generation == "vllm" else 0
+
+
+def vllm_outside_budget_bytes(ctx: Context) -> int:
+    """What an awake engine allocates beyond its budget on a GPU (vllm_outside_budget_bytes:
+    CUDA graph and sampler buffers its profiler does not charge)."""
+    return ctx.coefficients.vllm_outside_budget_bytes if ctx.workload.generation == "vllm" and ctx.on_gpu else 0
 
 
 def vllm_asleep_bytes(ctx: Context) -> int:
-    """A sleeping vLLM engine's residue on a GPU (vllm_sleep_residual_bytes)."""
-    return ctx.coefficients.vllm_sleep_residual_bytes if ctx.workload.generation == "vllm" and ctx.on_gpu else 0
+    """A sleeping vLLM engine's residue on a GPU: vllm_sleep_residual_bytes and, for MoE
+    models, its fused-MoE workspace."""
+    if ctx.workload.generation != "vllm" or not ctx.on_gpu:
+        return 0
+    return ctx.coefficients.vllm_sleep_residual_bytes + vllm_moe_workspace_bytes(ctx)
 
 
 def host_vllm_weight_bytes(ctx: Context) -> int:

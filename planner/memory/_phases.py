@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._activations import (
-    largest_forward_temps,
-    recompute_bytes,
+    activations_by_type,
+    learn_block_moment,
+    nograd_forward_bytes,
     saved_activation_bytes,
-    saved_by_type,
 )
 from ._context import Context
 from ._gathered import (
@@ -29,6 +29,8 @@ from ._generation import (
     host_vllm_weight_bytes,
     vllm_asleep_bytes,
     vllm_awake_bytes,
+    vllm_outside_budget_bytes,
+    vllm_weight_bytes,
 )
 from ._logits import kept_logprob_bytes, learn_logits_bytes, reference_logits_bytes
 from ._overheads import gpu_overheads, host_process_bytes
@@ -92,8 +94,7 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
 def make_phase(ctx: Context, terms: Terms, components: Components, host: Components | None = None) -> PhaseEstimate:
     """A phase's non-zero components (as ints) with the GPU overheads on what they allocate."""
     merged = {name: int(v) for name, v in components.items() if v}
-    allocated = sum(merged.values())
-    for name, v in gpu_overheads(ctx, allocated).items():
+    for name, v in gpu_overheads(ctx, merged).items():
         merged[name] = merged.get(name, 0) + v
     return PhaseEstimate(components=merged, host={**terms.host, **(host or {})})
 
@@ -119,10 +120,20 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             return {"rollout": make_phase(ctx, terms, {**terms.static, "weights_gathered": terms.nograd_gathered,
                                                        **larger(*moments)})}
         case "vllm":
-            awake = vllm_awake_bytes(ctx)
+            awake, outside = vllm_awake_bytes(ctx), vllm_outside_budget_bytes(ctx)
             largest_unit = terms.gathered.largest_bytes if ctx.sharded else 0
-            return {"rollout": make_phase(ctx, terms, {**terms.static, "vllm": awake}),
-                    "sync": make_phase(ctx, terms, {**terms.static, "vllm": awake, "weights_gathered": largest_unit})}
+            if not ctx.workload.offload_weights_during_rollout:
+                return {"rollout": make_phase(ctx, terms, {**terms.static, "vllm": awake + outside}),
+                        "sync": make_phase(ctx, terms, {**terms.static, "vllm": awake + outside,
+                                                        "weights_gathered": largest_unit})}
+            # The engine wakes its weights, takes the new ones while the trainer's are on the
+            # device, then its KV cache once the trainer's weights (base and adapters) are on
+            # the host.
+            parked = {"weights": 0, "weights_replicated": 0, "lora": 0}
+            host = {"host_weights": terms.host.get("host_weights", 0) + sum(terms.static.get(k, 0) for k in parked)}
+            return {"rollout": make_phase(ctx, terms, {**terms.static, **parked, "vllm": awake + outside}, host),
+                    "sync": make_phase(ctx, terms, {**terms.static, "vllm": vllm_weight_bytes(ctx),
+                                                    "weights_gathered": largest_unit})}
     return {}
 
 
@@ -136,10 +147,10 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     if not (workload.beta > 0 or workload.update_epochs > 1):
         return None
     adapters_on = workload.use_separate_reference_adapter or workload.update_epochs > 1
-    fwd = largest_forward_temps(ctx, terms.layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on)
+    fwd = nograd_forward_bytes(ctx, terms.layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on)
     hidden = ctx.micro_batch_tokens * ctx.carried_hidden * ctx.compute_bytes
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        {"weights_gathered": terms.nograd_gathered, "activations": fwd + 2 * hidden + terms.kept_logprobs},
+        {"weights_gathered": terms.nograd_gathered, "activations": fwd + terms.kept_logprobs},
         {"weights_gathered": terms.after_forward, "activations": hidden + terms.kept_logprobs,
          "logits": reference_logits_bytes(ctx)},
     )})
@@ -149,18 +160,20 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
     Components peak at different moments of a micro-batch, so the learn phase is the
-    larger of two sub-peaks: the head's backward (every activation still saved, the
-    logits workspace at its largest) and the first block's backward (activations, the
-    recomputed block, a unit's unsharded gradients being reduced).
+    larger of two sub-peaks: the head's backward (every activation still kept, the
+    logits workspace at its largest) and the blocks' largest moment (what the earlier
+    blocks keep beside one block's forward, recompute or backward, and a unit's
+    unsharded gradients being reduced).
     """
-    saved = saved_by_type(ctx, terms.layout)
-    saved_total = saved_activation_bytes(ctx, saved)
+    blocks = activations_by_type(ctx, terms.layout)
+    kept = saved_activation_bytes(ctx, blocks)
+    hidden_grad = ctx.micro_batch_tokens * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     grads = gradient_terms(ctx, terms.layout, terms.memory)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
         {"weights_gathered": terms.after_forward, "gradients": grads.prior,
-         "activations": saved_total + terms.kept_logprobs, "logits": learn_logits_bytes(ctx)},
+         "activations": kept + hidden_grad + terms.kept_logprobs, "logits": learn_logits_bytes(ctx, backward=True)},
         {"weights_gathered": backward_gathered_bytes(ctx, terms.gathered), "gradients": grads.prior + grads.reducing,
-         "activations": saved_total + recompute_bytes(ctx, terms.layout, saved) + terms.kept_logprobs,
+         "activations": learn_block_moment(ctx, blocks) + terms.kept_logprobs,
          "comm_buffers": grads.reduce_buffer},
     )})
 

@@ -9,6 +9,8 @@ from planner.memory._generation import (
     kv_cache_bytes,
     vllm_asleep_bytes,
     vllm_awake_bytes,
+    vllm_profile_bytes,
+    vllm_weight_bytes,
 )
 
 from .conftest import make_context
@@ -26,10 +28,29 @@ def test_kv_cache_caps_sliding_window_layers(ple_spec):
 
 def test_vllm_awake_asleep_and_offloaded(dense_spec):
     gpu = GPUS["H100-80GB"]
-    ctx = make_context(dense_spec, gpu=gpu, generation="vllm", vllm_gpu_memory_utilization=0.4)
-    assert vllm_awake_bytes(ctx) == int(0.4 * gpu.memory_bytes)
+    ctx = make_context(dense_spec, gpu=gpu, generation="vllm", vllm_gpu_memory_utilization=0.4, vllm_max_num_seqs=8)
+    # profiled: min(8 seqs x 128 tokens, max(128, 8192)) = 1024 tokens x (3 x 512 + 128) x bf16
+    assert vllm_profile_bytes(ctx) == 1024 * (3 * 512 + 128) * 2
+    assert vllm_awake_bytes(ctx) == int(0.4 * gpu.memory_bytes) - 1024 * (3 * 512 + 128) * 2
+    assert vllm_weight_bytes(ctx) == dense_spec.total_params * 2
     assert vllm_asleep_bytes(ctx) == Coefficients().vllm_sleep_residual_bytes
     assert host_vllm_weight_bytes(ctx) == dense_spec.total_params * 2
     assert vllm_asleep_bytes(make_context(dense_spec, generation="vllm")) == 0  # no residue on a CPU run
     hf = make_context(dense_spec, gpu=gpu)
     assert vllm_awake_bytes(hf) == vllm_asleep_bytes(hf) == host_vllm_weight_bytes(hf) == 0
+
+
+def test_offloading_the_trainer_weights_during_rollout(dense_spec):
+    from planner.memory import estimate
+
+    gpu = GPUS["A100-40GB"]
+    kept = make_context(dense_spec, gpu=gpu, generation="vllm", gpus=1)
+    parked = make_context(dense_spec, gpu=gpu, generation="vllm", gpus=1, offload_weights_during_rollout=True)
+    a = estimate(kept.spec, kept.workload, kept.cluster, None).phases
+    b = estimate(parked.spec, parked.workload, parked.cluster, None).phases
+    weights, lora = a["rollout"].components["weights"], a["rollout"].components["lora"]
+    assert "weights" not in b["rollout"].components and "lora" not in b["rollout"].components
+    assert b["rollout"].host["host_weights"] == weights + lora
+    # the sync holds the trainer's weights beside the engine's, before its KV cache wakes
+    assert b["sync"].components["weights"] == weights and b["sync"].components["vllm"] == dense_spec.total_params * 2
+    assert b["learn"] == a["learn"]
