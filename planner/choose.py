@@ -63,6 +63,7 @@ class Plan(BaseModel):
     fits: bool
     margin_bytes: int
     suggestions: tuple[str, ...] = ()
+    coefficients_source: str = "defaults"  # which coefficients the estimate used (planner.calibration)
 
     @property
     def headroom_bytes(self) -> int:
@@ -107,6 +108,7 @@ def plan(
     sharding: str = "auto",
     colocated_vllm: bool | None = None,
     coefficients: Coefficients | None = None,
+    coefficients_source: str | None = None,
     margin_fraction: float = 0.05,
     suggest: bool = True,
 ) -> Plan:
@@ -116,6 +118,7 @@ def plan(
     "auto" (data parallel when it fits, else FSDP2), "fsdp" or "none".
     """
     fixed = dict(fixed or {})
+    source = coefficients_source or ("given" if coefficients is not None else "defaults")
     FSDPConfig(**fixed)  # validate the user's fields early, with FSDPConfig's own errors
     if workload.micro_batch_size_per_gpu is not None:
         per_gpu = workload.completions_per_rank(cluster.num_gpus // fixed.get("tp", 1))
@@ -196,7 +199,8 @@ def plan(
             f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
             f"over the {_gib(search.limit)} available")))
         return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
-                    decisions=tuple(decisions), fits=False, margin_bytes=margin, suggestions=tuple(suggestions))
+                    decisions=tuple(decisions), fits=False, margin_bytes=margin, suggestions=tuple(suggestions),
+                    coefficients_source=source)
 
     def note(field: str, value: Any, reason: str) -> None:
         decisions.append(Decision(field=field, value=value, reason=reason))
@@ -291,7 +295,7 @@ def plan(
     note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
                        f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
     return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
-                decisions=tuple(decisions), fits=True, margin_bytes=margin)
+                decisions=tuple(decisions), fits=True, margin_bytes=margin, coefficients_source=source)
 
 
 def suggest_fixes(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any] | None = None,

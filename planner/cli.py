@@ -116,7 +116,7 @@ def plan_main(argv: list[str]) -> int:
     from pydantic import ValidationError
 
     from . import emit
-    from .calibration import coefficients_for
+    from .calibration import coefficients_for, coefficients_source
     from .choose import plan
     from .hardware import Cluster, gpu_by_name
     from .models import ModelNotFound, load_model_spec
@@ -167,7 +167,8 @@ def plan_main(argv: list[str]) -> int:
                          coefficients=coefficients_for(gpu))
     try:
         result = plan(spec, workload, cluster, fixed=fixed, sharding=args.sharding,
-                      coefficients=coefficients_for(gpu), margin_fraction=args.margin)
+                      coefficients=coefficients_for(gpu), coefficients_source=coefficients_source(gpu),
+                      margin_fraction=args.margin)
     except ValueError as err:
         print(f"error: {_clean(err)}", file=sys.stderr)
         return 2

@@ -92,6 +92,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "decisions": [d.model_dump(mode="json") for d in plan.decisions],
         "suggestions": list(plan.suggestions),
         "notes": list(est.notes),
+        "coefficients": plan.coefficients_source,
         "manifest": manifest_dict(plan),
     }
 
@@ -177,7 +178,7 @@ def table(plan: Plan) -> str:
         lines.append("")
         lines.append("what would fit:")
         lines.extend(f"  - {s}" for s in plan.suggestions)
-    if est.notes:
-        lines.append("")
-        lines.extend(f"note: {n}" for n in est.notes)
+    lines.append("")
+    lines.append(f"coefficients: {plan.coefficients_source}")
+    lines.extend(f"note: {n}" for n in est.notes)
     return "\n".join(lines)

@@ -116,7 +116,7 @@ def _check_split(
 
 def compute(spec: ModelSpec, request: Request) -> Plan:
     """plan() for a validated request with the GPU kind's coefficients; ValueError -> KnobErrors."""
-    from planner.calibration import coefficients_for
+    from planner.calibration import coefficients_for, coefficients_source
 
     try:
         return plan(
@@ -126,6 +126,7 @@ def compute(spec: ModelSpec, request: Request) -> Plan:
             fixed=dict(request.fixed),
             sharding=request.sharding,
             coefficients=coefficients_for(request.cluster.gpu),
+            coefficients_source=coefficients_source(request.cluster.gpu),
         )
     except (ValueError, KeyError) as err:
         raise KnobErrors({"": str(err).strip("'\"")}) from err

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.fixture(autouse=True)
 def _default_coefficients(monkeypatch):
     monkeypatch.setattr(calibration, "coefficients_for", lambda gpu: Coefficients())
+    monkeypatch.setattr(calibration, "coefficients_source", lambda gpu: "defaults")
 
 
 async def _ready(pilot: Pilot) -> None:

@@ -60,8 +60,8 @@ class DecisionView(Static):
                 else "default"
             )
             _line(out, field, getattr(plan.workload, field), source, reasons.get(field))
-        if plan.estimate.notes:
-            out.append("\nNotes\n", style="bold underline")
-            for note in plan.estimate.notes:
-                out.append(f"  {note}\n", style="italic")
+        out.append("\nNotes\n", style="bold underline")
+        out.append(f"  coefficients: {plan.coefficients_source}\n", style="italic")
+        for note in plan.estimate.notes:
+            out.append(f"  {note}\n", style="italic")
         self.update(out)

@@ -86,13 +86,14 @@ def _workload_for(agent, micro: int | None):
 
 def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) -> dict[str, Any]:
     from planner import emit
-    from planner.calibration import coefficients_for
+    from planner.calibration import coefficients_for, coefficients_source
     from planner.choose import plan
 
     spec = _spec_for(agent, actor_network)
     workload, prompt = _workload_for(agent, micro)
     cluster = visible_cluster(agent.world_size)
     result = plan(spec, workload, cluster, coefficients=coefficients_for(cluster.gpu),
+                  coefficients_source=coefficients_source(cluster.gpu),
                   sharding="none" if agent.load_in_4bit else "auto")
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
     if not agent.max_model_len:
