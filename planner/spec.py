@@ -37,7 +37,7 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 3  # 3: hidden_streams, per_layer_input_width (Gemma-3n)
+SPEC_SCHEMA_VERSION = 4  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -53,6 +53,7 @@ class AttentionSpec(_Frozen):
     q_dim: int  # width of the query projection output
     kv_dim: int  # width of each of the key / value caches per token
     sliding_window: int | None = None
+    logit_softcapping: float | None = None  # tanh soft cap of the attention scores (Gemma 2)
 
 
 class MlpSpec(_Frozen):
@@ -203,8 +204,9 @@ def _attention(block, config) -> AttentionSpec:
     else:
         sliding = window if getattr(config, "use_sliding_window", True) else None
     sliding = int(sliding) if sliding else None
+    softcap = getattr(config, "attn_logit_softcapping", None)
     return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, q_dim=q_dim, kv_dim=kv_dim,
-                         sliding_window=sliding)
+                         sliding_window=sliding, logit_softcapping=float(softcap) if softcap else None)
 
 
 def _mlp(block, config) -> MlpSpec:

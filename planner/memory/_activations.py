@@ -29,20 +29,30 @@ from ._units import Layout
 HEAD_ROW_BYTES = 20
 
 
-def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, copies: float) -> int:
-    """``copies`` x batch x heads / tp x Tq x Tk scores, where eager attention materialises them.
+def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, moment: str) -> int:
+    """Eager attention's batch x heads / tp x Tq x Tk scores (0 for SDPA, which keeps none:
+    torch's CPU flash kernel peaks at 5.4 MiB on a 448-token call whose scores would take
+    73.5 MiB, and GPU kernels are flash or memory-efficient).
 
-    Eager attention materialises batch x heads x Tq x Tk scores (one copy saved per block
-    for backward, two alive in a forward; counted with saved-tensor hooks). SDPA does not,
-    on GPUs nor on CPU (torch's CPU flash kernel: a 448-token call whose scores would take
-    73.5 MiB peaks at 5.4 MiB). Padded batches add Hugging Face's boolean
-    batch x Tq x Tk mask (a float copy on CPU), which fixed-length probes never have and
-    the estimate does not model yet.
+    Bytes per score, counted on Gemma 2 and Llama's eager attention with saved-tensor hooks
+    and a live-tensor tracker (benchmarks/activation_census.py):
+
+    - ``saved``: the soft cap's tanh output (p, Gemma 2), the fp32 softmax and its cast
+      to the compute dtype (4 + p; the cast is a no-op in fp32);
+    - ``nograd``: the softmax's input, its fp32 output and the cast (p + 4 + p).
+
+    Padded batches add Hugging Face's boolean batch x Tq x Tk mask (a float copy on
+    CPU), which fixed-length probes never have and the estimate does not model yet.
     """
     if not ctx.scores_materialised:
         return 0
     att = ctx.spec.block(index).attention
-    return int(copies * batch * att.num_heads // ctx.tp * t_q * t_q * ctx.compute_bytes)
+    p = ctx.compute_bytes
+    cast = p if p != 4 else 0
+    per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast}[moment]
+    # Eager attention repeats grouped K and V to every query head (repeat_kv), alive with the scores.
+    repeated = 2 * att.q_dim * p * batch * t_q // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
+    return int(per_score * batch * att.num_heads // ctx.tp * t_q * t_q) + repeated
 
 
 def tape_of(ctx: Context, index: int) -> BlockTape:
@@ -65,6 +75,7 @@ class BlockActivations:
     backward: int  # the most alive in its backward, its saved tensors included
     nograd_per_token: float  # a no-grad forward's most beyond its input, adapters on
     nograd_base_per_token: float  # the same with adapters disabled
+    attention_live_per_token: float  # a no-grad attention's own tensors while it makes its scores
 
 
 def _moe_saved_per_token(ctx: Context, index: int) -> float:
@@ -87,7 +98,8 @@ def block_activations(ctx: Context, layout: Layout, index: int) -> BlockActivati
     moe = _moe_saved_per_token(ctx, index)
     altup = 7.5 * ctx.extra_streams * H * p
     extra_saved = N * (moe + altup) + merged_stack_saved_bytes(ctx, layout, index)
-    scores = attention_scores_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, index, ctx.coefficients.attn_scores_saved)
+    # eager attention's saved scores outlive the attention; its softmax input does not
+    scores = attention_scores_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, index, "saved")
     saved = int(N * tape.saved + extra_saved) + scores
     transient = backward_transient_bytes(ctx, layout, ctx.micro_batch, index)  # a MoE block's experts
     return BlockActivations(
@@ -96,6 +108,7 @@ def block_activations(ctx: Context, layout: Layout, index: int) -> BlockActivati
         recompute=int(N * tape.recompute_peak + extra_saved) + scores + transient,
         backward=max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient),
         nograd_per_token=tape.nograd_peak, nograd_base_per_token=tape.nograd_peak_base,
+        attention_live_per_token=tape.attention_live,
     )
 
 
@@ -145,28 +158,30 @@ def gradients_in_flight(ctx: Context, *, recompute: bool) -> int:
     return N * (2 * H * p + (4 * H if recompute else 0))
 
 
-def learn_block_moment(ctx: Context, blocks: dict[int, BlockActivations]) -> int:
-    """The most alive while the blocks run forward and backward.
+def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations]) -> tuple[int, int]:
+    """The most alive while the blocks run (their forward, or a checkpointed block's
+    recompute in backward) and while they run backward, as two moments: a unit's
+    unsharded gradients exist only in the second.
 
-    At block j: everything the earlier blocks keep, and j's own most (its forward
-    with grad, its recompute with the gradients flowing in, or its backward). The later
+    At block j: everything the earlier blocks keep, and j's own most (its forward with
+    grad or its recompute with the gradients flowing in, or its backward). The later
     blocks have not run (forward) or are freed (backward).
     """
     kept = kept_bytes(ctx, blocks)
     # The block's input, referenced by the caller (in fp32 the input norm saves it, so the
     # block's own terms count it).
     x_in = ctx.micro_batch_tokens * ctx.carried_hidden * ctx.compute_bytes if ctx.compute_bytes != 4 else 0
-    best, before = 0, 0
+    running, backward, before = 0, 0, 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
         if j in ctx.checkpointed:
-            own = kept[j] + max(b.recompute + gradients_in_flight(ctx, recompute=True),
-                                b.backward + gradients_in_flight(ctx, recompute=False))
+            running = max(running, before + kept[j] + b.recompute + gradients_in_flight(ctx, recompute=True))
+            backward = max(backward, before + kept[j] + b.backward + gradients_in_flight(ctx, recompute=False))
         else:
-            own = max(b.forward + x_in, b.backward + gradients_in_flight(ctx, recompute=False))
-        best = max(best, before + own)
+            running = max(running, before + b.forward + x_in)
+            backward = max(backward, before + b.backward + gradients_in_flight(ctx, recompute=False))
         before += kept[j]
-    return best
+    return running, backward
 
 
 def saved_activation_bytes(ctx: Context, blocks: dict[int, BlockActivations]) -> int:
@@ -192,7 +207,8 @@ def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, in
         peak = max(peak, 2 * tokens * H * p + expert_forward_temps(ctx, layout, batch, length, index, adapters_on))
     if ctx.extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
         peak += (4 * ctx.extra_streams + 2) * tokens * H * p
-    return int(peak) + attention_scores_bytes(ctx, batch, length, index, ctx.coefficients.attn_scores_fwd)
+    scores = attention_scores_bytes(ctx, batch, length, index, "nograd")  # at the attention's own moment
+    return int(max(peak, tokens * acts.attention_live_per_token + scores))
 
 
 def nograd_forward_bytes(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True) -> int:

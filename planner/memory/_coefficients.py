@@ -33,9 +33,6 @@ class Coefficients(BaseModel):
         data = json.loads(text)
         return cls.model_validate({k: v for k, v in data.items() if k in cls.model_fields})
 
-    # Attention scores, where a kernel materialises them (eager; SDPA's math fallback on CPU):
-    attn_scores_fwd: Annotated[float, Field(description="eager attention: batch x heads x Tq x Tk score copies alive in a forward")] = 2.0
-    attn_scores_saved: Annotated[float, Field(description="eager attention: score copies saved per block for backward")] = 1.0
     # Mixture-of-experts blocks (planner.memory._moe). Per (token, expert) row:
     moe_rows_saved: Annotated[float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")] = 2.0
     moe_rows_hf: Annotated[float, Field(description="Hugging Face experts loop: saved per routed row, x hidden_size (besides the 3 x width a gated MLP saves)")] = 2.0

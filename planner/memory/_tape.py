@@ -71,6 +71,8 @@ class BlockTape:
     saved tensor included, besides the gradients flowing in.
     ``nograd_peak`` / ``nograd_peak_base``: the most alive during a forward without
     grad beyond the input, with the adapters on / disabled.
+    ``attention_live``: without grad, what the attention holds while its scores are
+    made (the normed input, q, k, v): eager attention's scores add to this moment only.
     """
 
     saved: float
@@ -79,6 +81,7 @@ class BlockTape:
     backward_peak: float
     nograd_peak: float
     nograd_peak_base: float
+    attention_live: float
 
 
 def _role(path: str) -> str | None:
@@ -111,9 +114,10 @@ def block_linears(block: BlockSpec, adapted: frozenset[str], *, tp: int = 1, mlp
     return out
 
 
-def _norms(block: BlockSpec, hidden: int) -> tuple[int, float]:
-    """(RMSNorms over the hidden stream, widths of the head norms' inputs)."""
-    hidden_norms, head_width = 0, 0.0
+def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float]:
+    """(RMSNorms over the hidden stream, those after the MLP (Gemma's post_feedforward),
+    widths of the head norms' inputs)."""
+    hidden_norms, after_mlp, head_width = 0, 0, 0.0
     att = block.attention
     for name, shape in block.tensors:
         leaf = name.rsplit(".", 1)
@@ -122,11 +126,12 @@ def _norms(block: BlockSpec, hidden: int) -> tuple[int, float]:
         module = leaf[0].rsplit(".", 1)[-1]
         if shape[0] == hidden and not module.startswith(("q_", "k_")):
             hidden_norms += 1
+            after_mlp += module.startswith("post_feedforward")
         elif module.startswith("q_"):
             head_width += att.q_dim
         elif module.startswith("k_"):
             head_width += att.kv_dim
-    return hidden_norms, head_width
+    return hidden_norms, after_mlp, head_width
 
 
 def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool) -> float:
@@ -154,7 +159,7 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     q, kv = att.q_dim / tp, att.kv_dim / tp
     heads = att.num_heads / tp
     lin = block_linears(block, adapted, tp=tp, mlp_tp=mlp_tp)
-    hidden_norms, head_width = _norms(block, hidden)
+    hidden_norms, after_mlp, head_width = _norms(block, hidden)
     norm_saved = 4 * H + 4
 
     def cast_copy(x: Linear, input_width: float) -> float:
@@ -188,6 +193,7 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
     # as does its argument, the normed input.
     attention_locals = (2 * q + 2 * kv) * p
+    attention_live = normed + attention_locals
     for x in lin["attn_out"]:
         grad.append(saved + held_normed + cast_copy(x, q) + _lora_transient(x, p, a, True))
         nograd.append(normed + attention_locals + cast_copy(x, q) + _lora_transient(x, p, a, True))
@@ -196,13 +202,15 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
         saved += cast_copy(x, q) + (a * rank if x.adapted else 0)
     stream = held_stream = H * p  # the residual stream after attention, alive until the block returns
     # -- MLP ------------------------------------------------------------------------------------
-    saved += (hidden_norms - 1) * norm_saved  # pre-MLP (and Gemma's post-attention / post-MLP) norms
+    saved += (hidden_norms - 1 - after_mlp) * norm_saved  # the pre-MLP (and Gemma's post-attention) norms
     if p == 4:
         held_stream = 0.0  # with grad an fp32 norm saves the stream itself rather than an upcast copy
     if not include_mlp or not lin["mlp_in"]:
+        saved += after_mlp * norm_saved
         grad.append(saved + held_stream + H * p)
         return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(grad), backward_peak=saved + H * p,
-                         nograd_peak=max(nograd) + stream, nograd_peak_base=max(nograd_base) + stream)
+                         nograd_peak=max(nograd) + stream, nograd_peak_base=max(nograd_base) + stream,
+                         attention_live=attention_live)
     gated = any(x.name.rsplit(".", 1)[-1] in _GATES for x in lin["mlp_in"])
     width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
@@ -243,6 +251,7 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     # Backward, at down: the block output's gradient, the fp32 gradient of the LoRA sum, and
     # down's input gradient (the adapter's, in fp32, beside the saved cast it consumes), or the
     # base's alone.
+    saved += after_mlp * norm_saved  # Gemma's post-MLP norm
     # Then at the product: its output's gradient and its two input gradients, once the input
     # down's lora_A saved is freed.
     down_adapted = any(x.adapted for x in lin["mlp_out"])
@@ -250,4 +259,4 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     at_product = saved - down_input_saved + 3 * width * p
     backward = max(at_down, at_product)
     return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(recompute), backward_peak=backward,
-                     nograd_peak=max(nograd), nograd_peak_base=max(nograd_base))
+                     nograd_peak=max(nograd), nograd_peak_base=max(nograd_base), attention_live=attention_live)

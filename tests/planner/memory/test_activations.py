@@ -11,7 +11,7 @@ from planner.memory._activations import (
     boundary_bytes,
     checkpointed_block_bytes,
     kept_bytes,
-    learn_block_moment,
+    learn_block_moments,
     nograd_forward_bytes,
     saved_activation_bytes,
     tape_of,
@@ -30,14 +30,14 @@ def test_a_block_scales_its_tape_to_the_micro_batch(dense_spec):
     assert acts.recompute == int(TOKENS * tape.recompute_peak)
 
 
-def test_eager_attention_saves_one_copy_of_the_scores(dense_spec):
+def test_eager_attention_saves_its_softmax_in_fp32_and_its_cast(dense_spec):
     sdpa = make_context(dense_spec)
     eager = make_context(dense_spec, attn_implementation="eager")
-    scores = 2 * dense_spec.block(0).attention.num_heads * WL.sequence_tokens**2 * 2  # batch x heads x T x T, bf16
-    assert attention_scores_bytes(eager, 2, WL.sequence_tokens, 0, 1.0) == scores
-    assert attention_scores_bytes(sdpa, 2, WL.sequence_tokens, 0, 1.0) == 0
+    scores = 2 * dense_spec.block(0).attention.num_heads * WL.sequence_tokens**2  # batch x heads x T x T
+    assert attention_scores_bytes(eager, 2, WL.sequence_tokens, 0, "saved") == scores * (4 + 2)  # fp32 and bf16
+    assert attention_scores_bytes(sdpa, 2, WL.sequence_tokens, 0, "saved") == 0
     assert (block_activations(eager, build_layout(eager), 0).saved
-            - block_activations(sdpa, build_layout(sdpa), 0).saved) == scores
+            - block_activations(sdpa, build_layout(sdpa), 0).saved) == scores * (4 + 2)
 
 
 def test_checkpointed_blocks_keep_exactly_their_input(dense_spec):
@@ -67,12 +67,12 @@ def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
     checkpoint = TOKENS * hidden * 2
     recompute = b.recompute + TOKENS * (2 * hidden * 2 + 4 * hidden)  # with the gradients flowing in
     backward = b.backward + TOKENS * 2 * hidden * 2
-    assert learn_block_moment(ctx, blocks) == 3 * checkpoint + checkpoint + max(recompute, backward)
+    assert learn_block_moments(ctx, blocks) == (4 * checkpoint + recompute, 4 * checkpoint + backward)
     none = make_context(dense_spec, gradient_checkpointing=False)
     blocks = activations_by_type(none, build_layout(none))
     b = blocks[0]
     forward = b.forward + TOKENS * hidden * 2  # its input, held by the caller
-    assert learn_block_moment(none, blocks) == 3 * b.saved + max(forward, b.backward + TOKENS * 2 * hidden * 2)
+    assert learn_block_moments(none, blocks) == (3 * b.saved + forward, 3 * b.saved + b.backward + TOKENS * 2 * hidden * 2)
 
 
 def test_altup_streams_add_to_the_boundary(ple_spec):
