@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from ._activations import (
     activations_by_type,
-    learn_block_moment,
+    gradients_in_flight,
+    kept_bytes,
+    learn_block_moments,
     nograd_forward_bytes,
     saved_activation_bytes,
 )
@@ -156,24 +158,34 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     )})
 
 
+def kept_bytes_total(ctx: Context, blocks) -> int:
+    return sum(kept_bytes(ctx, blocks))
+
+
 def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
     Components peak at different moments of a micro-batch, so the learn phase is the
-    larger of two sub-peaks: the head's backward (every activation still kept, the
-    logits workspace at its largest) and the blocks' largest moment (what the earlier
-    blocks keep beside one block's forward, recompute or backward, and a unit's
-    unsharded gradients being reduced).
+    largest of four: the head's backward (every activation still kept, the logits
+    workspace at its largest), a block's forward or recompute (what the earlier blocks
+    keep beside it), a block's backward, and a unit's post-backward (its unsharded
+    gradients being reduce-scattered, which FSDP2 does once the unit's backward is done).
     """
     blocks = activations_by_type(ctx, terms.layout)
     kept = saved_activation_bytes(ctx, blocks)
     hidden_grad = ctx.micro_batch_tokens * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     grads = gradient_terms(ctx, terms.layout, terms.memory)
+    running, backward = learn_block_moments(ctx, blocks)
+    window = backward_gathered_bytes(ctx, terms.gathered)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
         {"weights_gathered": terms.after_forward, "gradients": grads.prior,
          "activations": kept + hidden_grad + terms.kept_logprobs, "logits": learn_logits_bytes(ctx, backward=True)},
-        {"weights_gathered": backward_gathered_bytes(ctx, terms.gathered), "gradients": grads.prior + grads.reducing,
-         "activations": learn_block_moment(ctx, blocks) + terms.kept_logprobs,
+        {"weights_gathered": window, "gradients": grads.prior, "activations": running + terms.kept_logprobs},
+        {"weights_gathered": window, "gradients": grads.prior, "activations": backward + terms.kept_logprobs},
+        # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
+        # its own activations are freed (what the blocks keep and the gradients flowing remain)
+        {"weights_gathered": window, "gradients": grads.prior + grads.reducing,
+         "activations": kept_bytes_total(ctx, blocks) + gradients_in_flight(ctx, recompute=False) + terms.kept_logprobs,
          "comm_buffers": grads.reduce_buffer},
     )})
 
