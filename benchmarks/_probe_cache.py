@@ -39,13 +39,30 @@ def estimate_request(req: ProbeRequest, coefficients: Coefficients) -> Estimate:
                     coefficients=coefficients)
 
 
+def cache_key(req: ProbeRequest) -> str:
+    """A probe request as its cache key: the fields that differ from their defaults, so a
+    field added later with a default does not orphan the measurements."""
+    return req.model_dump_json(exclude_defaults=True)
+
+
+def load_cache(cache: Path) -> dict[str, dict]:
+    """The cached measurements by :func:`cache_key` (older files keyed by the full request
+    are re-keyed; the first measurement of a request wins)."""
+    if not cache.exists():
+        return {}
+    out: dict[str, dict] = {}
+    for key, record in json.loads(cache.read_text()).items():
+        out.setdefault(cache_key(ProbeRequest.model_validate_json(key)), record)
+    return out
+
+
 def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest], *,
                    cache: Path, rerun: bool, phases: Sequence[str]) -> dict[str, dict]:
     """Probe every configuration missing from ``cache``; returns the whole cache."""
-    results = json.loads(cache.read_text()) if cache.exists() and not rerun else {}
+    results = load_cache(cache) if not rerun else {}
     for i, c in enumerate(configs):
         req = request_for(c)
-        key = req.model_dump_json()
+        key = cache_key(req)
         if key in results:
             continue
         shown = {k: v for k, v in c.items() if k not in ("id", "half")}
@@ -71,7 +88,7 @@ def calibration_samples(configs: Sequence[dict[str, Any]], request_for: Callable
     out = []
     for c in configs:
         req = request_for(c)
-        rec = results.get(req.model_dump_json())
+        rec = results.get(cache_key(req))
         if rec is None:
             continue
         spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)

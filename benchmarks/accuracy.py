@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _probe_cache import (  # noqa: E402
+    cache_key,
     calibration_samples,
     coefficients_path,
     estimate_request,
@@ -71,12 +72,12 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     workload = Workload(
         prompts_per_step=2, group_size=8, prompt_tokens=c["seq"] - completion, completion_tokens=completion,
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
-        lora_rank=c["rank"], lora_alpha=2 * c["rank"], weights_dtype="float32", attn_implementation="sdpa",
+        lora_rank=c["rank"], lora_alpha=2 * c["rank"], weights_dtype="bfloat16", attn_implementation="sdpa",
         generation="hf" if c["generate"] else "none",
     )
     fsdp = None
     if c["world"] > 1:
-        fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0,
+        fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0,
                           reshard_after_forward=c["reshard"], wrap_every_n_blocks=c["wrap"],
                           optim_cpu_offload=c["offload"])
     return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
@@ -90,7 +91,7 @@ def estimate_for(c: dict, device: str, coefficients: Coefficients):
 def errors(configs, results, device, coefficients) -> list[dict]:
     rows = []
     for c in configs:
-        key = request_for(c, device).model_dump_json()
+        key = cache_key(request_for(c, device))
         if key not in results:
             continue
         measured = results[key]

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _probe_cache import (  # noqa: E402
+    cache_key,
     calibration_samples,
     coefficients_path,
     estimate_request,
@@ -100,11 +101,11 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     workload = Workload(
         prompts_per_step=4, group_size=4, prompt_tokens=c["seq"] // 2, completion_tokens=c["seq"] // 2,
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
-        lora_rank=8, lora_alpha=16, weights_dtype="float32", attn_implementation="sdpa", generation="none",
+        lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation="sdpa", generation="none",
     )
     fsdp = None
     if c["world"] > 1:
-        fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0,
+        fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0,
                           ep=c["ep"], routed_expert_chunk_mib=c["chunk"])
     return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
                         timed_steps=1, timeout_s=600)
@@ -116,7 +117,7 @@ def estimated(c: dict, device: str, coefficients: Coefficients):
 
 def peaks(c: dict, results: dict, device: str, coefficients: Coefficients) -> tuple[int, int] | None:
     """(measured, estimated) per-rank peak over the phases both have."""
-    key = request_for(c, device).model_dump_json()
+    key = cache_key(request_for(c, device))
     if key not in results:
         return None
     phases = results[key]["phases"]

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import estimate_request, measure_cached, saved_coefficients  # noqa: E402
+from _probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients  # noqa: E402
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.probe import ProbeRequest  # noqa: E402
@@ -47,9 +47,9 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     workload = Workload(
         prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
-        lora_rank=8, lora_alpha=16, weights_dtype="float32", attn_implementation="sdpa", generation="none",
+        lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation="sdpa", generation="none",
     )
-    fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
+    fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
     return ProbeRequest(model=MODELS[c["model"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
                         timed_steps=1, timeout_s=600)
 
@@ -70,7 +70,7 @@ def main() -> None:
     errors = []
     for c in CONFIGS:
         req = request_for(c, args.device)
-        rec = results.get(req.model_dump_json())
+        rec = results.get(cache_key(req))
         if rec is None:
             continue
         est = estimate_request(req, coefficients)

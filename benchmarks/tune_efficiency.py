@@ -64,7 +64,14 @@ MIB = 2**20
 
 def _key(request: ProbeRequest) -> str:
     """A run's identity without the budget (on CPU the budget only judges, it changes nothing)."""
-    return request.model_copy(update={"memory_budget_bytes": None, "timeout_s": 600}).model_dump_json()
+    return request.model_copy(update={"memory_budget_bytes": None, "timeout_s": 600}).model_dump_json(
+        exclude_defaults=True)
+
+
+def _load_cache() -> dict[str, list[dict]]:
+    """The cached runs by :func:`_key` (files keyed by the full request are re-keyed)."""
+    raw = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    return {_key(ProbeRequest.model_validate_json(k)): v for k, v in raw.items()}
 
 
 def _record(m: Measurement) -> dict:
@@ -79,7 +86,7 @@ def _measurement(request: ProbeRequest, run: dict) -> Measurement:
 
 
 def measure_grid(space, base: ProbeRequest, repeats: int) -> dict[str, list[dict]]:
-    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    cache = _load_cache()
     points = grid(space)
     todo = sum(max(0, repeats - len(cache.get(_key(_request(space, base, p)), []))) for p in points)
     print(f"grid: {len(points)} points x {repeats} runs; {todo} probe(s) to run, the rest cached in {CACHE}",
