@@ -16,16 +16,19 @@ completion tokens [sequence_tokens], ``N = m T`` tokens per micro-batch
 ``param_dtype``, or the weights' dtype unsharded) [compute_bytes], ``w`` bytes of the
 stored weights [weight_bytes].
 
-Where a term's size depends on kernels rather than shapes (activations saved
-for backward, logits temporaries, the all-gather copy-out), it carries a
-coefficient from :class:`Coefficients`, fitted on measured probes
-(benchmarks/accuracy.py fits on one half of its configurations and reports
-the other). The measured error of the whole estimate is in the README.
+Every term the trainer's code allocates is counted from shapes: a block's
+activations op by op (``_tape``), the log-prob workspace, weights, adapters,
+optimizer state. What depends on kernels the trainer does not own (FSDP's buffers,
+the experts' dispatch) or on the device (the allocator's slack, a vLLM engine's
+residue) carries a coefficient from :class:`Coefficients`, fitted on one half of a
+measured set and judged on the other. docs/accuracy.md has the derivations and the
+measured errors.
 
 One module per concern: the inputs resolved and validated once (``_context``), how
 agilerl.distributed splits the model (``_parallel``), tensors and FSDP units
 (``_units``), gathered windows (``_gathered``), weights, adapters, optimizer state and
-gradients (``_static``), activations (``_activations``), routed experts (``_moe``),
+gradients (``_static``), a block's ops (``_tape``), activations (``_activations``),
+routed experts (``_moe``),
 the log-prob workspace (``_logits``), generation (``_generation``), GPU-only terms
 (``_overheads``), the phases (``_phases``) and the entry points (``_estimate``).
 """

@@ -248,12 +248,11 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
         nograd_base.append(stream + normed + product + _lora_transient(x, p, a, False))
         down_input_saved = cast_copy(x, width) if cast else (p * width if x.adapted else 0)
         saved += down_input_saved + (a * rank if x.adapted else 0)
-    # Backward, at down: the block output's gradient, the fp32 gradient of the LoRA sum, and
-    # down's input gradient (the adapter's, in fp32, beside the saved cast it consumes), or the
-    # base's alone.
     saved += after_mlp * norm_saved  # Gemma's post-MLP norm
-    # Then at the product: its output's gradient and its two input gradients, once the input
-    # down's lora_A saved is freed.
+    # Backward, at down: its input's gradient through the adapter (width x a, beside the saved
+    # cast it consumes) or through the base alone (width x p); then at the product: its
+    # output's gradient and its two input gradients, once the input down's lora_A saved is
+    # freed (the gradients flowing into the block are the caller's to count).
     down_adapted = any(x.adapted for x in lin["mlp_out"])
     at_down = saved + (width * a if down_adapted else width * p)
     at_product = saved - down_input_saved + 3 * width * p

@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from agilerl.distributed import FSDPConfig
 from planner.choose import plan
 from planner.hardware import CPU_DEVICE, Cluster
 from planner.memory import Coefficients, estimate
@@ -395,15 +396,18 @@ def test_calibration_fits_on_some_trials_judges_on_the_others_and_saves(spec, tm
 
     monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
     cluster = cpu_cluster(64 * MIB)
-    truth = Coefficients(act_hidden=10.0, fwd_hidden=4.0)
+    # What the trials see that the shipped coefficients do not: a large FSDP buffer beside the
+    # gathered window (the coefficient the tuner fits).
+    truth = Coefficients(all_gather_overlap=3.0)
+    fsdp = FSDPConfig(param_persistence_threshold=0)
 
     class Trial:
         def __init__(self, number, workload):
-            est = estimate(spec, workload, cluster, None, coefficients=truth)
+            est = estimate(spec, workload, cluster, fsdp, coefficients=truth)
             measured = {ph: p.total for ph, p in est.phases.items() if ph in ("load", "reference", "learn", "step")}
             self.number = number
             self.user_attrs = {"status": "fits", "measured_phases": measured, "key": json.dumps(
-                {"fsdp": None, "workload": workload.model_dump(mode="json")})}
+                {"fsdp": fsdp.model_dump(mode="json"), "workload": workload.model_dump(mode="json")})}
 
     base = SMALL.model_copy(update={"prompt_tokens": 32, "completion_tokens": 32, "logprob_chunk_size": 256,
                                     "prompts_per_step": 4})

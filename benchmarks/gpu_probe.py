@@ -1,0 +1,191 @@
+"""This project's trainer measured on one CUDA GPU, against the estimate.
+
+    python -m benchmarks.gpu_probe [--limit K] [--budget-s 480] [--dry-run]
+
+For Qwen2.5-0.5B/1.5B/3B/7B, built from the catalog's configs with random weights
+(nothing is downloaded: a directory with only a config.json is probed with random
+weights), it runs the probe (planner.probe: real learn() steps of GRPO + LoRA in bf16
+with fp32 adapters, one rank) over a fixed list of configurations, smallest first, and
+stops starting new ones once ``--budget-s`` seconds are spent. It first prints what the
+machine has (python, torch, CUDA, transformers, peft, the GPU), then per
+configuration and phase the measured device peak, ``max_memory_reserved`` plus the
+CUDA context (measured once here: device memory in use beyond PyTorch's reservation
+after CUDA initialises), beside the estimate with the shipped CUDA coefficients.
+The table is written to ``benchmarks/results/gpu_<kind>.txt``.
+
+``--dry-run`` prints the configurations and their estimates without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+PHASES = ("rollout", "reference", "learn", "step")
+
+#: (model, micro-batch, prompt tokens, completion tokens, checkpointing, LoRA rank, generate)
+CONFIGS = (
+    ("Qwen/Qwen2.5-0.5B", 4, 256, 768, True, 16, False),
+    ("Qwen/Qwen2.5-0.5B", 8, 1024, 3072, True, 16, False),
+    ("Qwen/Qwen2.5-0.5B", 4, 128, 384, False, 64, False),
+    ("Qwen/Qwen2.5-0.5B", 8, 128, 128, True, 16, True),
+    ("Qwen/Qwen2.5-1.5B", 4, 512, 1536, True, 16, False),
+    ("Qwen/Qwen2.5-1.5B", 8, 1024, 3072, True, 64, False),
+    ("Qwen/Qwen2.5-3B", 4, 512, 1536, True, 16, False),
+    ("Qwen/Qwen2.5-3B", 2, 256, 256, False, 16, False),
+    ("Qwen/Qwen2.5-7B", 2, 512, 1536, True, 16, False),
+)
+
+
+def machine() -> list[str]:
+    lines = [f"python {platform.python_version()} on {platform.machine()}"]
+    try:
+        import torch
+
+        lines.append(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available={torch.cuda.is_available()}")
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            lines.append(f"GPU {props.name}, {props.total_memory / GIB:.2f} GiB, {torch.cuda.device_count()} visible")
+    except ImportError as err:
+        lines.append(f"torch not importable: {err}")
+    for name in ("transformers", "peft"):
+        try:
+            module = __import__(name)
+            lines.append(f"{name} {module.__version__}")
+        except ImportError as err:
+            lines.append(f"{name} not importable: {err}")
+    return lines
+
+
+def cuda_context_bytes() -> int:
+    """Device memory a fresh CUDA process holds beyond PyTorch's reservation, measured in a
+    subprocess (the context, cuBLAS' handles): what NVML sees and torch does not."""
+    code = ("import torch; torch.zeros(1, device='cuda'); torch.ones(256, 256, device='cuda') @ "
+            "torch.ones(256, 256, device='cuda'); torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(); "
+            "print(total - free - torch.cuda.memory_reserved())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def gpu_of(torch_name: str, total_bytes: int, context: int):
+    """The catalog GPU whose name matches the device's (its memory and context as measured)."""
+    from planner.hardware import GPU, GPUS
+
+    key = "".join(ch for ch in torch_name.lower() if ch.isalnum())
+    for name, gpu in GPUS.items():
+        stem = "".join(ch for ch in name.lower().split("-")[0] if ch.isalnum())
+        if stem and stem in key:
+            return gpu.model_copy(update={"memory_bytes": total_bytes, "cuda_context_bytes": context})
+    return GPU(name=torch_name, memory_bytes=total_bytes, cuda_context_bytes=context, source="measured here")
+
+
+def request(model_dir: str, c: tuple, device: str):
+    from planner.probe import ProbeRequest
+    from planner.workload import Workload
+
+    _, micro, prompt, completion, gc, rank, generate = c
+    workload = Workload(prompts_per_step=1, group_size=max(2, micro), prompt_tokens=prompt,
+                        completion_tokens=completion, micro_batch_size_per_gpu=micro, logprob_chunk_size=1024,
+                        gradient_checkpointing=gc, lora_rank=rank, lora_alpha=2 * rank, weights_dtype="bfloat16",
+                        attn_implementation="sdpa", generation="hf" if generate else "none")
+    return ProbeRequest(model=model_dir, workload=workload, nproc=1, device=device, generate=generate,
+                        timed_steps=2, timeout_s=420)
+
+
+def write_config(name: str, target: Path) -> str:
+    """The catalog model's config.json alone in ``target``: the probe builds random weights."""
+    from transformers import AutoConfig
+
+    from planner import catalog
+
+    config = dict(catalog.entry(name).config)
+    AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(target)
+    return str(target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=len(CONFIGS), help="only the first K configurations")
+    parser.add_argument("--budget-s", type=float, default=480, help="start no configuration after this many seconds")
+    parser.add_argument("--dry-run", action="store_true", help="print the configurations and estimates only")
+    args = parser.parse_args()
+    start = time.monotonic()
+    from planner import catalog
+    from planner.calibration import coefficients_for
+    from planner.hardware import GPUS, Cluster
+    from planner.memory import estimate
+
+    lines = machine()
+    for line in lines:
+        print(line, flush=True)
+    if args.dry_run:
+        gpu, kind = GPUS["H200"], "dry-run"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("error: no CUDA GPU visible (use --dry-run to print the configurations)")
+        context = cuda_context_bytes()
+        props = torch.cuda.get_device_properties(0)
+        gpu = gpu_of(props.name, props.total_memory, context)
+        kind = "".join(ch if ch.isalnum() else "-" for ch in props.name.lower()).strip("-")
+        lines.append(f"CUDA context measured: {context / 2**20:.0f} MiB")
+        print(lines[-1], flush=True)
+    coefficients = coefficients_for(gpu)
+    header = (f"{'model':<18} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'phase':>9} {'measured GiB':>13}"
+              f" {'estimate GiB':>13} {'error':>7}  (measured: max_memory_reserved + CUDA context)")
+    rows, errors = [header], []
+    print(header, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in CONFIGS[: args.limit]:
+            if time.monotonic() - start > args.budget_s:
+                rows.append(f"stopped: {args.budget_s:.0f} s spent")
+                break
+            name = c[0]
+            model_dir = write_config(name, Path(tmp) / catalog.slug(name))
+            req = request(model_dir, c, "cuda")
+            est = estimate(catalog.load_spec(name), req.workload, Cluster(gpu=gpu, num_gpus=1), None,
+                           coefficients=coefficients)
+            label = f"{name.split('/')[-1]:<18} {c[1]:>3} {c[2] + c[3]:>6} {'on' if c[4] else 'off':>3} {c[5]:>3}"
+            if args.dry_run:
+                for ph in PHASES:
+                    if ph in est.phases:
+                        rows.append(f"{label} {ph:>9} {'-':>13} {est.phases[ph].total / GIB:>13.2f}")
+                        print(rows[-1], flush=True)
+                continue
+            from planner.probe import run_probe
+
+            m = run_probe(req)
+            if not m.ok:
+                rows.append(f"{label} FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
+                print(rows[-1], flush=True)
+                continue
+            for ph in PHASES:
+                rec = max((r.phases.get(ph, {}) for r in m.ranks), key=lambda r: r.get("cuda_max_reserved", 0))
+                if "cuda_max_reserved" not in rec or ph not in est.phases:
+                    continue
+                measured = rec["cuda_max_reserved"] + gpu.cuda_context_bytes
+                e = est.phases[ph].total
+                errors.append((e - measured) / measured)
+                rows.append(f"{label} {ph:>9} {measured / GIB:>13.2f} {e / GIB:>13.2f} {100 * errors[-1]:>+6.1f}%")
+                print(rows[-1], flush=True)
+    if errors:
+        rows.append(f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
+                    f"max {100 * max(abs(e) for e in errors):.2f}% over {len(errors)} phase peaks")
+        print(rows[-1])
+    out = ROOT / "benchmarks" / "results" / f"gpu_{kind}.txt"
+    if not args.dry_run:
+        out.write_text("\n".join(lines + [""] + rows) + "\n")
+        print(f"written to {out.relative_to(ROOT)} ({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

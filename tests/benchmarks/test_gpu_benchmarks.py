@@ -1,0 +1,32 @@
+"""The GPU benchmarks that cannot run here: they build their inputs offline and estimate them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_public_rows_are_rebuilt_and_estimated():
+    from benchmarks import gpu_public
+
+    rows = gpu_public.load_rows()
+    assert len(rows) == 168 and {r.phase for r in rows} == {"training", "generation"}
+    half = gpu_public.halves(rows)
+    assert set(half.values()) == {"fit", "held-out"}
+    # repeats of one configuration stay in one half
+    assert all(half[r.config] == half[rows[0].config] for r in rows if r.config == rows[0].config)
+    coefficients = gpu_public.Coefficients.from_json(gpu_public.CUDA_COEFFICIENTS.read_text())
+    for row in (rows[0], rows[1]):  # a training and a generation row of Qwen2.5-0.5B
+        estimate, components = gpu_public.estimated(row, coefficients)
+        assert abs(estimate - row.measured) / row.measured < 0.1
+        assert ("vllm" in components) and (("weights" in components) == (row.phase == "training"))
+
+
+def test_the_gpu_probe_plans_its_configurations_offline():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_probe", "--dry-run", "--limit", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Qwen2.5-0.5B" in out.stdout and "learn" in out.stdout and "torch " in out.stdout
