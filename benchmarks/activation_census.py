@@ -12,38 +12,13 @@ saved bytes, the forward's peak, the no-grad forward's peak, measured and counte
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from planner._tracking import LiveBytes
 
 H, WIDTH, RANK, BATCH, LENGTH = 128, 384, 8, 2, 128
 ARCHS = ("qwen2", "llama", "mistral", "qwen3", "gemma2", "gemma3")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages made inside the mode that are still alive, and their peak."""
-
-    def __init__(self, exclude: set[int]):
-        super().__init__()
-        self.exclude, self.live, self.total, self.peak = exclude, {}, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in self.exclude:
-                    self.live[key] = storage.nbytes()
-                    self.total += storage.nbytes()
-                    self.peak = max(self.peak, self.total)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self.total -= self.live.pop(key, 0)
 
 
 def _layer(arch: str, dtype: torch.dtype, targets):

@@ -26,14 +26,17 @@ replicated weights and LoRA); the rest comes from the tracker:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["PhaseRecorder", "param_bytes", "host_peak_reset", "host_peak_bytes"]
+__all__ = ["PhaseRecorder", "LiveBytes", "param_bytes", "host_peak_reset", "host_peak_bytes"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,36 @@ def param_bytes(model: nn.Module) -> dict[str, int]:
     for buf in model.buffers():
         out["weights"] += buf.numel() * buf.element_size()
     return out
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages made while active that are still alive, and their peak.
+
+    A TorchDispatchMode sees every op's outputs; each new storage is followed with a
+    finalizer, so a tensor counts until its storage is freed, however it was made (views
+    share their base's). ``exclude``: storage pointers not to count (parameters, inputs).
+    The tape of planner.memory is checked against it (benchmarks/activation_census.py).
+    """
+
+    def __init__(self, exclude: set[int] | None = None) -> None:
+        super().__init__()
+        self.exclude, self.live, self.total, self.peak = set(exclude or ()), {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in self.exclude:
+                    self.live[key] = storage.nbytes()
+                    self.total += storage.nbytes()
+                    self.peak = max(self.peak, self.total)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.total -= self.live.pop(key, 0)
 
 
 def host_peak_reset() -> None:

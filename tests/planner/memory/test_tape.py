@@ -4,13 +4,10 @@ autograd keeps) and a live-tensor tracker (the most alive at once)."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from planner._tracking import LiveBytes
 from planner.memory._tape import block_tape
 from planner.models import load_model_spec
 
@@ -28,30 +25,6 @@ def _peft_block(arch: str, dtype: torch.dtype, targets):
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     return model.get_base_model().model, config
-
-
-class _Live(TorchDispatchMode):
-    """Bytes of tensors made inside the mode that are still alive, and their peak."""
-
-    def __init__(self, exclude):
-        super().__init__()
-        self.exclude, self.live, self.total, self.peak = exclude, {}, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in self.exclude:
-                    self.live[key] = storage.nbytes()
-                    self.total += storage.nbytes()
-                    self.peak = max(self.peak, self.total)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key):
-        self.total -= self.live.pop(key, 0)
 
 
 def _measure(arch, dtype, targets):
@@ -72,14 +45,14 @@ def _measure(arch, dtype, targets):
             saved.setdefault(storage.data_ptr(), storage.nbytes())
         return t
 
-    live = _Live(params)
+    live = LiveBytes(params)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
         out = layer(x, position_embeddings=cos_sin, attention_mask=None)
         out = out[0] if isinstance(out, tuple) else out
     grad_peak = live.peak
     del out
     with torch.no_grad():
-        nograd = _Live(params)
+        nograd = LiveBytes(params)
         with nograd:
             layer(x, position_embeddings=cos_sin, attention_mask=None)
     return sum(saved.values()) / TOKENS, grad_peak / TOKENS, nograd.peak / TOKENS
