@@ -210,11 +210,8 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
             from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
             for group, _ in self._agilerl_groups.values():
-                for fsdp_param in group.fsdp_params:
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    grad = getattr(unsharded, "grad", None) if unsharded is not None else None
-                    if grad is not None:
-                        self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+                for grad in _accumulated_gradients(group):
+                    self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
             return entered
 
         def __exit__(self, *args):
@@ -227,6 +224,34 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
                         group.__dict__[name] = value
 
     return RepeatingFSDPMemTracker(model, optimizer)
+
+
+def _accumulated_gradients(group) -> list[torch.Tensor]:
+    """Unsharded gradients an FSDP2 param group holds between micro-batches (defer_grad_sync):
+    the unsharded parameter's ``.grad``, or, when reduce_dtype differs from the gradient's
+    dtype, the upcast copy FSDP2 keeps in ``unsharded_accumulated_grad`` instead."""
+    out = []
+    for fsdp_param in group.fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        for grad in (getattr(unsharded, "grad", None) if unsharded is not None else None,
+                     getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+            if grad is not None:
+                out.append(grad)
+    return out
+
+
+def accumulated_fsdp_gradients(model: nn.Module) -> list[torch.Tensor]:
+    """:func:`_accumulated_gradients` of every FSDP2 unit of ``model``: tensors made before a
+    phase's tracker starts, which it would not see."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                groups[id(group)] = group
+    return [g for group in groups.values() for g in _accumulated_gradients(group)]
 
 
 class _NoopHandle:
@@ -274,17 +299,27 @@ class PhaseRecorder:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        accumulated = 0
         if self.fsdp_categories:
             tracker = _repeating_fsdp_mem_tracker(self.model, self.optimizer)
         else:
             tracker = _repeating_mem_tracker()
             tracker.track_external(*(m for m in (self.model, self.optimizer) if m is not None))
+            if self.sharded:
+                # Gradients earlier micro-batches left unsharded predate this tracker: counted as
+                # "Other" (activations), moved to gradients below.
+                grads = accumulated_fsdp_gradients(self.model)
+                tracker.track_external(*grads)
+                accumulated = sum(g.numel() * g.element_size() for g in grads)
         try:
             with tracker:
                 yield
         finally:
             snapshot = tracker.get_tracker_snapshot("peak")
             record = self._components(snapshot)
+            moved = min(accumulated, record["activations"])
+            record["activations"] -= moved
+            record["gradients"] += moved
             record["host_peak"] = host_peak_bytes()
             if cuda:
                 torch.cuda.synchronize(self.device)

@@ -164,3 +164,18 @@ def test_expert_parallel_probe_reports_routed_rows_and_load_imbalance():
     assert sum(r.moe_rows["mean_block"] for r in m.ranks) == pytest.approx(tokens * 2)
     assert all(r.moe_rows["max_block"] >= r.moe_rows["mean_block"] for r in m.ranks)
     assert m.moe_load_imbalance >= 1.0
+
+
+@pytest.mark.parametrize("wrap", [1, 2])
+def test_gradients_earlier_micro_batches_left_unsharded_are_counted(wrap):
+    """With defer_grad_sync FSDP2 keeps each micro-batch's unsharded gradients (upcast to
+    reduce_dtype on a bf16 run) until the last one reduces them. They are made before the last
+    micro-batch's tracker starts, so the probe must register them itself."""
+    bf16 = SMALL.model_copy(update={"weights_dtype": "bfloat16", "attn_implementation": "sdpa"})
+    fsdp = FSDPConfig(param_persistence_threshold=0, wrap_every_n_blocks=wrap)  # bf16 params, fp32 reduce
+    m = run_probe(ProbeRequest(model=MODEL, workload=bf16, fsdp=fsdp, nproc=2, timed_steps=1))
+    assert m.ok, m.failure
+    # every LoRA parameter's full (unsharded) gradient in fp32, from the model's own shapes
+    full_lora_fp32 = _expected_local_bytes(1)[0]["lora"]
+    learn = max(r.phases["learn"]["gradients"] for r in m.ranks)
+    assert learn >= full_lora_fp32  # 2 completions a rank, micro-batch 1: the second holds the first's
