@@ -100,8 +100,10 @@ class GradientTerms:
 def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> GradientTerms:
     """Gradients at the learn phase's first block's backward.
 
-    With more than one micro-batch the earlier ones' gradients are held: unsharded in
-    the compute dtype with defer_grad_sync, else sharded in fp32 (unsharded: fp32 local).
+    With more than one micro-batch the earlier ones' gradients are held: unsharded with
+    defer_grad_sync, in reduce_dtype (FSDP2's post-backward upcasts a gradient it does not
+    reduce into ``unsharded_accumulated_grad``: read from its source, and measured by the
+    probe since it registers them), else sharded in fp32 (unsharded: fp32 local).
     Under FSDP the running block unit's adapter gradients are unsharded (compute dtype)
     and reduce-scattered through a buffer in reduce_dtype; the largest unit counts.
     """
@@ -112,7 +114,8 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     unit_lora_full = max((sum(t.numel for t in u.lora if t.sharded) for u in layout.block_units), default=0) // adapters
     if ctx.micro_batches > 1:
         trainable_full = sum(t.numel for t in layout.lora_tensors) // adapters
-        prior = trainable_full * p if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
+        accumulated = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
+        prior = trainable_full * accumulated if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
     else:
         prior = 0
     return GradientTerms(prior=prior, reducing=unit_lora_full * p,

@@ -64,7 +64,8 @@ def test_gradients_of_the_earlier_micro_batches_and_the_reduced_unit(dense_spec)
     block = WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in dense_spec.block(0).lora["all-linear"])
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL)  # 8 completions a rank, 2 a micro-batch
     grads = gradient_terms(ctx, layout, memory)
-    assert grads.prior == dense_spec.num_layers * block * 2  # defer_grad_sync: unsharded, bf16
+    # defer_grad_sync: unsharded, upcast to reduce_dtype (float32) as FSDP2 keeps them
+    assert grads.prior == dense_spec.num_layers * block * 4
     assert grads.reducing == block * 2 and grads.reduce_buffer == block * 4  # reduce_dtype float32
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL.model_copy(update={"defer_grad_sync": False}))
     assert gradient_terms(ctx, layout, memory).prior == memory.trainable_elements * 4
