@@ -216,15 +216,7 @@ def _host_state_bytes(agent) -> int:
     opt = agent.optimizer
     if not isinstance(opt, CPUOffloadAdamW):
         return 0
-    total = 0
-    for _, master in opt._pairs:
-        total += master.numel() * master.element_size()
-        if master.grad is not None:
-            total += master.grad.numel() * master.grad.element_size()
-        for value in opt.inner.state.get(master, {}).values():
-            if hasattr(value, "numel"):
-                total += value.numel() * value.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for t in opt.host_tensors())
 
 
 if __name__ == "__main__":

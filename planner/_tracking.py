@@ -240,6 +240,27 @@ def _accumulated_gradients(group) -> list[torch.Tensor]:
     return out
 
 
+def resident_tensors(device: torch.device, *, known: set[int]) -> list[torch.Tensor]:
+    """Plain tensors on ``device`` alive now whose storage is not in ``known`` (the tracker's
+    own: parameters, buffers, gradients, optimizer state), found through the garbage
+    collector, which tracks every tensor object. DTensor wrappers are skipped: their local
+    tensors are listed."""
+    import gc
+
+    out, seen = [], set(known)
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or isinstance(obj, DTensor) or obj.device.type != device.type:
+                continue
+            key = obj.untyped_storage().data_ptr()
+        except (ReferenceError, RuntimeError):  # a dead proxy, a tensor without storage
+            continue
+        if key and key not in seen:
+            seen.add(key)
+            out.append(obj)
+    return out
+
+
 def accumulated_fsdp_gradients(model: nn.Module) -> list[torch.Tensor]:
     """:func:`_accumulated_gradients` of every FSDP2 unit of ``model``: tensors made before a
     phase's tracker starts, which it would not see."""
@@ -311,6 +332,10 @@ class PhaseRecorder:
                 grads = accumulated_fsdp_gradients(self.model)
                 tracker.track_external(*grads)
                 accumulated = sum(g.numel() * g.element_size() for g in grads)
+        # Everything else an earlier phase left alive (units FSDP kept unsharded after a no-grad
+        # forward, the reference log-probs) is memory this phase holds too: a tracker sees only
+        # what is made while it runs, so register what is resident now.
+        tracker.track_external(*resident_tensors(self.device, known=self._known_storages()))
         try:
             with tracker:
                 yield
@@ -328,6 +353,18 @@ class PhaseRecorder:
             previous = self.peaks.get(name)
             if previous is None or record["total"] > previous["total"]:
                 self.peaks[name] = record
+
+    def _known_storages(self) -> set[int]:
+        """Storages the trackers count on their own: parameters, buffers, their gradients and
+        the optimizer's state (local shards of DTensors)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            tensors += [v for state in self.optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor)]
+            # an offloading optimizer's host state is reported apart (host_optimizer_state)
+            tensors += getattr(self.optimizer, "host_tensors", list)()
+        return {_local(t).untyped_storage().data_ptr() for t in tensors}
 
     def _components(self, snapshot: dict) -> dict[str, int]:
         device_snap: dict = {}

@@ -105,6 +105,17 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         for p, master in self._pairs:
             master.copy_(_local(p))
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Everything this optimizer keeps on the host: the fp32 masters, their gradients and
+        AdamW's moments."""
+        out = []
+        for _, master in self._pairs:
+            out.append(master)
+            if master.grad is not None:
+                out.append(master.grad)
+            out.extend(v for v in self.inner.state.get(master, {}).values() if isinstance(v, torch.Tensor))
+        return out
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
 
