@@ -312,6 +312,10 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
     def feasible(wl: Workload, cl: Cluster) -> bool:
         """Whether the most frugal settings fit (what plan() starts from), sharded or not."""
         limit = cl.gpu.memory_bytes - margin
+        try:  # model_copy does not validate: a combination the trainer refuses is no suggestion
+            wl = Workload.model_validate(wl.model_dump())
+        except ValueError:
+            return False
         frugal = wl.model_copy(update={
             "micro_batch_size_per_gpu": wl.micro_batch_size_per_gpu or 1,
             "logprob_chunk_size": wl.logprob_chunk_size or LOGPROB_CHUNKS[0],
@@ -345,6 +349,20 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
         wl = workload.model_copy(update={"load_in_4bit": True})
         if feasible(wl, cluster):
             out.append("use QLoRA (load_in_4bit=True; one device or data parallel)")
+    if workload.generation == "vllm":
+        # A colocated engine takes its fraction of the GPU while awake: the fix GRPO users are
+        # given is a smaller fraction (down to a tenth), or parking the trainer's weights.
+        util = workload.vllm_gpu_memory_utilization
+        steps = [round(util - 0.05 * i, 2) for i in range(1, 40) if util - 0.05 * i >= 0.1 - 1e-9]
+        for lower in steps:
+            if feasible(workload.model_copy(update={"vllm_gpu_memory_utilization": lower}), cluster):
+                out.append(f"lower vllm_gpu_memory_utilization to {lower:.2f}")
+                break
+        if not workload.offload_weights_during_rollout:
+            wl = workload.model_copy(update={"offload_weights_during_rollout": True})
+            if feasible(wl, cluster):
+                out.append("set offload_weights_during_rollout=True (the trainer's weights wait on the host "
+                           "while the engine generates)")
     completion = workload.completion_tokens
     while completion > 16:
         completion //= 2

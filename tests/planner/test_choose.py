@@ -171,3 +171,22 @@ def test_moe_uses_expert_parallel_only_when_the_experts_do_not_fit_without_it():
     p = plan(spec, wl, Cluster(gpu=gpu, num_gpus=4), sharding="fsdp", fixed=ALL)
     assert p.fits and p.fsdp.ep == 2
     assert "experts split over 2 GPUs" in p.reasons()["ep"]
+
+
+def test_a_colocated_engine_that_breaks_the_fit_gets_a_lower_fraction_suggested():
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec7b = catalog.load_spec("Qwen/Qwen2.5-7B")
+    h100 = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    workload = Workload(prompts_per_step=1, lora_rank=64, generation="vllm", vllm_gpu_memory_utilization=0.8)
+    p = plan(spec7b, workload, h100)
+    assert not p.fits and p.estimate.peak_phase == "rollout"
+    lowered = [s for s in p.suggestions if s.startswith("lower vllm_gpu_memory_utilization to ")]
+    assert lowered, p.suggestions
+    fraction = float(lowered[0].rsplit(" ", 1)[1])
+    assert 0.1 <= fraction < 0.8
+    assert plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction}), h100).fits
+    assert not plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction + 0.05}), h100).fits
+    assert any(s.startswith("set offload_weights_during_rollout=True") for s in p.suggestions)
+    assert not any("QLoRA" in s for s in p.suggestions)  # QLoRA with a vLLM engine is refused: no suggestion
