@@ -158,10 +158,6 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     )})
 
 
-def kept_bytes_total(ctx: Context, blocks) -> int:
-    return sum(kept_bytes(ctx, blocks))
-
-
 def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
@@ -185,7 +181,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
         # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
         # its own activations are freed (what the blocks keep and the gradients flowing remain)
         {"weights_gathered": window, "gradients": grads.prior + grads.reducing,
-         "activations": kept_bytes_total(ctx, blocks) + gradients_in_flight(ctx, recompute=False) + terms.kept_logprobs,
+         "activations": sum(kept_bytes(ctx, blocks)) + gradients_in_flight(ctx, recompute=False) + terms.kept_logprobs,
          "comm_buffers": grads.reduce_buffer},
     )})
 
