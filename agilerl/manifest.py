@@ -82,12 +82,14 @@ class AlgorithmSection(_Section):
     @field_validator("fsdp", mode="before")
     @classmethod
     def _fsdp_mapping(cls, value: Any) -> Any:
+        if not isinstance(value, (bool, dict, FSDPConfig)) and value != "auto":
+            raise ValueError(f"must be true, false, 'auto' or a mapping of FSDPConfig fields, got {value!r}")
         if isinstance(value, dict):
             try:
                 return FSDPConfig.model_validate(value)
             except ValidationError as err:
                 raise ValueError("; ".join(
-                    f"{'.'.join(str(p) for p in e['loc']) or 'fsdp'}: {e['msg'].removeprefix('Value error, ')}"
+                    (f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
                     for e in err.errors()
                 )) from None
         return value
@@ -120,7 +122,17 @@ class TrainingSection(_Section):
     population_size: Annotated[int, Field(ge=1, description="Independent agents trained side by side.")] = 1
     seed: Annotated[int, Field(description="Seed of the environment and the agents.")] = 0
     log_every: Annotated[int, Field(ge=1, description="Steps between metric lines.")] = 10
-    checkpoint_dir: Annotated[str | None, Field(description="Where to write attributes.pt at the end.")] = None
+    checkpoint_dir: Annotated[
+        str | None,
+        Field(description="Where each agent's checkpoints go: agent<i>/attributes.pt at the end, agent<i>/step-<n>/ "
+                          "every checkpoint_interval steps. A rerun resumes from the newest complete one."),
+    ] = None
+    checkpoint_interval: Annotated[
+        int | None, Field(ge=1, description="Steps between checkpoints (needs checkpoint_dir); null: only at the end.")
+    ] = None
+    keep_checkpoints: Annotated[
+        int, Field(ge=1, description="Periodic checkpoints kept per agent (the newest ones).")
+    ] = 2
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
@@ -129,6 +141,8 @@ class TrainingSection(_Section):
                 f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of training_gpus_per_agent "
                 f"({self.training_gpus_per_agent})"
             )
+        if self.checkpoint_interval is not None and not self.checkpoint_dir:
+            raise ValueError("checkpoint_interval needs checkpoint_dir: where the checkpoints go")
         if self.rollout_engines_per_agent not in (0, self.training_gpus_per_agent):
             raise ValueError(
                 f"rollout_engines_per_agent={self.rollout_engines_per_agent}: only colocated engines are supported "
@@ -190,12 +204,24 @@ class Manifest(_Section):
 
 
 def _format_errors(err: ValidationError) -> str:
-    lines = []
+    """Every field error on one line: ``algorithm.lr: Input should be greater than 0; ...``.
+
+    A union field (``fsdp``: bool, 'auto' or a mapping) reports one error per
+    member; only the member the value was meant as is kept.
+    """
+    parts: dict[str, str] = {}
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {where}: {msg}")
-    return "\n".join(lines)
+        loc = [str(p) for p in e["loc"] if not _is_union_member(p)]
+        where = ".".join(loc) or "(top level)"
+        msg = " ".join(e["msg"].removeprefix("Value error, ").split())
+        parts.setdefault(where, msg)
+    return "; ".join(f"{where}: {msg}" for where, msg in parts.items())
+
+
+def _is_union_member(part: object) -> bool:
+    # pydantic names union members in the location: 'bool', "literal['auto']", 'function-before[...]'
+    text = str(part)
+    return text in ("bool", "str", "int", "float") or text.startswith(("literal[", "function-", "FSDPConfig", "VLLMConfig"))
 
 
 def load_manifest(source: str | Path | dict) -> Manifest:
@@ -217,4 +243,4 @@ def load_manifest(source: str | Path | dict) -> Manifest:
     try:
         return Manifest.model_validate(data)
     except ValidationError as err:
-        raise ManifestError(f"{name} is not a valid manifest:\n{_format_errors(err)}") from None
+        raise ManifestError(f"{name} is not a valid manifest: {_format_errors(err)}") from None

@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "train"]
+from agilerl.utils.cli import ArgumentParser, positive_int
+
+__all__ = ["main", "train", "check_launch"]
 
 
 def _log(msg: str) -> None:
@@ -20,6 +22,40 @@ def _log(msg: str) -> None:
 
     if is_main_process():
         print(msg, flush=True)
+
+
+def check_launch(manifest, *, device: str | None = None) -> None:
+    """Raise ValueError, before anything heavy runs, when this launch cannot train ``manifest``.
+
+    The ranks launched must be ``training.training_gpus_per_agent``; FSDP2 needs
+    torchrun (a process group) and a layout the ranks can take; the model must
+    be loadable (a local directory, a valid tiny model, the local Hugging Face
+    cache, or a reachable hub); ``--device cuda`` needs a GPU.
+    """
+    import os
+
+    from agilerl.utils.sources import check_model_source
+
+    training, algo = manifest.training, manifest.algorithm
+    launched = "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    wanted = training.training_gpus_per_agent
+    if world != wanted:
+        how = f"{world} rank(s) were launched" if launched else "it was launched without torchrun"
+        raise ValueError(f"training.training_gpus_per_agent is {wanted} but {how}: run `torchrun "
+                         f"--nproc_per_node={wanted} -m agilerl.train ...` or change the manifest")
+    fsdp = algo.fsdp_config()
+    if fsdp is not None and not launched:
+        raise ValueError("algorithm.fsdp shards the model with FSDP2, which needs a process group: run `torchrun "
+                         f"--nproc_per_node={wanted} -m agilerl.train ...`, or set fsdp: false for one device")
+    if fsdp is not None and fsdp != "auto":
+        fsdp.check_world(world)
+    check_model_source(algo.model_name, allow_download=True)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but no CUDA device is available here; use --device cpu")
 
 
 def train(manifest, *, device: str | None = None, max_steps: int | None = None) -> list[list[dict[str, float]]]:
@@ -30,15 +66,10 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
     from agilerl.utils.arithmetic_env import ArithmeticEnv
     from agilerl.utils.utils import create_population
 
+    check_launch(manifest, device=device)
     init_distributed()
     world = get_world_size()
     training, algo = manifest.training, manifest.algorithm
-    if world != training.training_gpus_per_agent:
-        raise SystemExit(
-            f"training.training_gpus_per_agent is {training.training_gpus_per_agent} but {world} rank(s) were "
-            f"launched; run `torchrun --nproc_per_node={training.training_gpus_per_agent} -m agilerl.train ...` "
-            f"or change the manifest"
-        )
     steps = max_steps or training.max_steps
     torch.manual_seed(training.seed)
     from agilerl.algorithms.core.loading import load_tokenizer, resolve_model_source
@@ -79,8 +110,13 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
     histories: list[list[dict[str, float]]] = []
     for agent in population:
         env = ArithmeticEnv(seed=training.seed + agent.index, operators=manifest.environment.operators)
-        history = []
-        for step in range(1, steps + 1):
+        folder = Path(training.checkpoint_dir) / f"agent{agent.index}" if training.checkpoint_dir else None
+        history: list[dict[str, float]] = []
+        resumed = _resume(agent, env, folder) if folder is not None else None
+        if resumed is not None:
+            history = resumed
+            _log(f"agent {agent.index}: resumed at step {agent.steps} from {folder}")
+        for step in range(agent.steps + 1, steps + 1):
             prompts, answers = env.sample(training.rollout_batch_size)
             ids, masks = agent.get_action(prompts)
             local = agent.local_slice(len(prompts))
@@ -94,13 +130,75 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
                     f"agent {agent.index} step {step:4d}  reward {metrics['mean_reward']:.3f}  "
                     f"loss {metrics['loss']:+.4f}  kl {metrics['kl']:.4f}  len {metrics['completion_length']:.2f}"
                 )
+            if folder is not None and training.checkpoint_interval and step % training.checkpoint_interval == 0 \
+                    and step < steps:
+                _save(agent, env, history, folder / f"{STEP_PREFIX}{step:08d}")
+                _prune(folder, training.keep_checkpoints)
         histories.append(history)
-        if training.checkpoint_dir:
-            path = agent.save_checkpoint(Path(training.checkpoint_dir) / f"agent{agent.index}")
+        if folder is not None:
+            path = _save(agent, env, history, folder)
             _log(f"saved {path}")
-        _summary(agent.index, history)
+        if history:
+            _summary(agent.index, history)
     _log(f"done in {time.monotonic() - start:.1f}s")
     return histories
+
+
+#: Periodic checkpoints are ``agent<i>/step-<8 digits>/attributes.pt``; the final one is ``agent<i>/attributes.pt``.
+STEP_PREFIX = "step-"
+
+
+def _save(agent, env, history, path: Path) -> Path:
+    """A checkpoint with the data position (the environment's RNG) and the metrics so far."""
+    return agent.save_checkpoint(path, extra={"env_rng": env.get_state(), "history": history})
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints under ``folder``, newest step first (written atomically: a file is whole)."""
+    from agilerl.algorithms.core.base import CHECKPOINT_FILE
+
+    found = [d for d in folder.glob(f"{STEP_PREFIX}*") if d.name[len(STEP_PREFIX):].isdigit()
+             and (d / CHECKPOINT_FILE).is_file()]
+    steps = {d: int(d.name[len(STEP_PREFIX):]) for d in found}
+    final = folder / CHECKPOINT_FILE
+    if final.is_file():  # an earlier run's final checkpoint: its step is inside
+        import torch
+
+        try:
+            steps[folder] = int(torch.load(final, map_location="cpu", weights_only=False).get("steps", 0))
+        except Exception:  # noqa: BLE001 - unreadable: try it last, _resume reports it
+            steps[folder] = -1
+    return sorted(steps, key=lambda d: (steps[d], d == folder), reverse=True)
+
+
+def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
+    """Load the newest checkpoint under ``folder`` that loads; its metrics history, or None if there is none.
+
+    Every rank reads the same files in the same order, so all ranks resume from the same one.
+    """
+    for path in _checkpoints(folder) if folder.is_dir() else []:
+        try:
+            extra = agent.load_checkpoint(path)
+        except (OSError, RuntimeError, EOFError, ValueError) as err:  # unreadable: fall back to an older one
+            _log(f"agent {agent.index}: skipping checkpoint {path}: {type(err).__name__}: {err}")
+            continue
+        if "env_rng" in extra:
+            env.set_state(extra["env_rng"])
+        return list(extra.get("history", []))
+    return None
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` periodic checkpoints (rank 0; the others wait)."""
+    import shutil
+
+    from agilerl.distributed import barrier, is_main_process
+
+    if is_main_process():
+        periodic = [p for p in _checkpoints(folder) if p != folder]
+        for old in periodic[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
 
 
 def _decode(agent, ids, masks):
@@ -121,19 +219,20 @@ def _summary(index: int, history: list[dict[str, float]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agilerl.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m agilerl.train", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("manifest", help="path to a manifest YAML")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="compute device (default: cuda when available)")
-    parser.add_argument("--max-steps", type=int, default=None, help="override training.max_steps")
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="override training.max_steps")
     args = parser.parse_args(argv)
-    from agilerl.manifest import ManifestError, load_manifest
+    from agilerl.manifest import load_manifest
 
     try:
         manifest = load_manifest(args.manifest)
-    except ManifestError as err:
-        print(f"error: {err}", file=sys.stderr)
+        check_launch(manifest, device=args.device)
+    except ValueError as err:  # ManifestError included
+        print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     import torch
 

@@ -62,6 +62,18 @@ def storage_url(text: str | None) -> str | None:
         url = make_url(text)
     except ArgumentError as err:
         raise ValueError(f"--storage {redact(text)!r} is not a valid SQLAlchemy URL ({err}): {accepted}") from None
+    from sqlalchemy.exc import NoSuchModuleError
+
+    try:
+        dialect = url.get_dialect()
+    except NoSuchModuleError:
+        raise ValueError(f"--storage {redact(text)!r}: no database dialect {url.drivername!r} in SQLAlchemy: "
+                         f"{accepted}") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        hint = " (pip install psycopg2-binary)" if url.get_backend_name() == "postgresql" else ""
+        raise ValueError(f"--storage {redact(text)!r}: its database driver is not installed: {err}{hint}") from None
     if url.drivername.startswith("sqlite") and url.database not in (None, "", ":memory:"):
         folder = Path(url.database).expanduser().resolve().parent
         if not folder.is_dir():

@@ -31,11 +31,19 @@ from pydantic import BaseModel, ConfigDict
 from agilerl.distributed import FSDPConfig
 
 from .hardware import Cluster
-from .memory import EXPERT_CHUNKS_MIB, Coefficients, Estimate, estimate, expert_parallel_degrees
+from .memory import (
+    EXPERT_CHUNKS_MIB,
+    Coefficients,
+    Estimate,
+    check_ep,
+    estimate,
+    expert_parallel_degrees,
+    tp_problem,
+)
 from .spec import ModelSpec
 from .workload import Workload
 
-__all__ = ["Decision", "Plan", "plan", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
+__all__ = ["Decision", "Plan", "plan", "check_inputs", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
 
 LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 GIB = 2**30
@@ -99,6 +107,46 @@ def _expert_parallel_degrees(spec: ModelSpec, cluster: Cluster) -> list[int]:
     return sorted(allowed, key=lambda d: (d > cluster.per_node, d))
 
 
+def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None,
+                 sharding: str = "auto") -> None:
+    """Raise ValueError naming the field when the inputs describe a run the trainer would refuse.
+
+    Nothing the user gave is dropped or defaulted: FSDPConfig fields with
+    ``sharding='none'``, a layout the GPUs cannot take (tp, shard_group_size,
+    ep), block counts and kinds the model does not have, a sequence longer than
+    the model's positions, a micro-batch that does not divide a GPU's share.
+    """
+    fixed = dict(fixed or {})
+    if sharding not in ("auto", "fsdp", "none"):
+        raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
+    fsdp = FSDPConfig(**fixed)  # the user's fields, with FSDPConfig's own errors
+    if fixed and sharding == "none":
+        raise ValueError(f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
+                         f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'")
+    fsdp.check_world(cluster.num_gpus)
+    if fsdp.tp > 1 and (problem := tp_problem(spec, fsdp.tp)):
+        raise ValueError(problem)
+    if fsdp.ep > 1:
+        check_ep(spec, fsdp.ep, cluster.num_gpus, fsdp)
+    if fsdp.wrap_every_n_blocks > spec.num_layers:
+        raise ValueError(f"wrap_every_n_blocks={fsdp.wrap_every_n_blocks} is more than the {spec.num_layers} "
+                         f"blocks of {spec.name}")
+    unknown = sorted(set(fsdp.checkpoint_skip_layer_types) - set(spec.block_kinds))
+    if unknown:
+        raise ValueError(f"checkpoint_skip_layer_types names block kinds {spec.name} does not have: {unknown}; "
+                         f"its blocks are of kinds {spec.block_kinds}")
+    if workload.sequence_tokens > spec.max_position_embeddings:
+        raise ValueError(f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "
+                         f"{spec.max_position_embeddings} positions of {spec.name} (max_position_embeddings; "
+                         "a longer context needs rope scaling in its config.json)")
+    data_parallel = cluster.num_gpus // fsdp.tp
+    per_gpu = workload.completions_per_rank(data_parallel)
+    micro = workload.micro_batch_size_per_gpu
+    if micro is not None and per_gpu % micro:
+        raise ValueError(f"micro_batch_size_per_gpu={micro} does not divide the {per_gpu} completions per GPU "
+                         f"(prompts_per_step x group_size / {data_parallel} GPUs)")
+
+
 def plan(
     spec: ModelSpec,
     workload: Workload,
@@ -119,14 +167,7 @@ def plan(
     """
     fixed = dict(fixed or {})
     source = coefficients_source or ("given" if coefficients is not None else "defaults")
-    FSDPConfig(**fixed)  # validate the user's fields early, with FSDPConfig's own errors
-    if workload.micro_batch_size_per_gpu is not None:
-        per_gpu = workload.completions_per_rank(cluster.num_gpus // fixed.get("tp", 1))
-        if per_gpu % workload.micro_batch_size_per_gpu:
-            raise ValueError(f"micro_batch_size_per_gpu={workload.micro_batch_size_per_gpu} does not divide the "
-                             f"{per_gpu} completions per GPU")
-    if sharding not in ("auto", "fsdp", "none"):
-        raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
+    check_inputs(spec, workload, cluster, fixed, sharding)
     colocated = workload.generation == "vllm" if colocated_vllm is None else colocated_vllm
     margin = int(cluster.gpu.memory_bytes * margin_fraction)
     search = _Search(spec, cluster, coefficients, margin)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from agilerl.distributed import FSDPConfig
+from agilerl.utils.cli import ArgumentParser, margin_fraction, positive_float, positive_int
 
-from ._cli_fields import add_fields, collect_fields
+from ._cli_fields import add_fields, collect_fields, flag_name
 from .workload import Workload
 
 __all__ = ["main"]
@@ -23,20 +25,30 @@ GIB = 2**30
 
 
 def _probe_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="agilerl-plan probe",
         description="Measure a short real run of the GRPO trainer: per-rank, per-phase peak memory by component, "
                     "host memory, step time. Launches torchrun itself.",
     )
     parser.add_argument("model", help="model directory, config.json, hub id, or 'tiny:<arch>?...'")
-    parser.add_argument("--gpus", type=int, default=1, help="ranks to launch (GPUs, or CPU processes with --device cpu)")
+    parser.add_argument("--gpus", type=positive_int, default=1,
+                        help="ranks to launch (GPUs, or CPU processes with --device cpu)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--no-fsdp", action="store_true", help="train unsharded (single device or data parallel)")
     parser.add_argument("--generate", action="store_true", help="also measure one real generation (rollout phase)")
     parser.add_argument("--save", action="store_true", help="also measure a checkpoint save")
-    parser.add_argument("--budget-gib", type=float, default=None, help="per-rank device budget; report whether it fits")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds before the whole launch is killed")
-    parser.add_argument("--timed-steps", type=int, default=3, help="untracked learn steps to time")
+    parser.add_argument("--budget-gib", type=positive_float, default=None,
+                        help="per-rank device budget; report whether it fits")
+    parser.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole launch is killed")
+    parser.add_argument("--timed-steps", type=positive_int, default=3, help="untracked learn steps to time")
+    parser.add_argument("--nnodes", type=positive_int, default=1,
+                        help="nodes the --gpus ranks span; without --rdzv-endpoint each node is a torchrun agent on "
+                             "this host (c10d rendezvous), so node boundaries (HSDP, host memory per node) are real")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="a probe across real nodes: run the same command on every node with this endpoint "
+                             "(node 0's address); each node reports its own ranks")
+    parser.add_argument("--allow-download", action="store_true",
+                        help="let the trainer fetch a hub model that is not in the local Hugging Face cache")
     parser.add_argument("--format", choices=["table", "json"], default="table")
     add_fields(parser, Workload, group_title="workload")
     add_fields(parser, FSDPConfig, group_title="FSDPConfig (ignored with --no-fsdp)")
@@ -55,20 +67,40 @@ def _default_device() -> str:
 def probe_main(argv: list[str]) -> int:
     from pydantic import ValidationError
 
+    from agilerl.utils.sources import check_model_source
+
     from .probe import ProbeRequest, run_probe
 
     parser = _probe_parser()
     args = parser.parse_args(argv)
     try:
+        if args.gpus % args.nnodes:
+            raise ValueError(f"--gpus {args.gpus} ranks do not split evenly over --nnodes {args.nnodes}")
+        if args.rdzv_endpoint is not None and (args.nnodes == 1 or ":" not in args.rdzv_endpoint):
+            raise ValueError("--rdzv-endpoint HOST:PORT is for a probe across nodes: give --nnodes > 1 too")
         workload = Workload(**collect_fields(args, Workload))
-        fsdp = None if args.no_fsdp else FSDPConfig(**collect_fields(args, FSDPConfig))
+        workload.completions_per_rank(args.gpus)
+        fixed = collect_fields(args, FSDPConfig)
+        if args.no_fsdp and fixed:
+            raise ValueError(f"--no-fsdp trains unsharded, so the FSDPConfig flags given "
+                             f"({', '.join(flag_name(k) for k in sorted(fixed))}) would be ignored; drop one or the other")
+        fsdp = None if args.no_fsdp else FSDPConfig(**fixed)
+        if fsdp is not None:
+            fsdp.check_world(args.gpus)
+        device = args.device or _default_device()
+        here = args.gpus if args.rdzv_endpoint is None else args.gpus // args.nnodes
+        if device == "cuda" and _cuda_count() < here:
+            raise ValueError(f"--device cuda needs {here} GPU(s) on this machine, which has {_cuda_count()}")
+        check_model_source(args.model, allow_download=args.allow_download)
         request = ProbeRequest(
-            model=args.model, workload=workload, fsdp=fsdp, nproc=args.gpus, device=args.device or _default_device(),
+            model=args.model, workload=workload, fsdp=fsdp, nproc=args.gpus, device=device,
             generate=args.generate, save=args.save, timeout_s=args.timeout, timed_steps=args.timed_steps,
-            memory_budget_bytes=int(args.budget_gib * GIB) if args.budget_gib else None,
+            memory_budget_bytes=int(args.budget_gib * GIB) if args.budget_gib is not None else None,
+            nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
         )
-    except ValidationError as err:
-        parser.error(str(err))
+    except (ValidationError, ValueError) as err:
+        print(f"agilerl-plan probe: error: {_clean(err)}", file=sys.stderr)
+        return 2
     progress = (lambda msg: print(f"[probe] {msg}", file=sys.stderr)) if args.format == "table" else None
     measurement = run_probe(request, progress=progress)
     if args.format == "json":
@@ -80,10 +112,30 @@ def probe_main(argv: list[str]) -> int:
     return 0 if measurement.fits else 3
 
 
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:  # pragma: no cover
+        return 0
+
+
+def _check_output(path: str | None) -> None:
+    """Refuse an --output that cannot be written before anything is planned (nothing is lost)."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if not path.strip() or target.is_dir():
+        raise ValueError(f"--output {path!r} is a directory: give a file path for the manifest, e.g. plan.yaml")
+    if not target.parent.is_dir():
+        raise ValueError(f"--output {path!r}: folder {target.parent} does not exist")
+
+
 def _plan_parser() -> argparse.ArgumentParser:
     from .hardware import GPUS
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="agilerl-plan",
         description="Will GRPO + LoRA on this model fit, how much memory each GPU needs (per phase and "
                     "component), and which FSDPConfig to use and why. Offline for catalog models. "
@@ -92,14 +144,16 @@ def _plan_parser() -> argparse.ArgumentParser:
                "130 interrupted (rerun to resume)",
     )
     parser.add_argument("model", help="catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...'")
-    parser.add_argument("--gpus", type=int, default=1, help="trainer GPUs in total")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="trainer GPUs in total")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=None,
+                        help="GPUs per node (default: all on one node)")
     parser.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+    parser.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
                         help="GPU memory in GiB (overrides the catalog figure of --gpu)")
     parser.add_argument("--sharding", choices=["auto", "fsdp", "none"], default="auto",
                         help="auto: data parallel when the actor fits on each GPU, else FSDP2")
-    parser.add_argument("--margin", type=float, default=0.05, help="safety margin, fraction of GPU memory")
+    parser.add_argument("--margin", type=margin_fraction, default=0.05,
+                        help="safety margin, fraction of GPU memory in [0, 1)")
     parser.add_argument("--format", choices=["table", "json", "yaml", "python"], default="table")
     parser.add_argument("--output", metavar="MANIFEST", help="write the manifest YAML for `agilerl.train` here")
     parser.add_argument("--allow-download", action="store_true", help="fetch the config from the hub if not local")
@@ -118,17 +172,20 @@ def plan_main(argv: list[str]) -> int:
     from . import emit
     from .calibration import coefficients_for, coefficients_source
     from .choose import plan
-    from .hardware import Cluster, gpu_by_name
+    from .hardware import MAX_GPUS, Cluster, gpu_by_name
     from .models import ModelNotFound, load_model_spec
 
     parser = _plan_parser()
     args = parser.parse_args(argv)
     try:
         gpu = gpu_by_name(args.gpu)
-        if args.gpu_memory:
+        if args.gpu_memory is not None:
             # Same kind (so its calibration applies), other memory.
             gpu = gpu.model_copy(update={"memory_bytes": int(args.gpu_memory * GIB)})
+        if args.gpus > MAX_GPUS:
+            raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+        _check_output(args.output)
         if args.tui:
             try:
                 from tui.app import run
@@ -138,6 +195,9 @@ def plan_main(argv: list[str]) -> int:
                 gpu_memory_gib=args.gpu_memory)
             return 0
         fields = collect_fields(args, Workload)
+        vllm_only = sorted(k for k in fields if k.startswith("vllm_") or k == "offload_weights_during_rollout")
+        if vllm_only and fields.get("generation") != "vllm":
+            raise ValueError(f"{flag_name(vllm_only[0])} sets the colocated vLLM engine: it needs --generation vllm")
         if "prompts_per_step" not in fields:
             # Manifests give every GPU whole prompts (rollout_batch_size is a multiple of the GPUs).
             default = Workload.model_fields["prompts_per_step"].default
@@ -149,16 +209,20 @@ def plan_main(argv: list[str]) -> int:
         workload.completions_per_rank(args.gpus)
         fixed = collect_fields(args, FSDPConfig)
         FSDPConfig(**fixed)
+        if args.tune:
+            from .tune import check_tune_arguments
+
+            check_tune_arguments(args)
     except (KeyError, ValidationError, ValueError) as err:
-        print(f"error: {_clean(err)}", file=sys.stderr)
+        print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
         return 2
     try:
         spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)
-    except ModelNotFound as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        from .choose import check_inputs
+
+        check_inputs(spec, workload, cluster, fixed, args.sharding)
+    except (ModelNotFound, ValueError) as err:
+        print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
         return 2
     if args.tune:
         from .tune import tune_main
@@ -170,12 +234,8 @@ def plan_main(argv: list[str]) -> int:
                       coefficients=coefficients_for(gpu), coefficients_source=coefficients_source(gpu),
                       margin_fraction=args.margin)
     except ValueError as err:
-        print(f"error: {_clean(err)}", file=sys.stderr)
+        print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
         return 2
-    if args.output:
-        from pathlib import Path
-
-        Path(args.output).write_text(emit.manifest_yaml(result))
     if args.format == "json":
         print(json.dumps(emit.plan_json(result), indent=2))
     elif args.format == "yaml":
@@ -184,18 +244,41 @@ def plan_main(argv: list[str]) -> int:
         print(emit.python_snippet(result))
     else:
         print(emit.table(result))
-        if args.output:
+    if args.output:
+        try:
+            _write_atomically(Path(args.output).expanduser(), emit.manifest_yaml(result))
+        except OSError as err:
+            print(f"agilerl-plan: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
+            return 2
+        if args.format == "table":
             print(f"\nmanifest written to {args.output}")
     return 0 if result.fits else 3
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: a reader never sees half a manifest."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _clean(err: Exception) -> str:
+    """One line: a ValidationError's field errors joined, a KeyError without its quotes."""
     from pydantic import ValidationError
 
     if isinstance(err, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg'].removeprefix('Value error, ')}"
+        text = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg'].removeprefix('Value error, ')}"
                          for e in err.errors())
-    return str(err).strip("'\"")
+    elif isinstance(err, KeyError) and err.args:
+        text = str(err.args[0])
+    else:
+        text = str(err)
+    return " ".join(text.split())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE"]
+__all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE", "MAX_GPUS"]
 
 GIB = 2**30
 MIB = 2**20
+#: The most trainer GPUs a plan takes (2**17, above the largest training clusters built): more is a typo.
+MAX_GPUS = 2**17
 
 
 class GPU(BaseModel):
@@ -77,7 +79,7 @@ class Cluster(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gpu: GPU
-    num_gpus: Annotated[int, Field(ge=1, description="Trainer GPUs (ranks) in total.")] = 1
+    num_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS, description="Trainer GPUs (ranks) in total.")] = 1
     gpus_per_node: Annotated[int | None, Field(ge=1, description="GPUs per node; None: all on one node.")] = None
     host_memory_per_node_bytes: Annotated[int | None, Field(ge=1, description="Host RAM per node, if known.")] = None
 

@@ -7,9 +7,16 @@ the transformers/peft versions; a cached spec loads without importing torch.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+
+from agilerl.utils.sources import (
+    check_causal_lm_type,
+    check_config,
+    looks_like_path,
+    parse_tiny,
+    read_config,
+)
 
 from .spec import (
     DEFAULT_LORA_TARGETS,
@@ -42,35 +49,14 @@ def _cache_path(digest: str, targets: tuple[str | tuple[str, ...], ...]) -> Path
     return spec_cache_dir() / f"{key}.json"
 
 
-_POSITIVE_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                        "intermediate_size", "num_key_value_heads", "head_dim")
-
-
-def _check_config(config: dict, name: str) -> None:
-    """Name the field when a config cannot describe a model (transformers' own errors often do not)."""
-    def positive(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-    for key in _POSITIVE_INT_FIELDS:
-        value = config.get(key)
-        if key == "intermediate_size" and isinstance(value, list):  # per layer (Gemma-3n)
-            if value and all(positive(v) for v in value):
-                continue
-            raise ValueError(f"{name}: config field {key}={value!r} must be positive integers, one per layer")
-        if value is not None and not positive(value):
-            raise ValueError(f"{name}: config field {key}={value!r} must be a positive integer")
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    if heads and hidden and config.get("head_dim") is None and hidden % heads:
-        raise ValueError(f"{name}: config field hidden_size={hidden} is not divisible by num_attention_heads={heads} "
-                         "(and no head_dim is set)")
-
-
 def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str, ...], ...]) -> ModelSpec:
-    _check_config(config, name)
+    check_config(config, name)
     path = _cache_path(config_digest(config), targets)
     if path.exists():
         return ModelSpec.model_validate_json(path.read_text())
     from .spec import build_spec
+
+    check_causal_lm_type(config, name)
 
     try:
         spec = build_spec(config, name=name, lora_targets=targets)
@@ -81,16 +67,6 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str
     tmp.write_text(spec.model_dump_json())
     tmp.replace(path)
     return spec
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {path}: {err}") from err
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{path} is not a transformers config (no model_type field)")
-    return data
 
 
 def _hf_cache_config(repo_id: str) -> Path | None:
@@ -119,14 +95,12 @@ def load_model_spec(
 
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():
-        return _from_config_dict(_read_config(path / "config.json"), name=str(path), targets=targets)
+        return _from_config_dict(read_config(path / "config.json"), name=str(path), targets=targets)
     if path.is_file() and path.suffix == ".json":
-        return _from_config_dict(_read_config(path), name=str(path), targets=targets)
-    looks_like_path = model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
-    if looks_like_path and not model.startswith("tiny:") and not path.exists():
+        return _from_config_dict(read_config(path), name=str(path), targets=targets)
+    if looks_like_path(model) and not path.exists():
         raise ModelNotFound(f"{model}: no such file or directory (expected a model directory or a config.json)")
     if model.startswith("tiny:"):
-        from agilerl.algorithms.core.loading import parse_tiny
         from agilerl.utils.tiny import char_tokenizer, tiny_config
 
         arch, kwargs = parse_tiny(model)
@@ -146,11 +120,11 @@ def load_model_spec(
 
     cached = _hf_cache_config(model)
     if cached is not None:
-        return _from_config_dict(_read_config(cached), name=model, targets=targets)
+        return _from_config_dict(read_config(cached), name=model, targets=targets)
     if allow_download:
         from huggingface_hub import hf_hub_download
 
-        return _from_config_dict(_read_config(Path(hf_hub_download(model, "config.json"))), name=model, targets=targets)
+        return _from_config_dict(read_config(Path(hf_hub_download(model, "config.json"))), name=model, targets=targets)
     close = catalog.suggest(model)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     raise ModelNotFound(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["Workload"]
 
@@ -70,6 +70,14 @@ class Workload(BaseModel):
         Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),
     ] = "sdpa"
 
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets(cls, value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        names = (value,) if isinstance(value, str) else value
+        if not names or not all(n.strip() for n in names):
+            raise ValueError("name at least one module for LoRA to adapt, or 'all-linear'")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Workload:
         if self.generation == "vllm" and self.load_in_4bit:
@@ -77,6 +85,9 @@ class Workload(BaseModel):
         if self.offload_weights_during_rollout and self.generation != "vllm":
             raise ValueError("offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
                              "Hugging Face generate runs on the trainer's weights")
+        if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.sequence_tokens:
+            raise ValueError(f"vllm_max_model_len={self.vllm_max_model_len} is shorter than prompt_tokens + "
+                             f"completion_tokens = {self.sequence_tokens}: the engine would refuse the prompts")
         return self
 
     @property

@@ -140,5 +140,5 @@ def manifest_problem(result: Plan) -> str | None:
     try:
         load_manifest(manifest_dict(result))
     except ManifestError as err:
-        return " ".join(line.strip() for line in str(err).splitlines()[1:]) or str(err)
+        return str(err).split(" is not a valid manifest: ", 1)[-1]
     return None

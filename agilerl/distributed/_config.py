@@ -202,6 +202,8 @@ class FSDPConfig(BaseModel):
             return (value,)
         if value is None:
             return ()
+        if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"must be a block kind or a list of block kinds (strings), got {value!r}")
         return tuple(value)
 
     @model_validator(mode="after")
@@ -213,7 +215,40 @@ class FSDPConfig(BaseModel):
                 "optim_cpu_offload=False (or None) with cpu_offload=True, or "
                 "cpu_offload=False to offload only the optimizer."
             )
+        if self.ep > 1 and (self.tp > 1 or self.shard_group_size is not None):
+            raise ValueError(
+                f"ep={self.ep} with tp > 1 or shard_group_size (HSDP) is not supported yet: use ep=1, "
+                "or tp=1 and shard_group_size=None"
+            )
         return self
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ValueError unless ``world_size`` ranks can take this layout.
+
+        ``tp``, ``ep`` and ``shard_group_size`` must each divide the ranks; with
+        ``tp > 1`` the data-parallel groups shard across all of them
+        (``shard_group_size`` unset, or ``world_size // tp``). The single rule for
+        the planner and for ``apply_fsdp2``'s meshes.
+        """
+        if world_size < 1:
+            raise ValueError(f"world size must be positive, got {world_size}")
+
+        def allowed(limit: int = world_size) -> str:
+            return ", ".join(str(d) for d in range(1, min(world_size, limit) + 1) if world_size % d == 0)
+
+        if world_size % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the {world_size} ranks (allowed: {allowed()})")
+        if self.ep > 1 and world_size % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the {world_size} ranks (allowed: {allowed()})")
+        group = self.shard_group_size
+        if group is not None:
+            if self.tp > 1 and group != world_size // self.tp:
+                raise ValueError(
+                    f"tp={self.tp} with shard_group_size={group} (HSDP) is not supported yet: leave "
+                    "shard_group_size unset with tp > 1")
+            if world_size % group:
+                raise ValueError(f"shard_group_size={group} must divide the {world_size} ranks "
+                                 f"(allowed: {allowed()})")
 
     # -- serialisation ---------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -225,7 +260,10 @@ class FSDPConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, text: str) -> FSDPConfig:
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"FSDPConfig YAML is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ValueError(f"FSDPConfig YAML must be a mapping of fields, got {type(data).__name__}")
         return cls.model_validate(data)

@@ -394,14 +394,12 @@ def register_forward_method(model: nn.Module, method_name: str) -> None:
 
 
 def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    if mesh is None:
+        config.check_world(dist.get_world_size())
     if config.tp > 1:
         from ._tp import build_dp_tp_mesh
 
         if mesh is None:
-            if config.shard_group_size not in (None, dist.get_world_size() // config.tp):
-                raise NotImplementedError(
-                    f"tp={config.tp} with shard_group_size={config.shard_group_size} (HSDP) is not supported yet: "
-                    "leave shard_group_size unset with tp > 1")
             return build_dp_tp_mesh(config.tp, device_type)
         if mesh.mesh_dim_names != ("dp", "tp") or mesh.size(1) != config.tp:
             raise ValueError(f"with tp={config.tp} the mesh must have dims ('dp', 'tp') with tp innermost")
@@ -412,20 +410,7 @@ def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> 
     group = config.shard_group_size
     if group is None or group == world:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    if group > world or world % group != 0:
-        raise ValueError(
-            f"shard_group_size={group} must divide the world size {world} "
-            f"(allowed here: {[g for g in range(1, world + 1) if world % g == 0]})"
-        )
     return init_device_mesh(device_type, (world // group, group), mesh_dim_names=("replicate", "shard"))
-
-
-def _check_unsupported(config: FSDPConfig) -> None:
-    if config.ep > 1 and (config.tp > 1 or config.shard_group_size is not None):
-        raise NotImplementedError(
-            f"FSDPConfig.ep={config.ep} with tp > 1 or shard_group_size (HSDP) is not supported "
-            "yet. Use ep=1, or tp=1 and shard_group_size=None."
-        )
 
 
 def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | None,
@@ -475,7 +460,6 @@ def apply_fsdp2(
     """
     require_process_group("apply_fsdp2")
     config = config if config is not None else FSDPConfig()
-    _check_unsupported(config)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = _mesh_for(config, mesh, device_type)
     moe, expert_mesh = _apply_moe(model, config, expert_mesh, device_type)

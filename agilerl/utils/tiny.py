@@ -53,7 +53,25 @@ def tiny_config(
 
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY_ARCHITECTURES)}")
+    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                 num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 max_position_embeddings=max_position_embeddings)
+    for key, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"tiny:{arch}: {key}={value!r} must be a positive integer")
+    if num_heads % num_kv_heads or hidden_size % num_heads:
+        raise ValueError(f"tiny:{arch}: num_kv_heads={num_kv_heads} (num_key_value_heads) must divide "
+                         f"num_heads={num_heads}, and num_heads must divide hidden_size={hidden_size}")
     cls = getattr(transformers, TINY_ARCHITECTURES[arch])
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], [*sizes, *known], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"tiny:{arch}: unknown config key {unknown[0]!r}{hint}; keys are tiny_config's "
+                         f"({', '.join(sizes)}, seed) or {cls.__name__} fields")
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -78,7 +96,13 @@ def tiny_config(
                       sliding_window=max_position_embeddings,
                       layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"])
     kwargs.update(overrides)
-    config = cls(**kwargs)
+    try:
+        config = cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"tiny:{arch}: {cls.__name__} refuses these values: {err}") from None
+    from .sources import check_config
+
+    check_config(config.to_dict(), f"tiny:{arch}")
     # Eager attention keeps CPU numerics identical across processes and versions.
     config._attn_implementation = "eager"
     return config

@@ -80,8 +80,6 @@ def check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
     allowed = expert_parallel_degrees(spec, world)
     if allowed == [1]:
         raise ValueError(f"ep={ep} needs packed MoE experts; {spec.name} has none. Use ep=1.")
-    if fsdp.tp > 1 or fsdp.shard_group_size is not None:
-        raise ValueError(f"ep={ep} with tp > 1 or shard_group_size (HSDP) is not supported yet")
     counts = sorted({b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"})
     if ep not in allowed:
         raise ValueError(f"ep={ep} must divide the {world} GPUs and the {counts[-1]} experts per layer; "

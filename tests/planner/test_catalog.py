@@ -78,6 +78,15 @@ def test_entry_is_well_formed(name):
     assert catalog.load_spec(name).name == e.name
 
 
+@pytest.mark.parametrize("name", catalog.names())
+def test_every_config_passes_the_checks_the_trainer_and_planner_apply(name):
+    from agilerl.utils.sources import check_causal_lm_type, check_config
+
+    config = catalog.entry(name).config
+    check_config(config, name)
+    check_causal_lm_type(config, name)
+
+
 def test_required_coverage():
     missing = [n for n in REQUIRED if n not in NAMES]
     assert not missing, f"catalog lacks {missing}"

@@ -126,7 +126,7 @@ def test_single_device_needs_no_sharding(spec):
 # Long sequences, so that a micro-batch routes more than 512 MiB of expert rows: every
 # candidate chunk (64 to 512 MiB) binds.
 MOE = ("tiny:qwen3_moe?hidden_size=512&moe_intermediate_size=1024&num_experts=8&num_experts_per_tok=2"
-       "&num_layers=2&num_heads=8&num_kv_heads=2&vocab_size=4096")
+       "&num_layers=2&num_heads=8&num_kv_heads=2&vocab_size=4096&max_position_embeddings=8192")
 MOE_WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=4096, completion_tokens=4096, lora_rank=8,
                   micro_batch_size_per_gpu=8, gradient_checkpointing=True, logprob_chunk_size=256,
                   weights_dtype="bfloat16", generation="none")

@@ -13,7 +13,6 @@ import hashlib
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
 
 import torch
 from torch import nn
@@ -26,13 +25,11 @@ from agilerl.distributed import (
     is_main_process,
     materialize_fsdp2_from_cpu_state,
 )
+from agilerl.utils.sources import TINY_PREFIX, parse_tiny
 
 from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
 
 __all__ = ["default_lora_config", "resolve_model_source", "build_actor", "load_tokenizer", "TINY_PREFIX"]
-
-TINY_PREFIX = "tiny:"
-
 
 def default_lora_config():
     """r=16, alpha=32 on every linear layer (the lm_head excluded), dropout 0.05."""
@@ -43,27 +40,6 @@ def default_lora_config():
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("AGILERL_CACHE", Path.home() / ".cache" / "agilerl"))
-
-
-def parse_tiny(name: str) -> tuple[str, dict[str, Any]]:
-    """``tiny:qwen2?hidden_size=64&num_layers=2`` -> ("qwen2", {...})."""
-    body = name[len(TINY_PREFIX):]
-    arch, _, query = body.partition("?")
-    kwargs: dict[str, Any] = {}
-    for key, value in parse_qsl(query):
-        kwargs[key] = _number(value)
-    return arch, kwargs
-
-
-def _number(value: str) -> int | float | bool | str:
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
 
 
 def resolve_model_source(model_name: str) -> str:

@@ -206,7 +206,7 @@ def errors_name_fields(ctx):
         apply_fsdp2(model, FSDPConfig(shard_group_size=3))
     with pytest.raises(ValueError, match="ep=2 needs packed MoE experts"):
         apply_fsdp2(tiny_model("qwen2"), FSDPConfig(ep=2))
-    with pytest.raises(NotImplementedError, match="shard_group_size"):
+    with pytest.raises(ValueError, match="shard_group_size"):
         apply_fsdp2(tiny_model("qwen2"), FSDPConfig(tp=2, shard_group_size=2))
 
 

@@ -97,14 +97,32 @@ def test_apply_fsdp2_without_process_group_says_torchrun():
         ad.apply_fsdp2(model, FSDPConfig())
 
 
-def test_expert_parallel_degree_is_stored_but_refused(monkeypatch):
-    config = FSDPConfig(ep=2, tp=2, ep_token_blocks=4, routed_expert_chunk_mib=128)
-    assert (config.ep, config.tp, config.ep_token_blocks, config.routed_expert_chunk_mib) == (2, 2, 4, 128)
-    from agilerl.distributed import _fsdp
+def test_expert_parallel_with_tp_or_hsdp_is_refused_at_construction():
+    config = FSDPConfig(ep=2, ep_token_blocks=4, routed_expert_chunk_mib=128)
+    assert (config.ep, config.ep_token_blocks, config.routed_expert_chunk_mib) == (2, 4, 128)
+    with pytest.raises(ValueError, match="ep=2 with tp > 1"):
+        FSDPConfig(ep=2, tp=2)
+    with pytest.raises(ValueError, match="shard_group_size"):
+        FSDPConfig(ep=2, shard_group_size=4)
+    with pytest.raises(ValueError, match="ep=2 with tp > 1"):
+        config.tp = 2  # validate_assignment: the same rule on assignment
 
-    with pytest.raises(NotImplementedError, match="ep=2"):
-        _fsdp._check_unsupported(config)
-    _fsdp._check_unsupported(config.model_copy(update={"ep": 1}))  # tp is supported
+
+def test_check_world_names_the_field_and_what_divides():
+    FSDPConfig(tp=2, shard_group_size=4).check_world(8)
+    FSDPConfig(shard_group_size=4).check_world(8)
+    with pytest.raises(ValueError, match=r"tp=3 must divide the 8 ranks \(allowed: 1, 2, 4, 8\)"):
+        FSDPConfig(tp=3).check_world(8)
+    with pytest.raises(ValueError, match="tp=16 must divide the 8 ranks"):
+        FSDPConfig(tp=16).check_world(8)
+    with pytest.raises(ValueError, match="shard_group_size=3 must divide"):
+        FSDPConfig(shard_group_size=3).check_world(8)
+    with pytest.raises(ValueError, match="shard_group_size=16 must divide"):
+        FSDPConfig(shard_group_size=16).check_world(8)
+    with pytest.raises(ValueError, match="not supported yet"):
+        FSDPConfig(tp=2, shard_group_size=2).check_world(8)
+    with pytest.raises(ValueError, match="ep=3 must divide"):
+        FSDPConfig(ep=3).check_world(8)
 
 
 def test_fsdpconfig_import_does_not_import_torch():

@@ -1,0 +1,64 @@
+"""Command-line parsing shared by ``agilerl-plan`` and ``python -m agilerl.train``.
+
+Bad input is one line on stderr and exit status 2: ``prog: error: argument
+--gpus: must be a positive integer, got '0'``. argparse's default prints the
+whole usage first, which for a parser with fifty flags buries the line that
+matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import NoReturn
+
+__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "margin_fraction"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage stays in ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``inf`` and ``nan`` are refused: no budget or timeout means either)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def margin_fraction(text: str) -> float:
+    """A fraction in [0, 1): the share of memory kept free."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text!r}") from None
+    if not (0.0 <= value < 1.0):
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1) of GPU memory, got {text!r}")
+    return value

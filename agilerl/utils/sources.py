@@ -1,0 +1,206 @@
+"""Where a model comes from, checked before anything heavy runs.
+
+The trainer, the probe and the planner take the same model names: a local
+directory or ``config.json``, a hub id (the local Hugging Face cache first), or
+a built-in tiny model ``tiny:<arch>?key=value&...``. This module holds the
+rules they share, so a bad name or a config that cannot describe a causal LM
+is refused the same way everywhere, in well under a second, with one line
+naming the field:
+
+- :func:`parse_tiny`: the tiny-model syntax, values typed;
+- :func:`check_config`: what the memory estimate and the trainer need from a
+  ``config.json`` (present, positive sizes; heads divisible by KV heads; a
+  decoder-only causal LM), never filled in from a library's defaults;
+- :func:`check_causal_lm_type`: the model type has a causal-LM class in the
+  installed transformers and is not an encoder (imports transformers' name
+  tables, about 2 s cold, so it runs only where a model is about to be built);
+- :func:`check_model_source`: a name the trainer can load without waiting on
+  an unreachable hub.
+
+No torch here: the planner's fast path imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlparse
+
+__all__ = ["TINY_PREFIX", "parse_tiny", "check_config", "check_causal_lm_type", "check_model_source",
+           "looks_like_path", "text_config"]
+
+TINY_PREFIX = "tiny:"
+
+#: Config fields every estimate and every build needs; a config without them is refused, not defaulted.
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_POSITIVE_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                        "intermediate_size", "num_key_value_heads", "head_dim")
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def parse_tiny(name: str) -> tuple[str, dict[str, Any]]:
+    """``tiny:qwen2?hidden_size=64&num_layers=2`` -> ("qwen2", {"hidden_size": 64, "num_layers": 2})."""
+    body = name[len(TINY_PREFIX):]
+    arch, _, query = body.partition("?")
+    if not arch:
+        raise ValueError(f"{name!r}: a tiny model is 'tiny:<arch>[?key=value&...]', e.g. 'tiny:qwen2?num_layers=2'")
+    kwargs: dict[str, Any] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        kwargs[key] = _typed(value)
+    return arch, kwargs
+
+
+def _typed(value: str) -> int | float | bool | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def text_config(config: dict) -> dict:
+    """The part of a config that describes the language model (a multimodal config's ``text_config``)."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and "hidden_size" not in config:
+        return inner
+    return config
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_config(config: dict, name: str) -> None:
+    """Raise ValueError naming the field when ``config`` cannot describe a decoder-only causal LM."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{name} is not a transformers config (no model_type field)")
+    if config.get("is_encoder_decoder"):
+        raise ValueError(f"{name}: model_type {config['model_type']!r} is an encoder-decoder model; only decoder-only "
+                         "causal LMs (…ForCausalLM) are supported")
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{name}: config field architectures={archs!r} must be a list of class names")
+    multimodal = isinstance(config.get("text_config"), dict)
+    unsupported = [a for a in archs if not a.endswith(_CAUSAL_SUFFIXES)
+                   and not (multimodal and a.endswith("ForConditionalGeneration"))]
+    if unsupported:
+        raise ValueError(f"{name}: architecture {unsupported[0]} is not a causal LM; only decoder-only causal LMs "
+                         "(…ForCausalLM, or a multimodal model's text part) are supported")
+    text = text_config(config)
+    missing = [key for key in REQUIRED_FIELDS if key not in text]
+    if missing:
+        raise ValueError(f"{name}: config has no {', '.join(missing)}; the estimate needs "
+                         f"{', '.join(REQUIRED_FIELDS)} given, not a library's defaults")
+    for key in _POSITIVE_INT_FIELDS:
+        value = text.get(key)
+        if key == "intermediate_size" and isinstance(value, list):  # per layer (Gemma-3n)
+            if value and all(_positive(v) for v in value):
+                continue
+            raise ValueError(f"{name}: config field {key}={value!r} must be positive integers, one per layer")
+        if value is not None and not _positive(value):
+            raise ValueError(f"{name}: config field {key}={value!r} must be a positive integer")
+    heads, hidden = text["num_attention_heads"], text["hidden_size"]
+    kv = text.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise ValueError(f"{name}: config field num_key_value_heads={kv} must divide num_attention_heads={heads} "
+                         "(each KV head serves a whole group of query heads)")
+    if text.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{name}: config field hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                         "(and no head_dim is set)")
+
+
+def check_causal_lm_type(config: dict, name: str) -> None:
+    """Raise unless the installed transformers has a causal-LM class for the config's model type
+    and the type is not an encoder (BERT-like types have a causal head only as ``is_decoder``)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    kind = text_config(config).get("model_type", config["model_type"])
+    outer = config["model_type"]
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and outer not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{name}: model_type {outer!r} has no causal-LM class in transformers "
+                         f"{transformers.__version__}; only decoder-only causal LMs are supported")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not text_config(config).get("is_decoder"):
+        raise ValueError(f"{name}: model_type {kind!r} is an encoder (masked LM); only decoder-only causal LMs "
+                         "are supported")
+
+
+def looks_like_path(name: str) -> bool:
+    """A name meant as a local path: it starts with . / ~, ends in .json, or has more than one '/'."""
+    return not name.startswith(TINY_PREFIX) and (
+        name.startswith((".", "/", "~")) or name.endswith(".json") or name.count("/") > 1)
+
+
+def read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{path} is not a transformers config (no model_type field)")
+    return data
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urlparse(endpoint)
+    try:
+        with socket.create_connection((parsed.hostname or "huggingface.co", parsed.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def check_model_source(name: str, *, allow_download: bool) -> None:
+    """Raise ValueError, within a few seconds, when the trainer could not load ``name``.
+
+    A tiny model must parse and build a valid config; a path must exist and hold
+    a valid ``config.json``; a hub id must be in the local Hugging Face cache, or
+    else downloads must be allowed, ``HF_HUB_OFFLINE`` unset and the hub
+    reachable (one TCP connect, 3 s at most, instead of the hub client's retries).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("model name is empty: give a model directory, a hub id or 'tiny:<arch>'")
+    if name.startswith(TINY_PREFIX):
+        from .tiny import tiny_config
+
+        arch, kwargs = parse_tiny(name)
+        kwargs.pop("seed", None)
+        tiny_config(arch, **kwargs)
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{name}: directory has no config.json (expected a Hugging Face model directory)")
+        check_config(read_config(path / "config.json"), name)
+        return
+    if looks_like_path(name) or path.exists():
+        raise ValueError(f"{name}: no such file or directory (expected a Hugging Face model directory)")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(name, "config.json")
+    except (ImportError, ValueError):
+        cached = None
+    if isinstance(cached, str):
+        check_config(read_config(Path(cached)), name)
+        return
+    if not allow_download:
+        raise ValueError(f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
+                         "Hugging Face cache; pass --allow-download to let the trainer fetch it from the hub")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline or not _hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise ValueError(f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
+                         f"Hugging Face cache, and {why}: download it first (huggingface-cli download {name}) "
+                         "or give its local directory")

@@ -1,0 +1,367 @@
+"""Bad input, at every entry point: one clear line naming the flag or field, exit 2, nothing lost.
+
+One parametrised test over a corpus of bad inputs to ``agilerl-plan`` (plans,
+``--tune``, ``probe``), ``python -m agilerl.train`` and ``FSDPConfig``. Each
+case names the text the error must contain: the flag or field at fault, or
+what is allowed instead. A case passes only when the entry point refuses the
+input with exit status 2 (``FSDPConfig``: a ValueError at construction) and
+prints exactly one line on stderr, with no traceback and nothing on stdout.
+
+Entry points run in-process (fast), except where the case is about what a
+real process does (no torchrun, a missing model): those run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agilerl.distributed import FSDPConfig
+
+M = "qwen2.5-0.5b"  # a catalog model: plans in milliseconds, no torch
+MOE = "allenai/OLMoE-1B-7B-0924"
+TINY = "tiny:qwen2?hidden_size=32&num_layers=2"
+
+# A valid config.json every config case starts from (a tiny Llama); None deletes a key.
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+         "max_position_embeddings": 512}
+
+# A valid manifest every train case starts from.
+MANIFEST = {"algorithm": {"name": "GRPO", "model_name": TINY, "group_size": 2, "max_output_tokens": 2,
+                          "dtype": "float32", "gradient_checkpointing": False},
+            "training": {"rollout_batch_size": 2, "max_steps": 1}}
+
+
+def plan(*argv):
+    return ("plan", list(argv))
+
+
+def probe(*argv):
+    return ("probe", list(argv))
+
+
+def tune(*argv):
+    return ("plan", [M, "--tune", "--device", "cpu", "--gpu-memory", "4", *argv])
+
+
+def config(change, *argv):
+    """Plan a config.json: LLAMA updated with ``change`` (a dict; None values delete; or a raw JSON text)."""
+    return ("config", (change, list(argv)))
+
+
+def manifest(change=None, *argv, text=None, process=False):
+    """Train a manifest: MANIFEST with sections updated by ``change`` (or raw ``text``)."""
+    return ("train-process" if process else "train", (change, text, list(argv)))
+
+
+def fsdp(**kwargs):
+    return ("fsdp", kwargs)
+
+
+def fsdp_yaml(text):
+    return ("fsdp-yaml", text)
+
+
+CASES = [
+    # -- agilerl-plan: the cluster --------------------------------------------------------------
+    (plan(M, "--gpu-memory", "0"), "--gpu-memory"),
+    (plan(M, "--gpu-memory", "-8"), "--gpu-memory"),
+    (plan(M, "--gpu-memory", "inf"), "--gpu-memory"),
+    (plan(M, "--gpu-memory", "nan"), "--gpu-memory"),
+    (plan(M, "--gpu-memory", "eighty"), "--gpu-memory"),
+    (plan(M, "--gpus", "0"), "--gpus"),
+    (plan(M, "--gpus", "-2"), "--gpus"),
+    (plan(M, "--gpus", "two"), "--gpus"),
+    (plan(M, "--gpus", "1.5"), "--gpus"),
+    (plan(M, "--gpus", "1000000000"), "--gpus"),
+    (plan(M, "--gpus-per-node", "0"), "--gpus-per-node"),
+    (plan(M, "--gpus", "12", "--gpus-per-node", "8"), "--gpus-per-node"),
+    (plan(M, "--gpus", "8", "--gpus-per-node", "3"), "--gpus-per-node"),
+    (plan(M, "--gpu", "H999"), "unknown GPU"),
+    (plan(M, "--gpu", ""), "unknown GPU"),
+    (plan(M, "--sharding", "zero3"), "--sharding"),
+    (plan(M, "--margin", "-0.1"), "--margin"),
+    (plan(M, "--margin", "1"), "--margin"),
+    (plan(M, "--margin", "1.5"), "--margin"),
+    (plan(M, "--margin", "nan"), "--margin"),
+    (plan(M, "--format", "xml"), "--format"),
+    (plan(M, "--no-such-flag"), "--no-such-flag"),
+    (plan(), "model"),
+    # -- agilerl-plan: FSDPConfig fields and their combinations -------------------------------
+    (plan(M, "--gpus", "2", "--tp", "2", "--sharding", "none"), "sharding='none'"),
+    (plan(M, "--gpus", "2", "--reshard-after-forward", "false", "--sharding", "none"), "sharding='none'"),
+    (plan(M, "--gpus", "8", "--tp", "16"), "tp=16"),
+    (plan(M, "--gpus", "8", "--tp", "3"), "tp=3"),
+    (plan(M, "--gpus", "2", "--tp", "0"), "tp"),
+    (plan(M, "--gpus", "8", "--shard-group-size", "3"), "shard_group_size"),
+    (plan(M, "--gpus", "8", "--shard-group-size", "16"), "shard_group_size"),
+    (plan(M, "--gpus", "8", "--shard-group-size", "0"), "shard_group_size"),
+    (plan(M, "--gpus", "8", "--tp", "2", "--shard-group-size", "3"), "shard_group_size"),
+    (plan(M, "--gpus", "4", "--ep", "2"), "ep=2"),
+    (plan(MOE, "--gpus", "8", "--ep", "3"), "ep=3"),
+    (plan(MOE, "--gpus", "8", "--ep", "16"), "ep=16"),
+    (plan(M, "--gpus", "4", "--ep", "2", "--tp", "2"), "ep"),
+    (plan(M, "--ep", "0"), "ep"),
+    (plan(M, "--cpu-offload", "true", "--optim-cpu-offload", "true"), "cannot both be set"),
+    (plan(M, "--param-dtype", "int8"), "param_dtype"),
+    (plan(M, "--reduce-dtype", "float64"), "reduce_dtype"),
+    (plan(M, "--prefetch-units", "0"), "prefetch_units"),
+    (plan(M, "--backward-prefetch-units", "-1"), "backward_prefetch_units"),
+    (plan(M, "--wrap-every-n-blocks", "0"), "wrap_every_n_blocks"),
+    (plan(M, "--gpus", "2", "--wrap-every-n-blocks", "25"), "wrap_every_n_blocks"),
+    (plan(M, "--checkpoint-every-n-blocks", "0"), "checkpoint_every_n_blocks"),
+    (plan(M, "--param-persistence-threshold", "-1"), "param_persistence_threshold"),
+    (plan(M, "--routed-expert-chunk-mib", "0"), "routed_expert_chunk_mib"),
+    (plan(M, "--ep-token-blocks", "0"), "ep_token_blocks"),
+    (plan(M, "--reshard-after-forward", "maybe"), "--reshard-after-forward"),
+    (plan(M, "--optim-cpu-offload", "sometimes"), "--optim-cpu-offload"),
+    (plan(M, "--checkpoint-skip-layer-types", "Qwen9DecoderLayer"), "checkpoint_skip_layer_types"),
+    # -- agilerl-plan: the workload -------------------------------------------------------------
+    (plan(M, "--prompts-per-step", "0"), "prompts_per_step"),
+    (plan(M, "--gpus", "2", "--prompts-per-step", "3"), "--prompts-per-step"),
+    (plan(M, "--group-size", "1"), "group_size"),
+    (plan(M, "--prompt-tokens", "0"), "prompt_tokens"),
+    (plan(M, "--completion-tokens", "-1"), "completion_tokens"),
+    (plan(M, "--completion-tokens", "lots"), "--completion-tokens"),
+    (plan(M, "--prompt-tokens", "30000", "--completion-tokens", "10000"), "32768"),
+    (plan(M, "--micro-batch-size-per-gpu", "0"), "micro_batch_size_per_gpu"),
+    (plan(M, "--micro-batch-size-per-gpu", "3"), "micro_batch_size_per_gpu"),
+    (plan(M, "--micro-batch-size-per-gpu", "128"), "micro_batch_size_per_gpu"),
+    (plan(M, "--logprob-chunk-size", "0"), "logprob_chunk_size"),
+    (plan(M, "--lora-rank", "0"), "lora_rank"),
+    (plan(M, "--lora-alpha", "0"), "lora_alpha"),
+    (plan(M, "--lora-targets", "no_such_proj"), "no_such_proj"),
+    (plan(M, "--lora-targets", ","), "lora_targets"),
+    (plan(M, "--beta", "-0.1"), "beta"),
+    (plan(M, "--beta", "nan"), "beta"),
+    (plan(M, "--update-epochs", "0"), "update_epochs"),
+    (plan(M, "--weights-dtype", "int8"), "--weights-dtype"),
+    (plan(M, "--generation", "sglang"), "--generation"),
+    (plan(M, "--generation", "vllm", "--vllm-gpu-memory-utilization", "0"), "vllm_gpu_memory_utilization"),
+    (plan(M, "--generation", "vllm", "--vllm-gpu-memory-utilization", "1.2"), "vllm_gpu_memory_utilization"),
+    (plan(M, "--vllm-gpu-memory-utilization", "0.5"), "generation"),
+    (plan(M, "--vllm-sleep-level", "3"), "--vllm-sleep-level"),
+    (plan(M, "--generation", "vllm", "--vllm-max-num-seqs", "0"), "vllm_max_num_seqs"),
+    (plan(M, "--generation", "vllm", "--vllm-max-model-len", "64"), "vllm_max_model_len"),
+    (plan(M, "--offload-weights-during-rollout", "true"), "generation"),
+    (plan(M, "--attn-implementation", "flex"), "--attn-implementation"),
+    (plan(M, "--gradient-checkpointing", "perhaps"), "--gradient-checkpointing"),
+    # -- agilerl-plan: the model ----------------------------------------------------------------
+    (plan(""), "model"),
+    (plan("Qwen/Qwen2.5-7"), "Did you mean"),
+    (plan("no-such-org/no-such-model"), "unknown model"),
+    (plan("./no/such/dir"), "no such file"),
+    (plan("/no/such/config.json"), "no such file"),
+    (plan("tiny:qwen9"), "tiny"),
+    (plan("tiny:qwen2?hiden_size=64"), "hiden_size"),
+    (plan("tiny:qwen2?hidden_size=abc"), "hidden_size"),
+    (plan("tiny:qwen2?hidden_size=0"), "hidden_size"),
+    (plan("tiny:qwen2?num_heads=4&num_kv_heads=3"), "num_key_value_heads"),
+    (plan("tiny:qwen2?num_layers=-1"), "num_layers"),
+    (config('{"model_type": "llama", '), "not valid JSON"),
+    (config("[1, 2]"), "model_type"),
+    (config({"model_type": None}), "model_type"),
+    (config({"model_type": "llama", "hidden_size": None, "intermediate_size": None, "num_hidden_layers": None,
+             "num_attention_heads": None, "num_key_value_heads": None, "vocab_size": None}), "hidden_size"),
+    (config({"hidden_size": None}), "hidden_size"),
+    (config({"num_hidden_layers": None}), "num_hidden_layers"),
+    (config({"vocab_size": None}), "vocab_size"),
+    (config({"num_key_value_heads": 3}), "num_key_value_heads"),
+    (config({"num_attention_heads": 5}), "num_attention_heads"),
+    (config({"hidden_size": "64"}), "hidden_size"),
+    (config({"num_hidden_layers": 0}), "num_hidden_layers"),
+    (config({"model_type": "no_such_arch"}), "no_such_arch"),
+    (config({"model_type": "bert", "architectures": ["BertForMaskedLM"]}), "bert"),
+    (config({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}), "t5"),
+    (config({"architectures": ["LlamaForSequenceClassification"]}), "LlamaForSequenceClassification"),
+    (plan(M, "--output", "/no/such/dir/plan.yaml"), "--output"),
+    (plan(M, "--output", "{tmp}"), "--output"),
+    # -- agilerl-plan --tune ----------------------------------------------------------------------
+    (tune("--storage", ""), "--storage"),
+    (tune("--storage", "   "), "--storage"),
+    (tune("--storage", "postgres:/no-slashes"), "--storage"),
+    (tune("--storage", "/no/such/dir/tune.db"), "--storage"),
+    (tune("--storage", "{tmp}"), "--storage"),
+    (tune("--storage", "nosuchdriver://host/db"), "--storage"),
+    (tune("--trials", "0"), "--trials"),
+    (tune("--trials", "-3"), "--trials"),
+    (tune("--timeout", "0"), "--timeout"),
+    (tune("--trial-timeout", "-1"), "--trial-timeout"),
+    (tune("--timed-steps", "0"), "--timed-steps"),
+    (tune("--confirm", "-1"), "--confirm"),
+    (tune("--heartbeat-interval", "0"), "--heartbeat-interval"),
+    (tune("--study-name", ""), "--study-name"),
+    # -- agilerl-plan probe -------------------------------------------------------------------------
+    (probe(TINY, "--device", "cpu", "--gpus", "0"), "--gpus"),
+    (probe(TINY, "--device", "cpu", "--budget-gib", "0"), "--budget-gib"),
+    (probe(TINY, "--device", "cpu", "--budget-gib", "-1"), "--budget-gib"),
+    (probe(TINY, "--device", "cpu", "--budget-gib", "nan"), "--budget-gib"),
+    (probe(TINY, "--device", "cpu", "--timeout", "0"), "--timeout"),
+    (probe(TINY, "--device", "cpu", "--timed-steps", "-1"), "--timed-steps"),
+    (probe(TINY, "--device", "cpu", "--gpus", "2", "--tp", "3"), "tp=3"),
+    (probe(TINY, "--device", "cpu", "--no-fsdp", "--tp", "2"), "--no-fsdp"),
+    (probe(TINY, "--device", "cpu", "--gpus", "3", "--prompts-per-step", "2", "--group-size", "2"), "split"),
+    (probe(TINY, "--device", "cpu", "--group-size", "1"), "group_size"),
+    (probe("no-such-org/no-such-model", "--device", "cpu"), "no-such-org/no-such-model"),
+    (probe("./no/such/dir", "--device", "cpu"), "no such file"),
+    (probe("tiny:qwen9", "--device", "cpu"), "tiny"),
+    (probe("tiny:qwen2?hiden_size=64", "--device", "cpu"), "hiden_size"),
+    (probe(TINY, "--device", "tpu"), "--device"),
+    (probe(TINY, "--device", "cpu", "--gpus", "3", "--nnodes", "2"), "--nnodes"),
+    (probe(TINY, "--device", "cpu", "--gpus", "2", "--rdzv-endpoint", "host:29500"), "--rdzv-endpoint"),
+    (probe(TINY, "--device", "cpu", "--nnodes", "0"), "--nnodes"),
+    (probe(TINY, "--device", "cpu", "--timed-steps", "0"), "--timed-steps"),
+    # -- python -m agilerl.train ----------------------------------------------------------------------
+    (("train-missing", None), "no such manifest"),
+    (manifest(text="algorithm: [\n"), "not valid YAML"),
+    (manifest(text="- 1\n- 2\n"), "mapping"),
+    (manifest({"algorithm": {"model_name": None}}), "model_name"),
+    (manifest({"algorithm": {"lr": -1}}), "lr"),
+    (manifest({"algorithm": {"name": "PPO2"}}), "name"),
+    (manifest({"algorithm": {"group_size": 1}}), "group_size"),
+    (manifest({"algorithm": {"fsdp": "sometimes"}}), "fsdp"),
+    (manifest({"algorithm": {"fsdp": {"tp": 0}}}), "tp"),
+    (manifest({"algorithm": {"fsdp": {"ep": 2, "tp": 2}}}), "ep"),
+    (manifest({"algorithm": {"logprob_chunk_size": 0}}), "logprob_chunk_size"),
+    (manifest({"algorithm": {"offload_weights_during_rollout": True}}), "vllm"),
+    (manifest({"training": {"rollout_batch_size": 3, "training_gpus_per_agent": 2}}), "rollout_batch_size"),
+    (manifest({"training": {"max_steps": 0}}), "max_steps"),
+    (manifest({"training": {"checkpoint_interval": 0}}), "checkpoint_interval"),
+    (manifest({"extra_section": {}}), "extra_section"),
+    (manifest({"environment": {"operators": "/"}}), "operators"),
+    (manifest({"lora": {"dropout": 1.0}}), "dropout"),
+    (manifest(None, "--max-steps", "0"), "--max-steps"),
+    (manifest(None, "--device", "tpu"), "--device"),
+    (manifest({"training": {"training_gpus_per_agent": 2}}, process=True), "torchrun"),
+    (manifest({"algorithm": {"fsdp": True}}, process=True), "torchrun"),
+    (manifest({"algorithm": {"model_name": "./no/such/model"}}, process=True), "no/such/model"),
+    (manifest({"algorithm": {"model_name": "no-such-org/no-such-model"}}, process=True), "no-such-org/no-such-model"),
+    (manifest({"algorithm": {"model_name": "tiny:qwen9"}}, process=True), "qwen9"),
+    (manifest({"algorithm": {"model_name": "tiny:qwen2?hiden_size=64"}}, process=True), "hiden_size"),
+    (manifest({"algorithm": {"model_name": "tiny:qwen2?num_heads=4&num_kv_heads=3"}}, process=True),
+     "num_key_value_heads"),
+    # -- FSDPConfig -------------------------------------------------------------------------------
+    (fsdp(ep=2, tp=2), "ep"),
+    (fsdp(checkpoint_skip_layer_types=5), "checkpoint_skip_layer_types"),
+    (fsdp(checkpoint_skip_layer_types=[1, 2]), "checkpoint_skip_layer_types"),
+    (fsdp(param_dtype="int8"), "param_dtype"),
+    (fsdp(param_dtype=5), "param_dtype"),
+    (fsdp(reduce_dtype=None), "reduce_dtype"),
+    (fsdp(prefetch_units=0), "prefetch_units"),
+    (fsdp(cpu_offload=True, optim_cpu_offload=True), "cannot both be set"),
+    (fsdp(no_such_field=1), "no_such_field"),
+    (fsdp(shard_group_size=0), "shard_group_size"),
+    (fsdp(tp=0), "tp"),
+    (fsdp(reshard_after_forward="maybe"), "reshard_after_forward"),
+    (fsdp(wrap_every_n_blocks=1.5), "wrap_every_n_blocks"),
+    (fsdp(ep_token_blocks=0), "ep_token_blocks"),
+    (fsdp(routed_expert_chunk_mib=0), "routed_expert_chunk_mib"),
+    (fsdp(ep=2, ep_token_blocks=2, tp=4), "ep"),
+    (fsdp_yaml("- a\n- b\n"), "mapping"),
+    (fsdp_yaml("tp: [\n"), "YAML"),
+    (fsdp_yaml("tp: two\n"), "tp"),
+]
+
+
+def _case_id(case) -> str:
+    (kind, payload), _ = case
+    return f"{kind}:{json.dumps(payload, default=str)[:80]}"
+
+
+def _write_config(tmp: Path, change) -> Path:
+    path = tmp / "config.json"
+    if isinstance(change, str):
+        path.write_text(change)
+        return path
+    data = dict(LLAMA)
+    for key, value in change.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _write_manifest(tmp: Path, change, text) -> Path:
+    path = tmp / "manifest.yaml"
+    if text is not None:
+        path.write_text(text)
+        return path
+    data = json.loads(json.dumps(MANIFEST))
+    for section, fields in (change or {}).items():
+        target = data.setdefault(section, {})
+        for key, value in fields.items():
+            if value is None:
+                target.pop(key, None)
+            else:
+                target[key] = value
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _in_process(main, argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _subprocess(argv, tmp: Path) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=tmp, env=env)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_bad_input_is_one_clear_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
+    (kind, payload), expect = case
+    monkeypatch.chdir(tmp_path)  # a tuner's default storage file, if any, lands here
+    if kind == "fsdp":
+        with pytest.raises(ValueError) as err:
+            FSDPConfig(**payload)
+        assert expect.lower() in str(err.value).lower()
+        return
+    if kind == "fsdp-yaml":
+        with pytest.raises(ValueError) as err:
+            FSDPConfig.from_yaml(payload)
+        assert expect.lower() in str(err.value).lower()
+        return
+
+    from agilerl.train import main as train_main
+    from planner.cli import main as plan_main
+
+    if kind in ("plan", "probe"):
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in payload]
+        code, out, err = _in_process(plan_main, (["probe"] if kind == "probe" else []) + argv, capsys)
+    elif kind == "config":
+        change, argv = payload
+        code, out, err = _in_process(plan_main, [str(_write_config(tmp_path, change)), *argv], capsys)
+    elif kind == "train-missing":
+        code, out, err = _in_process(train_main, [str(tmp_path / "missing.yaml")], capsys)
+    elif kind == "train":
+        change, text, argv = payload
+        code, out, err = _in_process(train_main, [str(_write_manifest(tmp_path, change, text)), *argv], capsys)
+    elif kind == "train-process":
+        change, text, argv = payload
+        path = _write_manifest(tmp_path, change, text)
+        code, out, err = _subprocess(["-m", "agilerl.train", str(path), "--device", "cpu", *argv], tmp_path)
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, f"exit {code}; stderr:\n{err}\nstdout:\n{out[-2000:]}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert "error:" in lines[0], lines[0]
+    assert expect.lower() in lines[0].lower(), f"{expect!r} not in: {lines[0]}"
+    assert out == "", f"nothing on stdout for bad input, got:\n{out[-2000:]}"
