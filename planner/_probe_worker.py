@@ -28,10 +28,13 @@ def _write(out_dir: Path, rank: int, payload: dict) -> None:
 
 
 def main() -> None:
+    from planner._lifetime import die_with_parent
+
+    die_with_parent()  # the launcher (torchrun) dying, even by SIGKILL, ends this rank
     request = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", 0))
-    result: dict = {"rank": rank, "phases": {}, "ok": False, "oom": False, "oom_phase": None, "error": None}
+    result: dict = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", 0)), "phases": {}, "ok": False, "oom": False, "oom_phase": None, "error": None}
     current = {"phase": "load"}
     try:
         _run(request, result, current, out_dir)

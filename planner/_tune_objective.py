@@ -66,7 +66,9 @@ class Objective:
     ``probe`` runs one :class:`ProbeRequest` (``planner.probe.run_probe`` or a fake);
     ``request`` is the template every launch copies (model, ranks, device, budget,
     timeouts); ``previous(key)`` returns an earlier finished trial's user
-    attributes for a candidate key, or None.
+    attributes for a candidate key, or None. ``claim(trial, key)``, with workers
+    sharing the study, returns once no other running trial is measuring ``key``
+    (so ``previous`` then has its result) and says whether a launch slot is left.
     """
 
     def __init__(
@@ -80,11 +82,12 @@ class Objective:
         request: ProbeRequest,
         probe: Callable[[ProbeRequest], Measurement],
         previous: Callable[[str], dict[str, Any] | None] | None = None,
+        claim: Callable[[Any, str], bool] | None = None,
     ) -> None:
         if not 0 <= margin_fraction < 1:
             raise ValueError(f"margin_fraction must be in [0, 1), got {margin_fraction}")
         self.space, self.spec, self.cluster, self.coefficients = space, spec, cluster, coefficients
-        self.request, self.probe, self.previous = request, probe, previous
+        self.request, self.probe, self.previous, self.claim = request, probe, previous, claim
         self.budget_bytes = cluster.gpu.memory_bytes
         self.limit_bytes = int(self.budget_bytes * (1 - margin_fraction))
 
@@ -97,6 +100,15 @@ class Objective:
                            "limit_bytes": self.limit_bytes, "launched": False}.items():
             trial.set_user_attr(key, value)
         earlier = self.previous(candidate.key) if self.previous and not confirming else None
+        if earlier is None and self.claim is not None and not confirming:
+            # Workers sharing the study: wait out another worker's run of this candidate, then reuse it.
+            if not self.claim(trial, candidate.key):
+                import optuna
+
+                trial.set_user_attr("status", "not_launched")
+                trial.set_user_attr("why", "the study's launch budget was used up by other workers meanwhile")
+                raise optuna.TrialPruned()
+            earlier = self.previous(candidate.key) if self.previous else None
         if earlier is not None:
             return self._repeat(trial, earlier)
         if est.peak_bytes > self.budget_bytes:  # the gate of admits()

@@ -3,6 +3,7 @@ calibrate, and turn the best measured trial into a :class:`~planner.choose.Plan`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -26,11 +27,13 @@ from ._tune_storage import (
     storage_url,
 )
 from ._tune_study import (
+    check_fingerprint,
     create_study,
     earlier_result,
     enqueue_confirmations,
     enqueue_planner_pick,
     finished,
+    launch_claim,
     launched_trials,
     measured_by_key,
     median_tokens,
@@ -213,15 +216,19 @@ def tune(
     killed = kill_orphans()
     if killed:
         say(f"killed {len(killed)} process(es) left behind by a tuner that died: {killed}")
-    store = open_storage(storage or "memory", heartbeat_interval_s=heartbeat_interval_s)
-    name = study_name or default_study_name(model, {
-        "model": model, "cluster": cluster.model_dump(mode="json"), "workload": workload.model_dump(mode="json"),
-        "fixed": fixed, "sharding": sharding, "device": device, "margin": margin_fraction, "generate": generate})
+    store = open_storage("memory" if storage is None else storage, heartbeat_interval_s=heartbeat_interval_s)
+    parts = {"model": model, "cluster": cluster.model_dump(mode="json"), "workload": workload.model_dump(mode="json"),
+             "fixed": fixed, "sharding": sharding, "device": device, "margin": margin_fraction, "generate": generate}
+    if study_name is not None and not study_name.strip():
+        raise ValueError("--study-name is empty: give a name, or leave it out for one derived from the run")
+    name = study_name or default_study_name(model, parts)
     study = create_study(storage=store, study_name=name, seed=seed,
                          n_startup_trials=max(1, min(10, max_trials // 3)))
+    spec_digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
+    check_fingerprint(study, {**parts, "spec": spec_digest, "timed_steps": timed_steps})
     stale = [t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") is None
              and t.state.name == "FAIL"]
-    url = storage_url(storage or "memory")
+    url = storage_url("memory" if storage is None else storage)
     where = "memory" if url is None else redact(url)
     say(f"study {name!r} in {where}: {len(launched_trials(study))} trial(s) measured before"
         + (f"; trial(s) {stale} lost their tuner mid-run and are FAIL" if stale else ""))
@@ -230,7 +237,9 @@ def tune(
                   margin_fraction=margin_fraction)
     if enqueue_planner_pick(study, plan_params(space, picked) if picked.fits else None):
         say("the planner's pick is the first trial")
-    request = ProbeRequest(model=probe_model(model), workload=workload, nproc=cluster.num_gpus, device=device,
+    # A cluster of several nodes is emulated on this host: one torchrun agent per node, c10d rendezvous.
+    request = ProbeRequest(model=probe_model(model), workload=workload, nproc=cluster.num_gpus,
+                           nnodes=cluster.num_nodes, device=device,
                            generate=generate, memory_budget_bytes=cluster.gpu.memory_bytes,
                            timeout_s=trial_timeout_s, timed_steps=timed_steps)
     if probe is None:
@@ -248,7 +257,8 @@ def tune(
 
     objective = Objective(space=space, spec=spec, cluster=cluster, coefficients=coefficients,
                           margin_fraction=margin_fraction, request=request, probe=launch,
-                          previous=earlier_result(study))
+                          previous=earlier_result(study),
+                          claim=launch_claim(study, store, max_launches=max_trials - max(0, min(confirm, max_trials // 4))))
 
     def on_trial(frozen: Any) -> None:
         done = finished(study)

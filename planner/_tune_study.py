@@ -12,6 +12,7 @@ pick against one lucky, noisy run.
 
 from __future__ import annotations
 
+import json
 import signal
 import statistics
 import threading
@@ -21,13 +22,107 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ._lifetime import identity, is_gone
 from ._tune_objective import CONSTRAINT_KEY, Objective
 from ._tune_storage import heartbeat
 
-__all__ = ["create_study", "enqueue_planner_pick", "enqueue_confirmations", "run_trials", "launched_trials",
+__all__ = ["create_study", "FINGERPRINT_KEY", "OWNER_KEY", "check_fingerprint", "fail_orphaned_trials", "launch_claim", "enqueue_planner_pick", "enqueue_confirmations", "run_trials", "launched_trials",
            "finished", "measured_by_key", "StopReason"]
 
 StopReason = str
+
+
+#: A trial's user attribute naming the tuner process that runs it (planner._lifetime.identity).
+OWNER_KEY = "owner"
+
+#: The study's user attribute that records what its measurements belong to.
+FINGERPRINT_KEY = "fingerprint"
+
+
+def _differences(recorded: Any, wanted: Any, where: str = "") -> list[str]:
+    if isinstance(recorded, dict) and isinstance(wanted, dict):
+        out: list[str] = []
+        for key in sorted(set(recorded) | set(wanted)):
+            out += _differences(recorded.get(key), wanted.get(key), f"{where}.{key}" if where else key)
+        return out
+    return [] if recorded == wanted else [f"{where} ({recorded!r} in the study, {wanted!r} now)"]
+
+
+def check_fingerprint(study: Any, fingerprint: dict[str, Any]) -> None:
+    """Record what the study measures (model spec, workload, cluster, fixed fields), or refuse
+    to resume it for anything else: raise ValueError naming the differences.
+
+    Measurements of one model's configs say nothing about another's: a study
+    resumed for the wrong run would emit the other run's measured peak and
+    throughput as this run's tuned plan.
+    """
+    wanted = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+    recorded = study.user_attrs.get(FINGERPRINT_KEY)
+    if recorded is None:
+        if study.get_trials(deepcopy=False):
+            raise ValueError(f"study {study.study_name!r} has trials but no record of the run they measured "
+                             "(made by an older version): give a new --study-name")
+        study.set_user_attr(FINGERPRINT_KEY, wanted)
+        return
+    diff = _differences(recorded, wanted)
+    if diff:
+        shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+        raise ValueError(f"study {study.study_name!r} was built for another run, so its measurements do not "
+                         f"apply here: {shown}. Give a new --study-name, or leave it out for one derived from "
+                         "the run")
+
+
+def fail_orphaned_trials(study: Any, storage: Any) -> list[int]:
+    """Mark FAIL, now, every RUNNING trial whose tuner on this host is dead; their numbers.
+
+    Trials of tuners elsewhere are left to the heartbeat's grace period.
+    """
+    import optuna
+
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if is_gone(t.user_attrs.get(OWNER_KEY)):
+            try:
+                storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL)
+            except RuntimeError:  # finished meanwhile (another worker got there first)
+                continue
+            failed.append(t.number)
+    return failed
+
+
+def launch_claim(study: Any, storage: Any, *, max_launches: int, poll_s: float = 1.0) -> Callable[[Any, str], bool]:
+    """``claim(trial, key)`` for :class:`~planner._tune_objective.Objective` with workers sharing a study.
+
+    A trial measuring ``key`` goes ahead only when no lower-numbered RUNNING
+    trial has the same key: it waits for that one (whose result it then reuses)
+    instead of launching the same candidate twice. Waiting only on lower numbers
+    cannot deadlock. A trial of a dead worker stops blocking at once (its owner
+    is checked on every poll) or after the heartbeat grace (another host's).
+    The claim is False when the launches finished or in flight on lower-numbered
+    trials already reach ``max_launches``.
+    """
+    import optuna
+
+    running = (optuna.trial.TrialState.RUNNING,)
+
+    def claim(trial: Any, key: str) -> bool:
+        while True:
+            ahead = [t for t in study.get_trials(deepcopy=False, states=running)
+                     if t.number < trial.number and t.user_attrs.get("key") == key]
+            if not ahead:
+                break
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
+            fail_orphaned_trials(study, storage)
+            time.sleep(poll_s)
+        trials = study.get_trials(deepcopy=False)
+        launched = sum(1 for t in trials if t.user_attrs.get("launched") and (
+            t.state == optuna.trial.TrialState.COMPLETE
+            or (t.state == optuna.trial.TrialState.RUNNING and t.number < trial.number)))
+        return launched < max_launches
+
+    return claim
 
 
 def create_study(*, storage: Any, study_name: str, seed: int | None, n_startup_trials: int) -> Any:
@@ -51,6 +146,7 @@ def create_study(*, storage: Any, study_name: str, seed: int | None, n_startup_t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    fail_orphaned_trials(study, storage)
     return study
 
 
@@ -185,12 +281,20 @@ def run_trials(
             if not queued and repeats >= patience:
                 return f"the sampler proposed only repeats {patience} times in a row"
             with warnings.catch_warnings():
-                # Heartbeats are recorded here, beside the probe, not by Study.optimize.
+                # Heartbeats are recorded here, beside the probe, not by Study.optimize (which would
+                # also fail stale trials: done here, with the trials of dead tuners on this host).
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
+                fail_orphaned_trials(study, storage)
                 trial = study.ask()
+            trial.set_user_attr(OWNER_KEY, identity())  # a rerun fails it at once if this tuner dies
             try:
                 with heartbeat(storage, trial._trial_id):
                     value = objective(trial)
+            except optuna.TrialPruned:  # not launched: the launch budget went to other workers
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
             except KeyboardInterrupt:
                 trial.set_user_attr("status", "interrupted")
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)

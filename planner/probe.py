@@ -21,10 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agilerl.distributed import FSDPConfig
 
+from ._lifetime import die_with_parent
 from .names import COMPONENTS, PHASES
 from .workload import Workload
 
@@ -38,7 +39,15 @@ class ProbeRequest(BaseModel):
     model: Annotated[str, Field(description="Model directory, hub id, or built-in tiny model ('tiny:qwen2?...').")]
     workload: Workload = Workload()
     fsdp: Annotated[FSDPConfig | None, Field(description="Sharding settings; None trains unsharded.")] = None
-    nproc: Annotated[int, Field(ge=1, description="Ranks to launch (GPUs, or CPU processes).")] = 1
+    nproc: Annotated[int, Field(ge=1, description="Ranks to launch (GPUs, or CPU processes), on all nodes together.")] = 1
+    nnodes: Annotated[
+        int, Field(ge=1, description="Nodes the ranks span (nproc / nnodes each). Without rdzv_endpoint every node "
+                                     "is a torchrun agent on this host, joined by c10d rendezvous.")
+    ] = 1
+    rdzv_endpoint: Annotated[
+        str | None, Field(description="HOST:PORT of the c10d rendezvous of a real multi-node probe: run the probe "
+                                      "on every node with the same endpoint; each node reports its own ranks.")
+    ] = None
     device: Annotated[Literal["cpu", "cuda"], Field(description="Where the ranks compute.")] = "cpu"
     generate: Annotated[bool, Field(description="Also measure one real Hugging Face generation.")] = False
     save: Annotated[bool, Field(description="Also measure a checkpoint save.")] = False
@@ -50,9 +59,22 @@ class ProbeRequest(BaseModel):
     seed: int = 0
     collective_timeout_s: Annotated[int, Field(ge=10, description="torch.distributed timeout inside the ranks.")] = 120
 
+    @model_validator(mode="after")
+    def _nodes(self) -> ProbeRequest:
+        if self.nproc % self.nnodes:
+            raise ValueError(f"nproc={self.nproc} ranks do not split evenly over nnodes={self.nnodes} nodes")
+        if self.rdzv_endpoint is not None and self.nnodes == 1:
+            raise ValueError("rdzv_endpoint is for a probe across nodes: give nnodes > 1")
+        return self
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.nproc // self.nnodes
+
 
 class RankMeasurement(BaseModel):
     rank: int
+    node: int = 0  # torchrun's GROUP_RANK
     phases: dict[str, dict[str, int]] = {}
     step_seconds: list[float] = []
     param_bytes: dict[str, int] = {}
@@ -118,6 +140,15 @@ class Measurement(BaseModel):
         return max((rec.get("host_peak", 0) for r in self.ranks for rec in r.phases.values()), default=0)
 
     @property
+    def host_per_node_bytes(self) -> int:
+        """The largest node's host memory: the sum of its ranks' host peaks."""
+        nodes: dict[int, int] = {}
+        for r in self.ranks:
+            nodes[r.node] = nodes.get(r.node, 0) + max((rec.get("host_peak", 0) for rec in r.phases.values()),
+                                                       default=0)
+        return max(nodes.values(), default=0)
+
+    @property
     def step_seconds(self) -> list[float]:
         # A step ends when the slowest rank ends.
         per_step = zip(*(r.step_seconds for r in self.ranks)) if self.ranks else []
@@ -143,7 +174,8 @@ class Measurement(BaseModel):
         return {
             "ok": self.ok, "fits": self.fits, "failure": self.failure, "oom": self.oom, "oom_phase": self.oom_phase,
             "over_budget_phases": self.over_budget_phases, "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase,
-            "host_peak_bytes": self.host_peak_bytes, "step_seconds_median": self.step_seconds_median,
+            "host_peak_bytes": self.host_peak_bytes, "host_per_node_bytes": self.host_per_node_bytes,
+            "step_seconds_median": self.step_seconds_median,
             "step_seconds_spread": self.step_seconds_spread, "tokens_per_second": self.tokens_per_second,
         }
 
@@ -175,7 +207,8 @@ def _format_table(m: Measurement) -> str:
                 continue
             cells = "".join(f"{_mib(rec.get(c, 0)):>15}" for c in components)
             lines.append(f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}")
-    lines.append(f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB")
+    lines.append(f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB"
+                 f" per rank, {_mib(m.host_per_node_bytes)} MiB per node")
     imbalance = m.moe_load_imbalance
     if imbalance is not None:
         busiest = max(r.moe_rows["max_block"] for r in m.ranks if r.moe_rows)
@@ -190,11 +223,30 @@ def _format_table(m: Measurement) -> str:
     return "\n".join(lines)
 
 
-def _command(request: ProbeRequest, request_path: Path, out_dir: Path) -> list[str]:
+def _commands(request: ProbeRequest, request_path: Path, out_dir: Path) -> list[list[str]]:
+    """One launcher per node this host runs: the ranks themselves, one torchrun, or (emulated nodes) one
+    torchrun agent per node joined by c10d rendezvous on localhost."""
     worker = ["-m", "planner._probe_worker", str(request_path), str(out_dir)]
     if request.nproc == 1 and request.fsdp is None:
-        return [sys.executable, *worker]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={request.nproc}", *worker]
+        return [[sys.executable, *worker]]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if request.nnodes == 1:
+        return [[*run, "--standalone", f"--nproc_per_node={request.nproc}", *worker]]
+    nodes = [f"--nnodes={request.nnodes}", f"--nproc_per_node={request.nproc_per_node}", "--rdzv-backend=c10d"]
+    if request.rdzv_endpoint is not None:  # a real node of a multi-node probe
+        return [[*run, *nodes, f"--rdzv-endpoint={request.rdzv_endpoint}", "--rdzv-id=agilerl-probe", *worker]]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    rdzv_id = f"agilerl-probe-{os.getpid()}-{time.monotonic_ns()}"
+    return [[*run, *nodes, f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--node-rank={i}",
+             "--local-addr=127.0.0.1", *worker] for i in range(request.nnodes)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -255,37 +307,37 @@ def run_probe(
     start = time.monotonic()
     say(f"launching {request.nproc} rank(s) on {request.device}")
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(_command(request, request_path, out_dir), stdout=log, stderr=subprocess.STDOUT,
-                                env=run_env, start_new_session=True)
+        parent = os.getpid()
+        procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True,
+                                  preexec_fn=lambda: die_with_parent(parent))  # kill -9 of us takes them too
+                 for cmd in _commands(request, request_path, out_dir)]
         failure: str | None = None
         failed_at: float | None = None
         try:
-            while proc.poll() is None:
+            while any(p.poll() is None for p in procs):
                 now = time.monotonic()
                 if now - start > request.timeout_s:
                     failure = f"timed out after {request.timeout_s:.0f}s"
-                    _kill_group(proc)
                     break
-                if failed_at is None and any(_failed(p) for p in out_dir.glob("rank*.json")):
+                if failed_at is None and (any(_failed(p) for p in out_dir.glob("rank*.json"))
+                                          or any(p.poll() not in (None, 0) for p in procs)):
                     failed_at = now
                     say("a rank failed; stopping the others")
                 if failed_at is not None and now - failed_at > failure_grace_s:
-                    _kill_group(proc)
                     break
                 time.sleep(0.1)
-        except BaseException:
-            _kill_group(proc)
-            raise
         finally:
-            _kill_group(proc)  # nothing of the launch outlives the probe
-            proc.wait()
+            for p in procs:
+                _kill_group(p)  # nothing of the launch outlives the probe
+                p.wait()
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
     wall = time.monotonic() - start
     tail = log_path.read_text(errors="replace")[-3000:]
     ranks = []
     for path in sorted(out_dir.glob("rank*.json")):
         data = json.loads(path.read_text())
         ranks.append(RankMeasurement(
-            rank=data["rank"], phases=data.get("phases", {}), step_seconds=data.get("step_seconds", []),
+            rank=data["rank"], node=data.get("node", 0), phases=data.get("phases", {}), step_seconds=data.get("step_seconds", []),
             param_bytes=data.get("param_bytes", {}), load_seconds=data.get("load_seconds"), error=data.get("error"),
             oom=data.get("oom", False), oom_phase=data.get("oom_phase"), moe_rows=data.get("moe_rows", {}),
         ))
@@ -293,10 +345,11 @@ def run_probe(
     ranks.sort(key=lambda r: r.rank)
     oom = any(r.oom for r in ranks)
     oom_phase = next((r.oom_phase for r in ranks if r.oom), None)
-    complete = len(ranks) == request.nproc and all(r.error is None for r in ranks)
+    expected = request.nproc_per_node if request.rdzv_endpoint is not None else request.nproc
+    complete = len(ranks) == expected and all(r.error is None for r in ranks)
     if failure is None and not complete:
         errors = [f"rank {r.rank}: {r.error.strip().splitlines()[-1]}" for r in ranks if r.error]
-        failure = "; ".join(errors) if errors else f"worker exited with {proc.returncode} without a result"
+        failure = "; ".join(errors) if errors else f"worker exited with {returncode} without a result"
         failure += f"\n--- worker output (tail) ---\n{tail}"
     elif failure is not None:
         failure += f"\n--- worker output (tail) ---\n{tail}"

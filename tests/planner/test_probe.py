@@ -179,3 +179,76 @@ def test_gradients_earlier_micro_batches_left_unsharded_are_counted(wrap):
     full_lora_fp32 = _expected_local_bytes(1)[0]["lora"]
     learn = max(r.phases["learn"]["gradients"] for r in m.ranks)
     assert learn >= full_lora_fp32  # 2 completions a rank, micro-batch 1: the second holds the first's
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries ``AGILERL_TEST_MARK=mark`` (inherited by all descendants)."""
+    import os
+    from pathlib import Path
+
+    needle = f"AGILERL_TEST_MARK={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_the_probe_command_leaves_no_process_within_2_s():
+    """SIGKILL gives the CLI no chance to clean up: the kernel's parent-death signal must (torchrun, then ranks)."""
+    import os
+    import sys
+    import uuid
+    from pathlib import Path
+
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "AGILERL_TEST_MARK": mark, "AGILERL_PROBE_STALL": "0:learn",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "planner.cli", "probe", MODEL, "--gpus", "2", "--device", "cpu", "--timed-steps", "1",
+           "--prompts-per-step", "2", "--group-size", "2", "--prompt-tokens", "8", "--completion-tokens", "8",
+           "--weights-dtype", "float32", "--lora-rank", "4", "--param-dtype", "float32"]
+    cli = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 150
+        while len(_marked(mark)) < 4:  # the CLI, torchrun and both ranks are up
+            assert time.monotonic() < deadline and cli.poll() is None, "the probe never started its ranks"
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        cli.kill()
+        cli.wait()
+    killed_at = time.monotonic()
+    while _marked(mark) and time.monotonic() - killed_at < 2.0:
+        time.sleep(0.05)
+    left = _marked(mark)
+    for pid in left:  # do not leave them to the rest of the suite
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes outlived kill -9 of agilerl-plan probe by 2 s: {left}"
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_of_two_ranks_shard_within_a_node_and_report_host_memory_per_node():
+    """Two torchrun agents on this host (c10d rendezvous, --nnodes=2): HSDP with shard_group_size = ranks
+    per node shards each weight over the 2 ranks of a node and replicates it across the nodes."""
+    fsdp = FSDPConfig(**SHARD_ALL, shard_group_size=2)
+    m = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=fsdp, nproc=4, nnodes=2, timed_steps=1))
+    assert m.ok, m.failure
+    assert [(r.rank, r.node) for r in m.ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    expected = _expected_local_bytes(2)  # a shard group is one node's 2 ranks
+    for r in m.ranks:
+        assert r.param_bytes["weights"] == expected[r.rank % 2]["weights"]
+        assert r.param_bytes["lora"] == expected[r.rank % 2]["lora"]
+    host = {node: sum(max(rec.get("host_peak", 0) for rec in r.phases.values()) for r in m.ranks if r.node == node)
+            for node in (0, 1)}
+    assert all(v > 0 for v in host.values())
+    assert m.host_per_node_bytes == max(host.values()) > m.host_peak_bytes
+    with pytest.raises(ValueError, match="do not split evenly"):
+        ProbeRequest(model=MODEL, nproc=3, nnodes=2)

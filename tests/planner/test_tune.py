@@ -360,6 +360,29 @@ def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spe
     assert result.num_launched == 4
 
 
+
+def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
+    cluster = cpu_cluster(64 * MIB)
+    storage = str(tmp_path / "study.db")
+    common = dict(spec=spec, model=MODEL, cluster=cluster, fixed=SHARD_ALL, coefficients=None, storage=storage,
+                  study_name="named", seed=0, calibration=False, confirm=0)
+    first = FakeProbe(spec, cluster)
+    tune(**common, workload=SMALL, max_trials=1, probe=first)
+    other = FakeProbe(spec, cluster)
+    longer = SMALL.model_copy(update={"prompt_tokens": 16})
+    with pytest.raises(ValueError, match=r"built for another run.*workload\.prompt_tokens \(8 in the study, 16 now\)"):
+        tune(**common, workload=longer, max_trials=2, probe=other)
+    other_spec = load_model_spec("tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=3")
+    with pytest.raises(ValueError, match=r"built for another run.*spec"):
+        tune(**{**common, "spec": other_spec}, workload=SMALL, max_trials=2, probe=other)
+    with pytest.raises(ValueError, match=r"cluster\.gpu\.memory_bytes"):
+        tune(**{**common, "cluster": cpu_cluster(32 * MIB)}, workload=SMALL, max_trials=2, probe=other)
+    assert other.requests == []  # nothing launched for the wrong run
+    tune(**common, workload=SMALL, max_trials=2, probe=other)  # the same run resumes
+    assert len(other.requests) == 1
+    with pytest.raises(ValueError, match="--storage is empty"):
+        tune(**{**common, "storage": ""}, workload=SMALL, max_trials=1, probe=other)
+
 @pytest.mark.timeout(120)
 def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(spec):
     cluster = cpu_cluster(64 * MIB, num_gpus=1)  # unsharded only: 3 micro-batches x checkpointing on/off
@@ -536,7 +559,7 @@ def _owned_by(pid: int) -> list[int]:
 def test_a_tuner_killed_mid_trial_resumes_without_rerunning_or_orphans(tmp_path):
     db = tmp_path / "tune.db"
     cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "3", "--storage", str(db), "--study-name", "s",
-           "--device", "cpu", "--timed-steps", "1", "--heartbeat-interval", "1", "--seed", "0", "--no-calibration"]
+           "--device", "cpu", "--timed-steps", "1", "--seed", "0", "--no-calibration"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     log = tmp_path / "first.log"
     with log.open("w") as out:
@@ -558,11 +581,16 @@ def test_a_tuner_killed_mid_trial_resumes_without_rerunning_or_orphans(tmp_path)
             if done and running and _owned_by(first.pid):
                 break
     finally:
-        first.kill()  # SIGKILL: no chance to clean up; the next tuner must
+        first.kill()  # SIGKILL: no chance to clean up
         first.wait()
+    killed_at = time.monotonic()
+    while _owned_by(first.pid) and time.monotonic() - killed_at < 2.0:
+        time.sleep(0.05)
+    assert not _owned_by(first.pid), "the killed tuner's probe outlived it by more than 2 s"
     [measured_before] = done
     killed_number = running[0].number
-    time.sleep(4.5)  # past the heartbeat grace period (3 intervals; SQLite's clock counts whole seconds)
+    # No wait for the heartbeat's grace (30 s at the default 10 s interval): the rerun sees the
+    # trial's owner is dead (pid, start time, boot id) and fails it at once.
     second = subprocess.run(cmd + ["--format", "json"], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert not _owned_by(first.pid), "the killed tuner's probe outlived it"
@@ -620,3 +648,74 @@ def test_a_crashed_rank_is_an_infeasible_trial_and_the_study_goes_on(spec, monke
     assert result.best is None and result.best_plan is None
     assert any("crashed" in line for line in seen)
 
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    from tests._postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_two_workers_share_a_postgres_study_and_one_killed_leaves_the_other_to_finish(postgres_url, tmp_path):
+    cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "4", "--storage", postgres_url,
+           "--study-name", "shared", "--device", "cpu", "--timed-steps", "1", "--no-calibration", "--format", "json"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    a = subprocess.Popen(cmd + ["--seed", "0"], env=env, stdout=subprocess.PIPE, stderr=logs[0].open("w"), text=True)
+    b = subprocess.Popen(cmd + ["--seed", "1"], env=env, stdout=subprocess.DEVNULL, stderr=logs[1].open("w"))
+    storage = optuna.storages.RDBStorage(postgres_url)
+    deadline = time.monotonic() + 240
+    try:
+        while not _owned_by(b.pid):  # worker b's probe is running
+            assert time.monotonic() < deadline and b.poll() is None and a.poll() is None, \
+                logs[0].read_text()[-2000:] + logs[1].read_text()[-2000:]
+            time.sleep(0.2)
+        running_b = [t.number for t in optuna.load_study(study_name="shared", storage=storage).get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)) if t.user_attrs.get("owner", {}).get("pid") == b.pid]
+    finally:
+        b.kill()
+        b.wait()
+    killed_at = time.monotonic()
+    while _owned_by(b.pid) and time.monotonic() - killed_at < 2.0:
+        time.sleep(0.05)
+    assert not _owned_by(b.pid), "the killed worker's probe outlived it by more than 2 s"
+    out, _ = a.communicate(timeout=300)
+    assert a.returncode == 0, logs[0].read_text()[-3000:]
+    trials = optuna.load_study(study_name="shared", storage=storage).get_trials(deepcopy=False)
+    by_owner = {}
+    for t in trials:
+        by_owner.setdefault(t.user_attrs.get("owner", {}).get("pid"), []).append(t)
+    assert set(by_owner) == {a.pid, b.pid}, "both workers took trials of the one study"
+    launched = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("launched")]
+    assert len(launched) == 4, [(t.number, t.state.name, t.user_attrs.get("status")) for t in trials]
+    assert len({t.user_attrs["key"] for t in launched}) == 4, "a candidate was launched twice"
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING], "a trial was left RUNNING"
+    states = {t.number: t.state for t in trials}
+    assert running_b and all(states[n] == optuna.trial.TrialState.FAIL for n in running_b)
+    assert json.loads(out)["best"]["fits"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_trial_on_two_nodes_runs_as_two_torchrun_agents(spec):
+    from planner.probe import run_probe
+
+    cluster = cpu_cluster(256 * MIB, num_gpus=4, gpus_per_node=2)
+    seen: list[ProbeRequest] = []
+
+    def probe(request: ProbeRequest) -> Measurement:
+        seen.append(request)
+        return run_probe(request)
+
+    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, coefficients=None,
+                  fixed={**SHARD_ALL, "shard_group_size": 2}, storage=None, seed=0, calibration=False, max_trials=1,
+                  timed_steps=1, probe=probe)
+    [request] = seen
+    assert (request.nproc, request.nnodes, request.fsdp.shard_group_size) == (4, 2, 2)
+    [trial] = [t for t in result.trials if t.user_attrs.get("launched")]
+    assert trial.user_attrs["status"] in ("fits", "over_budget"), trial.user_attrs.get("why")
+    assert trial.user_attrs["tokens_per_second"] > 0
