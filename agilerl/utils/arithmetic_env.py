@@ -52,5 +52,12 @@ class ArithmeticEnv:
             answers.append(str(value))
         return prompts, answers
 
+    def get_state(self) -> tuple:
+        """The sampling position (the RNG state), for checkpoints."""
+        return self._rng.getstate()
+
+    def set_state(self, state) -> None:
+        self._rng.setstate(tuple(state) if isinstance(state, list) else state)
+
     def reward(self, completions: list[str], answers: list[str], stopped: list[bool]) -> list[float]:
         return [arithmetic_reward(c, a, stopped=s) for c, a, s in zip(completions, answers, stopped)]

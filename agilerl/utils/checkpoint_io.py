@@ -14,7 +14,31 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LazyCheckpoint", "PeftKeyView", "ChainedState", "ConvertedCheckpoint"]
+__all__ = ["LazyCheckpoint", "PeftKeyView", "ChainedState", "ConvertedCheckpoint", "atomic_save"]
+
+
+def atomic_save(obj, file: Path) -> None:
+    """``torch.save`` that a kill cannot tear: a temporary file beside ``file``, fsync, rename, fsync the folder.
+
+    A reader sees the old file or the whole new one, never half of either.
+    """
+    import os
+
+    file = Path(file)
+    tmp = file.with_name(f".{file.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(file.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LazyCheckpoint(Mapping[str, torch.Tensor]):

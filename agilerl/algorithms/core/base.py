@@ -159,6 +159,11 @@ class LLMAlgorithm:
         from .loading import build_actor, load_tokenizer
 
         source = self.model_source
+        if source is not None and self.model_name is not None and not self.model_name.startswith("tiny:"):
+            from agilerl.utils.sources import check_model_source
+
+            # A missing path, a bad config or an unreachable hub: one clear error now, not the hub client's retries.
+            check_model_source(source, allow_download=True)
         if self.tokenizer is None and source is not None:
             try:
                 self.tokenizer = load_tokenizer(source)
@@ -204,13 +209,18 @@ class LLMAlgorithm:
     def checkpoint_state(self) -> dict[str, Any]:
         return {"algo": self.algo_name, "steps": self.steps, "scores": list(self.scores), "index": self.index}
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Write ``path/attributes.pt``: gathered adapter weights, optimizer state, attributes.
+    def save_checkpoint(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``path/attributes.pt``: gathered adapter weights, optimizer state, attributes,
+        every rank's RNG states, and ``extra`` (the caller's own state, e.g. a data position).
 
         The same layout on one device and under FSDP2 (every rank must call this
-        under FSDP2; rank 0 writes).
+        under FSDP2; rank 0 writes). The file is written atomically (temporary
+        file, fsync, rename): a kill mid-save leaves the previous checkpoint whole.
         """
+        from agilerl.utils.checkpoint_io import atomic_save
+
         path = Path(path)
+        rng = _gather(_rng_state())
         with self._phase("save"):
             keep = is_main_process()
             adapters = [ACTOR] + ([REFERENCE] if self.use_separate_reference_adapter else [])
@@ -220,14 +230,20 @@ class LLMAlgorithm:
             optim = full_optimizer_state_dict(self.model, self.optimizer, keep=keep)
         if keep:
             path.mkdir(parents=True, exist_ok=True)
-            payload = {**self.checkpoint_state(), "adapters": weights, "optimizer": optim}
-            torch.save(payload, path / CHECKPOINT_FILE)
+            payload = {**self.checkpoint_state(), "adapters": weights, "optimizer": optim, "rng": rng,
+                       "world_size": self.world_size, "extra": dict(extra or {})}
+            atomic_save(payload, path / CHECKPOINT_FILE)
         if is_distributed():
             torch.distributed.barrier()
         return path / CHECKPOINT_FILE
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint` (on any number of ranks)."""
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Load a checkpoint written by :meth:`save_checkpoint` (on any number of ranks); return its ``extra``.
+
+        Each rank takes back its own RNG states when the checkpoint was written
+        on as many ranks (so sampling continues as if never stopped); otherwise
+        they keep their current ones.
+        """
         path = Path(path)
         file = path / CHECKPOINT_FILE if path.is_dir() else path
         if not file.exists():
@@ -242,4 +258,35 @@ class LLMAlgorithm:
         load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
         self.steps = payload.get("steps", 0)
         self.scores = list(payload.get("scores", []))
+        rng = payload.get("rng")
+        if rng and len(rng) == self.world_size:
+            _set_rng_state(rng[self.rank])
+        return dict(payload.get("extra", {}))
 
+
+def _rng_state() -> dict[str, Any]:
+    """This rank's random states: Python's, torch's CPU generator and, where present, the current CUDA one."""
+    import random
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank, in rank order (a list of one without a process group)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out

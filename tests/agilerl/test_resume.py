@@ -1,0 +1,164 @@
+"""Training resumes: periodic atomic checkpoints, a restart from the newest complete one, the same result.
+
+An interrupted run restarted from its last checkpoint must end with exactly the
+adapters of an uninterrupted run with the same seed: adapters, optimizer state,
+step, every rank's RNG states and the data position all come back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from agilerl.manifest import load_manifest
+from agilerl.train import STEP_PREFIX, train
+from agilerl.utils.arithmetic_env import ArithmeticEnv
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=2"
+
+
+def _manifest(checkpoint_dir: Path, *, max_steps: int, interval: int = 2, fsdp=False, gpus: int = 1) -> dict:
+    return {
+        "algorithm": {"name": "GRPO", "model_name": MODEL, "group_size": 2, "max_output_tokens": 3, "lr": 0.01,
+                      "dtype": "float32", "gradient_checkpointing": False, "logprob_chunk_size": 16, "fsdp": fsdp},
+        "training": {"rollout_batch_size": 2, "training_gpus_per_agent": gpus, "max_steps": max_steps, "seed": 3,
+                     "log_every": 1, "checkpoint_dir": str(checkpoint_dir), "checkpoint_interval": interval},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},  # dropout: the RNG must come back too
+    }
+
+
+def _adapters(folder: Path) -> dict[str, torch.Tensor]:
+    payload = torch.load(folder / "agent0" / "attributes.pt", map_location="cpu", weights_only=False)
+    assert payload["adapters"]["actor"], "no adapter weights saved"
+    return payload["adapters"]["actor"], payload
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    worst = max((x - b[k]).abs().max().item() for k, x in a.items())
+    assert worst <= 1e-6, f"adapters differ by {worst:g}"
+
+
+@pytest.fixture(autouse=True)
+def _single_device(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.timeout(300)
+def test_one_device_run_interrupted_and_restarted_ends_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    train(load_manifest(_manifest(whole, max_steps=5)), device="cpu")
+    reference, payload = _adapters(whole)
+    assert payload["steps"] == 5
+    assert sorted(p.name for p in (whole / "agent0").glob(f"{STEP_PREFIX}*")) == ["step-00000002", "step-00000004"]
+
+    # The run dies in step 5's rollout (after step 4's checkpoint), as a crash would.
+    broken = tmp_path / "broken"
+    calls = {"n": 0}
+    sample = ArithmeticEnv.sample
+
+    def dying_sample(self, n):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("simulated crash")
+        return sample(self, n)
+
+    monkeypatch.setattr(ArithmeticEnv, "sample", dying_sample)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(load_manifest(_manifest(broken, max_steps=5)), device="cpu")
+    monkeypatch.setattr(ArithmeticEnv, "sample", sample)
+    assert not (broken / "agent0" / "attributes.pt").exists()
+    # A torn newest checkpoint (as a kill mid-write without the atomic rename would leave) is skipped.
+    torn = broken / "agent0" / "step-00000004" / "attributes.pt"
+    torn.write_bytes(torn.read_bytes()[:100])
+    history = train(load_manifest(_manifest(broken, max_steps=5)), device="cpu")
+    assert len(history[0]) == 5  # steps 1-2 from the checkpoint's history, 3-5 run again
+    resumed, payload = _adapters(broken)
+    assert payload["steps"] == 5
+    _assert_same(resumed, reference)
+
+    # A control: resuming without the data position and RNG states does not reproduce the run.
+    control = tmp_path / "control"
+    train(load_manifest(_manifest(control, max_steps=2)), device="cpu")
+    ckpt = control / "agent0" / "attributes.pt"
+    data = torch.load(ckpt, map_location="cpu", weights_only=False)
+    data["extra"].pop("env_rng")
+    data.pop("rng")
+    torch.save(data, ckpt)
+    train(load_manifest(_manifest(control, max_steps=5)), device="cpu")
+    different, _ = _adapters(control)
+    assert max((x - reference[k]).abs().max().item() for k, x in different.items()) > 1e-4
+
+
+def _marked(mark: str) -> list[int]:
+    needle = f"AGILERL_TEST_MARK={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _torchrun(manifest: Path, log: Path, mark: str = "") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "AGILERL_TEST_MARK": mark}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "agilerl.train", str(manifest), "--device", "cpu"]
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_fsdp2_two_ranks_killed_mid_step_resume_to_the_same_adapters(tmp_path):
+    fsdp = {"param_dtype": "float32", "reduce_dtype": "float32", "param_persistence_threshold": 0}
+    whole_dir, broken_dir = tmp_path / "whole", tmp_path / "broken"
+    for name, folder in (("whole", whole_dir), ("broken", broken_dir)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(_manifest(folder, max_steps=8, fsdp=fsdp, gpus=2)))
+
+    run = _torchrun(tmp_path / "whole.yaml", tmp_path / "whole.log")
+    assert run.wait(timeout=240) == 0, (tmp_path / "whole.log").read_text()[-3000:]
+    reference, _ = _adapters(whole_dir)
+
+    mark = f"resume-{os.getpid()}-{time.monotonic_ns()}"
+    run = _torchrun(tmp_path / "broken.yaml", tmp_path / "broken-1.log", mark)
+    checkpoint = broken_dir / "agent0" / "step-00000002" / "attributes.pt"
+    deadline = time.monotonic() + 240
+    try:
+        while not checkpoint.exists():
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "broken-1.log").read_text()[-3000:]
+            time.sleep(0.01)
+    finally:
+        # kill -9 of the launcher and of both ranks (torchrun starts its ranks in their own sessions),
+        # as a node failure would: nothing gets to clean up.
+        for pid in [run.pid, *_marked(mark)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run.wait()
+    time.sleep(0.2)
+    assert not _marked(mark)
+    assert not (broken_dir / "agent0" / "attributes.pt").exists(), "the run finished before it was killed"
+
+    run = _torchrun(tmp_path / "broken.yaml", tmp_path / "broken-2.log")
+    assert run.wait(timeout=240) == 0, (tmp_path / "broken-2.log").read_text()[-3000:]
+    log = (tmp_path / "broken-2.log").read_text()
+    assert "resumed at step" in log, log[-3000:]
+    resumed_at = int(log.split("resumed at step ")[1].split()[0])
+    assert resumed_at in (2, 4, 6), log[-3000:]
+    resumed, payload = _adapters(broken_dir)
+    assert payload["steps"] == 8 and payload["world_size"] == 2
+    _assert_same(resumed, reference)
