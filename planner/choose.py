@@ -123,6 +123,9 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
     if fixed and sharding == "none":
         raise ValueError(f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
                          f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'")
+    if fixed and workload.load_in_4bit:
+        raise ValueError(f"QLoRA (load_in_4bit) is not sharded with FSDP2 here, so the FSDPConfig fields given "
+                         f"({', '.join(sorted(fixed))}) would be ignored")
     fsdp.check_world(cluster.num_gpus)
     if fsdp.tp > 1 and (problem := tp_problem(spec, fsdp.tp)):
         raise ValueError(problem)
@@ -187,8 +190,8 @@ def plan(
         raise ValueError("QLoRA (load_in_4bit) cannot be sharded with FSDP2 here; use sharding='none'")
 
     # 1. data parallel or FSDP2
-    use_fsdp = sharding == "fsdp" or (sharding == "auto" and W > 1 and not workload.load_in_4bit)
-    if sharding == "auto" and W > 1 and not workload.load_in_4bit and fixed:
+    use_fsdp = sharding == "fsdp" or (sharding == "auto" and (W > 1 or bool(fixed)) and not workload.load_in_4bit)
+    if sharding == "auto" and not workload.load_in_4bit and fixed:
         decisions.append(Decision(field="sharding", value="fsdp",
                                   reason=f"FSDPConfig fields were given ({', '.join(sorted(fixed))})"))
     elif sharding == "auto" and W > 1 and not workload.load_in_4bit:

@@ -171,7 +171,7 @@ def plan_main(argv: list[str]) -> int:
 
     from . import emit
     from .calibration import coefficients_for, coefficients_source
-    from .choose import plan
+    from .choose import Decision, plan
     from .hardware import MAX_GPUS, Cluster, gpu_by_name
     from .models import ModelNotFound, load_model_spec
 
@@ -198,10 +198,15 @@ def plan_main(argv: list[str]) -> int:
         vllm_only = sorted(k for k in fields if k.startswith("vllm_") or k == "offload_weights_during_rollout")
         if vllm_only and fields.get("generation") != "vllm":
             raise ValueError(f"{flag_name(vllm_only[0])} sets the colocated vLLM engine: it needs --generation vllm")
+        raised = None
         if "prompts_per_step" not in fields:
             # Manifests give every GPU whole prompts (rollout_batch_size is a multiple of the GPUs).
             default = Workload.model_fields["prompts_per_step"].default
             fields["prompts_per_step"] = -(-default // args.gpus) * args.gpus
+            if fields["prompts_per_step"] != default:
+                raised = Decision(field="prompts_per_step", value=fields["prompts_per_step"], reason=(
+                    f"the default {default} raised to a multiple of the {args.gpus} GPUs, so every GPU gets whole "
+                    "prompts; set --prompts-per-step to choose"))
         elif fields["prompts_per_step"] % args.gpus:
             raise ValueError(f"--prompts-per-step {fields['prompts_per_step']} must be a multiple of --gpus "
                              f"{args.gpus}: the manifest's rollout_batch_size gives every GPU whole prompts")
@@ -236,6 +241,8 @@ def plan_main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
         return 2
+    if raised is not None:
+        result = result.model_copy(update={"decisions": (*result.decisions, raised)})
     if args.format == "json":
         print(json.dumps(emit.plan_json(result), indent=2))
     elif args.format == "yaml":

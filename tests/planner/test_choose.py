@@ -190,3 +190,9 @@ def test_a_colocated_engine_that_breaks_the_fit_gets_a_lower_fraction_suggested(
     assert not plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction + 0.05}), h100).fits
     assert any(s.startswith("set offload_weights_during_rollout=True") for s in p.suggestions)
     assert not any("QLoRA" in s for s in p.suggestions)  # QLoRA with a vLLM engine is refused: no suggestion
+
+
+def test_fsdpconfig_fields_given_on_one_gpu_are_kept_not_dropped(spec):
+    p = plan(spec, WL, Cluster(gpu=_gpu(4096), num_gpus=1), fixed={"reshard_after_forward": False})
+    assert p.fsdp is not None and p.fsdp.reshard_after_forward is False
+    assert p.reasons()["sharding"] == "FSDPConfig fields were given (reshard_after_forward)"

@@ -99,3 +99,13 @@ def test_fixed_fields_are_respected(capsys):
     assert data["fsdp_config"]["reshard_after_forward"] is True
     assert data["fsdp_config"]["wrap_every_n_blocks"] == 1
     assert data["workload"]["micro_batch_size_per_gpu"] == 2
+
+
+def test_a_raised_default_prompts_per_step_is_said_not_silent(capsys):
+    code, out, _ = run(["qwen2.5-7b", "--gpus", "16", "--format", "json"], capsys)
+    assert code in (0, 3)
+    decisions = {d["field"]: d for d in json.loads(out)["decisions"]}
+    assert decisions["prompts_per_step"]["value"] == 16
+    assert "raised to a multiple of the 16 GPUs" in decisions["prompts_per_step"]["reason"]
+    code, out, _ = run(["qwen2.5-7b", "--gpus", "16", "--prompts-per-step", "32", "--format", "json"], capsys)
+    assert "prompts_per_step" not in {d["field"] for d in json.loads(out)["decisions"]}
