@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from agilerl.utils.tiny import char_tokenizer
@@ -58,3 +60,22 @@ def lora_state(agent, adapter: str = "actor") -> dict[str, torch.Tensor]:
 
     keys = set(adapter_state_dict(agent.model, adapter))
     return {k: v.clone() for k, v in full_model_state_dict(agent.model).items() if k in keys}
+
+
+def loop_loss(logp, old, ref, adv, mask, clip, beta):
+    """The objective written out token by token in plain Python."""
+    seq_losses = []
+    for i in range(len(logp)):
+        total, count = 0.0, 0
+        for t in range(len(logp[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(logp[i][t] - old[i][t])
+            clipped = min(max(ratio, 1 - clip), 1 + clip)
+            term = -min(ratio * adv[i], clipped * adv[i])
+            d = ref[i][t] - logp[i][t]
+            term += beta * (math.exp(d) - d - 1)
+            total += term
+            count += 1
+        seq_losses.append(total / max(count, 1))
+    return sum(seq_losses) / len(seq_losses)

@@ -18,6 +18,9 @@ from tests.agilerl.algorithms._common import (
     make_agent,
     synthetic_experiences,
 )
+from tests.agilerl.algorithms._common import (
+    loop_loss as _loop_loss,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -73,14 +76,12 @@ def test_vllm_config_without_vllm_names_the_extra():
         pytest.skip("vLLM is installed here")
 
 
-def test_qlora_without_bitsandbytes_is_a_clear_error():
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r"bitsandbytes.*\[qlora\]"):
-            make_agent(load_in_4bit=True)
-    else:  # pragma: no cover
-        pytest.skip("bitsandbytes is installed here")
+def test_qlora_without_bitsandbytes_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: import raises ImportError
+    with pytest.raises(ImportError, match=r"bitsandbytes.*\[qlora\]"):
+        make_agent(load_in_4bit=True)
 
 
 # -- the objective ------------------------------------------------------------------------------
@@ -91,25 +92,6 @@ def test_group_advantages():
     expected = (first - first.mean()) / (first.std() + 1e-4)
     torch.testing.assert_close(adv[:4], expected)
     assert torch.equal(adv[4:], torch.zeros(4))  # identical rewards carry no signal
-
-
-def _loop_loss(logp, old, ref, adv, mask, clip, beta):
-    """The objective written out token by token in plain Python."""
-    seq_losses = []
-    for i in range(len(logp)):
-        total, count = 0.0, 0
-        for t in range(len(logp[i])):
-            if not mask[i][t]:
-                continue
-            ratio = math.exp(logp[i][t] - old[i][t])
-            clipped = min(max(ratio, 1 - clip), 1 + clip)
-            term = -min(ratio * adv[i], clipped * adv[i])
-            d = ref[i][t] - logp[i][t]
-            term += beta * (math.exp(d) - d - 1)
-            total += term
-            count += 1
-        seq_losses.append(total / max(count, 1))
-    return sum(seq_losses) / len(seq_losses)
 
 
 def test_grpo_loss_matches_a_python_loop_where_clipping_matters():
