@@ -62,7 +62,7 @@ class AlgorithmSection(_Section):
     use_separate_reference_adapter: Annotated[
         bool, Field(description="Keep a frozen 'reference' LoRA adapter instead of disabling adapters.")
     ] = False
-    load_in_4bit: Annotated[bool, Field(description="QLoRA: 4-bit NF4 base weights (not with fsdp).")] = False
+    load_in_4bit: Annotated[bool, Field(description="QLoRA: 4-bit NF4 base weights (with fsdp too; not with cpu_offload).")] = False
     dtype: Annotated[
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
     ] = "bfloat16"

@@ -103,10 +103,10 @@ class LLMAlgorithm:
                     "generate assumes weights stay on the compute device. Use optim_cpu_offload=True to "
                     "offload only the optimizer."
                 )
-            if load_in_4bit:
-                raise NotImplementedError(
-                    "QLoRA (load_in_4bit=True) with an FSDPConfig is not supported: bitsandbytes 4-bit weights "
-                    "fail under fully_shard. Run QLoRA on one device or data parallel (fsdp_config=None)."
+            if load_in_4bit and self.fsdp_config.cpu_offload:
+                raise ValueError(
+                    "QLoRA (load_in_4bit=True) with FSDPConfig(cpu_offload=True) is not supported: the 4-bit "
+                    "quantisation state stays on the device. Use optim_cpu_offload=True to offload the optimizer."
                 )
         if vllm_config is not None:
             from agilerl.utils.engine import require_vllm

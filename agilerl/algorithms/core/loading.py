@@ -3,7 +3,10 @@
 Under FSDP2 with a model on disk, every rank builds the model on the meta
 device, adds the adapters, shards, and then fills only its own slices from a
 lazily read checkpoint: host memory per rank stays near one tensor, and device
-memory never holds a full replica. Without FSDP (one device, or data parallel)
+memory never holds a full replica. QLoRA under FSDP2 is the exception for now:
+each rank loads the whole model quantised (transformers quantises tensor by
+tensor, so no full-precision copy exists), then shards the packed NF4 weights
+like any tensor; each 4-bit module keeps its whole quantisation state. Without FSDP (one device, or data parallel)
 each rank loads the whole model, as data parallelism requires.
 """
 
@@ -144,7 +147,7 @@ def build_actor(
     lora_config = lora_config if lora_config is not None else default_lora_config()
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
 
-    if fsdp_config is not None and actor_network is None:
+    if fsdp_config is not None and actor_network is None and not load_in_4bit:
         config = AutoConfig.from_pretrained(source)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)

@@ -52,15 +52,17 @@ def test_bad_input_fails_before_loading(kwargs, error, match):
         make_agent(model_name=MISSING, **kwargs)
 
 
-def test_cpu_offload_without_vllm_and_qlora_with_fsdp_are_refused(monkeypatch):
+def test_cpu_offload_without_vllm_and_qlora_with_cpu_offload_are_refused(monkeypatch):
     # Pretend a process group exists so the checks after it are reached, still before loading.
     import agilerl.algorithms.core.base as base
+    from agilerl.utils.algo_utils import VLLMConfig
 
     monkeypatch.setattr(base, "is_distributed", lambda: True)
     with pytest.raises(ValueError, match="cpu_offload=True\\) needs a colocated vLLM engine"):
         make_agent(model_name=MISSING, fsdp_config=FSDPConfig(cpu_offload=True))
-    with pytest.raises(NotImplementedError, match="QLoRA"):
-        make_agent(model_name=MISSING, fsdp_config=FSDPConfig(), load_in_4bit=True)
+    with pytest.raises(ValueError, match=r"QLoRA \(load_in_4bit=True\) with FSDPConfig\(cpu_offload=True\)"):
+        make_agent(model_name=MISSING, fsdp_config=FSDPConfig(cpu_offload=True), load_in_4bit=True,
+                   vllm_config=VLLMConfig())
 
 
 def test_vllm_config_without_vllm_names_the_extra():
