@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-__all__ = ["LazyCheckpoint", "PeftKeyView", "ChainedState", "ConvertedCheckpoint", "atomic_save"]
+__all__ = ["LazyCheckpoint", "PeftKeyView", "ChainedState", "ConvertedCheckpoint", "QuantisedView", "atomic_save"]
 
 
 def atomic_save(obj, file: Path) -> None:
@@ -132,6 +132,48 @@ class ChainedState(Mapping[str, torch.Tensor]):
                 if k not in seen:
                     seen.add(k)
                     yield k
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class QuantisedView(Mapping[str, torch.Tensor]):
+    """A full-precision state seen as QLoRA's NF4: each 4-bit module's weight is quantised when read.
+
+    ``modules`` maps state-dict keys to their ``bitsandbytes.nn.Linear4bit``.
+    Reading such a key quantises the one full-precision tensor as transformers'
+    bitsandbytes loader does (NF4, blocks of 64, double quantisation, in the
+    compute ``dtype``), gives the module its whole quantisation state and
+    returns the packed uint8 weight, which a sharded model slices like any
+    other tensor. Host memory holds one tensor at a time. ``fallback`` supplies
+    keys ``base`` lacks (a config without weights: random tensors drawn per key).
+    """
+
+    def __init__(self, base: Mapping[str, torch.Tensor], modules: Mapping[str, torch.nn.Module], *,
+                 dtype: torch.dtype, device: str | torch.device,
+                 fallback: Callable[[str, torch.nn.Module], torch.Tensor] | None = None) -> None:
+        self.base, self.modules, self.dtype, self.device, self.fallback = base, modules, dtype, device, fallback
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        module = self.modules.get(key)
+        if module is None:
+            return self.base[key]
+        import bitsandbytes as bnb
+
+        full = self.base[key] if key in self.base else self.fallback(key, module)
+        packed, state = bnb.functional.quantize_4bit(
+            full.to(self.dtype), blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8)
+        state.to(self.device)  # in place
+        module.quant_state = state
+        return packed
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.base or (self.fallback is not None and key in self.modules)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.base
+        if self.fallback is not None:
+            yield from (k for k in self.modules if k not in self.base)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -3,10 +3,10 @@
 Under FSDP2 with a model on disk, every rank builds the model on the meta
 device, adds the adapters, shards, and then fills only its own slices from a
 lazily read checkpoint: host memory per rank stays near one tensor, and device
-memory never holds a full replica. QLoRA under FSDP2 is the exception for now:
-each rank loads the whole model quantised (transformers quantises tensor by
-tensor, so no full-precision copy exists), then shards the packed NF4 weights
-like any tensor; each 4-bit module keeps its whole quantisation state. Without FSDP (one device, or data parallel)
+memory never holds a full replica. QLoRA too: the linears are 4-bit modules
+on the meta device with the packed NF4 shape, sharded like any tensor; each
+full-precision weight is read and quantised one at a time, every rank keeps its
+slice of the packed bytes, and the module keeps the whole quantisation state. Without FSDP (one device, or data parallel)
 each rank loads the whole model, as data parallelism requires.
 """
 
@@ -147,10 +147,13 @@ def build_actor(
     lora_config = lora_config if lora_config is not None else default_lora_config()
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
 
-    if fsdp_config is not None and actor_network is None and not load_in_4bit:
+    if fsdp_config is not None and actor_network is None:
         config = AutoConfig.from_pretrained(source)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
+            if load_in_4bit:
+                _bnb_config(dtype)  # bitsandbytes installed, or a clear error
+                _four_bit_on_meta(model, dtype)
             peft_model = _add_adapters(model, lora_config, use_reference_adapter)
         lora_state = _init_adapters_on_cpu(peft_model, use_reference_adapter, seed)
         mark_trainable(peft_model)
@@ -163,14 +166,27 @@ def build_actor(
         )
 
         directory = _local_dir(source)
+        std = getattr(config, "initializer_range", 0.02)
+        four_bit = _four_bit_modules(peft_model) if load_in_4bit else {}
         if has_weights(directory):
             keys = [k.replace("_checkpoint_wrapped_module.", "") for k in peft_model.state_dict()]
-            base = PeftKeyView(ConvertedCheckpoint(LazyCheckpoint(directory), config.model_type), keys)
+            base: Any = PeftKeyView(ConvertedCheckpoint(LazyCheckpoint(directory), config.model_type), keys)
+            if four_bit:
+                from agilerl.utils.checkpoint_io import QuantisedView
+
+                base = QuantisedView(base, four_bit, dtype=dtype, device=device)
             materialize_fsdp2_from_cpu_state(peft_model, ChainedState(base, lora_state), device)
         else:
-            # A config without weights: random base weights, drawn per local shard.
-            materialize_fsdp2_from_cpu_state(peft_model, lora_state, device, strict=False)
-            _randomise_base(peft_model, getattr(config, "initializer_range", 0.02))
+            # A config without weights: random base weights, drawn per local shard (a 4-bit weight is
+            # drawn whole, the same on every rank, and quantised: its quantisation state spans it).
+            state: Any = lora_state
+            if four_bit:
+                from agilerl.utils.checkpoint_io import QuantisedView
+
+                state = ChainedState(QuantisedView({}, four_bit, dtype=dtype, device=device,
+                                                   fallback=lambda key, m: _random_weight(key, m, std)), lora_state)
+            materialize_fsdp2_from_cpu_state(peft_model, state, device, strict=False)
+            _randomise_base(peft_model, std)
         return peft_model, _trainable(peft_model)
 
     if actor_network is not None:
@@ -182,6 +198,8 @@ def build_actor(
             kwargs["device_map"] = {"": device}
         if has_weights(_local_dir(source)):
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        elif load_in_4bit:
+            model = _random_four_bit_model(AutoConfig.from_pretrained(source), dtype, attn, device)
         else:
             config = AutoConfig.from_pretrained(source)
             model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation")})
@@ -198,6 +216,73 @@ def build_actor(
             peft_model.to(device)
     # After sharding: fully_shard replaces parameters with DTensor parameters.
     return peft_model, _trainable(peft_model)
+
+
+def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Swap, on the meta device, every linear transformers' bitsandbytes loader quantises (all but the
+    output embedding) for a ``Linear4bit`` whose weight already has the packed NF4 shape
+    ``[in x out / 2, 1]`` in uint8: fully_shard then shards the packed bytes, and
+    :class:`~agilerl.utils.checkpoint_io.QuantisedView` fills them. Returns the names swapped."""
+    import bitsandbytes as bnb
+
+    output = model.get_output_embeddings()
+    swapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child is output:
+                continue
+            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=dtype, quant_type="nf4", quant_storage=torch.uint8, device="meta")
+            packed = torch.empty(child.in_features * child.out_features // 2, 1, dtype=torch.uint8, device="meta")
+            layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_type="nf4", quant_storage=torch.uint8,
+                                             bnb_quantized=True, module=layer)
+            if child.bias is not None:
+                layer.bias = nn.Parameter(torch.empty(child.out_features, dtype=dtype, device="meta"),
+                                          requires_grad=False)
+            setattr(parent, name, layer)
+            swapped.append(f"{parent_name}.{name}" if parent_name else name)
+    return swapped
+
+
+def _four_bit_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """State-dict key of each 4-bit weight -> its ``Linear4bit`` (checkpoint-wrapper prefixes dropped)."""
+    import bitsandbytes as bnb
+
+    return {f"{name}.weight".replace("_checkpoint_wrapped_module.", ""): m for name, m in model.named_modules()
+            if isinstance(m, bnb.nn.Linear4bit)}
+
+
+def _random_four_bit_model(config, dtype: torch.dtype, attn: dict[str, Any], device: str) -> nn.Module:
+    """QLoRA from a config without weights (probes): random weights, the linears quantised to NF4."""
+    from transformers import AutoModelForCausalLM
+
+    from agilerl.distributed import reinit_non_persistent_buffers, set_full_model_state_dict
+    from agilerl.utils.checkpoint_io import QuantisedView
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
+        _four_bit_on_meta(model, dtype)
+    model.to_empty(device=device)
+    reinit_non_persistent_buffers(model)
+    std = getattr(config, "initializer_range", 0.02)
+    _randomise_base(model, std)
+    four_bit = _four_bit_modules(model)
+    set_full_model_state_dict(model, QuantisedView({}, four_bit, dtype=dtype, device=device,
+                                                   fallback=lambda key, m: _random_weight(key, m, std)), strict=False)
+    import bitsandbytes as bnb
+
+    for layer in four_bit.values():  # unsharded: the weight carries its state, as from_pretrained leaves it
+        layer.weight = bnb.nn.Params4bit(layer.weight.data, requires_grad=False, quant_state=layer.quant_state,
+                                         quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True, module=layer)
+    return model
+
+
+def _random_weight(key: str, module: nn.Module, std: float) -> torch.Tensor:
+    """A full random weight for a 4-bit module, the same on every rank (seeded by its key)."""
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(module.out_features, module.in_features, generator=g) * std
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:

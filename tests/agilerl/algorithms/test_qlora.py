@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.agilerl.algorithms._common import (
+    TINY,
     loop_loss,
     lora_state,
     make_agent,
@@ -113,3 +114,19 @@ def test_qlora_generates():
     agent = make_agent(**QLORA)
     ids, masks = agent.get_action(["1+2=", "3+4="])
     assert ids.shape[0] == 2 * agent.group_size and masks[:, -agent.max_output_tokens:].sum() > 0
+
+
+def test_a_config_without_weights_is_quantised_random_not_left_in_full_precision(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from agilerl.algorithms.core.loading import resolve_model_source
+
+    source = Path(resolve_model_source(TINY))
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    agent = make_agent(**QLORA, model_name=str(tmp_path))
+    layers = four_bit_layers(agent.model)
+    assert len(layers) == 2 * 7
+    assert all(layer.weight.dtype == torch.uint8 and layer.weight.quant_state is not None for layer in layers.values())
+    metrics = agent.learn(synthetic_experiences(agent, seed=1)[:3])
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0

@@ -12,6 +12,7 @@ compared with the data-parallel one by the same mean criterion.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +108,31 @@ def fsdp2_qlora_checkpoint_loads_into_data_parallel(ctx):
     dp.load_checkpoint(path)
     for k, v in lora_state(sharded).items():
         assert torch.equal(lora_state(dp)[k], v), k
+
+
+@cases.case
+def fsdp2_qlora_from_a_config_without_weights_is_quantised_random(ctx):
+    import shutil
+
+    from agilerl.algorithms.core.loading import resolve_model_source
+    from agilerl.distributed import FSDPConfig, barrier
+    from tests.agilerl.algorithms._common import TINY, make_agent
+    from tests.agilerl.algorithms._qlora import QLORA, four_bit_layers
+
+    folder = ctx.shared_dir / "config-only"
+    source = resolve_model_source(TINY)  # collective: every rank
+    if ctx.rank == 0:
+        folder.mkdir(exist_ok=True)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(source) / name).exists():
+                shutil.copy(Path(source) / name, folder / name)
+    barrier()
+    agent = make_agent(**QLORA, model_name=str(folder), fsdp_config=FSDPConfig(**BF16))
+    layers = four_bit_layers(agent.model)
+    assert layers and all(layer.quant_state is not None and layer.quant_state.absmax.abs().sum() > 0
+                          for layer in layers.values())
+    metrics = agent.learn(synthetic_experiences(agent, seed=1)[:3])
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 
 
 test_dist = cases.pytest_test()
