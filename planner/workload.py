@@ -40,7 +40,10 @@ class Workload(BaseModel):
     weights_dtype: Annotated[
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype of the frozen base weights.")
     ] = "bfloat16"
-    load_in_4bit: Annotated[bool, Field(description="QLoRA: NF4 base weights (one device or data parallel only).")] = False
+    load_in_4bit: Annotated[
+        bool, Field(description="QLoRA: NF4 base weights (planned on one device or data parallel; a colocated vLLM "
+                                "engine holds its own copy in the weights dtype).")
+    ] = False
     generation: Annotated[
         Literal["hf", "vllm", "none"],
         Field(description="Rollouts with Hugging Face generate (KV cache), a colocated vLLM engine, or none measured."),
@@ -80,8 +83,6 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
-        if self.generation == "vllm" and self.load_in_4bit:
-            raise ValueError("generation='vllm' with load_in_4bit is not supported")
         if self.offload_weights_during_rollout and self.generation != "vllm":
             raise ValueError("offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
                              "Hugging Face generate runs on the trainer's weights")

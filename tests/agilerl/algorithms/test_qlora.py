@@ -130,3 +130,26 @@ def test_a_config_without_weights_is_quantised_random_not_left_in_full_precision
     assert all(layer.weight.dtype == torch.uint8 and layer.weight.quant_state is not None for layer in layers.values())
     metrics = agent.learn(synthetic_experiences(agent, seed=1)[:3])
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+
+def test_a_rollout_engine_gets_the_dequantised_base_with_the_adapter_merged():
+    """QLoRA with a colocated engine (the protocol's fake engine here, not a real vLLM): the engine
+    holds its own copy in the compute dtype, each weight dequantised and the actor's LoRA delta added."""
+    from tests.agilerl.algorithms.test_grpo_single import FakeEngine
+
+    agent, _ = pair()
+    engine = FakeEngine(agent)
+    agent.engine = engine
+    agent.get_action(["1+1=", "2+2="])
+    assert engine.calls[:2] == ["wake_up", "load_weights"]
+    layers = four_bit_layers(agent.model)
+    assert len(layers) == 14
+    for name, base in layers.items():
+        key = f"{name.replace('.base_layer', '')}.weight"
+        lora = agent.model.get_submodule(f"base_model.model.{name.removesuffix('.base_layer')}")
+        expected = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state)
+        expected = expected + lora.get_delta_weight("actor").to(expected.dtype)
+        sent = engine.weights[key]
+        assert sent.dtype == torch.bfloat16 and sent.shape == (base.out_features, base.in_features)
+        assert torch.equal(sent, expected), key
+        assert not torch.equal(sent, bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state))
