@@ -123,9 +123,9 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
     if fixed and sharding == "none":
         raise ValueError(f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
                          f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'")
-    if fixed and workload.load_in_4bit:
-        raise ValueError(f"QLoRA (load_in_4bit) is not sharded with FSDP2 here, so the FSDPConfig fields given "
-                         f"({', '.join(sorted(fixed))}) would be ignored")
+    if fsdp.cpu_offload and workload.load_in_4bit:
+        raise ValueError("QLoRA (load_in_4bit) with cpu_offload=True is not supported: the 4-bit quantisation "
+                         "state stays on the device; use optim_cpu_offload=True")
     fsdp.check_world(cluster.num_gpus)
     if fsdp.tp > 1 and (problem := tp_problem(spec, fsdp.tp)):
         raise ValueError(problem)
@@ -186,15 +186,13 @@ def plan(
     frugal = with_(workload, micro_batch_size_per_gpu=user_micro or 1,
                    logprob_chunk_size=user_chunk or LOGPROB_CHUNKS[0],
                    gradient_checkpointing=True if user_gc is None else user_gc)
-    if workload.load_in_4bit and sharding == "fsdp":
-        raise ValueError("QLoRA (load_in_4bit) cannot be sharded with FSDP2 here; use sharding='none'")
 
     # 1. data parallel or FSDP2
-    use_fsdp = sharding == "fsdp" or (sharding == "auto" and (W > 1 or bool(fixed)) and not workload.load_in_4bit)
-    if sharding == "auto" and not workload.load_in_4bit and fixed:
+    use_fsdp = sharding == "fsdp" or (sharding == "auto" and (W > 1 or bool(fixed)))
+    if sharding == "auto" and fixed:
         decisions.append(Decision(field="sharding", value="fsdp",
                                   reason=f"FSDPConfig fields were given ({', '.join(sorted(fixed))})"))
-    elif sharding == "auto" and W > 1 and not workload.load_in_4bit:
+    elif sharding == "auto" and W > 1:
         if search.fits(frugal, None):
             use_fsdp = False
             decisions.append(Decision(field="sharding", value="data parallel",
@@ -228,7 +226,7 @@ def plan(
                     break
         if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
             fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
-        if not search.fits(frugal, fsdp) and colocated and "cpu_offload" not in fixed:
+        if not search.fits(frugal, fsdp) and colocated and "cpu_offload" not in fixed and not workload.load_in_4bit:
             candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
             if search.fits(frugal, candidate):
                 fsdp = candidate
@@ -367,7 +365,7 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
         })
         try:
             candidates: list[FSDPConfig | None] = [None]
-            if not wl.load_in_4bit and cl.num_gpus > 1:
+            if cl.num_gpus > 1:
                 candidates.append(FSDPConfig(**{"optim_cpu_offload": True, **fixed}))
             return any(estimate(spec, frugal, cl, f, coefficients=coefficients).peak_bytes <= limit
                        for f in candidates)

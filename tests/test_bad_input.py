@@ -100,7 +100,7 @@ CASES = [
     (plan(M, "--gpus", "8", "--tp", "16"), "tp=16"),
     (plan(M, "--gpus", "8", "--tp", "3"), "tp=3"),
     (plan(M, "--gpus", "2", "--tp", "0"), "tp"),
-    (plan(M, "--load-in-4bit", "true", "--reshard-after-forward", "false"), "load_in_4bit"),
+    (plan(M, "--load-in-4bit", "true", "--gpus", "2", "--cpu-offload", "true"), "cpu_offload"),
     (plan(M, "--gpus", "8", "--shard-group-size", "3"), "shard_group_size"),
     (plan(M, "--gpus", "8", "--shard-group-size", "16"), "shard_group_size"),
     (plan(M, "--gpus", "8", "--shard-group-size", "0"), "shard_group_size"),

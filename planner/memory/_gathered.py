@@ -28,11 +28,13 @@ class Gathered:
 
 
 def unit_gathered_bytes(ctx: Context, unit: Unit) -> int:
-    """Full bytes of a unit's sharded tensors in the compute dtype (0 unsharded)."""
+    """Full bytes of a unit's sharded tensors in the compute dtype, packed NF4 weights in bytes (0 unsharded)."""
     if not ctx.sharded:
         return 0
+    # Packed NF4 weights gather as their uint8 bytes (FSDP2's mixed precision casts floats only).
+    packed = sum(t.numel for t in unit.base if t.sharded and t.four_bit)
     base, lora = unit.full_sharded_numel()
-    return int((base + lora) * ctx.compute_bytes)
+    return int((base - packed + lora) * ctx.compute_bytes) + packed
 
 
 def gather_order(ctx: Context, layout: Layout, unit_bytes: tuple[int, ...]) -> tuple[OrderEntry, ...]:

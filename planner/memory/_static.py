@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from ._context import DTYPE_BYTES, Context
 from ._units import Layout
 
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 * 1.0 + 4 / (64 * 256)  # 4-bit + double-quantised absmax per 64
-QLORA_NOTE = "QLoRA: NF4 base weights (embeddings and lm_head kept in the weights dtype)"
+#: Per quantised value: the double-quantised absmax (one uint8 per block of 64) and its fp32 scales (one per 256 blocks).
+NF4_CONSTANT_BYTES = 1 / 64 + 4 / (64 * 256)
+NF4_BYTES_PER_PARAM = 0.5 + NF4_CONSTANT_BYTES  # 4-bit values and their constants
+QLORA_NOTE = "QLoRA: NF4 block linears (embeddings, lm_head and norms kept in the weights dtype)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,20 +35,22 @@ class StaticMemory:
 def base_weight_bytes(ctx: Context, layout: Layout) -> tuple[int, int]:
     """(weights, weights_replicated) on rank 0 before any offload.
 
-    QLoRA stores the base in NF4 (NF4_BYTES_PER_PARAM per element), the embeddings and
-    lm_head in the weights dtype. Unsharded every rank holds the whole base; under FSDP
-    rank 0 holds ceil(d0 / S) rows of each sharded tensor, and the replicated ones whole.
+    Unsharded every rank holds the whole base; under FSDP rank 0 holds ceil(d0 / S) rows of
+    each sharded tensor, and the replicated ones whole. QLoRA stores each block linear's
+    weight packed in NF4 (one byte per two values, sharded like any tensor) and keeps its
+    quantisation constants whole on every rank (NF4_CONSTANT_BYTES per value); the
+    embeddings, lm_head, norms and biases stay in the weights dtype.
     """
     w = ctx.weight_bytes
-    embed, head = layout.embed, layout.head
-    if ctx.workload.load_in_4bit:
-        weights = int(sum(t.numel for t in layout.base_tensors if t is not embed and t is not head) * NF4_BYTES_PER_PARAM)
-        weights += embed.numel * w + (head.numel * w if head else 0)
-        return weights, 0
+
+    def nbytes(t, elements: int) -> int:
+        return elements * (1 if t.four_bit else w)
+
+    constants = int(sum(2 * t.numel for t in layout.base_tensors if t.four_bit) * NF4_CONSTANT_BYTES)
     if ctx.fsdp is None:
-        return sum(t.numel * w for t in layout.base_tensors), 0
-    return (sum(t.local(ctx.shard_group) * w for t in layout.base_tensors if t.sharded),
-            sum(t.numel * w for t in layout.base_tensors if not t.sharded))
+        return sum(nbytes(t, t.numel) for t in layout.base_tensors) + constants, 0
+    return (sum(nbytes(t, t.local(ctx.shard_group)) for t in layout.base_tensors if t.sharded) + constants,
+            sum(nbytes(t, t.numel) for t in layout.base_tensors if not t.sharded))
 
 
 def static_memory(ctx: Context, layout: Layout) -> StaticMemory:

@@ -25,6 +25,7 @@ class Tensor:
     numel: int
     sharded: bool
     group: int | None = None  # ranks its FSDP shard spans, when not the dense mesh's (experts under EP)
+    four_bit: bool = False  # QLoRA: a linear's packed NF4 weight, numel bytes (two values per byte)
 
     def local(self, shards: int) -> int:
         """Elements rank 0 holds: ceil(rows / shards) rows when sharded, all of them otherwise."""
@@ -34,7 +35,7 @@ class Tensor:
 
 
 def make_tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: int | None = None,
-                ep: int = 1, ep_dim: int | None = None, group: int | None = None) -> Tensor:
+                ep: int = 1, ep_dim: int | None = None, group: int | None = None, four_bit: bool = False) -> Tensor:
     """A tensor as FSDP sees it on one rank: split by tensor parallelism along ``tp_dim``, or
     by expert parallelism along ``ep_dim`` (then FSDP-sharded over ``group`` ranks), first.
 
@@ -52,6 +53,9 @@ def make_tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim
     rest = 1
     for d in local[1:]:
         rest *= d
+    if four_bit:  # bitsandbytes packs [out, in] into [out x in / 2, 1] uint8, which FSDP2 shards by rows
+        packed = local[0] * rest // 2
+        return Tensor(rows=packed, rest=1, numel=packed, sharded=numel // 2 >= threshold, four_bit=True)
     return Tensor(rows=local[0], rest=rest, numel=local[0] * rest,
                   sharded=ep_dim is not None or numel >= threshold, group=group)
 
@@ -110,7 +114,9 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
         else:
             # A MoE block splits its attention only (agilerl.distributed._tp).
             split = not packed or name.startswith("self_attn.")
-            t = make_tensor(shape, threshold, tp=tp, tp_dim=tp_dim(name) if split else None)
+            # QLoRA quantises every linear (2-D weight) of a block (agilerl.algorithms.core.loading).
+            four_bit = ctx.workload.load_in_4bit and len(shape) == 2 and name.endswith("weight")
+            t = make_tensor(shape, threshold, tp=tp, tp_dim=tp_dim(name) if split else None, four_bit=four_bit)
         base.append(t)
     for name, (a_rows, a_cols, b_rows, b_cols) in zip(ctx.lora_names[index], ctx.lora_shapes[index]):
         if packed and is_packed_expert(name):  # A (r E, in) by its rows, B (out, r E) by its columns

@@ -197,3 +197,18 @@ def test_fsdpconfig_fields_given_on_one_gpu_are_kept_not_dropped(spec):
     p = plan(spec, WL, Cluster(gpu=_gpu(4096), num_gpus=1), fixed={"reshard_after_forward": False})
     assert p.fsdp is not None and p.fsdp.reshard_after_forward is False
     assert p.reasons()["sharding"] == "FSDPConfig fields were given (reshard_after_forward)"
+
+
+def test_qlora_is_sharded_when_the_4bit_base_does_not_fit_one_gpu():
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec70 = catalog.load_spec("meta-llama/Llama-3.1-70B")
+    workload = Workload(prompts_per_step=8, load_in_4bit=True, generation="none")
+    one = plan(spec70, workload, Cluster(gpu=GPUS["A100-40GB"], num_gpus=1))
+    assert not one.fits and one.fsdp is None  # ~37 GiB of NF4 weights alone on a 40 GB GPU
+    eight = plan(spec70, workload, Cluster(gpu=GPUS["A100-40GB"], num_gpus=8))
+    assert eight.fsdp is not None and eight.reasons()["sharding"].startswith("unsharded it needs")
+    assert eight.fits
+    weights = eight.estimate.phases["step"].components["weights"]
+    assert weights < one.estimate.phases["step"].components["weights"] / 4

@@ -140,6 +140,33 @@ def test_qlora_stores_nf4(spec):
     assert 0.25 < quantised / bf16 < 0.3  # 4 bits + quantisation constants vs 16 bits
 
 
+def test_qlora_under_fsdp_shards_the_packed_bytes_and_keeps_the_constants_whole(spec):
+    """Counted from the spec's shapes, independently of the estimate's layout: every 2-D block weight is
+    packed two values per byte and its rows sharded over the ranks (ceil), its constants (a uint8 absmax
+    per 64 values, an fp32 scale per 256 blocks) whole on every rank, the rest in bf16 rows."""
+    qlora = WL.model_copy(update={"load_in_4bit": True})
+    world = 2
+    packed = constants = other = 0
+    for i in range(spec.num_layers):
+        for name, shape in spec.block(i).tensors:
+            numel = math.prod(shape)
+            if len(shape) == 2 and name.endswith("weight"):
+                packed += math.ceil(numel // 2 / world)
+                constants += numel / 64 + 4 * numel / (64 * 256)
+            else:
+                other += math.ceil(shape[0] / world) * (numel // shape[0]) * 2
+    for name, shape in [(n, s) for n, s in spec.root_tensors] + ([("embed", spec.embed_shape)]
+                                                                  if not spec.tie_word_embeddings else []):
+        numel = math.prod(shape)
+        other += math.ceil(shape[0] / world) * (numel // shape[0]) * 2
+    if spec.lm_head_shape and not spec.tie_word_embeddings:
+        other += math.ceil(spec.lm_head_shape[0] / world) * spec.lm_head_shape[1] * 2
+    est = estimate(spec, qlora, _cluster(world), SHARD_ALL.model_copy(update={"param_dtype": "bfloat16"}))
+    assert est.phases["step"].components["weights"] == packed + int(constants) + other
+    unsharded = estimate(spec, qlora, _cluster(1), None).phases["step"].components["weights"]
+    assert est.phases["step"].components["weights"] < 0.6 * unsharded
+
+
 def test_host_per_node(spec):
     est = estimate(spec, WL, _cluster(8, GPUS["H100-80GB"], per_node=4), SHARD_ALL)
     assert est.host_per_node_bytes == 4 * est.host_peak_bytes

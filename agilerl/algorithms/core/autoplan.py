@@ -94,7 +94,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
     cluster = visible_cluster(agent.world_size)
     result = plan(spec, workload, cluster, coefficients=coefficients_for(cluster.gpu),
                   coefficients_source=coefficients_source(cluster.gpu),
-                  sharding="none" if agent.load_in_4bit else "auto")
+                  sharding="auto")
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
     if not agent.max_model_len:
         summary += f"\nassumed prompts of {prompt} tokens (set max_model_len to plan for your real length)"
