@@ -155,8 +155,8 @@ def test_qlora_under_fsdp_shards_the_packed_bytes_and_keeps_the_constants_whole(
                 constants += numel / 64 + 4 * numel / (64 * 256)
             else:
                 other += math.ceil(shape[0] / world) * (numel // shape[0]) * 2
-    for name, shape in [(n, s) for n, s in spec.root_tensors] + ([("embed", spec.embed_shape)]
-                                                                  if not spec.tie_word_embeddings else []):
+    outside = [s for _, s in spec.root_tensors] + ([spec.embed_shape] if not spec.tie_word_embeddings else [])
+    for shape in outside:
         numel = math.prod(shape)
         other += math.ceil(shape[0] / world) * (numel // shape[0]) * 2
     if spec.lm_head_shape and not spec.tie_word_embeddings:
