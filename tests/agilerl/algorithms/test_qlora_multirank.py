@@ -88,6 +88,13 @@ def fsdp2_qlora_shards_the_packed_weights_and_matches_the_unsharded_model(ctx):
     moved = sum((dp_after[k] - start[k]).abs().sum().item() for k in after)
     apart = sum((after[k] - dp_after[k]).abs().sum().item() for k in after)
     assert moved > 0 and apart < 0.1 * moved, (moved, apart)
+    from agilerl.distributed import full_model_state_dict
+
+    full = full_model_state_dict(sharded.model)  # collective; the base's 4-bit weights come out packed
+    for name, layer in dp_layers.items():
+        key = f"base_model.model.{name}.weight"
+        assert torch.equal(full[key], layer.weight.data), key
+    assert all(torch.equal(full[k], v) for k, v in lora_state(sharded).items())
     out, gen_masks = sharded.get_action(["1+2=", "3+4="])
     assert out.shape[0] == 2 * sharded.group_size // 2 and gen_masks.sum() > 0
 
