@@ -460,8 +460,12 @@ class GRPO(LLMAlgorithm):
         prompt_region = action_masks.cumsum(dim=1) == 0
         return (action_masks.bool() | (prompt_region & (ids != self.pad_token_id))).long()
 
-    def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """log p(ids[:, t+1] | ids[:, :t+1]) for every position, ``[n, T - 1]`` fp32 (chunked)."""
+    def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]) for every position, ``[n, T - 1]`` fp32 (chunked).
+
+        ``first``: positions before it skip the head and read 0 (the prompt's, which no loss
+        term uses): the head's matmuls and softmax run over the completion rows only.
+        """
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(self.model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
         try:
@@ -479,7 +483,7 @@ class GRPO(LLMAlgorithm):
         # Every position goes through the head (the last with a dummy target, dropped after), so
         # the final hidden states are used as they are rather than copied without their last row.
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-        logp = self._head_logprobs(captured["h"], targets)[:, :-1]
+        logp = self._head_logprobs(captured["h"], targets, first)[:, :-1]
         if torch.is_grad_enabled():
             # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward
             # (the lm_head) has no output in the graph; a zero-weighted term keeps
@@ -487,7 +491,7 @@ class GRPO(LLMAlgorithm):
             logp = logp + 0.0 * out.logits.sum()
         return logp
 
-    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int = 0) -> torch.Tensor:
         head = output_head(self.model)
         softcap = getattr(causal_lm(self.model).config, "final_logit_softcapping", None)
         weight = getattr(head, "weight", None)
@@ -496,7 +500,7 @@ class GRPO(LLMAlgorithm):
                 w = w.to(hidden.dtype)
                 b = b.to(hidden.dtype) if b is not None else None
                 return linear_token_logprobs(hidden, targets, w, b, chunk_size=self.logprob_chunk_size,
-                                             temperature=self.temperature, softcap=softcap)
+                                             temperature=self.temperature, softcap=softcap, first=first)
         return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
                                       temperature=self.temperature, softcap=softcap)
 
@@ -513,13 +517,20 @@ class GRPO(LLMAlgorithm):
             raise ValueError(f"{n} sequences on this rank do not split into micro-batches of {m}")
         return [slice(i, i + m) for i in range(0, n, m)]
 
+    @staticmethod
+    def _first_scored(loss_mask: torch.Tensor) -> int:
+        """The first log-prob position any loss term reads (the earliest completion token's)."""
+        cols = loss_mask.any(dim=0).nonzero()
+        return int(cols[0]) if cols.numel() else 0
+
     @torch.no_grad()
-    def _no_grad_logprobs(self, ids, attention, adapter: str | None) -> torch.Tensor:
+    def _no_grad_logprobs(self, ids, attention, adapter: str | None, first: int = 0) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         try:
             with use_adapter(self.model, adapter):
-                return torch.cat([self.token_logprobs(ids[s], attention[s]) for s in self._micro_batches(ids.shape[0])])
+                return torch.cat([self.token_logprobs(ids[s], attention[s], first)
+                                  for s in self._micro_batches(ids.shape[0])])
         finally:
             self.model.train(was_training)
 
@@ -539,6 +550,7 @@ class GRPO(LLMAlgorithm):
             raise ValueError(f"got {rewards.numel()} rewards for {n} completions")
         attention = self._attention_mask(ids, action_masks)
         loss_mask = action_masks[:, 1:]
+        first = self._first_scored(loss_mask)  # prompt positions skip the head
 
         all_rewards = gather_tensor(rewards.cpu())
         tp = self.fsdp_config.tp if self.sharded else 1
@@ -554,8 +566,8 @@ class GRPO(LLMAlgorithm):
             ref_logp = None
             if self.beta != 0.0:
                 ref_adapter = REFERENCE if self.use_separate_reference_adapter else None
-                ref_logp = self._no_grad_logprobs(ids, attention, ref_adapter)
-            old_logp = self._no_grad_logprobs(ids, attention, ACTOR) if self.update_epochs > 1 else None
+                ref_logp = self._no_grad_logprobs(ids, attention, ref_adapter, first)
+            old_logp = self._no_grad_logprobs(ids, attention, ACTOR, first) if self.update_epochs > 1 else None
 
         self.model.train()
         self._sync_tensor_parallel_rng()  # identical dropout masks within a TP group
@@ -569,7 +581,7 @@ class GRPO(LLMAlgorithm):
                     if self.sharded:
                         set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
                     with use_adapter(self.model, ACTOR):
-                        logp = self.token_logprobs(ids[s], attention[s])
+                        logp = self.token_logprobs(ids[s], attention[s], first)
                     old = old_logp[s] if old_logp is not None else logp.detach()
                     ref = ref_logp[s] if ref_logp is not None else None
                     loss, stats = grpo_loss(logp, old, ref, advantages[s], loss_mask[s],

@@ -121,11 +121,20 @@ def _chunks(rows: int, chunk_size: int | None) -> range:
     return range(0, rows, max(1, step))
 
 
-def _linear_logprobs_nograd(hidden, weight, bias, targets, chunk_size, temperature, softcap) -> torch.Tensor:
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    step = chunk_size or hidden.shape[0]
-    for start in _chunks(hidden.shape[0], chunk_size):
-        rows = slice(start, start + step)
+def _row_chunks(rows: int, chunk_size: int | None, index: torch.Tensor | None):
+    """Chunks of the rows to compute: slices of all ``rows``, or pieces of ``index`` (a row subset;
+    indexing with it copies only one chunk of hidden states at a time)."""
+    if index is None:
+        step = chunk_size or rows
+        return [slice(start, start + step) for start in _chunks(rows, chunk_size)]
+    step = chunk_size or max(1, index.numel())
+    return [index[start:start + step] for start in range(0, index.numel(), step)]
+
+
+def _linear_logprobs_nograd(hidden, weight, bias, targets, chunk_size, temperature, softcap, index=None) -> torch.Tensor:
+    make = torch.empty if index is None else torch.zeros
+    out = make(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for rows in _row_chunks(hidden.shape[0], chunk_size, index):
         logits = _scaled_logits(hidden[rows], weight, bias, temperature, softcap)
         picked = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
         out[rows] = picked - _logsumexp_(logits)
@@ -137,31 +146,28 @@ class _LinearLogprobs(torch.autograd.Function):
     """log p(targets) through a linear head; saves the hidden states and one fp32 value per row."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, softcap):
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, softcap, index):
+        make = torch.empty if index is None else torch.zeros
+        out = make(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
-        step = chunk_size or hidden.shape[0]
-        for start in _chunks(hidden.shape[0], chunk_size):
-            rows = slice(start, start + step)
+        for rows in _row_chunks(hidden.shape[0], chunk_size, index):
             logits = _scaled_logits(hidden[rows], weight, bias, temperature, softcap)
             picked = logits.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
             lse[rows] = _logsumexp_(logits)
             out[rows] = picked - lse[rows]
             del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, index)
         ctx.chunk_size, ctx.temperature, ctx.softcap = chunk_size, temperature, softcap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, index = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = (torch.empty_like if index is None else torch.zeros_like)(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        step = ctx.chunk_size or hidden.shape[0]
-        for start in _chunks(hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + step)
+        for rows in _row_chunks(hidden.shape[0], ctx.chunk_size, index):
             g = grad_out[rows].float().unsqueeze(-1)
             logits = _scaled_logits(hidden[rows], weight, bias, ctx.temperature, ctx.softcap)
             # d/dz tanh(z / s) s = 1 - (tanh(z / s))^2, from the capped logits before the temperature
@@ -183,7 +189,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad_b.add_(grad.float().sum(0))
             del grad, logits
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_token_logprobs(
@@ -195,24 +201,34 @@ def linear_token_logprobs(
     chunk_size: int | None,
     temperature: float = 1.0,
     softcap: float | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
     """log p(targets) for logits ``hidden @ weight.T + bias``, ``chunk_size`` rows at a time.
 
     Equal to :func:`chunked_token_logprobs` with a linear head (values and
     gradients, including the weight's when it trains), in a smaller workspace
-    (see the module docstring). ``hidden``: ``[..., H]`` in the compute dtype;
-    returns fp32 log-probs shaped like ``targets``.
+    (see the module docstring). ``hidden``: ``[..., T, H]`` in the compute dtype;
+    returns fp32 log-probs shaped like ``targets``. ``first``: positions before it
+    (in each sequence, along ``T``) are not computed and read 0, with no gradient:
+    GRPO needs the completion's positions only, so the prompt's skip the head.
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     shape = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1)
+    index = None
+    if first > 0:
+        length = shape[-1]
+        if first >= length:
+            raise ValueError(f"first={first} leaves no position of {length}")
+        starts = torch.arange(0, flat_t.numel(), length, device=flat_t.device)
+        index = (starts[:, None] + torch.arange(first, length, device=flat_t.device)).reshape(-1)
     if torch.is_grad_enabled() and (flat_h.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        out = _LinearLogprobs.apply(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap)
+        out = _LinearLogprobs.apply(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap, index)
     else:
-        out = _linear_logprobs_nograd(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap)
+        out = _linear_logprobs_nograd(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap, index)
     return out.view(shape)
 
 

@@ -67,7 +67,9 @@ def slug(name: str) -> str:
 @cache
 def _catalog() -> tuple[dict[str, CatalogEntry], dict[str, str]]:
     """Entries by hub id, and every lower-cased hub id and alias -> hub id."""
-    raw = yaml.safe_load(ENTRIES_PATH.read_text(encoding="utf-8"))
+    # libyaml's loader where installed: 8-17 ms for the catalog instead of 67-122 ms in pure Python.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    raw = yaml.load(ENTRIES_PATH.read_text(encoding="utf-8"), Loader=loader)  # noqa: S506 (a safe loader)
     by_name: dict[str, CatalogEntry] = {}
     keys: dict[str, str] = {}
     for item in raw:

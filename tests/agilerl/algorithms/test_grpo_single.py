@@ -229,6 +229,54 @@ def test_linear_logprobs_equal_the_checkpointed_head(dtype, temperature, softcap
     torch.testing.assert_close(out, expected[0], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("first", [1, 4, 10])
+@pytest.mark.parametrize("chunk", [None, 3, 7, 64])
+def test_linear_logprobs_from_a_first_position_skip_the_earlier_rows_exactly(first, chunk):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 11, 16, generator=g).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_()
+    targets = torch.randint(0, 50, (3, 11), generator=g)
+    scale = torch.linspace(0, 1, 33).view(3, 11)
+
+    def run(start):
+        hidden.grad = weight.grad = None
+        out = linear_token_logprobs(hidden, targets, weight, chunk_size=chunk, first=start)
+        (out * scale).sum().backward()
+        return out.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    full_out, full_h, _ = run(0)
+    out, grad_h, grad_w = run(first)
+    torch.testing.assert_close(out[:, first:], full_out[:, first:], atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[:, :first], torch.zeros(3, first))
+    assert torch.equal(grad_h[:, :first], torch.zeros(3, first, 16))  # skipped rows get no gradient
+    torch.testing.assert_close(grad_h[:, first:], full_h[:, first:], atol=1e-6, rtol=1e-6)
+    # The weight's gradient is the full one less the skipped rows' share.
+    hidden.grad = weight.grad = None
+    (linear_token_logprobs(hidden, targets, weight, chunk_size=None)[:, first:] * scale[:, first:]).sum().backward()
+    torch.testing.assert_close(grad_w, weight.grad, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_token_logprobs(hidden, targets, weight, chunk_size=chunk, first=first), out)
+    with pytest.raises(ValueError, match="leaves no position"):
+        linear_token_logprobs(hidden, targets, weight, chunk_size=chunk, first=11)
+
+
+def test_learn_runs_the_head_on_completion_rows_only(monkeypatch):
+    import agilerl.algorithms.grpo as grpo_module
+
+    agent = make_agent()
+    ids, masks, rewards, _ = synthetic_experiences(agent, prompt_len=5, completion_len=6)
+    seen = []
+    real = grpo_module.linear_token_logprobs
+
+    def spy(hidden, targets, weight, bias=None, **kw):
+        seen.append(kw["first"])
+        return real(hidden, targets, weight, bias, **kw)
+
+    monkeypatch.setattr(grpo_module, "linear_token_logprobs", spy)
+    agent.learn((ids, masks, rewards))
+    assert seen and set(seen) == {4}  # the first completion token (position 5) is predicted at position 4
+
+
 def _head_workspace(fn, dtype, rows=1024, vocab=4000, width=32):
     """Peak tensor bytes of a log-prob forward + backward beyond its inputs and the hidden gradient."""
     from torch.distributed._tools.mem_tracker import MemTracker
