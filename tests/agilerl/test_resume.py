@@ -101,16 +101,9 @@ def test_one_device_run_interrupted_and_restarted_ends_as_the_uninterrupted_one(
 
 
 def _marked(mark: str) -> list[int]:
-    needle = f"AGILERL_TEST_MARK={mark}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+    from tests._procs import with_env
+
+    return with_env("AGILERL_TEST_MARK", mark)
 
 
 def _torchrun(manifest: Path, log: Path, mark: str = "") -> subprocess.Popen:

@@ -182,20 +182,9 @@ def test_gradients_earlier_micro_batches_left_unsharded_are_counted(wrap):
 
 
 def _marked(mark: str) -> list[int]:
-    """Live processes whose environment carries ``AGILERL_TEST_MARK=mark`` (inherited by all descendants)."""
-    import os
-    from pathlib import Path
+    from tests._procs import with_env
 
-    needle = f"AGILERL_TEST_MARK={mark}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+    return with_env("AGILERL_TEST_MARK", mark)
 
 
 @pytest.mark.timeout(180)

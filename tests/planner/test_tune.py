@@ -542,16 +542,9 @@ TUNER = textwrap.dedent("""
 
 def _owned_by(pid: int) -> list[int]:
     """Live processes a tuner with this pid launched (they carry its owner tag)."""
-    marker = f"AGILERL_TUNE_OWNER={socket.gethostname()}:{pid}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+    from tests._procs import with_env
+
+    return with_env("AGILERL_TUNE_OWNER", f"{socket.gethostname()}:{pid}")
 
 
 @pytest.mark.multiproc

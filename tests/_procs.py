@@ -1,0 +1,23 @@
+"""Finding the live processes a test launched, by a variable in their environment (inherited by every
+descendant, so launchers, ranks and their children all carry it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["with_env"]
+
+
+def with_env(name: str, value: str) -> list[int]:
+    """Pids of live processes (not this one) whose environment has ``name=value``."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone, or a zombie
+                pass
+    return found
