@@ -67,6 +67,10 @@ class AlgorithmSection(_Section):
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
     ] = "bfloat16"
     vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
+    gather_weights_for_rollout: Annotated[
+        bool, Field(description="Under FSDP2, gather each unit once for a whole Hugging Face generate instead of "
+                                "once per token (weights stay unsharded through it).")
+    ] = False
     offload_weights_during_rollout: Annotated[
         bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the vLLM engine generates "
                                 "(needs vllm).")

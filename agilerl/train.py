@@ -100,6 +100,7 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
         load_in_4bit=algo.load_in_4bit,
         vllm_config=algo.vllm,
         offload_weights_during_rollout=algo.offload_weights_during_rollout,
+        gather_weights_for_rollout=algo.gather_weights_for_rollout,
         fsdp_config=algo.fsdp_config(),
         dtype=algo.dtype,
         seed=training.seed,

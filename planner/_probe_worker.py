@@ -90,6 +90,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         gradient_checkpointing=bool(workload.gradient_checkpointing),
         use_separate_reference_adapter=workload.use_separate_reference_adapter,
         load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=device, dtype=workload.weights_dtype,
+        gather_weights_for_rollout=bool(workload.gather_weights_for_rollout),
         attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
     )
     from torch.distributed._tools.mem_tracker import MemTracker

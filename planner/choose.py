@@ -295,6 +295,17 @@ def plan(
             else:
                 note("reshard_after_forward", True, "keeping all units gathered does not fit")
 
+    if fsdp is not None and workload.generation == "hf" and workload.gather_weights_for_rollout is None \
+            and fsdp.reshard_after_forward:
+        once = with_(current, gather_weights_for_rollout=True)
+        if search.fits(once, fsdp):
+            current = once
+            note("gather_weights_for_rollout", True, "every unit gathered at once fits beside generation's KV "
+                                                     "cache: one all-gather per unit per rollout, not one per token")
+        else:
+            note("gather_weights_for_rollout", False, "generation re-gathers unit by unit: all units at once "
+                                                      "do not fit beside the KV cache")
+
     if user_chunk is None:
         best = LOGPROB_CHUNKS[0]
         for chunk in LOGPROB_CHUNKS:

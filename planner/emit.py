@@ -48,6 +48,8 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         "load_in_4bit": w.load_in_4bit,
         "dtype": w.weights_dtype,
     }
+    if w.gather_weights_for_rollout:
+        algorithm["gather_weights_for_rollout"] = True
     engines = 0
     if w.generation == "vllm":
         algorithm["vllm"] = {"gpu_memory_utilization": w.vllm_gpu_memory_utilization, "sleep_level": w.vllm_sleep_level}

@@ -68,6 +68,11 @@ class Workload(BaseModel):
         bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the colocated vLLM engine "
                                 "generates (needs generation='vllm').")
     ] = False
+    gather_weights_for_rollout: Annotated[
+        bool | None,
+        Field(description="Under FSDP2, gather each unit once for a whole Hugging Face generate (weights stay unsharded "
+                          "through it) instead of once per token; None: the planner chooses.")
+    ] = None
     attn_implementation: Annotated[
         Literal["sdpa", "eager", "flash_attention_2"],
         Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),

@@ -48,6 +48,7 @@ WORKLOAD_FIELDS = (
     "vllm_max_num_batched_tokens",
     "vllm_enforce_eager",
     "offload_weights_during_rollout",
+    "gather_weights_for_rollout",
     "weights_dtype",
     "attn_implementation",
     "beta",

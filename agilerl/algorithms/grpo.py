@@ -30,6 +30,7 @@ r=16, alpha=32 on all linear layers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -151,6 +152,7 @@ class GRPO(LLMAlgorithm):
         load_in_4bit: bool = False,
         vllm_config: VLLMConfig | None = None,
         offload_weights_during_rollout: bool = False,
+        gather_weights_for_rollout: bool = False,
         fsdp_config=None,
         device: str | None = None,
         dtype: str = "bfloat16",
@@ -217,6 +219,9 @@ class GRPO(LLMAlgorithm):
         self._build(actor_network)
         self.eos_token_id = self._eos_token_id()
         self.offload_weights_during_rollout = offload_weights_during_rollout
+        # Under FSDP2, Hugging Face generate re-gathers every unit for every token; True gathers each
+        # unit once for the whole call (the weights stay unsharded until it ends: more memory).
+        self.gather_weights_for_rollout = bool(gather_weights_for_rollout)
         self._weight_offload = None
         if offload_weights_during_rollout:
             if self.sharded and self.fsdp_config.cpu_offload:
@@ -396,6 +401,27 @@ class GRPO(LLMAlgorithm):
         positions = torch.arange(width, device=completions.device).unsqueeze(0)
         return (positions < length.unsqueeze(1)).to(completions.dtype)
 
+    @contextlib.contextmanager
+    def _gathered_for_rollout(self):
+        """With ``gather_weights_for_rollout`` under FSDP2: no unit reshards after its forward for the
+        duration, so each is gathered once, at its first forward; all reshard at the end, and each
+        unit's own setting comes back. Otherwise nothing."""
+        if not (self.sharded and self.gather_weights_for_rollout):
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        before = [_reshards_after_forward(m, self.fsdp_config.reshard_after_forward) for m in units]
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m, value in zip(units, before):
+                m.reshard()
+                m.set_reshard_after_forward(value, recurse=False)
+
     def _generate_hf(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
@@ -414,7 +440,7 @@ class GRPO(LLMAlgorithm):
                 synced_gpus=self.sharded and self.world_size > 1,
             )
             kwargs.update(self.generation_kwargs)
-            with use_adapter(self.model, ACTOR):
+            with use_adapter(self.model, ACTOR), self._gathered_for_rollout():
                 out = self.model.generate(**kwargs)
         finally:
             self.model.train(was_training)
@@ -632,6 +658,15 @@ class GRPO(LLMAlgorithm):
                       "temperature", "max_output_tokens", "micro_batch_size_per_gpu", "logprob_chunk_size")
         }
         return state
+
+
+def _reshards_after_forward(unit: nn.Module, default: bool) -> bool:
+    """Whether an FSDP2 unit reshards after forward (FSDP2 has a setter, no getter: read its state)."""
+    try:
+        group = unit._get_fsdp_state()._fsdp_param_group
+    except AttributeError:  # pragma: no cover - another torch layout
+        return default
+    return default if group is None else group.post_forward_mesh_info is not None
 
 
 def _merged_weights(model: nn.Module, lm: nn.Module):

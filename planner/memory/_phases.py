@@ -119,7 +119,12 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
     match ctx.workload.generation:
         case "hf":
             moments = hf_rollout_moments(ctx, terms.layout)
-            return {"rollout": make_phase(ctx, terms, {**terms.static, "weights_gathered": terms.nograd_gathered,
+            # gather_weights_for_rollout: every unit stays gathered from its first forward to the end, and
+            # the unit being gathered holds its all-gather output beside its unsharded copy meanwhile.
+            window = terms.nograd_gathered
+            if ctx.sharded and ctx.workload.gather_weights_for_rollout:
+                window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
+            return {"rollout": make_phase(ctx, terms, {**terms.static, "weights_gathered": window,
                                                        **larger(*moments)})}
         case "vllm":
             awake, outside = vllm_awake_bytes(ctx), vllm_outside_budget_bytes(ctx)

@@ -212,3 +212,19 @@ def test_qlora_is_sharded_when_the_4bit_base_does_not_fit_one_gpu():
     assert eight.fits
     weights = eight.estimate.phases["step"].components["weights"]
     assert weights < one.estimate.phases["step"].components["weights"] / 4
+
+
+def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cache(spec):
+    from planner.emit import manifest_dict
+
+    wl = WL.model_copy(update={"generation": "hf"})
+    roomy = plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": True})
+    assert roomy.workload.gather_weights_for_rollout is True
+    assert roomy.reasons()["gather_weights_for_rollout"].startswith("every unit gathered at once fits")
+    assert manifest_dict(roomy)["algorithm"]["gather_weights_for_rollout"] is True
+    per_unit = plan(spec, wl.model_copy(update={"gather_weights_for_rollout": False}),
+                    Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": True})
+    assert "gather_weights_for_rollout" not in per_unit.reasons()  # the user's choice is kept
+    assert per_unit.workload.gather_weights_for_rollout is False
+    assert "gather_weights_for_rollout" not in manifest_dict(per_unit)["algorithm"]
+

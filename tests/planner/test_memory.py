@@ -493,3 +493,18 @@ def test_altup_streams_raise_the_activation_estimate(ple_spec):
         a = estimate(ple_spec, workload, _cluster(2), SHARD_ALL).phases["learn"].components["activations"]
         b = estimate(one_stream, workload, _cluster(2), SHARD_ALL).phases["learn"].components["activations"]
         assert a > b
+
+
+def test_gathering_every_unit_for_generation_holds_what_reshard_off_holds(spec):
+    hf = WL.model_copy(update={"generation": "hf"})
+    resharding = FSDPConfig(param_persistence_threshold=0)
+    per_unit = estimate(spec, hf, _cluster(2), resharding).phases["rollout"].components["weights_gathered"]
+    once = estimate(spec, hf.model_copy(update={"gather_weights_for_rollout": True}), _cluster(2),
+                    resharding).phases["rollout"].components["weights_gathered"]
+    kept = estimate(spec, hf, _cluster(2), resharding.model_copy(update={"reshard_after_forward": False}))
+    # Every unit unsharded, and the all-gather output of the unit being gathered beside its copy.
+    largest = max(math.prod(s) for i in range(spec.num_layers) for _, s in spec.block(i).tensors)
+    assert once > kept.phases["rollout"].components["weights_gathered"] + largest
+    assert once > per_unit
+    # Every unit in the compute dtype: the whole model's sharded tensors, gathered.
+    assert once >= sum(math.prod(s) for i in range(spec.num_layers) for _, s in spec.block(i).tensors) * 2

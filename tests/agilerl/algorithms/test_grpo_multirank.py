@@ -153,6 +153,40 @@ def fsdp_weight_offload_during_rollout_frees_the_shards_and_restores_them(ctx):
 
 
 @cases.case
+def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were(ctx):
+    import torch.distributed as dist
+
+    gathers = {"n": 0}
+    real = dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        gathers["n"] += 1
+        return real(*args, **kwargs)
+
+    results = {}
+    for once in (False, True):
+        agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once,
+                           max_output_tokens=6, seed=3)
+        before = {n: p.to_local().clone() for n, p in agent.model.named_parameters()}
+        torch.manual_seed(11)
+        gathers["n"] = 0
+        dist.all_gather_single = counting
+        try:
+            ids, masks = agent.get_action(["1+2=", "3+4="])
+        finally:
+            dist.all_gather_single = real
+        results[once] = (ids, masks, gathers["n"])
+        for n, p in agent.model.named_parameters():
+            assert isinstance(p, DTensor) and torch.equal(p.to_local(), before[n]), n  # resharded, unchanged
+        metrics = _learn(agent)  # training goes on with the units' own reshard setting
+        assert math.isfinite(metrics["loss"])
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+    per_unit, once = results[False][2], results[True][2]
+    units = sum(1 for m in agent.model.modules() if type(m).__name__.startswith("FSDP"))
+    assert 0 < once <= units < per_unit, (once, units, per_unit)  # each unit once, not once a token
+
+
+@cases.case
 def data_parallel_ranks_sample_differently(ctx):
     from agilerl.distributed import gather_objects
 
