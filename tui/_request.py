@@ -34,11 +34,23 @@ class Request:
 
 
 def _validation_errors(err: ValidationError, group: str, fallback: str) -> dict[str, str]:
+    """Field errors under their knob; an error of a combination under the first knob of the group its
+    message names (else ``fallback``)."""
+    from ._knobs import knob_table
+
+    # Workload messages name fields (cluster ones name CLI flags, which do not match knob names).
+    names = [k.key.split(".", 1)[1] for k in knob_table() if k.key.startswith(group + ".")] \
+        if group == "workload" else []
     out: dict[str, str] = {}
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
-        key = f"{group}.{loc[0]}" if loc else fallback
-        out.setdefault(key, e["msg"].removeprefix("Value error, "))
+        msg = e["msg"].removeprefix("Value error, ")
+        if loc:
+            key = f"{group}.{loc[0]}"
+        else:
+            named = sorted((msg.find(n), n) for n in names if n in msg)
+            key = f"{group}.{named[0][1]}" if named else fallback
+        out.setdefault(key, msg)
     return out
 
 
@@ -63,7 +75,7 @@ def build_request(values: Mapping[str, str | bool]) -> Request:
     try:
         workload = Workload(**group("workload"))
     except ValidationError as err:
-        errors.update(_validation_errors(err, "workload", "workload.load_in_4bit"))
+        errors.update(_validation_errors(err, "workload", "workload.generation"))
     fixed = group("fsdp")
     try:
         FSDPConfig(**fixed)
