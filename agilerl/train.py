@@ -227,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute device (default: cuda when available)")
     parser.add_argument("--max-steps", type=positive_int, default=None, help="override training.max_steps")
     args = parser.parse_args(argv)
+    import os
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: end with the launcher, even on its kill -9
+        from agilerl.utils.lifetime import die_with_parent
+
+        die_with_parent()
     from agilerl.manifest import load_manifest
 
     try:

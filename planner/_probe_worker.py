@@ -28,7 +28,7 @@ def _write(out_dir: Path, rank: int, payload: dict) -> None:
 
 
 def main() -> None:
-    from planner._lifetime import die_with_parent
+    from agilerl.utils.lifetime import die_with_parent
 
     die_with_parent()  # the launcher (torchrun) dying, even by SIGKILL, ends this rank
     request = json.loads(Path(sys.argv[1]).read_text())

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ._lifetime import identity, is_gone
+from agilerl.utils.lifetime import identity, is_gone
+
 from ._tune_objective import CONSTRAINT_KEY, Objective
 from ._tune_storage import heartbeat
 
@@ -32,7 +33,7 @@ __all__ = ["create_study", "FINGERPRINT_KEY", "OWNER_KEY", "check_fingerprint", 
 StopReason = str
 
 
-#: A trial's user attribute naming the tuner process that runs it (planner._lifetime.identity).
+#: A trial's user attribute naming the tuner process that runs it (agilerl.utils.lifetime.identity).
 OWNER_KEY = "owner"
 
 #: The study's user attribute that records what its measurements belong to.

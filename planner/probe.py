@@ -24,8 +24,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agilerl.distributed import FSDPConfig
+from agilerl.utils.lifetime import die_with_parent
 
-from ._lifetime import die_with_parent
 from .names import COMPONENTS, PHASES
 from .workload import Workload
 

@@ -155,3 +155,30 @@ def test_fsdp2_two_ranks_killed_mid_step_resume_to_the_same_adapters(tmp_path):
     resumed, payload = _adapters(broken_dir)
     assert payload["steps"] == 8 and payload["world_size"] == 2
     _assert_same(resumed, reference)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_kill_9_of_torchrun_alone_ends_the_training_ranks_within_2_s(tmp_path):
+    """torchrun starts its ranks in sessions of their own; without a parent-death signal they would run on."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(_manifest(tmp_path / "ckpt", max_steps=10_000, gpus=2)))
+    mark = f"orphan-{os.getpid()}-{time.monotonic_ns()}"
+    run = _torchrun(tmp_path / "run.yaml", tmp_path / "run.log", mark)
+    checkpoint = tmp_path / "ckpt" / "agent0" / "step-00000002" / "attributes.pt"
+    deadline = time.monotonic() + 180
+    try:
+        while not checkpoint.exists():  # both ranks are training
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.05)
+        ranks = [p for p in _marked(mark) if p != run.pid]
+        assert len(ranks) >= 2
+    finally:
+        os.kill(run.pid, signal.SIGKILL)  # the launcher only
+        run.wait()
+    killed_at = time.monotonic()
+    while _marked(mark) and time.monotonic() - killed_at < 2.0:
+        time.sleep(0.05)
+    left = _marked(mark)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"training ranks outlived kill -9 of torchrun by 2 s: {left}"

@@ -1,12 +1,14 @@
 """Processes that die with their parent, and who owns a running trial.
 
 Linux only where it matters (``prctl``, ``/proc``); elsewhere these are no-ops
-and the tuner falls back on heartbeats and on :func:`planner._tune_storage.kill_orphans`.
+and the tuner falls back on heartbeats and on its own clean-up of orphans.
 
 - :func:`die_with_parent`: the kernel sends SIGKILL to this process when its
   parent dies (``PR_SET_PDEATHSIG``). The probe's launcher (torchrun) sets it
-  before exec, and each probe rank sets it at start, so ``kill -9`` of a tuner
-  or of ``agilerl-plan probe`` takes the whole launch with it.
+  before exec, and each probe rank and each ``agilerl.train`` rank under
+  torchrun sets it at start, so ``kill -9`` of a tuner, of ``agilerl-plan
+  probe`` or of torchrun takes the whole launch with it (torchrun starts its
+  ranks in sessions of their own, so without this they would run on).
 - :func:`identity` / :func:`is_gone`: a process named by host, pid, boot id and
   start time, so a rerun knows at once that a RUNNING trial's tuner is dead
   (a recycled pid or a reboot cannot pass for it).
