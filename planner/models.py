@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from agilerl.utils.sources import (
+    cached_config,
     check_causal_lm_type,
     check_config,
     looks_like_path,
@@ -69,18 +70,6 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str
     return spec
 
 
-def _hf_cache_config(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover
-        return None
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except ValueError:  # not a valid repo id: not in the cache either
-        return None
-    return Path(found) if isinstance(found, str) else None
-
-
 def load_model_spec(
     model: str,
     *,
@@ -118,7 +107,7 @@ def load_model_spec(
             return spec
         return _from_config_dict(catalog.entry(name).config, name=name, targets=targets)
 
-    cached = _hf_cache_config(model)
+    cached = cached_config(model)
     if cached is not None:
         return _from_config_dict(read_config(cached), name=model, targets=targets)
     if allow_download:

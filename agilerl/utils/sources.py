@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlparse
 
 __all__ = ["TINY_PREFIX", "parse_tiny", "check_config", "check_causal_lm_type", "check_model_source",
-           "looks_like_path", "text_config"]
+           "looks_like_path", "text_config", "cached_config", "read_config"]
 
 TINY_PREFIX = "tiny:"
 
@@ -152,6 +152,17 @@ def read_config(path: Path) -> dict:
     return data
 
 
+def cached_config(repo_id: str) -> Path | None:
+    """The config.json of ``repo_id`` in the local Hugging Face cache, or None (never downloads)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (ImportError, ValueError):  # no hub client, or not a valid repo id: not in the cache either
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     parsed = urlparse(endpoint)
@@ -187,13 +198,9 @@ def check_model_source(name: str, *, allow_download: bool) -> None:
         return
     if looks_like_path(name) or path.exists():
         raise ValueError(f"{name}: no such file or directory (expected a Hugging Face model directory)")
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        cached = try_to_load_from_cache(name, "config.json")
-    except (ImportError, ValueError):
-        cached = None
-    if isinstance(cached, str):
-        check_config(read_config(Path(cached)), name)
+    cached = cached_config(name)
+    if cached is not None:
+        check_config(read_config(cached), name)
         return
     if not allow_download:
         raise ValueError(f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
