@@ -8,6 +8,7 @@ up and loading its spec reads only those files: no torch, transformers or peft.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from functools import cache
 from pathlib import Path
@@ -27,6 +28,7 @@ __all__ = [
     "load_spec",
     "names",
     "resolve",
+    "root",
     "slug",
     "suggest",
 ]
@@ -41,8 +43,10 @@ class CatalogEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str  # hub id
+    family: str  # e.g. "Qwen2.5", "Llama 3.1": suggestions rank a family's variants together
+    extends: str | None = None  # the entry whose config this variant starts from
     aliases: tuple[str, ...] = ()
-    config: dict[str, Any]  # for AutoConfig.for_model(model_type, **rest)
+    config: dict[str, Any]  # for AutoConfig.for_model(model_type, **rest), ``extends`` merged in
     source: str  # the config.json it was read from
     published_params: int
     published_source: str
@@ -64,6 +68,24 @@ def slug(name: str) -> str:
     return name.lower().replace("/", "__")
 
 
+def _merged(item: dict[str, Any], by_name: dict[str, CatalogEntry]) -> dict[str, Any]:
+    """A variant's entry with its base's config (and family) filled in.
+
+    A variant (``extends: <hub id of an earlier entry>``) writes only the config fields in
+    which its own config.json differs from its base's; every other field is the base's.
+    """
+    base_name = item.get("extends")
+    if base_name is None:
+        return item
+    base = by_name.get(base_name)
+    if base is None:
+        raise ValueError(f"entries.yaml: {item.get('name')} extends {base_name!r}, which is not an earlier entry")
+    merged = dict(item)
+    merged["config"] = {**copy.deepcopy(base.config), **(item.get("config") or {})}
+    merged.setdefault("family", base.family)
+    return merged
+
+
 @cache
 def _catalog() -> tuple[dict[str, CatalogEntry], dict[str, str]]:
     """Entries by hub id, and every lower-cased hub id and alias -> hub id."""
@@ -73,7 +95,7 @@ def _catalog() -> tuple[dict[str, CatalogEntry], dict[str, str]]:
     by_name: dict[str, CatalogEntry] = {}
     keys: dict[str, str] = {}
     for item in raw:
-        e = CatalogEntry.model_validate(item)
+        e = CatalogEntry.model_validate(_merged(item, by_name))
         for key in (e.name.lower(), *e.aliases):
             if key != key.lower():
                 raise ValueError(f"entries.yaml: alias {key!r} of {e.name} is not lower-case")
@@ -99,8 +121,22 @@ def resolve(name: str) -> str | None:
     return _catalog()[1].get(name.strip().lower())
 
 
+def root(name: str) -> str:
+    """The hub id at the bottom of an entry's ``extends`` chain (the entry itself if none)."""
+    by_name = _catalog()[0]
+    e = by_name[name]
+    while e.extends is not None:
+        e = by_name[e.extends]
+    return e.name
+
+
 def suggest(name: str, n: int = 5) -> list[str]:
-    """Hub ids of up to ``n`` catalog models whose id or an alias is close to ``name``."""
+    """Hub ids of up to ``n`` catalog models whose id or an alias is close to ``name``.
+
+    The closest match comes first, then the other variants of the same base model
+    (``Qwen/Qwen2.5-7B-Chat`` -> Qwen2.5-7B-Instruct, Qwen2.5-7B, Qwen2.5-Math-7B ...), then
+    the rest of its family, then everything else that is close, each group by closeness.
+    """
     query = name.strip().lower()
     queries = {query, query.rsplit("/", 1)[-1]}  # "org/model" also matches on "model"
     scores: dict[str, float] = {}
@@ -112,7 +148,17 @@ def suggest(name: str, n: int = 5) -> list[str]:
             score = max(score, matcher.ratio())
         if score >= 0.6 and score > scores.get(hub_id, 0.0):
             scores[hub_id] = score
-    return sorted(scores, key=lambda hub_id: -scores[hub_id])[:n]
+    if not scores:
+        return []
+    by_name = _catalog()[0]
+    best = max(scores, key=lambda hub_id: scores[hub_id])
+    best_root, best_family = root(best), by_name[best].family
+
+    def rank(hub_id: str) -> tuple[int, int, float]:
+        return (hub_id != best and root(hub_id) != best_root, by_name[hub_id].family != best_family,
+                -scores[hub_id])
+
+    return sorted(scores, key=rank)[:n]
 
 
 def _unknown(name: str) -> KeyError:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from functools import cache
 
 import pytest
 
@@ -29,8 +31,44 @@ REQUIRED = [
     "microsoft/phi-4", "microsoft/Phi-4-mini-instruct",
     "deepseek-ai/DeepSeek-V2-Lite", "allenai/OLMoE-1B-7B-0924",
 ]
+# The first names a GRPO user types: post-trained, instruct and distilled checkpoints.
+FIRST_TYPED = [
+    "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-8B", "Qwen/Qwen3-30B-A3B", "meta-llama/Llama-3.1-8B-Instruct",
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", "google/gemma-3-4b-it", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "openai/gpt-oss-20b",
+]
+# One of each family RL users run, post-trained where there is a post-trained release.
+FAMILIES = {
+    "Qwen3": ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-4B", "Qwen/Qwen3-8B", "Qwen/Qwen3-14B",
+              "Qwen/Qwen3-32B", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-4B-Instruct-2507"],
+    "Qwen2.5": ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-Math-7B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct"],
+    "DeepSeek-R1-Distill": ["deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+                            "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+                            "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "deepseek-ai/DeepSeek-R1-Distill-Llama-70B"],
+    "Llama": ["meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct",
+              "meta-llama/Llama-3.3-70B-Instruct"],
+    "Gemma 3": ["google/gemma-3-1b-it", "google/gemma-3-27b-it"],
+    "SmolLM": ["HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM3-3B"],
+    "OLMo 2": ["allenai/OLMo-2-1124-7B-Instruct", "allenai/OLMo-2-0325-32B-Instruct"],
+    "Mistral": ["mistralai/Mistral-7B-Instruct-v0.1", "mistralai/Mistral-7B-Instruct-v0.2",
+                "mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-Small-24B-Instruct-2501",
+                "mistralai/Mistral-Small-3.1-24B-Instruct-2503"],
+    "Phi-4": ["microsoft/phi-4", "microsoft/Phi-4-reasoning", "microsoft/Phi-4-mini-reasoning"],
+    "gpt-oss": ["openai/gpt-oss-20b", "openai/gpt-oss-120b"],
+}
 MOE = ["Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-235B-A22B", "mistralai/Mixtral-8x7B-v0.1",
-       "deepseek-ai/DeepSeek-V2-Lite", "allenai/OLMoE-1B-7B-0924"]
+       "deepseek-ai/DeepSeek-V2-Lite", "allenai/OLMoE-1B-7B-0924", "Qwen/Qwen3-30B-A3B", "openai/gpt-oss-20b",
+       "openai/gpt-oss-120b"]
+
+
+@cache
+def _fresh(config_json: str):
+    """A meta-device build of one config; variants with their base's config share it."""
+    from planner.catalog.build import build_entry
+
+    e = catalog.CatalogEntry(name="x", family="x", config=json.loads(config_json), source="x",
+                             published_params=1, published_source="x")
+    return build_entry(e)
 
 
 # -- the shipped specs ------------------------------------------------------------------------
@@ -38,7 +76,7 @@ MOE = ["Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-235B-A22B", "mistralai/Mixtral-8x7
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_spec_equals_a_fresh_build(name):
     shipped = catalog.load_spec(name)
-    fresh = build_entry(catalog.entry(name))
+    fresh = _fresh(json.dumps(catalog.entry(name).config, sort_keys=True)).model_copy(update={"name": name})
     a, b = shipped.model_dump(exclude=VERSION_FIELDS), fresh.model_dump(exclude=VERSION_FIELDS)
     differ = sorted(k for k in a if a[k] != b[k])
     assert not differ, (f"{name}: shipped spec differs in {differ}; "
@@ -88,10 +126,11 @@ def test_every_config_passes_the_checks_the_trainer_and_planner_apply(name):
 
 
 def test_required_coverage():
-    missing = [n for n in REQUIRED if n not in NAMES]
+    wanted = REQUIRED + FIRST_TYPED + [n for names in FAMILIES.values() for n in names]
+    missing = [n for n in wanted if n not in NAMES]
     assert not missing, f"catalog lacks {missing}"
     assert all(catalog.load_spec(n).is_moe for n in MOE)
-    assert not any(catalog.load_spec(n).is_moe for n in REQUIRED if n not in MOE)
+    assert not any(catalog.load_spec(n).is_moe for n in wanted if n not in MOE)
     for size in ("4b", "12b", "27b"):  # the text models of the multimodal Gemma 3 checkpoints
         assert catalog.entry(f"google/gemma-3-{size}-pt").config["model_type"] == "gemma3_text"
     assert catalog.load_spec("gemma-2-9b").final_logit_softcapping == 30.0
@@ -127,10 +166,12 @@ def test_resolve_hub_ids_any_case_and_aliases():
     assert catalog.resolve("Qwen/Qwen2.5-7B") == "Qwen/Qwen2.5-7B"
     assert catalog.resolve("qwen/qwen2.5-7b") == "Qwen/Qwen2.5-7B"
     assert catalog.resolve("  QWEN2.5-7B ") == "Qwen/Qwen2.5-7B"
-    assert catalog.resolve("qwen2.5-7b-instruct") == "Qwen/Qwen2.5-7B"
+    assert catalog.resolve("qwen2.5-7b-instruct") == "Qwen/Qwen2.5-7B-Instruct"
     assert catalog.resolve("llama-3.1-8b") == "meta-llama/Llama-3.1-8B"
-    assert catalog.resolve("qwen3-30b-a3b") == "Qwen/Qwen3-30B-A3B-Base"
-    assert catalog.resolve("gemma-3-27b-it") == "google/gemma-3-27b-pt"
+    assert catalog.resolve("qwen3-30b-a3b") == "Qwen/Qwen3-30B-A3B"
+    assert catalog.resolve("qwen3-30b-a3b-base") == "Qwen/Qwen3-30B-A3B-Base"
+    assert catalog.resolve("gemma-3-27b-it") == "google/gemma-3-27b-it"
+    assert catalog.resolve("gemma-3-27b") == "google/gemma-3-27b-pt"
     assert catalog.resolve("Qwen/Qwen2-7B") is None
     assert catalog.resolve("") is None
     assert catalog.entry("mixtral-8x7b").name == "mistralai/Mixtral-8x7B-v0.1"
@@ -147,10 +188,13 @@ def test_every_alias_and_id_resolves_to_its_entry():
 @pytest.mark.parametrize("typo, expected", [
     ("qwen2.5-7", "Qwen/Qwen2.5-7B"),
     ("Qwen2-7B", "Qwen/Qwen2.5-7B"),
-    ("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen2.5-7B"),
+    ("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"),
     ("lama-3.1-8b", "meta-llama/Llama-3.1-8B"),
     ("mixtral-8x7", "mistralai/Mixtral-8x7B-v0.1"),
-    ("gemma2-9b-it", "google/gemma-2-9b"),
+    ("gemma2-9b-it", "google/gemma-2-9b-it"),
+    ("Qwen/Qwen2.5-7B-Instruct-AWQ", "Qwen/Qwen2.5-7B-Instruct"),
+    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B-GGUF", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+    ("openai/gpt-oss-20", "openai/gpt-oss-20b"),
     ("deepseek-v2-light", "deepseek-ai/DeepSeek-V2-Lite"),
 ])
 def test_suggest_finds_the_intended_model(typo, expected):
@@ -178,3 +222,58 @@ def test_entries_are_copies():
     e.config["rope_scaling"]["factor"] = 99.0
     assert catalog.entry("llama-3.1-8b").config["rope_scaling"]["factor"] == 8.0
     assert [x.name for x in catalog.entries()] == NAMES
+
+
+@pytest.mark.parametrize("name", FIRST_TYPED)
+def test_the_first_names_users_type_resolve_under_their_own_hub_id(name):
+    assert catalog.resolve(name) == name
+    assert catalog.load_spec(name).name == name
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if catalog.entry(n).extends])
+def test_a_variant_is_its_base_config_with_its_own_fields(name):
+    variant = catalog.entry(name)
+    base = catalog.entry(variant.extends)
+    assert NAMES.index(variant.extends) < NAMES.index(name), "a variant comes after its base"
+    assert variant.family == base.family or variant.family == "DeepSeek-R1-Distill"
+    differ = {k for k in variant.config if variant.config[k] != base.config.get(k)}
+    assert set(variant.config) == set(base.config), "a variant only changes fields of its base"
+    assert catalog.root(name) == catalog.root(variant.extends)
+    assert differ <= {"max_position_embeddings", "original_max_position_embeddings", "rope_theta",
+                      "sliding_window", "max_window_layers", "tie_word_embeddings", "num_hidden_layers",
+                      "num_local_experts", "layer_types"}, differ
+
+
+def test_variants_differ_from_their_base_where_their_config_does():
+    # DeepSeek-R1-Distill-Qwen-1.5B unties the embeddings of its Qwen2.5-Math-1.5B base:
+    # 151,936 x 1,536 more parameters, and an lm_head of its own.
+    distill, base = catalog.load_spec("deepseek-r1-distill-qwen-1.5b"), catalog.load_spec("qwen2.5-math-1.5b")
+    assert distill.total_params - base.total_params == 151936 * 1536
+    assert base.lm_head_shape is None and distill.lm_head_shape == (151936, 1536)
+    # The post-trained Qwen3 releases read 40,960 positions, their base checkpoints 32,768.
+    assert catalog.load_spec("Qwen/Qwen3-8B").max_position_embeddings == 40960
+    assert catalog.load_spec("Qwen/Qwen3-8B-Base").max_position_embeddings == 32768
+    assert catalog.load_spec("Qwen/Qwen3-4B-Instruct-2507").max_position_embeddings == 262144
+
+
+def test_suggestions_rank_the_same_models_variants_first():
+    close = catalog.suggest("Qwen/Qwen2.5-7B-Chat")
+    assert set(close[:2]) <= {"Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B"}, close
+    assert all(catalog.root(n) == "Qwen/Qwen2.5-7B" for n in close[:3]), close
+    close = catalog.suggest("meta-llama/Llama-3.1-8B-Instruct-FP8")
+    assert close[0] == "meta-llama/Llama-3.1-8B-Instruct", close
+    assert catalog.root(close[1]) == "meta-llama/Llama-3.1-8B", close
+
+
+def test_extends_must_name_an_earlier_entry(tmp_path, monkeypatch):
+    bad = tmp_path / "entries.yaml"
+    bad.write_text("- name: a/B-Instruct\n  extends: a/B\n  aliases: [b-instruct]\n  source: x\n"
+                   "  published_params: 1\n  published_source: x\n")
+    monkeypatch.setattr(catalog, "ENTRIES_PATH", bad)
+    catalog._catalog.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="extends 'a/B', which is not an earlier entry"):
+            catalog.names()
+    finally:
+        monkeypatch.undo()
+        catalog._catalog.cache_clear()
