@@ -18,7 +18,7 @@ from agilerl.distributed import FSDPConfig
 
 from .choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
 from .hardware import Cluster
-from .memory import DTYPE_BYTES, expert_parallel_degrees, tensor_parallel_degrees
+from .memory import DTYPE_BYTES, expert_parallel_degrees, row_wise_experts, tensor_parallel_degrees
 from .spec import ModelSpec
 from .workload import Workload
 
@@ -176,7 +176,7 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
     choices["micro_batch_size_per_gpu"] = (user,) if user else _divisors(per_gpu)
     # MoE: expert parallel and tensor parallel (attention only; neither with the other nor
     # with HSDP, which the runtime refuses), and the expert chunk. Dense models keep tp as given.
-    if spec.is_moe and "fsdp" in options:
+    if row_wise_experts(spec) and "fsdp" in options:
         hsdp_fixed = fixed.get("shard_group_size") is not None
         choices["ep"] = one_or("ep", (1,) if tp > 1 or hsdp_fixed else _ep_degrees(spec, cluster))
         choices["tp"] = one_or("tp", (1,) if hsdp_fixed or "ep" in fixed and fixed["ep"] > 1

@@ -38,6 +38,7 @@ from .memory import (
     check_ep,
     estimate,
     expert_parallel_degrees,
+    row_wise_experts,
     tp_problem,
 )
 from .spec import ModelSpec
@@ -131,6 +132,8 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
         raise ValueError(problem)
     if fsdp.ep > 1:
         check_ep(spec, fsdp.ep, cluster.num_gpus, fsdp)
+    if fsdp.routed_expert_chunk_mib is not None and spec.expert_layout_problem:
+        raise ValueError(f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g}: {spec.expert_layout_problem}")
     if fsdp.wrap_every_n_blocks > spec.num_layers:
         raise ValueError(f"wrap_every_n_blocks={fsdp.wrap_every_n_blocks} is more than the {spec.num_layers} "
                          f"blocks of {spec.name}")
@@ -211,11 +214,13 @@ def plan(
     if use_fsdp:
         base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
                     optim_cpu_offload=False, cpu_offload=False, shard_group_size=None)
-        if spec.is_moe:  # the row-wise experts in chunks: far below PEFT's merged expert stacks
+        # the row-wise experts in chunks: far below PEFT's merged expert stacks
+        row_wise = row_wise_experts(spec)
+        if row_wise:
             base["routed_expert_chunk_mib"] = EXPERT_CHUNKS_MIB[0]
         base.update(fixed)
         fsdp = FSDPConfig(**base)
-        if spec.is_moe and "ep" not in fixed and not search.fits(frugal, fsdp):
+        if row_wise and "ep" not in fixed and not search.fits(frugal, fsdp):
             # Expert parallel: each rank gathers E / ep experts, sharded over world / ep ranks.
             for ep in _expert_parallel_degrees(spec, cluster):
                 candidate = fsdp.model_copy(update={"ep": ep})
@@ -332,7 +337,7 @@ def plan(
                 note(field, 2, "a second unit in flight fits: more overlap of gathers with compute")
             else:
                 note(field, 1, "only one neighbouring unit fits in flight")
-        if spec.is_moe and "routed_expert_chunk_mib" not in fixed:
+        if row_wise and "routed_expert_chunk_mib" not in fixed:
             best = EXPERT_CHUNKS_MIB[0]
             for chunk in EXPERT_CHUNKS_MIB[1:]:
                 if search.fits(current, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk})):
@@ -341,8 +346,11 @@ def plan(
             note("routed_expert_chunk_mib", best, "the largest of 64/128/256/512 MiB whose expert chunk fits: "
                  "fewer kernel launches per MoE layer" if best > EXPERT_CHUNKS_MIB[0] else
                  "only the smallest expert chunk fits")
-        if spec.is_moe and "ep" not in fixed and not any(d.field == "ep" for d in decisions):
+        if row_wise and "ep" not in fixed and not any(d.field == "ep" for d in decisions):
             note("ep", fsdp.ep, "every rank holds a shard of every expert: no all-to-all needed")
+        if spec.is_moe and not row_wise:
+            note("ep", fsdp.ep, "Hugging Face's expert loop runs the experts (their layout has no "
+                 "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset")
 
     est = search.estimate(current, fsdp)
     note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "

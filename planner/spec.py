@@ -37,7 +37,8 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 4  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping
+SPEC_SCHEMA_VERSION = 5  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
+# 5: expert_layout_problem (gpt-oss)
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -112,6 +113,10 @@ class ModelSpec(_Frozen):
     # live from the embeddings to the last block.
     hidden_streams: int = 1
     per_layer_input_width: int = 0
+    # Why agilerl.distributed's row-wise experts (expert parallel, routed_expert_chunk_mib)
+    # cannot run this model's packed experts (gpt-oss: transposed, with biases); None when
+    # they can or the model has none. Such a model trains with Hugging Face's expert loop.
+    expert_layout_problem: str | None = None
 
     # -- derived ------------------------------------------------------------------------
     def block(self, index: int) -> BlockSpec:
@@ -241,7 +246,7 @@ def build_spec(config, *, name: str,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from agilerl.distributed import block_kind, find_transformer_blocks
+    from agilerl.distributed import block_kind, find_transformer_blocks, model_experts_problem
 
     if isinstance(config, dict):
         import copy
@@ -293,6 +298,7 @@ def build_spec(config, *, name: str,
     block_mlp = [_mlp(b, text_config) for b in blocks]
     block_kinds = [block_kind(b) for b in blocks]
     total = sum(p.numel() for p in model.parameters())
+    expert_problem = model_experts_problem(model)
 
     lora_by_block: list[dict[str, list[LoraShape]]] = [dict() for _ in blocks]
     lora_outside: dict[str, list[LoraShape]] = {}
@@ -356,4 +362,5 @@ def build_spec(config, *, name: str,
         hidden_streams=int(getattr(text_config, "altup_num_inputs", 1) or 1),
         per_layer_input_width=len(blocks) * int(getattr(text_config, "hidden_size_per_layer_input", 0) or 0)
         if any(is_per_layer_embedding(n) for n, _ in root_tensors) else 0,
+        expert_layout_problem=expert_problem,
     )

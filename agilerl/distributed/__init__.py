@@ -68,6 +68,8 @@ _LAZY = {
     "full_optimizer_state_dict": "_state",
     "load_full_optimizer_state_dict": "_state",
     # optimizers and clipping
+    # mixture of experts
+    "model_experts_problem": "_moe",
     "build_optimizer": "_optim",
     "CPUOffloadAdamW": "_optim",
     "clip_grad_norm_": "_optim",

@@ -52,6 +52,7 @@ from ._moe import (
     checkpoint_moe_block,
     expert_modules,
     find_moe_layers,
+    model_experts_problem,
     fully_shard_experts,
     install_router_forwards,
     is_moe_block,
@@ -421,6 +422,10 @@ def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | N
     shard inside their block on the dense mesh, as before).
     """
     has_moe = bool(find_moe_layers(model))
+    if has_moe and (config.ep > 1 or config.routed_expert_chunk_mib is not None):
+        problem = model_experts_problem(model)
+        if problem is not None:
+            raise ValueError(problem)
     if config.ep == 1:
         if expert_mesh is not None and has_moe and expert_mesh.size() != dist.get_world_size():
             raise ValueError("with ep=1, expert_mesh must span every rank")

@@ -68,6 +68,8 @@ __all__ = [
     "moe_checkpoint",
     "checkpoint_moe_block",
     "expert_chunk_rows",
+    "experts_problem",
+    "model_experts_problem",
     "apply_expert_parallel",
     "moe_layout",
     "check_expert_parallel",
@@ -398,27 +400,46 @@ def _expert_weights(experts: nn.Module) -> _ExpertWeights:
     )
 
 
-def _check_supported(experts: nn.Module) -> None:
+def experts_problem(experts: nn.Module) -> str | None:
+    """Why the row-wise experts (expert parallel, ``routed_expert_chunk_mib``) cannot run a
+    packed experts module (PEFT wrappers included), or None when they can.
+
+    The supported layout is ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] with no
+    biases (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V2/V3). gpt-oss keeps its experts
+    transposed and with biases: it trains with Hugging Face's own expert loop, experts
+    whole on each rank's FSDP shard, with ``ep=1`` and ``routed_expert_chunk_mib`` unset.
+    """
     base = _base(experts)
     flags = dict(has_gate=True, has_bias=False, is_transposed=False, has_post_expert_norm=False)
     odd = {k: getattr(base, k) for k, v in flags.items() if getattr(base, k, v) != v}
     if odd:
-        raise NotImplementedError(
-            f"{type(base).__name__}: packed experts with {odd} are not supported; the "
-            "supported layout is gate_up_proj [E, 2I, H] and down_proj [E, H, I], no biases"
-        )
+        return (f"{type(base).__name__}: packed experts with {odd} are not supported by expert parallel or "
+                "routed_expert_chunk_mib (supported: gate_up_proj [E, 2I, H] and down_proj [E, H, I], no "
+                "biases); use ep=1 and leave routed_expert_chunk_mib unset")
     module = experts
     while _is_param_wrapper(module):
         if module.parameter_name not in ("gate_up_proj", "down_proj"):
-            raise NotImplementedError(
-                f"LoRA on experts parameter {module.parameter_name!r} is not supported"
-            )
+            return f"LoRA on experts parameter {module.parameter_name!r} is not supported"
         has_bias = any(b.bias is not None for b in module.lora_B.values())
         if has_bias or not module._did_swap_in_out_features:
-            raise NotImplementedError(
-                "expert LoRA with lora_bias or a transposed layout is not supported"
-            )
+            return "expert LoRA with lora_bias or a transposed layout is not supported"
         module = module.base_layer
+    return None
+
+
+def model_experts_problem(model: nn.Module) -> str | None:
+    """:func:`experts_problem` of the first MoE layer that has one (None: all can run row-wise)."""
+    for layer in find_moe_layers(model):
+        problem = experts_problem(layer.experts)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _check_supported(experts: nn.Module) -> None:
+    problem = experts_problem(experts)
+    if problem is not None:
+        raise NotImplementedError(problem)
 
 
 def expert_chunk_rows(*, chunk_mib: float | None, row_bytes: int) -> int | None:

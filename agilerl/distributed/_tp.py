@@ -278,6 +278,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPLayout:
         # A MoE block splits its attention only: its router and experts (and any shared
         # experts) stay whole, computed alike on every TP rank from identical inputs.
         moe = is_moe_block(inner)
+        if any(n.split(".")[-1] == "sinks" for n, _ in inner.named_parameters()):
+            raise ValueError(f"{prefix}: tp > 1 does not split attention sinks (one learnt logit per "
+                             "head, gpt-oss); use tp=1")
         paths = [p for p in BLOCK_PLAN if not (moe and p.startswith("mlp."))]
         for path in paths:
             _check_linear(_get(inner, path), f"{prefix}.{path}")

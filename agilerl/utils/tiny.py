@@ -25,6 +25,9 @@ TINY_ARCHITECTURES = {
     "mixtral": "MixtralConfig",
     "olmoe": "OlmoeConfig",
     "gemma3n": "Gemma3nTextConfig",
+    "smollm3": "SmolLM3Config",
+    "olmo2": "Olmo2Config",
+    "gpt_oss": "GptOssConfig",
 }
 
 #: Tiny mixture-of-experts defaults: 4 packed experts, 2 per token.
@@ -32,6 +35,7 @@ _MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -89,6 +93,12 @@ def tiny_config(
         kwargs["tie_word_embeddings"] = tie_word_embeddings
     if arch in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = max_position_embeddings
+    if arch == "smollm3":  # every second layer without rotary embeddings (NoPE), as every fourth in SmolLM3-3B
+        kwargs["no_rope_layer_interval"] = 2
+    if arch == "gpt_oss":  # attention sinks, biased transposed experts, alternating sliding/full layers
+        kwargs.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+                      + ["sliding_attention"] * (num_layers % 2),
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     kwargs.update(_MOE_DEFAULTS.get(arch, {}))
     if arch == "gemma3n":  # per-layer embeddings (PLE), AltUp and Laurel at tiny sizes; no KV sharing
         kwargs.update(vocab_size_per_layer_input=vocab_size, hidden_size_per_layer_input=8, laurel_rank=4,

@@ -9,7 +9,7 @@ from ..spec import ModelSpec
 from ..workload import Workload
 from ._coefficients import Coefficients
 from ._context import build_context
-from ._parallel import has_packed_experts
+from ._parallel import row_wise_experts
 from ._phases import assemble
 from ._result import Estimate
 
@@ -30,7 +30,7 @@ def estimate(
     """Per-rank memory of a GRPO run by phase and component (see the package docstring)."""
     k = coefficients or Coefficients()
     if (fsdp is not None and fsdp.routed_expert_chunk_mib is None and spec.is_moe
-            and has_packed_experts(spec)):
+            and row_wise_experts(spec)):
         # agilerl's GRPO resolves None before sharding (FSDPConfig's documented choice).
         chunk, _ = resolve_expert_chunk(spec, workload, cluster, fsdp, coefficients=k)
         est = estimate(spec, workload, cluster, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}),

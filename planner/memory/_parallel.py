@@ -46,11 +46,18 @@ def has_packed_experts(spec: ModelSpec) -> bool:
     return any(is_packed(b) for b in spec.block_types.values())
 
 
+def row_wise_experts(spec: ModelSpec) -> bool:
+    """Whether agilerl.distributed's row-wise experts (expert parallel, routed_expert_chunk_mib)
+    can run the model: packed experts in the layout they support (not gpt-oss's)."""
+    return has_packed_experts(spec) and spec.expert_layout_problem is None
+
+
 def expert_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
     """EP degrees agilerl.distributed accepts on ``world`` GPUs: [1] unless the model has packed
-    experts, else every degree dividing the GPUs and each layer's expert count."""
+    experts the row-wise experts can run, else every degree dividing the GPUs and each layer's
+    expert count."""
     counts = {b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"}
-    if not counts or not has_packed_experts(spec):
+    if not counts or not row_wise_experts(spec):
         return [1]
     return [d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts)]
 
@@ -65,6 +72,8 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
                     f"({b.attention.num_kv_heads}) divisible by it")
         if b.mlp.kind == "moe" and not is_packed(b):
             return f"tp={tp} needs MoE experts packed per layer ({b.kind} loops over expert modules)"
+        if any(n.split(".")[-1] == "sinks" for n, _ in b.tensors):
+            return f"tp={tp} does not split attention sinks (one learnt logit per head in {b.kind}); use tp=1"
         if b.mlp.kind != "moe" and b.mlp.intermediate_size % tp:
             return f"tp={tp} needs the MLP width ({b.mlp.intermediate_size}) divisible by it"
     return None
@@ -78,6 +87,8 @@ def tensor_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
 def check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
     """The EP degree agilerl.distributed accepts: packed experts, dividing the world and every expert count."""
     allowed = expert_parallel_degrees(spec, world)
+    if allowed == [1] and spec.expert_layout_problem:
+        raise ValueError(f"ep={ep}: {spec.expert_layout_problem}")
     if allowed == [1]:
         raise ValueError(f"ep={ep} needs packed MoE experts; {spec.name} has none. Use ep=1.")
     counts = sorted({b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"})

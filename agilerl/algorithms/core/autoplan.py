@@ -121,6 +121,10 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
     from planner.memory import EXPERT_CHUNKS_MIB, MARGIN_FRACTION, resolve_expert_chunk
 
     spec = _spec_for(agent, actor_network)
+    if spec.expert_layout_problem:  # gpt-oss: Hugging Face's expert loop, no chunk to pick
+        return {"routed_expert_chunk_mib": None,
+                "summary": "[agilerl] routed_expert_chunk_mib stays unset: this model's experts run in "
+                           "Hugging Face's own expert loop (their layout has no chunked experts)"}
     workload, _ = _workload_for(agent, micro)
     workload = workload.model_copy(update={"logprob_chunk_size": agent.logprob_chunk_size,
                                            "gradient_checkpointing": bool(agent.gradient_checkpointing)})

@@ -105,6 +105,38 @@ def gemma3n_per_layer_embeddings_are_their_own_unit(ctx):
 
 
 @cases.case
+def smollm3_no_rope_layers_with_checkpointing(ctx):
+    assert_parity("smollm3", FSDPConfig(**FP32), gradient_checkpointing=True)
+
+
+@cases.case
+def olmo2_full_width_qk_norms(ctx):
+    model = assert_parity("olmo2", FSDPConfig(**FP32))
+    q_norm = model.model.layers[0].self_attn.q_norm.weight
+    assert isinstance(q_norm, DTensor) and q_norm.shape == (32,)  # over all heads, not per head
+
+
+@cases.case
+def gpt_oss_sinks_and_biased_experts_in_hugging_faces_loop(ctx):
+    model = assert_parity("gpt_oss", FSDPConfig(**FP32), gradient_checkpointing=True)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.sinks, DTensor) and isinstance(layer.mlp.experts.gate_up_proj_bias, DTensor)
+    assert fsdp_layout(model).moe is None  # Hugging Face's expert loop: no row-wise experts installed
+
+
+@cases.case
+def gpt_oss_refuses_expert_parallel_and_chunks_in_one_line(ctx):
+    import pytest
+
+    from agilerl.distributed import apply_fsdp2
+    from agilerl.utils.tiny import tiny_model
+
+    for config in (FSDPConfig(**FP32, ep=2), FSDPConfig(**FP32, routed_expert_chunk_mib=64)):
+        with pytest.raises(ValueError, match=r"GptOssExperts: .*is_transposed.*use ep=1"):
+            apply_fsdp2(tiny_model("gpt_oss"), config)
+
+
+@cases.case
 def bf16_mixed_precision_with_replicated_fp32_params(ctx):
     # bf16 compute with fp32 replicated norms: the output cast keeps dtypes
     # consistent. Compared loosely (bf16 has 8 bits of mantissa).

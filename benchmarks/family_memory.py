@@ -1,0 +1,106 @@
+"""Newer families: the planner's estimate against probes of SmolLM3, OLMo 2 and gpt-oss runs.
+
+    python benchmarks/family_memory.py [--device cpu] [--rerun]
+
+Real probes of the GRPO trainer (bf16 base, fp32 LoRA adapters, FSDP2) on tiny random
+models of the three architectures the catalog added without a tiny model before:
+
+- SmolLM3: rotary embeddings skipped on every second layer here (every fourth in
+  SmolLM3-3B), which changes no tensor the estimate counts;
+- OLMo 2: q/k RMSNorms over the whole projection width and norms after attention and
+  MLP instead of before;
+- gpt-oss: attention sinks, biased and transposed packed experts run by Hugging Face's
+  own expert loop (the row-wise experts do not take that layout), alternating sliding
+  and full attention layers.
+
+A tiny Qwen2 of the same sizes is the control. Against ``planner.memory.estimate`` with the shipped coefficients; nothing is fitted
+here. Measurements are cached in ``benchmarks/results/families_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from _probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients  # noqa: E402
+
+from agilerl.distributed import FSDPConfig  # noqa: E402
+from planner.probe import ProbeRequest  # noqa: E402
+from planner.workload import Workload  # noqa: E402
+
+MODELS = {
+    # the control: an architecture the accuracy benchmark already covers, at the same sizes
+    "qwen2": "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
+             "&vocab_size=4096",
+    "smollm3": "tiny:smollm3?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
+               "&vocab_size=4096",
+    "olmo2": "tiny:olmo2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=4"
+             "&vocab_size=4096",
+    "gpt_oss": "tiny:gpt_oss?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
+               "&vocab_size=4096&num_local_experts=8&num_experts_per_tok=2",
+}
+PHASES = ("reference", "learn", "step")
+CONFIGS = [
+    dict(model="qwen2", world=2, gc=True, micro=2, prompt=64, completion=64),
+    dict(model="qwen2", world=2, gc=False, micro=2, prompt=64, completion=64),
+    dict(model="smollm3", world=2, gc=True, micro=2, prompt=64, completion=64),
+    dict(model="smollm3", world=2, gc=False, micro=2, prompt=64, completion=64),
+    dict(model="olmo2", world=2, gc=True, micro=2, prompt=64, completion=64),
+    dict(model="olmo2", world=2, gc=False, micro=4, prompt=96, completion=32),
+    dict(model="gpt_oss", world=2, gc=True, micro=2, prompt=64, completion=64),
+    dict(model="gpt_oss", world=2, gc=False, micro=2, prompt=64, completion=64),
+]
+
+
+def request_for(c: dict, device: str) -> ProbeRequest:
+    workload = Workload(
+        prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
+        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
+        lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation="eager", generation="none",
+    )
+    fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
+    return ProbeRequest(model=MODELS[c["model"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
+                        timed_steps=1, timeout_s=600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
+    args = parser.parse_args()
+    cache = ROOT / "benchmarks" / "results" / f"families_{args.device}.json"
+    results = measure_cached(CONFIGS, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
+                             phases=PHASES)
+    coefficients = saved_coefficients(args.device)
+    mib = 2**20
+    print(f"\nNewer families ({args.device}): measured vs estimated per-rank peak, MiB")
+    print(f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
+          + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in PHASES))
+    errors = []
+    for c in CONFIGS:
+        req = request_for(c, args.device)
+        rec = results.get(cache_key(req))
+        if rec is None:
+            continue
+        est = estimate_request(req, coefficients)
+        weights_e = est.phases["learn"].components.get("weights", 0)
+        row = (f"{c['model']:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
+               f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
+        for ph in PHASES:
+            measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
+            err = (guess - measured) / measured
+            if ph != "step":
+                errors.append(abs(err))
+            row += f" {measured / mib:8.2f}/{guess / mib:<8.2f} {err:+6.1%}"
+        print(row)
+    if errors:
+        print(f"\nreference + learn: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
+              f"over {len(errors)} phase peaks")
+
+
+if __name__ == "__main__":
+    main()

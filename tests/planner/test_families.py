@@ -1,0 +1,84 @@
+"""Architecture features of the newer families, read off tiny random models and planned.
+
+SmolLM3 (NoPE layers), OLMo 2 (full-width q/k norms, norms after each sublayer) and
+gpt-oss (attention sinks, biased transposed experts, alternating sliding windows).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agilerl.distributed import FSDPConfig
+from planner import catalog
+from planner.choose import plan
+from planner.hardware import Cluster, gpu_by_name
+from planner.memory import estimate, expert_parallel_degrees, row_wise_experts
+from planner.models import load_model_spec
+from planner.workload import Workload
+
+GPT_OSS = ("tiny:gpt_oss?hidden_size=64&intermediate_size=96&num_layers=4&num_heads=4&num_kv_heads=2"
+           "&vocab_size=512&num_local_experts=8&num_experts_per_tok=2")
+OLMO2 = "tiny:olmo2?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4&num_kv_heads=4&vocab_size=512"
+SMOLLM3 = "tiny:smollm3?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
+WL = Workload(prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=32, micro_batch_size_per_gpu=2,
+              lora_rank=8, weights_dtype="bfloat16", generation="none")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    return load_model_spec(GPT_OSS)
+
+
+def test_gpt_oss_spec_reads_sinks_biased_experts_and_alternating_windows(gpt_oss):
+    block = gpt_oss.block(0)
+    tensors = dict(block.tensors)
+    assert tensors["self_attn.sinks"] == (4,)  # one learnt logit per head
+    assert tensors["mlp.experts.gate_up_proj"] == (8, 64, 2 * 96)  # transposed: [E, H, 2I]
+    assert tensors["mlp.experts.gate_up_proj_bias"] == (8, 2 * 96)
+    assert tensors["mlp.experts.down_proj_bias"] == (8, 64)
+    assert [b.attention.sliding_window for b in gpt_oss.blocks] == [8, None, 8, None]
+    assert block.mlp.kind == "moe" and block.mlp.num_experts == 8 and block.mlp.experts_per_token == 2
+    # "all-linear" LoRA adapts attention only: the experts are 3-D parameters, the router no nn.Linear.
+    assert [name for name, *_ in block.lora["all-linear"]] == [f"self_attn.{p}_proj" for p in "qkvo"]
+
+
+def test_gpt_oss_experts_run_in_hugging_faces_loop(gpt_oss):
+    assert "is_transposed" in gpt_oss.expert_layout_problem and not row_wise_experts(gpt_oss)
+    assert expert_parallel_degrees(gpt_oss, 8) == [1]
+    qwen3_moe = catalog.load_spec("Qwen/Qwen3-30B-A3B")
+    assert qwen3_moe.expert_layout_problem is None and row_wise_experts(qwen3_moe)
+    # routed_expert_chunk_mib=None is not resolved to a chunk: there is none to pick.
+    cluster, fsdp = Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=2), FSDPConfig(param_persistence_threshold=0)
+    assert not any("routed_expert_chunk_mib" in n for n in estimate(gpt_oss, WL, cluster, fsdp).notes)
+    tiny_qwen3_moe = load_model_spec(GPT_OSS.replace("gpt_oss", "qwen3_moe").replace("num_local_experts", "num_experts"))
+    assert any("routed_expert_chunk_mib" in n for n in estimate(tiny_qwen3_moe, WL, cluster, fsdp).notes)
+
+
+@pytest.mark.parametrize("name", ["openai/gpt-oss-20b", "openai/gpt-oss-120b"])
+def test_gpt_oss_plans_leave_expert_parallel_and_chunks_unset(name):
+    p = plan(catalog.load_spec(name), Workload(), Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=8), sharding="fsdp")
+    assert p.fits and p.fsdp.ep == 1 and p.fsdp.routed_expert_chunk_mib is None
+    assert any(d.field == "ep" and "Hugging Face's expert loop" in d.reason for d in p.decisions)
+
+
+def test_gpt_oss_weights_are_counted_in_bf16_not_mxfp4():
+    # The planner counts what the trainer keeps: the dequantised bf16 checkpoint, 2 bytes a parameter.
+    spec = catalog.load_spec("openai/gpt-oss-20b")
+    est = estimate(spec, Workload(), Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=1), None)
+    assert est.phases["learn"].components["weights"] == 2 * spec.total_params
+
+
+def test_olmo2_qk_norms_span_the_whole_projection():
+    spec = load_model_spec(OLMO2)
+    tensors = dict(spec.block(0).tensors)
+    assert tensors["self_attn.q_norm.weight"] == (64,) and tensors["self_attn.k_norm.weight"] == (64,)
+    # norms after attention and MLP, none before
+    assert "post_attention_layernorm.weight" in tensors and "post_feedforward_layernorm.weight" in tensors
+    assert "input_layernorm.weight" not in tensors
+
+
+def test_smollm3_no_rope_layers_share_one_block_type():
+    spec = load_model_spec(SMOLLM3)
+    # NoPE changes no tensor: every layer is the same block type, its parameters a Llama block's.
+    assert len(spec.block_types) == 1 and spec.num_layers == 4
+    assert spec.architecture == "SmolLM3ForCausalLM"
