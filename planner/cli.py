@@ -91,7 +91,7 @@ def probe_main(argv: list[str]) -> int:
         here = args.gpus if args.rdzv_endpoint is None else args.gpus // args.nnodes
         if device == "cuda" and _cuda_count() < here:
             raise ValueError(f"--device cuda needs {here} GPU(s) on this machine, which has {_cuda_count()}")
-        check_model_source(args.model, allow_download=args.allow_download)
+        check_model_source(args.model, allow_download=args.allow_download, for_training=False)
         request = ProbeRequest(
             model=args.model, workload=workload, fsdp=fsdp, nproc=args.gpus, device=device,
             generate=args.generate, save=args.save, timeout_s=args.timeout, timed_steps=args.timed_steps,

@@ -15,6 +15,7 @@ from agilerl.utils.sources import (
     check_causal_lm_type,
     check_config,
     looks_like_path,
+    multimodal_architecture,
     parse_tiny,
     read_config,
 )
@@ -50,17 +51,31 @@ def _cache_path(digest: str, targets: tuple[str | tuple[str, ...], ...]) -> Path
     return spec_cache_dir() / f"{key}.json"
 
 
+def _text_part(config: dict) -> dict:
+    """A multimodal config's text model as a config of its own (the outer tie flag carried in)."""
+    text = dict(config["text_config"])
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
+
+
 def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str, ...], ...]) -> ModelSpec:
     check_config(config, name)
     path = _cache_path(config_digest(config), targets)
     if path.exists():
         return ModelSpec.model_validate_json(path.read_text())
-    from .spec import build_spec
+    from .spec import UnsupportedArchitecture, build_spec
 
     check_causal_lm_type(config, name)
 
+    # A multimodal checkpoint: its text model, which is what the trainer fine-tunes once exported
+    # (agilerl.utils.text_model); the vision / audio encoders are not counted.
+    multimodal = multimodal_architecture(config)
+    build_from = _text_part(config) if multimodal else config
     try:
-        spec = build_spec(config, name=name, lora_targets=targets)
+        spec = build_spec(build_from, name=name, lora_targets=targets, text_model_of=multimodal)
+    except UnsupportedArchitecture:
+        raise
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, IndexError) as err:
         raise ValueError(f"transformers cannot build {name} from its config: {type(err).__name__}: {err}") from err
     path.parent.mkdir(parents=True, exist_ok=True)

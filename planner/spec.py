@@ -34,11 +34,12 @@ __all__ = [
     "spec_cache_dir",
     "config_digest",
     "SPEC_SCHEMA_VERSION",
+    "UnsupportedArchitecture",
     "DEFAULT_LORA_TARGETS",
 ]
 
 SPEC_SCHEMA_VERSION = 5  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
-# 5: expert_layout_problem (gpt-oss)
+# 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints)
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -117,6 +118,9 @@ class ModelSpec(_Frozen):
     # cannot run this model's packed experts (gpt-oss: transposed, with biases); None when
     # they can or the model has none. Such a model trains with Hugging Face's expert loop.
     expert_layout_problem: str | None = None
+    # The class of the multimodal checkpoint this is the text model of (its vision / audio
+    # encoders are not counted: the trainer fine-tunes the exported text model).
+    text_model_of: str | None = None
 
     # -- derived ------------------------------------------------------------------------
     def block(self, index: int) -> BlockSpec:
@@ -237,9 +241,27 @@ def _mlp(block, config) -> MlpSpec:
     return MlpSpec(kind="dense", intermediate_size=width)
 
 
+class UnsupportedArchitecture(ValueError):
+    """A causal LM whose structure the runtime or the estimate does not model (one line, naming it)."""
+
+
+#: Attribute names of a block's attention module in Hugging Face models, and the query (or
+#: fused query-key-value) projections that make it softmax attention with a KV cache.
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
+QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value", "c_attn", "q_a_proj", "Wqkv")
+
+
+def _has_softmax_attention(block) -> bool:
+    return any(hasattr(getattr(block, a, None), q) for a in ATTENTION_NAMES for q in QUERY_PROJECTIONS)
+
+
 def build_spec(config, *, name: str,
-               lora_targets: tuple[str | tuple[str, ...], ...] = DEFAULT_LORA_TARGETS) -> ModelSpec:
-    """Build a spec from a transformers config (or config dict) on the meta device."""
+               lora_targets: tuple[str | tuple[str, ...], ...] = DEFAULT_LORA_TARGETS,
+               text_model_of: str | None = None) -> ModelSpec:
+    """Build a spec from a transformers config (or config dict) on the meta device.
+
+    ``text_model_of``: the class of the multimodal checkpoint whose text model ``config`` is.
+    """
     import peft
     import torch
     import transformers
@@ -258,7 +280,16 @@ def build_spec(config, *, name: str,
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    _, blocks = find_transformer_blocks(model)
+    try:
+        _, blocks = find_transformer_blocks(model)
+    except ValueError as err:  # what apply_fsdp2 would refuse too
+        raise UnsupportedArchitecture(f"{name}: {err}; only decoder-only transformer LMs are supported") from None
+    if not any(_has_softmax_attention(b) for b in blocks):
+        raise UnsupportedArchitecture(
+            f"{name}: the blocks of {type(model).__name__} ({type(blocks[0]).__name__}) have no attention with "
+            "query/key/value projections; "
+            "the estimate models attention decoder blocks, so recurrent and state-space models "
+            "(RWKV, Mamba) are not supported")
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
@@ -363,4 +394,5 @@ def build_spec(config, *, name: str,
         per_layer_input_width=len(blocks) * int(getattr(text_config, "hidden_size_per_layer_input", 0) or 0)
         if any(is_per_layer_embedding(n) for n, _ in root_tensors) else 0,
         expert_layout_problem=expert_problem,
+        text_model_of=text_model_of,
     )

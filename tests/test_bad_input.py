@@ -185,6 +185,8 @@ CASES = [
     (config({"model_type": "bert", "architectures": ["BertForMaskedLM"]}), "bert"),
     (config({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}), "t5"),
     (config({"architectures": ["LlamaForSequenceClassification"]}), "LlamaForSequenceClassification"),
+    (config({"model_type": "rwkv", "architectures": ["RwkvForCausalLM"]}), "RwkvForCausalLM"),
+    (config({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}), "MambaForCausalLM"),
     (plan(M, "--output", "/no/such/dir/plan.yaml"), "--output"),
     (plan(M, "--output", "{tmp}"), "--output"),
     # -- agilerl-plan --tune ----------------------------------------------------------------------

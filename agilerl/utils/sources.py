@@ -14,6 +14,10 @@ naming the field:
 - :func:`check_causal_lm_type`: the model type has a causal-LM class in the
   installed transformers and is not an encoder (imports transformers' name
   tables, about 2 s cold, so it runs only where a model is about to be built);
+- :func:`multimodal_architecture` / :func:`check_trainable`: a checkpoint with
+  vision or audio encoders beside its ``text_config``. The planner plans its text
+  model (the encoders are not counted); the trainer refuses it in one line and
+  names the command that exports the text model (``agilerl.utils.text_model``);
 - :func:`check_model_source`: a name the trainer can load without waiting on
   an unreachable hub.
 
@@ -30,7 +34,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlparse
 
 __all__ = ["TINY_PREFIX", "parse_tiny", "check_config", "check_causal_lm_type", "check_model_source",
-           "looks_like_path", "text_config", "cached_config", "read_config"]
+           "looks_like_path", "text_config", "cached_config", "read_config", "multimodal_architecture",
+           "encoder_configs", "check_trainable"]
 
 TINY_PREFIX = "tiny:"
 
@@ -70,6 +75,36 @@ def text_config(config: dict) -> dict:
     if isinstance(inner, dict) and "hidden_size" not in config:
         return inner
     return config
+
+
+#: Config keys of the encoders a multimodal checkpoint keeps beside its language model.
+ENCODER_CONFIG_KEYS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
+
+
+def encoder_configs(config: dict) -> list[str]:
+    """The encoder sub-configs (``vision_config``, ``audio_config``...) beside a ``text_config``."""
+    if not isinstance(config.get("text_config"), dict):
+        return []
+    return [k for k in ENCODER_CONFIG_KEYS if isinstance(config.get(k), dict)]
+
+
+def multimodal_architecture(config: dict) -> str | None:
+    """The class name of a multimodal checkpoint (``Gemma3ForConditionalGeneration``), else None."""
+    if not encoder_configs(config):
+        return None
+    archs = config.get("architectures") or []
+    return archs[0] if archs and isinstance(archs[0], str) else f"model_type {config.get('model_type')!r}"
+
+
+def check_trainable(config: dict, name: str) -> None:
+    """Raise ValueError for a checkpoint the trainer cannot train: a multimodal one (vision or
+    audio encoders beside the language model). Its text model can be exported and trained."""
+    arch = multimodal_architecture(config)
+    if arch is not None:
+        raise ValueError(
+            f"{name}: {arch} is a multimodal model ({', '.join(encoder_configs(config))} beside its text_config); "
+            "the trainer trains decoder-only causal LMs: export its text model with `python -m "
+            f"agilerl.utils.text_model {name} OUT_DIR` and train OUT_DIR")
 
 
 def _positive(value: Any) -> bool:
@@ -173,8 +208,10 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def check_model_source(name: str, *, allow_download: bool) -> None:
+def check_model_source(name: str, *, allow_download: bool, for_training: bool = True) -> None:
     """Raise ValueError, within a few seconds, when the trainer could not load ``name``.
+
+    ``for_training=False`` (the planner) accepts a multimodal checkpoint, whose text model it plans.
 
     A tiny model must parse and build a valid config; a path must exist and hold
     a valid ``config.json``; a hub id must be in the local Hugging Face cache, or
@@ -194,13 +231,19 @@ def check_model_source(name: str, *, allow_download: bool) -> None:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{name}: directory has no config.json (expected a Hugging Face model directory)")
-        check_config(read_config(path / "config.json"), name)
+        config = read_config(path / "config.json")
+        check_config(config, name)
+        if for_training:
+            check_trainable(config, name)
         return
     if looks_like_path(name) or path.exists():
         raise ValueError(f"{name}: no such file or directory (expected a Hugging Face model directory)")
     cached = cached_config(name)
     if cached is not None:
-        check_config(read_config(cached), name)
+        config = read_config(cached)
+        check_config(config, name)
+        if for_training:
+            check_trainable(config, name)
         return
     if not allow_download:
         raise ValueError(f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "

@@ -48,6 +48,8 @@ class CatalogEntry(BaseModel):
     aliases: tuple[str, ...] = ()
     config: dict[str, Any]  # for AutoConfig.for_model(model_type, **rest), ``extends`` merged in
     source: str  # the config.json it was read from
+    # the class of the multimodal checkpoint whose text model ``config`` is (its text_config)
+    multimodal: str | None = None
     published_params: int
     published_source: str
     published_note: str | None = None

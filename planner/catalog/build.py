@@ -23,7 +23,7 @@ VERSION_FIELDS = frozenset({"transformers_version", "peft_version"})
 
 def build_entry(e: CatalogEntry) -> ModelSpec:
     # a copy: transformers rewrites nested config dicts (rope settings) in place
-    return build_spec(copy.deepcopy(e.config), name=e.name)
+    return build_spec(copy.deepcopy(e.config), name=e.name, text_model_of=e.multimodal)
 
 
 def same_model(a: ModelSpec, b: ModelSpec) -> bool:

@@ -215,5 +215,8 @@ def assemble(ctx: Context) -> Estimate:
     phases["step"] = step_phase(ctx, terms)
     phases["save"] = save_phase(ctx, terms)
     notes = ([QLORA_NOTE] if ctx.workload.load_in_4bit else []) + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else [])
+    if ctx.spec.text_model_of:
+        notes.append(f"the text model of {ctx.spec.text_model_of}: its vision/audio encoders are not counted; the "
+                     "trainer fine-tunes the exported text model (python -m agilerl.utils.text_model SOURCE OUT_DIR)")
     return Estimate(phases=phases, capacity_bytes=ctx.cluster.gpu.memory_bytes, gpus_per_node=ctx.cluster.per_node,
                     notes=tuple(notes))

@@ -62,12 +62,12 @@ MOE = ["Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-235B-A22B", "mistralai/Mixtral-8x7
 
 
 @cache
-def _fresh(config_json: str):
+def _fresh(config_json: str, multimodal: str | None):
     """A meta-device build of one config; variants with their base's config share it."""
     from planner.catalog.build import build_entry
 
-    e = catalog.CatalogEntry(name="x", family="x", config=json.loads(config_json), source="x",
-                             published_params=1, published_source="x")
+    e = catalog.CatalogEntry(name="x", family="x", config=json.loads(config_json), multimodal=multimodal,
+                             source="x", published_params=1, published_source="x")
     return build_entry(e)
 
 
@@ -76,7 +76,8 @@ def _fresh(config_json: str):
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_spec_equals_a_fresh_build(name):
     shipped = catalog.load_spec(name)
-    fresh = _fresh(json.dumps(catalog.entry(name).config, sort_keys=True)).model_copy(update={"name": name})
+    e = catalog.entry(name)
+    fresh = _fresh(json.dumps(e.config, sort_keys=True), e.multimodal).model_copy(update={"name": name})
     a, b = shipped.model_dump(exclude=VERSION_FIELDS), fresh.model_dump(exclude=VERSION_FIELDS)
     differ = sorted(k for k in a if a[k] != b[k])
     assert not differ, (f"{name}: shipped spec differs in {differ}; "

@@ -82,3 +82,17 @@ def test_smollm3_no_rope_layers_share_one_block_type():
     # NoPE changes no tensor: every layer is the same block type, its parameters a Llama block's.
     assert len(spec.block_types) == 1 and spec.num_layers == 4
     assert spec.architecture == "SmolLM3ForCausalLM"
+
+
+def test_a_multimodal_config_json_plans_the_same_text_model_as_its_catalog_entry(tmp_path):
+    import json
+
+    e = catalog.entry("mistralai/Mistral-Small-3.1-24B-Instruct-2503")
+    config = {"model_type": "mistral3", "architectures": [e.multimodal], "text_config": e.config,
+              "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "num_hidden_layers": 24,
+                                "num_attention_heads": 16, "intermediate_size": 4096, "image_size": 1540,
+                                "patch_size": 14}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec, shipped = load_model_spec(str(tmp_path)), catalog.load_spec(e.name)
+    assert spec.text_model_of == shipped.text_model_of == "Mistral3ForConditionalGeneration"
+    assert spec.total_params == shipped.total_params and spec.layers == shipped.layers

@@ -279,13 +279,13 @@ async def test_the_model_picker_searches_the_catalog():
         await pilot.press("ctrl+o")
         await pilot.pause()
         assert isinstance(app.screen, ModelPicker)
-        await pilot.press(*"qwen2.5 14")
+        await pilot.press(*"qwen2.5 14b-instruct")
         await pilot.pause()
         options = app.screen.query_one(OptionList)
-        assert options.option_count == 1
+        assert options.option_count == 2  # Qwen2.5-14B-Instruct and Qwen2.5-Coder-14B-Instruct, in catalog order
         await pilot.press("enter")
         screen = await settle(pilot)
-        assert screen.plan.model == "Qwen/Qwen2.5-14B" and screen.sub_title == "Qwen/Qwen2.5-14B"
+        assert screen.plan.model == "Qwen/Qwen2.5-14B-Instruct" and screen.sub_title == "Qwen/Qwen2.5-14B-Instruct"
 
 
 @pilot_test

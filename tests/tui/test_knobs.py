@@ -158,7 +158,9 @@ def test_every_component_has_its_own_colour():
 
 
 def test_model_search_matches_words_then_falls_back_to_close_names():
-    assert matching_models("qwen2.5 72") == (["Qwen/Qwen2.5-72B"], True)
+    assert matching_models("qwen2.5 72") == (["Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-Math-72B",
+                                              "Qwen/Qwen2.5-Math-72B-Instruct"], True)
+    assert matching_models("qwen2.5-72b-instruct") == (["Qwen/Qwen2.5-72B-Instruct"], True)
     found, matched = matching_models("lama-3.1-70")
     assert matched and "meta-llama/Llama-3.1-70B" in found
     found, matched = matching_models("Qwen2.5-7C")

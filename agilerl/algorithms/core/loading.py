@@ -28,7 +28,7 @@ from agilerl.distributed import (
     is_main_process,
     materialize_fsdp2_from_cpu_state,
 )
-from agilerl.utils.sources import TINY_PREFIX, parse_tiny
+from agilerl.utils.sources import TINY_PREFIX, check_trainable, parse_tiny
 
 from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
 
@@ -147,6 +147,9 @@ def build_actor(
     lora_config = lora_config if lora_config is not None else default_lora_config()
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
 
+    if actor_network is None:
+        # A multimodal checkpoint (perhaps downloaded just now, so not checked before): one clear line.
+        check_trainable(AutoConfig.from_pretrained(source).to_dict(), str(source))
     if fsdp_config is not None and actor_network is None:
         config = AutoConfig.from_pretrained(source)
         with torch.device("meta"):
