@@ -135,6 +135,25 @@ def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
 
 
 @cases.case
+def gpt_oss_trains_under_fsdp_in_hugging_faces_expert_loop(ctx):
+    # gpt-oss's experts (transposed, biased) are not the row-wise experts' layout: with
+    # routed_expert_chunk_mib=None, GRPO keeps it unset and FSDP2 matches data parallel.
+    gpt_oss = "tiny:gpt_oss?hidden_size=32&intermediate_size=64&num_layers=2&initializer_range=0.1"
+    common = dict(model_name=gpt_oss, micro_batch_size_per_gpu=2, gradient_checkpointing=True)
+    dp = make_agent(**common)
+    dp_metrics = _learn(dp)
+    sharded = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), **common)
+    from agilerl.distributed import fsdp_layout
+
+    assert sharded.fsdp_config.routed_expert_chunk_mib is None and fsdp_layout(sharded.model).moe is None
+    metrics = _learn(sharded)
+    assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    assert math.isclose(metrics["grad_norm"], dp_metrics["grad_norm"], rel_tol=1e-4)
+    for k, v in lora_state(sharded).items():
+        torch.testing.assert_close(v, lora_state(dp)[k], atol=3e-5, rtol=1e-4)
+
+
+@cases.case
 def fsdp_weight_offload_during_rollout_frees_the_shards_and_restores_them(ctx):
     from agilerl.algorithms.core.offload import WeightOffload
     from tests.agilerl.algorithms.test_grpo_single import OffloadCheckingEngine
