@@ -95,3 +95,36 @@ def calibration_samples(configs: Sequence[dict[str, Any]], request_for: Callable
         measured = {ph: r["total"] for ph, r in rec["phases"].items()}
         out.append(Sample(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=req.nproc), req.fsdp, measured))
     return out
+
+
+def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
+                     request_for: Callable[[dict[str, Any]], ProbeRequest], results: dict[str, dict],
+                     coefficients: Coefficients, phases: Sequence[str]) -> None:
+    """Measured vs estimated per-rank peak of each phase, one row per configuration (keys
+    ``model``, ``world``, ``gc``, ``micro``, ``prompt``, ``completion``), and the mean and
+    worst error over every phase but ``step``."""
+    mib = 2**20
+    print(f"\n{title}: measured vs estimated per-rank peak, MiB")
+    print(f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
+          + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in phases))
+    errors = []
+    for c in configs:
+        req = request_for(c)
+        rec = results.get(cache_key(req))
+        if rec is None:
+            continue
+        est = estimate_request(req, coefficients)
+        weights_e = est.phases["learn"].components.get("weights", 0)
+        row = (f"{c['model']:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
+               f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
+        for ph in phases:
+            measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
+            err = (guess - measured) / measured
+            if ph != "step":
+                errors.append(abs(err))
+            row += f" {measured / mib:8.2f}/{guess / mib:<8.2f} {err:+6.1%}"
+        print(row)
+    if errors:
+        named = " + ".join(ph for ph in phases if ph != "step")
+        print(f"\n{named}: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
+              f"over {len(errors)} phase peaks")

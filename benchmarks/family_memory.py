@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients  # noqa: E402
+from _probe_cache import measure_cached, print_peak_table, saved_coefficients  # noqa: E402
 
 from agilerl.distributed import FSDPConfig  # noqa: E402
 from planner.probe import ProbeRequest  # noqa: E402
@@ -75,32 +75,8 @@ def main() -> None:
     cache = ROOT / "benchmarks" / "results" / f"families_{args.device}.json"
     results = measure_cached(CONFIGS, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
                              phases=PHASES)
-    coefficients = saved_coefficients(args.device)
-    mib = 2**20
-    print(f"\nNewer families ({args.device}): measured vs estimated per-rank peak, MiB")
-    print(f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
-          + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in PHASES))
-    errors = []
-    for c in CONFIGS:
-        req = request_for(c, args.device)
-        rec = results.get(cache_key(req))
-        if rec is None:
-            continue
-        est = estimate_request(req, coefficients)
-        weights_e = est.phases["learn"].components.get("weights", 0)
-        row = (f"{c['model']:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
-               f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
-        for ph in PHASES:
-            measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
-            err = (guess - measured) / measured
-            if ph != "step":
-                errors.append(abs(err))
-            row += f" {measured / mib:8.2f}/{guess / mib:<8.2f} {err:+6.1%}"
-        print(row)
-    if errors:
-        print(f"\nreference + learn: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
-              f"over {len(errors)} phase peaks")
-
+    print_peak_table(f"Newer families ({args.device})", CONFIGS, lambda c: request_for(c, args.device), results,
+                     saved_coefficients(args.device), PHASES)
 
 if __name__ == "__main__":
     main()
