@@ -186,7 +186,12 @@ def _attention(block, config) -> AttentionSpec:
     attn = getattr(block, "self_attn", None) or getattr(block, "attention", None)
     heads = int(getattr(config, "num_attention_heads", 1))
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    # The layer's own head width first: Gemma 4's global layers are twice as wide as its sliding
+    # ones, and its config refuses a model-wide head_dim (per_layer_config).
+    head_dim = getattr(attn, "head_dim", None)
+    if not isinstance(head_dim, int):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = int(head_dim)
     q_dim = heads * head_dim
     kv_dim = kv_heads * head_dim
     if getattr(config, "kv_lora_rank", None):

@@ -28,6 +28,7 @@ TINY_ARCHITECTURES = {
     "smollm3": "SmolLM3Config",
     "olmo2": "Olmo2Config",
     "gpt_oss": "GptOssConfig",
+    "gemma4": "Gemma4TextConfig",
 }
 
 #: Tiny mixture-of-experts defaults: 4 packed experts, 2 per token.
@@ -93,6 +94,12 @@ def tiny_config(
         kwargs["tie_word_embeddings"] = tie_word_embeddings
     if arch in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = max_position_embeddings
+    if arch == "gemma4":  # PLE, sliding layers then a global one twice as wide (per_layer_config); no KV sharing
+        head_dim = hidden_size // num_heads
+        kwargs.update(vocab_size_per_layer_input=vocab_size, hidden_size_per_layer_input=8, num_kv_shared_layers=0,
+                      sliding_window=max_position_embeddings,
+                      layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+                      per_layer_config={f"{num_layers - 1:02d}": {"head_dim": 2 * head_dim}})
     if arch == "smollm3":  # every second layer without rotary embeddings (NoPE), as every fourth in SmolLM3-3B
         kwargs["no_rope_layer_interval"] = 2
     if arch == "gpt_oss":  # attention sinks, biased transposed experts, alternating sliding/full layers

@@ -1,7 +1,8 @@
 """Architecture features of the newer families, read off tiny random models and planned.
 
-SmolLM3 (NoPE layers), OLMo 2 (full-width q/k norms, norms after each sublayer) and
-gpt-oss (attention sinks, biased transposed experts, alternating sliding windows).
+SmolLM3 (NoPE layers), OLMo 2 (full-width q/k norms, norms after each sublayer), gpt-oss
+(attention sinks, biased transposed experts, alternating sliding windows) and Gemma 4
+(per-layer embeddings, global layers wider than the sliding ones).
 """
 
 from __future__ import annotations
@@ -96,3 +97,13 @@ def test_a_multimodal_config_json_plans_the_same_text_model_as_its_catalog_entry
     spec, shipped = load_model_spec(str(tmp_path)), catalog.load_spec(e.name)
     assert spec.text_model_of == shipped.text_model_of == "Mistral3ForConditionalGeneration"
     assert spec.total_params == shipped.total_params and spec.layers == shipped.layers
+
+
+def test_gemma4_spec_reads_each_layers_own_head_width_and_the_per_layer_table():
+    spec = load_model_spec("tiny:gemma4?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4"
+                           "&num_kv_heads=2&vocab_size=512")
+    widths = [(b.attention.head_dim, b.attention.q_dim, b.attention.kv_dim) for b in spec.blocks]
+    assert widths == [(16, 64, 32)] * 3 + [(32, 128, 64)]  # the global layer: per_layer_config head_dim 32
+    assert [b.attention.sliding_window for b in spec.blocks] == [1024, 1024, 1024, None]
+    assert dict(spec.root_tensors)["model.embed_tokens_per_layer.weight"] == (512, 4 * 8)
+    assert spec.per_layer_input_width == 4 * 8 and len(spec.block_types) == 2

@@ -105,6 +105,15 @@ def gemma3n_per_layer_embeddings_are_their_own_unit(ctx):
 
 
 @cases.case
+def gemma4_per_layer_embeddings_and_a_wider_global_layer(ctx):
+    model = assert_parity("gemma4", FSDPConfig(**FP32), gradient_checkpointing=True)
+    names = [n.rsplit(".", 1)[-1] for n in fsdp_layout(model).unit_names]
+    assert names[0] == "embed_tokens_per_layer" and len(names) == 1 + 4, names
+    layers = model.model.layers
+    assert layers[3].self_attn.q_proj.weight.shape[0] == 2 * layers[0].self_attn.q_proj.weight.shape[0]
+
+
+@cases.case
 def smollm3_no_rope_layers_with_checkpointing(ctx):
     assert_parity("smollm3", FSDPConfig(**FP32), gradient_checkpointing=True)
 
