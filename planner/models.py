@@ -61,6 +61,14 @@ def _text_part(config: dict) -> dict:
 
 def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str, ...], ...]) -> ModelSpec:
     check_config(config, name)
+    # A config.json with a catalog entry's content (a downloaded or copied checkpoint): its shipped spec.
+    from . import catalog
+
+    hub_id = catalog.by_content(config)
+    if hub_id is not None:
+        shipped = catalog.load_spec(hub_id)
+        if all(shipped.has_lora_targets(t) for t in targets):
+            return shipped.model_copy(update={"name": name})
     path = _cache_path(config_digest(config), targets)
     if path.exists():
         return ModelSpec.model_validate_json(path.read_text())

@@ -22,6 +22,9 @@ from planner.spec import ModelSpec
 __all__ = [
     "CatalogEntry",
     "ENTRIES_PATH",
+    "INDEX_PATH",
+    "by_content",
+    "content_key",
     "SPECS_DIR",
     "entries",
     "entry",
@@ -35,6 +38,20 @@ __all__ = [
 
 ENTRIES_PATH = Path(__file__).with_name("entries.yaml")
 SPECS_DIR = Path(__file__).with_name("specs")
+#: Written by ``python -m planner.catalog.build``: each model type's transformers defaults and
+#: every entry's content key (:func:`content_key`), so a config.json with an entry's content
+#: finds its shipped spec without importing transformers.
+INDEX_PATH = SPECS_DIR / "_index.json"
+
+#: config.json fields that describe the checkpoint or its use, not the architecture: two
+#: configs that differ only in these build the same model.
+NOT_ARCHITECTURE = frozenset({
+    "architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
+    "initializer_range", "output_attentions", "output_hidden_states", "return_dict", "problem_type",
+    "id2label", "label2id", "chunk_size_feed_forward", "quantization_config", "attn_implementation",
+    "_attn_implementation_autoset", "tokenizer_class", "task_specific_params", "prefix", "finetuning_task",
+})
 
 
 class CatalogEntry(BaseModel):
@@ -161,6 +178,80 @@ def suggest(name: str, n: int = 5) -> list[str]:
                 -scores[hub_id])
 
     return sorted(scores, key=rank)[:n]
+
+
+#: Fields the estimate never reads that transformers derives from others when they are absent
+#: (a config saved by transformers 5 spells them out, one saved by an older version does not).
+DERIVED = frozenset({"layer_types", "rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq"})
+
+
+def _canonical(value: Any) -> Any:
+    """JSON values compared by meaning: 1e6 == 1000000.0 == 1000000, tuples are lists."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in sorted(value.items()) if k not in NOT_ARCHITECTURE}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return str(value)
+
+
+def content_key(config: dict[str, Any], defaults: dict[str, Any], multimodal: str | None = None,
+                aliases: dict[str, str] | None = None) -> str:
+    """A digest of what a config says about the architecture: its fields over its model type's
+    transformers defaults, without :data:`NOT_ARCHITECTURE`. ``multimodal``: the checkpoint class
+    whose text model ``config`` is (a multimodal model plans as its text model). ``aliases``: the
+    config class's attribute map (Qwen3-MoE's ``num_experts`` is saved as ``num_local_experts``)."""
+    import hashlib
+    import json
+
+    aliases = aliases or {}
+    config = {aliases.get(k, k): v for k, v in config.items()}
+    merged = _canonical({**{k: v for k, v in defaults.items() if k != "head_dim"}, **config})
+    merged = {k: v for k, v in merged.items() if k not in DERIVED}
+    if merged.get("use_sliding_window") is False:  # Qwen2/3 keep a window only when it is used
+        merged.pop("sliding_window", None)
+        merged.pop("max_window_layers", None)
+    heads, hidden = merged.get("num_attention_heads"), merged.get("hidden_size")
+    if merged.get("head_dim") is None or (isinstance(heads, int) and isinstance(hidden, int) and heads
+                                          and merged["head_dim"] == hidden // heads):
+        merged.pop("head_dim", None)  # the head width transformers derives anyway
+    text = json.dumps({"config": merged, "multimodal": multimodal}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@cache
+def _index() -> dict[str, Any]:
+    import json
+
+    if not INDEX_PATH.exists():
+        return {"defaults": {}, "aliases": {}, "entries": {}}
+    return json.loads(INDEX_PATH.read_text(encoding="utf-8"))
+
+
+def by_content(config: dict[str, Any]) -> str | None:
+    """The catalog hub id whose config has the content of ``config`` (a config.json's dict), else None.
+
+    A multimodal config.json matches the entry of its text model. No transformers import: the
+    model types' defaults come from the index the build writes.
+    """
+    from agilerl.utils.sources import multimodal_architecture
+
+    multimodal = multimodal_architecture(config)
+    if multimodal is not None:
+        text = dict(config["text_config"])
+        if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        config = text
+    defaults = _index()["defaults"].get(config.get("model_type"))
+    if defaults is None:
+        return None
+    aliases = _index()["aliases"].get(config["model_type"], {})
+    return _index()["entries"].get(content_key(config, defaults, multimodal, aliases))
 
 
 def _unknown(name: str) -> KeyError:

@@ -14,7 +14,7 @@ import argparse
 import copy
 import sys
 
-from planner.catalog import SPECS_DIR, CatalogEntry, entries, entry
+from planner.catalog import INDEX_PATH, SPECS_DIR, CatalogEntry, content_key, entries, entry
 from planner.spec import ModelSpec, build_spec
 
 #: Fields that record the builder's library versions, not the model.
@@ -24,6 +24,43 @@ VERSION_FIELDS = frozenset({"transformers_version", "peft_version"})
 def build_entry(e: CatalogEntry) -> ModelSpec:
     # a copy: transformers rewrites nested config dicts (rope settings) in place
     return build_spec(copy.deepcopy(e.config), name=e.name, text_model_of=e.multimodal)
+
+
+def model_type_defaults(model_type: str) -> dict:
+    """The config transformers builds for ``model_type`` with no fields given, as JSON values."""
+    import json
+
+    from transformers import AutoConfig
+
+    return json.loads(json.dumps(AutoConfig.for_model(model_type).to_dict(), default=str))
+
+
+def attribute_aliases(model_type: str) -> dict[str, str]:
+    """The config class's attribute map: a field name a config.json may use -> the name it is saved as."""
+    from transformers import AutoConfig
+
+    cls = type(AutoConfig.for_model(model_type))
+    saved = set(AutoConfig.for_model(model_type).to_dict())
+    aliases = {}
+    for alias, target in dict(getattr(cls, "attribute_map", {}) or {}).items():
+        if target in saved and alias not in saved:
+            aliases[alias] = target
+        elif alias in saved and target not in saved:
+            aliases[target] = alias
+    return aliases
+
+
+def build_index(todo: list[CatalogEntry]) -> dict:
+    """Each model type's defaults and attribute aliases, and each entry's content key (the first
+    entry of a content wins: its variants with the same content have the same spec)."""
+    types = sorted({e.config["model_type"] for e in todo})
+    defaults = {t: model_type_defaults(t) for t in types}
+    aliases = {t: attribute_aliases(t) for t in types}
+    keys: dict[str, str] = {}
+    for e in todo:
+        t = e.config["model_type"]
+        keys.setdefault(content_key(e.config, defaults[t], e.multimodal, aliases[t]), e.name)
+    return {"defaults": defaults, "aliases": aliases, "entries": keys}
 
 
 def same_model(a: ModelSpec, b: ModelSpec) -> bool:
@@ -60,8 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{e.name:<36} {spec.total_params:>16,} {e.published_params:>16,} {diff:>+8.2%}",
               flush=True)
 
+    index = build_index(entries())
+    if args.check:
+        import json
+
+        shipped = json.loads(INDEX_PATH.read_text()) if INDEX_PATH.exists() else None
+        if shipped != index:
+            stale.append(INDEX_PATH.name)
+    else:
+        import json
+
+        INDEX_PATH.write_text(json.dumps(index, sort_keys=True, indent=None) + "\n", encoding="utf-8")
     if not args.names and not args.check:
-        keep = {e.spec_path for e in todo}
+        keep = {e.spec_path for e in todo} | {INDEX_PATH}
         for path in SPECS_DIR.glob("*.json"):
             if path not in keep:
                 path.unlink()

@@ -85,7 +85,7 @@ def test_shipped_spec_equals_a_fresh_build(name):
 
 
 def test_spec_files_are_exactly_the_entries():
-    shipped = {p.name for p in catalog.SPECS_DIR.glob("*.json")}
+    shipped = {p.name for p in catalog.SPECS_DIR.glob("*.json") if p != catalog.INDEX_PATH}
     assert shipped == {catalog.entry(n).spec_path.name for n in NAMES}
 
 
@@ -278,3 +278,57 @@ def test_extends_must_name_an_earlier_entry(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         catalog._catalog.cache_clear()
+
+
+# -- a config.json with an entry's content uses the shipped spec --------------------------------
+
+def _hub_style(name: str) -> dict:
+    """An entry's config as a hub config.json spells it: checkpoint fields added, floats as ints."""
+    e = catalog.entry(name)
+    config = {k: (int(v) if isinstance(v, float) and v.is_integer() else v) for k, v in e.config.items()}
+    config.update(architectures=["XForCausalLM"], bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+                  transformers_version="4.51.0", use_cache=True, initializer_range=0.02)
+    if e.multimodal:
+        config = {"model_type": "gemma3", "architectures": [e.multimodal], "text_config": config,
+                  "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    return config
+
+
+def _transformers_saved(name: str, folder) -> dict:
+    """An entry's config as transformers 5 saves it (every field, aliases resolved, derived ones spelled out)."""
+    from transformers import AutoConfig
+
+    config = dict(catalog.entry(name).config)
+    AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(folder)
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-30B-A3B", "google/gemma-3-4b-it",
+                                  "openai/gpt-oss-20b", "meta-llama/Llama-3.1-8B-Instruct"])
+def test_a_config_json_with_an_entrys_content_finds_its_shipped_spec(name, tmp_path):
+    hub = _hub_style(name)
+    if name == "openai/gpt-oss-20b":  # the released checkpoint's MXFP4 note changes nothing planned
+        hub["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    found = catalog.by_content(hub)
+    same = {"name", "config_digest"}
+    assert found is not None, name
+    assert catalog.load_spec(found).model_dump(exclude=same) == catalog.load_spec(name).model_dump(exclude=same)
+    if not catalog.entry(name).multimodal:
+        assert catalog.by_content(_transformers_saved(name, tmp_path)) == found
+    # One architectural field changed: no match, the spec is built from the file.
+    changed = json.loads(json.dumps(hub))
+    (changed.get("text_config") or changed)["intermediate_size"] += 128
+    assert catalog.by_content(changed) is None
+
+
+def test_planning_a_catalog_config_json_imports_no_torch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_hub_style("Qwen/Qwen2.5-7B-Instruct")))
+    code = ("import sys\n"
+            "from planner.models import load_model_spec\n"
+            f"spec = load_model_spec({str(tmp_path)!r})\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"
+            "print(spec.name, spec.total_params, heavy)\n"
+            "sys.exit(1 if heavy else 0)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split()[:2] == [str(tmp_path), str(catalog.load_spec("Qwen/Qwen2.5-7B-Instruct").total_params)]
