@@ -122,7 +122,13 @@ class GRPO(LLMAlgorithm):
     ``micro_batch_size_per_gpu=None`` puts a rank's whole share in one
     micro-batch. ``fsdp_config``: None trains unsharded (data parallel under
     torchrun), an ``FSDPConfig`` (or a dict of its fields, or True) shards with
-    FSDP2, ``"auto"`` asks the planner.
+    FSDP2, ``"auto"`` asks the planner. ``gradient_checkpointing="auto"`` and
+    ``logprob_chunk_size="auto"`` are resolved from the memory estimate under
+    whatever sharding is in use (one device, data parallel, an FSDPConfig or the
+    planner's): checkpointing off when every block's activations fit, the
+    largest log-prob chunk whose logits workspace fits. If the estimate cannot
+    be made (a model it cannot read), checkpointing stays on and chunks are
+    1024 rows, and the reason is printed.
     """
 
     algo_name = "GRPO"
@@ -214,6 +220,8 @@ class GRPO(LLMAlgorithm):
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
+        if self.plan is None and (self._auto_gc or self._auto_chunk):
+            self._resolve_auto_knobs(actor_network)
         if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
             self._resolve_expert_chunk(actor_network)
         self._build(actor_network)
@@ -272,6 +280,35 @@ class GRPO(LLMAlgorithm):
         if not result["fits"]:
             raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
+
+    def _resolve_auto_knobs(self, actor_network: nn.Module | None) -> None:
+        """gradient_checkpointing / logprob_chunk_size "auto" without fsdp_config="auto" (one device,
+        data parallel, an explicit FSDPConfig): rank 0 asks the memory estimate, every rank applies
+        the same. Should the estimate fail, the safe defaults stay (checkpointing on, 1024-row chunks)
+        and the reason is printed."""
+        from agilerl.distributed import broadcast_object_list, is_main_process
+
+        from .core.autoplan import pick_auto_knobs
+
+        payload = [None]
+        if is_main_process():
+            try:
+                payload = [pick_auto_knobs(self, actor_network, self.micro_batch_size_per_gpu)]
+            except Exception as err:  # every rank must learn about the failure, not only rank 0
+                payload = [{"error": f"{type(err).__name__}: {err}"}]
+        broadcast_object_list(payload, src=0)
+        result = payload[0]
+        if "error" in result:
+            if is_main_process():
+                print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024): "
+                      f"the memory estimate failed ({result['error']})", flush=True)
+            return
+        if self._auto_chunk:
+            self.logprob_chunk_size = result["logprob_chunk_size"]
+        if self._auto_gc:
+            self.gradient_checkpointing = result["gradient_checkpointing"]
+        if is_main_process():
+            print(result["summary"], flush=True)
 
     def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
         """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["plan_for_agent", "visible_cluster", "config_is_moe", "pick_expert_chunk"]
+__all__ = ["plan_for_agent", "pick_auto_knobs", "visible_cluster", "config_is_moe", "pick_expert_chunk"]
 
 
 def _host_available_bytes() -> int:
@@ -106,6 +106,39 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         "fits": result.fits,
         "summary": summary,
     }
+
+
+def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
+    """gradient_checkpointing / logprob_chunk_size "auto" under the sharding the user chose (one
+    device, data parallel or an explicit FSDPConfig): the planner's choice of those two alone,
+    every other field as given."""
+    from planner.calibration import coefficients_for, coefficients_source
+    from planner.choose import plan
+
+    spec = _spec_for(agent, actor_network)
+    workload, _ = _workload_for(agent, micro)
+    cluster = visible_cluster(agent.world_size)
+    fsdp = agent.fsdp_config
+    result = plan(spec, workload, cluster, coefficients=coefficients_for(cluster.gpu),
+                  coefficients_source=coefficients_source(cluster.gpu), suggest=False,
+                  sharding="none" if fsdp is None else "fsdp", fixed=None if fsdp is None else fsdp.model_dump())
+    est = result.estimate
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    chosen = []
+    if agent._auto_gc:
+        chosen.append(f"gradient_checkpointing={bool(result.workload.gradient_checkpointing)}")
+    if agent._auto_chunk:
+        chosen.append(f"logprob_chunk_size={result.workload.logprob_chunk_size}")
+    where = "one device" if agent.world_size == 1 else (
+        "data parallel" if fsdp is None else "the given FSDPConfig") + f" on {agent.world_size} ranks"
+    summary = (f"[agilerl] 'auto' resolved by the memory estimate ({where}): {', '.join(chosen)} "
+               f"(peak {size(est.peak_bytes)} of {size(cluster.gpu.memory_bytes)} per device"
+               f"{'' if result.fits else ', does not fit'})")
+    return {"logprob_chunk_size": result.workload.logprob_chunk_size,
+            "gradient_checkpointing": bool(result.workload.gradient_checkpointing), "summary": summary}
 
 
 def config_is_moe(config: Any) -> bool:

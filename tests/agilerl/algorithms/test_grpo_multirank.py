@@ -135,6 +135,18 @@ def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
 
 
 @cases.case
+def auto_checkpointing_and_chunk_agree_on_every_rank_under_dp_and_fsdp(ctx):
+    from agilerl.distributed import gather_objects
+
+    for fsdp in (None, FSDPConfig(**FP32_SHARDED)):
+        agent = make_agent(fsdp_config=fsdp, gradient_checkpointing="auto", logprob_chunk_size="auto")
+        both = gather_objects([(agent.gradient_checkpointing, agent.logprob_chunk_size)])
+        assert both[0] == both[1] and isinstance(both[0][1], int), both
+        assert agent.gradient_checkpointing in (True, False)
+        _learn(agent)
+
+
+@cases.case
 def gpt_oss_trains_under_fsdp_in_hugging_faces_expert_loop(ctx):
     # gpt-oss's experts (transposed, biased) are not the row-wise experts' layout: with
     # routed_expert_chunk_mib=None, GRPO keeps it unset and FSDP2 matches data parallel.

@@ -532,3 +532,32 @@ def test_auto_fsdp_on_one_device_trains_unsharded(capsys):
     assert agent.fsdp_config is None and not agent.sharded
     assert "no sharding needed" in capsys.readouterr().out
     agent.learn(synthetic_experiences(agent)[:3])
+
+
+def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(capsys):
+    from planner.choose import LOGPROB_CHUNKS
+
+    agent = make_agent(gradient_checkpointing="auto", logprob_chunk_size="auto")
+    out = capsys.readouterr().out
+    assert "'auto' resolved by the memory estimate (one device)" in out
+    # A tiny model on this host's memory: every block's activations and the largest chunk fit.
+    assert agent.gradient_checkpointing is False and agent.logprob_chunk_size == max(LOGPROB_CHUNKS)
+    assert agent.model.get_base_model().is_gradient_checkpointing is False
+    agent.learn(synthetic_experiences(agent)[:3])
+    # Values given are kept, and the estimate is not asked.
+    explicit = make_agent(gradient_checkpointing=True, logprob_chunk_size=7)
+    assert explicit.gradient_checkpointing is True and explicit.logprob_chunk_size == 7
+    assert "resolved by the memory estimate" not in capsys.readouterr().out
+
+
+def test_auto_knobs_keep_safe_defaults_when_the_estimate_fails(monkeypatch, capsys):
+    import agilerl.algorithms.core.autoplan as autoplan
+
+    def broken(*args, **kwargs):
+        raise ValueError("no spec for this model")
+
+    monkeypatch.setattr(autoplan, "pick_auto_knobs", broken)
+    agent = make_agent(gradient_checkpointing="auto", logprob_chunk_size="auto")
+    assert agent.gradient_checkpointing is True and agent.logprob_chunk_size == 1024
+    out = capsys.readouterr().out
+    assert "kept its defaults" in out and "no spec for this model" in out
