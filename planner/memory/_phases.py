@@ -113,6 +113,23 @@ def load_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                       {"host_checkpoint": load_host_checkpoint_bytes(ctx, terms.layout)})
 
 
+def lora_fold_bytes(ctx: Context) -> int:
+    """The transient of folding the actor's LoRA into a gathered base weight under FSDP2 with
+    gather_weights_for_rollout (agilerl.algorithms.grpo): PEFT's delta ``s * B @ A`` of the
+    widest sharded adapted linear, built twice over (the product, then its scaled copy) in the
+    compute dtype on GPUs, in fp32 plus a cast back on CPUs. 0 where nothing is folded: no
+    gather-once, tp > 1, QLoRA's 4-bit weights, LoRA on packed experts."""
+    if not (ctx.sharded and ctx.workload.gather_weights_for_rollout) or ctx.tp > 1 or ctx.workload.load_in_4bit:
+        return 0
+    widest = 0
+    for names, shapes in zip(ctx.lora_names, ctx.lora_shapes):
+        for name, (_, a_cols, b_rows, _) in zip(names, shapes):
+            if ":" not in name and a_cols * b_rows >= ctx.persistence_threshold:
+                widest = max(widest, a_cols * b_rows)
+    per_element = 2 * ctx.compute_bytes if ctx.on_gpu else 2 * 4 + ctx.compute_bytes
+    return widest * per_element
+
+
 def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
     """Generation: Hugging Face generate block after block (no-grad window), or vLLM awake,
     with its weight sync gathering one unit at a time."""
@@ -124,8 +141,12 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             window = terms.nograd_gathered
             if ctx.sharded and ctx.workload.gather_weights_for_rollout:
                 window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
-            return {"rollout": make_phase(ctx, terms, {**terms.static, "weights_gathered": window,
-                                                       **larger(*moments)})}
+            generating = {**terms.static, "weights_gathered": window, **larger(*moments)}
+            # Before generating, GRPO folds the actor's LoRA into the gathered weights, one linear at a
+            # time: everything gathered, no KV cache yet, and one delta being built.
+            folding = {**terms.static, "weights_gathered": terms.gathered.all_bytes + lora_fold_bytes(ctx)}
+            return {"rollout": make_phase(ctx, terms, larger(generating, folding) if lora_fold_bytes(ctx)
+                                          else generating)}
         case "vllm":
             awake, outside = vllm_awake_bytes(ctx), vllm_outside_budget_bytes(ctx)
             largest_unit = terms.gathered.largest_bytes if ctx.sharded else 0

@@ -218,6 +218,33 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
 
 
 @cases.case
+def fsdp_gather_once_generates_with_lora_merged_and_leaves_the_shards_as_they_were(ctx):
+    from agilerl.algorithms.core.adapters import ACTOR, tuner_layers, use_adapter
+
+    agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=True, max_output_tokens=6)
+    _learn(agent)  # a non-zero adapter to fold in
+    before = {n: p.to_local().clone() for n, p in agent.model.named_parameters()}
+    ids = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
+    agent.model.eval()
+    with torch.no_grad(), use_adapter(agent.model, ACTOR):
+        unmerged = agent.model(input_ids=ids).logits  # unit by unit, the adapters beside the base
+        with agent._gathered_for_rollout():
+            merged_layers = [layer for layer in tuner_layers(agent.model) if layer.merged]
+            merged = agent.model(input_ids=ids).logits
+    with torch.no_grad(), use_adapter(agent.model, None):
+        base = agent.model(input_ids=ids).logits
+    agent.model.train()
+    assert len(merged_layers) == len(tuner_layers(agent.model)) > 0  # every base weight is sharded here
+    torch.testing.assert_close(merged, unmerged, atol=2e-5, rtol=1e-5)
+    assert (base - unmerged).abs().max() > 1e-3  # the adapter matters, so the comparison means something
+    assert not any(layer.merged for layer in tuner_layers(agent.model))
+    for n, p in agent.model.named_parameters():
+        assert isinstance(p, DTensor) and torch.equal(p.to_local(), before[n]), n  # bit for bit
+    agent.get_action(["1+2=", "3+4="])
+    assert math.isfinite(_learn(agent)["loss"])
+
+
+@cases.case
 def data_parallel_ranks_sample_differently(ctx):
     from agilerl.distributed import gather_objects
 

@@ -54,3 +54,25 @@ def test_offloading_the_trainer_weights_during_rollout(dense_spec):
     # the sync holds the trainer's weights beside the engine's, before its KV cache wakes
     assert b["sync"].components["weights"] == weights and b["sync"].components["vllm"] == dense_spec.total_params * 2
     assert b["learn"] == a["learn"]
+
+
+def test_folding_lora_into_gathered_weights_builds_one_delta_at_a_time(dense_spec):
+    from agilerl.distributed import FSDPConfig
+    from planner.memory._phases import lora_fold_bytes
+
+    gpu = GPUS["H100-80GB"]
+    sharded = FSDPConfig(param_persistence_threshold=0)  # bf16 compute
+    widest = max(i * o for b in dense_spec.blocks for _, i, o in b.linears)  # the 512 x 128 MLP projections
+    assert widest == 512 * 128
+    once = make_context(dense_spec, gpu=gpu, fsdp=sharded, gather_weights_for_rollout=True)
+    assert lora_fold_bytes(once) == widest * 2 * 2  # the product and its scaled copy, bf16
+    on_cpu = make_context(dense_spec, fsdp=sharded, gather_weights_for_rollout=True)
+    assert lora_fold_bytes(on_cpu) == widest * (4 + 4 + 2)  # PEFT builds it in fp32 on a CPU, then casts
+    # Nothing is folded unit by unit, under tp, with 4-bit base weights, or into replicated weights.
+    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=sharded)) == 0
+    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=0, tp=2),
+                                        gather_weights_for_rollout=True)) == 0
+    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=sharded, gather_weights_for_rollout=True,
+                                        load_in_4bit=True)) == 0
+    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=10**6),
+                                        gather_weights_for_rollout=True)) == 0
