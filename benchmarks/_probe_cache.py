@@ -128,3 +128,38 @@ def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
         named = " + ".join(ph for ph in phases if ph != "step")
         print(f"\n{named}: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
               f"over {len(errors)} phase peaks")
+
+
+def peak_benchmark_main(doc: str, name: str, title: str, configs: Sequence[dict[str, Any]],
+                        request_for: Callable[[dict[str, Any], str], ProbeRequest],
+                        phases: Sequence[str]) -> None:
+    """The command line of a per-rank peak benchmark: ``--device``, ``--rerun``; measures (cached
+    in ``benchmarks/results/<name>_<device>.json``) and prints :func:`print_peak_table`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
+    args = parser.parse_args()
+    cache = ROOT / "benchmarks" / "results" / f"{name}_{args.device}.json"
+    results = measure_cached(configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
+                             phases=phases)
+    print_peak_table(f"{title} ({args.device})", configs, lambda c: request_for(c, args.device), results,
+                     saved_coefficients(args.device), phases)
+
+
+def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementation: str) -> ProbeRequest:
+    """The probe of a per-rank peak benchmark row: GRPO + LoRA r=8 under FSDP2 (bf16 base, fp32
+    reduce, everything sharded), 2 prompts x 4 completions, no generation."""
+    from agilerl.distributed import FSDPConfig
+    from planner.workload import Workload
+
+    workload = Workload(
+        prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
+        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
+        lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation=attn_implementation,
+        generation="none",
+    )
+    fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
+    return ProbeRequest(model=model, workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
+                        timed_steps=1, timeout_s=600)

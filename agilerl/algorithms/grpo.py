@@ -248,7 +248,6 @@ class GRPO(LLMAlgorithm):
     # -- construction helpers ---------------------------------------------------------
     def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
         """Ask the planner (on rank 0), share its choice with every rank, apply and log it."""
-        from agilerl.distributed import broadcast_object_list, is_main_process
 
         from .core.autoplan import plan_for_agent
 
@@ -257,26 +256,14 @@ class GRPO(LLMAlgorithm):
             print("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
                   "training unsharded", flush=True)
             return micro
-        payload = [None]
-        if is_main_process():
-            try:
-                payload = [plan_for_agent(self, actor_network, micro)]
-            except Exception as err:  # every rank must learn about the failure, not only rank 0
-                payload = [{"error": f"{type(err).__name__}: {err}"}]
-        broadcast_object_list(payload, src=0)
-        result = payload[0]
+        result = _on_rank0(plan_for_agent, self, actor_network, micro)
         if "error" in result:
             raise RuntimeError(f"fsdp_config='auto': the planner failed: {result['error']}")
         from agilerl.distributed import FSDPConfig
 
         self.plan = result
         self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
-        if self._auto_chunk:
-            self.logprob_chunk_size = result["logprob_chunk_size"]
-        if self._auto_gc:
-            self.gradient_checkpointing = result["gradient_checkpointing"]
-        if is_main_process():
-            print(result["summary"], flush=True)
+        self._take_auto_knobs(result)
         if not result["fits"]:
             raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
@@ -286,23 +273,22 @@ class GRPO(LLMAlgorithm):
         data parallel, an explicit FSDPConfig): rank 0 asks the memory estimate, every rank applies
         the same. Should the estimate fail, the safe defaults stay (checkpointing on, 1024-row chunks)
         and the reason is printed."""
-        from agilerl.distributed import broadcast_object_list, is_main_process
+        from agilerl.distributed import is_main_process
 
         from .core.autoplan import pick_auto_knobs
 
-        payload = [None]
-        if is_main_process():
-            try:
-                payload = [pick_auto_knobs(self, actor_network, self.micro_batch_size_per_gpu)]
-            except Exception as err:  # every rank must learn about the failure, not only rank 0
-                payload = [{"error": f"{type(err).__name__}: {err}"}]
-        broadcast_object_list(payload, src=0)
-        result = payload[0]
+        result = _on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
             if is_main_process():
                 print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024): "
                       f"the memory estimate failed ({result['error']})", flush=True)
             return
+        self._take_auto_knobs(result)
+
+    def _take_auto_knobs(self, result: dict[str, Any]) -> None:
+        """Apply the estimate's checkpointing and log-prob chunk where they were "auto"; log the plan."""
+        from agilerl.distributed import is_main_process
+
         if self._auto_chunk:
             self.logprob_chunk_size = result["logprob_chunk_size"]
         if self._auto_gc:
@@ -313,7 +299,7 @@ class GRPO(LLMAlgorithm):
     def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
         """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512
         MiB the memory estimate fits (rank 0 asks the planner; every rank applies the same)."""
-        from agilerl.distributed import broadcast_object_list, is_main_process
+        from agilerl.distributed import is_main_process
 
         from .core.autoplan import config_is_moe, pick_expert_chunk
 
@@ -325,14 +311,7 @@ class GRPO(LLMAlgorithm):
             config = AutoConfig.from_pretrained(self.model_source)
         if not config_is_moe(config):
             return
-        payload = [None]
-        if is_main_process():
-            try:
-                payload = [pick_expert_chunk(self, actor_network, self.micro_batch_size_per_gpu)]
-            except Exception as err:  # every rank must learn about the failure, not only rank 0
-                payload = [{"error": f"{type(err).__name__}: {err}"}]
-        broadcast_object_list(payload, src=0)
-        result = payload[0]
+        result = _on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
             raise RuntimeError("routed_expert_chunk_mib=None: the memory estimate failed "
                                f"({result['error']}); set routed_expert_chunk_mib explicitly")
@@ -720,6 +699,22 @@ def _reshards_after_forward(unit: nn.Module, default: bool) -> bool:
     except AttributeError:  # pragma: no cover - another torch layout
         return default
     return default if group is None else group.post_forward_mesh_info is not None
+
+
+
+def _on_rank0(fn, *args) -> dict[str, Any]:
+    """``fn(*args)`` on rank 0, its dict result broadcast to every rank; an exception becomes
+    ``{"error": "Type: message"}`` on every rank, so no rank waits on a failed rank 0."""
+    from agilerl.distributed import broadcast_object_list, is_main_process
+
+    payload = [None]
+    if is_main_process():
+        try:
+            payload = [fn(*args)]
+        except Exception as err:  # every rank must learn about the failure, not only rank 0
+            payload = [{"error": f"{type(err).__name__}: {err}"}]
+    broadcast_object_list(payload, src=0)
+    return payload[0]
 
 
 def _mergeable_lora_layers(model: nn.Module) -> list[nn.Module]:

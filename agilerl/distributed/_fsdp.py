@@ -52,10 +52,10 @@ from ._moe import (
     checkpoint_moe_block,
     expert_modules,
     find_moe_layers,
-    model_experts_problem,
     fully_shard_experts,
     install_router_forwards,
     is_moe_block,
+    model_experts_problem,
 )
 from ._runtime import all_reduce_grads, require_process_group
 

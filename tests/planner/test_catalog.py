@@ -64,7 +64,6 @@ MOE = ["Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-235B-A22B", "mistralai/Mixtral-8x7
 @cache
 def _fresh(config_json: str, multimodal: str | None):
     """A meta-device build of one config; variants with their base's config share it."""
-    from planner.catalog.build import build_entry
 
     e = catalog.CatalogEntry(name="x", family="x", config=json.loads(config_json), multimodal=multimodal,
                              source="x", published_params=1, published_source="x")
