@@ -112,6 +112,7 @@ def load_rows() -> list[Row]:
             vllm_max_num_batched_tokens=min(seqs * length, max(length, seqs * 8192)),
             offload_weights_during_rollout=r["trainer_offload_during_rollout"] == "True",
             attn_implementation=r["attn_implementation"],
+            logprob_rows="all",  # upstream AgileRL's fused head scores every position
         )
         gpu = GPUS["A100-40GB"].model_copy(update={"memory_bytes": int(float(r["gpu_memory_gib"]) * GIB)})
         config = (r["model"], r["seq_len"], r["group_size"], r["micro_batch"], r["lora_rank"])

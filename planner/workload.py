@@ -73,6 +73,12 @@ class Workload(BaseModel):
         Field(description="Under FSDP2, gather each unit once for a whole Hugging Face generate (weights stay unsharded "
                           "through it) instead of once per token; None: the planner chooses.")
     ] = None
+    logprob_rows: Annotated[
+        Literal["completion", "all"],
+        Field(description="Token rows the log-prob head runs over: the completion's, from its earliest token on "
+                          "(this trainer), or every position (trainers that score the prompt too, such as "
+                          "upstream AgileRL's)."),
+    ] = "completion"
     attn_implementation: Annotated[
         Literal["sdpa", "eager", "flash_attention_2"],
         Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),

@@ -54,6 +54,7 @@ WORKLOAD_FIELDS = (
     "beta",
     "update_epochs",
     "use_separate_reference_adapter",
+    "logprob_rows",
 )
 #: ``plan(sharding=...)`` is an argument, not a model field, so it has no description to reuse.
 SHARDING_HELP = (

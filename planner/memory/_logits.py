@@ -19,16 +19,24 @@ def head_weight_bytes(ctx: Context) -> int:
 
     The chunked head multiplies by the dense lm_head weight: under FSDP a gathered copy
     (materialize_dtensors), unless reshard_after_forward=False left the unit unsharded
-    after the forward, when the head uses that unsharded weight as it is.
+    after the forward, when the head uses that unsharded weight as it is. A tied head is
+    the embedding table, which lives in the root unit: FSDP2 keeps the root unsharded
+    from its forward to its backward, so the head reads that copy too.
     """
     fsdp = ctx.fsdp
+    if ctx.spec.tie_word_embeddings:
+        return 0
     return ctx.vocab_size * ctx.hidden_size * ctx.compute_bytes if fsdp and fsdp.reshard_after_forward else 0
 
 
 def learn_rows(ctx: Context) -> int:
-    """Token rows a micro-batch's head takes log-probs of: m x T (every position; the last
-    one's, which has no next token, is dropped after)."""
-    return ctx.micro_batch * ctx.sequence_tokens
+    """Token rows a micro-batch's head takes log-probs of: GRPO's head starts at the earliest
+    completion token's position (``first``), so m x (C + 1): the position before each
+    completion token, and the last one, which has no next token and is dropped after. With
+    ``logprob_rows="all"`` (a trainer that scores the prompt too), m x T."""
+    if ctx.workload.logprob_rows == "all":
+        return ctx.micro_batch * ctx.sequence_tokens
+    return ctx.micro_batch * min(ctx.sequence_tokens, ctx.workload.completion_tokens + 1)
 
 
 def tile_bytes(ctx: Context, rows: int) -> int:
