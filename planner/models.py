@@ -16,6 +16,7 @@ from agilerl.utils.sources import (
     check_config,
     looks_like_path,
     multimodal_architecture,
+    multimodal_text_model,
     parse_tiny,
     read_config,
 )
@@ -51,14 +52,6 @@ def _cache_path(digest: str, targets: tuple[str | tuple[str, ...], ...]) -> Path
     return spec_cache_dir() / f"{key}.json"
 
 
-def _text_part(config: dict) -> dict:
-    """A multimodal config's text model as a config of its own (the outer tie flag carried in)."""
-    text = dict(config["text_config"])
-    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
-        text["tie_word_embeddings"] = config["tie_word_embeddings"]
-    return text
-
-
 def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str, ...], ...]) -> ModelSpec:
     check_config(config, name)
     # A config.json with a catalog entry's content (a downloaded or copied checkpoint): its shipped spec.
@@ -79,7 +72,7 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str
     # A multimodal checkpoint: its text model, which is what the trainer fine-tunes once exported
     # (agilerl.utils.text_model); the vision / audio encoders are not counted.
     multimodal = multimodal_architecture(config)
-    build_from = _text_part(config) if multimodal else config
+    build_from = multimodal_text_model(config) if multimodal else config
     try:
         spec = build_spec(build_from, name=name, lora_targets=targets, text_model_of=multimodal)
     except UnsupportedArchitecture:

@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl, urlparse
 
 __all__ = ["TINY_PREFIX", "parse_tiny", "check_config", "check_causal_lm_type", "check_model_source",
            "looks_like_path", "text_config", "cached_config", "read_config", "multimodal_architecture",
-           "encoder_configs", "check_trainable"]
+           "multimodal_text_model", "encoder_configs", "check_trainable"]
 
 TINY_PREFIX = "tiny:"
 
@@ -94,6 +94,14 @@ def multimodal_architecture(config: dict) -> str | None:
         return None
     archs = config.get("architectures") or []
     return archs[0] if archs and isinstance(archs[0], str) else f"model_type {config.get('model_type')!r}"
+
+
+def multimodal_text_model(config: dict) -> dict:
+    """A multimodal config's text model as a config of its own (an outer tie flag carried in)."""
+    text = dict(config["text_config"])
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
 
 
 def check_trainable(config: dict, name: str) -> None:

@@ -239,14 +239,11 @@ def by_content(config: dict[str, Any]) -> str | None:
     A multimodal config.json matches the entry of its text model. No transformers import: the
     model types' defaults come from the index the build writes.
     """
-    from agilerl.utils.sources import multimodal_architecture
+    from agilerl.utils.sources import multimodal_architecture, multimodal_text_model
 
     multimodal = multimodal_architecture(config)
     if multimodal is not None:
-        text = dict(config["text_config"])
-        if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
-            text["tie_word_embeddings"] = config["tie_word_embeddings"]
-        config = text
+        config = multimodal_text_model(config)
     defaults = _index()["defaults"].get(config.get("model_type"))
     if defaults is None:
         return None
