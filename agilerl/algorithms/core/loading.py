@@ -147,11 +147,11 @@ def build_actor(
     lora_config = lora_config if lora_config is not None else default_lora_config()
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
 
-    if actor_network is None:
+    config = None if actor_network is not None else AutoConfig.from_pretrained(source)
+    if config is not None:
         # A multimodal checkpoint (perhaps downloaded just now, so not checked before): one clear line.
-        check_trainable(AutoConfig.from_pretrained(source).to_dict(), str(source))
-    if fsdp_config is not None and actor_network is None:
-        config = AutoConfig.from_pretrained(source)
+        check_trainable(config.to_dict(), str(source))
+    if fsdp_config is not None and config is not None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
             if load_in_4bit:
@@ -202,9 +202,8 @@ def build_actor(
         if has_weights(_local_dir(source)):
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         elif load_in_4bit:
-            model = _random_four_bit_model(AutoConfig.from_pretrained(source), dtype, attn, device)
+            model = _random_four_bit_model(config, dtype, attn, device)
         else:
-            config = AutoConfig.from_pretrained(source)
             model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation")})
     peft_model = _add_adapters(model, lora_config, use_reference_adapter)
     with torch.no_grad():
