@@ -51,6 +51,13 @@ def check_launch(manifest, *, device: str | None = None) -> None:
     if fsdp is not None and fsdp != "auto":
         fsdp.check_world(world)
     check_model_source(algo.model_name, allow_download=True)
+    if algo.vllm is not None:
+        from agilerl.utils.engine import EngineError, check_vllm_installed
+
+        try:
+            check_vllm_installed()
+        except EngineError as err:
+            raise ValueError(f"algorithm.vllm: {err}") from None
     if device == "cuda":
         import torch
 
@@ -244,7 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    train(manifest, device=args.device, max_steps=args.max_steps)
+    from agilerl.utils.engine import EngineError
+
+    try:
+        train(manifest, device=args.device, max_steps=args.max_steps)
+    except EngineError as err:  # the rollout engine failed to start, or a sync did not match it
+        print(f"{parser.prog}: error: algorithm.vllm: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

