@@ -41,8 +41,16 @@ def estimate_request(req: ProbeRequest, coefficients: Coefficients) -> Estimate:
 
 def cache_key(req: ProbeRequest) -> str:
     """A probe request as its cache key: the fields that differ from their defaults, so a
-    field added later with a default does not orphan the measurements."""
-    return req.model_dump_json(exclude_defaults=True)
+    field added later with a default does not orphan the measurements.
+
+    ``workload.padded_batches`` is the exception: every measurement from before the probe had a
+    padded mode is fixed-length, so a key names the field only when it is True."""
+    data = json.loads(req.model_dump_json(exclude_defaults=True))
+    workload = data.setdefault("workload", {})
+    workload.pop("padded_batches", None)
+    if req.workload.padded_batches:
+        workload["padded_batches"] = True
+    return json.dumps(data, separators=(",", ":"))
 
 
 def load_cache(cache: Path) -> dict[str, dict]:
@@ -52,7 +60,9 @@ def load_cache(cache: Path) -> dict[str, dict]:
         return {}
     out: dict[str, dict] = {}
     for key, record in json.loads(cache.read_text()).items():
-        out.setdefault(cache_key(ProbeRequest.model_validate_json(key)), record)
+        data = json.loads(key)
+        data.setdefault("workload", {}).setdefault("padded_batches", False)  # see cache_key
+        out.setdefault(cache_key(ProbeRequest.model_validate(data)), record)
     return out
 
 
@@ -115,7 +125,8 @@ def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
             continue
         est = estimate_request(req, coefficients)
         weights_e = est.phases["learn"].components.get("weights", 0)
-        row = (f"{c['model']:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
+        name = c["model"] + ("/pad" if c.get("padded") else "")  # a padded-batch probe
+        row = (f"{name:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
                f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
         for ph in phases:
             measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
@@ -155,6 +166,7 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
     from planner.workload import Workload
 
     workload = Workload(
+        padded_batches=c.get("padded", False),  # True: the probe's padded rows, else rows of one length
         prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
         lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation=attn_implementation,

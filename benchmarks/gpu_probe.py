@@ -92,7 +92,7 @@ def request(model_dir: str, c: tuple, device: str):
     from planner.workload import Workload
 
     _, micro, prompt, completion, gc, rank, generate = c
-    workload = Workload(prompts_per_step=1, group_size=max(2, micro), prompt_tokens=prompt,
+    workload = Workload(padded_batches=False, prompts_per_step=1, group_size=max(2, micro), prompt_tokens=prompt,
                         completion_tokens=completion, micro_batch_size_per_gpu=micro, logprob_chunk_size=1024,
                         gradient_checkpointing=gc, lora_rank=rank, lora_alpha=2 * rank, weights_dtype="bfloat16",
                         attn_implementation="sdpa", generation="hf" if generate else "none")

@@ -135,10 +135,24 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     p_len, c_len = workload.prompt_tokens, workload.completion_tokens
     n_local = workload.completions_per_rank(agent.data_parallel_ranks)
 
+    pad = agent.pad_token_id
+
     def experiences():
         ids = torch.randint(3, vocab, (n_local, p_len + c_len), generator=gen)
         masks = torch.zeros_like(ids)
         masks[:, p_len:] = 1
+        if workload.padded_batches and n_local > 1:
+            # A realistic spread: prompts of 1/2 to all of p_len tokens, left-padded, and completions
+            # of 1 to c_len tokens, right-padded after they end; the first row keeps both whole (the
+            # batch's width is the longest row's, as in a real rollout).
+            prompt = torch.randint((p_len + 1) // 2, p_len + 1, (n_local,), generator=gen)
+            completion = torch.randint(1, c_len + 1, (n_local,), generator=gen)
+            prompt[0], completion[0] = p_len, c_len
+            cols = torch.arange(p_len + c_len)
+            left = cols[None, :] < (p_len - prompt)[:, None]
+            right = cols[None, :] >= (p_len + completion)[:, None]
+            ids[left | right] = pad
+            masks[right] = 0
         rewards = torch.rand(n_local, generator=gen)
         return ids, masks, rewards
 

@@ -83,6 +83,12 @@ class Workload(BaseModel):
         Literal["sdpa", "eager", "flash_attention_2"],
         Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),
     ] = "sdpa"
+    padded_batches: Annotated[
+        bool,
+        Field(description="Rows of a micro-batch differ in length (real rollouts: prompts left-padded, completions "
+                          "ending early), so its forward holds an attention mask of micro-batch x length^2; False: "
+                          "every row has the same length (the probes' synthetic batches).")
+    ] = True
 
     @field_validator("lora_targets")
     @classmethod

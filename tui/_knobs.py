@@ -55,6 +55,7 @@ WORKLOAD_FIELDS = (
     "update_epochs",
     "use_separate_reference_adapter",
     "logprob_rows",
+    "padded_batches",
 )
 #: ``plan(sharding=...)`` is an argument, not a model field, so it has no description to reuse.
 SHARDING_HELP = (

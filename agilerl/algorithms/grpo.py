@@ -54,6 +54,7 @@ from agilerl.utils.logprobs import (
     linear_token_logprobs,
     output_head,
     position_ids_from_mask,
+    shared_attention_mask,
 )
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
@@ -538,7 +539,9 @@ class GRPO(LLMAlgorithm):
             # log-probs below come from the captured final hidden states, chunked.
             out = self.model(
                 input_ids=ids,
-                attention_mask=attention_mask,
+                # a padded batch: one additive mask shared by every layer, not a float copy per layer
+                attention_mask=shared_attention_mask(causal_lm(self.model).config, attention_mask,
+                                                     self._activation_dtype()),
                 position_ids=position_ids_from_mask(attention_mask),
                 use_cache=False,
                 logits_to_keep=1,
@@ -555,6 +558,12 @@ class GRPO(LLMAlgorithm):
             # its one-position logits in the graph at no cost to the gradient.
             logp = logp + 0.0 * out.logits.sum()
         return logp
+
+    def _activation_dtype(self) -> torch.dtype:
+        """The dtype attention computes in: FSDP2's param_dtype when it casts, else the model's."""
+        if self.sharded and self.fsdp_config.param_dtype is not None:
+            return getattr(torch, self.fsdp_config.param_dtype)
+        return self.dtype
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int = 0) -> torch.Tensor:
         head = output_head(self.model)

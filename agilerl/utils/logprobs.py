@@ -34,6 +34,7 @@ __all__ = [
     "final_norm",
     "output_head",
     "position_ids_from_mask",
+    "shared_attention_mask",
     "causal_lm",
 ]
 
@@ -259,3 +260,61 @@ def final_norm(model: nn.Module) -> nn.Module:
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens, as Hugging Face generate does for left padding."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+#: Attention implementations that read a ready-made 4D additive mask as it is.
+_ADDITIVE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+def shared_attention_mask(config, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One additive ``[B, 1, T, T]`` mask for a padded batch, shared by every layer; else ``attention_mask``.
+
+    Hugging Face builds a boolean causal-and-padding mask per forward and hands it to SDPA,
+    which converts it to a float mask in every layer and saves that copy for backward: one
+    ``B x T x T`` mask per layer alive until backward (268 MB a layer at 8 x 4096 in bf16). A
+    ready-made 4D float mask is passed through unchanged, so all layers read (and save) the same
+    tensor. Padded positions get the dtype's lowest value rather than -inf, so a pad query with
+    no key to attend to stays finite; no loss term reads pad positions.
+
+    A batch whose rows are padded only at their ends (one row, or completions that stopped
+    early) needs no mask: causal attention never lets a real token see a later pad, and no loss
+    term reads a pad position. An all-ones mask is returned for it, and Hugging Face then builds
+    none (SDPA runs causal). The 2D mask is returned unchanged when the batch has no padding at
+    all, for attention kernels that do not take a 4D mask (flash attention), and when a
+    sliding-window or chunked layer would see more than its window: its mask differs from the
+    full causal one.
+    """
+    if attention_mask.dim() != 2 or bool(attention_mask.all()):
+        return attention_mask
+    if not _pad_before_real(attention_mask.bool()):
+        return torch.ones_like(attention_mask)
+    length = attention_mask.shape[1]
+    if getattr(config, "_attn_implementation", None) not in _ADDITIVE_MASK_ATTENTION or not _full_causal(config, length):
+        return attention_mask
+    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
+    mask = torch.zeros(attention_mask.shape[0], 1, length, length, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill_(~(keys & causal), torch.finfo(dtype).min)
+
+
+def _pad_before_real(real: torch.Tensor) -> bool:
+    """Whether any row has a pad position before one of its real tokens (left or inner padding)."""
+    later_real = real.flip(1).to(torch.uint8).cummax(dim=1).values.flip(1).bool()  # a real token at or after
+    return bool((later_real & ~real).any())
+
+
+def _full_causal(config, length: int) -> bool:
+    """Whether every layer of ``config`` attends causally to all earlier tokens of a ``length``-long row."""
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        limited = [t for t in types if t != "full_attention"]
+        if any(t not in ("sliding_attention", "chunked_attention") for t in limited):
+            return False  # a layer type with a mask of its own (linear attention, ...)
+        if "sliding_attention" in limited and (window is None or length > window):
+            return False
+        return not ("chunked_attention" in limited and (chunk is None or length > chunk))
+    if window is not None and getattr(config, "use_sliding_window", True) and length > window:
+        return False
+    return chunk is None or length <= chunk

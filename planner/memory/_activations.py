@@ -41,8 +41,7 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
       to the compute dtype (4 + p; the cast is a no-op in fp32);
     - ``nograd``: the softmax's input, its fp32 output and the cast (p + 4 + p).
 
-    Padded batches add Hugging Face's boolean batch x Tq x Tk mask (a float copy on
-    CPU), which fixed-length probes never have and the estimate does not model yet.
+    A padded batch's mask is :func:`attention_mask_bytes`.
     """
     if not ctx.scores_materialised:
         return 0
@@ -117,6 +116,32 @@ def activations_by_type(ctx: Context, layout: Layout) -> dict[int, BlockActivati
     return {i: block_activations(ctx, layout, i) for i in ctx.distinct_layers}
 
 
+def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str) -> int:
+    """The attention mask a padded batch's forward holds beside its blocks; 0 when every row has
+    one length, for a single row, for eager attention (it builds its float causal mask with or
+    without padding) and for flash attention (no mask).
+
+    ``forward`` is ``"learn"`` (with grad), ``"reference"`` (the trainer's no-grad pass) or
+    ``"generate"`` (Hugging Face generate's prefill over the left-padded prompts).
+
+    The trainer's forwards hold one additive ``batch x length^2`` mask in the compute dtype,
+    shared by every layer (agilerl.utils.logprobs.shared_attention_mask). Generate, and the
+    trainer where a sliding window is shorter than the row, keep Hugging Face's masks: a boolean
+    one per mask kind (full, sliding), which SDPA turns into a float copy in every layer; with
+    grad each layer that is not checkpointed saves its copy for backward, otherwise one is alive
+    at a time.
+    """
+    if not ctx.workload.padded_batches or batch < 2 or ctx.workload.attn_implementation != "sdpa":
+        return 0
+    area = batch * length * length
+    windows = [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
+    if forward != "generate" and not any(w is not None and w < length for w in windows):
+        return area * ctx.compute_bytes
+    kinds = 1 + any(w is not None for w in windows)
+    copies = max(1, ctx.spec.num_layers - len(ctx.checkpointed)) if forward == "learn" else 1
+    return area * (kinds + copies * ctx.compute_bytes)
+
+
 def checkpointed_block_bytes(ctx: Context) -> int:
     """A checkpointed block keeps its input: N x H x p (counted with saved-tensor hooks:
     exactly one hidden state per block, in the compute dtype); under Gemma-3n's AltUp
@@ -147,7 +172,8 @@ def boundary_bytes(ctx: Context) -> int:
     N, H, p, extra = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
     altup = (5 * extra + 3) * N * H * p if extra else 0
     per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p
-    return int(N * per_token) + rotary_bytes(ctx) + altup
+    mask = attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn")
+    return int(N * per_token) + rotary_bytes(ctx) + altup + mask
 
 
 def gradients_in_flight(ctx: Context, *, recompute: bool) -> int:
@@ -211,10 +237,12 @@ def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, in
     return int(max(peak, tokens * acts.attention_live_per_token + scores))
 
 
-def nograd_forward_bytes(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True) -> int:
+def nograd_forward_bytes(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True, *,
+                         forward: str = "reference") -> int:
     """A no-grad forward's most over its blocks, with what the model holds beside: the
-    embeddings' output (referenced until the forward returns), the block's input and
-    the rotary tables."""
+    embeddings' output (referenced until the forward returns), the block's input, the
+    rotary tables and a padded batch's attention mask (``forward``: "reference" or "generate")."""
     tokens = batch * length
     beside = 2 * tokens * ctx.carried_hidden * ctx.compute_bytes + 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * tokens
+    beside += attention_mask_bytes(ctx, batch, length, forward=forward)
     return beside + max(nograd_block_bytes(ctx, layout, batch, length, i, adapters_on) for i in ctx.distinct_layers)

@@ -30,7 +30,7 @@ def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], di
     only), and the last decode steps (the whole cache, grown by concatenation, so one
     layer's worth extra, and sampling's three logits copies)."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
-    prefill = nograd_forward_bytes(ctx, layout, n, prompt)
+    prefill = nograd_forward_bytes(ctx, layout, n, prompt, forward="generate")
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
     return (
         {"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill, "logits": n * V * 4},

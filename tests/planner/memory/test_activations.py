@@ -3,6 +3,8 @@ the moments of learn, the boundary and a no-grad forward."""
 
 from __future__ import annotations
 
+import pytest
+
 from agilerl.distributed import FSDPConfig
 from planner.memory._activations import (
     activations_by_type,
@@ -94,3 +96,31 @@ def test_a_no_grad_forward_holds_the_embeddings_and_the_block_input(dense_spec):
     assert nograd_forward_bytes(ctx, build_layout(ctx), 3, 10) == expected
     base = nograd_forward_bytes(ctx, build_layout(ctx), 3, 10, adapters_on=False)
     assert base < expected  # the base model casts nothing to fp32
+
+
+# -- a padded batch's attention mask ---------------------------------------------------------------
+def test_a_padded_batch_adds_one_shared_mask_to_learn_and_reference(dense_spec):
+    fixed = make_context(dense_spec)
+    padded = make_context(dense_spec, padded_batches=True)
+    m, T = WL.micro_batch_size_per_gpu, WL.prompt_tokens + WL.completion_tokens
+    one_mask = m * T * T * 2  # one bf16 additive mask for the micro-batch, whatever the layer count
+    assert boundary_bytes(padded) - boundary_bytes(fixed) == one_mask
+    layout = build_layout(fixed)
+    assert nograd_forward_bytes(padded, layout, m, T) - nograd_forward_bytes(fixed, layout, m, T) == one_mask
+
+
+def test_generate_keeps_hugging_faces_boolean_mask_and_one_float_copy(dense_spec):
+    fixed, padded = make_context(dense_spec), make_context(dense_spec, padded_batches=True)
+    layout, n, P = build_layout(fixed), 16, WL.prompt_tokens
+    extra = (nograd_forward_bytes(padded, layout, n, P, forward="generate")
+             - nograd_forward_bytes(fixed, layout, n, P, forward="generate"))
+    assert extra == n * P * P * (1 + 2)
+
+
+@pytest.mark.parametrize("update", [dict(micro_batch_size_per_gpu=1), dict(attn_implementation="eager"),
+                                    dict(attn_implementation="flash_attention_2")])
+def test_no_mask_term_for_one_row_eager_or_flash_attention(dense_spec, update):
+    from planner.memory._activations import attention_mask_bytes
+
+    ctx = make_context(dense_spec, padded_batches=True, **update)
+    assert attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn") == 0

@@ -1,0 +1,48 @@
+"""Padded batches: the planner's estimate against probes whose rows differ in length.
+
+    python benchmarks/padded_memory.py [--device cpu] [--rerun]
+
+Real GRPO rollouts have prompts of different lengths (left-padded) and
+completions that end early (right-padded). The probe's padded mode draws
+prompts of 1/2 to all of the prompt tokens and completions of 1 to all of the
+completion tokens per row (the first row whole), so the trainer's forward
+holds an attention mask. The trainer builds one additive micro-batch x T x T
+mask shared by every layer (agilerl.utils.logprobs.shared_attention_mask);
+Hugging Face's own boolean mask would become a float copy per layer under
+SDPA. Each padded row has a fixed-length twin, so the table shows what
+padding adds, measured and estimated; nothing is fitted.
+
+Measurements are cached in ``benchmarks/results/padded_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from _probe_cache import peak_benchmark_main, peak_request  # noqa: E402
+
+from planner.probe import ProbeRequest  # noqa: E402
+
+MODELS = {
+    "q128-L4": "tiny:qwen2?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
+               "&vocab_size=1024",
+}
+PHASES = ("reference", "learn", "step")
+CONFIGS = [dict(model="q128-L4", world=2, gc=gc, micro=4, prompt=256, completion=256, padded=padded)
+           for gc in (False, True) for padded in (False, True)]
+
+
+def request_for(c: dict, device: str) -> ProbeRequest:
+    return peak_request(c, device, MODELS[c["model"]], attn_implementation="sdpa")
+
+
+def main() -> None:
+    peak_benchmark_main(__doc__, "padded", "Padded batches", CONFIGS, request_for, PHASES)
+
+
+if __name__ == "__main__":
+    main()
