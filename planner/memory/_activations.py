@@ -172,8 +172,7 @@ def boundary_bytes(ctx: Context) -> int:
     N, H, p, extra = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
     altup = (5 * extra + 3) * N * H * p if extra else 0
     per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p
-    mask = attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn")
-    return int(N * per_token) + rotary_bytes(ctx) + altup + mask
+    return int(N * per_token) + rotary_bytes(ctx) + altup
 
 
 def gradients_in_flight(ctx: Context, *, recompute: bool) -> int:

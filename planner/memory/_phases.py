@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ._activations import (
     activations_by_type,
+    attention_mask_bytes,
     gradients_in_flight,
     kept_bytes,
     learn_block_moments,
@@ -199,15 +200,17 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     grads = gradient_terms(ctx, terms.layout, terms.memory)
     running, backward = learn_block_moments(ctx, blocks)
     window = backward_gathered_bytes(ctx, terms.gathered)
+    # A padded batch's attention mask lives from the forward's start to the backward's end.
+    beside = terms.kept_logprobs + attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn")
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
         {"weights_gathered": terms.after_forward, "gradients": grads.prior,
-         "activations": kept + hidden_grad + terms.kept_logprobs, "logits": learn_logits_bytes(ctx, backward=True)},
-        {"weights_gathered": window, "gradients": grads.prior, "activations": running + terms.kept_logprobs},
-        {"weights_gathered": window, "gradients": grads.prior, "activations": backward + terms.kept_logprobs},
+         "activations": kept + hidden_grad + beside, "logits": learn_logits_bytes(ctx, backward=True)},
+        {"weights_gathered": window, "gradients": grads.prior, "activations": running + beside},
+        {"weights_gathered": window, "gradients": grads.prior, "activations": backward + beside},
         # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
         # its own activations are freed (what the blocks keep and the gradients flowing remain)
         {"weights_gathered": window, "gradients": grads.prior + grads.reducing,
-         "activations": sum(kept_bytes(ctx, blocks)) + gradients_in_flight(ctx, recompute=False) + terms.kept_logprobs,
+         "activations": sum(kept_bytes(ctx, blocks)) + gradients_in_flight(ctx, recompute=False) + beside,
          "comm_buffers": grads.reduce_buffer},
     )})
 

@@ -99,12 +99,19 @@ def test_a_no_grad_forward_holds_the_embeddings_and_the_block_input(dense_spec):
 
 
 # -- a padded batch's attention mask ---------------------------------------------------------------
-def test_a_padded_batch_adds_one_shared_mask_to_learn_and_reference(dense_spec):
-    fixed = make_context(dense_spec)
-    padded = make_context(dense_spec, padded_batches=True)
+@pytest.mark.parametrize("gc", [True, False])
+def test_a_padded_batch_adds_one_shared_mask_to_learn_and_reference(dense_spec, gc):
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.memory import estimate
+
+    fixed = make_context(dense_spec, gradient_checkpointing=gc)
+    padded = make_context(dense_spec, padded_batches=True, gradient_checkpointing=gc)
     m, T = WL.micro_batch_size_per_gpu, WL.prompt_tokens + WL.completion_tokens
     one_mask = m * T * T * 2  # one bf16 additive mask for the micro-batch, whatever the layer count
-    assert boundary_bytes(padded) - boundary_bytes(fixed) == one_mask
+    cluster = Cluster(gpu=CPU_DEVICE, num_gpus=2)
+    learn = {p: estimate(dense_spec, WL.model_copy(update=dict(padded_batches=p, gradient_checkpointing=gc)), cluster,
+                         None).phases["learn"].total for p in (False, True)}
+    assert learn[True] - learn[False] == one_mask  # alive at every moment of learn
     layout = build_layout(fixed)
     assert nograd_forward_bytes(padded, layout, m, T) - nograd_forward_bytes(fixed, layout, m, T) == one_mask
 
