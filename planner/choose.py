@@ -40,6 +40,7 @@ from .memory import (
     expert_parallel_degrees,
     row_wise_experts,
     tp_problem,
+    vllm_floor,
 )
 from .spec import ModelSpec
 from .workload import Workload
@@ -47,6 +48,11 @@ from .workload import Workload
 __all__ = ["Decision", "Plan", "plan", "check_inputs", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
 
 LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
+#: vllm_gpu_memory_utilization the planner tries, largest first (a larger KV cache: more sequences
+#: in flight, faster rollouts).
+VLLM_UTILIZATIONS = tuple(round(0.9 - 0.05 * i, 2) for i in range(17))
+#: vLLM's own max_num_seqs default, the most the planner picks.
+VLLM_MAX_NUM_SEQS = 256
 GIB = 2**30
 
 
@@ -153,6 +159,29 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
                          f"(prompts_per_step x group_size / {data_parallel} GPUs)")
 
 
+def _vllm_frugal(spec: ModelSpec, workload: Workload, cluster: Cluster,
+                 fixed: dict[str, Any]) -> tuple[Workload, list[Decision]]:
+    """The colocated engine's settings the plan starts from: ``max_num_seqs`` a rank's completions
+    (at most 256) and, unless given, the least ``gpu_memory_utilization`` the engine starts with
+    (its weights and one sequence's KV cache), raised later to the largest that fits."""
+    notes: list[Decision] = []
+    tp = int(fixed.get("tp", 1) or 1)
+    update: dict[str, Any] = {}
+    if workload.vllm_max_num_seqs is None:
+        n = workload.completions_per_rank(max(1, cluster.num_gpus // tp))
+        seqs = min(VLLM_MAX_NUM_SEQS, n)
+        update["vllm_max_num_seqs"] = seqs
+        notes.append(Decision(field="vllm_max_num_seqs", value=seqs, reason=(
+            f"a rank's {n} completions per rollout all in flight at once" if seqs == n else
+            f"vLLM's default; a rank has {n} completions per rollout")))
+    if workload.vllm_gpu_memory_utilization is None:
+        sized = workload.model_copy(update={**update, "vllm_gpu_memory_utilization": 1.0})
+        floor = vllm_floor(spec, sized, cluster, None) / cluster.gpu.memory_bytes
+        least = next((u for u in reversed(VLLM_UTILIZATIONS) if u >= floor), VLLM_UTILIZATIONS[0])
+        update["vllm_gpu_memory_utilization"] = least
+    return workload.model_copy(update=update), notes
+
+
 def plan(
     spec: ModelSpec,
     workload: Workload,
@@ -189,6 +218,10 @@ def plan(
     frugal = with_(workload, micro_batch_size_per_gpu=user_micro or 1,
                    logprob_chunk_size=user_chunk or LOGPROB_CHUNKS[0],
                    gradient_checkpointing=True if user_gc is None else user_gc)
+    vllm_notes: list[Decision] = []
+    user_util = workload.vllm_gpu_memory_utilization
+    if workload.generation == "vllm":
+        frugal, vllm_notes = _vllm_frugal(spec, frugal, cluster, fixed)
 
     # 1. data parallel or FSDP2
     use_fsdp = sharding == "fsdp" or (sharding == "auto" and (W > 1 or bool(fixed)))
@@ -351,6 +384,18 @@ def plan(
         if spec.is_moe and not row_wise:
             note("ep", fsdp.ep, "Hugging Face's expert loop runs the experts (their layout has no "
                  "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset")
+
+    decisions.extend(vllm_notes)
+    if workload.generation == "vllm" and user_util is None:
+        floor = current.vllm_gpu_memory_utilization
+        for util in VLLM_UTILIZATIONS:
+            if util > floor and search.fits(with_(current, vllm_gpu_memory_utilization=util), fsdp):
+                current = with_(current, vllm_gpu_memory_utilization=util)
+                break
+        note("vllm_gpu_memory_utilization", current.vllm_gpu_memory_utilization,
+             "the largest fraction (in 0.05 steps, at most 0.9) with training and sync within budget: the engine's "
+             "KV cache takes what training leaves" if current.vllm_gpu_memory_utilization > floor else
+             "the least the engine starts with (its weights and one sequence's KV cache); no larger fraction fits")
 
     est = search.estimate(current, fsdp)
     note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "

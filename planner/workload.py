@@ -49,10 +49,16 @@ class Workload(BaseModel):
         Field(description="Rollouts with Hugging Face generate (KV cache), a colocated vLLM engine, or none measured."),
     ] = "hf"
     vllm_gpu_memory_utilization: Annotated[
-        float, Field(gt=0, le=1, description="Fraction of GPU memory a colocated vLLM engine takes.")
-    ] = 0.3
+        float | None,
+        Field(gt=0, le=1, description="Fraction of GPU memory a colocated vLLM engine takes; None: the planner "
+                                      "picks the largest that fits (an estimate alone reads VLLMConfig's 0.3).")
+    ] = None
     vllm_sleep_level: Annotated[Literal[1, 2], Field(description="vLLM sleep level between rollouts.")] = 1
-    vllm_max_num_seqs: Annotated[int, Field(ge=1, description="Most sequences the vLLM engine schedules at once.")] = 256
+    vllm_max_num_seqs: Annotated[
+        int | None,
+        Field(ge=1, description="Most sequences the vLLM engine schedules at once; None: the planner picks a rank's "
+                                "completions per rollout, at most 256 (an estimate alone reads VLLMConfig's 256).")
+    ] = None
     vllm_max_model_len: Annotated[
         int | None, Field(ge=1, description="Longest sequence the vLLM engine accepts; None: prompt + completion tokens.")
     ] = None

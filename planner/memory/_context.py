@@ -74,12 +74,20 @@ class Context:
     representative: tuple[int, ...]  # per layer: the first layer of its block type
 
 
+#: The trainer's VLLMConfig defaults, read where the planner is not asked to choose.
+VLLM_DEFAULT_UTILIZATION = 0.3
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+
+
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
     """The workload with the trainer's own defaults for fields left to the planner."""
     n = workload.completions_per_rank(data_parallel_ranks)
     return workload.model_copy(update={
         "micro_batch_size_per_gpu": workload.micro_batch_size_per_gpu or n,
         "gradient_checkpointing": True if workload.gradient_checkpointing is None else workload.gradient_checkpointing,
+        # VLLMConfig's defaults
+        "vllm_gpu_memory_utilization": workload.vllm_gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION,
+        "vllm_max_num_seqs": workload.vllm_max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS,
     })
 
 

