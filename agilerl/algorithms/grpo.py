@@ -502,7 +502,8 @@ class GRPO(LLMAlgorithm):
                 self.engine.wake_up(tags=["kv_cache"])
             outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens,
                                            temperature=self.temperature, seed=self._engine_seed(),
-                                           stop_token_ids=sorted(self._eos_set()))
+                                           stop_token_ids=sorted(self._eos_set()),
+                                           min_tokens=int(self.generation_kwargs.get("min_new_tokens", 0)))
         finally:
             self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)
             if offload is not None:

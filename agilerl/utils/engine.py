@@ -28,6 +28,11 @@ How the vLLM engine is run, and why:
   ``group_size`` copies of a prompt would sample the same completion.
 - **The trainer's random state is kept.** vLLM seeds the process's global
   generators when it runs in process; the engine restores them after start-up.
+- **Engines live as long as the process.** When an in-process vLLM engine is
+  garbage-collected, vLLM's shutdown tears down its parallel groups and calls
+  ``torch.distributed.destroy_process_group()``: the trainer's process group
+  too, at whatever moment the collector runs. So every engine that starts is
+  kept (``_LIVE``) until the process ends.
 """
 
 from __future__ import annotations
@@ -59,8 +64,10 @@ class RolloutEngine(Protocol):
         temperature: float,
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> list[list[int]]:
-        """Completion token ids (without the prompt) for each prompt, in order."""
+        """Completion token ids (without the prompt) for each prompt, in order; none stops at a stop
+        id before ``min_tokens`` tokens."""
 
     def sleep(self, level: int) -> None: ...
 
@@ -238,13 +245,27 @@ class VLLMEngine:
                 self.llm = vllm.LLM(**kwargs)
         except Exception as err:  # noqa: BLE001 - vLLM raises many types; the user gets one line
             raise EngineError(_start_failure(err, config)) from err
+        _LIVE.append(self)  # never collected: see "Engines live as long as the process"
         self._sampling = vllm.SamplingParams
         self._synced = False
 
-    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=()):
+    def memory_report(self) -> dict[str, int]:
+        """The engine's own account of its KV cache: blocks, tokens per block, and the bytes its
+        KV tensors hold on this rank."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+
+        def kv_bytes(worker) -> int:
+            caches = getattr(worker.model_runner, "kv_caches", None) or []
+            return int(sum(t.numel() * t.element_size() for t in caches))
+
+        return {"kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": int(cache.block_size),
+                "kv_cache_bytes": int(sum(self.llm.collective_rpc(kv_bytes)))}
+
+    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=(), min_tokens=0):
         stop = list(stop_token_ids)
         params = [self._sampling(max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0,
-                                 seed=None if seed is None else seed + i, stop_token_ids=stop)
+                                 seed=None if seed is None else seed + i, stop_token_ids=stop,
+                                 min_tokens=min(min_tokens, max_tokens))
                   for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
@@ -293,6 +314,7 @@ class VLLMEngine:
 
 
 _ENGINES: dict[tuple, VLLMEngine] = {}
+_LIVE: list[VLLMEngine] = []
 
 
 def shared_vllm_engine(model_path: str, config: VLLMConfig, *, dtype: str, seed: int,

@@ -69,10 +69,13 @@ def vllm_moe_workspace_bytes(ctx: Context) -> int:
 
 def vllm_awake_bytes(ctx: Context) -> int:
     """A colocated vLLM engine awake: vllm_gpu_memory_utilization of the GPU, less the
-    profiled activations it never holds again (on a GPU)."""
+    profiled activations it never holds again (on a GPU); with an explicit KV cache size
+    (``vllm_kv_cache_memory_bytes``, the CPU engine's way), its weights and that cache."""
     workload = ctx.workload
     if workload.generation != "vllm":
         return 0
+    if workload.vllm_kv_cache_memory_bytes is not None:
+        return vllm_weight_bytes(ctx) + workload.vllm_kv_cache_memory_bytes
     budget = int(workload.vllm_gpu_memory_utilization * ctx.cluster.gpu.memory_bytes)
     return max(0, budget - vllm_profile_bytes(ctx)) if ctx.on_gpu else budget
 

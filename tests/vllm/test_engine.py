@@ -140,3 +140,14 @@ def test_a_first_weight_sync_that_leaves_weights_out_fails(agent):
     weights = [(k, v) for k, v in _merged_weights(agent.model, causal_lm(agent.model)) if "layers.1.mlp" not in k]
     with pytest.raises(EngineError, match="left vLLM engine weights unset .*layers.1.mlp"):
         engine.load_weights(weights)
+
+
+def test_a_dropped_engine_does_not_tear_down_the_process_group(agent):
+    import gc
+
+    from agilerl.utils.engine import VLLMEngine
+
+    VLLMEngine(agent.model_source, ENGINE, dtype="float32", seed=0, max_model_len=64)  # dropped at once
+    gc.collect()  # vLLM's in-process shutdown would destroy the process group and the parallel groups
+    assert torch.distributed.is_initialized()
+    assert engine_greedy(agent) == hf_greedy(agent)  # the other engines still run

@@ -87,6 +87,7 @@ def _workload_for(agent, micro: int | None):
         vllm_enforce_eager=agent.vllm_config.enforce_eager if agent.vllm_config else False,
         vllm_max_model_len=agent.vllm_config.max_model_len if agent.vllm_config else None,
         vllm_max_num_batched_tokens=agent.vllm_config.max_num_batched_tokens if agent.vllm_config else None,
+        vllm_kv_cache_memory_bytes=agent.vllm_config.kv_cache_memory_bytes if agent.vllm_config else None,
     ), prompt
 
 

@@ -431,7 +431,7 @@ class FakeEngine:
         self.calls: list[str] = []
         self.weights: dict[str, torch.Tensor] = {}
 
-    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=()):
+    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=(), min_tokens=0):
         self.calls.append("generate")
         return [[5 + (i % 3)] * (1 + i % max_tokens) + ([2] if i % 2 else []) for i, _ in enumerate(prompts)]
 
@@ -474,7 +474,7 @@ def test_rollout_through_an_engine_syncs_merged_weights():
 class OffloadCheckingEngine(FakeEngine):
     """Records, at generation time, how many base-weight bytes the trainer still holds."""
 
-    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=()):
+    def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=(), min_tokens=0):
         from torch.distributed.tensor import DTensor
 
         def stored(p):  # the bytes this rank's storage of p holds (a shard's, under FSDP2)
@@ -484,7 +484,7 @@ class OffloadCheckingEngine(FakeEngine):
         self.held = sum(stored(p) for n, p in params if not p.requires_grad and ".lora_" not in n)
         self.lora_held = sum(stored(p) for n, p in params if ".lora_" in n)
         return super().generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=stop_token_ids)
+                                stop_token_ids=stop_token_ids, min_tokens=min_tokens)
 
 
 def test_offload_weights_during_rollout_frees_the_weights_and_restores_them_bit_for_bit():
