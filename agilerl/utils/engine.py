@@ -107,23 +107,30 @@ def require_vllm():
     return vllm
 
 
-#: vLLM warnings about choices this engine makes on purpose; each would repeat in every trainer log.
-_EXPECTED_WARNINGS = (
-    "Chat template warmup failed",  # no tokenizer: prompts arrive as token ids
-    "Using None for EOS token id",  # the trainer passes its end-of-sequence ids as stop_token_ids
-    "CPU backend doesn't allow to use `torch.set_num_threads`",  # the trainer sets its threads
-    "The global random seed is set to",  # the trainer's random state is restored after start-up
-)
+#: vLLM warnings about choices this engine makes on purpose, by the logger that gives them; each would
+#: repeat in every trainer log.
+_EXPECTED_WARNINGS = {
+    "vllm.renderers.base": ("Chat template warmup failed",  # no tokenizer: prompts arrive as token ids
+                            "Using None for EOS token id"),  # the trainer's end-of-sequence ids are stop ids
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),  # the trainer's
+    "vllm.engine.arg_utils": ("The global random seed is set to",),  # restored after start-up
+}
 
 
-def _expected(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith(_EXPECTED_WARNINGS)
+class _Expected(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
 
 
 def _quiet_known_warnings() -> None:
-    for handler in logging.getLogger("vllm").handlers:
-        if _expected not in handler.filters:
-            handler.addFilter(_expected)
+    for name, prefixes in _EXPECTED_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Expected) for f in logger.filters):
+            logger.addFilter(_Expected(prefixes))
 
 
 def _guard_registry_subprocess() -> None:

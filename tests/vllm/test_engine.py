@@ -151,3 +151,25 @@ def test_a_dropped_engine_does_not_tear_down_the_process_group(agent):
     gc.collect()  # vLLM's in-process shutdown would destroy the process group and the parallel groups
     assert torch.distributed.is_initialized()
     assert engine_greedy(agent) == hf_greedy(agent)  # the other engines still run
+
+
+def test_offloaded_weights_come_back_bit_for_bit_around_a_real_engine_rollout():
+    agent = vllm_agent(dtype="float32", offload_weights_during_rollout=True)
+    before = {n: p.detach().clone() for n, p in agent.model.named_parameters()}
+    held = {}
+    generate = agent.engine.generate
+
+    def watching(*args, **kwargs):  # the trainer's storage while the engine generates
+        held["bytes"] = sum(p.untyped_storage().nbytes() for p in agent.model.parameters())
+        return generate(*args, **kwargs)
+
+    agent.engine.generate = watching
+    try:
+        ids, masks = agent.get_action(["1+1=", "2+2="])
+    finally:
+        agent.engine.generate = generate
+    assert held["bytes"] == 0  # parked on the host during generation
+    for name, p in agent.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    learn_steps(agent)
+    assert engine_greedy(agent) == hf_greedy(agent)
