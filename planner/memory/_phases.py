@@ -239,6 +239,9 @@ def assemble(ctx: Context) -> Estimate:
     phases["step"] = step_phase(ctx, terms)
     phases["save"] = save_phase(ctx, terms)
     notes = ([QLORA_NOTE] if ctx.workload.load_in_4bit else []) + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else [])
+    if ctx.workload.load_in_4bit and any(ctx.packed):
+        notes.append(f"QLoRA: the packed routed experts stay in {ctx.workload.weights_dtype} (bitsandbytes "
+                     "quantises nn.Linear layers only)")
     if ctx.spec.text_model_of:
         notes.append(f"the text model of {ctx.spec.text_model_of}: its vision/audio encoders are not counted; the "
                      "trainer fine-tunes the exported text model (python -m agilerl.utils.text_model SOURCE OUT_DIR)")

@@ -190,6 +190,8 @@ def build_actor(
                                                    fallback=lambda key, m: _random_weight(key, m, std)), lora_state)
             materialize_fsdp2_from_cpu_state(peft_model, state, device, strict=False)
             _randomise_base(peft_model, std)
+        if load_in_4bit:
+            _say_full_precision_experts(peft_model, dtype)
         return peft_model, _trainable(peft_model)
 
     if actor_network is not None:
@@ -216,8 +218,22 @@ def build_actor(
             apply_activation_checkpointing(peft_model, FSDPConfig())
         if not load_in_4bit:
             peft_model.to(device)
+    if load_in_4bit:
+        _say_full_precision_experts(peft_model, dtype)
     # After sharding: fully_shard replaces parameters with DTensor parameters.
     return peft_model, _trainable(peft_model)
+
+
+def _say_full_precision_experts(model: nn.Module, dtype: torch.dtype) -> None:
+    """QLoRA quantises nn.Linear layers only: say so when packed routed experts (3-D parameters,
+    most of a MoE model's weights) stay in the compute dtype."""
+    from agilerl.distributed import is_main_process
+
+    packed = [p for n, p in model.named_parameters() if p.dim() == 3 and ".lora_" not in n]
+    if packed and is_main_process():
+        size = sum(p.numel() for p in packed) * torch.empty((), dtype=dtype).element_size() / 2**30
+        print(f"[agilerl] QLoRA: the {len(packed)} packed routed-expert tensors ({size:.2f} GiB) stay in "
+              f"{str(dtype).removeprefix('torch.')}: bitsandbytes quantises nn.Linear layers only", flush=True)
 
 
 def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:

@@ -153,3 +153,15 @@ def test_a_rollout_engine_gets_the_dequantised_base_with_the_adapter_merged():
         assert sent.dtype == torch.bfloat16 and sent.shape == (base.out_features, base.in_features)
         assert torch.equal(sent, expected), key
         assert not torch.equal(sent, bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state))
+
+
+def test_a_moe_says_its_packed_experts_stay_in_the_compute_dtype(capsys):
+    # transformers packs each layer's routed experts into two 3-D tensors (gate_up_proj, down_proj),
+    # which bitsandbytes does not quantise: 2 layers x 2 tensors here.
+    agent = make_agent(**QLORA, model_name="tiny:qwen3_moe?hidden_size=32&intermediate_size=64&num_layers=2"
+                                           "&num_heads=2&num_kv_heads=1")
+    out = capsys.readouterr().out
+    assert "QLoRA: the 4 packed routed-expert tensors" in out and "stay in bfloat16" in out
+    assert agent.model is not None
+    make_agent(**QLORA)  # a dense model says nothing
+    assert "packed routed-expert" not in capsys.readouterr().out

@@ -131,3 +131,15 @@ def test_no_mask_term_for_one_row_eager_or_flash_attention(dense_spec, update):
 
     ctx = make_context(dense_spec, padded_batches=True, **update)
     assert attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn") == 0
+
+
+def test_qlora_on_packed_experts_says_they_stay_in_the_weights_dtype(dense_spec, moe_spec):
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.memory import estimate
+
+    cluster = Cluster(gpu=CPU_DEVICE, num_gpus=1)
+    qlora = WL.model_copy(update=dict(load_in_4bit=True))
+    moe_notes = estimate(moe_spec, qlora, cluster, None).notes
+    assert any("packed routed experts stay in bfloat16" in n for n in moe_notes)
+    assert not any("packed routed experts" in n for n in estimate(dense_spec, qlora, cluster, None).notes)
+    assert not any("packed routed experts" in n for n in estimate(moe_spec, WL, cluster, None).notes)
