@@ -95,18 +95,10 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     )
     if workload.generation == "vllm" and request.get("generate", False):
         from agilerl.utils.algo_utils import VLLMConfig
-        from planner.memory import resolve_workload
 
-        resolved = resolve_workload(workload, data_parallel_ranks=1)
-        kwargs.update(
-            vllm_config=VLLMConfig(
-                gpu_memory_utilization=resolved.vllm_gpu_memory_utilization,
-                max_num_seqs=resolved.vllm_max_num_seqs, sleep_level=workload.vllm_sleep_level,
-                enforce_eager=workload.vllm_enforce_eager, max_model_len=workload.vllm_model_len,
-                max_num_batched_tokens=workload.vllm_max_num_batched_tokens,
-                kv_cache_memory_bytes=workload.vllm_kv_cache_memory_bytes),
-            offload_weights_during_rollout=workload.offload_weights_during_rollout,
-            max_model_len=workload.sequence_tokens)
+        kwargs.update(vllm_config=VLLMConfig(**workload.vllm_settings()),
+                      offload_weights_during_rollout=workload.offload_weights_during_rollout,
+                      max_model_len=workload.sequence_tokens)  # the engine's too, unless vllm_max_model_len
     from torch.distributed._tools.mem_tracker import MemTracker
 
     host_peak_reset()

@@ -52,19 +52,7 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         algorithm["gather_weights_for_rollout"] = True
     engines = 0
     if w.generation == "vllm":
-        from .memory import resolve_workload
-
-        r = resolve_workload(w, data_parallel_ranks=1)  # the trainer's defaults where nothing was chosen
-        vllm: dict[str, Any] = {"gpu_memory_utilization": r.vllm_gpu_memory_utilization,
-                                "max_num_seqs": r.vllm_max_num_seqs, "sleep_level": w.vllm_sleep_level,
-                                "enforce_eager": w.vllm_enforce_eager}
-        if w.vllm_max_model_len is not None:
-            vllm["max_model_len"] = w.vllm_max_model_len
-        if w.vllm_max_num_batched_tokens is not None:
-            vllm["max_num_batched_tokens"] = w.vllm_max_num_batched_tokens
-        if w.vllm_kv_cache_memory_bytes is not None:
-            vllm["kv_cache_memory_bytes"] = w.vllm_kv_cache_memory_bytes
-        algorithm["vllm"] = vllm
+        algorithm["vllm"] = w.vllm_settings()
         engines = plan.cluster.num_gpus
     targets = w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)
     return {

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["Workload"]
+__all__ = ["Workload", "VLLM_DEFAULT_UTILIZATION", "VLLM_DEFAULT_MAX_NUM_SEQS"]
+
+#: agilerl.utils.algo_utils.VLLMConfig's defaults, read where the planner is not asked to choose.
+VLLM_DEFAULT_UTILIZATION = 0.3
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 class Workload(BaseModel):
@@ -118,6 +122,22 @@ class Workload(BaseModel):
             raise ValueError(f"vllm_max_model_len={self.vllm_max_model_len} is shorter than prompt_tokens + "
                              f"completion_tokens = {self.sequence_tokens}: the engine would refuse the prompts")
         return self
+
+    def vllm_settings(self) -> dict[str, Any]:
+        """The colocated engine's settings as agilerl.utils.algo_utils.VLLMConfig fields (what the
+        manifest's ``algorithm.vllm`` holds and the probe starts): VLLMConfig's defaults for the
+        fraction and max_num_seqs when neither was given nor chosen; the optional sizes only when set."""
+        settings: dict[str, Any] = {
+            "gpu_memory_utilization": self.vllm_gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION,
+            "max_num_seqs": self.vllm_max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS,
+            "sleep_level": self.vllm_sleep_level,
+            "enforce_eager": self.vllm_enforce_eager,
+        }
+        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            value = getattr(self, f"vllm_{key}")
+            if value is not None:
+                settings[key] = value
+        return settings
 
     @property
     def vllm_model_len(self) -> int:

@@ -15,7 +15,7 @@ from agilerl.distributed import FSDPConfig
 
 from ..hardware import Cluster
 from ..spec import ModelSpec
-from ..workload import Workload
+from ..workload import VLLM_DEFAULT_MAX_NUM_SEQS, VLLM_DEFAULT_UTILIZATION, Workload
 from ._coefficients import Coefficients
 from ._parallel import check_ep, is_packed, is_packed_expert, tp_problem
 
@@ -72,11 +72,6 @@ class Context:
     scores_materialised: bool  # eager attention
     distinct_layers: tuple[int, ...]  # the first layer of each block type
     representative: tuple[int, ...]  # per layer: the first layer of its block type
-
-
-#: The trainer's VLLMConfig defaults, read where the planner is not asked to choose.
-VLLM_DEFAULT_UTILIZATION = 0.3
-VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
