@@ -76,10 +76,48 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+#: ``tokenizer_class`` values that mean "the tokenizer.json as saved", not a model's own tokenizer class.
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _saved_tokenizer_class(source: str) -> str | None:
+    """``tokenizer_class`` of a local directory's (or cached hub repo's) tokenizer_config.json, if any."""
+    import json
+
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(source, "tokenizer_config.json", local_files_only=True,
+                           _raise_exceptions_for_missing_entries=False)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+
+
 def load_tokenizer(source: str):
+    """The source's tokenizer, left-padded for generation.
+
+    A tokenizer saved from a ``tokenizers`` object (``tokenizer_class`` TokenizersBackend or
+    PreTrainedTokenizerFast) is loaded exactly as its tokenizer.json says. ``AutoTokenizer``
+    would pick the model type's class instead (``Qwen2Tokenizer`` for a qwen2 directory), which
+    in transformers 5 rebuilds the pre-tokenizer and normaliser from that class's defaults, so a
+    custom vocabulary encodes wrongly or to nothing.
+    """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    if _saved_tokenizer_class(source) in _GENERIC_TOKENIZER_CLASSES:
+        try:
+            from transformers import TokenizersBackend as Generic
+        except ImportError:  # transformers 4
+            from transformers import PreTrainedTokenizerFast as Generic
+        tokenizer = Generic.from_pretrained(source)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.padding_side = "left"
     return tokenizer
 
