@@ -68,9 +68,15 @@ class AlgorithmSection(_Section):
     ] = "bfloat16"
     vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
     gather_weights_for_rollout: Annotated[
-        bool, Field(description="Under FSDP2, gather each unit once for a whole Hugging Face generate instead of "
-                                "once per token (weights stay unsharded through it).")
-    ] = False
+        bool | Literal["auto"],
+        Field(description="Materialise the rollout's weights once for a whole Hugging Face generate instead of once "
+                          "per token: under FSDP2 every unit gathered, unsharded a merged copy of each adapted "
+                          "linear; 'auto': where the memory estimate says it fits.")
+    ] = "auto"
+    share_prompt_prefix: Annotated[
+        bool, Field(description="Run each group's prompt once rather than once per completion (learn, the no-grad "
+                                "passes, generate's prefill) where the model allows.")
+    ] = True
     offload_weights_during_rollout: Annotated[
         bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the vLLM engine generates "
                                 "(needs vllm).")

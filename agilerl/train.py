@@ -108,6 +108,7 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
         vllm_config=algo.vllm,
         offload_weights_during_rollout=algo.offload_weights_during_rollout,
         gather_weights_for_rollout=algo.gather_weights_for_rollout,
+        share_prompt_prefix=algo.share_prompt_prefix,
         fsdp_config=algo.fsdp_config(),
         dtype=algo.dtype,
         seed=training.seed,

@@ -91,6 +91,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         use_separate_reference_adapter=workload.use_separate_reference_adapter,
         load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=device, dtype=workload.weights_dtype,
         gather_weights_for_rollout=bool(workload.gather_weights_for_rollout),
+        share_prompt_prefix=workload.share_prompt_prefix,
         attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
     )
     if workload.generation == "vllm" and request.get("generate", False):
@@ -159,6 +160,12 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
             right = cols[None, :] >= (p_len + completion)[:, None]
             ids[left | right] = pad
             masks[right] = 0
+        if workload.share_prompt_prefix:
+            # As a real rollout: the rows of a group share their (left-padded) prompt. A rank's rows
+            # start at a multiple of its share, so group g's rows are the consecutive ones of prompt g.
+            group = (agent.data_parallel_rank * n_local + torch.arange(n_local)) // workload.group_size
+            head = torch.searchsorted(group, group)  # each row's group's first local row
+            ids[:, :p_len] = ids[head, :p_len]
         rewards = torch.rand(n_local, generator=gen)
         return ids, masks, rewards
 

@@ -48,8 +48,10 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         "load_in_4bit": w.load_in_4bit,
         "dtype": w.weights_dtype,
     }
-    if w.gather_weights_for_rollout:
-        algorithm["gather_weights_for_rollout"] = True
+    if not w.share_prompt_prefix:
+        algorithm["share_prompt_prefix"] = False
+    if w.generation == "hf" and w.gather_weights_for_rollout is not None:
+        algorithm["gather_weights_for_rollout"] = bool(w.gather_weights_for_rollout)
     engines = 0
     if w.generation == "vllm":
         algorithm["vllm"] = w.vllm_settings()

@@ -85,8 +85,9 @@ class Workload(BaseModel):
     ] = False
     gather_weights_for_rollout: Annotated[
         bool | None,
-        Field(description="Under FSDP2, gather each unit once for a whole Hugging Face generate (weights stay unsharded "
-                          "through it) instead of once per token; None: the planner chooses.")
+        Field(description="Materialise the rollout's weights once for a whole Hugging Face generate instead of once per "
+                          "token: under FSDP2 every unit gathered (and LoRA folded in), unsharded a merged copy of "
+                          "each adapted linear; None: the planner chooses.")
     ] = None
     logprob_rows: Annotated[
         Literal["completion", "all"],
@@ -103,6 +104,13 @@ class Workload(BaseModel):
         Field(description="Rows of a micro-batch differ in length (real rollouts: prompts left-padded, completions "
                           "ending early), so its forward holds an attention mask of micro-batch x length^2; False: "
                           "every row has the same length (the probes' synthetic batches).")
+    ] = True
+    share_prompt_prefix: Annotated[
+        bool,
+        Field(description="The rows of a group share their prompt (real rollouts) and the trainer runs it once per "
+                          "group where the model allows (agilerl.utils.shared_prefix): in learn, the no-grad passes "
+                          "and generate's prefill; False: rows that share nothing (the probes' random batches) or "
+                          "a trainer that runs every row whole.")
     ] = True
 
     @field_validator("lora_targets")

@@ -57,6 +57,7 @@ WORKLOAD_FIELDS = (
     "use_separate_reference_adapter",
     "logprob_rows",
     "padded_batches",
+    "share_prompt_prefix",
 )
 #: ``plan(sharding=...)`` is an argument, not a model field, so it has no description to reuse.
 SHARDING_HELP = (

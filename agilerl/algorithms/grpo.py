@@ -48,6 +48,7 @@ from agilerl.distributed import (
 )
 from agilerl.utils.algo_utils import VLLMConfig
 from agilerl.utils.logprobs import (
+    _full_causal,
     causal_lm,
     chunked_token_logprobs,
     final_norm,
@@ -56,6 +57,7 @@ from agilerl.utils.logprobs import (
     position_ids_from_mask,
     shared_attention_mask,
 )
+from agilerl.utils.shared_prefix import shared_prefix_problem
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
 from .core.base import LLMAlgorithm
@@ -130,6 +132,23 @@ class GRPO(LLMAlgorithm):
     largest log-prob chunk whose logits workspace fits. If the estimate cannot
     be made (a model it cannot read), checkpointing stays on and chunks are
     1024 rows, and the reason is printed.
+
+    ``gather_weights_for_rollout`` materialises the rollout's weights once per
+    Hugging Face generate instead of once per generated token: under FSDP2 every
+    unit is gathered once (and the actor's LoRA folded into the gathered copies),
+    on one device or data parallel each adapted linear runs on a merged copy
+    ``W + s B A`` (one matmul per token instead of three). Both cost memory (the
+    unsharded weights, or a copy of the adapted ones) for the length of the call,
+    and the weights after are bit for bit those before: the merged copies are
+    dropped, never unmerged. ``"auto"`` (the default) turns it on where the memory
+    estimate says the copies fit beside generation's KV cache, off otherwise, and
+    prints the choice; it is off with a vLLM engine, where generate does not run.
+
+    ``share_prompt_prefix`` (default True) runs each group's prompt once rather than once
+    per completion: in the no-grad passes, in learn (gradients included) and in generate's
+    prefill (:mod:`agilerl.utils.shared_prefix`, which also says where it falls back to the
+    one-pass forward). Log-probs and gradients equal the one-pass forward's up to float
+    summation order.
     """
 
     algo_name = "GRPO"
@@ -159,7 +178,8 @@ class GRPO(LLMAlgorithm):
         load_in_4bit: bool = False,
         vllm_config: VLLMConfig | None = None,
         offload_weights_during_rollout: bool = False,
-        gather_weights_for_rollout: bool = False,
+        gather_weights_for_rollout: bool | str = "auto",
+        share_prompt_prefix: bool = True,
         fsdp_config=None,
         device: str | None = None,
         dtype: str = "bfloat16",
@@ -178,6 +198,8 @@ class GRPO(LLMAlgorithm):
             raise ValueError(f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}")
         if gradient_checkpointing not in (True, False, "auto"):
             raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
+        if gather_weights_for_rollout not in (True, False, "auto"):
+            raise ValueError(f"gather_weights_for_rollout must be True, False or 'auto', got {gather_weights_for_rollout!r}")
         if offload_weights_during_rollout and vllm_config is None:
             raise ValueError(
                 "offload_weights_during_rollout=True needs a colocated vLLM engine (vllm_config): it parks the "
@@ -186,6 +208,12 @@ class GRPO(LLMAlgorithm):
             )
         self._auto_chunk = logprob_chunk_size == "auto"
         self._auto_gc = gradient_checkpointing == "auto"
+        # With a vLLM engine Hugging Face generate does not run: nothing to gather.
+        self._auto_gather = gather_weights_for_rollout == "auto" and vllm_config is None
+        # Until the estimate says otherwise "auto" is off: it costs memory, unit-by-unit never does.
+        self.gather_weights_for_rollout = gather_weights_for_rollout is True
+        self.share_prompt_prefix = bool(share_prompt_prefix)
+        self._prefix_problems: dict[int, str | None] = {}
         super().__init__(
             model_name=model_name,
             actor_network=actor_network,
@@ -221,16 +249,13 @@ class GRPO(LLMAlgorithm):
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
-        if self.plan is None and (self._auto_gc or self._auto_chunk):
+        if self.plan is None and (self._auto_gc or self._auto_chunk or self._auto_gather):
             self._resolve_auto_knobs(actor_network)
         if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
             self._resolve_expert_chunk(actor_network)
         self._build(actor_network)
         self.eos_token_id = self._eos_token_id()
         self.offload_weights_during_rollout = offload_weights_during_rollout
-        # Under FSDP2, Hugging Face generate re-gathers every unit for every token; True gathers each
-        # unit once for the whole call (the weights stay unsharded until it ends: more memory).
-        self.gather_weights_for_rollout = bool(gather_weights_for_rollout)
         self._weight_offload = None
         if offload_weights_during_rollout:
             if self.sharded and self.fsdp_config.cpu_offload:
@@ -271,10 +296,10 @@ class GRPO(LLMAlgorithm):
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
 
     def _resolve_auto_knobs(self, actor_network: nn.Module | None) -> None:
-        """gradient_checkpointing / logprob_chunk_size "auto" without fsdp_config="auto" (one device,
-        data parallel, an explicit FSDPConfig): rank 0 asks the memory estimate, every rank applies
-        the same. Should the estimate fail, the safe defaults stay (checkpointing on, 1024-row chunks)
-        and the reason is printed."""
+        """gradient_checkpointing / logprob_chunk_size / gather_weights_for_rollout "auto" without
+        fsdp_config="auto" (one device, data parallel, an explicit FSDPConfig): rank 0 asks the memory
+        estimate, every rank applies the same. Should the estimate fail, the safe defaults stay
+        (checkpointing on, 1024-row chunks, no gather) and the reason is printed."""
         from agilerl.distributed import is_main_process
 
         from .core.autoplan import pick_auto_knobs
@@ -282,19 +307,23 @@ class GRPO(LLMAlgorithm):
         result = _on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
             if is_main_process():
-                print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024): "
+                print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024, "
+                      f"gather_weights_for_rollout=False): "
                       f"the memory estimate failed ({result['error']})", flush=True)
             return
         self._take_auto_knobs(result)
 
     def _take_auto_knobs(self, result: dict[str, Any]) -> None:
-        """Apply the estimate's checkpointing and log-prob chunk where they were "auto"; log the plan."""
+        """Apply the estimate's checkpointing, log-prob chunk and rollout gather where they were "auto";
+        log the plan."""
         from agilerl.distributed import is_main_process
 
         if self._auto_chunk:
             self.logprob_chunk_size = result["logprob_chunk_size"]
         if self._auto_gc:
             self.gradient_checkpointing = result["gradient_checkpointing"]
+        if self._auto_gather:
+            self.gather_weights_for_rollout = result["gather_weights_for_rollout"]
         if is_main_process():
             print(result["summary"], flush=True)
 
@@ -428,9 +457,14 @@ class GRPO(LLMAlgorithm):
     def _gathered_for_rollout(self):
         """With ``gather_weights_for_rollout`` under FSDP2: no unit reshards after its forward for the
         duration, so each is gathered once, at its first forward; all reshard at the end, and each
-        unit's own setting comes back. Otherwise nothing."""
-        if not (self.sharded and self.gather_weights_for_rollout):
+        unit's own setting comes back. Unsharded: the merged copies of :meth:`_merged_copies_for_rollout`.
+        Otherwise nothing."""
+        if not self.gather_weights_for_rollout:
             yield
+            return
+        if not self.sharded:
+            with self._merged_copies_for_rollout():
+                yield
             return
         from torch.distributed.fsdp import FSDPModule
 
@@ -461,6 +495,28 @@ class GRPO(LLMAlgorithm):
                 m.reshard()
                 m.set_reshard_after_forward(value, recurse=False)
 
+    @contextlib.contextmanager
+    def _merged_copies_for_rollout(self):
+        """Unsharded: each mergeable actor LoRA linear's base weight is swapped for a new tensor
+        ``W + s B A`` for the duration, and PEFT runs the base layer alone. The original parameter
+        object is put back untouched at the end (not unmerged: subtracting would not be exact)."""
+        layers = _mergeable_lora_layers(self.model, sharded=False)
+        swapped = []
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    base = layer.get_base_layer()
+                    original = base.weight
+                    merged = original + layer.get_delta_weight(ACTOR).to(original.dtype)
+                    base._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
+                    layer.merged_adapters.append(ACTOR)
+                    swapped.append((layer, base, original))
+            yield
+        finally:
+            for layer, base, original in swapped:
+                base._parameters["weight"] = original
+                layer.merged_adapters.remove(ACTOR)
+
     def _generate_hf(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
@@ -480,6 +536,11 @@ class GRPO(LLMAlgorithm):
             )
             kwargs.update(self.generation_kwargs)
             with use_adapter(self.model, ACTOR), self._gathered_for_rollout():
+                prefilled = self._shared_prefill(ids, mask)
+                if prefilled is not None:
+                    from agilerl.utils.prefix_cache import cache_argument
+
+                    kwargs[cache_argument(causal_lm(self.model))] = prefilled
                 out = self.model.generate(**kwargs)
         finally:
             self.model.train(was_training)
@@ -487,6 +548,28 @@ class GRPO(LLMAlgorithm):
         if completions.shape[1] == 0:
             completions = torch.full((ids.shape[0], 1), self.pad_token_id, device=ids.device, dtype=ids.dtype)
         return completions
+
+    @torch.no_grad()
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+        """With ``share_prompt_prefix``: the KV cache of every prompt but its last token, made once
+        per distinct prompt and copied to its group's rows (generate then runs the last prompt token
+        of every row and samples from there). None where the rows share no prompt or the model
+        does not take the shared-prefix forward."""
+        from transformers.cache_utils import DynamicCache
+
+        split = ids.shape[1] - 1
+        groups = self._prefix_groups(ids, mask, split)
+        if groups is None:
+            return None
+        from agilerl.utils.prefix_cache import cache_argument
+
+        rows, dtype, lm = groups.rows, self._activation_dtype(), causal_lm(self.model)
+        cache = DynamicCache()
+        self.model(input_ids=ids[rows, :split], attention_mask=shared_attention_mask(lm.config, mask[rows, :split], dtype),
+                   position_ids=position_ids_from_mask(mask[rows, :split]), use_cache=True, logits_to_keep=1,
+                   **{cache_argument(lm): cache})
+        cache.batch_select_indices(groups.inverse)
+        return cache
 
     def _generate_with_engine(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
@@ -533,6 +616,9 @@ class GRPO(LLMAlgorithm):
         ``first``: positions before it skip the head and read 0 (the prompt's, which no loss
         term uses): the head's matmuls and softmax run over the completion rows only.
         """
+        groups = self._prefix_groups(ids, attention_mask, first)
+        if groups is not None:
+            return self._shared_prefix_logprobs(ids, attention_mask, first, groups)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(self.model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
         try:
@@ -558,6 +644,63 @@ class GRPO(LLMAlgorithm):
             # (the lm_head) has no output in the graph; a zero-weighted term keeps
             # its one-position logits in the graph at no cost to the gradient.
             logp = logp + 0.0 * out.logits.sum()
+        return logp
+
+    def _prefix_groups(self, ids: torch.Tensor, attention_mask: torch.Tensor, split: int):
+        """The distinct ``[:, :split]`` prompts of a batch when the shared-prefix forward applies
+        (:func:`agilerl.utils.shared_prefix.shared_prefix_problem`), else None."""
+        if not self.share_prompt_prefix:
+            return None
+        length = ids.shape[1]
+        if length not in self._prefix_problems:
+            config = causal_lm(self.model).config
+            self._prefix_problems[length] = shared_prefix_problem(
+                getattr(config, "model_type", None), getattr(config, "_attn_implementation", None),
+                full_causal=_full_causal(config, length), tp=self.fsdp_config.tp if self.sharded else 1)
+        if self._prefix_problems[length] is not None:
+            return None
+        from agilerl.utils.prefix_cache import prompt_groups
+
+        groups = prompt_groups(ids, attention_mask, split)
+        if self.sharded and self.world_size > 1:
+            # FSDP2's units gather in every forward: every rank must run as many as the others, so
+            # the two-pass forward runs only where every rank's rows share prompts.
+            from agilerl.distributed import allreduce_minmax_int
+
+            if allreduce_minmax_int(int(groups is not None))[0] == 0:
+                return None
+        return groups
+
+    def _shared_prefix_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
+                                groups) -> torch.Tensor:
+        """:meth:`token_logprobs` by the two-pass forward: the distinct prompts' columns
+        ``[0, first)`` once, then every row's ``[first, T)`` over its prompt's recorded keys and
+        values. Positions before ``first`` read 0, as in the one-pass forward."""
+        from agilerl.utils.prefix_cache import PrefixedCache, RecordingCache, cache_argument, suffix_attention_mask
+
+        lm = causal_lm(self.model)
+        config, kv = lm.config, cache_argument(lm)
+        dtype = self._activation_dtype()
+        positions = position_ids_from_mask(attention_mask)
+        rows = groups.rows
+        recorded = RecordingCache(config.num_hidden_layers)
+        captured: dict[str, torch.Tensor] = {}
+        handle = final_norm(self.model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
+        try:
+            prefix = self.model(input_ids=ids[rows, :first],
+                                attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
+                                position_ids=positions[rows, :first], use_cache=True, logits_to_keep=1,
+                                **{kv: recorded})
+            suffix = self.model(input_ids=ids[:, first:], attention_mask=suffix_attention_mask(attention_mask, first, dtype),
+                                position_ids=positions[:, first:], use_cache=True, logits_to_keep=1,
+                                **{kv: PrefixedCache(recorded, groups.inverse, first)})
+        finally:
+            handle.remove()
+        targets = torch.nn.functional.pad(ids[:, first + 1:], (0, 1))
+        logp = torch.nn.functional.pad(self._head_logprobs(captured["h"], targets)[:, :-1], (first, 0))
+        if torch.is_grad_enabled():
+            # as in the one-pass forward: every lm_head forward keeps an output in the graph (FSDP2)
+            logp = logp + 0.0 * (prefix.logits.sum() + suffix.logits.sum())
         return logp
 
     def _activation_dtype(self) -> torch.dtype:
@@ -734,11 +877,14 @@ def _on_rank0(fn, *args) -> dict[str, Any]:
     return payload[0]
 
 
-def _mergeable_lora_layers(model: nn.Module) -> list[nn.Module]:
-    """The actor's LoRA linears whose base weight FSDP2 shards (a DTensor), so that folding the
-    adapter into the gathered copy changes nothing that survives the reshard. Left unmerged: a
-    replicated base weight (below the persistence threshold), a 4-bit one (QLoRA), DoRA, LoRA on
-    packed experts, and layers whose adapters are merged already."""
+def _mergeable_lora_layers(model: nn.Module, sharded: bool = True) -> list[nn.Module]:
+    """The actor's LoRA linears whose delta can be folded into a copy of the base weight.
+
+    ``sharded``: the base weight must be one FSDP2 shards (a DTensor), so that folding into the
+    gathered copy changes nothing that survives the reshard. Unsharded: a plain tensor (the copy
+    is made by the caller). Left unmerged either way: a replicated base weight under FSDP2 (below
+    the persistence threshold), a 4-bit one (QLoRA), DoRA, a LoRA bias, LoRA on packed experts,
+    and layers whose adapters are merged already."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from torch.distributed.tensor import DTensor
 
@@ -750,7 +896,8 @@ def _mergeable_lora_layers(model: nn.Module) -> list[nn.Module]:
             continue
         base = layer.get_base_layer()
         weight = getattr(base, "weight", None)
-        if (not isinstance(weight, DTensor) or getattr(base, "quant_state", None) is not None
+        if (weight is None or isinstance(weight, DTensor) is not sharded
+                or getattr(base, "quant_state", None) is not None
                 or layer.use_dora.get(ACTOR, False) or getattr(layer, "lora_bias", {}).get(ACTOR, False)):
             continue
         layers.append(layer)

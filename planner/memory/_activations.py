@@ -29,7 +29,45 @@ from ._units import Layout
 HEAD_ROW_BYTES = 20
 
 
-def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, moment: str) -> int:
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """One forward over a micro-batch's blocks: ``rows`` x ``queries`` tokens attending over
+    ``keys`` positions. The one-pass forward is m x T over T; the shared-prefix forward
+    (agilerl.utils.shared_prefix) is a prefix pass (distinct prompts x split over split) and a
+    suffix pass (m x (T - split) over T) whose attention reads its rows' copies of the prefix
+    K and V (``prefix_kv_rows``)."""
+
+    rows: int
+    queries: int
+    keys: int
+    prefix_kv_rows: int = 0
+    masked: bool = False  # SDPA gets a mask (planner.memory._tape.BlockTape.masked_kv_saved)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.queries
+
+
+def learn_passes(ctx: Context) -> tuple[Pass, ...]:
+    """A learn or reference micro-batch's forwards: (one pass,) or (prefix, suffix). SDPA gets
+    a mask in a padded batch (agilerl.utils.logprobs.shared_attention_mask) and, always, in a
+    suffix pass (its queries start at the split)."""
+    m, T, split = ctx.micro_batch, ctx.sequence_tokens, ctx.prefix_split
+    sdpa = ctx.workload.attn_implementation == "sdpa"
+    padded = sdpa and ctx.workload.padded_batches
+    if not split:
+        return (Pass(m, T, T, masked=padded and m > 1),)
+    return (Pass(ctx.prefix_rows, split, split, masked=padded),
+            Pass(m, T - split, T, prefix_kv_rows=m, masked=sdpa))
+
+
+def one_pass(ctx: Context) -> Pass:
+    """The one-pass forward over a micro-batch (what a trainer without the shared prefix runs)."""
+    m, T = ctx.micro_batch, ctx.sequence_tokens
+    return Pass(m, T, T, masked=ctx.workload.attn_implementation == "sdpa" and ctx.workload.padded_batches and m > 1)
+
+
+def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, moment: str, t_k: int | None = None) -> int:
     """Eager attention's batch x heads / tp x Tq x Tk scores (0 for SDPA, which keeps none:
     torch's CPU flash kernel peaks at 5.4 MiB on a 448-token call whose scores would take
     73.5 MiB, and GPU kernels are flash or memory-efficient).
@@ -50,8 +88,9 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
     cast = p if p != 4 else 0
     per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast}[moment]
     # Eager attention repeats grouped K and V to every query head (repeat_kv), alive with the scores.
-    repeated = 2 * att.q_dim * p * batch * t_q // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
-    return int(per_score * batch * att.num_heads // ctx.tp * t_q * t_q) + repeated
+    t_k = t_q if t_k is None else t_k
+    repeated = 2 * att.q_dim * p * batch * t_k // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
+    return int(per_score * batch * att.num_heads // ctx.tp * t_q * t_k) + repeated
 
 
 def tape_of(ctx: Context, index: int) -> BlockTape:
@@ -84,21 +123,26 @@ def _moe_saved_per_token(ctx: Context, index: int) -> float:
     return router_saved_per_token(ctx, index) + experts_saved_per_token(ctx, index)
 
 
-def block_activations(ctx: Context, layout: Layout, index: int) -> BlockActivations:
-    """Scale the tape of layer ``index`` to one micro-batch and add the experts, AltUp's
-    streams and eager attention's scores.
+def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | None = None) -> BlockActivations:
+    """Scale the tape of layer ``index`` to one micro-batch's pass (the one-pass forward by
+    default) and add the experts, AltUp's streams, eager attention's scores and, in a suffix
+    pass, the rows' copies of the prefix K and V its attention saves.
 
     AltUp's predict / correct over every stream and its router save about 7.5
     hidden-sized tensors per token per extra stream (counted on Gemma-3n's forward
     with LoRA).
     """
     tape = tape_of(ctx, index)
-    N, H, p = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes
+    pass_ = pass_ or one_pass(ctx)
+    N, H, p = pass_.tokens, ctx.hidden_size, ctx.compute_bytes
     moe = _moe_saved_per_token(ctx, index)
     altup = 7.5 * ctx.extra_streams * H * p
-    extra_saved = N * (moe + altup) + merged_stack_saved_bytes(ctx, layout, index)
+    # a masked SDPA under GQA saves K and V repeated to every head: the whole row's, in a suffix pass
+    repeated = tape.masked_kv_saved * (pass_.rows * pass_.keys) if pass_.masked else 0
+    extra_saved = (N * (moe + altup) + merged_stack_saved_bytes(ctx, layout, index)
+                   + prefix_kv_bytes(ctx, index, pass_.prefix_kv_rows) + repeated)
     # eager attention's saved scores outlive the attention; its softmax input does not
-    scores = attention_scores_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, index, "saved")
+    scores = attention_scores_bytes(ctx, pass_.rows, pass_.queries, index, "saved", pass_.keys)
     saved = int(N * tape.saved + extra_saved) + scores
     transient = backward_transient_bytes(ctx, layout, ctx.micro_batch, index)  # a MoE block's experts
     return BlockActivations(
@@ -111,9 +155,9 @@ def block_activations(ctx: Context, layout: Layout, index: int) -> BlockActivati
     )
 
 
-def activations_by_type(ctx: Context, layout: Layout) -> dict[int, BlockActivations]:
+def activations_by_type(ctx: Context, layout: Layout, pass_: Pass | None = None) -> dict[int, BlockActivations]:
     """:func:`block_activations` of every distinct layer."""
-    return {i: block_activations(ctx, layout, i) for i in ctx.distinct_layers}
+    return {i: block_activations(ctx, layout, i, pass_) for i in ctx.distinct_layers}
 
 
 def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str) -> int:
@@ -142,48 +186,69 @@ def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str)
     return area * (kinds + copies * ctx.compute_bytes)
 
 
-def checkpointed_block_bytes(ctx: Context) -> int:
+def prefix_kv_bytes(ctx: Context, index: int, rows: int) -> int:
+    """The shared-prefix forward (agilerl.utils.shared_prefix): the prefix keys and values of
+    layer ``index`` copied to ``rows`` rows, 2 x rows x split x kv_dim / tp x p (what the suffix
+    pass's attention reads, and with grad saves, beyond its own tokens); 0 without it."""
+    if not ctx.prefix_split:
+        return 0
+    return 2 * rows * ctx.prefix_split * ctx.spec.block(index).attention.kv_dim // ctx.tp * ctx.compute_bytes
+
+
+def recorded_prefix_bytes(ctx: Context) -> int:
+    """The prefix pass's recorded keys and values of every layer (its distinct prompts' rows),
+    alive through the suffix pass: what a checkpointed block's recompute reads again."""
+    return sum(prefix_kv_bytes(ctx, i, ctx.prefix_rows) for i in range(ctx.spec.num_layers))
+
+
+def checkpointed_block_bytes(ctx: Context, tokens: int | None = None) -> int:
     """A checkpointed block keeps its input: N x H x p (counted with saved-tensor hooks:
     exactly one hidden state per block, in the compute dtype); under Gemma-3n's AltUp
-    every stream of it."""
-    return (1 + ctx.extra_streams) * ctx.micro_batch_tokens * ctx.hidden_size * ctx.compute_bytes
+    every stream of it. N: the pass's tokens (the one-pass forward's m x T by default)."""
+    N = ctx.micro_batch_tokens if tokens is None else tokens
+    return (1 + ctx.extra_streams) * N * ctx.hidden_size * ctx.compute_bytes
 
 
-def kept_bytes(ctx: Context, blocks: dict[int, BlockActivations]) -> list[int]:
-    """Per layer, what it keeps once its forward has run: its input when checkpointed,
-    else its saved tensors."""
-    checkpoint = checkpointed_block_bytes(ctx)
-    return [checkpoint if i in ctx.checkpointed else blocks[ctx.representative[i]].saved
-            for i in range(ctx.spec.num_layers)]
+def kept_bytes(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None, *,
+               recorded: bool = False) -> list[int]:
+    """Per layer, what it keeps once its forward (or pass) has run: its input when
+    checkpointed, else its saved tensors. ``recorded``: a prefix pass, whose checkpointed
+    blocks also keep their recorded K and V alive (the recompute's cache argument)."""
+    checkpoint = checkpointed_block_bytes(ctx, pass_.tokens if pass_ else None)
+    return [checkpoint + (prefix_kv_bytes(ctx, i, ctx.prefix_rows) if recorded else 0) if i in ctx.checkpointed
+            else blocks[ctx.representative[i]].saved for i in range(ctx.spec.num_layers)]
 
 
-def rotary_bytes(ctx: Context) -> int:
+def rotary_bytes(ctx: Context, tokens: int | None = None) -> int:
     """The rotary cos and sin one forward computes and every block reads: 2 x head_dim x p
-    per token."""
-    return 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * ctx.micro_batch_tokens
+    per token (of every pass)."""
+    N = ctx.micro_batch_tokens if tokens is None else tokens
+    return 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * N
 
 
-def boundary_bytes(ctx: Context) -> int:
+def boundary_bytes(ctx: Context, tokens: int | None = None) -> int:
     """Kept outside the blocks after a forward with grad: the final RMSNorm's fp32 input
     (4 H + 4), the final hidden states the log-prob head saves (H x p), the rotary
     tables, HEAD_ROW_BYTES per token; Gemma-3n's per-layer inputs (p each), and its
     AltUp rescaling at the embeddings and the unembedding, about 5 x (streams - 1) + 3
     hidden-sized tensors per token (counted on its forward)."""
-    N, H, p, extra = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
+    N = ctx.micro_batch_tokens if tokens is None else tokens
+    H, p, extra = ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
     altup = (5 * extra + 3) * N * H * p if extra else 0
     per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p
-    return int(N * per_token) + rotary_bytes(ctx) + altup
+    return int(N * per_token) + rotary_bytes(ctx, N) + altup
 
 
-def gradients_in_flight(ctx: Context, *, recompute: bool) -> int:
+def gradients_in_flight(ctx: Context, *, recompute: bool, tokens: int | None = None) -> int:
     """Gradients flowing into a block's backward: the block output's and the residual's
-    (2 x H x p per token), and during the last block's recompute also the final norm's
-    fp32 input gradient (4 H), all seen with the tracker at the peak."""
-    N, H, p = ctx.micro_batch_tokens, ctx.hidden_size, ctx.compute_bytes
+    (2 x H x p per token of the pass), and during the last block's recompute also the final
+    norm's fp32 input gradient (4 H), all seen with the tracker at the peak."""
+    N = ctx.micro_batch_tokens if tokens is None else tokens
+    H, p = ctx.hidden_size, ctx.compute_bytes
     return N * (2 * H * p + (4 * H if recompute else 0))
 
 
-def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations]) -> tuple[int, int]:
+def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None) -> tuple[int, int]:
     """The most alive while the blocks run (their forward, or a checkpointed block's
     recompute in backward) and while they run backward, as two moments: a unit's
     unsharded gradients exist only in the second.
@@ -192,21 +257,58 @@ def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations]) -> tu
     grad or its recompute with the gradients flowing in, or its backward). The later
     blocks have not run (forward) or are freed (backward).
     """
-    kept = kept_bytes(ctx, blocks)
+    kept = kept_bytes(ctx, blocks, pass_)
+    N = pass_.tokens if pass_ else ctx.micro_batch_tokens
     # The block's input, referenced by the caller (in fp32 the input norm saves it, so the
     # block's own terms count it).
-    x_in = ctx.micro_batch_tokens * ctx.carried_hidden * ctx.compute_bytes if ctx.compute_bytes != 4 else 0
+    x_in = N * ctx.carried_hidden * ctx.compute_bytes if ctx.compute_bytes != 4 else 0
+    flowing, recomputing = (gradients_in_flight(ctx, recompute=False, tokens=N),
+                            gradients_in_flight(ctx, recompute=True, tokens=N))
     running, backward, before = 0, 0, 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
         if j in ctx.checkpointed:
-            running = max(running, before + kept[j] + b.recompute + gradients_in_flight(ctx, recompute=True))
-            backward = max(backward, before + kept[j] + b.backward + gradients_in_flight(ctx, recompute=False))
+            running = max(running, before + kept[j] + b.recompute + recomputing)
+            backward = max(backward, before + kept[j] + b.backward + flowing)
         else:
             running = max(running, before + b.forward + x_in)
-            backward = max(backward, before + b.backward + gradients_in_flight(ctx, recompute=False))
+            backward = max(backward, before + b.backward + flowing)
         before += kept[j]
     return running, backward
+
+
+@dataclass(frozen=True, slots=True)
+class LearnActivations:
+    """A learn micro-batch's activations at its moments (see planner.memory._phases.learn_phase)."""
+
+    kept: int  # everything kept for backward once the forward has run, the boundary included
+    blocks_kept: int  # what the blocks alone keep
+    running: int  # the most while a block runs forward or recomputes
+    backward: int  # the most while a block runs backward
+    head_rows: int  # tokens whose final hidden states reach the head (its input gradient's)
+
+
+def learn_activations(ctx: Context, layout: Layout) -> LearnActivations:
+    """The one-pass forward's terms, or the shared-prefix forward's: the prefix pass runs every
+    block first and its keep stays through the suffix pass, which runs and then back-propagates
+    block by block beside it (the moments are the suffix pass's, plus everything the prefix
+    pass keeps); the gradients of the recorded prefix K and V wait for the prefix pass's
+    backward, after the suffix pass's."""
+    passes = learn_passes(ctx)
+    if len(passes) == 1:
+        blocks = activations_by_type(ctx, layout)
+        running, backward = learn_block_moments(ctx, blocks)
+        blocks_kept = sum(kept_bytes(ctx, blocks))
+        return LearnActivations(kept=blocks_kept + boundary_bytes(ctx), blocks_kept=blocks_kept,
+                                running=running, backward=backward, head_rows=ctx.micro_batch_tokens)
+    prefix, suffix = passes
+    prefix_kept = sum(kept_bytes(ctx, activations_by_type(ctx, layout, prefix), prefix, recorded=True))
+    suffix_blocks = activations_by_type(ctx, layout, suffix)
+    running, backward = learn_block_moments(ctx, suffix_blocks, suffix)
+    blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
+    return LearnActivations(kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
+                            blocks_kept=blocks_kept, running=prefix_kept + running,
+                            backward=prefix_kept + backward + recorded_prefix_bytes(ctx), head_rows=suffix.tokens)
 
 
 def saved_activation_bytes(ctx: Context, blocks: dict[int, BlockActivations]) -> int:
@@ -216,14 +318,19 @@ def saved_activation_bytes(ctx: Context, blocks: dict[int, BlockActivations]) ->
 
 
 def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, index: int,
-                       adapters_on: bool = True) -> int:
+                       adapters_on: bool = True, *, keys: int | None = None, masked: bool | None = None) -> int:
     """The most a block's forward without grad holds over ``batch`` x ``length`` tokens beyond
     its input: the tape's moments, or the experts' temporaries beside the stream; AltUp's
-    streams and eager attention's scores.
+    streams, eager attention's scores, and a masked SDPA's K and V repeated to every head over
+    ``keys`` positions (``masked`` None: a padded batch of two rows or more).
 
     ``adapters_on=False``: the reference pass on the base model (adapters disabled), where
     PEFT merges no expert stacks and casts nothing."""
     acts = block_activations(ctx, layout, index)
+    keys = length if keys is None else keys
+    if masked is None:
+        masked = ctx.workload.padded_batches and batch > 1 and ctx.workload.attn_implementation == "sdpa"
+    repeated = batch * keys * tape_of(ctx, index).masked_kv_nograd if masked else 0
     tokens = batch * length
     H, p = ctx.hidden_size, ctx.compute_bytes
     per_token = acts.nograd_per_token if adapters_on else acts.nograd_base_per_token
@@ -233,15 +340,55 @@ def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, in
     if ctx.extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
         peak += (4 * ctx.extra_streams + 2) * tokens * H * p
     scores = attention_scores_bytes(ctx, batch, length, index, "nograd")  # at the attention's own moment
-    return int(max(peak, tokens * acts.attention_live_per_token + scores))
+    return int(max(peak, tokens * acts.attention_live_per_token + scores + repeated))
 
 
 def nograd_forward_bytes(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True, *,
-                         forward: str = "reference") -> int:
+                         forward: str = "reference", mask_bytes: int | None = None, keys: int | None = None,
+                         masked: bool | None = None) -> int:
     """A no-grad forward's most over its blocks, with what the model holds beside: the
     embeddings' output (referenced until the forward returns), the block's input, the
-    rotary tables and a padded batch's attention mask (``forward``: "reference" or "generate")."""
+    rotary tables and a padded batch's attention mask (``forward``: "reference" or "generate";
+    ``mask_bytes``, ``keys``, ``masked``: a suffix pass's mask, key length and masking)."""
     tokens = batch * length
     beside = 2 * tokens * ctx.carried_hidden * ctx.compute_bytes + 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * tokens
-    beside += attention_mask_bytes(ctx, batch, length, forward=forward)
-    return beside + max(nograd_block_bytes(ctx, layout, batch, length, i, adapters_on) for i in ctx.distinct_layers)
+    beside += attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes
+    return beside + max(nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
+                        for i in ctx.distinct_layers)
+
+
+def suffix_mask_bytes(ctx: Context) -> int:
+    """The suffix pass's additive mask (agilerl.utils.prefix_cache.suffix_attention_mask):
+    (T - split) x T queries by keys in the compute dtype, one for the batch when no row is
+    padded, one per row otherwise; 0 without the shared-prefix forward."""
+    if not ctx.prefix_split:
+        return 0
+    T = ctx.sequence_tokens
+    rows = ctx.micro_batch if ctx.workload.padded_batches else 1
+    return rows * (T - ctx.prefix_split) * T * ctx.compute_bytes
+
+
+def learn_mask_bytes(ctx: Context) -> int:
+    """The masks a learn micro-batch holds from its forward to its backward: the padded batch's
+    (:func:`attention_mask_bytes`), or the shared-prefix forward's two, the prefix pass's
+    (over its rows and columns) and the suffix pass's."""
+    if not ctx.prefix_split:
+        return attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn")
+    return attention_mask_bytes(ctx, ctx.prefix_rows, ctx.prefix_split, forward="learn") + suffix_mask_bytes(ctx)
+
+
+def reference_forward_bytes(ctx: Context, layout: Layout, adapters_on: bool) -> int:
+    """A micro-batch's no-grad pass: one forward over m x T tokens, or the shared-prefix
+    forward's larger pass: the prefix (the distinct prompts' split columns), or the suffix
+    (every row's T - split columns) beside every layer's recorded prefix K and V, the layer's
+    copy of them to the rows and the suffix mask."""
+    if not ctx.prefix_split:
+        return nograd_forward_bytes(ctx, layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on)
+    split, m = ctx.prefix_split, ctx.micro_batch
+    prefix = nograd_forward_bytes(ctx, layout, ctx.prefix_rows, split, adapters_on)
+    copies = max(2 * prefix_kv_bytes(ctx, i, m) for i in ctx.distinct_layers)  # the copy and the cat's output
+    suffix = (nograd_forward_bytes(ctx, layout, m, ctx.sequence_tokens - split, adapters_on,
+                                   mask_bytes=suffix_mask_bytes(ctx), keys=ctx.sequence_tokens,
+                                   masked=ctx.workload.attn_implementation == "sdpa")
+              + recorded_prefix_bytes(ctx) + copies)
+    return max(prefix, suffix)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from agilerl.distributed import FSDPConfig
+from agilerl.utils.shared_prefix import shared_prefix_problem
 
 from ..hardware import Cluster
 from ..spec import ModelSpec
@@ -72,6 +73,10 @@ class Context:
     scores_materialised: bool  # eager attention
     distinct_layers: tuple[int, ...]  # the first layer of each block type
     representative: tuple[int, ...]  # per layer: the first layer of its block type
+    # The shared-prefix forward (agilerl.utils.shared_prefix), 0 / the row count where it does not run:
+    prefix_split: int  # columns a learn / reference micro-batch runs once per distinct prompt
+    prefix_rows: int  # distinct prompts in such a micro-batch (its prefix pass's rows)
+    rollout_prefix_rows: int  # distinct prompts of a rank's rollout (its shared prefill's rows)
 
 
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
@@ -84,6 +89,30 @@ def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workloa
         "vllm_gpu_memory_utilization": workload.vllm_gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION,
         "vllm_max_num_seqs": workload.vllm_max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS,
     })
+
+
+def distinct_prompts(rows: int, group_size: int) -> int:
+    """Distinct prompts among ``rows`` consecutive completions that start at a multiple of ``rows``
+    (a rank's share, or a micro-batch of it), with ``group_size`` completions per prompt."""
+    if group_size % rows == 0:
+        return 1
+    if rows % group_size == 0:
+        return rows // group_size
+    return min(rows, -(-rows // group_size) + 1)  # a slice that straddles a group boundary
+
+
+def shared_prefix_split(spec: ModelSpec, workload: Workload, tp: int) -> int:
+    """The columns the trainer runs once per distinct prompt, every prompt column but the last
+    (whose hidden state scores the first completion token); 0 where the shared-prefix forward does
+    not run (agilerl.utils.shared_prefix.shared_prefix_problem, with the spec's windows)."""
+    if not workload.share_prompt_prefix or workload.prompt_tokens < 2:
+        return 0
+    length = workload.sequence_tokens
+    full_causal = all(b.attention.sliding_window is None or b.attention.sliding_window >= length
+                      for b in spec.block_types.values())
+    if shared_prefix_problem(spec.model_type, workload.attn_implementation, full_causal=full_causal, tp=tp):
+        return 0
+    return workload.prompt_tokens - 1
 
 
 def checkpointed_layers(spec: ModelSpec, workload: Workload, fsdp: FSDPConfig | None) -> frozenset[int]:
@@ -129,6 +158,12 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
     for i, kind in enumerate(spec.layers):
         first.setdefault(kind, i)
     packed = {kind: is_packed(b) for kind, b in spec.block_types.items()}
+    split = shared_prefix_split(spec, workload, tp)
+    group = workload.group_size
+    prefix_rows = distinct_prompts(micro_batch, group) if split else micro_batch
+    if prefix_rows >= micro_batch:  # a micro-batch of distinct prompts runs in one pass
+        split, prefix_rows = 0, micro_batch
+    rollout_rows = distinct_prompts(completions, group) if shared_prefix_split(spec, workload, tp) else completions
     expert_lora = {kind: any(is_packed_expert(n) for n in names) for kind, (names, _) in lora.items()}
     return Context(
         spec=spec, workload=workload, cluster=cluster, fsdp=fsdp, coefficients=coefficients,
@@ -163,4 +198,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         scores_materialised=workload.attn_implementation == "eager",
         distinct_layers=tuple(first.values()),
         representative=tuple(first[kind] for kind in spec.layers),
+        prefix_split=split,
+        prefix_rows=prefix_rows,
+        rollout_prefix_rows=rollout_rows,
     )

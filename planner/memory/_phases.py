@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._activations import (
-    activations_by_type,
-    attention_mask_bytes,
     gradients_in_flight,
-    kept_bytes,
-    learn_block_moments,
+    learn_activations,
+    learn_mask_bytes,
     nograd_forward_bytes,
-    saved_activation_bytes,
+    reference_forward_bytes,
 )
 from ._context import Context
 from ._gathered import (
@@ -115,20 +113,31 @@ def load_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
 
 
 def lora_fold_bytes(ctx: Context) -> int:
-    """The transient of folding the actor's LoRA into a gathered base weight under FSDP2 with
-    gather_weights_for_rollout (agilerl.algorithms.grpo): PEFT's delta ``s * B @ A`` of the
+    """The transient of folding the actor's LoRA into a gathered base weight (FSDP2) or a merged
+    copy (unsharded) with gather_weights_for_rollout (agilerl.algorithms.grpo): PEFT's delta ``s * B @ A`` of the
     widest sharded adapted linear, built twice over (the product, then its scaled copy) in the
     compute dtype on GPUs, in fp32 plus a cast back on CPUs. 0 where nothing is folded: no
     gather-once, tp > 1, QLoRA's 4-bit weights, LoRA on packed experts."""
-    if not (ctx.sharded and ctx.workload.gather_weights_for_rollout) or ctx.tp > 1 or ctx.workload.load_in_4bit:
+    if not ctx.workload.gather_weights_for_rollout or ctx.tp > 1 or ctx.workload.load_in_4bit:
         return 0
     widest = 0
     for names, shapes in zip(ctx.lora_names, ctx.lora_shapes):
         for name, (_, a_cols, b_rows, _) in zip(names, shapes):
-            if ":" not in name and a_cols * b_rows >= ctx.persistence_threshold:
+            if ":" not in name and (not ctx.sharded or a_cols * b_rows >= ctx.persistence_threshold):
                 widest = max(widest, a_cols * b_rows)
     per_element = 2 * ctx.compute_bytes if ctx.on_gpu else 2 * 4 + ctx.compute_bytes
     return widest * per_element
+
+
+def merged_copy_bytes(ctx: Context) -> int:
+    """Unsharded with gather_weights_for_rollout (agilerl.algorithms.grpo): every adapted linear
+    runs generate on a new tensor ``W + s B A`` in the weights' dtype, beside ``W`` itself, from
+    the fold to the end of the call. 0 under FSDP2 (the gathered copies take the fold), with
+    QLoRA's 4-bit weights and for LoRA on packed experts (left unmerged)."""
+    if ctx.sharded or not ctx.workload.gather_weights_for_rollout or ctx.workload.load_in_4bit:
+        return 0
+    return ctx.weight_bytes * sum(a_cols * b_rows for names, shapes in zip(ctx.lora_names, ctx.lora_shapes)
+                                  for name, (_, a_cols, b_rows, _) in zip(names, shapes) if ":" not in name)
 
 
 def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
@@ -142,10 +151,14 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             window = terms.nograd_gathered
             if ctx.sharded and ctx.workload.gather_weights_for_rollout:
                 window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
+            merged = merged_copy_bytes(ctx)
+            if merged:  # unsharded: the merged copies are what is "gathered" for the call
+                window += merged
             generating = {**terms.static, "weights_gathered": window, **larger(*moments)}
-            # Before generating, GRPO folds the actor's LoRA into the gathered weights, one linear at a
-            # time: everything gathered, no KV cache yet, and one delta being built.
-            folding = {**terms.static, "weights_gathered": terms.gathered.all_bytes + lora_fold_bytes(ctx)}
+            # Before generating, GRPO folds the actor's LoRA into the gathered weights (or merged copies),
+            # one linear at a time: everything gathered, no KV cache yet, and one delta being built.
+            folded = merged if merged else terms.gathered.all_bytes
+            folding = {**terms.static, "weights_gathered": folded + lora_fold_bytes(ctx)}
             return {"rollout": make_phase(ctx, terms, larger(generating, folding) if lora_fold_bytes(ctx)
                                           else generating)}
         case "vllm":
@@ -176,8 +189,8 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     if not (workload.beta > 0 or workload.update_epochs > 1):
         return None
     adapters_on = workload.use_separate_reference_adapter or workload.update_epochs > 1
-    fwd = nograd_forward_bytes(ctx, terms.layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on)
-    hidden = ctx.micro_batch_tokens * ctx.carried_hidden * ctx.compute_bytes
+    fwd = reference_forward_bytes(ctx, terms.layout, adapters_on)
+    hidden = ctx.micro_batch * (ctx.sequence_tokens - ctx.prefix_split) * ctx.carried_hidden * ctx.compute_bytes
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
         {"weights_gathered": terms.nograd_gathered, "activations": fwd + terms.kept_logprobs},
         {"weights_gathered": terms.after_forward, "activations": hidden + terms.kept_logprobs,
@@ -194,14 +207,13 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     keep beside it), a block's backward, and a unit's post-backward (its unsharded
     gradients being reduce-scattered, which FSDP2 does once the unit's backward is done).
     """
-    blocks = activations_by_type(ctx, terms.layout)
-    kept = saved_activation_bytes(ctx, blocks)
-    hidden_grad = ctx.micro_batch_tokens * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
+    acts = learn_activations(ctx, terms.layout)
+    kept, running, backward = acts.kept, acts.running, acts.backward
+    hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     grads = gradient_terms(ctx, terms.layout, terms.memory)
-    running, backward = learn_block_moments(ctx, blocks)
     window = backward_gathered_bytes(ctx, terms.gathered)
     # A padded batch's attention mask lives from the forward's start to the backward's end.
-    beside = terms.kept_logprobs + attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn")
+    beside = terms.kept_logprobs + learn_mask_bytes(ctx)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
         {"weights_gathered": terms.after_forward, "gradients": grads.prior,
          "activations": kept + hidden_grad + beside, "logits": learn_logits_bytes(ctx, backward=True)},
@@ -210,7 +222,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
         # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
         # its own activations are freed (what the blocks keep and the gradients flowing remain)
         {"weights_gathered": window, "gradients": grads.prior + grads.reducing,
-         "activations": sum(kept_bytes(ctx, blocks)) + gradients_in_flight(ctx, recompute=False) + beside,
+         "activations": acts.blocks_kept + gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows) + beside,
          "comm_buffers": grads.reduce_buffer},
     )})
 

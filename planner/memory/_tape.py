@@ -73,6 +73,12 @@ class BlockTape:
     grad beyond the input, with the adapters on / disabled.
     ``attention_live``: without grad, what the attention holds while its scores are
     made (the normed input, q, k, v): eager attention's scores add to this moment only.
+    ``masked_kv``: what SDPA given a mask adds under grouped-query attention. Hugging Face
+    then repeats K and V to every query head before the call (``use_gqa_in_sdpa``: no GQA
+    kernel with a mask), so the repeated copies, q-wide, are what SDPA saves (with grad:
+    2 (q - kv) x p more than the tape's K and V) and hold beside the originals (without grad:
+    2 q x p). 0 without GQA. Counted with a live-tensor tracker on the padded and the
+    shared-prefix forwards (benchmarks/padded_memory.py, benchmarks/prefix_memory.py).
     """
 
     saved: float
@@ -82,6 +88,8 @@ class BlockTape:
     nograd_peak: float
     nograd_peak_base: float
     attention_live: float
+    masked_kv_saved: float = 0.0
+    masked_kv_nograd: float = 0.0
 
 
 def _role(path: str) -> str | None:
@@ -159,6 +167,8 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     q, kv = att.q_dim / tp, att.kv_dim / tp
     heads = att.num_heads / tp
     lin = block_linears(block, adapted, tp=tp, mlp_tp=mlp_tp)
+    gqa = q > kv
+    masked = dict(masked_kv_saved=2 * (q - kv) * p if gqa else 0.0, masked_kv_nograd=2 * q * p if gqa else 0.0)
     hidden_norms, after_mlp, head_width = _norms(block, hidden)
     norm_saved = 4 * H + 4
 
@@ -210,7 +220,7 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
         grad.append(saved + held_stream + H * p)
         return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(grad), backward_peak=saved + H * p,
                          nograd_peak=max(nograd) + stream, nograd_peak_base=max(nograd_base) + stream,
-                         attention_live=attention_live)
+                         attention_live=attention_live, **masked)
     gated = any(x.name.rsplit(".", 1)[-1] in _GATES for x in lin["mlp_in"])
     width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
@@ -258,4 +268,5 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     at_product = saved - down_input_saved + 3 * width * p
     backward = max(at_down, at_product)
     return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(recompute), backward_peak=backward,
-                     nograd_peak=max(nograd), nograd_peak_base=max(nograd_base), attention_live=attention_live)
+                     nograd_peak=max(nograd), nograd_peak_base=max(nograd_base), attention_live=attention_live,
+                     **masked)

@@ -226,7 +226,7 @@ def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cach
                     Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": True})
     assert "gather_weights_for_rollout" not in per_unit.reasons()  # the user's choice is kept
     assert per_unit.workload.gather_weights_for_rollout is False
-    assert "gather_weights_for_rollout" not in manifest_dict(per_unit)["algorithm"]
+    assert manifest_dict(per_unit)["algorithm"]["gather_weights_for_rollout"] is False  # kept: the trainer would decide
 
 
 

@@ -218,13 +218,19 @@ def test_unsharded_lm_head_is_not_gathered_again_for_the_chunked_head(spec):
 def test_generation_peaks_at_prefill_or_at_the_last_decode_step(spec, prompt, completion):
     """The KV cache at the rollout peak: the prompt's cache at prefill (long prompts), or the
     whole cache, grown by concatenation (one layer's worth extra), at the end of decoding."""
-    workload = WL.model_copy(update={"generation": "hf", "prompt_tokens": prompt, "completion_tokens": completion})
+    workload = WL.model_copy(update={"generation": "hf", "prompt_tokens": prompt, "completion_tokens": completion,
+                                     "share_prompt_prefix": False})
     est = estimate(spec, workload, _cluster(1), None)
     n = workload.completions_per_step
     per_token = sum(2 * b.attention.kv_dim * 2 for b in spec.blocks)  # K and V, bf16, every layer
     kv = est.phases["rollout"].components["kv_cache"]
     if prompt > completion:
         assert kv == n * prompt * per_token
+        # Each of the 2 prompts prefilled once (all columns but the last), then copied to its 8 rows:
+        # the decode's full cache is the peak.
+        shared = estimate(spec, workload.model_copy(update={"share_prompt_prefix": True}), _cluster(1), None)
+        assert shared.phases["rollout"].components["kv_cache"] == int(n * (prompt + completion) * per_token
+                                                                        * (1 + 1 / spec.num_layers))
     else:
         full = n * (prompt + completion) * per_token
         assert kv == int(full * (1 + 1 / spec.num_layers))

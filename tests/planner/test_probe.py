@@ -156,7 +156,9 @@ def test_expert_parallel_probe_reports_routed_rows_and_load_imbalance():
     the mean (1.0 is balanced routing)."""
     model = ("tiny:qwen3_moe?hidden_size=32&moe_intermediate_size=32&num_experts=4&num_experts_per_tok=2"
              "&num_layers=2&num_heads=4&num_kv_heads=2")
-    workload = SMALL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False})
+    # rows that share no prompt: one forward per micro-batch (a shared prefix would split it in two)
+    workload = SMALL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False,
+                                        "share_prompt_prefix": False})
     fsdp = FSDPConfig(**SHARD_ALL, ep=2, routed_expert_chunk_mib=1)
     m = run_probe(ProbeRequest(model=model, workload=workload, fsdp=fsdp, nproc=2, timed_steps=1))
     assert m.ok, m.failure

@@ -88,6 +88,8 @@ def _workload_for(agent, micro: int | None):
         vllm_max_model_len=agent.vllm_config.max_model_len if agent.vllm_config else None,
         vllm_max_num_batched_tokens=agent.vllm_config.max_num_batched_tokens if agent.vllm_config else None,
         vllm_kv_cache_memory_bytes=agent.vllm_config.kv_cache_memory_bytes if agent.vllm_config else None,
+        gather_weights_for_rollout=None if agent._auto_gather else agent.gather_weights_for_rollout,
+        share_prompt_prefix=agent.share_prompt_prefix,
     ), prompt
 
 
@@ -110,15 +112,16 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         "micro_batch_size_per_gpu": result.workload.micro_batch_size_per_gpu,
         "logprob_chunk_size": result.workload.logprob_chunk_size,
         "gradient_checkpointing": bool(result.workload.gradient_checkpointing),
+        "gather_weights_for_rollout": bool(result.workload.gather_weights_for_rollout),
         "fits": result.fits,
         "summary": summary,
     }
 
 
 def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
-    """gradient_checkpointing / logprob_chunk_size "auto" under the sharding the user chose (one
-    device, data parallel or an explicit FSDPConfig): the planner's choice of those two alone,
-    every other field as given."""
+    """gradient_checkpointing / logprob_chunk_size / gather_weights_for_rollout "auto" under the
+    sharding the user chose (one device, data parallel or an explicit FSDPConfig): the planner's
+    choice of those alone, every other field as given."""
     from planner.calibration import coefficients_for, coefficients_source
     from planner.choose import plan
 
@@ -139,13 +142,16 @@ def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[
         chosen.append(f"gradient_checkpointing={bool(result.workload.gradient_checkpointing)}")
     if agent._auto_chunk:
         chosen.append(f"logprob_chunk_size={result.workload.logprob_chunk_size}")
+    if agent._auto_gather:
+        chosen.append(f"gather_weights_for_rollout={bool(result.workload.gather_weights_for_rollout)}")
     where = "one device" if agent.world_size == 1 else (
         "data parallel" if fsdp is None else "the given FSDPConfig") + f" on {agent.world_size} ranks"
     summary = (f"[agilerl] 'auto' resolved by the memory estimate ({where}): {', '.join(chosen)} "
                f"(peak {size(est.peak_bytes)} of {size(cluster.gpu.memory_bytes)} per device"
                f"{'' if result.fits else ', does not fit'})")
     return {"logprob_chunk_size": result.workload.logprob_chunk_size,
-            "gradient_checkpointing": bool(result.workload.gradient_checkpointing), "summary": summary}
+            "gradient_checkpointing": bool(result.workload.gradient_checkpointing),
+            "gather_weights_for_rollout": bool(result.workload.gather_weights_for_rollout), "summary": summary}
 
 
 def config_is_moe(config: Any) -> bool:

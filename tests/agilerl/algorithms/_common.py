@@ -31,6 +31,7 @@ def make_agent(**overrides):
         lr=1e-2,
         beta=0.1,
         logprob_chunk_size=7,
+        gather_weights_for_rollout=False,
         seed=0,
     )
     kwargs.update(overrides)
@@ -38,12 +39,21 @@ def make_agent(**overrides):
     return GRPO(model_name, **kwargs)
 
 
-def synthetic_experiences(agent, num_prompts: int = 2, prompt_len: int = 5, completion_len: int = 6, seed: int = 0):
-    """Global experiences of fixed shape; returns this rank's slice and all rewards."""
+def synthetic_experiences(agent, num_prompts: int = 2, prompt_len: int = 5, completion_len: int = 6, seed: int = 0,
+                          grouped: bool = False):
+    """Global experiences of fixed shape; returns this rank's slice and all rewards.
+
+    ``grouped``: as real rollouts, the rows of a group share their prompt, left-padded to
+    ``prompt_len`` (group g's prompt has ``prompt_len - g`` tokens); else every row is random."""
     g = torch.Generator().manual_seed(seed)
     total = num_prompts * agent.group_size
     vocab = len(TOKENIZER)
     ids = torch.randint(4, vocab, (total, prompt_len + completion_len), generator=g)
+    if grouped:
+        for p in range(num_prompts):
+            rows = slice(p * agent.group_size, (p + 1) * agent.group_size)
+            ids[rows, :prompt_len] = ids[p * agent.group_size, :prompt_len]
+            ids[rows, : min(p, prompt_len - 1)] = agent.pad_token_id
     masks = torch.zeros_like(ids)
     lengths = torch.randint(1, completion_len + 1, (total,), generator=g)
     for i, n in enumerate(lengths.tolist()):

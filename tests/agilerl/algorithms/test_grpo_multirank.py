@@ -55,6 +55,39 @@ def data_parallel_and_fsdp_give_the_same_update(ctx):
 
 
 @cases.case
+def the_shared_prompt_prefix_gives_the_one_pass_update_under_dp_and_fsdp(ctx):
+    # Grouped rows (a group's rows share their prompt), micro-batches of a whole group: each
+    # forward runs the prompt once, then every row's completion; FSDP2's units then run two
+    # forwards per backward. The update must equal the one-pass forward's, and the shared
+    # forward must really run (its prefix pass has one row per group).
+    common = dict(micro_batch_size_per_gpu=4, group_size=4, gradient_checkpointing=True)
+    for config in (None, FSDPConfig(**FP32_SHARDED)):
+        results = []
+        for share in (False, True):
+            agent = make_agent(fsdp_config=config, share_prompt_prefix=share, **common)
+            rows = []
+            hook = agent.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+            metrics = agent.learn(synthetic_experiences(agent, num_prompts=2, grouped=True, seed=4)[:3])
+            hook.remove()
+            results.append((metrics, lora_state(agent), rows))
+        (m0, s0, rows0), (m1, s1, rows1) = results
+        assert set(rows0) == {4} and 1 in rows1, (rows0, rows1)
+        assert math.isclose(m0["loss"], m1["loss"], rel_tol=1e-5, abs_tol=1e-7), (config, m0, m1)
+        assert math.isclose(m0["grad_norm"], m1["grad_norm"], rel_tol=1e-4), (config, m0, m1)
+        for k in s0:
+            torch.testing.assert_close(s1[k], s0[k], atol=1e-6, rtol=1e-5)
+    # Rank 0's rows share a prompt, rank 1's share none: under FSDP2 both run one pass (a second
+    # forward on one rank alone would leave the other's all-gathers waiting).
+    agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), **common)
+    ids, masks, rewards, _ = synthetic_experiences(agent, num_prompts=2, grouped=ctx.rank == 0, seed=5)
+    rows = []
+    hook = agent.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+    assert math.isfinite(agent.learn((ids, masks, rewards))["loss"])
+    hook.remove()
+    assert set(rows) == {4}, rows
+
+
+@cases.case
 def bf16_fsdp_with_partly_replicated_lora_layers(ctx):
     # As in real models: with the default bf16 compute, some LoRA matrices fall under
     # the persistence threshold (replicated, fp32) beside sharded ones in the same layer

@@ -560,3 +560,53 @@ def test_auto_knobs_keep_safe_defaults_when_the_estimate_fails(monkeypatch, caps
     assert agent.gradient_checkpointing is True and agent.logprob_chunk_size == 1024
     out = capsys.readouterr().out
     assert "kept its defaults" in out and "no spec for this model" in out
+
+
+def test_gather_once_on_one_device_generates_on_merged_copies_and_leaves_the_weights_bit_for_bit():
+    from agilerl.algorithms.core.adapters import ACTOR, tuner_layers, use_adapter
+
+    results = {}
+    for once in (False, True):
+        agent = make_agent(gather_weights_for_rollout=once, max_output_tokens=6, seed=3)
+        agent.learn(synthetic_experiences(agent)[:3])  # a non-zero adapter to fold in
+        before = {n: (p, p.detach().clone()) for n, p in agent.model.named_parameters()}
+        calls = {"lora_A": 0}
+        hooks = [layer.lora_A[ACTOR].register_forward_pre_hook(lambda *_: calls.__setitem__("lora_A", calls["lora_A"] + 1))
+                 for layer in tuner_layers(agent.model)]
+        agent.generation_kwargs["do_sample"] = False  # greedy: the two must pick the same tokens
+        ids, masks = agent.get_action(["1+2=", "3+4="])
+        for h in hooks:
+            h.remove()
+        results[once] = (ids, masks, calls["lora_A"])
+        for n, p in agent.model.named_parameters():
+            original, value = before[n]
+            assert p is original and torch.equal(p, value), n  # the same parameter objects, bit for bit
+        assert not any(layer.merged for layer in tuner_layers(agent.model))
+        assert math.isfinite(agent.learn((ids, masks, torch.rand(ids.shape[0])))["loss"])
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+    assert results[False][2] > 0 and results[True][2] == 0  # merged: no adapter matmul during generate
+
+    # The merged logits equal the unmerged ones, and the adapter matters.
+    agent = make_agent(gather_weights_for_rollout=True)
+    agent.learn(synthetic_experiences(agent)[:3])
+    x = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
+    agent.model.eval()
+    with torch.no_grad(), use_adapter(agent.model, ACTOR):
+        unmerged = agent.model(input_ids=x).logits
+        with agent._gathered_for_rollout():
+            assert all(layer.merged for layer in tuner_layers(agent.model))
+            merged = agent.model(input_ids=x).logits
+    with torch.no_grad(), use_adapter(agent.model, None):
+        base = agent.model(input_ids=x).logits
+    torch.testing.assert_close(merged, unmerged, atol=2e-5, rtol=1e-5)
+    assert (base - unmerged).abs().max() > 1e-3
+
+
+def test_auto_gather_comes_from_the_estimate_on_one_device(capsys):
+    agent = make_agent(gather_weights_for_rollout="auto")
+    out = capsys.readouterr().out
+    # A tiny model on this host's memory: the merged copies fit.
+    assert "'auto' resolved by the memory estimate (one device): gather_weights_for_rollout=True" in out
+    assert agent.gather_weights_for_rollout is True
+    with pytest.raises(ValueError, match="gather_weights_for_rollout must be True, False or 'auto'"):
+        make_agent(gather_weights_for_rollout="yes")

@@ -19,7 +19,8 @@ PLE = ("tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=4&num_heads
        "&vocab_size_per_layer_input=4096&hidden_size_per_layer_input=16")
 WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=64, completion_tokens=64, micro_batch_size_per_gpu=2,
               logprob_chunk_size=128, gradient_checkpointing=True, lora_rank=8, weights_dtype="bfloat16",
-              padded_batches=False)  # rows of one length; the padded-batch mask has tests of its own
+              padded_batches=False,  # rows of one length; the padded-batch mask has tests of its own
+              share_prompt_prefix=False)  # every row whole; the shared-prefix forward has tests of its own
 
 
 @pytest.fixture(scope="package")

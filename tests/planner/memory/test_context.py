@@ -71,3 +71,36 @@ def test_what_the_trainer_refuses(dense_spec, moe_spec):
         make_context(dense_spec, fsdp=FSDPConfig(ep=2))
     with pytest.raises(ValueError, match=r"allowed: \[1, 2\]"):
         make_context(moe_spec, gpus=6, fsdp=FSDPConfig(ep=3), prompts_per_step=6)
+
+
+def test_the_shared_prefix_forward_runs_each_distinct_prompt_once(dense_spec):
+    from planner.memory._activations import learn_passes
+    from planner.memory._context import distinct_prompts
+
+    # Micro-batches of 2 rows inside groups of 8: one prompt each, over its first 63 of 64 columns.
+    ctx = make_context(dense_spec, share_prompt_prefix=True)
+    assert (ctx.prefix_split, ctx.prefix_rows) == (63, 1)
+    prefix, suffix = learn_passes(ctx)
+    assert (prefix.rows, prefix.queries, prefix.keys) == (1, 63, 63)
+    assert (suffix.rows, suffix.queries, suffix.keys, suffix.prefix_kv_rows) == (2, 65, 128, 2)
+    assert ctx.rollout_prefix_rows == 1  # a rank's 8 completions: one prompt
+    whole = make_context(dense_spec)  # rows that share nothing
+    assert whole.prefix_split == 0 and [p.tokens for p in learn_passes(whole)] == [2 * 128]
+    # Where the trainer runs every row whole, so does the estimate.
+    assert make_context(dense_spec, share_prompt_prefix=True, micro_batch_size_per_gpu=1).prefix_split == 0
+    assert make_context(dense_spec, share_prompt_prefix=True, attn_implementation="flash_attention_2").prefix_split == 0
+    assert make_context(dense_spec, share_prompt_prefix=True, gpus=2,
+                        fsdp=FSDPConfig(tp=2)).prefix_split == 0
+    # Slices of consecutive completions: whole groups, inside one, or across a boundary.
+    assert [distinct_prompts(rows, 4) for rows in (1, 2, 4, 8, 6)] == [1, 1, 1, 2, 3]
+
+
+def test_a_sliding_window_shorter_than_the_row_runs_it_whole():
+    from planner.models import load_model_spec
+
+    short = load_model_spec("tiny:mistral?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4"
+                            "&num_kv_heads=2&vocab_size=512&sliding_window=32")
+    assert make_context(short, share_prompt_prefix=True).prefix_split == 0
+    wide = load_model_spec("tiny:mistral?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4"
+                           "&num_kv_heads=2&vocab_size=512&sliding_window=4096")
+    assert make_context(wide, share_prompt_prefix=True).prefix_split == 63

@@ -76,3 +76,33 @@ def test_folding_lora_into_gathered_weights_builds_one_delta_at_a_time(dense_spe
                                         load_in_4bit=True)) == 0
     assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=10**6),
                                         gather_weights_for_rollout=True)) == 0
+
+
+def test_unsharded_gather_once_holds_a_merged_copy_of_every_adapted_linear(dense_spec):
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from agilerl.utils.sources import parse_tiny
+    from agilerl.utils.tiny import tiny_model
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.memory import estimate
+    from planner.memory._phases import lora_fold_bytes, merged_copy_bytes
+    from tests.planner.memory.conftest import DENSE
+
+    # Counted from the real model: the base weight of every linear PEFT adapts, at 2 bytes (bf16).
+    arch, kwargs = parse_tiny(DENSE)
+    model = get_peft_model(tiny_model(arch, **kwargs), LoraConfig(r=8, target_modules="all-linear"))
+    adapted = sum(m.get_base_layer().weight.numel() for m in model.modules() if isinstance(m, LoraLinear))
+    widest = max(m.get_base_layer().weight.numel() for m in model.modules() if isinstance(m, LoraLinear))
+    once = make_context(dense_spec, gpus=1, gather_weights_for_rollout=True)
+    assert merged_copy_bytes(once) == adapted * 2
+    assert lora_fold_bytes(once) == widest * (4 + 4 + 2)  # one delta at a time, built in fp32 on a CPU
+    assert merged_copy_bytes(make_context(dense_spec, gpus=1)) == 0
+    assert merged_copy_bytes(make_context(dense_spec, gpus=1, gather_weights_for_rollout=True, load_in_4bit=True)) == 0
+    # In the rollout phase: the copies beside the weights, through generation.
+    one = Cluster(gpu=CPU_DEVICE, num_gpus=1)
+    wl = once.workload
+    with_copies = estimate(dense_spec, wl, one, None).phases["rollout"].components
+    without = estimate(dense_spec, wl.model_copy(update={"gather_weights_for_rollout": False}), one, None)
+    assert with_copies["weights_gathered"] == adapted * 2
+    assert "weights_gathered" not in without.phases["rollout"].components
