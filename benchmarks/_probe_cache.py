@@ -43,14 +43,20 @@ def cache_key(req: ProbeRequest) -> str:
     """A probe request as its cache key: the fields that differ from their defaults, so a
     field added later with a default does not orphan the measurements.
 
-    ``workload.padded_batches`` is the exception: every measurement from before the probe had a
-    padded mode is fixed-length, so a key names the field only when it is True."""
+    ``workload.padded_batches`` and ``workload.share_prompt_prefix`` are the exceptions: every
+    measurement from before the probe had them is of fixed-length rows that share nothing, so a
+    key names such a field only when it is True."""
     data = json.loads(req.model_dump_json(exclude_defaults=True))
     workload = data.setdefault("workload", {})
-    workload.pop("padded_batches", None)
-    if req.workload.padded_batches:
-        workload["padded_batches"] = True
+    for field in LATER_MODES:
+        workload.pop(field, None)
+        if getattr(req.workload, field):
+            workload[field] = True
     return json.dumps(data, separators=(",", ":"))
+
+
+#: Workload fields whose False is what every older measurement was (see cache_key).
+LATER_MODES = ("padded_batches", "share_prompt_prefix")
 
 
 def load_cache(cache: Path) -> dict[str, dict]:
@@ -61,7 +67,8 @@ def load_cache(cache: Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for key, record in json.loads(cache.read_text()).items():
         data = json.loads(key)
-        data.setdefault("workload", {}).setdefault("padded_batches", False)  # see cache_key
+        for field in LATER_MODES:
+            data.setdefault("workload", {}).setdefault(field, False)  # see cache_key
         out.setdefault(cache_key(ProbeRequest.model_validate(data)), record)
     return out
 
@@ -125,7 +132,8 @@ def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
             continue
         est = estimate_request(req, coefficients)
         weights_e = est.phases["learn"].components.get("weights", 0)
-        name = c["model"] + ("/pad" if c.get("padded") else "")  # a padded-batch probe
+        # a padded-batch probe, a probe whose groups share their prompt
+        name = c["model"] + ("/pad" if c.get("padded") else "") + ("/sh" if c.get("shared") else "")
         row = (f"{name:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
                f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
         for ph in phases:
@@ -167,6 +175,7 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
 
     workload = Workload(
         padded_batches=c.get("padded", False),  # True: the probe's padded rows, else rows of one length
+        share_prompt_prefix=c.get("shared", False),  # True: a group's rows share their prompt, run once
         prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
         lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation=attn_implementation,

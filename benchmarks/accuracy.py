@@ -71,6 +71,7 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     completion = min(64, c["seq"] // 2) if c["generate"] else c["seq"] // 2
     workload = Workload(
         padded_batches=False,  # the probes' synthetic rows have one length
+        share_prompt_prefix=False,  # random rows that share nothing
         prompts_per_step=2, group_size=8, prompt_tokens=c["seq"] - completion, completion_tokens=completion,
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
         lora_rank=c["rank"], lora_alpha=2 * c["rank"], weights_dtype="bfloat16", attn_implementation="sdpa",

@@ -101,6 +101,7 @@ def load_rows() -> list[Row]:
         targets = _targets(r["lora_targets"])
         workload = Workload(
             padded_batches=False,  # the rig: one prompt, completions pinned to one length
+            share_prompt_prefix=False,  # upstream AgileRL runs every row whole
             prompts_per_step=int(r["n_prompts"]), group_size=int(r["group_size"]),
             prompt_tokens=int(r["prompt_tokens"]), completion_tokens=int(r["completion_tokens"]),
             micro_batch_size_per_gpu=int(r["micro_batch_effective"]), logprob_chunk_size=int(r["logprob_chunk_rows"]),

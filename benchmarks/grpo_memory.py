@@ -21,7 +21,7 @@ from planner.workload import Workload  # noqa: E402
 
 # A vocabulary large enough that logits matter, as in real LLMs (relative to hidden size).
 MODEL = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&vocab_size=8192"
-WORKLOAD = Workload(padded_batches=False, prompts_per_step=4, group_size=4, prompt_tokens=64, completion_tokens=64,
+WORKLOAD = Workload(padded_batches=False, share_prompt_prefix=False, prompts_per_step=4, group_size=4, prompt_tokens=64, completion_tokens=64,
                     micro_batch_size_per_gpu=4, gradient_checkpointing=True, lora_rank=16, lora_alpha=32,
                     weights_dtype="float32", attn_implementation="sdpa")
 

@@ -40,6 +40,7 @@ def configurations() -> list[dict]:
 def request_for(c: dict) -> ProbeRequest:
     workload = Workload(
         padded_batches=False,  # the probes' synthetic rows have one length
+        share_prompt_prefix=False,  # random rows that share nothing
         prompts_per_step=1, group_size=max(2, c["micro"]), prompt_tokens=c["seq"] // 4,
         completion_tokens=c["seq"] - c["seq"] // 4, micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=1024,
         gradient_checkpointing=c["gc"], lora_rank=16, lora_alpha=32, weights_dtype="bfloat16",

@@ -100,6 +100,7 @@ def grid_configs() -> list[dict]:
 def request_for(c: dict, device: str) -> ProbeRequest:
     workload = Workload(
         padded_batches=False,  # the probes' synthetic rows have one length
+        share_prompt_prefix=False,  # random rows that share nothing
         prompts_per_step=4, group_size=4, prompt_tokens=c["seq"] // 2, completion_tokens=c["seq"] // 2,
         micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
         lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation="sdpa", generation="none",

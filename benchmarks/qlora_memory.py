@@ -42,7 +42,7 @@ def main() -> None:
     errors = []
     for world, sharded, gc, reshard, qlora in RUNS:
         cluster = Cluster(gpu=CPU_DEVICE, num_gpus=world)
-        workload = Workload(padded_batches=False, prompts_per_step=world, group_size=2, prompt_tokens=128, completion_tokens=128,
+        workload = Workload(padded_batches=False, share_prompt_prefix=False, prompts_per_step=world, group_size=2, prompt_tokens=128, completion_tokens=128,
                             micro_batch_size_per_gpu=2, logprob_chunk_size=256, gradient_checkpointing=gc,
                             lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", load_in_4bit=qlora,
                             generation="none")

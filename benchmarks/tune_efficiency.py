@@ -50,7 +50,7 @@ from planner.tune import grid, search_space, tune  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
 MODEL = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=4096"
-WORKLOAD = Workload(padded_batches=False, prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=32, lora_rank=8,
+WORKLOAD = Workload(padded_batches=False, share_prompt_prefix=False, prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=32, lora_rank=8,
                     lora_alpha=16, weights_dtype="float32", generation="none")
 NPROC = 2
 FIXED = {"param_dtype": "float32", "param_persistence_threshold": 0, "optim_cpu_offload": False,
