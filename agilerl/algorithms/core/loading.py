@@ -229,6 +229,7 @@ def build_actor(
             materialize_fsdp2_from_cpu_state(peft_model, state, device, strict=False)
             _randomise_base(peft_model, std)
         if load_in_4bit:
+            _keep_nf4_layout(peft_model)
             _say_full_precision_experts(peft_model, dtype)
         return peft_model, _trainable(peft_model)
 
@@ -257,9 +258,24 @@ def build_actor(
         if not load_in_4bit:
             peft_model.to(device)
     if load_in_4bit:
+        _keep_nf4_layout(peft_model)
         _say_full_precision_experts(peft_model, dtype)
     # After sharding: fully_shard replaces parameters with DTensor parameters.
     return peft_model, _trainable(peft_model)
+
+
+def _keep_nf4_layout(model: nn.Module) -> None:
+    """Keep every ``Linear4bit`` weight in the NF4 layout it was quantised in. On CPUs with
+    AVX512-BF16, bitsandbytes repacks a 4-bit weight in place, at its first no-grad forward in eval
+    mode, into a layout only its CPU inference kernel reads: a trainer switches between eval
+    (rollout, reference) and train, FSDP2 shards the packed bytes, and the merge, the weight sync
+    and checkpoints dequantise them, none of which read the repacked layout (and the repacking fails
+    outright on a linear narrower than a quantisation block)."""
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
 
 
 def _say_full_precision_experts(model: nn.Module, dtype: torch.dtype) -> None:

@@ -165,3 +165,23 @@ def test_a_moe_says_its_packed_experts_stay_in_the_compute_dtype(capsys):
     assert agent.model is not None
     make_agent(**QLORA)  # a dense model says nothing
     assert "packed routed-expert" not in capsys.readouterr().out
+
+
+def test_the_nf4_bytes_survive_an_eval_forward_where_bitsandbytes_would_repack_them(monkeypatch):
+    # bitsandbytes repacks a Linear4bit's weight in place at its first no-grad eval forward on CPUs
+    # with AVX512-BF16 (a layout the dequantise, the merge and FSDP2's shards do not read). Pretend
+    # every CPU has it, so the test means the same on any machine.
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+    agent = make_agent(**QLORA)
+    layers = four_bit_layers(agent.model)
+    before = {name: (layer.weight.data.clone(), layer.weight.shape) for name, layer in layers.items()}
+    ids, masks, _, _ = synthetic_experiences(agent, seed=3)
+    agent.model.eval()
+    with torch.no_grad():
+        agent.model(input_ids=ids, attention_mask=agent._attention_mask(ids, masks))
+    for name, layer in layers.items():
+        data, shape = before[name]
+        assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False), name
+        assert layer.weight.shape == shape and torch.equal(layer.weight.data, data), name
