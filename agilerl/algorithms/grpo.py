@@ -5,7 +5,7 @@ One step, and where its memory goes (the phase names the planner uses):
 1. ``get_action(prompts)`` (phase ``rollout``): every rank receives the same
    prompts; each is repeated ``group_size`` times and rank r generates the
    r-th contiguous slice of the ``batch_size * group_size`` completions, with
-   Hugging Face generate (KV cache; ``synced_gpus`` under FSDP2 so ranks that
+   Hugging Face generate (KV cache; ``synced_gpus`` where its forwards communicate, so ranks that
    finish early keep joining the collectives) or a colocated vLLM engine.
 2. ``learn((ids, action_masks, rewards))``: rewards are gathered so each group's
    advantage ``(r - mean) / (std + eps)`` is computed over the whole group, then
@@ -135,7 +135,9 @@ class GRPO(LLMAlgorithm):
 
     ``gather_weights_for_rollout`` materialises the rollout's weights once per
     Hugging Face generate instead of once per generated token: under FSDP2 every
-    unit is gathered once (and the actor's LoRA folded into the gathered copies),
+    unit is gathered once (and the actor's LoRA folded into the gathered copies;
+    the no-grad reference passes then hold every unit gathered too, and generate
+    needs no ``synced_gpus`` unless tensor or expert parallelism communicates),
     on one device or data parallel each adapted linear runs on a merged copy
     ``W + s B A`` (one matmul per token instead of three). Both cost memory (the
     unsharded weights, or a copy of the adapted ones) for the length of the call,
@@ -454,6 +456,28 @@ class GRPO(LLMAlgorithm):
         return (positions < length.unsqueeze(1)).to(completions.dtype)
 
     @contextlib.contextmanager
+    def _gathered_for_reference(self):
+        """With ``gather_weights_for_rollout`` under FSDP2: the no-grad passes hold every unit
+        unsharded too (each gathered at its first forward, all resharded at the end), which the
+        estimate of gathering once for generate has already let fit; nothing is merged (they run
+        the reference or the old policy). Otherwise nothing."""
+        if not (self.sharded and self.gather_weights_for_rollout and self.vllm_config is None):
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        before = [_reshards_after_forward(m, self.fsdp_config.reshard_after_forward) for m in units]
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m, value in zip(units, before):
+                m.reshard()
+                m.set_reshard_after_forward(value, recurse=False)
+
+    @contextlib.contextmanager
     def _gathered_for_rollout(self):
         """With ``gather_weights_for_rollout`` under FSDP2: no unit reshards after its forward for the
         duration, so each is gathered once, at its first forward; all reshard at the end, and each
@@ -532,7 +556,7 @@ class GRPO(LLMAlgorithm):
                 pad_token_id=self.pad_token_id,
                 eos_token_id=self.eos_token_id,
                 use_cache=True,
-                synced_gpus=self.sharded and self.world_size > 1,
+                synced_gpus=self._generate_needs_sync(),
             )
             kwargs.update(self.generation_kwargs)
             with use_adapter(self.model, ACTOR), self._gathered_for_rollout():
@@ -548,6 +572,16 @@ class GRPO(LLMAlgorithm):
         if completions.shape[1] == 0:
             completions = torch.full((ids.shape[0], 1), self.pad_token_id, device=ids.device, dtype=ids.dtype)
         return completions
+
+    def _generate_needs_sync(self) -> bool:
+        """Whether generate's forwards run collectives, so that a rank that has finished must keep
+        joining the others' steps (``synced_gpus``): under FSDP2 every unit gathers in every forward,
+        unless they are gathered once for the call; tensor and expert parallelism communicate in
+        every forward whatever the gathering."""
+        if not (self.sharded and self.world_size > 1):
+            return False
+        config = self.fsdp_config
+        return not self.gather_weights_for_rollout or config.tp > 1 or config.ep > 1
 
     @torch.no_grad()
     def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
@@ -676,7 +710,12 @@ class GRPO(LLMAlgorithm):
         """:meth:`token_logprobs` by the two-pass forward: the distinct prompts' columns
         ``[0, first)`` once, then every row's ``[first, T)`` over its prompt's recorded keys and
         values. Positions before ``first`` read 0, as in the one-pass forward."""
-        from agilerl.utils.prefix_cache import PrefixedCache, RecordingCache, cache_argument, suffix_attention_mask
+        from agilerl.utils.prefix_cache import (
+            PrefixedCache,
+            RecordingCache,
+            cache_argument,
+            suffix_attention_mask,
+        )
 
         lm = causal_lm(self.model)
         config, kv = lm.config, cache_argument(lm)
@@ -780,7 +819,7 @@ class GRPO(LLMAlgorithm):
         start = self.data_parallel_rank * n
         advantages = advantages[start : start + n].to(self.device)
 
-        with self._phase("reference"):
+        with self._phase("reference"), self._gathered_for_reference():
             ref_logp = None
             if self.beta != 0.0:
                 ref_adapter = REFERENCE if self.use_separate_reference_adapter else None

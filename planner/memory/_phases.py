@@ -13,7 +13,6 @@ from ._activations import (
     gradients_in_flight,
     learn_activations,
     learn_mask_bytes,
-    nograd_forward_bytes,
     reference_forward_bytes,
 )
 from ._context import Context
@@ -191,8 +190,12 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     adapters_on = workload.use_separate_reference_adapter or workload.update_epochs > 1
     fwd = reference_forward_bytes(ctx, terms.layout, adapters_on)
     hidden = ctx.micro_batch * (ctx.sequence_tokens - ctx.prefix_split) * ctx.carried_hidden * ctx.compute_bytes
+    window = terms.nograd_gathered
+    if ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf":
+        # GRPO._gathered_for_reference: every unit stays gathered through the no-grad passes
+        window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        {"weights_gathered": terms.nograd_gathered, "activations": fwd + terms.kept_logprobs},
+        {"weights_gathered": window, "activations": fwd + terms.kept_logprobs},
         {"weights_gathered": terms.after_forward, "activations": hidden + terms.kept_logprobs,
          "logits": reference_logits_bytes(ctx)},
     )})

@@ -9,6 +9,7 @@ agree to 1e-6.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -66,7 +67,7 @@ def the_shared_prompt_prefix_gives_the_one_pass_update_under_dp_and_fsdp(ctx):
         for share in (False, True):
             agent = make_agent(fsdp_config=config, share_prompt_prefix=share, **common)
             rows = []
-            hook = agent.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[0]))
+            hook = agent.model.get_input_embeddings().register_forward_hook(lambda m, i, o, rows=rows: rows.append(i[0].shape[0]))
             metrics = agent.learn(synthetic_experiences(agent, num_prompts=2, grouped=True, seed=4)[:3])
             hook.remove()
             results.append((metrics, lora_state(agent), rows))
@@ -248,6 +249,29 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
     per_unit, once = results[False][2], results[True][2]
     units = sum(1 for m in agent.model.modules() if type(m).__name__.startswith("FSDP"))
     assert 0 < once <= units < per_unit, (once, units, per_unit)  # each unit once, not once a token
+    # The reference pass holds the units gathered too: each gathers once for it, however many
+    # micro-batches (and passes) it runs.
+    reference = {}
+    for once in (False, True):
+        agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once,
+                           micro_batch_size_per_gpu=2, seed=3)
+        gathers["n"] = 0
+        counted = {}
+
+        @contextlib.contextmanager
+        def observe(name, counted=counted):
+            start = gathers["n"]
+            yield
+            counted[name] = counted.get(name, 0) + gathers["n"] - start
+
+        agent.phase_observer = observe
+        dist.all_gather_single = counting
+        try:
+            _learn(agent)
+        finally:
+            dist.all_gather_single = real
+        reference[once] = counted["reference"]
+    assert 0 < reference[True] <= units < reference[False], (reference, units)
 
 
 @cases.case
@@ -315,13 +339,18 @@ def generation_where_ranks_finish_at_different_lengths(ctx):
                 scores[:, 2] = -float("inf")
             return scores
 
-    agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), max_output_tokens=6)
-    agent.generation_kwargs["logits_processor"] = LogitsProcessorList([Force(ctx.rank == 0)])
-    ids, masks = agent.get_action(["1+2=", "3+4="])
-    lengths = masks.sum(1).tolist()
-    assert lengths == ([1] * 4 if ctx.rank == 0 else [6] * 4), lengths
-    # And again, to show the collectives stayed aligned.
-    agent.get_action(["5+5=", "6+1="])
+    # Unit by unit every forward gathers, so generate keeps finished ranks in step (synced_gpus);
+    # gathered once its forwards communicate nothing, and each rank stops on its own.
+    for once in (False, True):
+        agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), max_output_tokens=6, gather_weights_for_rollout=once)
+        assert agent._generate_needs_sync() is (not once)
+        agent.generation_kwargs["logits_processor"] = LogitsProcessorList([Force(ctx.rank == 0)])
+        ids, masks = agent.get_action(["1+2=", "3+4="])
+        lengths = masks.sum(1).tolist()
+        assert lengths == ([1] * 4 if ctx.rank == 0 else [6] * 4), lengths
+        # And again, and a learn step, to show the collectives stayed aligned.
+        ids, masks = agent.get_action(["5+5=", "6+1="])
+        assert math.isfinite(agent.learn((ids, masks, torch.rand(ids.shape[0])))["loss"])
 
 
 @cases.case
