@@ -333,27 +333,20 @@ def plan(
             else:
                 note("reshard_after_forward", True, "keeping all units gathered does not fit")
 
-    if workload.generation == "hf" and workload.gather_weights_for_rollout is None and fsdp is None:
+    if workload.generation == "hf" and workload.gather_weights_for_rollout is None \
+            and (fsdp is None or fsdp.reshard_after_forward):
+        # Unsharded: a merged copy of each adapted linear; under FSDP2: every unit gathered at once.
         once = with_(current, gather_weights_for_rollout=True)
-        if search.fits(once, fsdp):
-            current = once
-            note("gather_weights_for_rollout", True, "a merged copy of every adapted linear fits beside "
-                                                     "generation's KV cache: one matmul per linear per token, not three")
+        fits = search.fits(once, fsdp)
+        current = once if fits else with_(current, gather_weights_for_rollout=False)
+        if fsdp is None:
+            note("gather_weights_for_rollout", fits, "a merged copy of every adapted linear fits beside generation's "
+                 "KV cache: one matmul per linear per token, not three" if fits else
+                 "LoRA stays unmerged in generation: a merged copy of the adapted weights does not fit beside the KV cache")
         else:
-            current = with_(current, gather_weights_for_rollout=False)
-            note("gather_weights_for_rollout", False, "LoRA stays unmerged in generation: a merged copy of the "
-                                                      "adapted weights does not fit beside the KV cache")
-    elif fsdp is not None and workload.generation == "hf" and workload.gather_weights_for_rollout is None \
-            and fsdp.reshard_after_forward:
-        once = with_(current, gather_weights_for_rollout=True)
-        if search.fits(once, fsdp):
-            current = once
-            note("gather_weights_for_rollout", True, "every unit gathered at once fits beside generation's KV "
-                                                     "cache: one all-gather per unit per rollout, not one per token")
-        else:
-            current = with_(current, gather_weights_for_rollout=False)
-            note("gather_weights_for_rollout", False, "generation re-gathers unit by unit: all units at once "
-                                                      "do not fit beside the KV cache")
+            note("gather_weights_for_rollout", fits, "every unit gathered at once fits beside generation's KV cache: "
+                 "one all-gather per unit per rollout, not one per token" if fits else
+                 "generation re-gathers unit by unit: all units at once do not fit beside the KV cache")
 
     if user_chunk is None:
         best = LOGPROB_CHUNKS[0]
