@@ -94,13 +94,17 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
 
 
 def tape_of(ctx: Context, index: int) -> BlockTape:
-    """The counted tape of layer ``index``'s block type (:func:`._tape.block_tape`)."""
+    """The counted tape of layer ``index``'s block type (:func:`._tape.block_tape`), made once per
+    estimate (it is asked per pass and per moment)."""
+    if (tape := ctx.tapes.get(index)) is not None:
+        return tape
     block = ctx.spec.block(index)
-    return block_tape(block, hidden=ctx.hidden_size, adapted=frozenset(n.split(":", 1)[0] for n in ctx.lora_names[index]),
+    ctx.tapes[index] = tape = block_tape(block, hidden=ctx.hidden_size, adapted=frozenset(n.split(":", 1)[0] for n in ctx.lora_names[index]),
                       rank=ctx.lora_rank, compute_bytes=ctx.compute_bytes,
                       adapter_bytes=ctx.adapter_compute_bytes, tp=ctx.tp,
                       mlp_tp=1 if ctx.packed[index] else ctx.tp,
                       include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe")
+    return tape
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ EP degree agilerl.distributed does not accept.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agilerl.distributed import FSDPConfig
 from agilerl.utils.shared_prefix import shared_prefix_problem
@@ -77,6 +77,8 @@ class Context:
     prefix_split: int  # columns a learn / reference micro-batch runs once per distinct prompt
     prefix_rows: int  # distinct prompts in such a micro-batch (its prefix pass's rows)
     rollout_prefix_rows: int  # distinct prompts of a rank's rollout (its shared prefill's rows)
+    # per distinct layer, its block's counted tape (planner.memory._activations.tape_of), made once
+    tapes: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:

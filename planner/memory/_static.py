@@ -42,15 +42,21 @@ def base_weight_bytes(ctx: Context, layout: Layout) -> tuple[int, int]:
     embeddings, lm_head, norms and biases stay in the weights dtype.
     """
     w = ctx.weight_bytes
+    key = ("base", w, ctx.fsdp is None, ctx.shard_group)
+    if key in layout.sums:
+        return layout.sums[key]
 
     def nbytes(t, elements: int) -> int:
         return elements * (1 if t.four_bit else w)
 
     constants = int(sum(2 * t.numel for t in layout.base_tensors if t.four_bit) * NF4_CONSTANT_BYTES)
     if ctx.fsdp is None:
-        return sum(nbytes(t, t.numel) for t in layout.base_tensors) + constants, 0
-    return (sum(nbytes(t, t.local(ctx.shard_group)) for t in layout.base_tensors if t.sharded) + constants,
-            sum(nbytes(t, t.numel) for t in layout.base_tensors if not t.sharded))
+        result = sum(nbytes(t, t.numel) for t in layout.base_tensors) + constants, 0
+    else:
+        result = (sum(nbytes(t, t.local(ctx.shard_group)) for t in layout.base_tensors if t.sharded) + constants,
+                  sum(nbytes(t, t.numel) for t in layout.base_tensors if not t.sharded))
+    layout.sums[key] = result
+    return result
 
 
 def static_memory(ctx: Context, layout: Layout) -> StaticMemory:
@@ -62,7 +68,10 @@ def static_memory(ctx: Context, layout: Layout) -> StaticMemory:
     the host, leaving only the replicated adapters on the device.
     """
     weights, weights_replicated = base_weight_bytes(ctx, layout)
-    lora_elements = sum(t.local(ctx.shard_group) for t in layout.lora_tensors)  # elements, all adapters
+    key = ("lora", ctx.shard_group)
+    if key not in layout.sums:
+        layout.sums[key] = sum(t.local(ctx.shard_group) for t in layout.lora_tensors)
+    lora_elements = layout.sums[key]  # elements, all adapters
     adapters = ctx.num_adapters
     trainable = lora_elements // adapters if adapters else lora_elements
     trainable_tensors = len(layout.lora_tensors) // adapters
@@ -137,8 +146,9 @@ def step_optimizer_bytes(ctx: Context, memory: StaticMemory) -> int:
 
 def load_gathered_bytes(ctx: Context, layout: Layout) -> int:
     """Loading under FSDP materialises one tensor at a time: the largest, in the weights dtype."""
-    largest_tensor = max([t.numel for t in layout.base_tensors] or [0]) * ctx.weight_bytes
-    return largest_tensor if ctx.sharded else 0
+    if "largest_base" not in layout.sums:
+        layout.sums["largest_base"] = max((t.numel for t in layout.base_tensors), default=0)
+    return layout.sums["largest_base"] * ctx.weight_bytes if ctx.sharded else 0
 
 
 def load_host_checkpoint_bytes(ctx: Context, layout: Layout) -> int:
@@ -150,7 +160,9 @@ def load_host_checkpoint_bytes(ctx: Context, layout: Layout) -> int:
 
 def save_gathered_bytes(layout: Layout) -> int:
     """Saving gathers the adapters one tensor at a time (fp32): the largest."""
-    return max((t.numel for t in layout.lora_tensors), default=0) * 4
+    if "largest_lora" not in layout.sums:
+        layout.sums["largest_lora"] = max((t.numel for t in layout.lora_tensors), default=0)
+    return layout.sums["largest_lora"] * 4
 
 
 def save_host_checkpoint_bytes(ctx: Context, memory: StaticMemory) -> int:

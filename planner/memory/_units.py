@@ -9,7 +9,7 @@ the rest.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..spec import is_per_layer_embedding
 from ._context import Context
@@ -96,6 +96,8 @@ class Layout:
     block_units: tuple[Unit, ...]
     expert_stack: tuple[int, ...]  # per layer: elements of its routed experts on one EP rank
     expert_down: tuple[int, ...]  # per layer: elements of its down_proj stack on one EP rank
+    # sums over its tensors, by what they depend on (planner.memory._static): made once per layout
+    sums: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def layer_tensors(ctx: Context, index: int) -> LayerTensors:
@@ -159,13 +161,36 @@ def _outside_blocks(ctx: Context) -> tuple[list[Unit], Unit, Tensor, Tensor | No
     return units, Unit("root", base=tuple(root_base), lora=tuple(root_lora)), embed, head
 
 
+#: Layouts by what they depend on (:func:`_layout_key`): a plan asks tens of estimates that differ
+#: only in batch, chunk or checkpointing, and an 80-layer layout is hundreds of tensor records.
+_LAYOUTS: dict[tuple, tuple[object, Layout]] = {}
+
+
+def _layout_key(ctx: Context) -> tuple:
+    fsdp = ctx.fsdp
+    return (id(ctx.spec), ctx.ep, ctx.tp, ctx.lora_rank, ctx.lora_key, ctx.num_adapters, ctx.persistence_threshold,
+            ctx.expert_group, ctx.sharded, ctx.workload.load_in_4bit, fsdp.wrap_every_n_blocks if fsdp else 1)
+
+
 def build_layout(ctx: Context) -> Layout:
-    """The FSDP units of the model in forward order.
+    """The FSDP units of the model in forward order (made once per spec and sharding, then reused).
 
     Under FSDP with ep > 1 each layer's packed experts are a unit nested in its block's
     (also counted there); with ep=1 agilerl.distributed shards the experts inside their
     block's unit.
     """
+    key = _layout_key(ctx)
+    cached = _LAYOUTS.get(key)
+    if cached is not None and cached[0] is ctx.spec:
+        return cached[1]
+    layout = _build_layout(ctx)
+    if len(_LAYOUTS) >= 256:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = (ctx.spec, layout)  # the spec kept alive with it, so its id is not reused meanwhile
+    return layout
+
+
+def _build_layout(ctx: Context) -> Layout:
     spec = ctx.spec
     units, root, embed, head = _outside_blocks(ctx)
     by_type = {i: layer_tensors(ctx, i) for i in ctx.distinct_layers}

@@ -57,3 +57,31 @@ def test_tied_embeddings_and_per_layer_tables(ple_spec):
     unsharded = build_layout(make_context(ple_spec, gpus=1))
     assert unsharded.units[0].name == "blocks.0"  # the table sits in the root
     assert len(unsharded.root.base) == len(sharded.root.base) + 1
+
+
+def test_a_reused_layout_gives_the_estimate_a_fresh_one_gives_on_every_catalog_model():
+    # build_layout keeps layouts (and their sums) across estimates; an estimate must not depend on
+    # what was asked before it.
+    from planner import catalog
+    from planner.hardware import GPUS, Cluster
+    from planner.memory import _units, estimate
+    from planner.models import load_model_spec
+    from planner.workload import Workload
+
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8, gpus_per_node=8)
+    sharded = FSDPConfig(wrap_every_n_blocks=2)
+    workloads = [Workload(), Workload(micro_batch_size_per_gpu=1, gradient_checkpointing=False, lora_rank=64)]
+    seen = set()
+    for name in catalog.names():
+        spec = load_model_spec(name)
+        if spec.name in seen:
+            continue
+        seen.add(spec.name)
+        for fsdp in (None, sharded):
+            fresh = []
+            for wl in workloads:
+                _units._LAYOUTS.clear()
+                fresh.append(estimate(spec, wl, cluster, fsdp).phases)
+            # The cache now holds the last workload's layout (LoRA rank 64): the first must not reuse it.
+            warm = [estimate(spec, wl, cluster, fsdp).phases for wl in workloads]
+            assert fresh == warm, (name, fsdp)
