@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["FSDPConfig", "DTYPE_NAMES"]
@@ -256,10 +255,14 @@ class FSDPConfig(BaseModel):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
+        import yaml  # on use: the planner's command line imports this module and reads no YAML here
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
     def from_yaml(cls, text: str) -> FSDPConfig:
+        import yaml
+
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
