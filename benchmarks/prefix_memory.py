@@ -22,14 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _probe_cache import peak_benchmark_main, peak_request  # noqa: E402
+from padded_memory import MODELS, PHASES  # noqa: E402  (the same model and phases, each twin beside)
 
 from planner.probe import ProbeRequest  # noqa: E402
 
-MODELS = {
-    "q128-L4": "tiny:qwen2?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
-               "&vocab_size=1024",
-}
-PHASES = ("reference", "learn", "step")
 CONFIGS = [dict(model="q128-L4", world=world, gc=gc, micro=4, prompt=384, completion=128, padded=padded, shared=shared)
            for world in (1, 2) for gc in (False, True) for padded in (False, True) for shared in (False, True)
            if not (world == 1 and padded)]

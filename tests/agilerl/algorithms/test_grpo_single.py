@@ -571,7 +571,7 @@ def test_gather_once_on_one_device_generates_on_merged_copies_and_leaves_the_wei
         agent.learn(synthetic_experiences(agent)[:3])  # a non-zero adapter to fold in
         before = {n: (p, p.detach().clone()) for n, p in agent.model.named_parameters()}
         calls = {"lora_A": 0}
-        hooks = [layer.lora_A[ACTOR].register_forward_pre_hook(lambda *_: calls.__setitem__("lora_A", calls["lora_A"] + 1))
+        hooks = [layer.lora_A[ACTOR].register_forward_pre_hook(lambda *_, calls=calls: calls.__setitem__("lora_A", calls["lora_A"] + 1))
                  for layer in tuner_layers(agent.model)]
         agent.generation_kwargs["do_sample"] = False  # greedy: the two must pick the same tokens
         ids, masks = agent.get_action(["1+2=", "3+4="])

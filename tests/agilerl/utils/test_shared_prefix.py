@@ -138,7 +138,7 @@ def test_generation_with_a_shared_prefill_gives_the_same_greedy_completions():
         agent.generation_kwargs["do_sample"] = False
         embed = agent.model.get_input_embeddings()
         shapes: list[tuple[int, int]] = []
-        hook = embed.register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
+        hook = embed.register_forward_hook(lambda m, i, o, shapes=shapes: shapes.append(tuple(i[0].shape)))
         outs.append(agent.get_action(["1+2=", "13+4="]))
         hook.remove()
         prefill.append(shapes[0])
