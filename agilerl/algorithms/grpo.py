@@ -494,7 +494,11 @@ class GRPO(LLMAlgorithm):
 
         units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         before = [_reshards_after_forward(m, self.fsdp_config.reshard_after_forward) for m in units]
+        # Found before anything is gathered (a gathered unit holds plain tensors): the sharded
+        # adapted weights, folded into their gathered copies, and the replicated ones (below the
+        # persistence threshold), which generate on merged copies as unsharded.
         mergeable = _mergeable_lora_layers(self.model) if self.fsdp_config.tp == 1 else []
+        replicated = _mergeable_lora_layers(self.model, sharded=False) if self.fsdp_config.tp == 1 else []
         for m in units:
             m.set_reshard_after_forward(False, recurse=False)
         merged = []
@@ -511,7 +515,8 @@ class GRPO(LLMAlgorithm):
                         weight.add_(layer.get_delta_weight(ACTOR).to(weight.dtype))
                         layer.merged_adapters.append(ACTOR)
                         merged.append(layer)
-            yield
+            with self._merged_copies_for_rollout(replicated):
+                yield
         finally:
             for layer in merged:
                 layer.merged_adapters.remove(ACTOR)
@@ -520,11 +525,13 @@ class GRPO(LLMAlgorithm):
                 m.set_reshard_after_forward(value, recurse=False)
 
     @contextlib.contextmanager
-    def _merged_copies_for_rollout(self):
-        """Unsharded: each mergeable actor LoRA linear's base weight is swapped for a new tensor
-        ``W + s B A`` for the duration, and PEFT runs the base layer alone. The original parameter
-        object is put back untouched at the end (not unmerged: subtracting would not be exact)."""
-        layers = _mergeable_lora_layers(self.model, sharded=False)
+    def _merged_copies_for_rollout(self, layers: list[nn.Module] | None = None):
+        """Each of ``layers`` (default: every mergeable actor LoRA linear of an unsharded model) has
+        its base weight swapped for a new tensor ``W + s B A`` for the duration, and PEFT runs the
+        base layer alone. The original parameter object is put back untouched at the end (not
+        unmerged: subtracting would not be exact)."""
+        if layers is None:
+            layers = _mergeable_lora_layers(self.model, sharded=False)
         swapped = []
         try:
             with torch.no_grad():

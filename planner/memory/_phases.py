@@ -122,21 +122,24 @@ def lora_fold_bytes(ctx: Context) -> int:
     widest = 0
     for names, shapes in zip(ctx.lora_names, ctx.lora_shapes):
         for name, (_, a_cols, b_rows, _) in zip(names, shapes):
-            if ":" not in name and (not ctx.sharded or a_cols * b_rows >= ctx.persistence_threshold):
+            if ":" not in name:  # folded into a gathered copy, or into a merged one (replicated, unsharded)
                 widest = max(widest, a_cols * b_rows)
     per_element = 2 * ctx.compute_bytes if ctx.on_gpu else 2 * 4 + ctx.compute_bytes
     return widest * per_element
 
 
 def merged_copy_bytes(ctx: Context) -> int:
-    """Unsharded with gather_weights_for_rollout (agilerl.algorithms.grpo): every adapted linear
-    runs generate on a new tensor ``W + s B A`` in the weights' dtype, beside ``W`` itself, from
-    the fold to the end of the call. 0 under FSDP2 (the gathered copies take the fold), with
-    QLoRA's 4-bit weights and for LoRA on packed experts (left unmerged)."""
-    if ctx.sharded or not ctx.workload.gather_weights_for_rollout or ctx.workload.load_in_4bit:
+    """With gather_weights_for_rollout (agilerl.algorithms.grpo): each adapted linear whose base
+    weight is a plain tensor (every one unsharded; under FSDP2 those below the persistence
+    threshold, kept replicated) runs generate on a new tensor ``W + s B A`` in the weights' dtype,
+    beside ``W`` itself, from the fold to the end of the call. The sharded ones fold into their
+    gathered copies instead (counted in the gathered window). 0 with QLoRA's 4-bit weights, for
+    LoRA on packed experts (left unmerged) and with tp > 1 (nothing is merged)."""
+    if not ctx.workload.gather_weights_for_rollout or ctx.workload.load_in_4bit or ctx.tp > 1:
         return 0
     return ctx.weight_bytes * sum(a_cols * b_rows for names, shapes in zip(ctx.lora_names, ctx.lora_shapes)
-                                  for name, (_, a_cols, b_rows, _) in zip(names, shapes) if ":" not in name)
+                                  for name, (_, a_cols, b_rows, _) in zip(names, shapes)
+                                  if ":" not in name and (not ctx.sharded or a_cols * b_rows < ctx.persistence_threshold))
 
 
 def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
@@ -150,13 +153,12 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             window = terms.nograd_gathered
             if ctx.sharded and ctx.workload.gather_weights_for_rollout:
                 window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
-            merged = merged_copy_bytes(ctx)
-            if merged:  # unsharded: the merged copies are what is "gathered" for the call
-                window += merged
+            merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
+            window += merged
             generating = {**terms.static, "weights_gathered": window, **larger(*moments)}
             # Before generating, GRPO folds the actor's LoRA into the gathered weights (or merged copies),
             # one linear at a time: everything gathered, no KV cache yet, and one delta being built.
-            folded = merged if merged else terms.gathered.all_bytes
+            folded = merged + (terms.gathered.all_bytes if ctx.sharded else 0)
             folding = {**terms.static, "weights_gathered": folded + lora_fold_bytes(ctx)}
             return {"rollout": make_phase(ctx, terms, larger(generating, folding) if lora_fold_bytes(ctx)
                                           else generating)}

@@ -278,27 +278,37 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
 def fsdp_gather_once_generates_with_lora_merged_and_leaves_the_shards_as_they_were(ctx):
     from agilerl.algorithms.core.adapters import ACTOR, tuner_layers, use_adapter
 
-    agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=True, max_output_tokens=6)
-    _learn(agent)  # a non-zero adapter to fold in
-    before = {n: p.to_local().clone() for n, p in agent.model.named_parameters()}
-    ids = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
-    agent.model.eval()
-    with torch.no_grad(), use_adapter(agent.model, ACTOR):
-        unmerged = agent.model(input_ids=ids).logits  # unit by unit, the adapters beside the base
-        with agent._gathered_for_rollout():
-            merged_layers = [layer for layer in tuner_layers(agent.model) if layer.merged]
-            merged = agent.model(input_ids=ids).logits
-    with torch.no_grad(), use_adapter(agent.model, None):
-        base = agent.model(input_ids=ids).logits
-    agent.model.train()
-    assert len(merged_layers) == len(tuner_layers(agent.model)) > 0  # every base weight is sharded here
-    torch.testing.assert_close(merged, unmerged, atol=2e-5, rtol=1e-5)
-    assert (base - unmerged).abs().max() > 1e-3  # the adapter matters, so the comparison means something
-    assert not any(layer.merged for layer in tuner_layers(agent.model))
-    for n, p in agent.model.named_parameters():
-        assert isinstance(p, DTensor) and torch.equal(p.to_local(), before[n]), n  # bit for bit
-    agent.get_action(["1+2=", "3+4="])
-    assert math.isfinite(_learn(agent)["loss"])
+    # Every base weight sharded (folded into its gathered copy), then the attention's replicated
+    # (32 x 32 and smaller, below a threshold of 1100: merged copies) beside the MLP's sharded ones.
+    for threshold in (0, 1100):
+        config = FSDPConfig(**{**FP32_SHARDED, "param_persistence_threshold": threshold})
+        agent = make_agent(fsdp_config=config, gather_weights_for_rollout=True, max_output_tokens=6)
+        _learn(agent)  # a non-zero adapter to fold in
+        params = dict(agent.model.named_parameters())
+        before = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
+        replicated = {n for n, p in params.items() if ".base_layer.weight" in n and not isinstance(p, DTensor)}
+        assert bool(replicated) == (threshold == 1100) and (not replicated or len(replicated) < sum(
+            ".base_layer.weight" in n for n in params)), (threshold, replicated)
+        ids = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
+        agent.model.eval()
+        with torch.no_grad(), use_adapter(agent.model, ACTOR):
+            unmerged = agent.model(input_ids=ids).logits  # unit by unit, the adapters beside the base
+            with agent._gathered_for_rollout():
+                merged_layers = [layer for layer in tuner_layers(agent.model) if layer.merged]
+                merged = agent.model(input_ids=ids).logits
+        with torch.no_grad(), use_adapter(agent.model, None):
+            base = agent.model(input_ids=ids).logits
+        agent.model.train()
+        assert len(merged_layers) == len(tuner_layers(agent.model)) > 0, threshold  # sharded and replicated
+        torch.testing.assert_close(merged, unmerged, atol=2e-5, rtol=1e-5)
+        assert (base - unmerged).abs().max() > 1e-3  # the adapter matters, so the comparison means something
+        assert not any(layer.merged for layer in tuner_layers(agent.model))
+        for n, p in agent.model.named_parameters():
+            assert p is params[n], n  # the same parameter objects, replicated ones included
+            local = p.to_local() if isinstance(p, DTensor) else p
+            assert torch.equal(local, before[n]), n  # bit for bit
+        agent.get_action(["1+2=", "3+4="])
+        assert math.isfinite(_learn(agent)["loss"])
 
 
 @cases.case

@@ -68,14 +68,15 @@ def test_folding_lora_into_gathered_weights_builds_one_delta_at_a_time(dense_spe
     assert lora_fold_bytes(once) == widest * 2 * 2  # the product and its scaled copy, bf16
     on_cpu = make_context(dense_spec, fsdp=sharded, gather_weights_for_rollout=True)
     assert lora_fold_bytes(on_cpu) == widest * (4 + 4 + 2)  # PEFT builds it in fp32 on a CPU, then casts
-    # Nothing is folded unit by unit, under tp, with 4-bit base weights, or into replicated weights.
+    # Nothing is folded unit by unit, under tp or with 4-bit base weights; replicated weights are
+    # folded into merged copies, one delta at a time too.
     assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=sharded)) == 0
     assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=0, tp=2),
                                         gather_weights_for_rollout=True)) == 0
     assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=sharded, gather_weights_for_rollout=True,
                                         load_in_4bit=True)) == 0
     assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=10**6),
-                                        gather_weights_for_rollout=True)) == 0
+                                        gather_weights_for_rollout=True)) == widest * 2 * 2
 
 
 def test_unsharded_gather_once_holds_a_merged_copy_of_every_adapted_linear(dense_spec):
@@ -106,3 +107,33 @@ def test_unsharded_gather_once_holds_a_merged_copy_of_every_adapted_linear(dense
     without = estimate(dense_spec, wl.model_copy(update={"gather_weights_for_rollout": False}), one, None)
     assert with_copies["weights_gathered"] == adapted * 2
     assert "weights_gathered" not in without.phases["rollout"].components
+
+
+def test_fsdp_gather_once_holds_merged_copies_of_the_replicated_adapted_linears_only(dense_spec):
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from agilerl.distributed import FSDPConfig
+    from agilerl.utils.sources import parse_tiny
+    from agilerl.utils.tiny import tiny_model
+    from planner.memory._phases import merged_copy_bytes
+    from tests.planner.memory.conftest import DENSE
+
+    # Counted from the real model: under FSDP2 a base weight below the persistence threshold stays a
+    # plain (replicated) tensor, and GRPO generates on a merged copy of it; the sharded ones fold
+    # into their gathered copies, which the gathered window already holds.
+    arch, kwargs = parse_tiny(DENSE)
+    model = get_peft_model(tiny_model(arch, **kwargs), LoraConfig(r=8, target_modules="all-linear"))
+    sizes = sorted({m.get_base_layer().weight.numel() for m in model.modules() if isinstance(m, LoraLinear)})
+    assert len(sizes) > 1
+    threshold = sizes[-1]  # every adapted weight but the widest stays replicated
+    replicated = sum(m.get_base_layer().weight.numel() for m in model.modules()
+                     if isinstance(m, LoraLinear) and m.get_base_layer().weight.numel() < threshold)
+    assert replicated > 0
+    split = FSDPConfig(param_persistence_threshold=threshold)  # bf16 base
+    assert merged_copy_bytes(make_context(dense_spec, fsdp=split, gather_weights_for_rollout=True)) == replicated * 2
+    assert merged_copy_bytes(make_context(dense_spec, fsdp=FSDPConfig(param_persistence_threshold=0),
+                                          gather_weights_for_rollout=True)) == 0
+    assert merged_copy_bytes(make_context(dense_spec, fsdp=split)) == 0  # unit by unit: nothing merged
+    assert merged_copy_bytes(make_context(dense_spec, fsdp=FSDPConfig(param_persistence_threshold=threshold, tp=2),
+                                          gather_weights_for_rollout=True)) == 0
