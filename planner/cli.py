@@ -167,7 +167,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tui", action="store_true", help="explore the plan interactively (needs the [tui] extra)")
     add_fields(parser, Workload, group_title="workload")
     add_fields(parser, FSDPConfig, group_title="FSDPConfig fields to fix (the planner chooses the rest)")
-    from .tune import add_tune_arguments
+    from ._tune_args import add_tune_arguments
 
     add_tune_arguments(parser)
     return parser
@@ -222,7 +222,7 @@ def plan_main(argv: list[str]) -> int:
         fixed = collect_fields(args, FSDPConfig)
         FSDPConfig(**fixed)
         if args.tune:
-            from .tune import check_tune_arguments
+            from ._tune_args import check_tune_arguments
 
             check_tune_arguments(args)
     except (KeyError, ValidationError, ValueError) as err:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
@@ -73,6 +71,8 @@ def manifest_yaml(plan: Plan) -> str:
         f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
         f"# run: torchrun --nproc_per_node={plan.cluster.per_node} -m agilerl.train <this file>",
     ]
+    import yaml  # on use: a table or JSON plan reads and writes no YAML
+
     return "\n".join(header) + "\n" + yaml.safe_dump(manifest_dict(plan), sort_keys=False)
 
 
