@@ -4,6 +4,9 @@
 
 - ``estimate``: one call of planner.memory.estimate, median of 200, per catalog model;
 - ``plan``: one call of planner.choose.plan (tens of estimates);
+- a TUI change on Llama-3.1-70B, 16 GPUs: what the explorer's worker does after one knob moves
+  (validate the knobs, plan, validate the manifest), for a knob that keeps the model's layout
+  (the micro-batch) and one that makes a new one (the LoRA rank);
 - the CLI cold for a catalog model (a fresh interpreter: the shipped spec, no torch);
 - the CLI for a config.json cold (empty spec cache: builds the spec on the meta device)
   and warm (cached spec, no torch).
@@ -30,6 +33,29 @@ def _timed_cli(args: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
+def _tui_change() -> None:
+    from planner import catalog
+    from planner.memory import _units
+    from tui import _request
+    from tui._knobs import initial_values
+    from tui.screens._explorer import _plan_job
+
+    spec = catalog.load_spec("meta-llama/Llama-3.1-70B")
+    values = initial_values(num_gpus=16, gpus_per_node=8)
+    for knob, choices in (("workload.micro_batch_size_per_gpu", ("1", "2", "4")),
+                          ("workload.lora_rank", ("8", "16", "32", "64"))):
+        times = []
+        for i in range(24):
+            values = {**values, knob: choices[i % len(choices)]}
+            if knob == "workload.lora_rank":
+                _units._LAYOUTS.clear()  # as if this rank were new to the session
+            t = time.perf_counter()
+            _plan_job(spec, _request.build_request(values))
+            times.append(time.perf_counter() - t)
+        print(f"TUI change of {knob.split('.', 1)[1]}, Llama-3.1-70B on 16 GPUs: "
+              f"{statistics.median(times) * 1000:.1f} ms median, {max(times) * 1000:.1f} ms worst of 24")
+
+
 def main() -> None:
     from agilerl.distributed import FSDPConfig
     from planner import catalog
@@ -52,6 +78,8 @@ def main() -> None:
         plan(spec, Workload(), cluster)
         plan_ms = (time.perf_counter() - t) * 1000
         print(f"{name:<34} {statistics.median(times) * 1000:>12.2f} {plan_ms:>9.1f}")
+
+    _tui_change()
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cold = [_timed_cli(["meta-llama/Llama-3.1-70B", "--gpus", "8"], env) for _ in range(3)]

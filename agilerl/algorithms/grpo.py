@@ -135,7 +135,8 @@ class GRPO(LLMAlgorithm):
 
     ``gather_weights_for_rollout`` materialises the rollout's weights once per
     Hugging Face generate instead of once per generated token: under FSDP2 every
-    unit is gathered once (and the actor's LoRA folded into the gathered copies;
+    unit is gathered once (and the actor's LoRA folded into the gathered copies, or
+    into merged copies for adapted weights kept replicated;
     the no-grad reference passes then hold every unit gathered too, and generate
     needs no ``synced_gpus`` unless tensor or expert parallelism communicates),
     on one device or data parallel each adapted linear runs on a merged copy
