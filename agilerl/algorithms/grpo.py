@@ -504,10 +504,11 @@ class GRPO(LLMAlgorithm):
             m.set_reshard_after_forward(False, recurse=False)
         merged = []
         try:
-            if mergeable:
-                # Gather every unit now and fold the actor's LoRA into the gathered base weights: one
-                # matmul per linear per token instead of three. Only FSDP's unsharded copies change,
-                # and the reshard below drops them, so the sharded weights stay bit for bit as they were.
+            if mergeable or replicated:
+                # Gather every unit now (so every adapter reads as a plain tensor too) and fold the
+                # actor's LoRA into the gathered base weights: one matmul per linear per token instead
+                # of three. Only FSDP's unsharded copies change, and the reshard below drops them, so
+                # the sharded weights stay bit for bit as they were.
                 for m in units:
                     m.unshard()
                 with torch.no_grad():
