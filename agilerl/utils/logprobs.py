@@ -28,6 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from agilerl.utils.shared_prefix import ADDITIVE_MASK_ATTENTION
+
 __all__ = [
     "chunked_token_logprobs",
     "linear_token_logprobs",
@@ -35,6 +37,7 @@ __all__ = [
     "output_head",
     "position_ids_from_mask",
     "shared_attention_mask",
+    "additive_attention_mask",
     "causal_lm",
 ]
 
@@ -263,7 +266,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 #: Attention implementations that read a ready-made 4D additive mask as it is.
-_ADDITIVE_MASK_ATTENTION = ("sdpa", "eager")
 
 
 def shared_attention_mask(config, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -289,12 +291,22 @@ def shared_attention_mask(config, attention_mask: torch.Tensor, dtype: torch.dty
     if not _pad_before_real(attention_mask.bool()):
         return torch.ones_like(attention_mask)
     length = attention_mask.shape[1]
-    if getattr(config, "_attn_implementation", None) not in _ADDITIVE_MASK_ATTENTION or not _full_causal(config, length):
+    if getattr(config, "_attn_implementation", None) not in ADDITIVE_MASK_ATTENTION or not _full_causal(config, length):
         return attention_mask
-    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
-    mask = torch.zeros(attention_mask.shape[0], 1, length, length, dtype=dtype, device=attention_mask.device)
-    return mask.masked_fill_(~(keys & causal), torch.finfo(dtype).min)
+    return additive_attention_mask(attention_mask, dtype)
+
+
+def additive_attention_mask(attention_mask: torch.Tensor, dtype: torch.dtype, first_query: int = 0) -> torch.Tensor:
+    """The additive causal mask of queries at columns ``[first_query, T)`` over keys ``[0, T)``,
+    pad keys masked: ``[1, 1, T - first_query, T]`` (shared by the batch) when no row has a pad,
+    else ``[B, 1, T - first_query, T]``. Masked positions get the dtype's lowest value, so a pad
+    query with no key to attend to keeps a finite row."""
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()[first_query:]
+    allowed = causal[None, None] if bool(attention_mask.all()) \
+        else causal[None, None] & attention_mask.bool()[:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _pad_before_real(real: torch.Tensor) -> bool:

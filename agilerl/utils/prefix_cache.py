@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from agilerl.utils.logprobs import additive_attention_mask
+
 __all__ = [
     "cache_argument",
     "PrefixGroups",
@@ -95,11 +97,6 @@ class PrefixedCache(Cache):
 
 def suffix_attention_mask(attention_mask: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask of the suffix pass: queries at columns ``[split, T)`` over keys ``[0, T)``,
-    causal and without pad keys. ``[1, 1, T - split, T]`` (shared by the batch) when no row has a
-    pad, else ``[n, 1, T - split, T]``. Pad queries keep a finite row (the dtype's lowest value,
-    as :func:`agilerl.utils.logprobs.shared_attention_mask`); no loss term reads them."""
-    n, length = attention_mask.shape
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()[split:]
-    allowed = causal[None, None] if bool(attention_mask.all()) else causal[None, None] & attention_mask.bool()[:, None, None, :]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    causal and without pad keys (:func:`agilerl.utils.logprobs.additive_attention_mask`). Pad
+    queries keep a finite row; no loss term reads them."""
+    return additive_attention_mask(attention_mask, dtype, first_query=split)

@@ -34,15 +34,16 @@ dropout masks (one prefix pass), where the one-pass forward draws one per row.
 
 from __future__ import annotations
 
-__all__ = ["SHARED_PREFIX_MODEL_TYPES", "SHARED_PREFIX_ATTENTION", "shared_prefix_problem"]
+__all__ = ["SHARED_PREFIX_MODEL_TYPES", "ADDITIVE_MASK_ATTENTION", "shared_prefix_problem"]
 
 #: Model families whose attention calls ``cache.update(k, v, layer_idx)`` on a plain key/value
 #: cache and nothing else (each is tested against its one-pass forward in tests/agilerl/utils).
 SHARED_PREFIX_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2"})
 
 
-#: Attention implementations that take the suffix pass's ready-made 4D additive mask.
-SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+#: Attention implementations that take a ready-made 4D additive mask: the suffix pass's, and
+#: :func:`agilerl.utils.logprobs.shared_attention_mask`'s.
+ADDITIVE_MASK_ATTENTION = ("sdpa", "eager")
 
 
 def shared_prefix_problem(model_type: str | None, attention: str | None, *, full_causal: bool,
@@ -53,7 +54,7 @@ def shared_prefix_problem(model_type: str | None, attention: str | None, *, full
     shorter than it). The trainer asks with the model's config, the planner with its spec."""
     if model_type not in SHARED_PREFIX_MODEL_TYPES:
         return f"model type {model_type!r} is not one whose attention cache is known to be plain"
-    if (attention or "sdpa") not in SHARED_PREFIX_ATTENTION:
+    if (attention or "sdpa") not in ADDITIVE_MASK_ATTENTION:
         return f"attention {attention!r} does not take the offset mask the suffix pass needs"
     if not full_causal:
         return "a sliding window or attention chunk is shorter than the row"
