@@ -162,10 +162,10 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
     packed = {kind: is_packed(b) for kind, b in spec.block_types.items()}
     split = shared_prefix_split(spec, workload, tp)
     group = workload.group_size
+    rollout_rows = distinct_prompts(completions, group) if split else completions
     prefix_rows = distinct_prompts(micro_batch, group) if split else micro_batch
     if prefix_rows >= micro_batch:  # a micro-batch of distinct prompts runs in one pass
         split, prefix_rows = 0, micro_batch
-    rollout_rows = distinct_prompts(completions, group) if shared_prefix_split(spec, workload, tp) else completions
     expert_lora = {kind: any(is_packed_expert(n) for n in names) for kind, (names, _) in lora.items()}
     return Context(
         spec=spec, workload=workload, cluster=cluster, fsdp=fsdp, coefficients=coefficients,
