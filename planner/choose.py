@@ -333,9 +333,10 @@ def plan(
             else:
                 note("reshard_after_forward", True, "keeping all units gathered does not fit")
 
-    if workload.generation == "hf" and workload.gather_weights_for_rollout is None \
-            and (fsdp is None or fsdp.reshard_after_forward):
-        # Unsharded: a merged copy of each adapted linear; under FSDP2: every unit gathered at once.
+    if workload.generation == "hf" and workload.gather_weights_for_rollout is None:
+        # Unsharded: a merged copy of each adapted linear; under FSDP2: every unit gathered at once
+        # (with reshard_after_forward=False generate's forwards would keep them gathered anyway, but
+        # only gathering once lets it run LoRA merged and without per-token synced steps).
         once = with_(current, gather_weights_for_rollout=True)
         fits = search.fits(once, fsdp)
         current = once if fits else with_(current, gather_weights_for_rollout=False)

@@ -227,6 +227,12 @@ def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cach
     assert "gather_weights_for_rollout" not in per_unit.reasons()  # the user's choice is kept
     assert per_unit.workload.gather_weights_for_rollout is False
     assert manifest_dict(per_unit)["algorithm"]["gather_weights_for_rollout"] is False  # kept: the trainer would decide
+    # reshard_after_forward=False keeps units gathered between forwards anyway; gathering once is
+    # still decided, since it is what lets generate run LoRA merged and without per-token sync.
+    kept = plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": False})
+    assert kept.fsdp.reshard_after_forward is False
+    assert kept.workload.gather_weights_for_rollout is True
+    assert kept.reasons()["gather_weights_for_rollout"].startswith("every unit gathered at once fits")
 
 
 
