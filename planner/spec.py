@@ -6,8 +6,14 @@ plain data, cached on disk keyed by the config and the transformers and peft
 versions, and shipped precomputed for catalog models, so a warm plan never
 imports torch.
 
-LoRA coverage is read by applying PEFT itself to the meta model (rank 1), not
-re-derived by hand. Each adapted module is recorded with its A and B shapes at
+LoRA coverage is what PEFT adapts. Where every module a target spec reaches is a
+plain linear (``nn.Linear`` or transformers' ``Conv1D``) and no other module holds a
+matrix PEFT could wrap, it is read off PEFT's documented rule without importing PEFT
+(whose import is about half of a cold build): ``"all-linear"`` is every linear but the
+output embedding, and a list names modules by their name or its dotted suffix. Anything
+else (packed MoE experts, routers, embeddings, a regex) applies PEFT itself to the meta
+model, at rank 1. tests/planner/test_spec_lora.py checks the two agree on a model of
+every catalog family. Each adapted module is recorded with its A and B shapes at
 rank 1, ``(a_rows, a_cols, b_rows, b_cols)``; at rank r, A is
 ``(r * a_rows, a_cols)`` and B ``(b_rows, r * b_cols)``. For a linear
 ``in -> out`` that is ``(1, in, out, 1)``; for PEFT's LoRA on packed MoE
@@ -260,6 +266,57 @@ def _has_softmax_attention(block) -> bool:
     return any(hasattr(getattr(block, a, None), q) for a in ATTENTION_NAMES for q in QUERY_PROJECTIONS)
 
 
+def _plain_linear_lora(model, targets) -> list[tuple[str, str, tuple[int, int, int, int]]] | None:
+    """``(module name, label, rank-1 shapes)`` of what PEFT adapts for ``targets`` when every
+    module they reach is a plain linear; None where PEFT itself must say (see the module doc)."""
+    import torch.nn as nn
+    from transformers.pytorch_utils import Conv1D
+
+    linear = (nn.Linear, Conv1D)
+    for module in model.modules():
+        if not isinstance(module, (*linear, nn.Embedding)) and any(
+                p.dim() >= 2 for p in module.parameters(recurse=False)):
+            return None  # a matrix PEFT may wrap as a parameter (packed experts, a router)
+    if isinstance(targets, str):
+        if targets.lower() != "all-linear":
+            return None  # a regex
+        head = model.get_output_embeddings()
+        chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, linear) and m is not head]
+    else:
+        chosen = [(n, m) for n, m in model.named_modules()
+                  if n and any(n == t or n.endswith("." + t) for t in targets)]
+        if not chosen or not all(isinstance(m, linear) for _, m in chosen):
+            return None  # nothing matched (PEFT's own error), or a non-linear module
+    out = []
+    for n, m in chosen:
+        fan_in, fan_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else m.weight.shape
+        out.append((n, n, (1, int(fan_in), int(fan_out), 1)))
+    return out
+
+
+def _peft_lora(model, targets) -> list[tuple[str, str, tuple[int, int, int, int]]]:
+    """What PEFT adapts for ``targets``: applies it to ``model`` (on meta, rank 1; modifies it)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device("meta"), warnings.catch_warnings():
+        # PEFT asks transformers 5 for is_gradient_checkpointing, deprecated there: the
+        # FutureWarning is about PEFT's code, not the user's, so the planner keeps it quiet.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        pm = get_peft_model(model, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
+    out = []
+    for mname, module in pm.get_base_model().named_modules():
+        if not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):
+            continue
+        a = module.lora_A["default"].weight
+        b = module.lora_B["default"].weight
+        label = mname.replace(".base_layer", "")
+        if getattr(module, "parameter_name", None):  # LoRA on a packed parameter (MoE experts)
+            label = f"{label}:{module.parameter_name}"
+        out.append((mname, label, (int(a.shape[0]), int(a.shape[1]), int(b.shape[0]), int(b.shape[1]))))
+    return out
+
+
 def build_spec(config, *, name: str,
                lora_targets: tuple[str | tuple[str, ...], ...] = DEFAULT_LORA_TARGETS,
                text_model_of: str | None = None) -> ModelSpec:
@@ -267,10 +324,10 @@ def build_spec(config, *, name: str,
 
     ``text_model_of``: the class of the multimodal checkpoint whose text model ``config`` is.
     """
-    import peft
+    from importlib.metadata import version
+
     import torch
     import transformers
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from agilerl.distributed import block_kind, find_transformer_blocks, model_experts_problem
@@ -320,9 +377,8 @@ def build_spec(config, *, name: str,
             continue
         root_tensors.append((pname, _shape(p)))
 
-    # Everything about the base model is read above this line, so the first LoRA target
-    # spec can adapt this very model (building a 70B on meta costs ~0.6 s); later ones
-    # need a fresh one.
+    # Everything about the base model is read above this line, so PEFT may adapt this very
+    # model (building a 70B on meta costs ~0.6 s); a target spec after that needs a fresh one.
     import torch.nn as nn
 
     block_types: dict[str, BlockSpec] = {}
@@ -338,25 +394,18 @@ def build_spec(config, *, name: str,
 
     lora_by_block: list[dict[str, list[LoraShape]]] = [dict() for _ in blocks]
     lora_outside: dict[str, list[LoraShape]] = {}
-    for position, targets in enumerate(lora_targets):
+    base = model  # PEFT adapts the model it is given: after it, later target specs build a fresh one
+    for targets in lora_targets:
         key = ModelSpec._target_key(targets)
-        with torch.device("meta"), warnings.catch_warnings():
-            # PEFT asks transformers 5 for is_gradient_checkpointing, deprecated there: the
-            # FutureWarning is about PEFT's code, not the user's, so the planner keeps it quiet.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            fresh = model if position == 0 else AutoModelForCausalLM.from_config(config)
-            pm = get_peft_model(fresh, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
+        if base is None:
+            with torch.device("meta"):
+                base = AutoModelForCausalLM.from_config(config)
+        adapted = _plain_linear_lora(base, targets)
+        if adapted is None:
+            adapted, base = _peft_lora(base, targets), None
         per_block = [[] for _ in blocks]
         outside = []
-        for mname, module in pm.get_base_model().named_modules():
-            if not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):
-                continue
-            a = module.lora_A["default"].weight
-            b = module.lora_B["default"].weight
-            label = mname.replace(".base_layer", "")
-            if getattr(module, "parameter_name", None):  # LoRA on a packed parameter (MoE experts)
-                label = f"{label}:{module.parameter_name}"
-            shapes = (int(a.shape[0]), int(a.shape[1]), int(b.shape[0]), int(b.shape[1]))
+        for mname, label, shapes in adapted:
             index = in_block(mname + ".")
             if index is None:
                 outside.append((label, *shapes))
@@ -381,7 +430,7 @@ def build_spec(config, *, name: str,
         architecture=type(model).__name__,
         config_digest=config_digest(config_dict),
         transformers_version=transformers.__version__,
-        peft_version=peft.__version__,
+        peft_version=version("peft"),
         hidden_size=int(text_config.hidden_size),
         vocab_size=int(text_config.vocab_size),
         num_layers=len(blocks),

@@ -43,8 +43,8 @@ _LAZY = {
     # sharding
     "apply_fsdp2": "_fsdp",
     "apply_activation_checkpointing": "_fsdp",
-    "find_transformer_blocks": "_fsdp",
-    "block_kind": "_fsdp",
+    "find_transformer_blocks": "_blocks",
+    "block_kind": "_blocks",
     "fsdp_layout": "_fsdp",
     "FSDPLayout": "_fsdp",
     "set_gradient_sync": "_fsdp",
@@ -93,12 +93,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ._blocks import block_kind, find_transformer_blocks  # noqa: F401
     from ._fsdp import (  # noqa: F401
         FSDPLayout,
         apply_activation_checkpointing,
         apply_fsdp2,
-        block_kind,
-        find_transformer_blocks,
         fsdp_layout,
         set_gradient_sync,
     )

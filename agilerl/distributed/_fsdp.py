@@ -42,6 +42,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from ._blocks import block_kind, find_transformer_blocks, unwrap_checkpointed
 from ._config import FSDPConfig
 from ._moe import (
     EP_AXIS,
@@ -78,57 +79,6 @@ _CKPT_PREFIX = "_checkpoint_wrapped_module."
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for an FSDPConfig dtype name."""
     return getattr(torch, name)
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, "_checkpoint_wrapped_module", module)
-
-
-def block_kind(block: nn.Module) -> str:
-    """A block's kind: its ``block_type``, else its ``layer_type`` (hybrid models in
-    transformers 5, e.g. 'linear_attention' / 'full_attention'), else its class name."""
-    inner = _unwrap(block)
-    for attr in ("block_type", "layer_type"):
-        kind = getattr(inner, attr, None)
-        if isinstance(kind, str) and kind:
-            return kind
-    return type(inner).__name__
-
-
-def _no_split_names(model: nn.Module) -> set[str]:
-    names: set[str] = set()
-    for module in model.modules():
-        value = getattr(module, "_no_split_modules", None)
-        if value:
-            names.update(value)
-    return names
-
-
-def find_transformer_blocks(model: nn.Module) -> tuple[nn.ModuleList, list[nn.Module]]:
-    """The ModuleList holding the transformer blocks, and its blocks in order.
-
-    Blocks are the classes a Hugging Face model lists in ``_no_split_modules``;
-    without that hint, the longest ModuleList of same-class modules.
-    """
-    block_names = _no_split_names(model)
-    best: nn.ModuleList | None = None
-    for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        # Class names along the MRO: fully_shard swaps a block's class for FSDP<Name>.
-        kinds = {c.__name__ for m in module for c in type(_unwrap(m)).__mro__}
-        if block_names and not kinds & block_names:
-            continue
-        if not block_names and len({type(_unwrap(m)).__name__ for m in module}) != 1:
-            continue
-        if best is None or len(module) > len(best):
-            best = module
-    if best is None:
-        raise ValueError(
-            f"could not find the transformer blocks of {type(model).__name__}: no nn.ModuleList of "
-            f"{sorted(block_names) or 'same-class modules'}"
-        )
-    return best, list(best)
 
 
 #: Attribute names of per-layer embedding tables (PLE) that shard as their own unit.
@@ -346,7 +296,7 @@ def _install_replicated_casts(model: nn.Module, layout: FSDPLayout, ignored: set
     and the head; anything else belongs to the root.
     """
     names = {id(m): n for n, m in model.named_modules()}
-    unit_modules = [_unwrap(m) for m in containers_in_order]
+    unit_modules = [unwrap_checkpointed(m) for m in containers_in_order]
     prefixes = sorted(((names[id(m)], m) for m in unit_modules), key=lambda x: -len(x[0]))
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

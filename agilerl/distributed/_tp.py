@@ -72,7 +72,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ._fsdp import find_transformer_blocks
+from ._blocks import find_transformer_blocks
 from ._runtime import require_process_group
 
 __all__ = [
