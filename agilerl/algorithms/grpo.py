@@ -495,6 +495,8 @@ class GRPO(LLMAlgorithm):
 
         units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
         before = [_reshards_after_forward(m, self.fsdp_config.reshard_after_forward) for m in units]
+        for m in units:  # left gathered by a no-grad forward under reshard_after_forward=False
+            m.reshard()
         # Found before anything is gathered (a gathered unit holds plain tensors): the sharded
         # adapted weights, folded into their gathered copies, and the replicated ones (below the
         # persistence threshold), which generate on merged copies as unsharded.

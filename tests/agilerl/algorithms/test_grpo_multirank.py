@@ -276,12 +276,16 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
 
 @cases.case
 def fsdp_gather_once_generates_with_lora_merged_and_leaves_the_shards_as_they_were(ctx):
+    from torch.distributed.fsdp import FSDPModule
+
     from agilerl.algorithms.core.adapters import ACTOR, tuner_layers, use_adapter
 
     # Every base weight sharded (folded into its gathered copy), then the attention's replicated
-    # (32 x 32 and smaller, below a threshold of 1100: merged copies) beside the MLP's sharded ones.
-    for threshold in (0, 1100):
-        config = FSDPConfig(**{**FP32_SHARDED, "param_persistence_threshold": threshold})
+    # (32 x 32 and smaller, below a threshold of 1100: merged copies) beside the MLP's sharded ones;
+    # and with reshard_after_forward=False, where the unmerged forward below leaves every unit gathered.
+    for threshold, reshard in ((0, True), (1100, True), (0, False)):
+        config = FSDPConfig(**{**FP32_SHARDED, "param_persistence_threshold": threshold,
+                               "reshard_after_forward": reshard})
         agent = make_agent(fsdp_config=config, gather_weights_for_rollout=True, max_output_tokens=6)
         _learn(agent)  # a non-zero adapter to fold in
         params = dict(agent.model.named_parameters())
@@ -291,14 +295,22 @@ def fsdp_gather_once_generates_with_lora_merged_and_leaves_the_shards_as_they_we
             ".base_layer.weight" in n for n in params)), (threshold, replicated)
         ids = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
         agent.model.eval()
+        copied = []  # the layers generating on merged copies: only the replicated ones, the rest fold in place
+        copies = agent._merged_copies_for_rollout
+        agent._merged_copies_for_rollout = lambda layers=None: (copied.extend(layers or []), copies(layers))[1]
         with torch.no_grad(), use_adapter(agent.model, ACTOR):
             unmerged = agent.model(input_ids=ids).logits  # unit by unit, the adapters beside the base
             with agent._gathered_for_rollout():
                 merged_layers = [layer for layer in tuner_layers(agent.model) if layer.merged]
                 merged = agent.model(input_ids=ids).logits
+        del agent._merged_copies_for_rollout
+        assert len(copied) == len({n.rsplit(".base_layer", 1)[0] for n in replicated}), (threshold, reshard)
         with torch.no_grad(), use_adapter(agent.model, None):
             base = agent.model(input_ids=ids).logits
         agent.model.train()
+        for m in agent.model.modules():  # reshard_after_forward=False: the base forward left its units gathered
+            if isinstance(m, FSDPModule):
+                m.reshard()
         assert len(merged_layers) == len(tuner_layers(agent.model)) > 0, threshold  # sharded and replicated
         torch.testing.assert_close(merged, unmerged, atol=2e-5, rtol=1e-5)
         assert (base - unmerged).abs().max() > 1e-3  # the adapter matters, so the comparison means something
