@@ -78,7 +78,29 @@ def _finish(times: dict[str, list[float]]) -> dict:
 
 
 # -- this project's trainer ---------------------------------------------------------------------
-def run_ours(steps: int, dtype: str, checkpointing: bool, fsdp: bool = False) -> dict:
+def planned_fsdp_config(dtype: str, checkpointing: bool, world: int):
+    """The FSDPConfig the planner picks for this very run under FSDP2 (``agilerl-plan MODEL
+    --gpus 2 --sharding fsdp`` with the run's workload): what a user who asks for FSDP2 and
+    leaves its fields to the estimate gets."""
+    from agilerl.algorithms.core.autoplan import visible_cluster
+    from planner.calibration import coefficients_for
+    from planner.choose import plan
+    from planner.models import load_model_spec
+    from planner.workload import Workload
+
+    workload = Workload(prompts_per_step=PROMPTS * world, group_size=GROUP, prompt_tokens=PROMPT_TOKENS,
+                        completion_tokens=NEW_TOKENS, micro_batch_size_per_gpu=GROUP * PROMPTS,
+                        gradient_checkpointing=checkpointing, lora_rank=RANK, lora_alpha=2 * RANK,
+                        lora_targets="all-linear", beta=BETA, weights_dtype=dtype)
+    cluster = visible_cluster(world)
+    result = plan(load_model_spec(MODEL, lora_targets="all-linear"), workload, cluster, sharding="fsdp",
+                  fixed={"param_dtype": dtype}, coefficients=coefficients_for(cluster.gpu))
+    return result.fsdp
+
+
+def run_ours(steps: int, dtype: str, checkpointing: bool, fsdp: str | None = None) -> dict:
+    """``fsdp``: None (data parallel, or one process), "planned" (the planner's FSDPConfig for
+    this run) or "default" (``FSDPConfig()`` with the run's dtype)."""
     import contextlib
 
     import torch
@@ -90,7 +112,10 @@ def run_ours(steps: int, dtype: str, checkpointing: bool, fsdp: bool = False) ->
     init_distributed()
     source = _model_dir()
     tokenizer = load_tokenizer(source)
-    config = FSDPConfig(param_dtype=dtype, reduce_dtype="float32") if fsdp else None
+    if fsdp == "planned":
+        config = planned_fsdp_config(dtype, checkpointing, int(os.environ.get("WORLD_SIZE", "1")))
+    else:
+        config = FSDPConfig(param_dtype=dtype, reduce_dtype="float32") if fsdp == "default" else None
     agent = GRPO(source, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id, pad_token=tokenizer.pad_token,
                  lora_config=_lora(), batch_size=PROMPTS, group_size=GROUP, max_output_tokens=NEW_TOKENS,
                  beta=BETA, lr=LR, dtype=dtype, device="cpu", attn_implementation="sdpa",
@@ -126,6 +151,9 @@ def run_ours(steps: int, dtype: str, checkpointing: bool, fsdp: bool = False) ->
     assert int(masks.sum(dim=1).min()) == NEW_TOKENS, "completions came out shorter than NEW_TOKENS"
     result = _finish(times)
     result["gather_weights_for_rollout"] = agent.gather_weights_for_rollout  # "auto", as the estimate chose
+    if config is not None:
+        default = FSDPConfig().model_dump(mode="json")
+        result["fsdp_config"] = {k: v for k, v in config.model_dump(mode="json").items() if v != default[k]}
     return result if is_main_process() else {}
 
 
@@ -209,7 +237,8 @@ def run_trl(steps: int, dtype: str, checkpointing: bool) -> dict:
 # -- driver --------------------------------------------------------------------------------------
 def _spawn(which: str, args, ranks: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    worker = [str(Path(__file__).resolve()), "--worker", which, "--steps", str(args.steps), "--dtype", args.dtype]
+    worker = [str(Path(__file__).resolve()), "--worker", which, "--steps", str(args.steps), "--dtype", args.dtype,
+              "--fsdp-config", args.fsdp_config]
     if args.gradient_checkpointing:
         worker.append("--gradient-checkpointing")
     if ranks > 1:
@@ -256,13 +285,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on in both trainers (default off)")
     parser.add_argument("--ranks", type=int, default=1, help="2: also FSDP2 against data parallel on 2 gloo ranks")
+    parser.add_argument("--fsdp-config", default="planned", choices=["planned", "default"],
+                        help="FSDP2 side of --ranks: the planner's FSDPConfig for this run (default), "
+                             "or FSDPConfig() with the run's dtype")
     parser.add_argument("--worker", choices=["ours", "trl", "dp", "fsdp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run = {"ours": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing),
                "trl": lambda: run_trl(args.steps, args.dtype, args.gradient_checkpointing),
                "dp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing),
-               "fsdp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing, fsdp=True)}
+               "fsdp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing, fsdp=args.fsdp_config)}
         result = run[args.worker]()
         if result:
             print("RESULT " + json.dumps(result), flush=True)
@@ -292,8 +324,9 @@ def main() -> None:
             for name in (("fsdp2", "dp") if i % 2 == 0 else ("dp", "fsdp2")):
                 runs[name].append(_spawn("fsdp" if name == "fsdp2" else "dp", args, ranks=args.ranks))
                 print(f"  pair {i + 1} {name}: step {runs[name][-1]['step']:.3f} s", flush=True)
-        _table(f"this trainer on {args.ranks} gloo ranks (per-rank batch as above), median seconds per step",
-               ("fsdp2", "dp"), runs)
+        chosen = ", ".join(f"{k}={v}" for k, v in runs["fsdp2"][0].get("fsdp_config", {}).items())
+        _table(f"this trainer on {args.ranks} gloo ranks (per-rank batch as above), median seconds per step; "
+               f"FSDP2 with the {args.fsdp_config} FSDPConfig ({chosen or 'all defaults'})", ("fsdp2", "dp"), runs)
 
 
 if __name__ == "__main__":
