@@ -3,6 +3,7 @@
     pip install -e ".[bench]"            # TRL; never a runtime dependency
     python benchmarks/vs_trl.py [--pairs 5] [--steps 3] [--dtype float32] [--gradient-checkpointing]
     python benchmarks/vs_trl.py --ranks 2   # also: FSDP2 against data parallel on 2 gloo ranks
+    python benchmarks/vs_trl.py --ranks 2 --ranks-only --fsdp-config default   # FSDP2 as FSDPConfig()
 
 Both trainers get the same tiny random 4-layer Qwen2 (hidden 256, written once to a local
 directory), the same character tokenizer object, LoRA r=16 on every linear (dropout 0), the
@@ -26,6 +27,9 @@ FSDP2 on units gathered once).
 
 With ``--ranks 2`` it also runs this trainer on 2 gloo ranks under torchrun, data parallel
 against FSDP2, on the same global batch (8 completions per rank), and prints the FSDP2/DP ratio.
+FSDP2 runs with the FSDPConfig the planner picks for this run (``agilerl-plan MODEL --gpus 2
+--sharding fsdp``: what a user who asks for FSDP2 and leaves its fields to the estimate gets),
+or with ``--fsdp-config default`` as ``FSDPConfig()`` (every unit resharded after its forward).
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ def planned_fsdp_config(dtype: str, checkpointing: bool, world: int):
     from planner.models import load_model_spec
     from planner.workload import Workload
 
-    workload = Workload(prompts_per_step=PROMPTS * world, group_size=GROUP, prompt_tokens=PROMPT_TOKENS,
-                        completion_tokens=NEW_TOKENS, micro_batch_size_per_gpu=GROUP * PROMPTS,
+    workload = Workload(prompts_per_step=PROMPTS, group_size=GROUP, prompt_tokens=PROMPT_TOKENS,
+                        completion_tokens=NEW_TOKENS, micro_batch_size_per_gpu=GROUP * PROMPTS // world,
                         gradient_checkpointing=checkpointing, lora_rank=RANK, lora_alpha=2 * RANK,
                         lora_targets="all-linear", beta=BETA, weights_dtype=dtype)
     cluster = visible_cluster(world)
@@ -288,6 +292,7 @@ def main() -> None:
     parser.add_argument("--fsdp-config", default="planned", choices=["planned", "default"],
                         help="FSDP2 side of --ranks: the planner's FSDPConfig for this run (default), "
                              "or FSDPConfig() with the run's dtype")
+    parser.add_argument("--ranks-only", action="store_true", help="with --ranks: only FSDP2 against data parallel")
     parser.add_argument("--worker", choices=["ours", "trl", "dp", "fsdp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -313,11 +318,12 @@ def main() -> None:
           f"{'on' if args.gradient_checkpointing else 'off'}, OMP_NUM_THREADS=1; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, trl {trl.__version__}; {args.pairs} pairs x {args.steps} steps")
     runs: dict[str, list[dict]] = {"agilerl": [], "trl": []}
-    for i in range(args.pairs):
+    for i in range(0 if args.ranks_only and args.ranks > 1 else args.pairs):
         for name in (("agilerl", "trl") if i % 2 == 0 else ("trl", "agilerl")):
             runs[name].append(_spawn("ours" if name == "agilerl" else "trl", args))
             print(f"  pair {i + 1} {name}: step {runs[name][-1]['step']:.3f} s", flush=True)
-    _table("one process, median seconds per step", ("agilerl", "trl"), runs)
+    if runs["agilerl"]:
+        _table("one process, median seconds per step", ("agilerl", "trl"), runs)
     if args.ranks > 1:
         runs = {"fsdp2": [], "dp": []}
         for i in range(args.pairs):
@@ -325,7 +331,7 @@ def main() -> None:
                 runs[name].append(_spawn("fsdp" if name == "fsdp2" else "dp", args, ranks=args.ranks))
                 print(f"  pair {i + 1} {name}: step {runs[name][-1]['step']:.3f} s", flush=True)
         chosen = ", ".join(f"{k}={v}" for k, v in runs["fsdp2"][0].get("fsdp_config", {}).items())
-        _table(f"this trainer on {args.ranks} gloo ranks (per-rank batch as above), median seconds per step; "
+        _table(f"this trainer on {args.ranks} gloo ranks (the same global batch), median seconds per step; "
                f"FSDP2 with the {args.fsdp_config} FSDPConfig ({chosen or 'all defaults'})", ("fsdp2", "dp"), runs)
 
 
