@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._tune_space import Candidate, Space, suggest_candidate
-from .hardware import Cluster
+from .hardware import Cluster, fmt_bytes
 from .memory import Coefficients, estimate
 from .probe import Measurement, ProbeRequest
 from .spec import ModelSpec
@@ -42,11 +42,6 @@ CONSTRAINT_KEY = "constraint"
 INFEASIBLE_FAILURE = 1.0
 STATUSES = ("fits", "over_budget", "rejected", "oom", "crashed", "repeat", "interrupted")
 
-MIB = 2**20
-
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MIB:.2f} MiB"
 
 
 def set_constraint(trial: Any, value: float) -> None:
@@ -113,8 +108,8 @@ class Objective:
             return self._repeat(trial, earlier)
         if est.peak_bytes > self.budget_bytes:  # the gate of admits()
             trial.set_user_attr("status", "rejected")
-            trial.set_user_attr("why", f"estimated peak {_fmt_bytes(est.peak_bytes)} in {est.peak_phase} over the "
-                                       f"{_fmt_bytes(self.budget_bytes)} budget: not launched")
+            trial.set_user_attr("why", f"estimated peak {fmt_bytes(est.peak_bytes)} in {est.peak_phase} over the "
+                                       f"{fmt_bytes(self.budget_bytes)} budget: not launched")
             set_constraint(trial, (est.peak_bytes - self.limit_bytes) / self.budget_bytes)
             return 0.0
         request = self.request.model_copy(update={"workload": candidate.workload, "fsdp": candidate.fsdp})
@@ -152,8 +147,8 @@ class Objective:
         violation = (m.peak_bytes - self.limit_bytes) / self.budget_bytes
         if violation > 0:
             trial.set_user_attr("status", "over_budget")
-            trial.set_user_attr("why", f"measured peak {_fmt_bytes(m.peak_bytes)} in {m.peak_phase} over the "
-                                       f"{_fmt_bytes(self.limit_bytes)} limit (budget less the margin)")
+            trial.set_user_attr("why", f"measured peak {fmt_bytes(m.peak_bytes)} in {m.peak_phase} over the "
+                                       f"{fmt_bytes(self.limit_bytes)} limit (budget less the margin)")
         else:
             trial.set_user_attr("status", "fits")
         set_constraint(trial, violation)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fmt_bytes", "progress_line", "trials_table", "trial_json", "KNOB_LABELS"]
+from .hardware import fmt_bytes
+
+__all__ = ["progress_line", "trials_table", "trial_json", "KNOB_LABELS"]
 
 #: Short column labels for the tuned knobs.
 KNOB_LABELS = {
@@ -19,12 +21,6 @@ KNOB_LABELS = {
     "gradient_checkpointing": "ckpt",
     "logprob_chunk_size": "chunk",
 }
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _state(t: Any) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ._tune_calibrate import CalibrationReport, calibrate
 from ._tune_objective import Objective
-from ._tune_report import fmt_bytes, progress_line
+from ._tune_report import progress_line
 from ._tune_space import Candidate, grid, plan_params, search_space
 from ._tune_storage import (
     DEFAULT_STORAGE,
@@ -40,7 +40,7 @@ from ._tune_study import (
     run_trials,
 )
 from .choose import Decision, Plan, plan
-from .hardware import Cluster
+from .hardware import MARGIN_FRACTION, Cluster, fmt_bytes
 from .memory import Coefficients
 from .probe import Measurement, ProbeRequest
 from .spec import ModelSpec
@@ -182,7 +182,7 @@ def tune(
     fixed: dict[str, Any],
     coefficients: Coefficients | None,
     sharding: str = "auto",
-    margin_fraction: float = 0.05,
+    margin_fraction: float = MARGIN_FRACTION,
     device: str = "cpu",
     max_trials: int = 20,
     timeout_s: float | None = None,

@@ -23,14 +23,13 @@ and names the smallest changes that would.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from agilerl.distributed import FSDPConfig
 
-from .hardware import Cluster
+from .hardware import GIB, MARGIN_FRACTION, Cluster
 from .memory import (
     EXPERT_CHUNKS_MIB,
     Coefficients,
@@ -53,7 +52,6 @@ LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 VLLM_UTILIZATIONS = tuple(round(0.9 - 0.05 * i, 2) for i in range(17))
 #: vLLM's own max_num_seqs default, the most the planner picks.
 VLLM_MAX_NUM_SEQS = 256
-GIB = 2**30
 
 
 class Decision(BaseModel):
@@ -192,7 +190,7 @@ def plan(
     colocated_vllm: bool | None = None,
     coefficients: Coefficients | None = None,
     coefficients_source: str | None = None,
-    margin_fraction: float = 0.05,
+    margin_fraction: float = MARGIN_FRACTION,
     suggest: bool = True,
 ) -> Plan:
     """Choose FSDPConfig fields and workload knobs the user left open.
@@ -410,7 +408,7 @@ def plan(
 
 
 def suggest_fixes(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any] | None = None,
-                  coefficients: Coefficients | None = None, margin_fraction: float = 0.05) -> list[str]:
+                  coefficients: Coefficients | None = None, margin_fraction: float = MARGIN_FRACTION) -> list[str]:
     """The smallest changes that would make a plan fit (what plan() reports when nothing does)."""
     return _suggest(spec, workload, cluster, coefficients, int(cluster.gpu.memory_bytes * margin_fraction),
                     dict(fixed or {}))
@@ -486,7 +484,3 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
     if not out:
         out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
     return out
-
-
-def _fits_ratio(est: Estimate) -> float:
-    return est.peak_bytes / est.capacity_bytes if est.capacity_bytes else math.inf

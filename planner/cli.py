@@ -17,11 +17,11 @@ from agilerl.distributed import FSDPConfig
 from agilerl.utils.cli import ArgumentParser, margin_fraction, positive_float, positive_int
 
 from ._cli_fields import add_fields, collect_fields, flag_name
+from .hardware import GIB
 from .workload import Workload
 
 __all__ = ["main"]
 
-GIB = 2**30
 
 
 def _probe_parser() -> argparse.ArgumentParser:
@@ -140,7 +140,7 @@ def _check_output(path: str | None) -> None:
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from .hardware import GPUS
+    from .hardware import GPUS, MARGIN_FRACTION
 
     parser = ArgumentParser(
         prog="agilerl-plan",
@@ -159,7 +159,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="GPU memory in GiB (overrides the catalog figure of --gpu)")
     parser.add_argument("--sharding", choices=["auto", "fsdp", "none"], default="auto",
                         help="auto: data parallel when the actor fits on each GPU, else FSDP2")
-    parser.add_argument("--margin", type=margin_fraction, default=0.05,
+    parser.add_argument("--margin", type=margin_fraction, default=MARGIN_FRACTION,
                         help="safety margin, fraction of GPU memory in [0, 1)")
     parser.add_argument("--format", choices=["table", "json", "yaml", "python"], default="table")
     parser.add_argument("--output", metavar="MANIFEST", help="write the manifest YAML for `agilerl.train` here")
@@ -226,16 +226,14 @@ def plan_main(argv: list[str]) -> int:
 
             check_tune_arguments(args)
     except (KeyError, ValidationError, ValueError) as err:
-        print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
-        return 2
+        return _bad_input(err)
     try:
         spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)
         from .choose import check_inputs
 
         check_inputs(spec, workload, cluster, fixed, args.sharding)
     except (ModelNotFound, ValueError) as err:
-        print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
-        return 2
+        return _bad_input(err)
     if args.tune:
         from .tune import tune_main
 
@@ -246,8 +244,7 @@ def plan_main(argv: list[str]) -> int:
                       coefficients=coefficients_for(gpu), coefficients_source=coefficients_source(gpu),
                       margin_fraction=args.margin)
     except ValueError as err:
-        print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
-        return 2
+        return _bad_input(err)
     if raised is not None:
         result = result.model_copy(update={"decisions": (*result.decisions, raised)})
     if args.format == "json":
@@ -267,6 +264,12 @@ def plan_main(argv: list[str]) -> int:
         if args.format == "table":
             print(f"\nmanifest written to {args.output}")
     return 0 if result.fits else 3
+
+
+def _bad_input(err: Exception) -> int:
+    """Bad input: one line on stderr, exit status 2."""
+    print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
+    return 2
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -7,13 +7,12 @@ from typing import Any
 from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
+from .hardware import GIB, MIB
 from .memory import Estimate
 from .names import COMPONENTS, PHASES
 
 __all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
 
-GIB = 2**30
-MIB = 2**20
 
 
 def _unit(capacity: int) -> tuple[str, int]:

@@ -14,10 +14,21 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE", "MAX_GPUS"]
+__all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE", "MAX_GPUS", "MARGIN_FRACTION", "GIB", "MIB",
+           "fmt_bytes", "gpu_for_device"]
+
+#: Share of each GPU's memory a plan keeps free (the default of plan(), the CLI's --margin and the tuner).
+MARGIN_FRACTION = 0.05
 
 GIB = 2**30
 MIB = 2**20
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1.23 GiB`` from a GiB up, else ``45.60 MiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.2f} MiB"
 #: The most trainer GPUs a plan takes (2**17, above the largest training clusters built): more is a typo.
 MAX_GPUS = 2**17
 
@@ -71,6 +82,25 @@ def gpu_by_name(name: str) -> GPU:
         return GPUS[aliases[key]]
     close = difflib.get_close_matches(name, list(GPUS), n=3, cutoff=0.3)
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+
+
+def gpu_for_device(device_name: str) -> GPU | None:
+    """The catalog GPU a device reports itself as (``torch.cuda.get_device_properties().name``,
+    e.g. "NVIDIA A100-SXM4-40GB", "NVIDIA GeForce RTX 4090"), or None: every word of the
+    catalog name must be one of the device's words, so an RTX A6000 is not an RTX-4090 and an
+    L40S is not an L4; failing that, the one catalog GPU whose model number (its first word,
+    when that has a digit) is (an "H100 PCIe" is the H100-80GB; an A100 that does not say its
+    memory is neither A100, an RTX 3090 no RTX-4090)."""
+    import re
+
+    def split(name: str) -> list[str]:
+        return re.findall(r"[a-z0-9]+", name.lower())
+
+    words = set(split(device_name))
+    whole = [gpu for name, gpu in GPUS.items() if set(split(name)) <= words]
+    first = [gpu for name, gpu in GPUS.items()
+             if any(c.isdigit() for c in split(name)[0]) and split(name)[0] in words]
+    return whole[0] if whole else first[0] if len(first) == 1 else None
 
 
 class Cluster(BaseModel):

@@ -1,6 +1,7 @@
 """Phase and component names shared by the CLI, the JSON output, the TUI and the probe.
 
-A contract: change a name only deliberately, with its tests (tests/planner/test_names.py).
+A contract: change a name only deliberately, with its tests (test_phases_and_components_use_the_shared_names in
+tests/planner/test_memory.py, and the TUI's and CLI's tests that read them).
 """
 
 PHASES = ("load", "rollout", "reference", "learn", "step", "save", "sync")

@@ -32,7 +32,7 @@ from ._tune_report import trial_json, trials_table
 from ._tune_run import TuneResult, probe_model, tune, tuned_plan
 from ._tune_space import Candidate, Space, grid, search_space, suggest_candidate
 from ._tune_storage import DEFAULT_STORAGE, open_storage
-from .hardware import CPU_DEVICE, Cluster
+from .hardware import CPU_DEVICE, MARGIN_FRACTION, Cluster
 from .memory import Coefficients
 from .probe import Measurement, ProbeRequest
 from .spec import ModelSpec
@@ -42,7 +42,6 @@ __all__ = ["add_tune_arguments", "check_tune_arguments", "tune_main", "tune", "T
            "search_space", "suggest_candidate", "grid", "open_storage", "probe_model", "tuned_plan",
            "CalibrationReport", "DEFAULT_STORAGE"]
 
-GIB = 2**30
 
 
 def _default_device() -> str:
@@ -97,7 +96,7 @@ def tune_main(
     try:
         result = tune(
             spec=spec, model=model, workload=workload, cluster=cluster, fixed=fixed, coefficients=coefficients,
-            sharding=getattr(args, "sharding", "auto"), margin_fraction=getattr(args, "margin", 0.05),
+            sharding=getattr(args, "sharding", "auto"), margin_fraction=getattr(args, "margin", MARGIN_FRACTION),
             device=device, max_trials=args.trials, timeout_s=args.timeout, storage=args.storage,
             study_name=args.study_name, trial_timeout_s=args.trial_timeout, timed_steps=args.timed_steps,
             generate=False if args.skip_rollout else None, seed=args.seed,

@@ -18,14 +18,13 @@ from pydantic import BaseModel
 
 from agilerl.distributed import FSDPConfig
 from agilerl.distributed._config import DTYPE_NAMES  # not re-exported by agilerl.distributed
-from planner.hardware import GPU, GPUS, Cluster, gpu_by_name
+from planner.hardware import GIB, GPU, GPUS, Cluster, gpu_by_name
 from planner.workload import Workload
 
 __all__ = ["AUTO", "GIB", "Knob", "KnobErrors", "initial_values", "knob_table", "parse"]
 
 AUTO = "auto"
 NONE = "none"
-GIB = 2**30
 Kind = Literal["int", "float", "text", "choice", "flag"]
 
 #: Workload fields in the order the panel shows them: the everyday ones first.

@@ -15,8 +15,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MIB = 2**20
-GIB = 2**30
+from ..hardware import GIB, MIB
 
 
 class Coefficients(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agilerl.distributed import FSDPConfig
 
-from ..hardware import Cluster
+from ..hardware import MARGIN_FRACTION, Cluster
 from ..spec import ModelSpec
 from ..workload import Workload
 from ._coefficients import Coefficients
@@ -15,8 +15,6 @@ from ._result import Estimate
 
 #: What FSDPConfig.routed_expert_chunk_mib=None picks from, as documented: the largest that fits.
 EXPERT_CHUNKS_MIB = (64, 128, 256, 512)
-#: Share of a GPU the chunk resolution (and plan()) keeps free.
-MARGIN_FRACTION = 0.05
 
 
 def estimate(

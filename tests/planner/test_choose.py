@@ -279,3 +279,16 @@ def test_the_fraction_never_starves_the_engine_of_its_own_weights():
     floor = vllm_floor(spec, result.workload, cluster, result.fsdp) / cluster.gpu.memory_bytes
     assert floor > 0.6
     assert result.workload.vllm_gpu_memory_utilization >= floor
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA H100 PCIe", "H100-80GB"), ("NVIDIA H200", "H200"),
+    ("NVIDIA GeForce RTX 4090", "RTX-4090"), ("NVIDIA L4", "L4"), ("AMD Instinct MI300X", "MI300X"),
+    ("NVIDIA RTX A6000", None), ("NVIDIA L40S", None), ("NVIDIA A100-SXM4", None), ("NVIDIA GeForce RTX 3090", None),
+])
+def test_a_device_name_finds_its_catalog_gpu_and_no_other(device, expected):
+    from planner.hardware import gpu_for_device
+
+    found = gpu_for_device(device)
+    assert (found.name if found else None) == expected

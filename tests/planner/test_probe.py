@@ -28,7 +28,7 @@ def _expected_local_bytes(world: int) -> dict[int, dict[str, int]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from agilerl.algorithms.core.loading import parse_tiny
+    from agilerl.utils.sources import parse_tiny
     from agilerl.utils.tiny import char_tokenizer, tiny_config
 
     arch, kw = parse_tiny(MODEL)

@@ -29,13 +29,13 @@ def _host_available_bytes() -> int:
 
 def visible_cluster(world_size: int):
     """The cluster this process can see: world size, GPUs per node, this device's memory."""
-    from planner.hardware import CPU_DEVICE, GPU, GPUS, Cluster
+    from planner.hardware import CPU_DEVICE, GPU, Cluster, gpu_for_device
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         name = props.name
-        match = next((g for key, g in GPUS.items() if key.split("-")[0].lower() in name.lower()), None)
+        match = gpu_for_device(name)
         gpu = GPU(name=name, memory_bytes=int(props.total_memory),
                   cuda_context_bytes=match.cuda_context_bytes if match else GPU.model_fields["cuda_context_bytes"].default,
                   source="visible device")

@@ -297,7 +297,11 @@ def fsdp_gather_once_generates_with_lora_merged_and_leaves_the_shards_as_they_we
         agent.model.eval()
         copied = []  # the layers generating on merged copies: only the replicated ones, the rest fold in place
         copies = agent._merged_copies_for_rollout
-        agent._merged_copies_for_rollout = lambda layers=None: (copied.extend(layers or []), copies(layers))[1]
+        def recording(layers=None, copied=copied, copies=copies):
+            copied.extend(layers or [])
+            return copies(layers)
+
+        agent._merged_copies_for_rollout = recording
         with torch.no_grad(), use_adapter(agent.model, ACTOR):
             unmerged = agent.model(input_ids=ids).logits  # unit by unit, the adapters beside the base
             with agent._gathered_for_rollout():
