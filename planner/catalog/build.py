@@ -14,7 +14,18 @@ import argparse
 import copy
 import sys
 
-from planner.catalog import INDEX_PATH, SPECS_DIR, CatalogEntry, content_key, entries, entry
+from planner.catalog import (
+    ENTRIES_JSON_PATH,
+    ENTRIES_PATH,
+    INDEX_PATH,
+    SPECS_DIR,
+    CatalogEntry,
+    content_key,
+    entries,
+    entries_digest,
+    entry,
+    parse_entries_yaml,
+)
 from planner.spec import ModelSpec, build_spec
 
 #: Fields that record the builder's library versions, not the model.
@@ -72,6 +83,12 @@ def relative_difference(built: int, published: int) -> float:
     return (built - published) / published
 
 
+def entries_json() -> dict:
+    """What ``_entries.json`` holds: entries.yaml parsed, and the digest of its text."""
+    text = ENTRIES_PATH.read_text(encoding="utf-8")
+    return {"entries_yaml_sha256": entries_digest(text), "entries": parse_entries_yaml(text)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner.catalog.build",
                                      description="Rebuild the catalog's shipped specs.")
@@ -97,19 +114,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{e.name:<36} {spec.total_params:>16,} {e.published_params:>16,} {diff:>+8.2%}",
               flush=True)
 
-    index = build_index(entries())
-    if args.check:
-        import json
+    import json
 
+    index = build_index(entries())
+    parsed = entries_json()
+    if args.check:
         shipped = json.loads(INDEX_PATH.read_text()) if INDEX_PATH.exists() else None
         if shipped != index:
             stale.append(INDEX_PATH.name)
+        if not ENTRIES_JSON_PATH.exists() or json.loads(ENTRIES_JSON_PATH.read_text()) != parsed:
+            stale.append(ENTRIES_JSON_PATH.name)
     else:
-        import json
-
         INDEX_PATH.write_text(json.dumps(index, sort_keys=True, indent=None) + "\n", encoding="utf-8")
+        ENTRIES_JSON_PATH.write_text(json.dumps(parsed, indent=None) + "\n", encoding="utf-8")
     if not args.names and not args.check:
-        keep = {e.spec_path for e in todo} | {INDEX_PATH}
+        keep = {e.spec_path for e in todo} | {INDEX_PATH, ENTRIES_JSON_PATH}
         for path in SPECS_DIR.glob("*.json"):
             if path not in keep:
                 path.unlink()

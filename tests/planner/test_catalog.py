@@ -84,7 +84,8 @@ def test_shipped_spec_equals_a_fresh_build(name):
 
 
 def test_spec_files_are_exactly_the_entries():
-    shipped = {p.name for p in catalog.SPECS_DIR.glob("*.json") if p != catalog.INDEX_PATH}
+    shipped = {p.name for p in catalog.SPECS_DIR.glob("*.json")
+               if p not in (catalog.INDEX_PATH, catalog.ENTRIES_JSON_PATH)}
     assert shipped == {catalog.entry(n).spec_path.name for n in NAMES}
 
 
@@ -146,12 +147,20 @@ def test_using_the_catalog_does_not_import_torch():
             "import planner.catalog as c\n"
             "specs = [c.load_spec(n) for n in c.names()]\n"
             "c.resolve('qwen2.5-7b'); c.suggest('qwen2-7b')\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'yaml') if m in sys.modules)\n"
             "print(len(specs), heavy)\n"
             "sys.exit(1 if heavy else 0)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.split()[0] == str(len(NAMES))
+
+
+def test_the_shipped_parse_of_entries_yaml_is_current():
+    from planner.catalog.build import entries_json
+
+    shipped = json.loads(catalog.ENTRIES_JSON_PATH.read_text())
+    assert shipped == entries_json(), "rebuild with `python -m planner.catalog.build`"
+    assert shipped["entries"] == catalog.parse_entries_yaml(catalog.ENTRIES_PATH.read_text())
 
 
 def test_build_check_mode_compares_without_writing(capsys):
