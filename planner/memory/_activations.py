@@ -202,7 +202,7 @@ def prefix_kv_bytes(ctx: Context, index: int, rows: int) -> int:
 def recorded_prefix_bytes(ctx: Context) -> int:
     """The prefix pass's recorded keys and values of every layer (its distinct prompts' rows),
     alive through the suffix pass: what a checkpointed block's recompute reads again."""
-    return sum(prefix_kv_bytes(ctx, i, ctx.prefix_rows) for i in range(ctx.spec.num_layers))
+    return sum(layers * prefix_kv_bytes(ctx, i, ctx.prefix_rows) for i, layers in ctx.layer_counts)
 
 
 def checkpointed_block_bytes(ctx: Context, tokens: int | None = None) -> int:
@@ -219,8 +219,8 @@ def kept_bytes(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | 
     checkpointed, else its saved tensors. ``recorded``: a prefix pass, whose checkpointed
     blocks also keep their recorded K and V alive (the recompute's cache argument)."""
     checkpoint = checkpointed_block_bytes(ctx, pass_.tokens if pass_ else None)
-    return [checkpoint + (prefix_kv_bytes(ctx, i, ctx.prefix_rows) if recorded else 0) if i in ctx.checkpointed
-            else blocks[ctx.representative[i]].saved for i in range(ctx.spec.num_layers)]
+    kv = {i: prefix_kv_bytes(ctx, i, ctx.prefix_rows) if recorded else 0 for i in ctx.distinct_layers}
+    return [checkpoint + kv[r] if i in ctx.checkpointed else blocks[r].saved for i, r in enumerate(ctx.representative)]
 
 
 def rotary_bytes(ctx: Context, tokens: int | None = None) -> int:

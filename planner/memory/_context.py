@@ -73,6 +73,7 @@ class Context:
     scores_materialised: bool  # eager attention
     distinct_layers: tuple[int, ...]  # the first layer of each block type
     representative: tuple[int, ...]  # per layer: the first layer of its block type
+    layer_counts: tuple[tuple[int, int], ...]  # (first layer of a block type, its layers), per type
     # The shared-prefix forward (agilerl.utils.shared_prefix), 0 / the row count where it does not run:
     prefix_split: int  # columns a learn / reference micro-batch runs once per distinct prompt
     prefix_rows: int  # distinct prompts in such a micro-batch (its prefix pass's rows)
@@ -200,6 +201,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         scores_materialised=workload.attn_implementation == "eager",
         distinct_layers=tuple(first.values()),
         representative=tuple(first[kind] for kind in spec.layers),
+        layer_counts=tuple((i, spec.layers.count(kind)) for kind, i in first.items()),
         prefix_split=split,
         prefix_rows=prefix_rows,
         rollout_prefix_rows=rollout_rows,

@@ -8,7 +8,7 @@ in backward), so the gathered set is a sliding window over that order.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._context import Context
 from ._units import Layout, Unit
@@ -25,6 +25,8 @@ class Gathered:
     order: tuple[OrderEntry, ...]  # forward gathering order, nested expert units apart
     largest_bytes: int  # the largest entry of ``order``
     buffer_bytes: int  # the allowance beside the backward's window
+    # in_flight's answers, by (prefetch, forward): an estimate asks a few, a plan tens of estimates
+    windows: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def unit_gathered_bytes(ctx: Context, unit: Unit) -> int:
@@ -73,6 +75,17 @@ def gather_buffer_bytes(ctx: Context, layout: Layout, unit_bytes: tuple[int, ...
 
 
 def build_gathered(ctx: Context, layout: Layout) -> Gathered:
+    """The layout's gathered sizes under ``ctx``: made once per layout and what they depend on
+    (kept in ``layout.sums``, as the static sums are)."""
+    key = ("gathered", ctx.sharded, ctx.compute_bytes, ctx.shard_group > 1,
+           (ctx.expert_group or ctx.shard_group) > 1, ctx.coefficients.all_gather_overlap)
+    found = layout.sums.get(key)
+    if found is None:
+        found = layout.sums[key] = _build_gathered(ctx, layout)
+    return found
+
+
+def _build_gathered(ctx: Context, layout: Layout) -> Gathered:
     unit_bytes = tuple(unit_gathered_bytes(ctx, u) for u in layout.units)
     root_bytes = unit_gathered_bytes(ctx, layout.root)
     order = gather_order(ctx, layout, unit_bytes)
@@ -117,6 +130,13 @@ def in_flight(ctx: Context, gathered: Gathered, prefetch: int, *, forward: bool)
         return 0
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes + gathered.buffer_bytes
+    found = gathered.windows.get((prefetch, forward))
+    if found is None:
+        found = gathered.windows[(prefetch, forward)] = _window(gathered, prefetch, forward)
+    return found
+
+
+def _window(gathered: Gathered, prefetch: int, forward: bool) -> int:
     direction = gathered.order if forward else reversed_with_parents(gathered.order)
     # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
     # a nested expert unit is gathered when its own forward or backward starts.

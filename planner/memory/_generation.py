@@ -17,10 +17,10 @@ def kv_cache_bytes(ctx: Context, tokens: int, rows: int | None = None) -> int:
     length capped at its window (``rows``: other than the rank's n completions)."""
     n, tp, p = ctx.completions_per_rank if rows is None else rows, ctx.tp, ctx.compute_bytes
     out = 0
-    for i in range(ctx.spec.num_layers):
+    for i, layers in ctx.layer_counts:  # the layers of a block type alike
         att = ctx.spec.block(i).attention
         length = min(tokens, att.sliding_window) if att.sliding_window else tokens
-        out += 2 * n * length * att.kv_dim // tp * p
+        out += layers * (2 * n * length * att.kv_dim // tp * p)
     return out
 
 

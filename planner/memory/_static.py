@@ -124,9 +124,13 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         prior = memory.trainable_elements * 4 if ctx.micro_batches > 1 else 0
         return GradientTerms(prior=prior, reducing=0, reduce_buffer=0)
     p, adapters = ctx.compute_bytes, ctx.num_adapters
-    unit_lora_full = max((sum(t.numel for t in u.lora if t.sharded) for u in layout.block_units), default=0) // adapters
+    if "lora_full" not in layout.sums:  # the largest block unit's sharded adapters, and all adapters
+        layout.sums["lora_full"] = (max((sum(t.numel for t in u.lora if t.sharded) for u in layout.block_units),
+                                        default=0), sum(t.numel for t in layout.lora_tensors))
+    largest_unit_lora, all_lora = layout.sums["lora_full"]
+    unit_lora_full = largest_unit_lora // adapters
     if ctx.micro_batches > 1:
-        trainable_full = sum(t.numel for t in layout.lora_tensors) // adapters
+        trainable_full = all_lora // adapters
         accumulated = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
         prior = trainable_full * accumulated if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
     else:

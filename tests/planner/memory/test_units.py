@@ -69,19 +69,21 @@ def test_a_reused_layout_gives_the_estimate_a_fresh_one_gives_on_every_catalog_m
     from planner.workload import Workload
 
     cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8, gpus_per_node=8)
-    sharded = FSDPConfig(wrap_every_n_blocks=2)
+    # the gathered sizes are kept per compute dtype, their windows per prefetch depth: vary both
+    configs = (None, FSDPConfig(wrap_every_n_blocks=2),
+               FSDPConfig(wrap_every_n_blocks=2, param_dtype="float32", prefetch_units=2, backward_prefetch_units=3))
     workloads = [Workload(), Workload(micro_batch_size_per_gpu=1, gradient_checkpointing=False, lora_rank=64)]
+    combos = [(fsdp, wl) for fsdp in configs for wl in workloads]
     seen = set()
     for name in catalog.names():
         spec = load_model_spec(name)
         if spec.name in seen:
             continue
         seen.add(spec.name)
-        for fsdp in (None, sharded):
-            fresh = []
-            for wl in workloads:
-                _units._LAYOUTS.clear()
-                fresh.append(estimate(spec, wl, cluster, fsdp).phases)
-            # The cache now holds the last workload's layout (LoRA rank 64): the first must not reuse it.
-            warm = [estimate(spec, wl, cluster, fsdp).phases for wl in workloads]
-            assert fresh == warm, (name, fsdp)
+        fresh = []
+        for fsdp, wl in combos:
+            _units._LAYOUTS.clear()
+            fresh.append(estimate(spec, wl, cluster, fsdp).phases)
+        # The cache now holds what the last combination made: the earlier ones must not reuse it.
+        warm = [estimate(spec, wl, cluster, fsdp).phases for fsdp, wl in combos]
+        assert fresh == warm, name
