@@ -10,7 +10,8 @@
 - the CLI cold for a catalog model (a fresh interpreter: the shipped spec, no torch);
 - the CLI for a config.json identical to a catalog entry's (it uses the shipped spec), and for one
   that is not (Qwen2.5-7B's with 30 layers): cold (empty spec cache: builds the spec on the meta
-  device, importing torch, transformers and peft) and warm (cached spec, no torch).
+  device, importing torch and transformers; PEFT only for targets beyond plain linears) and warm
+  (cached spec, no torch).
 """
 
 from __future__ import annotations
