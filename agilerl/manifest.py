@@ -27,7 +27,10 @@ class _Section(BaseModel):
 
 
 class AlgorithmSection(_Section):
-    name: Annotated[Literal["GRPO"], Field(description="LLM algorithm to train.")] = "GRPO"
+    name: Annotated[
+        Literal["GRPO", "CISPO", "GSPO", "LLMREINFORCE"],
+        Field(description="LLM algorithm to train (each with its own defaults for beta and the clip range)."),
+    ] = "GRPO"
     model_name: Annotated[
         str,
         Field(description="Local model directory, hub id, or a built-in tiny model such as "
@@ -39,9 +42,22 @@ class AlgorithmSection(_Section):
                           "of FSDPConfig fields; 'auto': the planner chooses."),
     ] = False
     group_size: Annotated[int, Field(ge=2, description="Completions per prompt.")] = 8
-    beta: Annotated[float, Field(ge=0.0, description="KL penalty weight against the reference policy.")] = 0.04
+    beta: Annotated[
+        float | None,
+        Field(ge=0.0, description="KL penalty weight against the reference policy; null: the algorithm's default "
+                                  "(GRPO and LLMREINFORCE 0.04, CISPO and GSPO 0)."),
+    ] = None
     lr: Annotated[float, Field(gt=0.0, description="AdamW learning rate of the LoRA actor.")] = 1e-5
-    clip_coef: Annotated[float, Field(gt=0.0, description="PPO-style ratio clip.")] = 0.2
+    clip_coef: Annotated[
+        float | None,
+        Field(gt=0.0, description="Ratio clip below (and above, for GRPO); null: the algorithm's default (GRPO 0.2, "
+                                  "GSPO 3e-4; CISPO and LLMREINFORCE take none)."),
+    ] = None
+    clip_coef_high: Annotated[
+        float | None,
+        Field(gt=0.0, description="CISPO: the importance weight's cap is 1 + this (default 4.0); GSPO: the sequence "
+                                  "ratio's upper clip (default 4e-4). Other algorithms take none."),
+    ] = None
     max_grad_norm: Annotated[float, Field(gt=0.0, description="Global gradient-norm clip.")] = 1.0
     update_epochs: Annotated[int, Field(ge=1, description="Optimizer passes over each batch.")] = 1
     temperature: Annotated[float, Field(gt=0.0, description="Sampling temperature (log-probs use the same).")] = 1.0
@@ -103,6 +119,21 @@ class AlgorithmSection(_Section):
                     for e in err.errors()
                 )) from None
         return value
+
+    @model_validator(mode="after")
+    def _clip_fields_of_the_algorithm(self) -> AlgorithmSection:
+        takes = {"GRPO": ("clip_coef",), "CISPO": ("clip_coef_high",), "GSPO": ("clip_coef", "clip_coef_high"),
+                 "LLMREINFORCE": ()}[self.name]
+        for field in ("clip_coef", "clip_coef_high"):
+            if getattr(self, field) is not None and field not in takes:
+                raise ValueError(f"{field}: {self.name} takes " + (" and ".join(takes) or "no clip coefficient"))
+        if self.name == "LLMREINFORCE" and self.update_epochs != 1:
+            raise ValueError(f"update_epochs: LLMREINFORCE is on-policy, so 1 (got {self.update_epochs})")
+        return self
+
+    def algorithm_kwargs(self) -> dict[str, Any]:
+        """beta and the clip coefficients that were given (the algorithm's own defaults otherwise)."""
+        return {k: getattr(self, k) for k in ("beta", "clip_coef", "clip_coef_high") if getattr(self, k) is not None}
 
     @model_validator(mode="after")
     def _offload_needs_vllm(self) -> AlgorithmSection:

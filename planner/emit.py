@@ -10,6 +10,7 @@ from .choose import Plan
 from .hardware import GIB, MIB
 from .memory import Estimate
 from .names import COMPONENTS, PHASES
+from .workload import ALGORITHM_CLASSES
 
 __all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
 
@@ -30,7 +31,7 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     """A manifest (agilerl.manifest.Manifest) that trains exactly the planned run."""
     w = plan.workload
     algorithm: dict[str, Any] = {
-        "name": "GRPO",
+        "name": ALGORITHM_CLASSES[w.algorithm],
         "model_name": plan.model,
         "fsdp": _fsdp_fields(plan.fsdp),
         "group_size": w.group_size,
@@ -102,7 +103,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 def python_snippet(plan: Plan) -> str:
     w = plan.workload
-    lines = ["from agilerl.algorithms import GRPO", "from agilerl.distributed import FSDPConfig", ""]
+    cls = ALGORITHM_CLASSES[w.algorithm]
+    lines = [f"from agilerl.algorithms import {cls}", "from agilerl.distributed import FSDPConfig", ""]
     if plan.fsdp is not None:
         fields = plan.fsdp.model_dump(exclude_defaults=True)
         args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
@@ -110,7 +112,7 @@ def python_snippet(plan: Plan) -> str:
     else:
         lines.append("fsdp_config = None  # no sharding needed")
     lines += [
-        "agent = GRPO(",
+        f"agent = {cls}(",
         f"    model_name={plan.model!r},",
         "    pad_token_id=tokenizer.pad_token_id,",
         "    pad_token=tokenizer.pad_token,",

@@ -6,18 +6,28 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["Workload", "VLLM_DEFAULT_UTILIZATION", "VLLM_DEFAULT_MAX_NUM_SEQS"]
+__all__ = ["Workload", "ALGORITHM_CLASSES", "VLLM_DEFAULT_UTILIZATION", "VLLM_DEFAULT_MAX_NUM_SEQS"]
 
 #: agilerl.utils.algo_utils.VLLMConfig's defaults, read where the planner is not asked to choose.
 VLLM_DEFAULT_UTILIZATION = 0.3
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
+#: Workload.algorithm -> the trainer class (agilerl.algorithms) and the manifest's algorithm.name.
+ALGORITHM_CLASSES = {"grpo": "GRPO", "cispo": "CISPO", "gspo": "GSPO", "reinforce": "LLMREINFORCE"}
+
+
 class Workload(BaseModel):
-    """One GRPO training step's shape (global batch, lengths, LoRA, generation)."""
+    """One training step's shape (algorithm, global batch, lengths, LoRA, generation)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    algorithm: Annotated[
+        Literal["grpo", "cispo", "gspo", "reinforce"],
+        Field(description="The RL objective. All four run GRPO's passes (rollout, reference when beta > 0, an "
+                          "old log-prob pass when update_epochs > 1, learn) and hold the same memory; cispo and "
+                          "gspo default to beta 0 (no reference pass), reinforce to one update epoch."),
+    ] = "grpo"
     prompts_per_step: Annotated[int, Field(ge=1, description="Prompts per optimizer step across all GPUs (GRPO batch_size).")] = 8
     group_size: Annotated[int, Field(ge=2, description="Completions generated per prompt.")] = 8
     prompt_tokens: Annotated[int, Field(ge=1, description="Prompt length in tokens (the longest, as padded).")] = 256
@@ -121,8 +131,18 @@ class Workload(BaseModel):
             raise ValueError("name at least one module for LoRA to adapt, or 'all-linear'")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        # CISPO's and GSPO's papers use no KL term: without a beta of its own the run has no reference pass.
+        if isinstance(data, dict) and data.get("algorithm") in ("cispo", "gspo") and data.get("beta") is None:
+            data = {**data, "beta": 0.0}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Workload:
+        if self.algorithm == "reinforce" and self.update_epochs != 1:
+            raise ValueError(f"update_epochs={self.update_epochs}: reinforce is on-policy (one update epoch)")
         if self.offload_weights_during_rollout and self.generation != "vllm":
             raise ValueError("offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
                              "Hugging Face generate runs on the trainer's weights")

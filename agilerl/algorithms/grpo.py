@@ -826,7 +826,7 @@ class GRPO(LLMAlgorithm):
             all_rewards = all_rewards.view(self.world_size, n)[::tp].reshape(-1)
         if all_rewards.numel() % self.group_size:
             raise ValueError(f"{all_rewards.numel()} completions in total are not whole groups of {self.group_size}")
-        advantages = group_advantages(all_rewards, self.group_size)
+        advantages = self.advantages(all_rewards)
         start = self.data_parallel_rank * n
         advantages = advantages[start : start + n].to(self.device)
 
@@ -852,8 +852,7 @@ class GRPO(LLMAlgorithm):
                         logp = self.token_logprobs(ids[s], attention[s], first)
                     old = old_logp[s] if old_logp is not None else logp.detach()
                     ref = ref_logp[s] if ref_logp is not None else None
-                    loss, stats = grpo_loss(logp, old, ref, advantages[s], loss_mask[s],
-                                            clip_coef=self.clip_coef, beta=self.beta)
+                    loss, stats = self.policy_loss(logp, old, ref, advantages[s], loss_mask[s])
                     (loss / len(batches)).backward()
                 sums["loss"] += loss.item() / len(batches)
                 sums["kl"] += stats["kl"].item() / len(batches)
@@ -873,6 +872,21 @@ class GRPO(LLMAlgorithm):
             "completion_length": float(action_masks.sum(dim=1).float().mean()),
         }
         return aggregate_metrics_dict(metrics, maximized=("grad_norm",))
+
+    # -- what the algorithms built on GRPO's loop replace -----------------------------------
+    #: Hyperparameters saved in a checkpoint beside the shared ones.
+    extra_hyperparameters: tuple[str, ...] = ()
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Per-completion advantages from every completion's reward, in group order: GRPO's
+        group-normalised ``(r - mean) / (std + eps)``."""
+        return group_advantages(rewards, self.group_size)
+
+    def policy_loss(self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                    advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss and its ``kl`` and ``clip_fraction`` statistics (:func:`grpo_loss`).
+        ``old_logp`` is ``logp.detach()`` with one update epoch (the policy that sampled)."""
+        return grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_coef=self.clip_coef, beta=self.beta)
 
     def _optimizer_step(self) -> torch.Tensor:
         if not self.sharded and self.distributed and self.world_size > 1:
@@ -897,7 +911,8 @@ class GRPO(LLMAlgorithm):
         state["hyperparameters"] = {
             k: getattr(self, k)
             for k in ("batch_size", "group_size", "beta", "lr", "clip_coef", "max_grad_norm", "update_epochs",
-                      "temperature", "max_output_tokens", "micro_batch_size_per_gpu", "logprob_chunk_size")
+                      "temperature", "max_output_tokens", "micro_batch_size_per_gpu", "logprob_chunk_size",
+                      *self.extra_hyperparameters)
         }
         return state
 

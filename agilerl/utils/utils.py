@@ -13,6 +13,7 @@ INIT_HP_KEYS = {
     "BETA": "beta",
     "LR": "lr",
     "CLIP_COEF": "clip_coef",
+    "CLIP_COEF_HIGH": "clip_coef_high",
     "MAX_GRAD_NORM": "max_grad_norm",
     "UPDATE_EPOCHS": "update_epochs",
     "TEMPERATURE": "temperature",
@@ -43,9 +44,9 @@ def create_population(
     ``algo_kwargs`` (model_name, pad_token_id, pad_token, ...) pass through.
     Unknown INIT_HP keys are an error listing the known ones.
     """
-    from agilerl.algorithms import GRPO
+    from agilerl.algorithms import CISPO, GRPO, GSPO, LLMREINFORCE
 
-    algos = {"GRPO": GRPO}
+    algos = {a.algo_name: a for a in (GRPO, CISPO, GSPO, LLMREINFORCE)}
     if algo not in algos:
         raise ValueError(f"unknown LLM algorithm {algo!r}; available: {sorted(algos)}")
     params: dict[str, Any] = {}

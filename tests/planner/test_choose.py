@@ -292,3 +292,25 @@ def test_a_device_name_finds_its_catalog_gpu_and_no_other(device, expected):
 
     found = gpu_for_device(device)
     assert (found.name if found else None) == expected
+
+
+def test_cispo_and_gspo_plan_without_a_reference_pass_and_emit_their_own_manifest(spec):
+    from agilerl.manifest import load_manifest
+    from planner.emit import manifest_dict, python_snippet
+
+    cluster = Cluster(gpu=_gpu(4096), num_gpus=2)
+    for algorithm, name in (("cispo", "CISPO"), ("gspo", "GSPO")):
+        wl = Workload(algorithm=algorithm, micro_batch_size_per_gpu=4)
+        assert wl.beta == 0.0  # the papers' recipe: no KL term
+        same = Workload(micro_batch_size_per_gpu=4, beta=0.0)
+        assert estimate(spec, wl, cluster, None).phases == estimate(spec, same, cluster, None).phases
+        assert estimate(spec, wl, cluster, None).phases != estimate(
+            spec, same.model_copy(update={"beta": 0.04}), cluster, None).phases  # the reference pass costs
+        p = plan(spec, wl, cluster)
+        manifest = manifest_dict(p)
+        assert manifest["algorithm"]["name"] == name and manifest["algorithm"]["beta"] == 0.0
+        manifest["algorithm"]["model_name"] = TINY
+        assert load_manifest(manifest).algorithm.name == name
+        assert f"agent = {name}(" in python_snippet(p)
+    assert Workload(algorithm="cispo", beta=0.1).beta == 0.1  # a given beta is kept
+    assert Workload(algorithm="reinforce").beta == 0.04

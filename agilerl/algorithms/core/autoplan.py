@@ -64,15 +64,16 @@ def _lora_targets(agent) -> str | tuple[str, ...]:
 
 def _workload_for(agent, micro: int | None):
     """The planner's description of this trainer's run."""
-    from planner.workload import Workload
+    from planner.workload import ALGORITHM_CLASSES, Workload
 
+    algorithm = next(k for k, name in ALGORITHM_CLASSES.items() if name == agent.algo_name)
     lora = agent.lora_config
     rank, alpha = (int(lora.r), int(lora.lora_alpha)) if lora is not None else (16, 32)
     completion = agent.max_output_tokens
     prompt = max(1, (agent.max_model_len or 2 * completion) - completion)
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]
     return Workload(
-        prompts_per_step=agent.batch_size, group_size=agent.group_size, prompt_tokens=prompt,
+        algorithm=algorithm, prompts_per_step=agent.batch_size, group_size=agent.group_size, prompt_tokens=prompt,
         completion_tokens=completion, micro_batch_size_per_gpu=micro,
         logprob_chunk_size=None if agent._auto_chunk else agent.logprob_chunk_size,
         gradient_checkpointing=None if agent._auto_gc else agent.gradient_checkpointing,

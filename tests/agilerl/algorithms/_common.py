@@ -36,7 +36,8 @@ def make_agent(**overrides):
     )
     kwargs.update(overrides)
     model_name = kwargs.pop("model_name", TINY)
-    return GRPO(model_name, **kwargs)
+    algorithm = kwargs.pop("algorithm", GRPO)  # or a class built on GRPO's loop (CISPO, GSPO, LLMREINFORCE)
+    return algorithm(model_name, **kwargs)
 
 
 def synthetic_experiences(agent, num_prompts: int = 2, prompt_len: int = 5, completion_len: int = 6, seed: int = 0,

@@ -89,6 +89,23 @@ def the_shared_prompt_prefix_gives_the_one_pass_update_under_dp_and_fsdp(ctx):
 
 
 @cases.case
+def cispo_gspo_and_reinforce_give_the_same_update_under_data_parallel_and_fsdp(ctx):
+    # The three objectives built on GRPO's loop, on 2 ranks: FSDP2's update is data parallel's
+    # (advantages from every rank's rewards, a second epoch where the objective has ratios).
+    from agilerl.algorithms import CISPO, GSPO, LLMREINFORCE
+
+    for algorithm, extra in ((CISPO, {"update_epochs": 2}), (GSPO, {"update_epochs": 2}), (LLMREINFORCE, {})):
+        common = dict(algorithm=algorithm, micro_batch_size_per_gpu=2, **extra)
+        dp = make_agent(**common)
+        fsdp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), **common)
+        dp_metrics, fsdp_metrics = _learn(dp), _learn(fsdp)
+        assert math.isfinite(dp_metrics["loss"]) and dp_metrics["grad_norm"] > 0, algorithm.algo_name
+        assert math.isclose(fsdp_metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7), algorithm.algo_name
+        for k, v in lora_state(fsdp).items():
+            torch.testing.assert_close(v, lora_state(dp)[k], atol=3e-5, rtol=1e-4)
+
+
+@cases.case
 def bf16_fsdp_with_partly_replicated_lora_layers(ctx):
     # As in real models: with the default bf16 compute, some LoRA matrices fall under
     # the persistence threshold (replicated, fp32) beside sharded ones in the same layer
