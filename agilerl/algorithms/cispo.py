@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .grpo import GRPO
+from .grpo import GRPO, k3_kl
 
 __all__ = ["CISPO", "cispo_loss"]
 
@@ -41,8 +41,7 @@ def cispo_loss(
     per_token = -weight * adv * logp
     kl = torch.zeros_like(logp)
     if beta != 0.0 and ref_logp is not None:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1.0
+        kl = k3_kl(logp, ref_logp)
         per_token = per_token + beta * kl
     total = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / total

@@ -62,7 +62,7 @@ from agilerl.utils.shared_prefix import shared_prefix_problem
 from .core.adapters import ACTOR, REFERENCE, use_adapter
 from .core.base import LLMAlgorithm
 
-__all__ = ["GRPO", "grpo_loss", "group_advantages"]
+__all__ = ["GRPO", "grpo_loss", "group_advantages", "k3_kl"]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
@@ -74,6 +74,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True)
     return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per token, the k3 estimator of KL(policy || reference): ``exp(ref - logp) - (ref - logp) - 1``
+    (non-negative, unbiased, low variance; Schulman's approximation)."""
+    diff = ref_logp - logp
+    return torch.exp(diff) - diff - 1.0
 
 
 def grpo_loss(
@@ -101,8 +108,7 @@ def grpo_loss(
     per_token = -torch.min(unclipped, clipped)
     kl = torch.zeros_like(logp)
     if beta != 0.0 and ref_logp is not None:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1.0
+        kl = k3_kl(logp, ref_logp)
         per_token = per_token + beta * kl
     tokens = mask.sum(dim=1).clamp(min=1.0)
     loss = ((per_token * mask).sum(dim=1) / tokens).mean()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .grpo import GRPO
+from .grpo import GRPO, k3_kl
 
 __all__ = ["GSPO", "gspo_loss"]
 
@@ -46,8 +46,7 @@ def gspo_loss(
     per_sequence = -torch.min(ratio * adv, clipped * adv)
     kl = torch.zeros_like(logp)
     if beta != 0.0 and ref_logp is not None:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1.0
+        kl = k3_kl(logp, ref_logp)
         per_sequence = per_sequence + beta * (kl * mask).sum(dim=1) / tokens
     loss = per_sequence.mean()
     with torch.no_grad():

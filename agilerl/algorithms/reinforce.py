@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .grpo import GRPO
+from .grpo import GRPO, k3_kl
 
 __all__ = ["LLMREINFORCE", "leave_one_out_advantages", "reinforce_loss"]
 
@@ -41,8 +41,7 @@ def reinforce_loss(
     per_sequence = -adv * (logp * mask).sum(dim=1)
     kl = torch.zeros_like(logp)
     if beta != 0.0 and ref_logp is not None:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1.0
+        kl = k3_kl(logp, ref_logp)
         per_sequence = per_sequence + beta * (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
     loss = per_sequence.mean()
     with torch.no_grad():
