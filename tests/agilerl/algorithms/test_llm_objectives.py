@@ -175,3 +175,27 @@ def test_a_manifest_trains_cispo_with_its_own_defaults():
         load_manifest({"algorithm": {**section, "name": "PPO"}})
     with pytest.raises(ManifestError, match="clip_coef: CISPO takes clip_coef_high"):
         load_manifest({"algorithm": {**section, "clip_coef": 0.2}})
+
+
+def test_the_manifest_and_the_planner_know_each_algorithms_own_defaults():
+    # Three torch-free places describe the algorithms (the trainer classes, the manifest's
+    # validation, the planner's Workload): they must agree with the classes' signatures.
+    import inspect
+
+    from agilerl.manifest import load_manifest
+    from planner.workload import ALGORITHM_CLASSES, Workload
+
+    classes = {c.algo_name: c for c in (GRPO, CISPO, GSPO, LLMREINFORCE)}
+    assert set(ALGORITHM_CLASSES.values()) == set(classes)
+    for key, name in ALGORITHM_CLASSES.items():
+        params = inspect.signature(classes[name]).parameters
+        beta = params["beta"].default if "beta" in params else inspect.signature(GRPO).parameters["beta"].default
+        assert Workload(algorithm=key).beta == beta, name
+        for field in ("clip_coef", "clip_coef_high"):
+            takes = field in params and params[field].default is not None  # None: refused by the class
+            section = {"name": name, "model_name": "x", field: 0.1}
+            if takes:
+                assert getattr(load_manifest({"algorithm": section}).algorithm, field) == 0.1, (name, field)
+            else:
+                with pytest.raises(Exception, match=f"{field}: {name} takes"):
+                    load_manifest({"algorithm": section})
