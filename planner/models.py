@@ -48,6 +48,10 @@ def _installed_versions() -> tuple[str, str]:
 def _cache_path(digest: str, targets: tuple[str | tuple[str, ...], ...]) -> Path:
     tv, pv = _installed_versions()
     targets_key = "+".join(ModelSpec._target_key(t) for t in targets).replace("/", "_")
+    if len(targets_key) > 64:  # module lists (a LoraConfig whose targets PEFT expanded) would overflow a file name
+        import hashlib
+
+        targets_key = "t" + hashlib.sha1(targets_key.encode()).hexdigest()[:16]
     key = f"{digest}-{targets_key}-tf{tv}-peft{pv}-v{SPEC_SCHEMA_VERSION}"
     return spec_cache_dir() / f"{key}.json"
 

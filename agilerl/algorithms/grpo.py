@@ -31,7 +31,6 @@ r=16, alpha=32 on all linear layers.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,27 +39,18 @@ from torch import nn
 
 from agilerl.distributed import (
     aggregate_metrics_dict,
-    clip_grad_norm_,
     gather_tensor,
-    materialize_dtensors,
     set_gradient_sync,
-    sync_grads,
 )
 from agilerl.utils.algo_utils import VLLMConfig
 from agilerl.utils.logprobs import (
-    _full_causal,
     causal_lm,
-    chunked_token_logprobs,
-    final_norm,
-    linear_token_logprobs,
-    output_head,
     position_ids_from_mask,
     shared_attention_mask,
 )
-from agilerl.utils.shared_prefix import shared_prefix_problem
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
-from .core.base import LLMAlgorithm
+from .core.base import DEFAULT_LORA, LLMAlgorithm
 
 __all__ = ["GRPO", "grpo_loss", "group_advantages", "k3_kl"]
 
@@ -169,7 +159,7 @@ class GRPO(LLMAlgorithm):
         actor_network: nn.Module | None = None,
         pad_token_id: int | None = None,
         pad_token: str | None = None,
-        lora_config=None,
+        lora_config=DEFAULT_LORA,
         batch_size: int = 8,
         group_size: int = 8,
         beta: float = 0.04,
@@ -197,16 +187,14 @@ class GRPO(LLMAlgorithm):
         index: int = 0,
         tokenizer=None,
     ) -> None:
-        if group_size < 2:
-            raise ValueError(f"group_size must be at least 2 (advantages are relative within a group), got {group_size}")
+        if group_size < self.min_group_size:
+            raise ValueError(f"group_size must be at least {self.min_group_size}"
+                             + (" (advantages are relative within a group)" if self.min_group_size > 1 else "")
+                             + f", got {group_size}")
         for name, value in (("batch_size", batch_size), ("update_epochs", update_epochs),
                             ("max_output_tokens", max_output_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if logprob_chunk_size not in (None, "auto") and (not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1):
-            raise ValueError(f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}")
-        if gradient_checkpointing not in (True, False, "auto"):
-            raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
         if gather_weights_for_rollout not in (True, False, "auto"):
             raise ValueError(f"gather_weights_for_rollout must be True, False or 'auto', got {gather_weights_for_rollout!r}")
         if offload_weights_during_rollout and vllm_config is None:
@@ -215,14 +203,14 @@ class GRPO(LLMAlgorithm):
                 "trainer's weights in host memory while the engine generates, and Hugging Face generate "
                 "runs on those weights"
             )
-        self._auto_chunk = logprob_chunk_size == "auto"
-        self._auto_gc = gradient_checkpointing == "auto"
-        # With a vLLM engine Hugging Face generate does not run: nothing to gather.
-        self._auto_gather = gather_weights_for_rollout == "auto" and vllm_config is None
-        # Until the estimate says otherwise "auto" is off: it costs memory, unit-by-unit never does.
-        self.gather_weights_for_rollout = gather_weights_for_rollout is True
-        self.share_prompt_prefix = bool(share_prompt_prefix)
-        self._prefix_problems: dict[int, str | None] = {}
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.beta = beta
+        self.clip_coef = clip_coef
+        self.update_epochs = update_epochs
+        self.max_output_tokens = max_output_tokens
+        self.generation_kwargs: dict[str, Any] = {}
+        self.engine = None
         super().__init__(
             model_name=model_name,
             actor_network=actor_network,
@@ -231,7 +219,14 @@ class GRPO(LLMAlgorithm):
             lora_config=lora_config,
             fsdp_config=fsdp_config,
             vllm_config=vllm_config,
-            gradient_checkpointing=True if gradient_checkpointing == "auto" else gradient_checkpointing,
+            lr=lr,
+            max_grad_norm=max_grad_norm,
+            micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+            logprob_chunk_size=logprob_chunk_size,
+            gradient_checkpointing=gradient_checkpointing,
+            temperature=temperature,
+            max_model_len=max_model_len,
+            share_prompt_prefix=share_prompt_prefix,
             use_separate_reference_adapter=use_separate_reference_adapter,
             load_in_4bit=load_in_4bit,
             device=device,
@@ -240,29 +235,8 @@ class GRPO(LLMAlgorithm):
             seed=seed,
             index=index,
             tokenizer=tokenizer,
+            gather_weights_for_rollout=gather_weights_for_rollout,
         )
-        self.batch_size = batch_size
-        self.group_size = group_size
-        self.beta = beta
-        self.lr = lr
-        self.clip_coef = clip_coef
-        self.max_grad_norm = max_grad_norm
-        self.update_epochs = update_epochs
-        self.temperature = temperature
-        self.max_output_tokens = max_output_tokens
-        self.max_model_len = max_model_len
-        self.logprob_chunk_size = 1024 if logprob_chunk_size == "auto" else logprob_chunk_size
-        self.generation_kwargs: dict[str, Any] = {}
-        self.engine = None
-        self.plan = None
-        if self.fsdp_config == "auto":
-            micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
-        self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
-        if self.plan is None and (self._auto_gc or self._auto_chunk or self._auto_gather):
-            self._resolve_auto_knobs(actor_network)
-        if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
-            self._resolve_expert_chunk(actor_network)
-        self._build(actor_network)
         self.eos_token_id = self._eos_token_id()
         self.offload_weights_during_rollout = offload_weights_during_rollout
         self._weight_offload = None
@@ -281,123 +255,17 @@ class GRPO(LLMAlgorithm):
             self.engine = shared_vllm_engine(self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank,
                                              max_model_len=max_model_len)
 
-    # -- construction helpers ---------------------------------------------------------
-    def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
-        """Ask the planner (on rank 0), share its choice with every rank, apply and log it."""
+    #: The fewest completions per prompt the objective accepts (group-relative advantages need two).
+    min_group_size = 2
+    generates = True
+    algorithm_hyperparameters: tuple[str, ...] = ("group_size", "beta", "clip_coef", "update_epochs", "temperature",
+                                                  "max_output_tokens")
 
-        from .core.autoplan import plan_for_agent
-
-        if not self.distributed:
-            self.fsdp_config = None
-            print("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
-                  "training unsharded", flush=True)
-            return micro
-        result = _on_rank0(plan_for_agent, self, actor_network, micro)
-        if "error" in result:
-            raise RuntimeError(f"fsdp_config='auto': the planner failed: {result['error']}")
-        from agilerl.distributed import FSDPConfig
-
-        self.plan = result
-        self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
-        self._take_auto_knobs(result)
-        if not result["fits"]:
-            raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
-        return micro if micro is not None else result["micro_batch_size_per_gpu"]
-
-    def _resolve_auto_knobs(self, actor_network: nn.Module | None) -> None:
-        """gradient_checkpointing / logprob_chunk_size / gather_weights_for_rollout "auto" without
-        fsdp_config="auto" (one device, data parallel, an explicit FSDPConfig): rank 0 asks the memory
-        estimate, every rank applies the same. Should the estimate fail, the safe defaults stay
-        (checkpointing on, 1024-row chunks, no gather) and the reason is printed."""
-        from agilerl.distributed import is_main_process
-
-        from .core.autoplan import pick_auto_knobs
-
-        result = _on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
-        if "error" in result:
-            if is_main_process():
-                print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024, "
-                      f"gather_weights_for_rollout=False): "
-                      f"the memory estimate failed ({result['error']})", flush=True)
-            return
-        self._take_auto_knobs(result)
-
-    def _take_auto_knobs(self, result: dict[str, Any]) -> None:
-        """Apply the estimate's checkpointing, log-prob chunk and rollout gather where they were "auto";
-        log the plan."""
-        from agilerl.distributed import is_main_process
-
-        if self._auto_chunk:
-            self.logprob_chunk_size = result["logprob_chunk_size"]
-        if self._auto_gc:
-            self.gradient_checkpointing = result["gradient_checkpointing"]
-        if self._auto_gather:
-            self.gather_weights_for_rollout = result["gather_weights_for_rollout"]
-        if is_main_process():
-            print(result["summary"], flush=True)
-
-    def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
-        """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512
-        MiB the memory estimate fits (rank 0 asks the planner; every rank applies the same)."""
-        from agilerl.distributed import is_main_process
-
-        from .core.autoplan import config_is_moe, pick_expert_chunk
-
-        if actor_network is not None:
-            config = actor_network.config
-        else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(self.model_source)
-        if not config_is_moe(config):
-            return
-        result = _on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
-        if "error" in result:
-            raise RuntimeError("routed_expert_chunk_mib=None: the memory estimate failed "
-                               f"({result['error']}); set routed_expert_chunk_mib explicitly")
-        self.fsdp_config = self.fsdp_config.model_copy(
-            update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]})
-        if is_main_process():
-            print(result["summary"], flush=True)
-
-    def _check_batch_shape(self, micro: int | None) -> int:
-        total = self.batch_size * self.group_size
-        ranks = self.data_parallel_ranks
-        if total % ranks:
-            raise ValueError(
-                f"batch_size x group_size = {self.batch_size} x {self.group_size} = {total} completions do not "
-                f"split evenly over {ranks} data-parallel ranks"
-            )
-        local = total // ranks
-        if micro is None:
-            return local
-        if micro < 1 or local % micro:
-            choices = [m for m in range(1, local + 1) if local % m == 0]
-            raise ValueError(
-                f"batch_size x group_size = {total} completions over {ranks} data-parallel ranks gives {local} "
-                f"per rank, which micro_batch_size_per_gpu={micro} does not divide; choose one of {choices}"
-            )
-        return micro
-
-    def _eos_token_id(self) -> int | list[int] | None:
-        lm = causal_lm(self.model)
-        gen = getattr(lm, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        if eos is None:
-            eos = getattr(lm.config, "eos_token_id", None)
-        return eos
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta != 0.0
 
     # -- rollout -------------------------------------------------------------------------
-    def _encode(self, prompts: Sequence[str] | dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(prompts, dict):
-            return prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
-        if self.tokenizer is None:
-            raise ValueError("string prompts need a tokenizer: pass tokenizer=... or tokenized prompts")
-        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
-                             add_special_tokens=False)
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
     def local_slice(self, num_prompts: int) -> slice:
         """This rank's slice of the ``num_prompts * group_size`` completions."""
@@ -415,10 +283,6 @@ class GRPO(LLMAlgorithm):
         """The first of this rollout's per-prompt sampling seeds (the engine adds the prompt's index):
         distinct across steps and data-parallel ranks, so no two completions share a seed."""
         return ((self.seed * 1_000_003 + self.steps) * 4_096 + self.data_parallel_rank) * 65_536 % 2**62
-
-    def _eos_set(self) -> set[int]:
-        eos = self.eos_token_id
-        return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
 
     @torch.no_grad()
     def get_action(
@@ -661,153 +525,6 @@ class GRPO(LLMAlgorithm):
         prompt_region = action_masks.cumsum(dim=1) == 0
         return (action_masks.bool() | (prompt_region & (ids != self.pad_token_id))).long()
 
-    def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """log p(ids[:, t+1] | ids[:, :t+1]) for every position, ``[n, T - 1]`` fp32 (chunked).
-
-        ``first``: positions before it skip the head and read 0 (the prompt's, which no loss
-        term uses): the head's matmuls and softmax run over the completion rows only.
-        """
-        groups = self._prefix_groups(ids, attention_mask, first)
-        if groups is not None:
-            return self._shared_prefix_logprobs(ids, attention_mask, first, groups)
-        captured: dict[str, torch.Tensor] = {}
-        handle = final_norm(self.model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
-        try:
-            # logits_to_keep=1: the model's own head runs on one position only; the
-            # log-probs below come from the captured final hidden states, chunked.
-            out = self.model(
-                input_ids=ids,
-                # a padded batch: one additive mask shared by every layer, not a float copy per layer
-                attention_mask=shared_attention_mask(causal_lm(self.model).config, attention_mask,
-                                                     self._activation_dtype()),
-                position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False,
-                logits_to_keep=1,
-            )
-        finally:
-            handle.remove()
-        # Every position goes through the head (the last with a dummy target, dropped after), so
-        # the final hidden states are used as they are rather than copied without their last row.
-        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-        logp = self._head_logprobs(captured["h"], targets, first)[:, :-1]
-        if torch.is_grad_enabled():
-            # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward
-            # (the lm_head) has no output in the graph; a zero-weighted term keeps
-            # its one-position logits in the graph at no cost to the gradient.
-            logp = logp + 0.0 * out.logits.sum()
-        return logp
-
-    def _prefix_groups(self, ids: torch.Tensor, attention_mask: torch.Tensor, split: int):
-        """The distinct ``[:, :split]`` prompts of a batch when the shared-prefix forward applies
-        (:func:`agilerl.utils.shared_prefix.shared_prefix_problem`), else None."""
-        if not self.share_prompt_prefix:
-            return None
-        length = ids.shape[1]
-        if length not in self._prefix_problems:
-            config = causal_lm(self.model).config
-            self._prefix_problems[length] = shared_prefix_problem(
-                getattr(config, "model_type", None), getattr(config, "_attn_implementation", None),
-                full_causal=_full_causal(config, length), tp=self.fsdp_config.tp if self.sharded else 1)
-        if self._prefix_problems[length] is not None:
-            return None
-        from agilerl.utils.prefix_cache import prompt_groups
-
-        groups = prompt_groups(ids, attention_mask, split)
-        if self.sharded and self.world_size > 1:
-            # FSDP2's units gather in every forward: every rank must run as many as the others, so
-            # the two-pass forward runs only where every rank's rows share prompts.
-            from agilerl.distributed import allreduce_minmax_int
-
-            if allreduce_minmax_int(int(groups is not None))[0] == 0:
-                return None
-        return groups
-
-    def _shared_prefix_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
-                                groups) -> torch.Tensor:
-        """:meth:`token_logprobs` by the two-pass forward: the distinct prompts' columns
-        ``[0, first)`` once, then every row's ``[first, T)`` over its prompt's recorded keys and
-        values. Positions before ``first`` read 0, as in the one-pass forward."""
-        from agilerl.utils.prefix_cache import (
-            PrefixedCache,
-            RecordingCache,
-            cache_argument,
-            suffix_attention_mask,
-        )
-
-        lm = causal_lm(self.model)
-        config, kv = lm.config, cache_argument(lm)
-        dtype = self._activation_dtype()
-        positions = position_ids_from_mask(attention_mask)
-        rows = groups.rows
-        recorded = RecordingCache(config.num_hidden_layers)
-        captured: dict[str, torch.Tensor] = {}
-        handle = final_norm(self.model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
-        try:
-            prefix = self.model(input_ids=ids[rows, :first],
-                                attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
-                                position_ids=positions[rows, :first], use_cache=True, logits_to_keep=1,
-                                **{kv: recorded})
-            suffix = self.model(input_ids=ids[:, first:], attention_mask=suffix_attention_mask(attention_mask, first, dtype),
-                                position_ids=positions[:, first:], use_cache=True, logits_to_keep=1,
-                                **{kv: PrefixedCache(recorded, groups.inverse, first)})
-        finally:
-            handle.remove()
-        targets = torch.nn.functional.pad(ids[:, first + 1:], (0, 1))
-        logp = torch.nn.functional.pad(self._head_logprobs(captured["h"], targets)[:, :-1], (first, 0))
-        if torch.is_grad_enabled():
-            # as in the one-pass forward: every lm_head forward keeps an output in the graph (FSDP2)
-            logp = logp + 0.0 * (prefix.logits.sum() + suffix.logits.sum())
-        return logp
-
-    def _activation_dtype(self) -> torch.dtype:
-        """The dtype attention computes in: FSDP2's param_dtype when it casts, else the model's."""
-        if self.sharded and self.fsdp_config.param_dtype is not None:
-            return getattr(torch, self.fsdp_config.param_dtype)
-        return self.dtype
-
-    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int = 0) -> torch.Tensor:
-        head = output_head(self.model)
-        softcap = getattr(causal_lm(self.model).config, "final_logit_softcapping", None)
-        weight = getattr(head, "weight", None)
-        if isinstance(head, nn.Linear) and weight is not None:
-            with materialize_dtensors(weight, head.bias) as (w, b):
-                w = w.to(hidden.dtype)
-                b = b.to(hidden.dtype) if b is not None else None
-                return linear_token_logprobs(hidden, targets, w, b, chunk_size=self.logprob_chunk_size,
-                                             temperature=self.temperature, softcap=softcap, first=first)
-        return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
-                                      temperature=self.temperature, softcap=softcap)
-
-    def _sync_tensor_parallel_rng(self) -> None:
-        """Ranks of one tensor-parallel group must sample the same tokens (and dropout masks)."""
-        if self.sharded and self.fsdp_config.tp > 1:
-            from agilerl.distributed import fsdp_layout, sync_tp_rng
-
-            sync_tp_rng(fsdp_layout(self.model).mesh["tp"])
-
-    def _micro_batches(self, n: int) -> list[slice]:
-        m = self.micro_batch_size_per_gpu
-        if n % m:
-            raise ValueError(f"{n} sequences on this rank do not split into micro-batches of {m}")
-        return [slice(i, i + m) for i in range(0, n, m)]
-
-    @staticmethod
-    def _first_scored(loss_mask: torch.Tensor) -> int:
-        """The first log-prob position any loss term reads (the earliest completion token's)."""
-        cols = loss_mask.any(dim=0).nonzero()
-        return int(cols[0]) if cols.numel() else 0
-
-    @torch.no_grad()
-    def _no_grad_logprobs(self, ids, attention, adapter: str | None, first: int = 0) -> torch.Tensor:
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with use_adapter(self.model, adapter):
-                return torch.cat([self.token_logprobs(ids[s], attention[s], first)
-                                  for s in self._micro_batches(ids.shape[0])])
-        finally:
-            self.model.train(was_training)
-
     def learn(self, experiences: Sequence[torch.Tensor]) -> dict[str, float]:
         """One GRPO update on ``(ids, action_masks, rewards)`` from :meth:`get_action`.
 
@@ -880,9 +597,6 @@ class GRPO(LLMAlgorithm):
         return aggregate_metrics_dict(metrics, maximized=("grad_norm",))
 
     # -- what the algorithms built on GRPO's loop replace -----------------------------------
-    #: Hyperparameters saved in a checkpoint beside the shared ones.
-    extra_hyperparameters: tuple[str, ...] = ()
-
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-completion advantages from every completion's reward, in group order: GRPO's
         group-normalised ``(r - mean) / (std + eps)``."""
@@ -894,34 +608,6 @@ class GRPO(LLMAlgorithm):
         ``old_logp`` is ``logp.detach()`` with one update epoch (the policy that sampled)."""
         return grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_coef=self.clip_coef, beta=self.beta)
 
-    def _optimizer_step(self) -> torch.Tensor:
-        if not self.sharded and self.distributed and self.world_size > 1:
-            sync_grads(self.trainable_params)
-        norm = clip_grad_norm_(self.trainable_params, self.max_grad_norm, model=self.model)
-        if math.isfinite(float(norm)):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    # -- populations -------------------------------------------------------------------------
-    @classmethod
-    def population(cls, size: int, **kwargs: Any) -> list[GRPO]:
-        """``size`` independent agents (index 0..size-1, seeds offset by index)."""
-        if size < 1:
-            raise ValueError(f"population size must be >= 1, got {size}")
-        seed = kwargs.pop("seed", 42)
-        return [cls(index=i, seed=seed + i, **kwargs) for i in range(size)]
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        state = super().checkpoint_state()
-        state["hyperparameters"] = {
-            k: getattr(self, k)
-            for k in ("batch_size", "group_size", "beta", "lr", "clip_coef", "max_grad_norm", "update_epochs",
-                      "temperature", "max_output_tokens", "micro_batch_size_per_gpu", "logprob_chunk_size",
-                      *self.extra_hyperparameters)
-        }
-        return state
-
 
 def _reshards_after_forward(unit: nn.Module, default: bool) -> bool:
     """Whether an FSDP2 unit reshards after forward (FSDP2 has a setter, no getter: read its state)."""
@@ -931,21 +617,6 @@ def _reshards_after_forward(unit: nn.Module, default: bool) -> bool:
         return default
     return default if group is None else group.post_forward_mesh_info is not None
 
-
-
-def _on_rank0(fn, *args) -> dict[str, Any]:
-    """``fn(*args)`` on rank 0, its dict result broadcast to every rank; an exception becomes
-    ``{"error": "Type: message"}`` on every rank, so no rank waits on a failed rank 0."""
-    from agilerl.distributed import broadcast_object_list, is_main_process
-
-    payload = [None]
-    if is_main_process():
-        try:
-            payload = [fn(*args)]
-        except Exception as err:  # every rank must learn about the failure, not only rank 0
-            payload = [{"error": f"{type(err).__name__}: {err}"}]
-    broadcast_object_list(payload, src=0)
-    return payload[0]
 
 
 def _mergeable_lora_layers(model: nn.Module, sharded: bool = True) -> list[nn.Module]:

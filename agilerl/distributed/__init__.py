@@ -72,6 +72,7 @@ _LAZY = {
     "model_experts_problem": "_moe",
     "build_optimizer": "_optim",
     "CPUOffloadAdamW": "_optim",
+    "MasterWeightAdamW": "_optim",
     "clip_grad_norm_": "_optim",
     "resolve_optim_cpu_offload": "_optim",
 }
@@ -101,7 +102,13 @@ if TYPE_CHECKING:  # pragma: no cover
         fsdp_layout,
         set_gradient_sync,
     )
-    from ._optim import CPUOffloadAdamW, build_optimizer, clip_grad_norm_, resolve_optim_cpu_offload  # noqa: F401
+    from ._optim import (  # noqa: F401
+        CPUOffloadAdamW,
+        MasterWeightAdamW,
+        build_optimizer,
+        clip_grad_norm_,
+        resolve_optim_cpu_offload,
+    )
     from ._runtime import *  # noqa: F401,F403
     from ._state import (  # noqa: F401
         full_model_state_dict,

@@ -25,6 +25,7 @@ from ._config import FSDPConfig
 
 __all__ = [
     "CPUOffloadAdamW",
+    "MasterWeightAdamW",
     "build_optimizer",
     "clip_grad_norm_",
     "resolve_optim_cpu_offload",
@@ -42,13 +43,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class CPUOffloadAdamW(torch.optim.Optimizer):
-    """AdamW whose state and step live on the host; parameters stay on the device.
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW that steps fp32 master copies of the parameters and writes the result back.
 
-    ``param_groups`` hold the device parameters (so LR schedulers and gradient
-    clipping work as usual); an inner ``torch.optim.AdamW`` with default kernel
-    selection steps fp32 host copies of the local shards. Host memory per
-    trainable element: 4 B master + 4 B gradient + 8 B moments.
+    ``param_groups`` hold the model's parameters (so LR schedulers and gradient clipping
+    work as usual); an inner ``torch.optim.AdamW`` steps an fp32 master of each local
+    shard on ``master_device``, and the step copies the updated masters back into the
+    parameters (cast to their dtype).
+
+    - On the host (:class:`CPUOffloadAdamW`, ``optim_cpu_offload=True``): moments and
+      masters live in host memory and the step runs there with the default AdamW kernel.
+    - On the device (full fine-tuning of a bf16 model on one device or data parallel): the
+      model computes in bf16 and this keeps what mixed precision needs beside it, as
+      Megatron-LM does: an fp32 master weight, an fp32 gradient accumulated from every
+      backward (``accumulate_grads``: each bf16 gradient is added to it as soon as autograd
+      has made it, then freed) and the two fp32 moments, 16 bytes per parameter beside the
+      2-byte weight.
+
+    With ``accumulate_grads`` the gradients to average, clip and step are the masters'
+    (:meth:`grad_tensors`); otherwise the parameters' own.
     """
 
     def __init__(
@@ -58,21 +71,51 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        *,
+        master_device: str | torch.device = "cpu",
+        accumulate_grads: bool = False,
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        pin = torch.cuda.is_available()
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.master_device = torch.device(master_device)
+        on_host = self.master_device.type == "cpu"
+        pin = on_host and torch.cuda.is_available()
+        self.masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its fp32 master)
         inner_groups = []
         for group in self.param_groups:
             masters = []
             for p in group["params"]:
-                master = _local(p).detach().to("cpu", torch.float32, copy=True)
+                master = _local(p).detach().to(self.master_device, torch.float32, copy=True)
                 if pin:
                     master = master.pin_memory()
-                self._pairs.append((p, master))
+                self.masters.append((p, master))
                 masters.append(master)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
-        self.inner = torch.optim.AdamW(inner_groups)
+        fused = not on_host and self.master_device.type in ("cuda", "xpu")
+        self.inner = torch.optim.AdamW(inner_groups, fused=fused or None)
+        self.accumulate_grads = accumulate_grads
+        self._hooks = []
+        if accumulate_grads:
+            for p, master in self.masters:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulator(master)))
+
+    @staticmethod
+    def _accumulator(master: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:
+            grad = _local(p.grad)
+            if master.grad is None:
+                master.grad = grad.to(torch.float32, copy=True)
+            else:
+                master.grad.add_(grad)
+            p.grad = None
+
+        return hook
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` hold this step's gradients: the fp32 masters when they
+        accumulate them, else the parameters."""
+        if self.accumulate_grads:
+            return [master for _, master in self.masters]
+        return [p for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -83,33 +126,32 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         for group, inner in zip(self.param_groups, self.inner.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner[key] = group[key]
-        for p, master in self._pairs:
-            if p.grad is None:
-                master.grad = None
-                continue
-            grad = _local(p.grad)
-            if master.grad is None:
-                master.grad = torch.empty_like(master)
-            master.grad.copy_(grad, non_blocking=True)
+        if not self.accumulate_grads:
+            for p, master in self.masters:
+                if p.grad is None:
+                    master.grad = None
+                    continue
+                if master.grad is None:
+                    master.grad = torch.empty_like(master)
+                master.grad.copy_(_local(p.grad), non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.inner.step()
-        for p, master in self._pairs:
-            if p.grad is not None:
+        for p, master in self.masters:
+            if master.grad is not None:
                 _local(p).copy_(master, non_blocking=True)
         return loss
 
     @torch.no_grad()
     def refresh_from_params(self) -> None:
-        """Re-copy the host masters from the device parameters (after loading weights)."""
-        for p, master in self._pairs:
+        """Re-copy the masters from the parameters (after loading weights)."""
+        for p, master in self.masters:
             master.copy_(_local(p))
 
-    def host_tensors(self) -> list[torch.Tensor]:
-        """Everything this optimizer keeps on the host: the fp32 masters, their gradients and
-        AdamW's moments."""
+    def master_tensors(self) -> list[torch.Tensor]:
+        """Everything this optimizer keeps: the fp32 masters, their gradients and AdamW's moments."""
         out = []
-        for _, master in self._pairs:
+        for _, master in self.masters:
             out.append(master)
             if master.grad is not None:
                 out.append(master.grad)
@@ -118,12 +160,37 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        for _, master in self.masters:
+            if set_to_none:
+                master.grad = None
+            elif master.grad is not None:
+                master.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+
+
+class CPUOffloadAdamW(MasterWeightAdamW):
+    """AdamW whose state and step live on the host; parameters stay on the device
+    (``FSDPConfig.optim_cpu_offload=True``). Host memory per trainable element: 4 B master +
+    4 B gradient + 8 B moments."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_device="cpu")
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Everything this optimizer keeps on the host (:meth:`master_tensors`)."""
+        return self.master_tensors()
 
 
 def _expert_grad_ids(model: nn.Module | None) -> tuple[set[int], Any]:
@@ -149,13 +216,23 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
 ) -> torch.optim.Optimizer:
-    """AdamW placed as ``fsdp_config.optim_cpu_offload`` says (None -> device)."""
+    """AdamW placed as ``fsdp_config.optim_cpu_offload`` says (None -> device).
+
+    Trainable weights in a low-precision dtype (full fine-tuning of a bf16 model without
+    FSDP2) get :class:`MasterWeightAdamW` on their device: fp32 masters, gradients and
+    moments. fp32 weights (LoRA adapters, FSDP2's fp32 shards) step with fused AdamW.
+    """
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters to optimize")
     if resolve_optim_cpu_offload(fsdp_config):
         return CPUOffloadAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     device_type = _local(params[0]).device.type
+    if any(p.dtype != torch.float32 for p in params) and not any(isinstance(p, DTensor) for p in params):
+        # Low-precision trainable weights (full fine-tuning of a bf16 model, unsharded): fp32
+        # masters, gradients and moments beside them. Under FSDP2 the shards are fp32 already.
+        return MasterWeightAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 master_device=_local(params[0]).device, accumulate_grads=True)
     fused = device_type in ("cuda", "cpu", "mps", "xpu")
     # Fused kernels cannot mix DTensor shards and replicated plain tensors in
     # one call, and a param group is one call: keep them in separate groups.

@@ -256,14 +256,14 @@ def full_model_state_dict(model: nn.Module, *, to_cpu: bool = True, keep: bool =
 def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer):
     """(fqn, param, state dict) for every optimized parameter.
 
-    For ``CPUOffloadAdamW`` the state belongs to the host copy of the local
-    shard: plain CPU tensors, even where the parameter is a DTensor.
+    For a ``MasterWeightAdamW`` (``CPUOffloadAdamW`` included) the state belongs to the
+    fp32 master of the local shard: plain tensors, even where the parameter is a DTensor.
     """
-    from ._optim import CPUOffloadAdamW
+    from ._optim import MasterWeightAdamW
 
     names = {id(p): _clean(n) for n, p in model.named_parameters()}
-    if isinstance(optimizer, CPUOffloadAdamW):
-        for p, master in optimizer._pairs:
+    if isinstance(optimizer, MasterWeightAdamW):
+        for p, master in optimizer.masters:
             yield names[id(p)], p, optimizer.inner.state.setdefault(master, {})
     else:
         for group in optimizer.param_groups:
@@ -276,13 +276,22 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     """Optimizer state keyed by parameter name with full (gathered) tensors on CPU.
 
     The same layout whether the optimizer ran on one device, on DTensor shards
-    (fused AdamW under FSDP2) or on host copies of local shards
-    (``CPUOffloadAdamW``). Collective under FSDP2: every rank calls it.
+    (fused AdamW under FSDP2) or on fp32 masters of local shards (``MasterWeightAdamW``,
+    ``CPUOffloadAdamW``). A master that holds more than its parameter (an fp32 master of a
+    bf16 weight) is saved too, under ``"master_weight"``. Collective under FSDP2: every rank
+    calls it.
     """
+    from ._optim import MasterWeightAdamW
+
     out: dict[str, dict[str, torch.Tensor]] = {}
     moe, ep_group = _expert_parallel(model)
+    masters = {}
+    if isinstance(optimizer, MasterWeightAdamW):
+        masters = {id(p): m for p, m in optimizer.masters if p.dtype != torch.float32}
     for fqn, p, state in _param_states(model, optimizer):
         entry = {}
+        if id(p) in masters:
+            state = {**state, "master_weight": masters[id(p)]}
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 entry[key] = value
@@ -304,26 +313,34 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 @torch.no_grad()
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Inverse of :func:`full_optimizer_state_dict`: each rank keeps its slices."""
-    from ._optim import CPUOffloadAdamW
+    from ._optim import MasterWeightAdamW
 
-    host = isinstance(optimizer, CPUOffloadAdamW)
-    steps_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")) and not host
+    with_masters = isinstance(optimizer, MasterWeightAdamW)
+    inner = optimizer.inner if with_masters else optimizer
+    steps_on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
     moe, _ = _expert_parallel(model)
+    master_of = {id(p): m for p, m in optimizer.masters} if with_masters else {}
+    if with_masters:
+        optimizer.refresh_from_params()  # the weights just loaded; a saved fp32 master overrides below
     for fqn, p, target in _param_states(model, optimizer):
         if fqn not in state:
             continue
         local = p.to_local() if isinstance(p, DTensor) else p
+        # where this optimizer keeps the parameter's state: beside its master, or beside it
+        home = master_of[id(p)].device if with_masters else local.device
         for key, value in state[fqn].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 value = _local_experts(moe, fqn, value)
             if not isinstance(value, torch.Tensor):
                 target[key] = value
-            elif value.dim() == 0:  # the step counter, where this optimizer keeps it
-                target[key] = value.to(device=local.device if steps_on_device else "cpu", dtype=torch.float32)
-            elif isinstance(p, DTensor):
+                continue
+            if value.dim() == 0:  # the step counter, where this optimizer keeps it
+                target[key] = value.to(device=home if steps_on_device else "cpu", dtype=torch.float32)
+                continue
+            if isinstance(p, DTensor):
                 shard = distribute_tensor(value.to(local.device), p.device_mesh, p.placements, src_data_rank=None)
-                target[key] = shard.to_local().cpu() if host else shard
+                value = shard.to_local() if with_masters else shard
+            if key == "master_weight" and with_masters:
+                master_of[id(p)].copy_(value)
             else:
-                target[key] = value.to("cpu" if host else local.device)
-    if host:
-        optimizer.refresh_from_params()
+                target[key] = value.to(home) if with_masters or not isinstance(value, DTensor) else value

@@ -1,15 +1,32 @@
-"""Shared machinery of the LLM algorithms: launch checks, the actor, phases, checkpoints.
+"""Shared machinery of the LLM algorithms: launch checks, the actor (LoRA or every
+parameter), the reference policy, the log-prob forward, the optimizer step, checkpoints.
 
 Memory behaviour is deliberate and named by phase (DESIGN.md): ``rollout``
 (generation), ``reference`` (no-grad reference / old log-prob passes),
 ``learn`` (forward + backward of one micro-batch), ``step`` (clip and
 optimizer step), ``save``. A ``phase_observer`` (the probe's memory tracker)
 is entered around each.
+
+A subclass sets its own attributes (``batch_size``, ``group_size`` and whatever its
+objective needs) and then calls ``LLMAlgorithm.__init__``, which validates, resolves the
+"auto" knobs from the memory estimate and builds the actor, its optimizer and, for full
+fine-tuning with a reference policy, the frozen reference copy.
+
+**Full fine-tuning** (``lora_config=None``) trains every parameter with fp32 master
+weights: under FSDP2 the sharded parameters themselves are fp32, gathered and computed
+in ``FSDPConfig.param_dtype`` and reduce-scattered into fp32 gradient shards; on one
+device and data parallel the model computes in ``dtype`` and
+:class:`~agilerl.distributed.MasterWeightAdamW` keeps an fp32 master, an fp32 gradient
+accumulator and the fp32 moments beside each weight (Megatron-LM's mixed precision). The
+reference policy, which LoRA gets by disabling its adapters, is then a frozen copy of the
+initial model in ``dtype``, sharded like the actor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
@@ -21,6 +38,7 @@ from torch import nn
 from agilerl.distributed import (
     FSDPConfig,
     build_optimizer,
+    clip_grad_norm_,
     full_optimizer_state_dict,
     full_tensors,
     get_rank,
@@ -29,14 +47,28 @@ from agilerl.distributed import (
     is_distributed,
     is_main_process,
     load_full_optimizer_state_dict,
+    materialize_dtensors,
     resolve_device,
     set_full_model_state_dict,
+    sync_grads,
 )
 from agilerl.utils.algo_utils import VLLMConfig
+from agilerl.utils.logprobs import (
+    _full_causal,
+    causal_lm,
+    chunked_token_logprobs,
+    final_norm,
+    linear_token_logprobs,
+    output_head,
+    position_ids_from_mask,
+    shared_attention_mask,
+)
+from agilerl.utils.shared_prefix import shared_prefix_problem
 
-from .adapters import ACTOR, REFERENCE, adapter_state_dict, copy_adapter_
+from .adapters import ACTOR, REFERENCE, adapter_state_dict, copy_adapter_, use_adapter
+from .loading import DEFAULT_LORA, resolve_lora_config
 
-__all__ = ["LLMAlgorithm", "normalise_fsdp_config"]
+__all__ = ["LLMAlgorithm", "normalise_fsdp_config", "on_rank0", "DEFAULT_LORA"]
 
 CHECKPOINT_FILE = "attributes.pt"
 
@@ -56,10 +88,31 @@ def normalise_fsdp_config(value: Any) -> FSDPConfig | str | None:
     raise TypeError(f"fsdp_config must be an FSDPConfig, a dict of its fields, True, 'auto' or None; got {value!r}")
 
 
+def on_rank0(fn, *args) -> dict[str, Any]:
+    """``fn(*args)`` on rank 0, its dict result broadcast to every rank; an exception becomes
+    ``{"error": "Type: message"}`` on every rank, so no rank waits on a failed rank 0."""
+    from agilerl.distributed import broadcast_object_list
+
+    payload = [None]
+    if is_main_process():
+        try:
+            payload = [fn(*args)]
+        except Exception as err:  # every rank must learn about the failure, not only rank 0
+            payload = [{"error": f"{type(err).__name__}: {err}"}]
+    broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
 class LLMAlgorithm:
-    """Base of GRPO (and later the other LLM algorithms)."""
+    """Base of the LLM algorithms (GRPO and those on its loop, LLMPPO, SFT, DPO)."""
 
     algo_name = "LLM"
+    #: Hyperparameters saved in a checkpoint beside the shared ones: the algorithm's, and those a
+    #: variant of it adds (CISPO's clip_coef_high beside GRPO's).
+    algorithm_hyperparameters: tuple[str, ...] = ()
+    extra_hyperparameters: tuple[str, ...] = ()
+    #: Hugging Face generate runs on the actor's weights (GRPO and LLMPPO): "auto" may gather them.
+    generates = False
 
     def __init__(
         self,
@@ -71,7 +124,14 @@ class LLMAlgorithm:
         lora_config,
         fsdp_config,
         vllm_config: VLLMConfig | None,
-        gradient_checkpointing: bool,
+        lr: float,
+        max_grad_norm: float,
+        micro_batch_size_per_gpu: int | None,
+        logprob_chunk_size: int | None | str,
+        gradient_checkpointing: bool | str,
+        temperature: float,
+        max_model_len: int | None,
+        share_prompt_prefix: bool,
         use_separate_reference_adapter: bool,
         load_in_4bit: bool,
         device: str | None,
@@ -80,6 +140,7 @@ class LLMAlgorithm:
         seed: int,
         index: int,
         tokenizer=None,
+        gather_weights_for_rollout: bool | str = False,
     ) -> None:
         if (model_name is None) == (actor_network is None):
             raise ValueError("pass exactly one of model_name (a local path or hub id) and actor_network")
@@ -88,6 +149,22 @@ class LLMAlgorithm:
                 "pad_token_id and pad_token are required (for example tokenizer.pad_token_id and "
                 "tokenizer.pad_token; set tokenizer.pad_token = tokenizer.eos_token if it has none)"
             )
+        if logprob_chunk_size not in (None, "auto") and (not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1):
+            raise ValueError(f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}")
+        if gradient_checkpointing not in (True, False, "auto"):
+            raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        lora_config = resolve_lora_config(lora_config)
+        self.full_finetune = lora_config is None
+        if self.full_finetune and use_separate_reference_adapter:
+            raise ValueError("use_separate_reference_adapter needs LoRA adapters; full fine-tuning (lora_config=None) "
+                             "keeps the reference policy as a frozen copy of the model")
+        if self.full_finetune and load_in_4bit:
+            raise ValueError("load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: give a lora_config, "
+                             "or load_in_4bit=False to fine-tune every parameter")
         self.fsdp_config = normalise_fsdp_config(fsdp_config)
         self.distributed = init_distributed()
         if isinstance(self.fsdp_config, FSDPConfig) and not is_distributed():
@@ -118,7 +195,20 @@ class LLMAlgorithm:
         self.pad_token = pad_token
         self.lora_config = lora_config
         self.vllm_config = vllm_config
-        self.gradient_checkpointing = gradient_checkpointing
+        self.lr = lr
+        self.max_grad_norm = max_grad_norm
+        self.temperature = temperature
+        self.max_model_len = max_model_len
+        self._auto_chunk = logprob_chunk_size == "auto"
+        self._auto_gc = gradient_checkpointing == "auto"
+        # With a vLLM engine Hugging Face generate does not run: nothing to gather.
+        self._auto_gather = self.generates and gather_weights_for_rollout == "auto" and vllm_config is None
+        # Until the estimate says otherwise "auto" is off: it costs memory, unit-by-unit never does.
+        self.gather_weights_for_rollout = gather_weights_for_rollout is True
+        self.logprob_chunk_size = 1024 if logprob_chunk_size == "auto" else logprob_chunk_size
+        self.gradient_checkpointing = True if gradient_checkpointing == "auto" else gradient_checkpointing
+        self.share_prompt_prefix = bool(share_prompt_prefix)
+        self._prefix_problems: dict[int, str | None] = {}
         self.use_separate_reference_adapter = use_separate_reference_adapter
         self.load_in_4bit = load_in_4bit
         self.dtype = getattr(torch, dtype)
@@ -137,7 +227,32 @@ class LLMAlgorithm:
         self.steps = 0
         self.scores: list[float] = []
         self.model: nn.Module | None = None
+        self.reference_model: nn.Module | None = None
+        self._reference_updated = False
         self.optimizer: torch.optim.Optimizer | None = None
+        self.plan = None
+        if self.fsdp_config == "auto":
+            micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
+        self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
+        if self.plan is None and (self._auto_gc or self._auto_chunk or self._auto_gather):
+            self._resolve_auto_knobs(actor_network)
+        if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
+            self._resolve_expert_chunk(actor_network)
+        self._build(actor_network)
+
+    # -- what each algorithm says about itself -------------------------------------
+    #: Sequences per example of a step's batch (GRPO: its completions per prompt; SFT 1; DPO 2).
+    group_size: int = 1
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the objective reads the reference policy's log-probs."""
+        return False
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences (completions) a step trains on across every rank."""
+        return self.batch_size * self.group_size
 
     # -- properties ----------------------------------------------------------------
     @property
@@ -154,6 +269,94 @@ class LLMAlgorithm:
         tp = self.fsdp_config.tp if self.sharded else 1
         return self.rank // tp
 
+    # -- the "auto" knobs, from the memory estimate -----------------------------------
+    def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
+        """Ask the planner (on rank 0), share its choice with every rank, apply and log it."""
+        from .autoplan import plan_for_agent
+
+        if not self.distributed:
+            self.fsdp_config = None
+            print("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
+                  "training unsharded", flush=True)
+            return micro
+        result = on_rank0(plan_for_agent, self, actor_network, micro)
+        if "error" in result:
+            raise RuntimeError(f"fsdp_config='auto': the planner failed: {result['error']}")
+        self.plan = result
+        self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
+        self._take_auto_knobs(result)
+        if not result["fits"]:
+            raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
+        return micro if micro is not None else result["micro_batch_size_per_gpu"]
+
+    def _resolve_auto_knobs(self, actor_network: nn.Module | None) -> None:
+        """gradient_checkpointing / logprob_chunk_size / gather_weights_for_rollout "auto" without
+        fsdp_config="auto" (one device, data parallel, an explicit FSDPConfig): rank 0 asks the memory
+        estimate, every rank applies the same. Should the estimate fail, the safe defaults stay
+        (checkpointing on, 1024-row chunks, no gather) and the reason is printed."""
+        from .autoplan import pick_auto_knobs
+
+        result = on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
+        if "error" in result:
+            if is_main_process():
+                print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024, "
+                      f"gather_weights_for_rollout=False): "
+                      f"the memory estimate failed ({result['error']})", flush=True)
+            return
+        self._take_auto_knobs(result)
+
+    def _take_auto_knobs(self, result: dict[str, Any]) -> None:
+        """Apply the estimate's checkpointing, log-prob chunk and rollout gather where they were "auto";
+        log the plan."""
+        if self._auto_chunk:
+            self.logprob_chunk_size = result["logprob_chunk_size"]
+        if self._auto_gc:
+            self.gradient_checkpointing = result["gradient_checkpointing"]
+        if self._auto_gather:
+            self.gather_weights_for_rollout = result["gather_weights_for_rollout"]
+        if is_main_process():
+            print(result["summary"], flush=True)
+
+    def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
+        """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512
+        MiB the memory estimate fits (rank 0 asks the planner; every rank applies the same)."""
+        from .autoplan import config_is_moe, pick_expert_chunk
+
+        if actor_network is not None:
+            config = actor_network.config
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.model_source)
+        if not config_is_moe(config):
+            return
+        result = on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
+        if "error" in result:
+            raise RuntimeError("routed_expert_chunk_mib=None: the memory estimate failed "
+                               f"({result['error']}); set routed_expert_chunk_mib explicitly")
+        self.fsdp_config = self.fsdp_config.model_copy(
+            update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]})
+        if is_main_process():
+            print(result["summary"], flush=True)
+
+    def _check_batch_shape(self, micro: int | None) -> int:
+        """A rank's sequences per step, split into micro-batches of whole examples."""
+        total, per = self.sequences_per_step, self.group_size
+        ranks = self.data_parallel_ranks
+        what = f"batch_size x group_size = {self.batch_size} x {per} = {total}" if per > 1 else f"batch_size = {total}"
+        if total % ranks:
+            raise ValueError(f"{what} sequences do not split evenly over {ranks} data-parallel ranks")
+        local = total // ranks
+        if micro is None:
+            return local
+        if micro < 1 or local % micro:
+            choices = [m for m in range(1, local + 1) if local % m == 0]
+            raise ValueError(
+                f"{what} sequences over {ranks} data-parallel ranks gives {local} per rank, which "
+                f"micro_batch_size_per_gpu={micro} does not divide; choose one of {choices}"
+            )
+        return micro
+
     # -- actor -----------------------------------------------------------------------
     def _build(self, actor_network: nn.Module | None) -> None:
         from .loading import build_actor, load_tokenizer
@@ -169,20 +372,14 @@ class LLMAlgorithm:
                 self.tokenizer = load_tokenizer(source)
             except (OSError, ValueError, TypeError):
                 self.tokenizer = None  # a config without a tokenizer: prompts must come tokenized
+        with_reference = self.full_finetune and self.needs_reference
+        # Its own module for the reference copy, before the actor's build shards actor_network in place.
+        reference_network = copy.deepcopy(actor_network) if with_reference and actor_network is not None else None
         torch.manual_seed(self.seed)
-        self.model, self.trainable_params = build_actor(
-            source=source,
-            actor_network=actor_network,
-            lora_config=self.lora_config,
-            use_reference_adapter=self.use_separate_reference_adapter,
-            fsdp_config=self.fsdp_config if self.sharded else None,
-            gradient_checkpointing=self.gradient_checkpointing,
-            device=self.device,
-            dtype=self.dtype,
-            attn_implementation=self.attn_implementation,
-            load_in_4bit=self.load_in_4bit,
-            seed=self.seed,
-        )
+        self.model, self.trainable_params = build_actor(**self._build_kwargs(actor_network, source))
+        if with_reference:
+            self.reference_model, _ = build_actor(**self._build_kwargs(reference_network, source), trainable=False)
+            self._copy_actor_into_reference()  # exactly the initial policy, random weights included
         if self.sharded:
             from agilerl.distributed import register_forward_method
 
@@ -196,22 +393,295 @@ class LLMAlgorithm:
         # within a tensor-parallel group.
         torch.manual_seed(self.seed + 1_000_003 * self.data_parallel_rank)
 
+    def _build_kwargs(self, actor_network: nn.Module | None, source: str | None) -> dict[str, Any]:
+        return dict(source=source, actor_network=actor_network, lora_config=self.lora_config,
+                    use_reference_adapter=self.use_separate_reference_adapter,
+                    fsdp_config=self.fsdp_config if self.sharded else None,
+                    gradient_checkpointing=self.gradient_checkpointing, device=self.device, dtype=self.dtype,
+                    attn_implementation=self.attn_implementation, load_in_4bit=self.load_in_4bit, seed=self.seed)
+
+    def _eos_token_id(self) -> int | list[int] | None:
+        lm = causal_lm(self.model)
+        gen = getattr(lm, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(lm.config, "eos_token_id", None)
+        return eos
+
+    def _eos_set(self) -> set[int]:
+        eos = self._eos_token_id() if not hasattr(self, "eos_token_id") else self.eos_token_id
+        return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+
+    def _encode(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts (strings, or a dict of ``input_ids`` / ``attention_mask``) as left-padded ids and mask."""
+        if isinstance(prompts, dict):
+            return prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
+        if self.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: pass tokenizer=... or tokenized prompts")
+        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
+                             add_special_tokens=False)
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
     def _phase(self, name: str) -> ContextManager:
         return self.phase_observer(name) if self.phase_observer is not None else contextlib.nullcontext()
 
     def update_reference(self) -> None:
-        """Make the reference policy the current actor (separate reference adapter only)."""
+        """Make the reference policy the current actor: the reference adapter (LoRA with
+        ``use_separate_reference_adapter=True``) or the frozen copy (full fine-tuning)."""
+        if self.reference_model is not None:
+            self._copy_actor_into_reference()
+            self._reference_updated = True
+            return
         if not self.use_separate_reference_adapter:
-            raise ValueError("update_reference needs use_separate_reference_adapter=True")
+            raise ValueError("update_reference needs use_separate_reference_adapter=True (LoRA) or, with full "
+                             "fine-tuning, an objective that keeps a reference")
         copy_adapter_(self.model, ACTOR, REFERENCE)
 
+    @torch.no_grad()
+    def _copy_actor_into_reference(self) -> None:
+        """The frozen reference copy (full fine-tuning) takes the actor's weights, shard by shard
+        (both are sharded alike), cast to its dtype."""
+        for (_, ref), (_, actor) in zip(self.reference_model.named_parameters(), self.model.named_parameters(),
+                                           strict=True):
+            dst = ref.to_local() if hasattr(ref, "to_local") else ref
+            src = actor.to_local() if hasattr(actor, "to_local") else actor
+            dst.copy_(src)
+
+    # -- the log-prob forward -------------------------------------------------------------
+    def _activation_dtype(self) -> torch.dtype:
+        """The dtype attention computes in: FSDP2's param_dtype when it casts, else the model's."""
+        if self.sharded and self.fsdp_config.param_dtype is not None:
+            return getattr(torch, self.fsdp_config.param_dtype)
+        return self.dtype
+
+    def _sync_tensor_parallel_rng(self) -> None:
+        """Ranks of one tensor-parallel group must sample the same tokens (and dropout masks)."""
+        if self.sharded and self.fsdp_config.tp > 1:
+            from agilerl.distributed import fsdp_layout, sync_tp_rng
+
+            sync_tp_rng(fsdp_layout(self.model).mesh["tp"])
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        m = self.micro_batch_size_per_gpu
+        if n % m:
+            raise ValueError(f"{n} sequences on this rank do not split into micro-batches of {m}")
+        return [slice(i, i + m) for i in range(0, n, m)]
+
+    @staticmethod
+    def _first_scored(loss_mask: torch.Tensor) -> int:
+        """The first log-prob position any loss term reads (the earliest completion token's)."""
+        cols = loss_mask.any(dim=0).nonzero()
+        return int(cols[0]) if cols.numel() else 0
+
+    def _policy_model(self, adapter: str | None) -> nn.Module:
+        """The model that runs a policy: the actor, or for the reference with full fine-tuning, its
+        frozen copy (LoRA runs the reference on the actor with adapters disabled or swapped)."""
+        if adapter != ACTOR and self.reference_model is not None:
+            return self.reference_model
+        return self.model
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, ids, attention, adapter: str | None, first: int = 0) -> torch.Tensor:
+        """Log-probs of a rank's whole batch without gradients, a micro-batch at a time, under the
+        actor (``ACTOR``) or the reference (``REFERENCE``: its adapter; None: adapters disabled)."""
+        model = self._policy_model(adapter)
+        was_training = model.training
+        model.eval()
+        try:
+            with use_adapter(model, adapter):
+                return torch.cat([self.token_logprobs(ids[s], attention[s], first, model=model)
+                                  for s in self._micro_batches(ids.shape[0])])
+        finally:
+            model.train(was_training)
+
+    def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0, *,
+                       model: nn.Module | None = None, hidden: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]) for every position, ``[n, T - 1]`` fp32 (chunked).
+
+        ``first``: positions before it skip the head and read 0 (the prompt's, which no loss
+        term uses): the head's matmuls and softmax run over the completion rows only.
+        ``model``: the actor (default) or the frozen reference copy. ``hidden``: if given,
+        receives ``"h"``, the final hidden states from position ``hidden["offset"]`` on (a value
+        head reads them).
+        """
+        model = self.model if model is None else model
+        groups = self._prefix_groups(ids, attention_mask, first, model)
+        if groups is not None:
+            return self._shared_prefix_logprobs(ids, attention_mask, first, groups, model, hidden)
+        captured: dict[str, torch.Tensor] = {}
+        handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
+        try:
+            # logits_to_keep=1: the model's own head runs on one position only; the
+            # log-probs below come from the captured final hidden states, chunked.
+            out = model(
+                input_ids=ids,
+                # a padded batch: one additive mask shared by every layer, not a float copy per layer
+                attention_mask=shared_attention_mask(causal_lm(model).config, attention_mask,
+                                                     self._activation_dtype()),
+                position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False,
+                logits_to_keep=1,
+            )
+        finally:
+            handle.remove()
+        if hidden is not None:
+            hidden["h"], hidden["offset"] = captured["h"], 0
+        # Every position goes through the head (the last with a dummy target, dropped after), so
+        # the final hidden states are used as they are rather than copied without their last row.
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        logp = self._head_logprobs(captured["h"], targets, first, model)[:, :-1]
+        if torch.is_grad_enabled():
+            # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward
+            # (the lm_head) has no output in the graph; a zero-weighted term keeps
+            # its one-position logits in the graph at no cost to the gradient.
+            logp = logp + 0.0 * out.logits.sum()
+        return logp
+
+    def _prefix_groups(self, ids: torch.Tensor, attention_mask: torch.Tensor, split: int,
+                       model: nn.Module | None = None):
+        """The distinct ``[:, :split]`` prompts of a batch when the shared-prefix forward applies
+        (:func:`agilerl.utils.shared_prefix.shared_prefix_problem`), else None."""
+        if not self.share_prompt_prefix:
+            return None
+        length = ids.shape[1]
+        if length not in self._prefix_problems:
+            config = causal_lm(self.model if model is None else model).config
+            self._prefix_problems[length] = shared_prefix_problem(
+                getattr(config, "model_type", None), getattr(config, "_attn_implementation", None),
+                full_causal=_full_causal(config, length), tp=self.fsdp_config.tp if self.sharded else 1)
+        if self._prefix_problems[length] is not None:
+            return None
+        from agilerl.utils.prefix_cache import prompt_groups
+
+        groups = prompt_groups(ids, attention_mask, split)
+        if self.sharded and self.world_size > 1:
+            # FSDP2's units gather in every forward: every rank must run as many as the others, so
+            # the two-pass forward runs only where every rank's rows share prompts.
+            from agilerl.distributed import allreduce_minmax_int
+
+            if allreduce_minmax_int(int(groups is not None))[0] == 0:
+                return None
+        return groups
+
+    def _shared_prefix_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
+                                groups, model: nn.Module, hidden: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """:meth:`token_logprobs` by the two-pass forward: the distinct prompts' columns
+        ``[0, first)`` once, then every row's ``[first, T)`` over its prompt's recorded keys and
+        values. Positions before ``first`` read 0, as in the one-pass forward."""
+        from agilerl.utils.prefix_cache import (
+            PrefixedCache,
+            RecordingCache,
+            cache_argument,
+            suffix_attention_mask,
+        )
+
+        lm = causal_lm(model)
+        config, kv = lm.config, cache_argument(lm)
+        dtype = self._activation_dtype()
+        positions = position_ids_from_mask(attention_mask)
+        rows = groups.rows
+        recorded = RecordingCache(config.num_hidden_layers)
+        captured: dict[str, torch.Tensor] = {}
+        handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
+        try:
+            prefix = model(input_ids=ids[rows, :first],
+                           attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
+                           position_ids=positions[rows, :first], use_cache=True, logits_to_keep=1,
+                           **{kv: recorded})
+            suffix = model(input_ids=ids[:, first:], attention_mask=suffix_attention_mask(attention_mask, first, dtype),
+                           position_ids=positions[:, first:], use_cache=True, logits_to_keep=1,
+                           **{kv: PrefixedCache(recorded, groups.inverse, first)})
+        finally:
+            handle.remove()
+        if hidden is not None:
+            hidden["h"], hidden["offset"] = captured["h"], first
+        targets = torch.nn.functional.pad(ids[:, first + 1:], (0, 1))
+        logp = torch.nn.functional.pad(self._head_logprobs(captured["h"], targets, 0, model)[:, :-1], (first, 0))
+        if torch.is_grad_enabled():
+            # as in the one-pass forward: every lm_head forward keeps an output in the graph (FSDP2)
+            logp = logp + 0.0 * (prefix.logits.sum() + suffix.logits.sum())
+        return logp
+
+    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int = 0,
+                       model: nn.Module | None = None) -> torch.Tensor:
+        model = self.model if model is None else model
+        head = output_head(model)
+        softcap = getattr(causal_lm(model).config, "final_logit_softcapping", None)
+        weight = getattr(head, "weight", None)
+        if isinstance(head, nn.Linear) and weight is not None:
+            # Cast before gathering: a sharded fp32 head (full fine-tuning) gathers in the compute dtype.
+            bias = head.bias.to(hidden.dtype) if head.bias is not None else None
+            with materialize_dtensors(weight.to(hidden.dtype), bias) as (w, b):
+                return linear_token_logprobs(hidden, targets, w, b, chunk_size=self.logprob_chunk_size,
+                                             temperature=self.temperature, softcap=softcap, first=first)
+        return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
+                                      temperature=self.temperature, softcap=softcap)
+
+    def _dp_sum(self, local: float) -> float:
+        """A per-rank value summed over the data-parallel ranks (the ranks of a tensor-parallel group
+        hold the same rows and count once); the value itself on one device."""
+        from agilerl.distributed import gather_tensor
+
+        values = gather_tensor(torch.tensor(float(local), dtype=torch.float64))
+        tp = self.fsdp_config.tp if self.sharded else 1
+        return float(values.reshape(-1)[::tp].sum())
+
+    # -- the optimizer step -------------------------------------------------------------------
+    def _gradient_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` carry the step's gradients: the trainable parameters, or
+        the fp32 masters that accumulate them (full fine-tuning of a bf16 model, unsharded)."""
+        grads = getattr(self.optimizer, "grad_tensors", None)
+        return grads() if callable(grads) else list(self.trainable_params)
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Average (data parallel), clip the global norm and step; a non-finite norm skips the step."""
+        tensors = self._gradient_tensors()
+        if not self.sharded and self.distributed and self.world_size > 1:
+            sync_grads(tensors)
+        norm = clip_grad_norm_(tensors, self.max_grad_norm, model=self.model)
+        if math.isfinite(float(norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- populations -------------------------------------------------------------------------
+    @classmethod
+    def population(cls, size: int, **kwargs: Any) -> list[LLMAlgorithm]:
+        """``size`` independent agents (index 0..size-1, seeds offset by index)."""
+        if size < 1:
+            raise ValueError(f"population size must be >= 1, got {size}")
+        seed = kwargs.pop("seed", 42)
+        return [cls(index=i, seed=seed + i, **kwargs) for i in range(size)]
+
     # -- checkpoints -------------------------------------------------------------------
+    #: Hyperparameters every algorithm saves.
+    shared_hyperparameters: tuple[str, ...] = ("batch_size", "lr", "max_grad_norm", "micro_batch_size_per_gpu",
+                                               "logprob_chunk_size")
+
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"algo": self.algo_name, "steps": self.steps, "scores": list(self.scores), "index": self.index}
+        return {"algo": self.algo_name, "steps": self.steps, "scores": list(self.scores), "index": self.index,
+                "full_finetune": self.full_finetune,
+                "hyperparameters": {k: getattr(self, k) for k in (*self.shared_hyperparameters,
+                                                                  *self.algorithm_hyperparameters,
+                                                                  *self.extra_hyperparameters)}}
+
+    def _trained_weights(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What a checkpoint stores of the model, by name: the LoRA adapters (never the frozen
+        base), or with full fine-tuning every parameter (and the reference copy once updated)."""
+        if self.full_finetune:
+            weights = {"model": dict(self.model.named_parameters())}
+            if self._reference_updated:
+                weights["reference"] = dict(self.reference_model.named_parameters())
+            return {k: {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in v.items()} for k, v in weights.items()}
+        adapters = [ACTOR] + ([REFERENCE] if self.use_separate_reference_adapter else [])
+        return {name: adapter_state_dict(self.model, name) for name in adapters}
 
     def save_checkpoint(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
-        """Write ``path/attributes.pt``: gathered adapter weights, optimizer state, attributes,
-        every rank's RNG states, and ``extra`` (the caller's own state, e.g. a data position).
+        """Write ``path/attributes.pt``: gathered trained weights (the adapters, or every parameter
+        with full fine-tuning), optimizer state, attributes, every rank's RNG states, and ``extra``
+        (the caller's own state, e.g. a data position).
 
         The same layout on one device and under FSDP2 (every rank must call this
         under FSDP2; rank 0 writes). The file is written atomically (temporary
@@ -223,14 +693,15 @@ class LLMAlgorithm:
         rng = _gather(_rng_state())
         with self._phase("save"):
             keep = is_main_process()
-            adapters = [ACTOR] + ([REFERENCE] if self.use_separate_reference_adapter else [])
-            # Only the adapters are saved: gather them one tensor at a time, never the base.
-            weights = {name: full_tensors(self.model, adapter_state_dict(self.model, name), keep=keep)
-                       for name in adapters}
+            # Gathered one tensor at a time, never the whole model at once.
+            weights = {name: full_tensors(self.model if name != "reference" or not self.full_finetune
+                                          else self.reference_model, tensors, keep=keep)
+                       for name, tensors in self._trained_weights().items()}
             optim = full_optimizer_state_dict(self.model, self.optimizer, keep=keep)
         if keep:
             path.mkdir(parents=True, exist_ok=True)
-            payload = {**self.checkpoint_state(), "adapters": weights, "optimizer": optim, "rng": rng,
+            key = "weights" if self.full_finetune else "adapters"
+            payload = {**self.checkpoint_state(), key: weights, "optimizer": optim, "rng": rng,
                        "world_size": self.world_size, "extra": dict(extra or {})}
             atomic_save(payload, path / CHECKPOINT_FILE)
         if is_distributed():
@@ -251,10 +722,21 @@ class LLMAlgorithm:
         payload = torch.load(file, map_location="cpu", weights_only=False)
         if payload.get("algo") != self.algo_name:
             raise ValueError(f"{file} is a {payload.get('algo')} checkpoint, not {self.algo_name}")
-        for name, weights in payload["adapters"].items():
-            if name == REFERENCE and not self.use_separate_reference_adapter:
-                continue
-            set_full_model_state_dict(self.model, weights, strict=False)
+        if bool(payload.get("full_finetune", False)) != self.full_finetune:
+            saved = "full fine-tuning" if payload.get("full_finetune") else "LoRA"
+            raise ValueError(f"{file} is a {saved} checkpoint; this agent trains "
+                             f"{'every parameter' if self.full_finetune else 'LoRA adapters'}")
+        if self.full_finetune:
+            weights = payload["weights"]
+            set_full_model_state_dict(self.model, weights["model"], strict=False)
+            if "reference" in weights and self.reference_model is not None:
+                set_full_model_state_dict(self.reference_model, weights["reference"], strict=False)
+                self._reference_updated = True
+        else:
+            for name, weights in payload["adapters"].items():
+                if name == REFERENCE and not self.use_separate_reference_adapter:
+                    continue
+                set_full_model_state_dict(self.model, weights, strict=False)
         load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
         self.steps = payload.get("steps", 0)
         self.scores = list(payload.get("scores", []))

@@ -32,13 +32,31 @@ from agilerl.utils.sources import TINY_PREFIX, check_trainable, parse_tiny
 
 from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
 
-__all__ = ["default_lora_config", "resolve_model_source", "build_actor", "load_tokenizer", "TINY_PREFIX"]
+__all__ = ["default_lora_config", "resolve_lora_config", "DEFAULT_LORA", "resolve_model_source", "build_actor",
+           "load_tokenizer", "TINY_PREFIX"]
+
+#: The algorithms' ``lora_config`` default: :func:`default_lora_config`. ``None`` fine-tunes every parameter.
+DEFAULT_LORA = "default"
+
 
 def default_lora_config():
     """r=16, alpha=32 on every linear layer (the lm_head excluded), dropout 0.05."""
     from peft import LoraConfig
 
     return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.05, task_type="CAUSAL_LM")
+
+
+def resolve_lora_config(value):
+    """An algorithm's ``lora_config``: a PEFT ``LoraConfig`` as given, :data:`DEFAULT_LORA` (the
+    default) -> :func:`default_lora_config`, None -> None (full fine-tuning)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value != DEFAULT_LORA:
+            raise ValueError(f"lora_config must be a peft LoraConfig, {DEFAULT_LORA!r} (r=16, alpha=32 on every "
+                             f"linear) or None (full fine-tuning), got {value!r}")
+        return default_lora_config()
+    return value
 
 
 def _cache_dir() -> Path:
@@ -123,8 +141,13 @@ def load_tokenizer(source: str):
 
 
 def _add_adapters(model: nn.Module, lora_config, use_reference: bool) -> nn.Module:
+    import copy
+
     from peft import get_peft_model
 
+    # PEFT expands "all-linear" into the module names it found, in the config object: a copy keeps
+    # the caller's config as written (it may build the next agent, of another model).
+    lora_config = copy.deepcopy(lora_config)
     peft_model = get_peft_model(model, lora_config, adapter_name=ACTOR)
     if use_reference:
         peft_model.add_adapter(REFERENCE, lora_config)
@@ -177,27 +200,39 @@ def build_actor(
     attn_implementation: str | None,
     load_in_4bit: bool,
     seed: int,
+    trainable: bool = True,
 ) -> tuple[nn.Module, list[nn.Parameter]]:
-    """The PEFT-wrapped actor (sharded when ``fsdp_config``) and its trainable parameters."""
+    """The actor (sharded when ``fsdp_config``) and its trainable parameters.
+
+    With a ``lora_config`` the model is PEFT-wrapped and only the actor adapter trains. With
+    ``lora_config=None`` (full fine-tuning) every parameter trains, and under FSDP2 the shards
+    are fp32 masters (``dtype`` is then the compute dtype, FSDPConfig.param_dtype's job).
+    ``trainable=False`` builds the frozen reference copy of full fine-tuning: no adapters,
+    weights in ``dtype``, nothing trains.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _quiet_transformers()
-    lora_config = lora_config if lora_config is not None else default_lora_config()
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    full = lora_config is None or not trainable
+    if full and load_in_4bit:
+        raise ValueError("load_in_4bit (QLoRA) needs LoRA adapters: 4-bit weights do not train")
 
     config = None if actor_network is not None else AutoConfig.from_pretrained(source)
     if config is not None:
         # A multimodal checkpoint (perhaps downloaded just now, so not checked before): one clear line.
         check_trainable(config.to_dict(), str(source))
     if fsdp_config is not None and config is not None:
+        # Full fine-tuning keeps fp32 shards (the masters AdamW steps); FSDP2 computes in param_dtype.
+        stored = torch.float32 if full and trainable else dtype
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attn)
+            model = AutoModelForCausalLM.from_config(config, dtype=stored, **attn)
             if load_in_4bit:
                 _bnb_config(dtype)  # bitsandbytes installed, or a clear error
                 _four_bit_on_meta(model, dtype)
-            peft_model = _add_adapters(model, lora_config, use_reference_adapter)
-        lora_state = _init_adapters_on_cpu(peft_model, use_reference_adapter, seed)
-        mark_trainable(peft_model)
+            peft_model = model if full else _add_adapters(model, lora_config, use_reference_adapter)
+        lora_state = {} if full else _init_adapters_on_cpu(peft_model, use_reference_adapter, seed)
+        _mark_trainable(peft_model, lora=not full, trainable=trainable)
         apply_fsdp2(peft_model, fsdp_config, gradient_checkpointing=gradient_checkpointing)
         from agilerl.utils.checkpoint_io import (
             ChainedState,
@@ -235,6 +270,8 @@ def build_actor(
 
     if actor_network is not None:
         model = actor_network
+        if full and fsdp_config is not None:
+            model.to(torch.float32 if trainable else dtype)  # fp32 shards to train, the compute dtype to refer to
     else:
         kwargs: dict[str, Any] = {"dtype": dtype, **attn}
         if load_in_4bit:
@@ -246,10 +283,13 @@ def build_actor(
             model = _random_four_bit_model(config, dtype, attn, device)
         else:
             model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation")})
-    peft_model = _add_adapters(model, lora_config, use_reference_adapter)
-    with torch.no_grad():
-        _reinit_adapters(peft_model, use_reference_adapter, seed)
-    mark_trainable(peft_model)
+    if full:
+        peft_model = model
+    else:
+        peft_model = _add_adapters(model, lora_config, use_reference_adapter)
+        with torch.no_grad():
+            _reinit_adapters(peft_model, use_reference_adapter, seed)
+    _mark_trainable(peft_model, lora=not full, trainable=trainable)
     if fsdp_config is not None:
         apply_fsdp2(peft_model, fsdp_config, gradient_checkpointing=gradient_checkpointing)
     else:
@@ -262,6 +302,16 @@ def build_actor(
         _say_full_precision_experts(peft_model, dtype)
     # After sharding: fully_shard replaces parameters with DTensor parameters.
     return peft_model, _trainable(peft_model)
+
+
+def _mark_trainable(model: nn.Module, *, lora: bool, trainable: bool) -> None:
+    """LoRA: only the actor adapter trains. Full fine-tuning: every floating-point parameter (or,
+    for the frozen reference copy, none)."""
+    if lora:
+        mark_trainable(model)
+        return
+    for p in model.parameters():
+        p.requires_grad_(trainable and p.is_floating_point())
 
 
 def _keep_nf4_layout(model: nn.Module) -> None:
