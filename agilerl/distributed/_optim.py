@@ -74,6 +74,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         *,
         master_device: str | torch.device = "cpu",
         accumulate_grads: bool = False,
+        fused: bool | None = None,
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.master_device = torch.device(master_device)
@@ -90,8 +91,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 self.masters.append((p, master))
                 masters.append(master)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
-        fused = not on_host and self.master_device.type in ("cuda", "xpu")
-        self.inner = torch.optim.AdamW(inner_groups, fused=fused or None)
+        # fused: one kernel and no temporaries; None: torch's default (foreach, whose temporaries
+        # are a copy of the moments: the host has room for them, CPUOffloadAdamW's choice)
+        self.inner = torch.optim.AdamW(inner_groups, fused=fused)
         self.accumulate_grads = accumulate_grads
         self._hooks = []
         if accumulate_grads:
@@ -232,7 +234,8 @@ def build_optimizer(
         # Low-precision trainable weights (full fine-tuning of a bf16 model, unsharded): fp32
         # masters, gradients and moments beside them. Under FSDP2 the shards are fp32 already.
         return MasterWeightAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                 master_device=_local(params[0]).device, accumulate_grads=True)
+                                 master_device=_local(params[0]).device, accumulate_grads=True,
+                                 fused=device_type in ("cuda", "cpu", "xpu") or None)
     fused = device_type in ("cuda", "cpu", "mps", "xpu")
     # Fused kernels cannot mix DTensor shards and replicated plain tensors in
     # one call, and a param group is one call: keep them in separate groups.

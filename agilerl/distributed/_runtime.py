@@ -234,23 +234,47 @@ def aggregate_metrics_dict(
     return out
 
 
+#: The most bytes one coalesced all-reduce flattens (as DDP's buckets): LoRA adapters fit in one,
+#: a fully fine-tuned model's gradients go in many, never in one copy of them all.
+ALL_REDUCE_BUCKET_BYTES = 64 * 2**20
+
+
+def _size_buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
 def _coalesced_mean_(grads: list[torch.Tensor], group=None) -> None:
-    """Average tensors across ``group``'s ranks in place: one all-reduce per (device, dtype)."""
+    """Average tensors across ``group``'s ranks in place: one all-reduce per (device, dtype) and
+    bucket of at most :data:`ALL_REDUCE_BUCKET_BYTES` (a larger tensor alone, reduced in place
+    where it can be)."""
     world = dist.get_world_size(group)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         buckets.setdefault((g.device, g.dtype), []).append(g)
     comm_device = _collective_device()
-    for (device, _), tensors in buckets.items():
-        flat = torch.cat([t.reshape(-1) for t in tensors]).to(comm_device)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # SUM then divide: AVG is not on gloo
-        flat.div_(world)
-        flat = flat.to(device)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+    for (device, _), same in buckets.items():
+        for tensors in _size_buckets(same, ALL_REDUCE_BUCKET_BYTES):
+            alone = len(tensors) == 1 and tensors[0].is_contiguous() and device.type == comm_device.type
+            flat = tensors[0] if alone else torch.cat([t.reshape(-1) for t in tensors]).to(comm_device)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # SUM then divide: AVG is not on gloo
+            flat.div_(world)
+            if alone:
+                continue
+            flat = flat.to(device)
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

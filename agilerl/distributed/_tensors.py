@@ -27,15 +27,27 @@ def materialize_dtensors(*tensors: torch.Tensor | None) -> AbstractContextManage
 def materialize_dtensors(*tensors):
     """All-gather DTensor shards to dense locals without swapping module params.
 
-    The gather is differentiable (its backward reduce-scatters), so the dense
-    tensors can feed a loss. With exactly two arguments a tuple is yielded, else
-    a list parallel to ``tensors``. All ranks must enter and exit together.
+    The gather is differentiable: its backward reduce-scatters the dense gradient, averaged
+    over the mesh as FSDP2 averages its gradients (each rank's dense gradient comes from its
+    own data), so the dense tensors can feed a loss that trains them. With exactly two
+    arguments a tuple is yielded, else a list parallel to ``tensors``. All ranks must enter
+    and exit together.
     """
-    dense = [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+    dense = [_gather_dense(t) if isinstance(t, DTensor) else t for t in tensors]
     try:
         yield tuple(dense) if len(tensors) == 2 else dense
     finally:
         del dense
+
+
+def _gather_dense(t: DTensor) -> torch.Tensor:
+    if not t.requires_grad:
+        return t.full_tensor()
+    from torch.distributed.tensor.placement_types import Partial
+
+    # Without grad_placements DTensor takes the dense gradient as replicated (the same on every
+    # rank) and keeps each rank's slice of its own: averaged, it is FSDP2's gradient.
+    return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
 
 
 def owners_of(root: nn.Module, params: Sequence[torch.Tensor | None]) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -230,6 +230,10 @@ class LLMAlgorithm:
         self.reference_model: nn.Module | None = None
         self._reference_updated = False
         self.optimizer: torch.optim.Optimizer | None = None
+        # trainable modules beside the model (a value head), their parameters and optimizer
+        self.heads: dict[str, nn.Module] = {}
+        self.head_params: list[nn.Parameter] = []
+        self.head_optimizer: torch.optim.Optimizer | None = None
         self.plan = None
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
@@ -423,6 +427,16 @@ class LLMAlgorithm:
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
                              add_special_tokens=False)
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    def add_head(self, name: str, module: nn.Module, *, lr: float) -> nn.Module:
+        """Train ``module`` beside the model (LLMPPO's value head): on this rank's device, fp32,
+        replicated, with its own AdamW at ``lr``; saved in checkpoints under ``name``. Every rank
+        must build it with the same initial weights."""
+        module = module.to(device=self.device, dtype=torch.float32)
+        self.heads[name] = module
+        self.head_params = [p for m in self.heads.values() for p in m.parameters()]
+        self.head_optimizer = torch.optim.AdamW(self.head_params, lr=lr, weight_decay=0.0)
+        return module
 
     def _phase(self, name: str) -> ContextManager:
         return self.phase_observer(name) if self.phase_observer is not None else contextlib.nullcontext()
@@ -636,14 +650,26 @@ class LLMAlgorithm:
         return grads() if callable(grads) else list(self.trainable_params)
 
     def _optimizer_step(self) -> torch.Tensor:
-        """Average (data parallel), clip the global norm and step; a non-finite norm skips the step."""
+        """Average (data parallel), clip the global norm and step; a non-finite norm skips the step.
+
+        The heads beside the model (LLMPPO's value head: small, fp32, replicated on every rank and
+        outside FSDP2's units) are averaged over every rank explicitly, clipped with the model's
+        gradients under one global norm and stepped by their own AdamW."""
         tensors = self._gradient_tensors()
         if not self.sharded and self.distributed and self.world_size > 1:
             sync_grads(tensors)
-        norm = clip_grad_norm_(tensors, self.max_grad_norm, model=self.model)
+        if self.head_params and self.distributed and self.world_size > 1:
+            from agilerl.distributed import all_reduce_grads
+
+            all_reduce_grads(self.head_params)
+        norm = clip_grad_norm_(tensors + self.head_params, self.max_grad_norm, model=self.model)
         if math.isfinite(float(norm)):
             self.optimizer.step()
+            if self.head_optimizer is not None:
+                self.head_optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.head_optimizer is not None:
+            self.head_optimizer.zero_grad(set_to_none=True)
         return norm
 
     # -- populations -------------------------------------------------------------------------
@@ -703,6 +729,10 @@ class LLMAlgorithm:
             key = "weights" if self.full_finetune else "adapters"
             payload = {**self.checkpoint_state(), key: weights, "optimizer": optim, "rng": rng,
                        "world_size": self.world_size, "extra": dict(extra or {})}
+            if self.heads:
+                payload["heads"] = {name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+                                    for name, m in self.heads.items()}
+                payload["head_optimizer"] = self.head_optimizer.state_dict()
             atomic_save(payload, path / CHECKPOINT_FILE)
         if is_distributed():
             torch.distributed.barrier()
@@ -738,6 +768,10 @@ class LLMAlgorithm:
                     continue
                 set_full_model_state_dict(self.model, weights, strict=False)
         load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
+        for name, module in self.heads.items():
+            module.load_state_dict(payload["heads"][name])
+        if self.heads:
+            self.head_optimizer.load_state_dict(payload["head_optimizer"])
         self.steps = payload.get("steps", 0)
         self.scores = list(payload.get("scores", []))
         rng = payload.get("rng")
