@@ -15,7 +15,7 @@ from agilerl.distributed import FSDPConfig
 from agilerl.utils.algo_utils import VLLMConfig
 
 __all__ = ["Manifest", "AlgorithmSection", "TrainingSection", "EnvironmentSection", "LoraSection", "load_manifest",
-           "ManifestError"]
+           "ManifestError", "ALGORITHM_FIELDS", "OFFLINE_ALGORITHMS"]
 
 
 class ManifestError(ValueError):
@@ -26,10 +26,30 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: The objective fields each algorithm takes (null: the algorithm's own default); the others are
+#: refused for it. The classes' signatures say the defaults (a test holds the two together).
+ALGORITHM_FIELDS: dict[str, tuple[str, ...]] = {
+    "GRPO": ("beta", "clip_coef"),
+    "CISPO": ("beta", "clip_coef_high"),
+    "GSPO": ("beta", "clip_coef", "clip_coef_high"),
+    "LLMREINFORCE": ("beta",),
+    "LLMPPO": ("beta", "clip_coef", "vf_coef", "clip_coef_value", "gamma", "gae_lambda"),
+    "SFT": (),
+    "DPO": ("beta", "nll_alpha"),
+}
+#: Algorithms trained from a dataset (the environment's prompts with their answers), without a
+#: rollout: the rollout's fields are refused for them.
+OFFLINE_ALGORITHMS = ("SFT", "DPO")
+_ROLLOUT_FIELDS = ("group_size", "update_epochs", "temperature", "max_output_tokens", "vllm",
+                   "gather_weights_for_rollout", "offload_weights_during_rollout")
+
+
 class AlgorithmSection(_Section):
     name: Annotated[
-        Literal["GRPO", "CISPO", "GSPO", "LLMREINFORCE"],
-        Field(description="LLM algorithm to train (each with its own defaults for beta and the clip range)."),
+        Literal["GRPO", "CISPO", "GSPO", "LLMREINFORCE", "LLMPPO", "SFT", "DPO"],
+        Field(description="LLM algorithm to train: the RL objectives on a rollout (GRPO, CISPO, GSPO, LLMREINFORCE, "
+                          "LLMPPO), or SFT and DPO on the environment's prompts with their answers (each with its "
+                          "own defaults)."),
     ] = "GRPO"
     model_name: Annotated[
         str,
@@ -41,13 +61,17 @@ class AlgorithmSection(_Section):
         Field(description="false: no sharding (data parallel under torchrun); true: FSDPConfig defaults; a mapping "
                           "of FSDPConfig fields; 'auto': the planner chooses."),
     ] = False
-    group_size: Annotated[int, Field(ge=2, description="Completions per prompt.")] = 8
+    group_size: Annotated[
+        int | None, Field(ge=1, description="Completions per prompt; null: the algorithm's default (8, LLMPPO 1).")
+    ] = None
     beta: Annotated[
         float | None,
-        Field(ge=0.0, description="KL penalty weight against the reference policy; null: the algorithm's default "
-                                  "(GRPO and LLMREINFORCE 0.04, CISPO and GSPO 0)."),
+        Field(ge=0.0, description="KL penalty weight against the reference policy (DPO: its implicit reward's scale); "
+                                  "null: the algorithm's default (GRPO and LLMREINFORCE 0.04, CISPO and GSPO 0, "
+                                  "LLMPPO 0.05, DPO 0.1)."),
     ] = None
-    lr: Annotated[float, Field(gt=0.0, description="AdamW learning rate of the LoRA actor.")] = 1e-5
+    lr: Annotated[float | None, Field(gt=0.0, description="AdamW learning rate of the actor; null: the algorithm's "
+                                                          "default (1e-5, SFT 5e-5, DPO 5e-6).")] = None
     clip_coef: Annotated[
         float | None,
         Field(gt=0.0, description="Ratio clip below (and above, for GRPO); null: the algorithm's default (GRPO 0.2, "
@@ -58,8 +82,17 @@ class AlgorithmSection(_Section):
         Field(gt=0.0, description="CISPO: the importance weight's cap is 1 + this (default 4.0); GSPO: the sequence "
                                   "ratio's upper clip (default 4e-4). Other algorithms take none."),
     ] = None
+    vf_coef: Annotated[float | None, Field(gt=0.0, description="LLMPPO: the value loss's weight (default 0.1).")] = None
+    clip_coef_value: Annotated[
+        float | None, Field(gt=0.0, description="LLMPPO: the value clip range (default 0.2).")] = None
+    gamma: Annotated[float | None, Field(ge=0.0, le=1.0, description="LLMPPO: the discount (default 1.0).")] = None
+    gae_lambda: Annotated[float | None, Field(ge=0.0, le=1.0, description="LLMPPO: GAE's lambda (default 0.95).")] = None
+    nll_alpha: Annotated[
+        float | None, Field(ge=0.0, description="DPO: weight of the chosen completions' NLL (RPO; default 0).")] = None
     max_grad_norm: Annotated[float, Field(gt=0.0, description="Global gradient-norm clip.")] = 1.0
-    update_epochs: Annotated[int, Field(ge=1, description="Optimizer passes over each batch.")] = 1
+    update_epochs: Annotated[
+        int | None, Field(ge=1, description="Optimizer passes over each batch; null: the algorithm's default (1, "
+                                            "LLMPPO 4).")] = None
     temperature: Annotated[float, Field(gt=0.0, description="Sampling temperature (log-probs use the same).")] = 1.0
     max_output_tokens: Annotated[int, Field(ge=1, description="Most tokens generated per completion.")] = 256
     max_model_len: Annotated[int | None, Field(ge=1, description="Longest prompt + completion.")] = None
@@ -121,19 +154,43 @@ class AlgorithmSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _clip_fields_of_the_algorithm(self) -> AlgorithmSection:
-        takes = {"GRPO": ("clip_coef",), "CISPO": ("clip_coef_high",), "GSPO": ("clip_coef", "clip_coef_high"),
-                 "LLMREINFORCE": ()}[self.name]
-        for field in ("clip_coef", "clip_coef_high"):
+    def _fields_of_the_algorithm(self) -> AlgorithmSection:
+        takes = ALGORITHM_FIELDS[self.name]
+        for field in sorted({f for fields in ALGORITHM_FIELDS.values() for f in fields}):
             if getattr(self, field) is not None and field not in takes:
-                raise ValueError(f"{field}: {self.name} takes " + (" and ".join(takes) or "no clip coefficient"))
-        if self.name == "LLMREINFORCE" and self.update_epochs != 1:
+                raise ValueError(f"{field}: {self.name} takes " + (", ".join(takes) or "none of the objective fields"))
+        if self.name in OFFLINE_ALGORITHMS:
+            given = [f for f in _ROLLOUT_FIELDS if getattr(self, f) != type(self).model_fields[f].default]
+            if given:
+                raise ValueError(f"{given[0]}: {self.name} learns from the environment's answers, it has no rollout")
+        if self.name == "LLMREINFORCE" and self.update_epochs not in (None, 1):
             raise ValueError(f"update_epochs: LLMREINFORCE is on-policy, so 1 (got {self.update_epochs})")
         return self
 
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, value: int | None, info) -> int | None:
+        name = info.data.get("name", "GRPO")
+        if value is not None and value < 2 and name not in ("LLMPPO", *OFFLINE_ALGORITHMS):
+            raise ValueError(f"{name}'s advantages are relative within a group of at least 2 (got {value})")
+        return value
+
+    @property
+    def offline(self) -> bool:
+        return self.name in OFFLINE_ALGORITHMS
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """Completions trained per prompt: the group (GRPO 8, LLMPPO 1 by default), SFT 1, DPO 2."""
+        if self.offline:
+            return 2 if self.name == "DPO" else 1
+        return self.group_size if self.group_size is not None else (1 if self.name == "LLMPPO" else 8)
+
     def algorithm_kwargs(self) -> dict[str, Any]:
-        """beta and the clip coefficients that were given (the algorithm's own defaults otherwise)."""
-        return {k: getattr(self, k) for k in ("beta", "clip_coef", "clip_coef_high") if getattr(self, k) is not None}
+        """The objective fields and the fields with an algorithm's default that were given (the
+        algorithm's own defaults otherwise)."""
+        fields = (*ALGORITHM_FIELDS[self.name], "lr", *(() if self.offline else ("group_size", "update_epochs")))
+        return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
 
     @model_validator(mode="after")
     def _offload_needs_vllm(self) -> AlgorithmSection:
@@ -224,13 +281,22 @@ class Manifest(_Section):
     algorithm: AlgorithmSection
     training: TrainingSection = TrainingSection()
     environment: EnvironmentSection = EnvironmentSection()
-    lora: LoraSection = LoraSection()
+    lora: Annotated[
+        LoraSection | None, Field(description="LoRA adapters to train; null fine-tunes every parameter (full "
+                                              "fine-tuning: fp32 master weights, gradients and AdamW moments).")
+    ] = LoraSection()
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:
         if self.training.rollout_engines_per_agent and self.algorithm.vllm is None:
             raise ValueError("training.rollout_engines_per_agent > 0 needs algorithm.vllm settings")
-        total = self.training.rollout_batch_size * self.algorithm.group_size
+        if self.lora is None and self.algorithm.load_in_4bit:
+            raise ValueError("lora: null (full fine-tuning) with algorithm.load_in_4bit: 4-bit weights do not train; "
+                             "QLoRA needs a lora section")
+        if self.lora is None and self.algorithm.use_separate_reference_adapter:
+            raise ValueError("lora: null (full fine-tuning) with algorithm.use_separate_reference_adapter: there is "
+                             "no adapter, the reference is a frozen copy of the model")
+        total = self.training.rollout_batch_size * self.algorithm.sequences_per_prompt
         micro = self.algorithm.micro_batch_size_per_gpu
         per_rank = total // self.training.training_gpus_per_agent
         if micro is not None and per_rank % micro:
@@ -238,10 +304,16 @@ class Manifest(_Section):
                 f"rollout_batch_size x group_size = {total} completions over {self.training.training_gpus_per_agent} "
                 f"GPUs gives {per_rank} per GPU, which algorithm.micro_batch_size_per_gpu={micro} does not divide"
             )
+        if micro is not None and self.algorithm.name == "DPO" and micro % 2:
+            raise ValueError(f"algorithm.micro_batch_size_per_gpu={micro}: DPO runs a pair's chosen and rejected "
+                             "sequences in one micro-batch, so it counts sequences and must be even")
         return self
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+        data = self.model_dump(mode="json", exclude_none=True)
+        if self.lora is None:
+            data["lora"] = None  # full fine-tuning: written out, or a re-read would train the default LoRA
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -89,29 +89,26 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
         pad_token_id=tokenizer.pad_token_id,
         pad_token=tokenizer.pad_token,
         tokenizer=tokenizer,
-        lora_config=manifest.lora.to_peft(),
+        lora_config=manifest.lora.to_peft() if manifest.lora is not None else None,
         batch_size=training.rollout_batch_size,
-        group_size=algo.group_size,
         **algo.algorithm_kwargs(),
-        lr=algo.lr,
         max_grad_norm=algo.max_grad_norm,
-        update_epochs=algo.update_epochs,
-        temperature=algo.temperature,
-        max_output_tokens=algo.max_output_tokens,
         max_model_len=algo.max_model_len,
         micro_batch_size_per_gpu=algo.micro_batch_size_per_gpu,
         logprob_chunk_size=algo.logprob_chunk_size,
         gradient_checkpointing=algo.gradient_checkpointing,
-        use_separate_reference_adapter=algo.use_separate_reference_adapter,
         load_in_4bit=algo.load_in_4bit,
-        vllm_config=algo.vllm,
-        offload_weights_during_rollout=algo.offload_weights_during_rollout,
-        gather_weights_for_rollout=algo.gather_weights_for_rollout,
         share_prompt_prefix=algo.share_prompt_prefix,
         fsdp_config=algo.fsdp_config(),
         dtype=algo.dtype,
         seed=training.seed,
     )
+    if algo.name != "SFT":
+        kwargs["use_separate_reference_adapter"] = algo.use_separate_reference_adapter
+    if not algo.offline:
+        kwargs.update(temperature=algo.temperature, max_output_tokens=algo.max_output_tokens, vllm_config=algo.vllm,
+                      offload_weights_during_rollout=algo.offload_weights_during_rollout,
+                      gather_weights_for_rollout=algo.gather_weights_for_rollout)
     start = time.monotonic()
     population = create_population(algo.name, {}, training.population_size, algo_kwargs=kwargs, device=device)
     _log(f"built {len(population)} {algo.name} agent(s) on {world} rank(s) in {time.monotonic() - start:.1f}s")
@@ -125,19 +122,10 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
             history = resumed
             _log(f"agent {agent.index}: resumed at step {agent.steps} from {folder}")
         for step in range(agent.steps + 1, steps + 1):
-            prompts, answers = env.sample(training.rollout_batch_size)
-            ids, masks = agent.get_action(prompts)
-            local = agent.local_slice(len(prompts))
-            texts, stopped = _decode(agent, ids, masks)
-            my_answers = [answers[i // agent.group_size] for i in range(local.start, local.stop)]
-            rewards = torch.tensor(env.reward(texts, my_answers, stopped))
-            metrics = agent.learn((ids, masks, rewards))
+            metrics = _step(agent, env, algo.name, training.rollout_batch_size)
             history.append(metrics)
             if step == 1 or step % training.log_every == 0 or step == steps:
-                _log(
-                    f"agent {agent.index} step {step:4d}  reward {metrics['mean_reward']:.3f}  "
-                    f"loss {metrics['loss']:+.4f}  kl {metrics['kl']:.4f}  len {metrics['completion_length']:.2f}"
-                )
+                _log(f"agent {agent.index} step {step:4d}  {_metrics_line(metrics)}")
             if folder is not None and training.checkpoint_interval and step % training.checkpoint_interval == 0 \
                     and step < steps:
                 _save(agent, env, history, folder / f"{STEP_PREFIX}{step:08d}")
@@ -150,6 +138,37 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
             _summary(agent.index, history)
     _log(f"done in {time.monotonic() - start:.1f}s")
     return histories
+
+
+def _step(agent, env, name: str, prompts_per_step: int) -> dict[str, float]:
+    """One training step of ``agent`` on the environment's next prompts: a rollout scored by the
+    environment's reward (the RL objectives), or this rank's share of the prompts with their
+    answers (SFT) and a wrong answer as the rejected completion (DPO)."""
+    import torch
+
+    prompts, answers = env.sample(prompts_per_step)
+    if name in ("SFT", "DPO"):
+        wrong = env.wrong_answers(answers) if name == "DPO" else None
+        mine = agent.local_examples(len(prompts))
+        if name == "SFT":
+            return agent.learn(agent.encode(prompts[mine], answers[mine]))
+        return agent.learn(agent.encode(prompts[mine], answers[mine], wrong[mine]))
+    ids, masks = agent.get_action(prompts)
+    local = agent.local_slice(len(prompts))
+    texts, stopped = _decode(agent, ids, masks)
+    my_answers = [answers[i // agent.group_size] for i in range(local.start, local.stop)]
+    rewards = torch.tensor(env.reward(texts, my_answers, stopped))
+    return agent.learn((ids, masks, rewards))
+
+
+#: What a step's log line shows, where the algorithm reports it.
+_LOGGED = (("mean_reward", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
+           ("reward_margin", "margin {:+.3f}"), ("reward_accuracy", "acc {:.2f}"), ("value_loss", "vloss {:.4f}"),
+           ("completion_length", "len {:.2f}"))
+
+
+def _metrics_line(metrics: dict[str, float]) -> str:
+    return "  ".join(fmt.format(metrics[key]) for key, fmt in _LOGGED if key in metrics)
 
 
 #: Periodic checkpoints are ``agent<i>/step-<8 digits>/attributes.pt``; the final one is ``agent<i>/attributes.pt``.
@@ -220,10 +239,12 @@ def _decode(agent, ids, masks):
 
 
 def _summary(index: int, history: list[dict[str, float]]) -> None:
-    rewards = [m["mean_reward"] for m in history]
-    k = max(1, len(rewards) // 10)
-    first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
-    _log(f"agent {index}: mean reward over the first {k} steps {first:.3f}, over the last {k} steps {last:.3f}")
+    key = next(k for k in ("mean_reward", "reward_margin", "loss") if k in history[0])
+    values = [m[key] for m in history]
+    k = max(1, len(values) // 10)
+    first, last = statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+    what = {"mean_reward": "mean reward", "reward_margin": "reward margin", "loss": "loss"}[key]
+    _log(f"agent {index}: {what} over the first {k} steps {first:.3f}, over the last {k} steps {last:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

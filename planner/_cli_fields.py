@@ -76,8 +76,12 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], *, skip:
         default = field.default
         metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
         extra = " ('auto' lets the planner choose)" if optional else ""
+        # A flag that is off by default also turns on bare (--full-finetune), or takes true/false.
+        bare = dict(nargs="?", const=True) if field.annotation is bool and default is False else {}
+        if bare:
+            metavar = "true|false"
         target.add_argument(flag_name(name), dest=f"{model.__name__}.{name}", type=parse, default=argparse.SUPPRESS,
-                            metavar=metavar, help=f"{field.description}{extra} [default: {default}]")
+                            metavar=metavar, help=f"{field.description}{extra} [default: {default}]", **bare)
 
 
 def collect_fields(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """Rank side of a probe: ``torchrun ... -m planner._probe_worker REQUEST.json OUT_DIR``.
 
-Builds the real GRPO trainer for the requested workload and FSDPConfig, runs
-real learn() steps on synthetic rollouts of exactly the requested shapes (and
-one real generation when asked), and writes this rank's measurement to
+Builds the real trainer of the requested algorithm (GRPO and those on its loop,
+LLMPPO, SFT, DPO; LoRA or full fine-tuning) for the requested workload and
+FSDPConfig, runs real learn() steps on synthetic batches of exactly the
+requested shapes (rollouts, or SFT examples and DPO pairs; and one real
+generation when asked), and writes this rank's measurement to
 ``OUT_DIR/rank<r>.json``:
 
 - step 1 warms up (lazy init, optimizer state) untracked;
@@ -55,8 +57,9 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     import torch
     from peft import LoraConfig
 
-    from agilerl.algorithms import GRPO
+    import agilerl.algorithms
     from agilerl.distributed import FSDPConfig, get_world_size, init_distributed
+    from agilerl.utils.logprobs import causal_lm
     from planner._tracking import (
         PhaseRecorder,
         device_of,
@@ -64,7 +67,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         host_peak_reset,
         param_bytes,
     )
-    from planner.workload import Workload
+    from planner.workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES, Workload
 
     torch.set_num_threads(int(os.environ.get("AGILERL_PROBE_THREADS", "1")))
     init_distributed(timeout_seconds=int(request.get("collective_timeout_s", 120)))
@@ -78,22 +81,27 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     world = get_world_size()
     result["world_size"] = world
 
-    lora = LoraConfig(r=workload.lora_rank, lora_alpha=workload.lora_alpha, lora_dropout=0.0,
-                      target_modules=list(workload.lora_targets) if isinstance(workload.lora_targets, (list, tuple))
-                      else workload.lora_targets, task_type="CAUSAL_LM")
+    lora = None if workload.full_finetune else LoraConfig(
+        r=workload.lora_rank, lora_alpha=workload.lora_alpha, lora_dropout=0.0,
+        target_modules=list(workload.lora_targets) if isinstance(workload.lora_targets, (list, tuple))
+        else workload.lora_targets, task_type="CAUSAL_LM")
+    algorithm = getattr(agilerl.algorithms, ALGORITHM_CLASSES[workload.algorithm])
+    offline = workload.algorithm in OFFLINE_SEQUENCES
     kwargs = dict(
-        pad_token_id=0, pad_token="<pad>", lora_config=lora,
-        batch_size=workload.prompts_per_step, group_size=workload.group_size, beta=workload.beta,
-        update_epochs=workload.update_epochs, max_output_tokens=workload.completion_tokens,
+        pad_token_id=0, pad_token="<pad>", lora_config=lora, batch_size=workload.prompts_per_step,
         micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu,
         logprob_chunk_size=workload.logprob_chunk_size,
         gradient_checkpointing=bool(workload.gradient_checkpointing),
-        use_separate_reference_adapter=workload.use_separate_reference_adapter,
         load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=device, dtype=workload.weights_dtype,
-        gather_weights_for_rollout=bool(workload.gather_weights_for_rollout),
         share_prompt_prefix=workload.share_prompt_prefix,
         attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
     )
+    if workload.algorithm != "sft":
+        kwargs.update(beta=workload.beta, use_separate_reference_adapter=workload.use_separate_reference_adapter)
+    if not offline:
+        kwargs.update(group_size=workload.group_size, update_epochs=workload.update_epochs,
+                      max_output_tokens=workload.completion_tokens,
+                      gather_weights_for_rollout=bool(workload.gather_weights_for_rollout))
     if workload.generation == "vllm" and request.get("generate", False):
         from agilerl.utils.algo_utils import VLLMConfig
 
@@ -108,13 +116,16 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     load_tracker = MemTracker()
     start = time.perf_counter()
     with load_tracker:
-        agent = GRPO(request["model"], **kwargs)
+        agent = algorithm(request["model"], **kwargs)
     result["load_seconds"] = time.perf_counter() - start
     dev = device_of(agent.model)
     load = {"host_peak": host_peak_bytes(),
             "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0))}
     load.update(param_bytes(agent.model))
-    load["total"] = max(load["tracker_total"], sum(param_bytes(agent.model).values()))
+    reference = param_bytes(agent.reference_model) if agent.reference_model is not None else {}
+    if reference:
+        load["reference_weights"] = sum(reference.values())
+    load["total"] = max(load["tracker_total"], sum(param_bytes(agent.model).values()) + sum(reference.values()))
     if device == "cuda":
         load["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
         load["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
@@ -123,7 +134,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     result["micro_batch_size_per_gpu"] = agent.micro_batch_size_per_gpu
     result["logprob_chunk_size"] = agent.logprob_chunk_size
 
-    recorder = PhaseRecorder(agent.model, agent.optimizer, dev, enabled=False)
+    recorder = PhaseRecorder(agent.model, agent.optimizer, dev, enabled=False, reference=agent.reference_model)
 
     fault = _fault_injection(result["rank"])
     stall = _fault_injection(result["rank"], "AGILERL_PROBE_STALL")
@@ -137,7 +148,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         return recorder(name)
 
     agent.phase_observer = observe
-    vocab = agent.model.get_base_model().config.vocab_size
+    vocab = causal_lm(agent.model).config.vocab_size
     gen = torch.Generator().manual_seed(1234 + result["rank"])
     p_len, c_len = workload.prompt_tokens, workload.completion_tokens
     n_local = workload.completions_per_rank(agent.data_parallel_ranks)
@@ -167,7 +178,16 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
             head = torch.searchsorted(group, group)  # each row's group's first local row
             ids[:, :p_len] = ids[head, :p_len]
         rewards = torch.rand(n_local, generator=gen)
-        return ids, masks, rewards
+        if not offline:
+            return ids, masks, rewards
+        # SFT's examples, DPO's pairs (consecutive rows: a group of two shares its prompt), with the
+        # attention the trainer derives for a rollout: the completion and the prompt's real tokens.
+        prompt_region = masks.cumsum(dim=1) == 0
+        attention = (masks.bool() | (prompt_region & (ids != pad))).long()
+        batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": masks}
+        if workload.algorithm == "sft":
+            return batch
+        return {f"{side}_{k}": v[i::2] for k, v in batch.items() for i, side in enumerate(("chosen", "rejected"))}
 
     def rollout():
         prompts = {"input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
@@ -178,7 +198,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         if agent.engine is not None:
             result["engine"] = agent.engine.memory_report()
 
-    generate = request.get("generate", False)
+    generate = request.get("generate", False) and not offline
     # Step 1: warm-up, untracked.
     if generate:
         rollout()

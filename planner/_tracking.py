@@ -294,11 +294,16 @@ class PhaseRecorder:
     peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     static: dict[str, int] = field(default_factory=dict)
+    #: full fine-tuning's frozen reference copy: its parameters are counted as reference_weights, and
+    #: what its units gather while it runs is found among the tensors a phase makes
+    reference: nn.Module | None = None
 
     def __post_init__(self) -> None:
         # Exact parameter bytes while sharded. Later, FSDP may hold units unsharded
         # (reshard_after_forward=False keeps them gathered after a no-grad forward).
         self.static = param_bytes(self.model)
+        if self.reference is not None:
+            self.static["reference_weights"] = sum(param_bytes(self.reference).values())
         self.sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
         # FSDPMemTracker replaces FSDP2's group hooks of multi-block units with per-module
         # ones and does not restore them; grouped layouts get the generic tracker, which
@@ -336,6 +341,14 @@ class PhaseRecorder:
         # forward, the reference log-probs) is memory this phase holds too: a tracker sees only
         # what is made while it runs, so register what is resident now.
         tracker.track_external(*resident_tensors(self.device, known=self._known_storages()))
+        # A device-resident master optimizer's tensors as the phase starts: tracked as resident tensors
+        # (counted as activations), re-attributed to optimizer_state in the record.
+        masters = self._device_masters()
+        self._master_bytes = sum(_local(t).numel() * t.element_size() for t in masters)
+        inner = getattr(self.optimizer, "inner", None)
+        self._inner_state_bytes = sum(v.numel() * v.element_size() for state in inner.state.values()
+                                      for v in state.values() if isinstance(v, torch.Tensor)
+                                      and v.device.type == self.device.type) if masters and inner is not None else 0
         try:
             with tracker:
                 yield
@@ -362,9 +375,21 @@ class PhaseRecorder:
         if self.optimizer is not None:
             tensors += [v for state in self.optimizer.state.values() for v in state.values()
                         if isinstance(v, torch.Tensor)]
-            # an offloading optimizer's host state is reported apart (host_optimizer_state)
+            # an offloading optimizer's host state is reported apart (host_optimizer_state); the fp32
+            # masters of one on the device are resident tensors like any other (moved to optimizer_state
+            # in the record)
             tensors += getattr(self.optimizer, "host_tensors", list)()
+        if self.reference is not None:
+            tensors += [*self.reference.parameters(), *self.reference.buffers()]
         return {_local(t).untyped_storage().data_ptr() for t in tensors}
+
+    def _device_masters(self) -> list[torch.Tensor]:
+        """A MasterWeightAdamW's fp32 masters, their gradients and moments kept on this device
+        (full fine-tuning of a low-precision model unsharded; CPUOffloadAdamW's are the host's)."""
+        masters = getattr(self.optimizer, "master_tensors", None)
+        if masters is None or hasattr(self.optimizer, "host_tensors"):
+            return []
+        return [t for t in masters() if t.device.type == self.device.type]
 
     def _components(self, snapshot: dict) -> dict[str, int]:
         device_snap: dict = {}
@@ -372,8 +397,8 @@ class PhaseRecorder:
             if torch.device(dev).type == self.device.type:
                 device_snap = {getattr(k, "value", k): int(v) for k, v in values.items()}
         record = dict.fromkeys(
-            ["weights", "weights_gathered", "weights_replicated", "lora", "gradients", "optimizer_state",
-             "activations", "logits", "comm_buffers"], 0)
+            ["weights", "weights_gathered", "weights_replicated", "lora", "reference_weights", "gradients",
+             "optimizer_state", "activations", "logits", "comm_buffers"], 0)
         record.update(self.static)
         tracked_params = 0
         for category, nbytes in device_snap.items():
@@ -391,10 +416,22 @@ class PhaseRecorder:
             unseen = replicated if self.fsdp_categories else 0
             record["weights_gathered"] += max(0, tracked_params - (local - unseen))
         else:
-            unseen = max(0, sum(self.static.values()) - tracked_params)
+            # The generic tracker counts the parameters of every module that runs, the reference copy's too.
+            own = sum(v for k, v in self.static.items() if k != "reference_weights")
+            unseen = max(0, own - tracked_params)
+            seen_reference = min(record["reference_weights"], max(0, tracked_params - own))
+            unseen -= seen_reference
         record["tracker_total"] = device_snap.get("Total", 0)
         record["tracker_params"] = tracked_params
-        record["total"] = record["tracker_total"] + unseen
+        # A device-resident master optimizer's tensors were tracked as resident ("activations"), except its
+        # inner AdamW's moments where the step hooks saw them as optimizer state: move the rest there.
+        seen_state = device_snap.get("OptState", 0) + device_snap.get("Optstate", 0)
+        masters = getattr(self, "_master_bytes", 0) - min(seen_state, getattr(self, "_inner_state_bytes", 0))
+        moved = min(record["activations"], max(0, masters))
+        record["activations"] -= moved
+        record["optimizer_state"] += moved
+        # the reference copy's local shards: known to no tracker
+        record["total"] = record["tracker_total"] + unseen + record["reference_weights"]
         return record
 
 

@@ -20,14 +20,15 @@ from .choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
 from .hardware import Cluster
 from .memory import DTYPE_BYTES, expert_parallel_degrees, row_wise_experts, tensor_parallel_degrees
 from .spec import ModelSpec
-from .workload import Workload
+from .workload import OFFLINE_SEQUENCES, Workload
 
 __all__ = ["Candidate", "Space", "FSDP_KNOBS", "TUNED_FSDP", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
            "plan_params"]
 
-#: FSDPConfig fields the planner fills, in the order it relaxes them (the last two for MoE models only).
-FSDP_KNOBS = ("optim_cpu_offload", "shard_group_size", "reshard_after_forward", "wrap_every_n_blocks",
-              "prefetch_units", "backward_prefetch_units", "ep", "routed_expert_chunk_mib")
+#: FSDPConfig fields the planner fills, in the order it relaxes them (cpu_offload and defer_grad_sync are
+#: searched for full fine-tuning only, the last two for MoE models only).
+FSDP_KNOBS = ("cpu_offload", "optim_cpu_offload", "defer_grad_sync", "shard_group_size", "reshard_after_forward",
+              "wrap_every_n_blocks", "prefetch_units", "backward_prefetch_units", "ep", "routed_expert_chunk_mib")
 #: FSDPConfig fields the tuner sets: the planner's, and tp (searched for MoE models only).
 TUNED_FSDP = (*FSDP_KNOBS, "tp")
 #: Knobs shown in tables only when searched or not at their default (dense models never have them).
@@ -85,6 +86,8 @@ class Space(BaseModel):
             value["shard_group_size"] = None
         if value["ep"] > 1:
             value["shard_group_size"] = None  # expert parallel is not combined with HSDP
+        if value["cpu_offload"]:
+            value["optim_cpu_offload"] = False  # the two are exclusive: the optimizer steps where the shards are
         fsdp = None
         if value["sharding"] == "fsdp":
             fsdp = FSDPConfig(**{**self.fsdp_base, **{k: value[k] for k in TUNED_FSDP}})
@@ -159,9 +162,15 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
         return (fixed[name],) if name in fixed else values
 
     base = dict(fixed)
-    base.setdefault("cpu_offload", False)
     choices: dict[str, tuple[Any, ...]] = {"sharding": options}
-    choices["optim_cpu_offload"] = (False,) if base["cpu_offload"] else one_or("optim_cpu_offload", (False, True))
+    # Full fine-tuning's optimizer state and gradients are the model's size: parameter offload (where
+    # Hugging Face generate does not need the weights) and deferring the gradient sync are worth a try.
+    full = workload.full_finetune
+    offloadable = workload.generation == "vllm" or workload.algorithm in OFFLINE_SEQUENCES
+    choices["cpu_offload"] = one_or("cpu_offload", (False, True) if full and offloadable else (False,))
+    choices["optim_cpu_offload"] = ((False,) if fixed.get("cpu_offload")
+                                    else one_or("optim_cpu_offload", (False, True)))
+    choices["defer_grad_sync"] = one_or("defer_grad_sync", (False, True) if full else (True,))
     per_node = cluster.per_node
     choices["shard_group_size"] = one_or("shard_group_size", (None, per_node) if cluster.num_nodes > 1 else (None,))
     choices["reshard_after_forward"] = one_or("reshard_after_forward", (True, False))
@@ -213,8 +222,10 @@ def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
         params["tp"] = pick("tp")
         params["ep"] = pick("ep") if params["tp"] == 1 else 1
         alone = params["ep"] > 1 or params["tp"] > 1  # neither is combined with HSDP
+        params["cpu_offload"] = pick("cpu_offload")
         params.update({name: pick(name) for name in FSDP_KNOBS
-                       if name != "ep" and not (name == "shard_group_size" and alone)})
+                       if name not in ("ep", "cpu_offload") and not (name == "shard_group_size" and alone)
+                       and not (name == "optim_cpu_offload" and params["cpu_offload"])})
     params.update({name: pick(name) for name in WORKLOAD_KNOBS})
     return space.candidate(params)
 
@@ -226,6 +237,8 @@ def _searched_params(space: Space, value: dict[str, Any]) -> dict[str, Any]:
         names.remove("ep")  # not suggested under tensor parallel
     if value["sharding"] == "fsdp" and (value["ep"] > 1 or value["tp"] > 1):
         names.remove("shard_group_size")  # not suggested under expert or tensor parallel
+    if value["sharding"] == "fsdp" and value["cpu_offload"]:
+        names.remove("optim_cpu_offload")  # not suggested with parameter offload
     return {n: value[n] for n in names if len(space.choices[n]) > 1}
 
 
@@ -263,8 +276,10 @@ def plan_params(space: Space, plan: Plan) -> dict[str, Any] | None:
     if value["routed_expert_chunk_mib"] is not None and chunks_mib[-1] is not None:
         value["routed_expert_chunk_mib"] = min(value["routed_expert_chunk_mib"], chunks_mib[-1])
     names = ["sharding", *(TUNED_FSDP if plan.fsdp is not None else ()), *WORKLOAD_KNOBS]
+    if plan.fsdp is not None and value["cpu_offload"]:
+        value["optim_cpu_offload"] = space.choices["optim_cpu_offload"][0]  # not a knob with parameter offload
     if any(value[n] not in space.choices[n] for n in names):
-        return None
+        return None  # e.g. the planner's last resort for LoRA, cpu_offload, which the tuner does not search
     if plan.fsdp is not None and any(getattr(plan.fsdp, k) != v for k, v in space.fsdp_base.items()):
-        return None  # e.g. the planner's last resort, cpu_offload, which the tuner does not search
+        return None
     return _searched_params(space, value)

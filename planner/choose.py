@@ -6,14 +6,16 @@ Strategy, deterministic and fast (tens of estimates, a few ms each):
    margin: it needs no weight gathers. Otherwise FSDP2.
 2. Start from the most frugal settings (reshard after forward, one block per
    unit, prefetch 1, micro-batch 1, checkpointing on, the smallest log-prob
-   chunk, Adam state on the GPU unless only the host can hold it; for MoE
+   chunk, Adam state on the GPU unless only the host can hold it, for full
+   fine-tuning a reduce-scatter every micro-batch; for MoE
    models the smallest expert chunk, and expert parallelism only when the
    experts' gathered weights do not fit without it; CPU parameter offload
-   only as a last resort and only with a colocated vLLM).
+   only as a last resort and only where Hugging Face generate does not run:
+   with a colocated vLLM, or for SFT and DPO).
 3. Relax one knob at a time, in order of what it buys in throughput, keeping
    the estimated peak under capacity minus a safety margin: Adam on the GPU,
    the largest micro-batch, no checkpointing, node-local sharding (HSDP),
-   no resharding, the largest log-prob chunk, bigger units, deeper prefetch,
+   deferred gradient sync, no resharding, the largest log-prob chunk, bigger units, deeper prefetch,
    and for MoE models the largest expert chunk of 64/128/256/512 MiB that
    fits (FSDPConfig.routed_expert_chunk_mib's documented choice).
 
@@ -42,7 +44,7 @@ from .memory import (
     vllm_floor,
 )
 from .spec import ModelSpec
-from .workload import Workload
+from .workload import OFFLINE_SEQUENCES, Workload
 
 __all__ = ["Decision", "Plan", "plan", "check_inputs", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
 
@@ -155,6 +157,12 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
     if micro is not None and per_gpu % micro:
         raise ValueError(f"micro_batch_size_per_gpu={micro} does not divide the {per_gpu} completions per GPU "
                          f"(prompts_per_step x group_size / {data_parallel} GPUs)")
+    if micro is not None and not workload.micro_batch_fits_examples(micro):
+        raise ValueError(f"micro_batch_size_per_gpu={micro}: dpo runs a pair's chosen and rejected sequences in "
+                         "one micro-batch, so it must be even")
+    if fsdp.cpu_offload and workload.generation == "hf":
+        raise ValueError("cpu_offload=True with generation='hf': Hugging Face generate runs on the trainer's "
+                         "weights, which must stay on the GPU; use a colocated vLLM engine or optim_cpu_offload")
 
 
 def _vllm_frugal(spec: ModelSpec, workload: Workload, cluster: Cluster,
@@ -213,7 +221,7 @@ def plan(
     def with_(wl: Workload, **kw) -> Workload:
         return wl.model_copy(update=kw)
 
-    frugal = with_(workload, micro_batch_size_per_gpu=user_micro or 1,
+    frugal = with_(workload, micro_batch_size_per_gpu=user_micro or (2 if workload.algorithm == "dpo" else 1),
                    logprob_chunk_size=user_chunk or LOGPROB_CHUNKS[0],
                    gradient_checkpointing=True if user_gc is None else user_gc)
     vllm_notes: list[Decision] = []
@@ -243,8 +251,11 @@ def plan(
 
     fsdp: FSDPConfig | None = None
     if use_fsdp:
+        # Full fine-tuning holds every unsharded gradient between micro-batches under defer_grad_sync:
+        # reduce-scatter each micro-batch instead until the deferral is known to fit.
         base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
-                    optim_cpu_offload=False, cpu_offload=False, shard_group_size=None)
+                    optim_cpu_offload=False, cpu_offload=False, shard_group_size=None,
+                    defer_grad_sync=not workload.full_finetune)
         # the row-wise experts in chunks: far below PEFT's merged expert stacks
         row_wise = row_wise_experts(spec)
         if row_wise:
@@ -262,7 +273,9 @@ def plan(
                     break
         if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
             fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
-        if not search.fits(frugal, fsdp) and colocated and "cpu_offload" not in fixed and not workload.load_in_4bit:
+        # cpu_offload parks the weights on the host: only where Hugging Face generate does not need them
+        offloadable = colocated or workload.algorithm in OFFLINE_SEQUENCES
+        if not search.fits(frugal, fsdp) and offloadable and "cpu_offload" not in fixed and not workload.load_in_4bit:
             candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
             if search.fits(frugal, candidate):
                 fsdp = candidate
@@ -294,8 +307,9 @@ def plan(
 
     n = workload.completions_per_rank(W // (fsdp.tp if fsdp else 1))
     if user_micro is None:
-        best = 1
-        for mb in _divisors(n):
+        choices = [mb for mb in _divisors(n) if workload.micro_batch_fits_examples(mb)]
+        best = choices[0]
+        for mb in choices:
             if search.fits(with_(current, micro_batch_size_per_gpu=mb), fsdp):
                 best = mb
         current = with_(current, micro_batch_size_per_gpu=best)
@@ -322,6 +336,19 @@ def plan(
                 note("shard_group_size", None, f"sharding only within a node of {per_node} GPUs does not fit")
         elif "shard_group_size" not in fixed:
             note("shard_group_size", None, "one node: sharding across all its GPUs")
+        micro_batches = n // current.micro_batch_size_per_gpu
+        if "defer_grad_sync" not in fixed and micro_batches == 1:
+            fsdp = fsdp.model_copy(update={"defer_grad_sync": True})  # one micro-batch: nothing to defer (the default)
+        elif "defer_grad_sync" not in fixed:
+            defer = fsdp.model_copy(update={"defer_grad_sync": True})
+            if fsdp.defer_grad_sync or search.fits(current, defer):
+                fsdp = defer
+                note("defer_grad_sync", True, f"the {micro_batches} micro-batches' unsharded gradients fit until the "
+                                              "last one reduce-scatters them: one reduce-scatter per step")
+            else:
+                need = search.estimate(current, defer).peak_bytes
+                note("defer_grad_sync", False, f"holding every unsharded gradient between micro-batches would need "
+                                               f"{_gib(need)}: each micro-batch reduce-scatters")
         if "reshard_after_forward" not in fixed:
             keep = fsdp.model_copy(update={"reshard_after_forward": False})
             if search.fits(current, keep):
@@ -433,7 +460,8 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
         try:
             candidates: list[FSDPConfig | None] = [None]
             if cl.num_gpus > 1:
-                candidates.append(FSDPConfig(**{"optim_cpu_offload": True, **fixed}))
+                candidates.append(FSDPConfig(**{"optim_cpu_offload": True, "defer_grad_sync": not wl.full_finetune,
+                                                **fixed}))
             return any(estimate(spec, frugal, cl, f, coefficients=coefficients).peak_bytes <= limit
                        for f in candidates)
         except ValueError:
@@ -454,7 +482,11 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
         wl = workload.model_copy(update={"micro_batch_size_per_gpu": 1})
         if feasible(wl, cluster):
             out.append("use micro_batch_size_per_gpu=1")
-    if not workload.load_in_4bit and cluster.num_gpus == 1:
+    if workload.full_finetune:
+        wl = workload.model_copy(update={"full_finetune": False})
+        if feasible(wl, cluster):
+            out.append("train LoRA adapters instead of every parameter (full_finetune=False)")
+    elif not workload.load_in_4bit and cluster.num_gpus == 1:
         wl = workload.model_copy(update={"load_in_4bit": True})
         if feasible(wl, cluster):
             out.append("use QLoRA (load_in_4bit=True; one device or data parallel)")

@@ -10,7 +10,7 @@ from .choose import Plan
 from .hardware import GIB, MIB
 from .memory import Estimate
 from .names import COMPONENTS, PHASES
-from .workload import ALGORITHM_CLASSES
+from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 
 __all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
 
@@ -28,24 +28,31 @@ def _fsdp_fields(fsdp: FSDPConfig | None) -> dict[str, Any] | bool:
 
 
 def manifest_dict(plan: Plan) -> dict[str, Any]:
-    """A manifest (agilerl.manifest.Manifest) that trains exactly the planned run."""
+    """A manifest (agilerl.manifest.Manifest) that trains exactly the planned run: the rollout's
+    fields only for the algorithms with a rollout, beta and the reference's only where there is
+    one, ``lora: null`` for full fine-tuning."""
     w = plan.workload
+    offline = w.algorithm in OFFLINE_SEQUENCES
     algorithm: dict[str, Any] = {
         "name": ALGORITHM_CLASSES[w.algorithm],
         "model_name": plan.model,
         "fsdp": _fsdp_fields(plan.fsdp),
-        "group_size": w.group_size,
-        "beta": w.beta,
-        "update_epochs": w.update_epochs,
-        "max_output_tokens": w.completion_tokens,
+    }
+    if not offline:
+        algorithm.update(group_size=w.group_size, update_epochs=w.update_epochs)
+    if w.algorithm != "sft":
+        algorithm["beta"] = w.beta
+    if not offline:
+        algorithm["max_output_tokens"] = w.completion_tokens
+    algorithm.update({
         "max_model_len": w.sequence_tokens,
         "micro_batch_size_per_gpu": w.micro_batch_size_per_gpu,
         "logprob_chunk_size": w.logprob_chunk_size,
         "gradient_checkpointing": w.gradient_checkpointing,
-        "use_separate_reference_adapter": w.use_separate_reference_adapter,
-        "load_in_4bit": w.load_in_4bit,
-        "dtype": w.weights_dtype,
-    }
+    })
+    if w.algorithm != "sft":
+        algorithm["use_separate_reference_adapter"] = w.use_separate_reference_adapter
+    algorithm.update(load_in_4bit=w.load_in_4bit, dtype=w.weights_dtype)
     if not w.share_prompt_prefix:
         algorithm["share_prompt_prefix"] = False
     if w.generation == "hf" and w.gather_weights_for_rollout is not None:
@@ -59,7 +66,7 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         "algorithm": algorithm,
         "training": {"rollout_batch_size": w.prompts_per_step, "training_gpus_per_agent": plan.cluster.num_gpus,
                      "rollout_engines_per_agent": engines},
-        "lora": {"r": w.lora_rank, "alpha": w.lora_alpha, "target_modules": targets},
+        "lora": None if w.full_finetune else {"r": w.lora_rank, "alpha": w.lora_alpha, "target_modules": targets},
     }
 
 
@@ -111,14 +118,18 @@ def python_snippet(plan: Plan) -> str:
         lines.append(f"fsdp_config = FSDPConfig({args})")
     else:
         lines.append("fsdp_config = None  # no sharding needed")
+    offline = w.algorithm in OFFLINE_SEQUENCES
     lines += [
         f"agent = {cls}(",
         f"    model_name={plan.model!r},",
         "    pad_token_id=tokenizer.pad_token_id,",
         "    pad_token=tokenizer.pad_token,",
+        *(["    lora_config=None,  # full fine-tuning"] if w.full_finetune else []),
         f"    batch_size={w.prompts_per_step},",
-        f"    group_size={w.group_size},",
-        f"    max_output_tokens={w.completion_tokens},",
+        *([] if offline else [f"    group_size={w.group_size},"]),
+        *([] if w.algorithm == "sft" else [f"    beta={w.beta},"]),
+        *([] if offline else [f"    max_output_tokens={w.completion_tokens},"]),
+        *([f"    max_model_len={w.sequence_tokens},"] if offline else []),
         f"    micro_batch_size_per_gpu={w.micro_batch_size_per_gpu},",
         f"    logprob_chunk_size={w.logprob_chunk_size},",
         f"    gradient_checkpointing={w.gradient_checkpointing},",

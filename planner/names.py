@@ -12,6 +12,7 @@ COMPONENTS = (
     "weights_gathered",  # units all-gathered in flight
     "weights_replicated",  # below param_persistence_threshold
     "lora",  # LoRA actor (and reference) adapters, fp32
+    "reference_weights",  # full fine-tuning's frozen reference copy (local shards)
     "gradients",
     "optimizer_state",
     "activations",

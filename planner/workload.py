@@ -1,4 +1,4 @@
-"""What a GRPO run does, in the terms memory depends on. Pure data: no torch."""
+"""What a fine-tuning run does, in the terms memory depends on. Pure data: no torch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["Workload", "ALGORITHM_CLASSES", "VLLM_DEFAULT_UTILIZATION", "VLLM_DEFAULT_MAX_NUM_SEQS"]
+__all__ = ["Workload", "ALGORITHM_CLASSES", "ALGORITHM_DEFAULTS", "OFFLINE_SEQUENCES", "VLLM_DEFAULT_UTILIZATION",
+           "VLLM_DEFAULT_MAX_NUM_SEQS"]
 
 #: agilerl.utils.algo_utils.VLLMConfig's defaults, read where the planner is not asked to choose.
 VLLM_DEFAULT_UTILIZATION = 0.3
@@ -14,7 +15,19 @@ VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 #: Workload.algorithm -> the trainer class (agilerl.algorithms) and the manifest's algorithm.name.
-ALGORITHM_CLASSES = {"grpo": "GRPO", "cispo": "CISPO", "gspo": "GSPO", "reinforce": "LLMREINFORCE"}
+ALGORITHM_CLASSES = {"grpo": "GRPO", "cispo": "CISPO", "gspo": "GSPO", "reinforce": "LLMREINFORCE", "ppo": "LLMPPO",
+                     "sft": "SFT", "dpo": "DPO"}
+#: The offline objectives (no rollout) and the sequences each example has: SFT's completion, DPO's
+#: chosen and rejected ones.
+OFFLINE_SEQUENCES = {"sft": 1, "dpo": 2}
+#: Each algorithm's own defaults where they differ from GRPO's (the trainer classes' signatures).
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cispo": {"beta": 0.0},
+    "gspo": {"beta": 0.0},
+    "ppo": {"beta": 0.05, "group_size": 1, "update_epochs": 4},
+    "sft": {"beta": 0.0, "group_size": 1, "generation": "none"},
+    "dpo": {"beta": 0.1, "group_size": 2, "generation": "none"},
+}
 
 
 class Workload(BaseModel):
@@ -23,13 +36,25 @@ class Workload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     algorithm: Annotated[
-        Literal["grpo", "cispo", "gspo", "reinforce"],
-        Field(description="The RL objective. All four run GRPO's passes (rollout, reference when beta > 0, an "
-                          "old log-prob pass when update_epochs > 1, learn) and hold the same memory; cispo and "
-                          "gspo default to beta 0 (no reference pass), reinforce to one update epoch."),
+        Literal["grpo", "cispo", "gspo", "reinforce", "ppo", "sft", "dpo"],
+        Field(description="The objective. grpo, cispo, gspo and reinforce run GRPO's passes (rollout, reference "
+                          "when beta > 0, an old log-prob pass when update_epochs > 1, learn; cispo and gspo default "
+                          "to beta 0, reinforce to one epoch); ppo adds a value head, its sampling pass every step "
+                          "and 4 epochs; sft learns completions (no rollout, no reference); dpo a chosen and a "
+                          "rejected completion per prompt against a reference pass (no rollout)."),
     ] = "grpo"
-    prompts_per_step: Annotated[int, Field(ge=1, description="Prompts per optimizer step across all GPUs (GRPO batch_size).")] = 8
-    group_size: Annotated[int, Field(ge=2, description="Completions generated per prompt.")] = 8
+    full_finetune: Annotated[
+        bool,
+        Field(description="Train every parameter (lora_config=None) with fp32 master weights, gradients and AdamW "
+                          "moments, and a frozen reference copy in the weights dtype where the objective has a "
+                          "reference; False: LoRA adapters on a frozen base."),
+    ] = False
+    prompts_per_step: Annotated[
+        int, Field(ge=1, description="Prompts (preference pairs for dpo, examples for sft) per optimizer step across "
+                                     "all GPUs (the trainer's batch_size).")] = 8
+    group_size: Annotated[
+        int, Field(ge=1, description="Completions per prompt: generated (at least 2 for the group-relative "
+                                     "objectives; ppo 1 by default), 1 for sft, 2 for dpo (chosen, rejected).")] = 8
     prompt_tokens: Annotated[int, Field(ge=1, description="Prompt length in tokens (the longest, as padded).")] = 256
     completion_tokens: Annotated[int, Field(ge=1, description="Completion length in tokens (max_output_tokens).")] = 256
     micro_batch_size_per_gpu: Annotated[
@@ -49,10 +74,14 @@ class Workload(BaseModel):
     use_separate_reference_adapter: Annotated[
         bool, Field(description="A frozen 'reference' adapter (fp32) instead of disabling adapters.")
     ] = False
-    beta: Annotated[float, Field(ge=0.0, description="KL weight; 0 skips the reference pass.")] = 0.04
+    beta: Annotated[
+        float, Field(ge=0.0, description="KL weight; 0 skips the reference pass (dpo: the implicit reward's scale, "
+                                         "its reference pass always runs).")] = 0.04
     update_epochs: Annotated[int, Field(ge=1, description="Optimizer passes per batch (>1 adds an old log-prob pass).")] = 1
     weights_dtype: Annotated[
-        Literal["bfloat16", "float16", "float32"], Field(description="Dtype of the frozen base weights.")
+        Literal["bfloat16", "float16", "float32"],
+        Field(description="Dtype the base weights are loaded in (frozen with LoRA; with full_finetune the model "
+                          "computes in it and the optimizer keeps fp32 masters, or FSDP2 keeps fp32 shards).")
     ] = "bfloat16"
     load_in_4bit: Annotated[
         bool, Field(description="QLoRA: NF4 base weights (planned on one device or data parallel; a colocated vLLM "
@@ -134,14 +163,40 @@ class Workload(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _algorithm_defaults(cls, data: Any) -> Any:
-        # CISPO's and GSPO's papers use no KL term: without a beta of its own the run has no reference pass.
-        if isinstance(data, dict) and data.get("algorithm") in ("cispo", "gspo") and data.get("beta") is None:
-            data = {**data, "beta": 0.0}
+        # Fields not given take the algorithm's own default (CISPO's and GSPO's papers use no KL
+        # term, so no reference pass; SFT and DPO have no rollout; ...).
+        if isinstance(data, dict) and data.get("algorithm") in ALGORITHM_DEFAULTS:
+            defaults = ALGORITHM_DEFAULTS[data["algorithm"]]
+            data = {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
         return data
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
-        if self.algorithm == "reinforce" and self.update_epochs != 1:
+        algorithm = self.algorithm
+        if algorithm in OFFLINE_SEQUENCES:
+            wanted = OFFLINE_SEQUENCES[algorithm]
+            if self.group_size != wanted:
+                raise ValueError(f"group_size={self.group_size}: {algorithm} has {wanted} sequence(s) per example"
+                                 + (" (chosen, rejected)" if algorithm == "dpo" else ""))
+            if self.generation != "none":
+                raise ValueError(f"generation={self.generation!r}: {algorithm} learns from a dataset, it has no "
+                                 "rollout (generation='none')")
+            if self.update_epochs != 1:
+                raise ValueError(f"update_epochs={self.update_epochs}: {algorithm} takes one pass per batch")
+        elif algorithm != "ppo" and self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size}: {algorithm}'s advantages are relative within a group "
+                             "of at least 2 completions")
+        if algorithm == "dpo" and self.beta <= 0:
+            raise ValueError(f"beta={self.beta}: dpo's beta scales its implicit reward and must be > 0")
+        if algorithm == "sft" and self.beta != 0:
+            raise ValueError(f"beta={self.beta}: sft has no reference policy (beta 0)")
+        if self.full_finetune and self.load_in_4bit:
+            raise ValueError("full_finetune=True with load_in_4bit=True: QLoRA trains LoRA adapters on a frozen "
+                             "4-bit base; 4-bit weights do not train")
+        if self.full_finetune and self.use_separate_reference_adapter:
+            raise ValueError("full_finetune=True with use_separate_reference_adapter=True: there is no adapter; the "
+                             "reference is a frozen copy of the model")
+        if algorithm == "reinforce" and self.update_epochs != 1:
             raise ValueError(f"update_epochs={self.update_epochs}: reinforce is on-policy (one update epoch)")
         if self.offload_weights_during_rollout and self.generation != "vllm":
             raise ValueError("offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
@@ -166,6 +221,22 @@ class Workload(BaseModel):
             if value is not None:
                 settings[key] = value
         return settings
+
+    @property
+    def has_reference(self) -> bool:
+        """A no-grad pass of the reference policy: DPO's always, the RL objectives' when beta > 0."""
+        return self.algorithm == "dpo" or (self.algorithm != "sft" and self.beta > 0)
+
+    @property
+    def has_old_policy_pass(self) -> bool:
+        """A no-grad pass of the sampling policy: PPO's (its log-probs and values) always, the
+        others' with more than one update epoch."""
+        return self.algorithm == "ppo" or self.update_epochs > 1
+
+    def micro_batch_fits_examples(self, micro: int) -> bool:
+        """Whether a micro-batch of ``micro`` sequences holds whole examples: DPO runs a pair's
+        chosen and rejected sequences in one micro-batch, so an even number."""
+        return micro % 2 == 0 if self.algorithm == "dpo" else True
 
     @property
     def vllm_model_len(self) -> int:

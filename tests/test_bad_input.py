@@ -77,8 +77,14 @@ CASES = [
     (plan(M, "--gpu-memory", "nan"), "--gpu-memory"),
     (plan(M, "--gpu-memory", "eighty"), "--gpu-memory"),
     (plan(M, "--gpus", "0"), "--gpus"),
-    (plan(M, "--algorithm", "dpo"), "choose from grpo, cispo, gspo, reinforce"),
+    (plan(M, "--algorithm", "ppo2"), "choose from grpo, cispo, gspo, reinforce, ppo, sft, dpo"),
     (plan(M, "--algorithm", "reinforce", "--update-epochs", "2"), "reinforce is on-policy"),
+    (plan(M, "--algorithm", "sft", "--group-size", "4"), "sft has 1 sequence"),
+    (plan(M, "--algorithm", "dpo", "--generation", "vllm"), "dpo learns from a dataset"),
+    (plan(M, "--algorithm", "dpo", "--micro-batch-size-per-gpu", "1"), "must be even"),
+    (plan(M, "--full-finetune", "--load-in-4bit"), "4-bit weights do not train"),
+    (plan(M, "--full-finetune", "maybe"), "--full-finetune"),
+    (plan(M, "--gpus", "2", "--cpu-offload", "true"), "cpu_offload=True with generation='hf'"),
     (plan(M, "--gpus", "-2"), "--gpus"),
     (plan(M, "--gpus", "two"), "--gpus"),
     (plan(M, "--gpus", "1.5"), "--gpus"),
@@ -234,10 +240,13 @@ CASES = [
     (manifest(text="- 1\n- 2\n"), "mapping"),
     (manifest({"algorithm": {"model_name": None}}), "model_name"),
     (manifest({"algorithm": {"lr": -1}}), "lr"),
-    (manifest({"algorithm": {"name": "PPO2"}}), "'GRPO', 'CISPO', 'GSPO' or 'LLMREINFORCE'"),
-    (manifest({"algorithm": {"name": "CISPO", "clip_coef": 0.2}}), "CISPO takes clip_coef_high"),
+    (manifest({"algorithm": {"name": "PPO2"}}), "'GRPO', 'CISPO', 'GSPO', 'LLMREINFORCE', 'LLMPPO', 'SFT' or 'DPO'"),
+    (manifest({"algorithm": {"name": "CISPO", "clip_coef": 0.2}}), "CISPO takes beta, clip_coef_high"),
     (manifest({"algorithm": {"name": "LLMREINFORCE", "update_epochs": 2}}), "update_epochs"),
     (manifest({"algorithm": {"group_size": 1}}), "group_size"),
+    (manifest({"algorithm": {"name": "SFT", "group_size": 4}}), "SFT learns from the environment's answers"),
+    (manifest({"algorithm": {"name": "DPO", "vf_coef": 0.5}}), "DPO takes beta, nll_alpha"),
+    (manifest({"lora": None, "algorithm": {"use_separate_reference_adapter": True}}), "frozen copy of the model"),
     (manifest({"algorithm": {"fsdp": "sometimes"}}), "fsdp"),
     (manifest({"algorithm": {"fsdp": {"tp": 0}}}), "tp"),
     (manifest({"algorithm": {"fsdp": {"ep": 2, "tp": 2}}}), "ep"),
@@ -313,6 +322,9 @@ def _write_manifest(tmp: Path, change, text) -> Path:
         return path
     data = json.loads(json.dumps(MANIFEST))
     for section, fields in (change or {}).items():
+        if fields is None:  # a section set to null (lora: null, full fine-tuning)
+            data[section] = None
+            continue
         target = data.setdefault(section, {})
         for key, value in fields.items():
             if value is None:

@@ -9,6 +9,7 @@ COMPONENT_COLORS: dict[str, str] = {
     "weights_gathered": "#a0cbe8",
     "weights_replicated": "#2f5f8a",
     "lora": "#59a14f",
+    "reference_weights": "#76b7b2",
     "gradients": "#8cd17d",
     "optimizer_state": "#f28e2b",
     "activations": "#edc948",

@@ -30,6 +30,7 @@ Kind = Literal["int", "float", "text", "choice", "flag"]
 #: Workload fields in the order the panel shows them: the everyday ones first.
 WORKLOAD_FIELDS = (
     "algorithm",
+    "full_finetune",
     "prompts_per_step",
     "group_size",
     "prompt_tokens",

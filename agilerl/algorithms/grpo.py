@@ -265,6 +265,24 @@ class GRPO(LLMAlgorithm):
     def needs_reference(self) -> bool:
         return self.beta != 0.0
 
+    def workload_fields(self) -> tuple[dict[str, Any], str | None]:
+        completion = self.max_output_tokens
+        prompt = max(1, (self.max_model_len or 2 * completion) - completion)
+        vllm = self.vllm_config
+        fields: dict[str, Any] = dict(
+            prompts_per_step=self.batch_size, group_size=self.group_size, prompt_tokens=prompt,
+            completion_tokens=completion, beta=self.beta, update_epochs=self.update_epochs,
+            generation="vllm" if vllm is not None else "hf",
+            gather_weights_for_rollout=None if self._auto_gather else self.gather_weights_for_rollout)
+        if vllm is not None:  # the trainer's engine settings as they are (VLLMConfig's defaults included)
+            fields.update(vllm_gpu_memory_utilization=vllm.gpu_memory_utilization, vllm_max_num_seqs=vllm.max_num_seqs,
+                          vllm_sleep_level=vllm.sleep_level, vllm_enforce_eager=vllm.enforce_eager,
+                          vllm_max_model_len=vllm.max_model_len,
+                          vllm_max_num_batched_tokens=vllm.max_num_batched_tokens,
+                          vllm_kv_cache_memory_bytes=vllm.kv_cache_memory_bytes)
+        note = None if self.max_model_len else f"assumed prompts of {prompt} tokens"
+        return fields, note
+
     # -- rollout -------------------------------------------------------------------------
 
     def local_slice(self, num_prompts: int) -> slice:

@@ -52,6 +52,11 @@ class ArithmeticEnv:
             answers.append(str(value))
         return prompts, answers
 
+    def wrong_answers(self, answers: list[str]) -> list[str]:
+        """A wrong digit for each answer (the rejected completions of a preference pair), drawn
+        from the same generator as the prompts."""
+        return [str((int(a) + self._rng.randrange(1, 10)) % 10) for a in answers]
+
     def get_state(self) -> tuple:
         """The sampling position (the RNG state), for checkpoints."""
         return self._rng.getstate()

@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = ["create_population", "INIT_HP_KEYS"]
 
-#: INIT_HP keys (upper case, as in AgileRL) -> GRPO keyword arguments.
+#: INIT_HP keys (upper case, as in AgileRL) -> the algorithms' keyword arguments (each takes its own).
 INIT_HP_KEYS = {
     "BATCH_SIZE": "batch_size",
     "GROUP_SIZE": "group_size",
@@ -14,6 +14,11 @@ INIT_HP_KEYS = {
     "LR": "lr",
     "CLIP_COEF": "clip_coef",
     "CLIP_COEF_HIGH": "clip_coef_high",
+    "CLIP_COEF_VALUE": "clip_coef_value",
+    "VF_COEF": "vf_coef",
+    "GAMMA": "gamma",
+    "GAE_LAMBDA": "gae_lambda",
+    "NLL_ALPHA": "nll_alpha",
     "MAX_GRAD_NORM": "max_grad_norm",
     "UPDATE_EPOCHS": "update_epochs",
     "TEMPERATURE": "temperature",
@@ -44,9 +49,9 @@ def create_population(
     ``algo_kwargs`` (model_name, pad_token_id, pad_token, ...) pass through.
     Unknown INIT_HP keys are an error listing the known ones.
     """
-    from agilerl.algorithms import CISPO, GRPO, GSPO, LLMREINFORCE
+    from agilerl.algorithms import CISPO, DPO, GRPO, GSPO, LLMPPO, LLMREINFORCE, SFT
 
-    algos = {a.algo_name: a for a in (GRPO, CISPO, GSPO, LLMREINFORCE)}
+    algos = {a.algo_name: a for a in (GRPO, CISPO, GSPO, LLMREINFORCE, LLMPPO, SFT, DPO)}
     if algo not in algos:
         raise ValueError(f"unknown LLM algorithm {algo!r}; available: {sorted(algos)}")
     params: dict[str, Any] = {}

@@ -103,7 +103,8 @@ def tape_of(ctx: Context, index: int) -> BlockTape:
                       rank=ctx.lora_rank, compute_bytes=ctx.compute_bytes,
                       adapter_bytes=ctx.adapter_compute_bytes, tp=ctx.tp,
                       mlp_tp=1 if ctx.packed[index] else ctx.tp,
-                      include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe")
+                      include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe",
+                      full=ctx.full_finetune)
     return tape
 
 
@@ -235,11 +236,12 @@ def boundary_bytes(ctx: Context, tokens: int | None = None) -> int:
     (4 H + 4), the final hidden states the log-prob head saves (H x p), the rotary
     tables, HEAD_ROW_BYTES per token; Gemma-3n's per-layer inputs (p each), and its
     AltUp rescaling at the embeddings and the unembedding, about 5 x (streams - 1) + 3
-    hidden-sized tensors per token (counted on its forward)."""
+    hidden-sized tensors per token (counted on its forward). With full fine-tuning the final
+    norm's weight trains, and its product saves the normalised input (H x p)."""
     N = ctx.micro_batch_tokens if tokens is None else tokens
     H, p, extra = ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
     altup = (5 * extra + 3) * N * H * p if extra else 0
-    per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p
+    per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p + (H * p if ctx.full_finetune else 0)
     return int(N * per_token) + rotary_bytes(ctx, N) + altup
 
 
@@ -252,10 +254,13 @@ def gradients_in_flight(ctx: Context, *, recompute: bool, tokens: int | None = N
     return N * (2 * H * p + (4 * H if recompute else 0))
 
 
-def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None) -> tuple[int, int]:
+def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None,
+                        grown: tuple[int, ...] = ()) -> tuple[tuple[int, int], tuple[int, int]]:
     """The most alive while the blocks run (their forward, or a checkpointed block's
     recompute in backward) and while they run backward, as two moments: a unit's
-    unsharded gradients exist only in the second.
+    unsharded gradients exist only in the second. Each moment is (activations, gradients
+    this micro-batch has made so far): ``grown[j]``, held when layer j runs backward (or
+    recomputes), is 0 in a forward.
 
     At block j: everything the earlier blocks keep, and j's own most (its forward with
     grad or its recompute with the gradients flowing in, or its backward). The later
@@ -268,15 +273,16 @@ def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations], pass_
     x_in = N * ctx.carried_hidden * ctx.compute_bytes if ctx.compute_bytes != 4 else 0
     flowing, recomputing = (gradients_in_flight(ctx, recompute=False, tokens=N),
                             gradients_in_flight(ctx, recompute=True, tokens=N))
-    running, backward, before = 0, 0, 0
+    running, backward, before = (0, 0), (0, 0), 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
+        g = grown[j] if grown else 0
         if j in ctx.checkpointed:
-            running = max(running, before + kept[j] + b.recompute + recomputing)
-            backward = max(backward, before + kept[j] + b.backward + flowing)
+            running = max(running, (before + kept[j] + b.recompute + recomputing, g), key=sum)
+            backward = max(backward, (before + kept[j] + b.backward + flowing, g), key=sum)
         else:
-            running = max(running, before + b.forward + x_in)
-            backward = max(backward, before + b.backward + flowing)
+            running = max(running, (before + b.forward + x_in, 0), key=sum)
+            backward = max(backward, (before + b.backward + flowing, g), key=sum)
         before += kept[j]
     return running, backward
 
@@ -290,29 +296,43 @@ class LearnActivations:
     running: int  # the most while a block runs forward or recomputes
     backward: int  # the most while a block runs backward
     head_rows: int  # tokens whose final hidden states reach the head (its input gradient's)
+    running_grads: int = 0  # this micro-batch's gradients made by the running moment
+    backward_grads: int = 0  # ... by the backward moment
 
 
-def learn_activations(ctx: Context, layout: Layout) -> LearnActivations:
+def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ()) -> LearnActivations:
     """The one-pass forward's terms, or the shared-prefix forward's: the prefix pass runs every
     block first and its keep stays through the suffix pass, which runs and then back-propagates
     block by block beside it (the moments are the suffix pass's, plus everything the prefix
     pass keeps); the gradients of the recorded prefix K and V wait for the prefix pass's
-    backward, after the suffix pass's."""
+    backward, after the suffix pass's. ``grown``: per layer, the gradients the micro-batch has
+    made when that layer runs backward (:func:`learn_block_moments`)."""
     passes = learn_passes(ctx)
     if len(passes) == 1:
         blocks = activations_by_type(ctx, layout)
-        running, backward = learn_block_moments(ctx, blocks)
+        (running, g_run), (backward, g_back) = learn_block_moments(ctx, blocks, grown=grown)
         blocks_kept = sum(kept_bytes(ctx, blocks))
         return LearnActivations(kept=blocks_kept + boundary_bytes(ctx), blocks_kept=blocks_kept,
-                                running=running, backward=backward, head_rows=ctx.micro_batch_tokens)
+                                running=running, backward=backward, head_rows=ctx.micro_batch_tokens,
+                                running_grads=g_run, backward_grads=g_back)
     prefix, suffix = passes
     prefix_kept = sum(kept_bytes(ctx, activations_by_type(ctx, layout, prefix), prefix, recorded=True))
     suffix_blocks = activations_by_type(ctx, layout, suffix)
-    running, backward = learn_block_moments(ctx, suffix_blocks, suffix)
+    (running, g_run), (backward, g_back) = learn_block_moments(ctx, suffix_blocks, suffix, grown=grown)
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
     return LearnActivations(kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
                             blocks_kept=blocks_kept, running=prefix_kept + running,
-                            backward=prefix_kept + backward + recorded_prefix_bytes(ctx), head_rows=suffix.tokens)
+                            backward=prefix_kept + backward + recorded_prefix_bytes(ctx), head_rows=suffix.tokens,
+                            running_grads=g_run, backward_grads=g_back)
+
+
+def value_head_bytes(ctx: Context) -> int:
+    """LLMPPO's value head reads the final hidden states of the scored positions in fp32: the
+    m x C x H x 4 copy its linear saves for its weight's gradient (the same again as that copy's
+    gradient in backward, and a transient of the no-grad sampling pass). 0 for the others."""
+    if ctx.workload.algorithm != "ppo":
+        return 0
+    return ctx.micro_batch * min(ctx.sequence_tokens - 1, ctx.workload.completion_tokens) * ctx.hidden_size * 4
 
 
 def saved_activation_bytes(ctx: Context, blocks: dict[int, BlockActivations]) -> int:

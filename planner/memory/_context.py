@@ -47,7 +47,10 @@ class Context:
     data_parallel_ranks: int
     shard_group: int  # ranks a weight shard spans (with tp, FSDP shards over the dp axis)
     persistence_threshold: float  # tensors smaller than this stay replicated
-    weight_bytes: int  # per element of the stored weights
+    weight_bytes: int  # per element of the weights dtype (the loaded checkpoint, a vLLM engine's copy)
+    stored_bytes: int  # per element of the actor's base parameters: fp32 shards under FSDP with full_finetune
+    full_finetune: bool  # every parameter trains (no adapters)
+    reference_copy: bool  # full fine-tuning with a reference: a frozen copy of the model in the weights dtype
     compute_bytes: int  # per element of the compute dtype (FSDP param_dtype, else the weights')
     adapter_compute_bytes: int  # the adapters' compute dtype: fp32 (PEFT) unsharded, param_dtype under FSDP
     completions_per_rank: int
@@ -130,7 +133,10 @@ def checkpointed_layers(spec: ModelSpec, workload: Workload, fsdp: FSDPConfig | 
 
 
 def _lora_by_type(spec: ModelSpec, workload: Workload) -> dict[str, tuple[tuple[str, ...], tuple[LoraShape, ...]]]:
-    """Per block type: its adapters' names and (a_rows, a_cols, b_rows, b_cols) at rank 1."""
+    """Per block type: its adapters' names and (a_rows, a_cols, b_rows, b_cols) at rank 1 (none
+    with full fine-tuning)."""
+    if workload.full_finetune:
+        return {kind: ((), ()) for kind in spec.block_types}
     key = ModelSpec._target_key(workload.lora_targets)
     if not spec.has_lora_targets(workload.lora_targets):
         raise KeyError(f"the spec of {spec.name} has no LoRA coverage for targets {key!r}; rebuild it with them")
@@ -177,8 +183,14 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         shard_group=(fsdp.shard_group_size or data_parallel_ranks) if fsdp else 1,
         persistence_threshold=fsdp.param_persistence_threshold if fsdp else math.inf,
         weight_bytes=weight_bytes,
+        # agilerl.algorithms.core.loading: full fine-tuning under FSDP2 keeps fp32 shards (the masters)
+        stored_bytes=4 if workload.full_finetune and fsdp else weight_bytes,
+        full_finetune=workload.full_finetune,
+        reference_copy=workload.full_finetune and workload.has_reference,
         compute_bytes=DTYPE_BYTES[fsdp.param_dtype] if fsdp else weight_bytes,
-        adapter_compute_bytes=DTYPE_BYTES[fsdp.param_dtype] if fsdp else 4,
+        # the adapters' compute dtype (PEFT's fp32 unsharded); without adapters the compute dtype
+        adapter_compute_bytes=(DTYPE_BYTES[fsdp.param_dtype] if fsdp else
+                               (weight_bytes if workload.full_finetune else 4)),
         completions_per_rank=completions,
         micro_batch=micro_batch,
         micro_batches=completions // micro_batch,
@@ -189,7 +201,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         extra_streams=spec.hidden_streams - 1,
         lora_rank=workload.lora_rank,
         num_adapters=2 if workload.use_separate_reference_adapter else 1,
-        lora_key=ModelSpec._target_key(workload.lora_targets),
+        lora_key="full" if workload.full_finetune else ModelSpec._target_key(workload.lora_targets),
         lora_names=tuple(lora[kind][0] for kind in spec.layers),
         lora_shapes=tuple(lora[kind][1] for kind in spec.layers),
         packed=tuple(packed[kind] for kind in spec.layers),

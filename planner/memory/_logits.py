@@ -52,13 +52,14 @@ def chunk_rows(ctx: Context) -> int:
     return rows if chunk is None or chunk >= rows else chunk
 
 
-def learn_logits_bytes(ctx: Context, *, backward: bool) -> int:
+def learn_logits_bytes(ctx: Context, *, backward: bool, tile: bool = True) -> int:
     """With grad: one tile of a chunk (plus an fp32 tile for a soft cap's derivative in
     backward), the head weight, and the one-position logits the model's own head makes
-    (m x V x p)."""
+    (m x V x p). ``tile=False``: after the chunks, the head weight and those logits only."""
     rows = chunk_rows(ctx)
     softcap = rows * ctx.vocab_size * 4 if backward and ctx.spec.final_logit_softcapping else 0
-    return tile_bytes(ctx, rows) + softcap + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    chunk = tile_bytes(ctx, rows) + softcap if tile else 0
+    return chunk + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
 
 
 def reference_logits_bytes(ctx: Context) -> int:
@@ -66,9 +67,36 @@ def reference_logits_bytes(ctx: Context) -> int:
     return tile_bytes(ctx, chunk_rows(ctx)) + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
 
 
-def kept_logprob_bytes(ctx: Context) -> int:
-    """n x T x 4 per kept log-prob tensor: the reference's (beta > 0) and the old policy's
-    (update_epochs > 1), held from their pass through the step."""
+def kept_logprob_bytes(ctx: Context, phase: str = "learn") -> int:
+    """n x T x 4 per per-token tensor of the rank's batch the trainer keeps, in the ``reference``
+    phase (at its end) or from there through ``learn`` and the step:
+
+    - GRPO's loop: the reference's log-probs (beta > 0) and the old policy's (update_epochs > 1);
+    - DPO: the reference's, until they are summed per sequence (nothing per token in learn);
+    - LLMPPO: the reference's (beta > 0), the sampling policy's log-probs and values; in learn
+      also the per-token rewards, the KL estimate, the advantages, the returns and the float mask;
+    - SFT: none.
+    """
     workload = ctx.workload
-    kept = (1 if workload.beta > 0 else 0) + (1 if workload.update_epochs > 1 else 0)
+    reference = 1 if workload.has_reference else 0
+    match workload.algorithm:
+        case "sft":
+            kept = 0
+        case "dpo":
+            kept = 1 if phase == "reference" else 0
+        case "ppo":
+            kept = reference + (2 if phase == "reference" else 7)
+        case _:
+            kept = reference + (1 if workload.update_epochs > 1 else 0)
     return ctx.completions_per_rank * ctx.sequence_tokens * 4 * kept
+
+
+def head_gradient_bytes(ctx: Context) -> int:
+    """A trained lm_head (full fine-tuning): its weight's gradient, accumulated over the chunks
+    in fp32 (V x H x 4) and cast to the weight's compute dtype at the end of the head's backward
+    (V x H x p more when that is not fp32) before FSDP2 reduce-scatters it or it is added to its
+    fp32 master (agilerl.utils.logprobs' linear head). 0 with LoRA (the head is frozen)."""
+    if not ctx.full_finetune:
+        return 0
+    p = ctx.compute_bytes
+    return ctx.vocab_size * ctx.hidden_size * (4 + (p if p != 4 else 0))

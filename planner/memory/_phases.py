@@ -1,5 +1,6 @@
-"""The phases of a GRPO step, assembled from the terms: load, rollout (and vLLM's weight
-sync), reference, learn, step, save. Peak is the largest phase (DESIGN.md decision 3).
+"""The phases of a training step, assembled from the terms: load, rollout (and vLLM's weight
+sync), reference, learn, step, save. Peak is the largest phase (DESIGN.md decision 3). The
+offline objectives (SFT, DPO) have no rollout; SFT has no reference pass either.
 
 Within a phase components peak at different moments, so a phase is the larger of its
 moments (each a full set of components at one instant), never the sum of their maxima.
@@ -14,6 +15,7 @@ from ._activations import (
     learn_activations,
     learn_mask_bytes,
     reference_forward_bytes,
+    value_head_bytes,
 )
 from ._context import Context
 from ._gathered import (
@@ -32,10 +34,16 @@ from ._generation import (
     vllm_outside_budget_bytes,
     vllm_weight_bytes,
 )
-from ._logits import kept_logprob_bytes, learn_logits_bytes, reference_logits_bytes
+from ._logits import (
+    head_gradient_bytes,
+    kept_logprob_bytes,
+    learn_logits_bytes,
+    reference_logits_bytes,
+)
 from ._overheads import gpu_overheads, host_process_bytes
 from ._result import Estimate, PhaseEstimate
 from ._static import (
+    FULL_NOTE,
     QLORA_NOTE,
     StaticMemory,
     gradient_terms,
@@ -64,7 +72,8 @@ class Terms:
     nograd_gathered: int  # a no-grad forward's window
     after_forward: int  # what stays gathered after a forward
     vllm_asleep: int
-    kept_logprobs: int
+    kept_logprobs: int  # per-token tensors kept from the no-grad passes through learn and the step
+    kept_reference: int  # ... at the end of the no-grad passes
 
 
 def host_resident(ctx: Context, memory: StaticMemory) -> Components:
@@ -75,6 +84,10 @@ def host_resident(ctx: Context, memory: StaticMemory) -> Components:
         host["host_optimizer_state"] = memory.host_optimizer
     if memory.host_weights:
         host["host_weights"] = memory.host_weights
+    if memory.host_gradients:
+        host["host_gradients"] = memory.host_gradients
+    if memory.host_reference:
+        host["host_reference_weights"] = memory.host_reference
     if ctx.workload.generation == "vllm" and ctx.workload.vllm_sleep_level == 1:
         host["host_vllm_weights"] = host_vllm_weight_bytes(ctx)
     return host
@@ -87,7 +100,7 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
         layout=layout, memory=memory, static=static_components(memory), host=host_resident(ctx, memory),
         gathered=gathered, nograd_gathered=nograd_gathered_bytes(ctx, gathered),
         after_forward=after_forward_bytes(ctx, gathered), vllm_asleep=vllm_asleep_bytes(ctx),
-        kept_logprobs=kept_logprob_bytes(ctx),
+        kept_logprobs=kept_logprob_bytes(ctx), kept_reference=kept_logprob_bytes(ctx, "reference"),
     )
 
 
@@ -183,67 +196,112 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
 def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     """The no-grad passes per micro-batch (None without them): a block's forward, or the chunked head.
 
-    The old-policy pass (update_epochs > 1) runs the actor; the reference pass runs the
-    base model with adapters disabled unless the reference is an adapter of its own.
+    The old-policy pass (update_epochs > 1; LLMPPO's sampling pass, with its value head,
+    every step) runs the actor; the reference pass runs the base model with adapters disabled
+    unless the reference is an adapter of its own, or full fine-tuning's frozen copy.
     """
     workload = ctx.workload
-    if not (workload.beta > 0 or workload.update_epochs > 1):
+    if not (workload.has_reference or workload.has_old_policy_pass):
         return None
-    adapters_on = workload.use_separate_reference_adapter or workload.update_epochs > 1
+    adapters_on = workload.use_separate_reference_adapter or workload.has_old_policy_pass
     fwd = reference_forward_bytes(ctx, terms.layout, adapters_on)
     hidden = ctx.micro_batch * (ctx.sequence_tokens - ctx.prefix_split) * ctx.carried_hidden * ctx.compute_bytes
     window = terms.nograd_gathered
     if ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf":
         # GRPO._gathered_for_reference: every unit stays gathered through the no-grad passes
         window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
+    kept = terms.kept_reference
+    if ctx.reference_copy and ctx.sharded:
+        # Full fine-tuning's reference is a model of its own: its window beside whatever the actor left
+        # gathered (a rollout's forwards under reshard_after_forward=False); it reshards after its pass.
+        window += terms.after_forward if workload.generation != "none" else 0
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        {"weights_gathered": window, "activations": fwd + terms.kept_logprobs},
-        {"weights_gathered": terms.after_forward, "activations": hidden + terms.kept_logprobs,
+        {"weights_gathered": window, "activations": fwd + kept},
+        {"weights_gathered": terms.after_forward, "activations": hidden + kept,
          "logits": reference_logits_bytes(ctx)},
+        # LLMPPO: the value head over the scored positions' hidden states, in fp32
+        {"weights_gathered": terms.after_forward, "activations": hidden + kept + value_head_bytes(ctx)},
     )})
+
+
+def backward_gradients(ctx: Context, grads) -> tuple[int, ...]:
+    """Per layer, the gradients a micro-batch has made when that layer runs backward: a trained
+    lm_head's, then every later block unit's (:class:`._static.GradientTerms`); none when the
+    earlier micro-batches' gradients already hold them all."""
+    if not grads.per_unit:
+        return ()
+    wrap = ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1
+    after = [0] * len(grads.per_unit)
+    for u in range(len(grads.per_unit) - 2, -1, -1):
+        after[u] = after[u + 1] + grads.per_unit[u + 1]
+    return tuple(grads.head + after[j // wrap] for j in range(ctx.spec.num_layers))
 
 
 def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
     Components peak at different moments of a micro-batch, so the learn phase is the
-    largest of four: the head's backward (every activation still kept, the logits
-    workspace at its largest), a block's forward or recompute (what the earlier blocks
-    keep beside it), a block's backward, and a unit's post-backward (its unsharded
-    gradients being reduce-scattered, which FSDP2 does once the unit's backward is done).
+    largest of five: the head's backward (every activation still kept, the logits
+    workspace at its largest, a trained head's weight gradient), a block's forward or
+    recompute (what the earlier blocks keep beside it), a block's backward, a unit's
+    post-backward (its unsharded gradients being reduce-scattered, which FSDP2 does once the
+    unit's backward is done), and the backward's end (every gradient made, the embeddings'
+    last).
     """
-    acts = learn_activations(ctx, terms.layout)
+    grads = gradient_terms(ctx, terms.layout, terms.memory)
+    acts = learn_activations(ctx, terms.layout, backward_gradients(ctx, grads))
     kept, running, backward = acts.kept, acts.running, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
-    grads = gradient_terms(ctx, terms.layout, terms.memory)
     window = backward_gathered_bytes(ctx, terms.gathered)
     # A padded batch's attention mask lives from the forward's start to the backward's end.
     beside = terms.kept_logprobs + learn_mask_bytes(ctx)
+    value = value_head_bytes(ctx)  # LLMPPO: kept for backward, and its gradient at the head's
+    flowing_in = gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        {"weights_gathered": terms.after_forward, "gradients": grads.prior,
-         "activations": kept + hidden_grad + beside, "logits": learn_logits_bytes(ctx, backward=True)},
-        {"weights_gathered": window, "gradients": grads.prior, "activations": running + beside},
-        {"weights_gathered": window, "gradients": grads.prior, "activations": backward + beside},
+        {"weights_gathered": terms.after_forward, "gradients": grads.prior + grads.head,
+         "activations": kept + hidden_grad + beside + 2 * value,
+         "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx)},
+        # a trained untied lm_head unit's reduce-scatter, once the chunks are done but not its workspace
+        {"weights_gathered": terms.after_forward, "gradients": grads.prior + grads.head + grads.head_reducing,
+         "activations": kept + hidden_grad + beside + 2 * value, "comm_buffers": grads.head_buffer,
+         "logits": learn_logits_bytes(ctx, backward=True, tile=False) + head_gradient_bytes(ctx)},
+        {"weights_gathered": window, "gradients": grads.prior + acts.running_grads,
+         "activations": running + beside + value},
+        {"weights_gathered": window, "gradients": grads.prior + acts.backward_grads,
+         "activations": backward + beside + value},
         # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
         # its own activations are freed (what the blocks keep and the gradients flowing remain)
-        {"weights_gathered": window, "gradients": grads.prior + grads.reducing,
-         "activations": acts.blocks_kept + gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows) + beside,
-         "comm_buffers": grads.reduce_buffer},
+        {"weights_gathered": window, "gradients": grads.prior + acts.backward_grads + grads.reducing,
+         "activations": acts.blocks_kept + flowing_in + beside, "comm_buffers": grads.reduce_buffer},
+        # the end of the backward: every gradient of the step made, the embeddings' as it is made
+        {"weights_gathered": window, "gradients": max(grads.prior, grads.final) + grads.embed,
+         "activations": flowing_in + beside},
     )})
 
 
+#: agilerl.distributed's data-parallel gradient average flattens at most this many bytes at once.
+ALL_REDUCE_BUCKET_BYTES = 64 * 2**20
+
+
 def step_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
-    """Clip and AdamW over the sharded gradients."""
+    """Clip and AdamW over the sharded gradients; data parallel first averages the gradients,
+    a bucket of them flattened at a time."""
+    memory = terms.memory
+    bucket = 0
+    if not ctx.sharded and ctx.data_parallel_ranks > 1:
+        bucket = min(ALL_REDUCE_BUCKET_BYTES, memory.trainable_elements * 4)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep,
-                                   "gradients": terms.memory.gradients_sharded,
-                                   "optimizer_state": step_optimizer_bytes(ctx, terms.memory)})
+                                   "gradients": memory.gradients_sharded, "comm_buffers": bucket,
+                                   "optimizer_state": step_optimizer_bytes(ctx, memory)})
 
 
 def save_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
-    """Adapters gathered one tensor at a time; rank 0 keeps them and the optimizer state on the host."""
-    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep,
-                                   "weights_gathered": save_gathered_bytes(terms.layout)},
-                      {"host_checkpoint": save_host_checkpoint_bytes(ctx, terms.memory)})
+    """The trained tensors gathered one at a time; rank 0 keeps them and the optimizer state on
+    the host (on a CPU run the same memory: counted with the gathered weights)."""
+    host = save_host_checkpoint_bytes(ctx, terms.memory)
+    gathered = save_gathered_bytes(ctx, terms.layout) + (0 if ctx.on_gpu else host)
+    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, "weights_gathered": gathered},
+                      {"host_checkpoint": host})
 
 
 def assemble(ctx: Context) -> Estimate:
@@ -255,7 +313,8 @@ def assemble(ctx: Context) -> Estimate:
     phases["learn"] = learn_phase(ctx, terms)
     phases["step"] = step_phase(ctx, terms)
     phases["save"] = save_phase(ctx, terms)
-    notes = ([QLORA_NOTE] if ctx.workload.load_in_4bit else []) + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else [])
+    notes = (([QLORA_NOTE] if ctx.workload.load_in_4bit else []) + ([FULL_NOTE] if ctx.full_finetune else [])
+             + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else []))
     if ctx.workload.load_in_4bit and any(ctx.packed):
         notes.append(f"QLoRA: the packed routed experts stay in {ctx.workload.weights_dtype} (bitsandbytes "
                      "quantises nn.Linear layers only)")

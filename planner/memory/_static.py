@@ -1,8 +1,13 @@
-"""Memory that stays put through the step: base weights, adapters, optimizer state, and
-the adapters' gradients. Per rank, from the FSDP layout.
+"""Memory that stays put through the step: base weights, adapters, optimizer state, the
+trained parameters' gradients, and full fine-tuning's frozen reference copy. Per rank, from
+the FSDP layout.
 
 PEFT keeps adapters in fp32 (4 bytes per element); AdamW keeps two fp32 moments per
-trainable element and a step tensor per trainable tensor.
+trainable element and a step tensor per trainable tensor. Full fine-tuning
+(agilerl.algorithms.core.base) trains every base parameter: under FSDP2 its shards are fp32
+(4 bytes) with fp32 sharded gradients; unsharded the weights stay in the weights dtype and
+MasterWeightAdamW keeps an fp32 master (4), an fp32 gradient (4) and the moments (8) beside
+each.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from ._units import Layout
 NF4_CONSTANT_BYTES = 1 / 64 + 4 / (64 * 256)
 NF4_BYTES_PER_PARAM = 0.5 + NF4_CONSTANT_BYTES  # 4-bit values and their constants
 QLORA_NOTE = "QLoRA: NF4 block linears (embeddings, lm_head and norms kept in the weights dtype)"
+FULL_NOTE = ("full fine-tuning: every parameter trains with fp32 master weights, gradients and AdamW moments"
+             " (16 bytes a parameter beside the weights)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,17 +30,21 @@ class StaticMemory:
     weights: int  # base weights on the device (sharded, or all of them unsharded)
     weights_replicated: int  # tensors under the persistence threshold, whole on every rank
     lora_device: int  # adapters on the device (all copies)
-    optimizer_device: int
+    optimizer_device: int  # AdamW's moments (and MasterWeightAdamW's fp32 masters) on the device
     host_optimizer: int
     host_weights: int  # cpu_offload: the parameters on the host
-    gradients_sharded: int
+    gradients_sharded: int  # every trained parameter's gradient once the step's backward is done
+    host_gradients: int  # cpu_offload: those gradients on the host
     lora_elements: int  # every adapter copy, on this rank
-    trainable_elements: int  # the trained adapter, on this rank
+    trainable_elements: int  # the trained adapter (every base parameter with full fine-tuning), on this rank
     trainable_tensors: int
+    reference_device: int = 0  # full fine-tuning's frozen reference copy on the device
+    host_reference: int = 0  # ... on the host (cpu_offload)
 
 
-def base_weight_bytes(ctx: Context, layout: Layout) -> tuple[int, int]:
-    """(weights, weights_replicated) on rank 0 before any offload.
+def base_weight_bytes(ctx: Context, layout: Layout, element_bytes: int | None = None) -> tuple[int, int]:
+    """(weights, weights_replicated) on rank 0 before any offload, at ``element_bytes`` per
+    element (default: the actor's stored dtype, ``Context.stored_bytes``).
 
     Unsharded every rank holds the whole base; under FSDP rank 0 holds ceil(d0 / S) rows of
     each sharded tensor, and the replicated ones whole. QLoRA stores each block linear's
@@ -41,7 +52,7 @@ def base_weight_bytes(ctx: Context, layout: Layout) -> tuple[int, int]:
     quantisation constants whole on every rank (NF4_CONSTANT_BYTES per value); the
     embeddings, lm_head, norms and biases stay in the weights dtype.
     """
-    w = ctx.weight_bytes
+    w = ctx.stored_bytes if element_bytes is None else element_bytes
     key = ("base", w, ctx.fsdp is None, ctx.shard_group)
     if key in layout.sums:
         return layout.sums[key]
@@ -59,37 +70,64 @@ def base_weight_bytes(ctx: Context, layout: Layout) -> tuple[int, int]:
     return result
 
 
-def static_memory(ctx: Context, layout: Layout) -> StaticMemory:
-    """Weights, adapters, optimizer state and sharded gradients of rank 0.
+def trained_elements(ctx: Context, layout: Layout) -> tuple[int, int, int]:
+    """(elements of every adapter copy, of the trained parameters, trained tensors) on rank 0.
+    With full fine-tuning the trained parameters are the base tensors (local shards and the
+    replicated ones)."""
+    key = ("trained", ctx.shard_group, ctx.full_finetune)
+    if key not in layout.sums:
+        if ctx.full_finetune:
+            base = sum(t.local(ctx.shard_group) if ctx.sharded else t.numel for t in layout.base_tensors)
+            layout.sums[key] = (0, base, len(layout.base_tensors))
+        else:
+            lora = sum(t.local(ctx.shard_group) for t in layout.lora_tensors)
+            adapters = ctx.num_adapters
+            layout.sums[key] = (lora, lora // adapters if adapters else lora, len(layout.lora_tensors) // adapters)
+    return layout.sums[key]
 
-    Optimizer state on the device: 8 bytes per trainable element and 4 per trainable
-    tensor; offloaded (optim_cpu_offload or cpu_offload) the host holds 16 per element
-    and 4 per tensor instead. cpu_offload also moves the sharded weights and adapters to
-    the host, leaving only the replicated adapters on the device.
+
+def static_memory(ctx: Context, layout: Layout) -> StaticMemory:
+    """Weights, adapters, optimizer state, sharded gradients and the reference copy of rank 0.
+
+    Optimizer state on the device: 8 bytes per trainable element and 4 per trainable tensor
+    (MasterWeightAdamW beside low-precision weights: 12, its fp32 master too).
+    optim_cpu_offload (CPUOffloadAdamW) keeps 16 per element on the host (master, gradient,
+    moments) and 4 per tensor; cpu_offload moves the sharded parameters and their gradients
+    to the host, where fused AdamW keeps its 8 per element beside them, leaving only the
+    replicated tensors on the device.
     """
     weights, weights_replicated = base_weight_bytes(ctx, layout)
-    key = ("lora", ctx.shard_group)
-    if key not in layout.sums:
-        layout.sums[key] = sum(t.local(ctx.shard_group) for t in layout.lora_tensors)
-    lora_elements = layout.sums[key]  # elements, all adapters
-    adapters = ctx.num_adapters
-    trainable = lora_elements // adapters if adapters else lora_elements
-    trainable_tensors = len(layout.lora_tensors) // adapters
+    lora_elements, trainable, trainable_tensors = trained_elements(ctx, layout)
     lora_bytes = lora_elements * 4  # PEFT keeps adapters in fp32
     offload_optim = bool(ctx.fsdp and ctx.fsdp.optim_cpu_offload)
     cpu_offload = bool(ctx.fsdp and ctx.fsdp.cpu_offload)
-    offloaded = offload_optim or cpu_offload
+    # unsharded full fine-tuning of low-precision weights: fp32 masters beside the moments
+    master = 4 if ctx.full_finetune and not ctx.sharded and ctx.stored_bytes != 4 else 0
+    reference = 0
+    if ctx.reference_copy:
+        reference = sum(base_weight_bytes(ctx, layout, ctx.weight_bytes))
+    host_reference = 0
     if cpu_offload:
         host_weights = weights + lora_bytes
-        weights, lora_device = 0, sum(t.numel * 4 for t in layout.lora_tensors if not t.sharded)
+        replicated_lora = sum(t.numel * 4 for t in layout.lora_tensors if not t.sharded)
+        weights, lora_device = 0, replicated_lora
+        if reference:
+            ref_sharded, ref_replicated = base_weight_bytes(ctx, layout, ctx.weight_bytes)
+            host_reference, reference = ref_sharded, ref_replicated
     else:
         host_weights, lora_device = 0, lora_bytes
+    if offload_optim:
+        optimizer_device, host_optimizer = 0, trainable * 16 + trainable_tensors * 4
+    elif cpu_offload:
+        optimizer_device, host_optimizer = 0, trainable * 8 + trainable_tensors * 4
+    else:
+        optimizer_device, host_optimizer = trainable * (8 + master) + trainable_tensors * 4, 0
     return StaticMemory(
         weights=weights, weights_replicated=weights_replicated, lora_device=lora_device,
-        optimizer_device=0 if offloaded else trainable * 8 + trainable_tensors * 4,
-        host_optimizer=(trainable * 16 + trainable_tensors * 4) if offloaded else 0,
-        host_weights=host_weights, gradients_sharded=trainable * 4,
+        optimizer_device=optimizer_device, host_optimizer=host_optimizer, host_weights=host_weights,
+        gradients_sharded=0 if cpu_offload else trainable * 4, host_gradients=trainable * 4 if cpu_offload else 0,
         lora_elements=lora_elements, trainable_elements=trainable, trainable_tensors=trainable_tensors,
+        reference_device=reference, host_reference=host_reference,
     )
 
 
@@ -99,6 +137,7 @@ def static_components(memory: StaticMemory) -> dict[str, int]:
         "weights": memory.weights,
         "weights_replicated": memory.weights_replicated,
         "lora": memory.lora_device,
+        "reference_weights": memory.reference_device,
         "optimizer_state": memory.optimizer_device,
     }
 
@@ -108,35 +147,84 @@ class GradientTerms:
     prior: int  # gradients of the earlier micro-batches of this step
     reducing: int  # a unit's unsharded gradients being reduced
     reduce_buffer: int  # their reduce-scatter buffer in reduce_dtype
+    final: int = 0  # every trained gradient once the last micro-batch's backward is done
+    head: int = 0  # this micro-batch's gradients made before the blocks' backward (a trained lm_head)
+    per_unit: tuple[int, ...] = ()  # per block unit, the gradients its backward adds to the held ones
+    embed: int = 0  # the trained embeddings' gradient as it is made, at the very end of the backward
+    head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient, reduced beside its workspace
+    head_buffer: int = 0  # ... and its reduce-scatter buffer
+
+
+def _full_unit_elements(ctx: Context, layout: Layout, unit) -> int:
+    """A unit's trained elements, unsharded: its sharded adapters (LoRA) or base tensors (full)."""
+    if ctx.full_finetune:
+        return sum(t.numel for t in unit.base if t.sharded)
+    return sum(t.numel for t in unit.lora if t.sharded) // ctx.num_adapters
+
+
+def _held_elements(ctx: Context, unit) -> int:
+    """A unit's trained elements on this rank, as the held gradient stores them (sharded or whole)."""
+    tensors = unit.base if ctx.full_finetune else unit.lora
+    count = sum(t.local(ctx.shard_group) if ctx.sharded else t.numel for t in tensors)
+    return count if ctx.full_finetune else count // ctx.num_adapters
 
 
 def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> GradientTerms:
-    """Gradients at the learn phase's first block's backward.
+    """Gradients through the learn phase's last micro-batch.
 
     With more than one micro-batch the earlier ones' gradients are held: unsharded with
     defer_grad_sync, in reduce_dtype (FSDP2's post-backward upcasts a gradient it does not
     reduce into ``unsharded_accumulated_grad``: read from its source, and measured by the
-    probe since it registers them), else sharded in fp32 (unsharded: fp32 local).
-    Under FSDP the running block unit's adapter gradients are unsharded (compute dtype)
-    and reduce-scattered through a buffer in reduce_dtype; the largest unit counts.
+    probe since it registers them), else sharded in fp32 (unsharded: fp32 local, the fp32
+    masters' with full fine-tuning). With one micro-batch nothing is held at its start and
+    the gradients appear as the backward goes: a trained lm_head's first (``head``), then
+    each block unit's (``per_unit``), the embeddings' last (``embed``, made in the compute
+    dtype before it is reduced or added to its master).
+
+    Under FSDP the running unit's trained gradients are unsharded (compute dtype) and
+    reduce-scattered through a buffer in reduce_dtype; the largest unit counts (a block's
+    with LoRA; with full fine-tuning any unit's, the embeddings' and lm_head's included).
     """
+    p = ctx.compute_bytes
+    one = ctx.micro_batches == 1
+    key = ("gradient_units", ctx.full_finetune, ctx.shard_group, ctx.sharded)
+    if key not in layout.sums:
+        units = layout.units if ctx.full_finetune else layout.block_units
+        layout.sums[key] = (max((_full_unit_elements(ctx, layout, u) for u in units), default=0),
+                            tuple(_held_elements(ctx, u) for u in layout.block_units),
+                            _held_elements(ctx, next((u for u in layout.units if u.name == "lm_head"), layout.root)
+                                           ) if ctx.full_finetune and layout.head is not None else 0)
+    largest_unit, per_unit, head = layout.sums[key]
+    growth = dict(head=head * 4, per_unit=tuple(n * 4 for n in per_unit)) if one else {}
+    embed = 0
+    if ctx.full_finetune:
+        embed = layout.embed.numel * p
+        if ctx.sharded:
+            embed += layout.embed.numel * DTYPE_BYTES[ctx.fsdp.reduce_dtype] if layout.embed.sharded else 0
+        elif ctx.stored_bytes == 4:
+            embed = 0  # fp32 weights: autograd accumulates into their own gradient
     if not ctx.sharded:
-        prior = memory.trainable_elements * 4 if ctx.micro_batches > 1 else 0
-        return GradientTerms(prior=prior, reducing=0, reduce_buffer=0)
-    p, adapters = ctx.compute_bytes, ctx.num_adapters
-    if "lora_full" not in layout.sums:  # the largest block unit's sharded adapters, and all adapters
-        layout.sums["lora_full"] = (max((sum(t.numel for t in u.lora if t.sharded) for u in layout.block_units),
-                                        default=0), sum(t.numel for t in layout.lora_tensors))
-    largest_unit_lora, all_lora = layout.sums["lora_full"]
-    unit_lora_full = largest_unit_lora // adapters
-    if ctx.micro_batches > 1:
-        trainable_full = all_lora // adapters
+        prior = memory.trainable_elements * 4 if not one else 0
+        return GradientTerms(prior=prior, reducing=0, reduce_buffer=0, final=memory.trainable_elements * 4,
+                             embed=embed, **growth)
+    if not one:
+        _, trainable, _ = trained_elements(ctx, layout)
+        if "trained_full" not in layout.sums or layout.sums["trained_full"][0] != ctx.full_finetune:
+            full = (sum(t.numel for t in layout.base_tensors) if ctx.full_finetune
+                    else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters)
+            layout.sums["trained_full"] = (ctx.full_finetune, full)
+        trainable_full = layout.sums["trained_full"][1]
         accumulated = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
         prior = trainable_full * accumulated if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
     else:
         prior = 0
-    return GradientTerms(prior=prior, reducing=unit_lora_full * p,
-                         reduce_buffer=unit_lora_full * DTYPE_BYTES[ctx.fsdp.reduce_dtype])
+    # A trained untied lm_head (full fine-tuning): its unit's backward, reduce-scatter included, runs
+    # while the chunked head's weight-gradient workspace is still alive (measured on 2 gloo ranks).
+    head_full = layout.head.numel if ctx.full_finetune and layout.head is not None and layout.head.sharded else 0
+    return GradientTerms(prior=prior, reducing=largest_unit * p,
+                         reduce_buffer=largest_unit * DTYPE_BYTES[ctx.fsdp.reduce_dtype],
+                         final=memory.gradients_sharded, embed=embed, head_reducing=head_full * p,
+                         head_buffer=head_full * DTYPE_BYTES[ctx.fsdp.reduce_dtype], **growth)
 
 
 def step_optimizer_bytes(ctx: Context, memory: StaticMemory) -> int:
@@ -148,11 +236,16 @@ def step_optimizer_bytes(ctx: Context, memory: StaticMemory) -> int:
     return step
 
 
-def load_gathered_bytes(ctx: Context, layout: Layout) -> int:
-    """Loading under FSDP materialises one tensor at a time: the largest, in the weights dtype."""
+def largest_base_elements(layout: Layout) -> int:
     if "largest_base" not in layout.sums:
         layout.sums["largest_base"] = max((t.numel for t in layout.base_tensors), default=0)
-    return layout.sums["largest_base"] * ctx.weight_bytes if ctx.sharded else 0
+    return layout.sums["largest_base"]
+
+
+def load_gathered_bytes(ctx: Context, layout: Layout) -> int:
+    """Loading under FSDP materialises one tensor at a time: the largest, in the stored dtype
+    (fp32 for full fine-tuning's shards)."""
+    return largest_base_elements(layout) * ctx.stored_bytes if ctx.sharded else 0
 
 
 def load_host_checkpoint_bytes(ctx: Context, layout: Layout) -> int:
@@ -162,13 +255,22 @@ def load_host_checkpoint_bytes(ctx: Context, layout: Layout) -> int:
     return ctx.spec.total_params * ctx.weight_bytes
 
 
-def save_gathered_bytes(layout: Layout) -> int:
-    """Saving gathers the adapters one tensor at a time (fp32): the largest."""
+def save_gathered_bytes(ctx: Context, layout: Layout) -> int:
+    """Saving gathers the trained tensors one at a time: the largest adapter (fp32), or with
+    full fine-tuning the largest base tensor in its stored dtype."""
+    if ctx.full_finetune:
+        return largest_base_elements(layout) * ctx.stored_bytes
     if "largest_lora" not in layout.sums:
         layout.sums["largest_lora"] = max((t.numel for t in layout.lora_tensors), default=0)
     return layout.sums["largest_lora"] * 4
 
 
 def save_host_checkpoint_bytes(ctx: Context, memory: StaticMemory) -> int:
-    """Rank 0 keeps every rank's adapters and AdamW moments (fp32) on the host."""
-    return memory.lora_elements * 4 * ctx.shard_group + memory.trainable_elements * 8 * ctx.shard_group
+    """Rank 0 keeps every rank's trained weights and AdamW moments (fp32) on the host: the
+    adapters, or with full fine-tuning the whole model in its stored dtype (and the fp32
+    masters of a low-precision model)."""
+    shards = ctx.shard_group if ctx.sharded else 1
+    if ctx.full_finetune:
+        master = 4 if not ctx.sharded and ctx.stored_bytes != 4 else 0
+        return memory.trainable_elements * shards * (ctx.stored_bytes + 8 + master)
+    return memory.lora_elements * 4 * shards + memory.trainable_elements * 8 * shards

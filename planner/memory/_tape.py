@@ -142,16 +142,18 @@ def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float]:
     return hidden_norms, after_mlp, head_width
 
 
-def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool) -> float:
+def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool, full: bool = False) -> float:
     """Bytes a linear allocates at its peak beyond its input: out x (p + 2a) for an active
-    adapter (base output, lora_B's output and its scaled copy), out x p for the base alone."""
-    if lin.adapted and adapters_on:
+    adapter (base output, lora_B's output and its scaled copy), out x p for the base alone
+    (a trained linear of full fine-tuning included: it has no adapter)."""
+    if lin.adapted and adapters_on and not full:
         return lin.out_features * (p + 2 * a) if a != p else lin.out_features * 3 * p
     return lin.out_features * p
 
 
 def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: int, compute_bytes: int,
-               adapter_bytes: int = ADAPTER_BYTES, tp: int = 1, mlp_tp: int = 1, include_mlp: bool = True) -> BlockTape:
+               adapter_bytes: int = ADAPTER_BYTES, tp: int = 1, mlp_tp: int = 1, include_mlp: bool = True,
+               full: bool = False) -> BlockTape:
     """Walk one block's ops (see the module docstring) and return its :class:`BlockTape`.
 
     ``adapter_bytes``: the adapters' compute dtype, fp32 unsharded (PEFT), FSDP's
@@ -160,7 +162,17 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
 
     ``include_mlp=False`` leaves the MLP out (a MoE block, whose experts
     planner.memory._moe counts); its two hidden-stream tensors and norms stay in.
+
+    ``full``: full fine-tuning, every weight trains and there is no adapter. A trained linear
+    saves its input for its weight's gradient as an adapted one with equal dtypes does (the
+    normed input once for q, k and v; the product for down; the attention's output is
+    already saved), with no adapter output or transient; a trained norm weight's product
+    saves its other factor, the normalised input cast to the compute dtype (H x p, over q
+    and k for the head norms). Counted with saved-tensor hooks on a tiny Qwen2 and Qwen3
+    without PEFT (tests/planner/memory/test_tape.py).
     """
+    if full:
+        adapted, rank, adapter_bytes = frozenset(path for path, _, _ in block.linears), 0, compute_bytes
     p, a, H = compute_bytes, adapter_bytes, hidden
     cast = a != p
     att = block.attention
@@ -170,7 +182,10 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     gqa = q > kv
     masked = dict(masked_kv_saved=2 * (q - kv) * p if gqa else 0.0, masked_kv_nograd=2 * q * p if gqa else 0.0)
     hidden_norms, after_mlp, head_width = _norms(block, hidden)
-    norm_saved = 4 * H + 4
+    norm_saved = 4 * H + 4 + (H * p if full else 0)
+
+    def transient(x: Linear, adapters_on: bool) -> float:
+        return _lora_transient(x, p, a, adapters_on, full)
 
     def cast_copy(x: Linear, input_width: float) -> float:
         return a * input_width if cast and x.adapted else 0.0
@@ -189,15 +204,15 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     held_normed = normed  # the same in a forward with grad, unless it is saved
     outputs = 0.0
     for x in lin["attn_in"]:
-        grad.append(saved + normed + outputs + cast_copy(x, H) + _lora_transient(x, p, a, True))
-        nograd.append(normed + outputs + cast_copy(x, H) + _lora_transient(x, p, a, True))
-        nograd_base.append(normed + outputs + _lora_transient(x, p, a, False))
+        grad.append(saved + normed + outputs + cast_copy(x, H) + transient(x, True))
+        nograd.append(normed + outputs + cast_copy(x, H) + transient(x, True))
+        nograd_base.append(normed + outputs + transient(x, False))
         saved += cast_copy(x, H) + (a * rank if x.adapted else 0)
         outputs += x.out_features * p
     if not cast and any(x.adapted for x in lin["attn_in"]):
         saved += p * H  # lora_A of q, k and v save the one normed input
         held_normed = 0.0  # which is then counted as saved
-    saved += 4 * head_width + 4 * heads * (1 if head_width else 0)
+    saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
     # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
     saved += 2 * q * p + 2 * kv * p + 4 * heads
     # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
@@ -205,9 +220,9 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     attention_locals = (2 * q + 2 * kv) * p
     attention_live = normed + attention_locals
     for x in lin["attn_out"]:
-        grad.append(saved + held_normed + cast_copy(x, q) + _lora_transient(x, p, a, True))
-        nograd.append(normed + attention_locals + cast_copy(x, q) + _lora_transient(x, p, a, True))
-        nograd_base.append(normed + attention_locals + _lora_transient(x, p, a, False))
+        grad.append(saved + held_normed + cast_copy(x, q) + transient(x, True))
+        nograd.append(normed + attention_locals + cast_copy(x, q) + transient(x, True))
+        nograd_base.append(normed + attention_locals + transient(x, False))
         # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new
         saved += cast_copy(x, q) + (a * rank if x.adapted else 0)
     stream = held_stream = H * p  # the residual stream after attention, alive until the block returns
@@ -226,9 +241,9 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
     activated = 0.0  # the activation's output, alive while up runs
     for x in lin["mlp_in"]:
-        grad.append(saved + held_stream + held_normed + activated + cast_copy(x, H) + _lora_transient(x, p, a, True))
-        nograd.append(stream + normed + activated + cast_copy(x, H) + _lora_transient(x, p, a, True))
-        nograd_base.append(stream + normed + activated + _lora_transient(x, p, a, False))
+        grad.append(saved + held_stream + held_normed + activated + cast_copy(x, H) + transient(x, True))
+        nograd.append(stream + normed + activated + cast_copy(x, H) + transient(x, True))
+        nograd_base.append(stream + normed + activated + transient(x, False))
         saved += cast_copy(x, H) + (a * rank if x.adapted else 0)
         if gated and not activated and len(lin["mlp_in"]) > 1:
             saved += width * p  # the gate's output, saved by the activation
@@ -251,13 +266,16 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     down_input_saved = 0.0
     for x in lin["mlp_out"]:
         held = saved + held_stream + held_normed + product + cast_copy(x, width)
-        grad.append(held + _lora_transient(x, p, a, True))
-        if x.adapted:  # the recompute runs down's base and lora_A, then stops
+        grad.append(held + transient(x, True))
+        if x.adapted and not full:  # the recompute runs down's base and lora_A, then stops
             recompute.append(held + x.out_features * p + a * rank)
-        nograd.append(stream + normed + product + cast_copy(x, width) + _lora_transient(x, p, a, True))
-        nograd_base.append(stream + normed + product + _lora_transient(x, p, a, False))
+        nograd.append(stream + normed + product + cast_copy(x, width) + transient(x, True))
+        nograd_base.append(stream + normed + product + transient(x, False))
         down_input_saved = cast_copy(x, width) if cast else (p * width if x.adapted else 0)
         saved += down_input_saved + (a * rank if x.adapted else 0)
+    # The residual sum that ends the block: the stream, the MLP's output and the sum (what peaks last
+    # when the linears have no adapter transient, full fine-tuning's).
+    grad.append(saved + held_stream + 2 * H * p)
     saved += after_mlp * norm_saved  # Gemma's post-MLP norm
     # Backward, at down: its input's gradient through the adapter (width x a, beside the saved
     # cast it consumes) or through the base alone (width x p); then at the product: its

@@ -144,7 +144,8 @@ def _outside_blocks(ctx: Context) -> tuple[list[Unit], Unit, Tensor, Tensor | No
     head = make_tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
     root_base = [make_tensor(s, threshold) for name, s in spec.root_tensors if not is_per_layer_embedding(name)]
     root_lora: list[Tensor] = []
-    for _, a_rows, a_cols, b_rows, b_cols in spec.lora_outside_blocks.get(ctx.lora_key, ()):
+    outside = () if ctx.full_finetune else spec.lora_outside_blocks.get(ctx.lora_key, ())
+    for _, a_rows, a_cols, b_rows, b_cols in outside:
         for _ in range(ctx.num_adapters):  # adapted linears outside the blocks (Gemma-3n's AltUp projections)
             root_lora.append(make_tensor((r * a_rows, a_cols), threshold))
             root_lora.append(make_tensor((b_rows, r * b_cols), threshold))
@@ -169,6 +170,7 @@ _LAYOUTS: dict[tuple, tuple[object, Layout]] = {}
 def _layout_key(ctx: Context) -> tuple:
     fsdp = ctx.fsdp
     return (id(ctx.spec), ctx.ep, ctx.tp, ctx.lora_rank, ctx.lora_key, ctx.num_adapters, ctx.persistence_threshold,
+            ctx.full_finetune,
             ctx.expert_group, ctx.sharded, ctx.workload.load_in_4bit, fsdp.wrap_every_n_blocks if fsdp else 1)
 
 

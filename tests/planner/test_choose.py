@@ -314,3 +314,47 @@ def test_cispo_and_gspo_plan_without_a_reference_pass_and_emit_their_own_manifes
         assert f"agent = {name}(" in python_snippet(p)
     assert Workload(algorithm="cispo", beta=0.1).beta == 0.1  # a given beta is kept
     assert Workload(algorithm="reinforce").beta == 0.04
+
+
+def _cuda(mib: float) -> GPU:
+    """A GPU whose host is not its memory (on a CPU run a checkpoint's host copies are)."""
+    return GPU(name=f"test-cuda-{mib}MiB", memory_bytes=int(mib * MIB), kind="cuda", cuda_context_bytes=0)
+
+
+def test_full_finetuning_defers_the_gradient_sync_only_where_it_fits(spec):
+    wl = WL.model_copy(update={"full_finetune": True, "micro_batch_size_per_gpu": 2, "logprob_chunk_size": 256,
+                               "gradient_checkpointing": True})
+    roomy = plan(spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2), sharding="fsdp", fixed=ALL)
+    assert roomy.fits and roomy.fsdp.defer_grad_sync is True
+    frugal = FSDPConfig(**ALL)
+    held = estimate(spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2), frugal).peak_bytes
+    each = estimate(spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2),
+                    frugal.model_copy(update={"defer_grad_sync": False})).peak_bytes
+    assert each < held  # every unsharded fp32 gradient held between micro-batches
+    tight = plan(spec, wl, Cluster(gpu=_cuda((held + each) / 2 / 0.95 / MIB), num_gpus=2), sharding="fsdp", fixed=ALL)
+    assert tight.fits and tight.fsdp.defer_grad_sync is False
+    assert "each micro-batch reduce-scatters" in tight.reasons()["defer_grad_sync"]
+
+
+def test_parameter_offload_is_a_last_resort_where_generate_does_not_run(spec):
+    # SFT and DPO have no rollout: cpu_offload may go as the last resort without a vLLM engine.
+    wl = Workload(algorithm="sft", prompts_per_step=16, prompt_tokens=16, completion_tokens=16, full_finetune=True,
+                  weights_dtype="float32", micro_batch_size_per_gpu=1, logprob_chunk_size=256,
+                  gradient_checkpointing=True)
+    cluster = Cluster(gpu=_cuda(4096), num_gpus=2)
+    need = estimate(spec, wl, cluster, FSDPConfig(**ALL, optim_cpu_offload=True, defer_grad_sync=False)).peak_bytes
+    offloaded = estimate(spec, wl, cluster, FSDPConfig(**ALL, cpu_offload=True, defer_grad_sync=False)).peak_bytes
+    assert offloaded < need
+    p = plan(spec, wl, Cluster(gpu=_cuda((need + offloaded) / 2 / 0.95 / MIB), num_gpus=2), sharding="fsdp", fixed=ALL)
+    assert p.fits and p.fsdp.cpu_offload is True
+    grpo = plan(spec, wl.model_copy(update={"algorithm": "grpo", "group_size": 8, "generation": "hf"}),
+                Cluster(gpu=_cuda((need + offloaded) / 2 / 0.95 / MIB), num_gpus=2), sharding="fsdp", fixed=ALL)
+    assert not grpo.fsdp.cpu_offload  # Hugging Face generate runs on the trainer's weights
+
+
+def test_dpo_micro_batches_hold_whole_pairs(spec):
+    wl = Workload(algorithm="dpo", prompts_per_step=4, prompt_tokens=16, completion_tokens=16)
+    p = plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=2))
+    assert p.workload.micro_batch_size_per_gpu % 2 == 0
+    with pytest.raises(ValueError, match="must be even"):
+        plan(spec, wl.model_copy(update={"micro_batch_size_per_gpu": 1}), Cluster(gpu=_gpu(4096), num_gpus=2))

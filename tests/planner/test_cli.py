@@ -109,3 +109,36 @@ def test_a_raised_default_prompts_per_step_is_said_not_silent(capsys):
     assert "raised to a multiple of the 16 GPUs" in decisions["prompts_per_step"]["reason"]
     code, out, _ = run(["qwen2.5-7b", "--gpus", "16", "--prompts-per-step", "32", "--format", "json"], capsys)
     assert "prompts_per_step" not in {d["field"] for d in json.loads(out)["decisions"]}
+
+
+def test_every_algorithm_and_full_finetuning_plan_to_a_manifest_the_trainer_reads(capsys):
+    import inspect
+
+    import agilerl.algorithms
+    from planner.workload import ALGORITHM_CLASSES
+
+    for algorithm, cls in ALGORITHM_CLASSES.items():
+        for full in ([], ["--full-finetune"]):
+            code, out, err = run(["Qwen/Qwen2.5-1.5B", "--gpus", "4", "--algorithm", algorithm, *full,
+                                  "--format", "json"], capsys)
+            assert code == 0, (algorithm, full, err)
+            data = json.loads(out)
+            manifest = load_manifest(data["manifest"])
+            assert manifest.algorithm.name == cls
+            assert (manifest.lora is None) == bool(full)
+            # a manifest written out and read back keeps full fine-tuning (lora: null)
+            assert (load_manifest(yaml.safe_load(manifest.to_yaml())).lora is None) == bool(full)
+            phases = set(data["phases"])
+            assert ("rollout" in phases) == (algorithm not in ("sft", "dpo")), (algorithm, phases)
+            assert ("reference" in phases) == (algorithm not in ("sft", "cispo", "gspo")), (algorithm, phases)
+            components = {c for p in data["phases"].values() for c in p["components"]}
+            assert ("reference_weights" in components) == (bool(full) and "reference" in phases)
+            assert ("lora" in components) == (not full)
+            # every field the manifest's algorithm section sets is an argument of the class it names
+            section = {k for k, v in data["manifest"]["algorithm"].items()} - {"name", "model_name", "fsdp", "vllm"}
+            params = set(inspect.signature(getattr(agilerl.algorithms, cls)).parameters)
+            params |= set(inspect.signature(agilerl.algorithms.GRPO).parameters) if cls not in ("SFT", "DPO") else set()
+            assert section <= params | {"dtype"}, (cls, section - params)
+    code, out, _ = run(["Qwen/Qwen2.5-1.5B", "--gpus", "4", "--algorithm", "dpo", "--full-finetune", "false",
+                        "--format", "json"], capsys)
+    assert code == 0 and load_manifest(json.loads(out)["manifest"]).lora is not None

@@ -120,7 +120,7 @@ async def test_a_bad_group_size_is_marked_in_place_and_keeps_the_last_plan(size)
         screen = await set_knob(pilot, "workload.group_size", "1")
         row = _row(screen, "workload.group_size")
         assert row.has_class("-invalid")
-        assert "greater than or equal to 2" in str(row.query_one(".knob-error", Label).render())
+        assert "at least 2" in str(row.query_one(".knob-error", Label).render())
         assert screen.plan is good
         assert "showing the last good plan" in _verdict(screen)
         screen = await set_knob(pilot, "workload.group_size", "4")

@@ -104,7 +104,7 @@ def test_overrides_parse_to_the_fields_types():
 
 
 def test_invalid_knobs_are_reported_by_key():
-    assert "greater than or equal to 2" in _errors(workload__group_size="1")["workload.group_size"]
+    assert "at least 2" in _errors(workload__group_size="1")["workload.group_size"]
     assert "not a whole number" in _errors(cluster__num_gpus="eight")["cluster.num_gpus"]
     assert _errors(cluster__num_gpus="")["cluster.num_gpus"] == "required"
     assert (

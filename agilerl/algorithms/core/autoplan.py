@@ -63,34 +63,21 @@ def _lora_targets(agent) -> str | tuple[str, ...]:
 
 
 def _workload_for(agent, micro: int | None):
-    """The planner's description of this trainer's run."""
+    """The planner's description of this trainer's run, and the prompt length it assumed."""
     from planner.workload import ALGORITHM_CLASSES, Workload
 
     algorithm = next(k for k, name in ALGORITHM_CLASSES.items() if name == agent.algo_name)
     lora = agent.lora_config
     rank, alpha = (int(lora.r), int(lora.lora_alpha)) if lora is not None else (16, 32)
-    completion = agent.max_output_tokens
-    prompt = max(1, (agent.max_model_len or 2 * completion) - completion)
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]
+    fields, prompt = agent.workload_fields()
     return Workload(
-        algorithm=algorithm, prompts_per_step=agent.batch_size, group_size=agent.group_size, prompt_tokens=prompt,
-        completion_tokens=completion, micro_batch_size_per_gpu=micro,
+        algorithm=algorithm, full_finetune=agent.full_finetune, micro_batch_size_per_gpu=micro,
         logprob_chunk_size=None if agent._auto_chunk else agent.logprob_chunk_size,
         gradient_checkpointing=None if agent._auto_gc else agent.gradient_checkpointing,
         lora_rank=rank, lora_alpha=alpha, lora_targets=_lora_targets(agent),
-        use_separate_reference_adapter=agent.use_separate_reference_adapter, beta=agent.beta,
-        update_epochs=agent.update_epochs, weights_dtype=dtype, load_in_4bit=agent.load_in_4bit,
-        generation="vllm" if agent.vllm_config is not None else "hf",
-        # the trainer's engine settings as they are (VLLMConfig's defaults included): the planner keeps them
-        vllm_gpu_memory_utilization=agent.vllm_config.gpu_memory_utilization if agent.vllm_config else None,
-        vllm_max_num_seqs=agent.vllm_config.max_num_seqs if agent.vllm_config else None,
-        vllm_sleep_level=agent.vllm_config.sleep_level if agent.vllm_config else 1,
-        vllm_enforce_eager=agent.vllm_config.enforce_eager if agent.vllm_config else False,
-        vllm_max_model_len=agent.vllm_config.max_model_len if agent.vllm_config else None,
-        vllm_max_num_batched_tokens=agent.vllm_config.max_num_batched_tokens if agent.vllm_config else None,
-        vllm_kv_cache_memory_bytes=agent.vllm_config.kv_cache_memory_bytes if agent.vllm_config else None,
-        gather_weights_for_rollout=None if agent._auto_gather else agent.gather_weights_for_rollout,
-        share_prompt_prefix=agent.share_prompt_prefix,
+        use_separate_reference_adapter=agent.use_separate_reference_adapter, weights_dtype=dtype,
+        load_in_4bit=agent.load_in_4bit, share_prompt_prefix=agent.share_prompt_prefix, **fields,
     ), prompt
 
 
@@ -106,8 +93,8 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
                   coefficients_source=coefficients_source(cluster.gpu),
                   sharding="auto")
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
-    if not agent.max_model_len:
-        summary += f"\nassumed prompts of {prompt} tokens (set max_model_len to plan for your real length)"
+    if prompt is not None:
+        summary += f"\n{prompt} (set max_model_len to plan for your real length)"
     return {
         "fsdp": result.fsdp.model_dump(mode="json") if result.fsdp else None,
         "micro_batch_size_per_gpu": result.workload.micro_batch_size_per_gpu,

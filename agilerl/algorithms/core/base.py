@@ -174,7 +174,7 @@ class LLMAlgorithm:
                 "fsdp_config=None to train on one device."
             )
         if isinstance(self.fsdp_config, FSDPConfig):
-            if self.fsdp_config.cpu_offload and vllm_config is None:
+            if self.fsdp_config.cpu_offload and vllm_config is None and self.generates:
                 raise ValueError(
                     "FSDPConfig(cpu_offload=True) needs a colocated vLLM engine (vllm_config): Hugging Face "
                     "generate assumes weights stay on the compute device. Use optim_cpu_offload=True to "
@@ -252,6 +252,28 @@ class LLMAlgorithm:
     def needs_reference(self) -> bool:
         """Whether the objective reads the reference policy's log-probs."""
         return False
+
+    def workload_fields(self) -> tuple[dict[str, Any], str | None]:
+        """The planner's Workload fields this algorithm decides (batch, group, lengths, beta,
+        epochs, generation) and, where a length had to be assumed, a line saying so. The offline
+        objectives see their lengths only in their data: ``max_model_len`` (default 1024) is
+        planned as half prompt, half completion."""
+        total = self.max_model_len or 1024
+        completion = max(1, total // 2)
+        fields = dict(prompts_per_step=self.batch_size, group_size=self.group_size, prompt_tokens=max(1, total - completion),
+                      completion_tokens=completion, beta=getattr(self, "beta", 0.0), generation="none")
+        note = None if self.max_model_len else (f"assumed sequences of {total} tokens, half prompt and half "
+                                                "completion")
+        return fields, note
+
+    def local_examples(self, num_examples: int) -> slice:
+        """This rank's slice of a step's ``num_examples`` examples (prompts, pairs): each data-parallel
+        rank trains on its own share, a tensor-parallel group on the same one."""
+        ranks = self.data_parallel_ranks
+        if num_examples % ranks:
+            raise ValueError(f"{num_examples} examples do not split over {ranks} data-parallel ranks")
+        per = num_examples // ranks
+        return slice(self.data_parallel_rank * per, (self.data_parallel_rank + 1) * per)
 
     @property
     def sequences_per_step(self) -> int:
@@ -509,6 +531,14 @@ class LLMAlgorithm:
                                   for s in self._micro_batches(ids.shape[0])])
         finally:
             model.train(was_training)
+            if model is self.reference_model and self.sharded:
+                # It never runs backward, where FSDP2 reshards units kept gathered after a forward
+                # (reshard_after_forward=False): release them here, or they stay through learn.
+                from torch.distributed.fsdp import FSDPModule
+
+                for unit in model.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.reshard()
 
     def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0, *,
                        model: nn.Module | None = None, hidden: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

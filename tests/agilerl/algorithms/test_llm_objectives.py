@@ -168,12 +168,12 @@ def test_a_manifest_trains_cispo_with_its_own_defaults():
                "gather_weights_for_rollout": False}
     manifest = load_manifest({"algorithm": section, "training": {"rollout_batch_size": 2, "max_steps": 1},
                               "lora": {"r": 2, "alpha": 4, "dropout": 0.0}})
-    assert manifest.algorithm.algorithm_kwargs() == {}  # CISPO's own beta and cap
+    assert manifest.algorithm.algorithm_kwargs() == {"group_size": 2}  # CISPO's own beta and cap
     history = train(manifest, device="cpu")
     assert len(history[0]) == 1 and history[0][0]["kl"] == 0.0  # beta 0: no KL term
-    with pytest.raises(ManifestError, match="'GRPO', 'CISPO', 'GSPO' or 'LLMREINFORCE'"):
+    with pytest.raises(ManifestError, match="'GRPO', 'CISPO', 'GSPO', 'LLMREINFORCE', 'LLMPPO', 'SFT' or 'DPO'"):
         load_manifest({"algorithm": {**section, "name": "PPO"}})
-    with pytest.raises(ManifestError, match="clip_coef: CISPO takes clip_coef_high"):
+    with pytest.raises(ManifestError, match="clip_coef: CISPO takes beta, clip_coef_high"):
         load_manifest({"algorithm": {**section, "clip_coef": 0.2}})
 
 
@@ -182,19 +182,27 @@ def test_the_manifest_and_the_planner_know_each_algorithms_own_defaults():
     # validation, the planner's Workload): they must agree with the classes' signatures.
     import inspect
 
-    from agilerl.manifest import load_manifest
+    from agilerl.algorithms import DPO, LLMPPO, SFT
+    from agilerl.manifest import ALGORITHM_FIELDS, load_manifest
     from planner.workload import ALGORITHM_CLASSES, Workload
 
-    classes = {c.algo_name: c for c in (GRPO, CISPO, GSPO, LLMREINFORCE)}
-    assert set(ALGORITHM_CLASSES.values()) == set(classes)
+    classes = {c.algo_name: c for c in (GRPO, CISPO, GSPO, LLMREINFORCE, LLMPPO, SFT, DPO)}
+    assert set(ALGORITHM_CLASSES.values()) == set(classes) == set(ALGORITHM_FIELDS)
+    every = {f for fields in ALGORITHM_FIELDS.values() for f in fields}
     for key, name in ALGORITHM_CLASSES.items():
         params = inspect.signature(classes[name]).parameters
-        beta = params["beta"].default if "beta" in params else inspect.signature(GRPO).parameters["beta"].default
-        assert Workload(algorithm=key).beta == beta, name
-        for field in ("clip_coef", "clip_coef_high"):
-            takes = field in params and params[field].default is not None  # None: refused by the class
+        on_grpo = name not in ("SFT", "DPO")
+        grpo = inspect.signature(GRPO).parameters
+
+        def default(field, params=params, grpo=grpo):
+            return params[field].default if field in params else grpo[field].default
+
+        assert Workload(algorithm=key).beta == (default("beta") if name != "SFT" else 0.0), name
+        for field in every:
+            takes = (field in params or (on_grpo and field in grpo)) and default(field) is not None
             section = {"name": name, "model_name": "x", field: 0.1}
             if takes:
+                assert field in ALGORITHM_FIELDS[name], (name, field)
                 assert getattr(load_manifest({"algorithm": section}).algorithm, field) == 0.1, (name, field)
             else:
                 with pytest.raises(Exception, match=f"{field}: {name} takes"):

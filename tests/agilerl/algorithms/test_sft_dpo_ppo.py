@@ -30,7 +30,7 @@ def _offline(algorithm, **overrides):
                                          task_type="CAUSAL_LM"),
                   dtype="float32", device="cpu", gradient_checkpointing=False, lr=1e-2, logprob_chunk_size=7, seed=0)
     kwargs.update(overrides)
-    return algorithm(overrides.pop("model_name", TINY), **kwargs)
+    return algorithm(kwargs.pop("model_name", TINY), **kwargs)
 
 
 def _hf_token_logprobs(model, ids, attention):
@@ -351,3 +351,28 @@ def test_a_batch_without_the_fields_an_objective_needs_is_one_clear_error():
         _offline(SFT, lora_config="all-linear")
     with pytest.raises(ValueError, match="gae_lambda must be in"):
         make_agent(algorithm=LLMPPO, gae_lambda=1.5)
+
+
+def test_manifests_train_sft_dpo_and_ppo_and_full_finetuning():
+    from agilerl.manifest import ManifestError, load_manifest
+    from agilerl.train import train
+
+    section = {"model_name": TINY, "dtype": "float32", "gradient_checkpointing": False, "logprob_chunk_size": None}
+    for name, lora in (("SFT", None), ("DPO", {"r": 2, "alpha": 4, "dropout": 0.0}), ("LLMPPO", None)):
+        extra = {"max_output_tokens": 2, "gather_weights_for_rollout": False} if name == "LLMPPO" else {}
+        manifest = load_manifest({"algorithm": {"name": name, **section, **extra},
+                                  "training": {"rollout_batch_size": 2, "max_steps": 2}, "lora": lora})
+        assert (manifest.lora is None) == (lora is None)
+        history = train(manifest, device="cpu")[0]
+        assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history), name
+        if name == "DPO":
+            assert history[0]["reward_margin"] == 0.0  # the policy starts as its reference
+    with pytest.raises(ManifestError, match="group_size: SFT learns from the environment's answers"):
+        load_manifest({"algorithm": {"name": "SFT", "model_name": "x", "group_size": 4}})
+    with pytest.raises(ManifestError, match="vf_coef: DPO takes beta, nll_alpha"):
+        load_manifest({"algorithm": {"name": "DPO", "model_name": "x", "vf_coef": 0.5}})
+    with pytest.raises(ManifestError, match="DPO runs a pair's chosen and rejected"):
+        load_manifest({"algorithm": {"name": "DPO", "model_name": "x", "micro_batch_size_per_gpu": 1},
+                       "training": {"rollout_batch_size": 2}})
+    with pytest.raises(ManifestError, match="4-bit weights do not train"):
+        load_manifest({"algorithm": {"name": "SFT", "model_name": "x", "load_in_4bit": True}, "lora": None})

@@ -71,3 +71,51 @@ def test_gradients_of_the_earlier_micro_batches_and_the_reduced_unit(dense_spec)
     assert gradient_terms(ctx, layout, memory).prior == memory.trainable_elements * 4
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL, micro_batch_size_per_gpu=8)
     assert gradient_terms(ctx, layout, memory).prior == 0  # one micro-batch
+
+
+def _base_elements(spec, shards: int, *, sharded: bool = True) -> tuple[int, int]:
+    """(every base parameter's elements on rank 0, base tensors), rows ceil(d0 / S) when sharded."""
+    shapes = [s for _, s in spec.root_tensors] + [s for b in spec.blocks for _, s in b.tensors]
+    shapes += [spec.embed_shape] + ([spec.lm_head_shape] if spec.lm_head_shape else [])
+    total = 0
+    for shape in shapes:
+        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+        total += (math.ceil(shape[0] / shards) if sharded else shape[0]) * rest
+    return total, len(shapes)
+
+
+def test_full_finetuning_trains_every_parameter_with_fp32_state(dense_spec):
+    # FSDP2: fp32 shards (4), fp32 sharded gradients (4), AdamW's moments (8) and its step (4 a tensor)
+    _, _, memory = _memory(dense_spec, SHARD_ALL, full_finetune=True)
+    local, tensors = _base_elements(dense_spec, 2)
+    assert memory.trainable_elements == local and memory.trainable_tensors == tensors
+    assert memory.lora_elements == 0 and memory.lora_device == 0
+    assert memory.weights == local * 4 and memory.gradients_sharded == local * 4
+    assert memory.optimizer_device == local * 8 + tensors * 4
+    # The reference pass (beta > 0) runs on a frozen copy in the weights dtype, sharded alike.
+    assert memory.reference_device == local * 2
+    _, _, no_reference = _memory(dense_spec, SHARD_ALL, full_finetune=True, beta=0.0)
+    assert no_reference.reference_device == 0
+    # Unsharded bf16: MasterWeightAdamW's fp32 master beside the moments, the bf16 weights themselves.
+    _, _, plain = _memory(dense_spec, None, full_finetune=True, gpus=1)
+    every, _ = _base_elements(dense_spec, 1, sharded=False)
+    assert plain.weights == every * 2 and plain.optimizer_device == every * 12 + tensors * 4
+    assert plain.gradients_sharded == every * 4
+    # cpu_offload: the fp32 shards, their gradients and fused AdamW's moments on the host.
+    _, _, off = _memory(dense_spec, SHARD_ALL.model_copy(update={"cpu_offload": True}), full_finetune=True)
+    assert off.weights == 0 and off.host_weights == local * 4 and off.host_gradients == local * 4
+    assert off.host_optimizer == local * 8 + tensors * 4 and off.optimizer_device == 0
+    assert off.reference_device == 0 and off.host_reference == local * 2
+
+
+def test_full_finetuning_gradients_grow_through_one_micro_batch(dense_spec):
+    ctx, layout, memory = _memory(dense_spec, SHARD_ALL, full_finetune=True, micro_batch_size_per_gpu=8)
+    grads = gradient_terms(ctx, layout, memory)
+    assert grads.prior == 0 and grads.final == memory.gradients_sharded
+    # per block unit, its sharded fp32 gradients; the untied head's first; the embeddings' last
+    assert len(grads.per_unit) == dense_spec.num_layers and grads.head > 0
+    assert grads.embed == math.prod(dense_spec.embed_shape) * (2 + 4)  # unsharded bf16, its fp32 reduce buffer
+    ctx, layout, memory = _memory(dense_spec, SHARD_ALL, full_finetune=True)  # 4 micro-batches, defer_grad_sync
+    grads = gradient_terms(ctx, layout, memory)
+    every, _ = _base_elements(dense_spec, 1, sharded=False)
+    assert grads.prior == every * 4 and grads.per_unit == ()  # every unsharded gradient held in fp32
