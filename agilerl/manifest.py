@@ -5,6 +5,7 @@ Every field is described once here; errors name the field path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -211,10 +212,15 @@ class TrainingSection(_Section):
         int, Field(ge=1, description="Prompts per step across the agent's GPUs; a multiple of training_gpus_per_agent.")
     ] = 8
     training_gpus_per_agent: Annotated[
-        int, Field(ge=1, description="Data-parallel trainer ranks per population member (torchrun's world size).")
-    ] = 1
+        int | None,
+        Field(ge=1, description="Trainer ranks per population member (data parallel, or FSDP2's shards); null: the "
+                                "launched ranks shared out, world / population_size - rollout_engines_per_agent."),
+    ] = None
     rollout_engines_per_agent: Annotated[
-        int, Field(ge=0, description="vLLM engines per member; colocated engines only: 0 or training_gpus_per_agent.")
+        int, Field(ge=0, description="Rollout engines per member on ranks of their own, one GPU each, fed weights and "
+                                     "prompts by the member's trainer ranks (a vLLM engine with algorithm.vllm, else "
+                                     "Hugging Face generate); 0: the trainer ranks generate (with algorithm.vllm, a "
+                                     "colocated engine on each).")
     ] = 0
     max_steps: Annotated[int, Field(ge=1, description="Training steps per population member.")] = 100
     population_size: Annotated[int, Field(ge=1, description="Independent agents trained side by side.")] = 1
@@ -234,19 +240,59 @@ class TrainingSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
-        if self.rollout_batch_size % self.training_gpus_per_agent:
+        if self.training_gpus_per_agent is not None and self.rollout_batch_size % self.training_gpus_per_agent:
             raise ValueError(
                 f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of training_gpus_per_agent "
                 f"({self.training_gpus_per_agent})"
             )
         if self.checkpoint_interval is not None and not self.checkpoint_dir:
             raise ValueError("checkpoint_interval needs checkpoint_dir: where the checkpoints go")
-        if self.rollout_engines_per_agent not in (0, self.training_gpus_per_agent):
-            raise ValueError(
-                f"rollout_engines_per_agent={self.rollout_engines_per_agent}: only colocated engines are supported "
-                f"(0, or one per trainer GPU: {self.training_gpus_per_agent})"
-            )
         return self
+
+    def layout(self, world: int) -> RankLayout:
+        """How ``world`` launched ranks split into population members' trainer and engine ranks,
+        or a ValueError saying what launch the manifest needs."""
+        members, engines = self.population_size, self.rollout_engines_per_agent
+        trainers = self.training_gpus_per_agent
+        if trainers is None:
+            if world % members or world // members <= engines:
+                raise ValueError(
+                    f"{world} launched rank(s) do not split into {members} population member(s) of trainer ranks"
+                    + (f" and {engines} engine rank(s) each" if engines else "")
+                    + ": launch a multiple of population_size, or set training.training_gpus_per_agent")
+            trainers = world // members - engines
+        shared = trainers == world and not engines  # every member on every rank, in turn
+        if not shared and world != members * (trainers + engines):
+            raise ValueError(
+                f"training asks for {members} member(s) x ({trainers} trainer + {engines} engine rank(s)) = "
+                f"{members * (trainers + engines)} ranks, but {world} were launched: run `torchrun "
+                f"--nproc_per_node={members * (trainers + engines)} -m agilerl.train ...` or change the manifest")
+        if self.rollout_batch_size % trainers:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of the "
+                             f"{trainers} trainer rank(s) per member")
+        return RankLayout(members=members, trainers=trainers, engines=engines, shared=shared)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Launched ranks by role: member m's trainers are ranks ``m * (trainers + engines)`` onwards,
+    its engines the ``engines`` ranks after them; ``shared``: one group of every rank, on which
+    the members train in turn."""
+
+    members: int
+    trainers: int
+    engines: int
+    shared: bool = False
+
+    def of(self, rank: int) -> tuple[int, bool, list[int], list[int]]:
+        """(member, is an engine rank, the member's trainer ranks, its engine ranks) of ``rank``."""
+        if self.shared:
+            return 0, False, list(range(self.trainers)), []
+        span = self.trainers + self.engines
+        member, local = divmod(rank, span)
+        first = member * span
+        return (member, local >= self.trainers, list(range(first, first + self.trainers)),
+                list(range(first + self.trainers, first + span)))
 
 
 class EnvironmentSection(_Section):
@@ -288,8 +334,11 @@ class Manifest(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:
-        if self.training.rollout_engines_per_agent and self.algorithm.vllm is None:
-            raise ValueError("training.rollout_engines_per_agent > 0 needs algorithm.vllm settings")
+        if self.training.rollout_engines_per_agent and self.algorithm.offline:
+            raise ValueError(f"training.rollout_engines_per_agent: {self.algorithm.name} has no rollout (0)")
+        if self.training.rollout_engines_per_agent and self.algorithm.offload_weights_during_rollout:
+            raise ValueError("algorithm.offload_weights_during_rollout: engines on ranks of their own "
+                             "(training.rollout_engines_per_agent) share no memory with the trainer")
         if self.lora is None and self.algorithm.load_in_4bit:
             raise ValueError("lora: null (full fine-tuning) with algorithm.load_in_4bit: 4-bit weights do not train; "
                              "QLoRA needs a lora section")
@@ -298,11 +347,13 @@ class Manifest(_Section):
                              "no adapter, the reference is a frozen copy of the model")
         total = self.training.rollout_batch_size * self.algorithm.sequences_per_prompt
         micro = self.algorithm.micro_batch_size_per_gpu
-        per_rank = total // self.training.training_gpus_per_agent
-        if micro is not None and per_rank % micro:
+        gpus = self.training.training_gpus_per_agent
+        per_rank = total // gpus if gpus else total
+        if micro is not None and per_rank % micro:  # without the GPUs (the launch decides), a rank's share divides the total
+            where = f"over {gpus} GPUs gives {per_rank} per GPU" if gpus else "in all"
             raise ValueError(
-                f"rollout_batch_size x group_size = {total} completions over {self.training.training_gpus_per_agent} "
-                f"GPUs gives {per_rank} per GPU, which algorithm.micro_batch_size_per_gpu={micro} does not divide"
+                f"rollout_batch_size x group_size = {total} completions {where}, which "
+                f"algorithm.micro_batch_size_per_gpu={micro} does not divide"
             )
         if micro is not None and self.algorithm.name == "DPO" and micro % 2:
             raise ValueError(f"algorithm.micro_batch_size_per_gpu={micro}: DPO runs a pair's chosen and rejected "

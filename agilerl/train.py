@@ -1,7 +1,12 @@
 """Train from a manifest: ``python -m agilerl.train manifest.yaml [--device cpu|cuda]``.
 
-Also under torchrun: ``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``;
-``training.training_gpus_per_agent`` must then equal N.
+Also under torchrun: ``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``. The N
+ranks split into the population's members, each with ``training.training_gpus_per_agent``
+trainer ranks (by default its share of the launched ranks) and
+``training.rollout_engines_per_agent`` engine ranks: member m trains on ranks of its own
+(FSDP2 shards and data parallel within them), its engines serve its rollouts. A member given
+every rank (``training_gpus_per_agent`` = N, no engines) shares them with the others, which
+train in turn.
 """
 
 from __future__ import annotations
@@ -39,17 +44,20 @@ def check_launch(manifest, *, device: str | None = None) -> None:
     training, algo = manifest.training, manifest.algorithm
     launched = "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    wanted = training.training_gpus_per_agent
-    if world != wanted:
-        how = f"{world} rank(s) were launched" if launched else "it was launched without torchrun"
-        raise ValueError(f"training.training_gpus_per_agent is {wanted} but {how}: run `torchrun "
-                         f"--nproc_per_node={wanted} -m agilerl.train ...` or change the manifest")
+    layout = training.layout(world)  # ValueError naming the launch the manifest needs
     fsdp = algo.fsdp_config()
     if fsdp is not None and not launched:
         raise ValueError("algorithm.fsdp shards the model with FSDP2, which needs a process group: run `torchrun "
-                         f"--nproc_per_node={wanted} -m agilerl.train ...`, or set fsdp: false for one device")
+                         f"--nproc_per_node={layout.trainers} -m agilerl.train ...`, or set fsdp: false for one "
+                         "device")
     if fsdp is not None and fsdp != "auto":
-        fsdp.check_world(world)
+        fsdp.check_world(layout.trainers)
+    micro = algo.micro_batch_size_per_gpu
+    data_parallel = layout.trainers // (fsdp.tp if fsdp is not None and fsdp != "auto" else 1)
+    per_rank = training.rollout_batch_size * algo.sequences_per_prompt // data_parallel
+    if micro is not None and per_rank % micro:
+        raise ValueError(f"algorithm.micro_batch_size_per_gpu={micro} does not divide a trainer rank's {per_rank} "
+                         f"completions (rollout_batch_size x group_size over {data_parallel} data-parallel ranks)")
     check_model_source(algo.model_name, allow_download=True)
     if algo.vllm is not None:
         from agilerl.utils.engine import EngineError, check_vllm_installed
@@ -78,10 +86,15 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
     world = get_world_size()
     training, algo = manifest.training, manifest.algorithm
     steps = max_steps or training.max_steps
+    layout = training.layout(world)
+    from agilerl.distributed import get_rank, use_rank_group
+
+    member, serves, trainers, engines = layout.of(get_rank())
     torch.manual_seed(training.seed)
     from agilerl.algorithms.core.loading import load_tokenizer, resolve_model_source
 
-    tokenizer = load_tokenizer(resolve_model_source(algo.model_name))
+    source = resolve_model_source(algo.model_name)  # every rank (a built-in model is written once)
+    tokenizer = load_tokenizer(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = dict(
@@ -110,8 +123,25 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
                       offload_weights_during_rollout=algo.offload_weights_during_rollout,
                       gather_weights_for_rollout=algo.gather_weights_for_rollout)
     start = time.monotonic()
-    population = create_population(algo.name, {}, training.population_size, algo_kwargs=kwargs, device=device)
-    _log(f"built {len(population)} {algo.name} agent(s) on {world} rank(s) in {time.monotonic() - start:.1f}s")
+    remote = None
+    if not layout.shared and not serves:
+        use_rank_group(trainers)  # the helpers, the collectives and FSDP2's mesh: this member's trainer ranks
+    if engines:
+        from agilerl.utils.remote_engine import RemoteEngine, engine_ranks
+
+        ranks = engine_ranks(trainers, engines)
+        if serves:
+            return _serve(ranks, algo, source, tokenizer, device)
+        remote = kwargs["rollout_engine"] = RemoteEngine(ranks)
+    if layout.shared:
+        population = create_population(algo.name, {}, training.population_size, algo_kwargs=kwargs, device=device)
+    else:
+        population = create_population(algo.name, {}, 1, algo_kwargs={**kwargs, "seed": training.seed + member},
+                                       device=device)
+        population[0].index = member
+    where = (f"{world} rank(s)" if layout.shared else
+             f"ranks {trainers[0]}-{trainers[-1]}" + (f" (engines on {engines[0]}-{engines[-1]})" if engines else ""))
+    _log(f"built {len(population)} {algo.name} agent(s) on {where} in {time.monotonic() - start:.1f}s")
     histories: list[list[dict[str, float]]] = []
     for agent in population:
         env = ArithmeticEnv(seed=training.seed + agent.index, operators=manifest.environment.operators)
@@ -136,8 +166,32 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
             _log(f"saved {path}")
         if history:
             _summary(agent.index, history)
+    if remote is not None:
+        remote.stop()
     _log(f"done in {time.monotonic() - start:.1f}s")
     return histories
+
+
+def _serve(ranks, algo, source: str, tokenizer, device: str | None) -> list:
+    """An engine rank: a rollout engine for its member's trainer ranks, until they stop it."""
+    from agilerl.distributed import resolve_device
+
+    if algo.vllm is not None:
+        from agilerl.utils.engine import VLLMEngine
+
+        # a single-process engine of its own on this rank (not one of a colocated set across the ranks)
+        engine = VLLMEngine(source, algo.vllm, dtype=algo.dtype, seed=0, max_model_len=algo.max_model_len,
+                            distributed=False)
+    else:
+        from agilerl.utils.remote_engine import HFGenerateEngine
+
+        engine = HFGenerateEngine(source, dtype=algo.dtype, device=resolve_device(device),
+                                  pad_token_id=tokenizer.pad_token_id)
+    from agilerl.utils.remote_engine import serve_rollout_engine
+
+    served = serve_rollout_engine(engine, ranks)
+    print(f"engine rank {ranks.engines}: served {served} rollouts", flush=True)
+    return []
 
 
 def _step(agent, env, name: str, prompts_per_step: int) -> dict[str, float]:

@@ -57,15 +57,13 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         algorithm["share_prompt_prefix"] = False
     if w.generation == "hf" and w.gather_weights_for_rollout is not None:
         algorithm["gather_weights_for_rollout"] = bool(w.gather_weights_for_rollout)
-    engines = 0
     if w.generation == "vllm":
-        algorithm["vllm"] = w.vllm_settings()
-        engines = plan.cluster.num_gpus
+        algorithm["vllm"] = w.vllm_settings()  # a colocated engine on every trainer rank
     targets = w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)
     return {
         "algorithm": algorithm,
         "training": {"rollout_batch_size": w.prompts_per_step, "training_gpus_per_agent": plan.cluster.num_gpus,
-                     "rollout_engines_per_agent": engines},
+                     "rollout_engines_per_agent": 0},
         "lora": None if w.full_finetune else {"r": w.lora_rank, "alpha": w.lora_alpha, "target_modules": targets},
     }
 

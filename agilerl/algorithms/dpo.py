@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agilerl.distributed import aggregate_metrics_dict, set_gradient_sync
+from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
 from .core.base import DEFAULT_LORA, LLMAlgorithm
@@ -164,26 +164,19 @@ class DPO(LLMAlgorithm):
             ref = (self._no_grad_logprobs(ids, attention, REFERENCE if self.use_separate_reference_adapter else None,
                                           first) * fmask).sum(dim=1)
         chosen_tokens = float(self._dp_sum(float(mask[0::2].sum())))
-        self.model.train()
-        self._sync_tensor_parallel_rng()
-        batches = self._micro_batches(ids.shape[0])
-        defer = self.sharded and self.fsdp_config.defer_grad_sync
         sums = {"loss": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0, "accuracy": 0.0}
         num_pairs = pairs * self.data_parallel_ranks
-        for i, s in enumerate(batches):
-            with self._phase("learn"):
-                if self.sharded:
-                    set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
-                with use_adapter(self.model, ACTOR):
-                    logp = self.token_logprobs(ids[s], attention[s], first)
-                seq = (logp * fmask[s]).sum(dim=1)
-                # gradients are averaged over the data-parallel ranks: a rank's sums over its pairs,
-                # over every rank's pairs, scaled back up by their number
-                loss, stats = dpo_loss(seq[0::2], seq[1::2], ref[s][0::2], ref[s][1::2], beta=self.beta,
-                                       num_pairs=num_pairs / self.data_parallel_ranks)
-                if self.nll_alpha:
-                    loss = loss - self.nll_alpha * seq[0::2].sum() / (chosen_tokens / self.data_parallel_ranks)
-                loss.backward()
+        for s in self._learn_micro_batches(ids.shape[0]):
+            with use_adapter(self.model, ACTOR):
+                logp = self.token_logprobs(ids[s], attention[s], first)
+            seq = (logp * fmask[s]).sum(dim=1)
+            # gradients are averaged over the data-parallel ranks: a rank's sums over its pairs,
+            # over every rank's pairs, scaled back up by their number
+            loss, stats = dpo_loss(seq[0::2], seq[1::2], ref[s][0::2], ref[s][1::2], beta=self.beta,
+                                   num_pairs=num_pairs / self.data_parallel_ranks)
+            if self.nll_alpha:
+                loss = loss - self.nll_alpha * seq[0::2].sum() / (chosen_tokens / self.data_parallel_ranks)
+            loss.backward()
             sums["loss"] += float(loss.detach()) / self.data_parallel_ranks
             for k in ("chosen_reward", "rejected_reward", "accuracy"):
                 sums[k] += float(stats[k])

@@ -40,7 +40,6 @@ from torch import nn
 from agilerl.distributed import (
     aggregate_metrics_dict,
     gather_tensor,
-    set_gradient_sync,
 )
 from agilerl.utils.algo_utils import VLLMConfig
 from agilerl.utils.logprobs import (
@@ -176,6 +175,7 @@ class GRPO(LLMAlgorithm):
         use_separate_reference_adapter: bool = False,
         load_in_4bit: bool = False,
         vllm_config: VLLMConfig | None = None,
+        rollout_engine=None,
         offload_weights_during_rollout: bool = False,
         gather_weights_for_rollout: bool | str = "auto",
         share_prompt_prefix: bool = True,
@@ -236,6 +236,7 @@ class GRPO(LLMAlgorithm):
             index=index,
             tokenizer=tokenizer,
             gather_weights_for_rollout=gather_weights_for_rollout,
+            rollout_engine=rollout_engine,
         )
         self.eos_token_id = self._eos_token_id()
         self.offload_weights_during_rollout = offload_weights_during_rollout
@@ -247,7 +248,10 @@ class GRPO(LLMAlgorithm):
             from .core.offload import WeightOffload
 
             self._weight_offload = WeightOffload(self.model)
-        if vllm_config is not None:
+        if rollout_engine is not None:
+            # an engine of the caller's (agilerl.utils.remote_engine.RemoteEngine: engines on ranks of their own)
+            self.engine = rollout_engine
+        elif vllm_config is not None:
             from agilerl.utils.engine import shared_vllm_engine
 
             # One engine per rank, shared by the population's agents on it: each agent syncs its own
@@ -350,7 +354,7 @@ class GRPO(LLMAlgorithm):
         unsharded too (each gathered at its first forward, all resharded at the end), which the
         estimate of gathering once for generate has already let fit; nothing is merged (they run
         the reference or the old policy). Otherwise nothing."""
-        if not (self.sharded and self.gather_weights_for_rollout and self.vllm_config is None):
+        if not (self.sharded and self.gather_weights_for_rollout and self.engine is None):
             yield
             return
         from torch.distributed.fsdp import FSDPModule
@@ -578,26 +582,20 @@ class GRPO(LLMAlgorithm):
                 ref_logp = self._no_grad_logprobs(ids, attention, ref_adapter, first)
             old_logp = self._no_grad_logprobs(ids, attention, ACTOR, first) if self.update_epochs > 1 else None
 
-        self.model.train()
-        self._sync_tensor_parallel_rng()  # identical dropout masks within a TP group
-        batches = self._micro_batches(n)
-        defer = self.sharded and self.fsdp_config.defer_grad_sync
         sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
         norms = []
+        count = n // self.micro_batch_size_per_gpu
         for _ in range(self.update_epochs):
-            for i, s in enumerate(batches):
-                with self._phase("learn"):
-                    if self.sharded:
-                        set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
-                    with use_adapter(self.model, ACTOR):
-                        logp = self.token_logprobs(ids[s], attention[s], first)
-                    old = old_logp[s] if old_logp is not None else logp.detach()
-                    ref = ref_logp[s] if ref_logp is not None else None
-                    loss, stats = self.policy_loss(logp, old, ref, advantages[s], loss_mask[s])
-                    (loss / len(batches)).backward()
-                sums["loss"] += loss.item() / len(batches)
-                sums["kl"] += stats["kl"].item() / len(batches)
-                sums["clip_fraction"] += stats["clip_fraction"].item() / len(batches)
+            for s in self._learn_micro_batches(n):
+                with use_adapter(self.model, ACTOR):
+                    logp = self.token_logprobs(ids[s], attention[s], first)
+                old = old_logp[s] if old_logp is not None else logp.detach()
+                ref = ref_logp[s] if ref_logp is not None else None
+                loss, stats = self.policy_loss(logp, old, ref, advantages[s], loss_mask[s])
+                (loss / count).backward()
+                sums["loss"] += loss.item() / count
+                sums["kl"] += stats["kl"].item() / count
+                sums["clip_fraction"] += stats["clip_fraction"].item() / count
             with self._phase("step"):
                 norms.append(float(self._optimizer_step()))
         self.steps += 1

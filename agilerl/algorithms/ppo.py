@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agilerl.distributed import aggregate_metrics_dict, set_gradient_sync
+from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
 from .grpo import GRPO
@@ -188,24 +188,18 @@ class LLMPPO(GRPO):
         advantages, returns = gae_advantages(per_token, old_values, mask, gamma=self.gamma, lam=self.gae_lambda)
         if self.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
-        self.model.train()
-        self._sync_tensor_parallel_rng()
-        batches = self._micro_batches(n)
-        defer = self.sharded and self.fsdp_config.defer_grad_sync
         keys = ("loss", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction")
         sums = dict.fromkeys(keys, 0.0)
         norms = []
+        count = n // self.micro_batch_size_per_gpu
         for _ in range(self.update_epochs):
-            for i, s in enumerate(batches):
-                with self._phase("learn"):
-                    if self.sharded:
-                        set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
-                    logp, values = self._logprobs_and_values(ids[s], attention[s], first)
-                    loss, stats = ppo_loss(logp, old_logp[s], advantages[s], values, old_values[s], returns[s],
-                                           mask[s], clip_coef=self.clip_coef, clip_coef_value=self.clip_coef_value,
-                                           vf_coef=self.vf_coef)
-                    (loss / len(batches)).backward()
-                share = len(batches) * self.update_epochs
+            for s in self._learn_micro_batches(n):
+                logp, values = self._logprobs_and_values(ids[s], attention[s], first)
+                loss, stats = ppo_loss(logp, old_logp[s], advantages[s], values, old_values[s], returns[s],
+                                       mask[s], clip_coef=self.clip_coef, clip_coef_value=self.clip_coef_value,
+                                       vf_coef=self.vf_coef)
+                (loss / count).backward()
+                share = count * self.update_epochs
                 sums["loss"] += float(loss.detach()) / share
                 for k in keys[1:]:
                     sums[k] += float(stats[k]) / share

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from agilerl.distributed import aggregate_metrics_dict, set_gradient_sync
+from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, use_adapter
 from .core.base import DEFAULT_LORA, LLMAlgorithm
@@ -108,21 +108,14 @@ class SFT(LLMAlgorithm):
         first = self._first_scored(mask)
         local_tokens = float(mask.sum())
         total_tokens = self._dp_sum(local_tokens)
-        self.model.train()
-        self._sync_tensor_parallel_rng()
-        batches = self._micro_batches(ids.shape[0])
-        defer = self.sharded and self.fsdp_config.defer_grad_sync
         summed = 0.0
-        for i, s in enumerate(batches):
-            with self._phase("learn"):
-                if self.sharded:
-                    set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
-                with use_adapter(self.model, ACTOR):
-                    logp = self.token_logprobs(ids[s], attention[s], first)
-                # Gradients are averaged over the data-parallel ranks: each rank's share of the
-                # step's token mean is scaled back up by their number.
-                loss = sft_loss(logp, mask[s], total_tokens / self.data_parallel_ranks)
-                loss.backward()
+        for s in self._learn_micro_batches(ids.shape[0]):
+            with use_adapter(self.model, ACTOR):
+                logp = self.token_logprobs(ids[s], attention[s], first)
+            # Gradients are averaged over the data-parallel ranks: each rank's share of the
+            # step's token mean is scaled back up by their number.
+            loss = sft_loss(logp, mask[s], total_tokens / self.data_parallel_ranks)
+            loss.backward()
             summed += float(-(logp.detach() * mask[s]).sum())
         with self._phase("step"):
             norm = float(self._optimizer_step())

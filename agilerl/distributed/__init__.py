@@ -36,6 +36,10 @@ _LAZY = {
     "all_reduce_grads": "_runtime",
     "resolve_device": "_runtime",
     "require_process_group": "_runtime",
+    "use_rank_group": "_runtime",
+    "rank_group": "_runtime",
+    "RankGroup": "_runtime",
+    "device_mesh": "_runtime",
     # dense views of sharded parameters
     "materialize_dtensors": "_tensors",
     "gather_params": "_tensors",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -58,7 +58,13 @@ from ._moe import (
     is_moe_block,
     model_experts_problem,
 )
-from ._runtime import all_reduce_grads, require_process_group
+from ._runtime import (
+    all_reduce_grads,
+    device_mesh,
+    get_world_size,
+    rank_group,
+    require_process_group,
+)
 
 __all__ = [
     "apply_fsdp2",
@@ -208,6 +214,11 @@ def rebind_replicated_params(model: nn.Module) -> None:
     _install_replicated_grad_sync(layout)
 
 
+def _rank_group_pg():
+    scope = rank_group()
+    return scope.group if scope is not None else None
+
+
 def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
     for handle in getattr(layout, "_grad_sync_handles", []):
         handle.remove()
@@ -215,7 +226,7 @@ def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
     trainable = [p for p in layout.replicated_params if p.requires_grad]
     # Replicated across tensor-parallel ranks, a parameter already has the same gradient on
     # every rank of a TP group: average over the data-parallel ranks only.
-    group = layout.dp_group
+    group = layout.dp_group if layout.dp_group is not None else _rank_group_pg()
     if not trainable or dist.get_world_size(group) == 1:
         return
     queued = {"flag": False}
@@ -346,7 +357,7 @@ def register_forward_method(model: nn.Module, method_name: str) -> None:
 
 def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     if mesh is None:
-        config.check_world(dist.get_world_size())
+        config.check_world(get_world_size())
     if config.tp > 1:
         from ._tp import build_dp_tp_mesh
 
@@ -357,11 +368,11 @@ def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> 
         return mesh
     if mesh is not None:
         return mesh
-    world = dist.get_world_size()
+    world = get_world_size()
     group = config.shard_group_size
     if group is None or group == world:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+        return device_mesh(device_type, (world,), ("shard",))
+    return device_mesh(device_type, (world // group, group), ("replicate", "shard"))
 
 
 def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | None,
@@ -377,7 +388,7 @@ def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | N
         if problem is not None:
             raise ValueError(problem)
     if config.ep == 1:
-        if expert_mesh is not None and has_moe and expert_mesh.size() != dist.get_world_size():
+        if expert_mesh is not None and has_moe and expert_mesh.size() != get_world_size():
             raise ValueError("with ep=1, expert_mesh must span every rank")
         moe = None
         if has_moe and config.routed_expert_chunk_mib is not None:
@@ -467,7 +478,7 @@ def apply_fsdp2(
     if expert_mesh is not None:  # nested units first: the blocks then skip their parameters
         expert_kwargs = {k: v for k, v in kwargs.items() if k not in ("mesh", "ignored_params")}
         layout.expert_units = fully_shard_experts(
-            model, expert_mesh=expert_mesh, gradient_divide_factor=dist.get_world_size(), **expert_kwargs
+            model, expert_mesh=expert_mesh, gradient_divide_factor=get_world_size(), **expert_kwargs
         )
 
     _, blocks = find_transformer_blocks(model)

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
@@ -800,10 +800,11 @@ def build_expert_mesh(*, ep: int, device_type: str = "cpu") -> DeviceMesh:
     ep <= GPUs per node); ``mesh["ep"]`` is the group to split experts over,
     ``mesh["expert_shard"]`` the FSDP mesh for the local experts.
     """
-    world = dist.get_world_size()
+    from ._runtime import device_mesh, get_world_size
+
+    world = get_world_size()
     check_expert_parallel(world_size=world, ep=ep)
-    return init_device_mesh(device_type, (world // ep, ep),
-                            mesh_dim_names=(EXPERT_SHARD_AXIS, EP_AXIS))
+    return device_mesh(device_type, (world // ep, ep), (EXPERT_SHARD_AXIS, EP_AXIS))
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

@@ -10,6 +10,7 @@ import datetime
 import math
 import os
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +34,10 @@ __all__ = [
     "all_reduce_grads",
     "resolve_device",
     "require_process_group",
+    "use_rank_group",
+    "rank_group",
+    "RankGroup",
+    "device_mesh",
 ]
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -69,10 +74,83 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """The ranks one agent trains on (a population member's): their global ranks and their group."""
+
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup
+
+
+#: The rank group the helpers act on (None: every rank of the world).
+_SCOPE: RankGroup | None = None
+#: Process groups made by this module, by their global ranks (a group of ranks is made once).
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of ``ranks`` (this rank among them), made once: only its ranks take part
+    (local synchronisation, named by its ranks), so each population member makes its own."""
+    key = tuple(sorted(int(r) for r in ranks))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+def use_rank_group(ranks: Sequence[int] | None) -> RankGroup | None:
+    """Make the helpers of this module act on ``ranks`` (global ranks, this one among them): rank,
+    world size, main process, barrier, the collectives, the device meshes FSDP2 shards over. A
+    population member trains on ranks of its own this way (agilerl.train). Every rank of ``ranks``
+    calls it with the same ranks; the others need not. None goes back to the whole world."""
+    global _SCOPE
+    if ranks is None:
+        _SCOPE = None
+        return None
+    require_process_group("use_rank_group")
+    me = dist.get_rank()
+    key = tuple(sorted(int(r) for r in ranks))
+    if me not in key:
+        raise ValueError(f"rank {me} is not among the ranks {list(key)} it was asked to train on")
+    if len(key) == dist.get_world_size():
+        _SCOPE = None  # every rank: the default group
+        return None
+    _SCOPE = RankGroup(ranks=key, group=_new_group(key))
+    return _SCOPE
+
+
+def rank_group() -> RankGroup | None:
+    """The rank group the helpers act on (:func:`use_rank_group`), None for the whole world."""
+    return _SCOPE
+
+
+def _group() -> dist.ProcessGroup | None:
+    return _SCOPE.group if _SCOPE is not None else None
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """A DeviceMesh of ``shape`` over the ranks the helpers act on: the world's
+    (``init_device_mesh``), or a rank group's, made from its own process groups (one per mesh
+    dim through this rank, made dim by dim on every rank of the group)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if _SCOPE is None:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    ranks = torch.tensor(_SCOPE.ranks).reshape(shape)
+    if len(shape) == 1:
+        return DeviceMesh.from_group(_SCOPE.group, device_type, mesh_dim_names=names)
+    where = tuple(int(i) for i in (ranks == dist.get_rank()).nonzero()[0])
+    groups = []
+    for dim in range(len(shape)):
+        along = ranks[tuple(slice(None) if d == dim else where[d] for d in range(len(shape)))]
+        groups.append(_new_group(along.tolist()))
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
+
+
 def get_rank() -> int:
-    """Global rank (launcher RANK, or 0 on a single device)."""
+    """Global rank (launcher RANK, or 0 on a single device); within a rank group
+    (:func:`use_rank_group`), the rank in that group."""
     if is_distributed():
-        return dist.get_rank()
+        return dist.get_rank(_group())
     return int(os.environ.get("RANK", 0))
 
 
@@ -82,9 +160,10 @@ def get_local_rank() -> int:
 
 
 def get_world_size() -> int:
-    """Number of processes (launcher WORLD_SIZE, or 1 on a single device)."""
+    """Number of processes (launcher WORLD_SIZE, or 1 on a single device); within a rank group,
+    its size."""
     if is_distributed():
-        return dist.get_world_size()
+        return dist.get_world_size(_group())
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -113,15 +192,17 @@ def _collective_device() -> torch.device:
 
 
 def barrier() -> None:
-    """Synchronise all processes; no-op on a single device."""
+    """Synchronise all processes (of the rank group); no-op on a single device."""
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=_group())
 
 
 def broadcast_object_list(objects: list, src: int = 0) -> list:
-    """Broadcast picklable objects from ``src``; mutates ``objects`` in place."""
-    if is_distributed() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(objects, src=src, device=_collective_device())
+    """Broadcast picklable objects from ``src`` (a rank of the rank group); mutates ``objects`` in place."""
+    if is_distributed() and get_world_size() > 1:
+        group = _group()
+        origin = dist.get_global_rank(group, src) if group is not None else src
+        dist.broadcast_object_list(objects, src=origin, group=group, device=_collective_device())
     return objects
 
 
@@ -139,42 +220,42 @@ def gather_tensor(tensor: torch.Tensor | np.ndarray | float) -> torch.Tensor:
     different dim-0 sizes (they are padded for the collective and trimmed).
     """
     local = _as_tensor(tensor)
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or get_world_size() == 1:
         return local
-    world = dist.get_world_size()
+    world, group = get_world_size(), _group()
     device = _collective_device()
     original_device = local.device
     if local.dim() == 0:
         out = [torch.empty((), dtype=local.dtype, device=device) for _ in range(world)]
-        dist.all_gather(out, local.detach().to(device))
+        dist.all_gather(out, local.detach().to(device), group=group)
         return torch.stack(out).to(original_device)
     sizes = torch.tensor([local.shape[0]], dtype=torch.long, device=device)
     all_sizes = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
+    dist.all_gather(all_sizes, sizes, group=group)
     counts = [int(s.item()) for s in all_sizes]
     longest = max(counts)
     padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
     padded[: local.shape[0]] = local.detach().to(device)
     out = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=group)
     return torch.cat([o[:n] for o, n in zip(out, counts)]).to(original_device)
 
 
 def gather_objects(objects: list) -> list:
     """Flatten object lists gathered from every rank, in rank order."""
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or get_world_size() == 1:
         return list(objects)
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, list(objects))
+    out: list = [None] * get_world_size()
+    dist.all_gather_object(out, list(objects), group=_group())
     return [o for rank_objects in out for o in rank_objects]
 
 
 def allreduce_minmax_int(value: int) -> tuple[int, int]:
     """Return (min, max) of ``value`` across ranks in one all-reduce."""
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or get_world_size() == 1:
         return int(value), int(value)
     t = torch.tensor([-int(value), int(value)], dtype=torch.long, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group())
     return int(-t[0].item()), int(t[1].item())
 
 
@@ -188,11 +269,11 @@ def _local_mean(value) -> float:
 def aggregate_metrics_across_gpus(metric_tensor: torch.Tensor | np.ndarray | float) -> float:
     """Mean across ranks of each rank's local mean (local mean on one device)."""
     local = _local_mean(metric_tensor)
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or get_world_size() == 1:
         return local
     t = torch.tensor([local], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item()) / dist.get_world_size()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_group())
+    return float(t.item()) / get_world_size()
 
 
 def aggregate_metrics_dict(
@@ -212,9 +293,9 @@ def aggregate_metrics_dict(
         raise KeyError(f"excluded/maximized name metrics not in the dict: {sorted(unknown)}")
     names = list(metrics)
     local = [_local_mean(metrics[k]) for k in names]
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or get_world_size() == 1:
         return dict(zip(names, local))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = get_world_size(), get_rank()
     k = len(names)
     table = torch.zeros((world, 2 * k), dtype=torch.float64, device=_collective_device())
     for i, name in enumerate(names):
@@ -222,7 +303,7 @@ def aggregate_metrics_dict(
         if counted:
             table[rank, i] = local[i]
             table[rank, k + i] = 1.0
-    dist.all_reduce(table, op=dist.ReduceOp.SUM)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=_group())
     values, counts = table[:, :k].cpu(), table[:, k:].cpu()
     out: dict[str, float] = {}
     for i, name in enumerate(names):
@@ -256,6 +337,7 @@ def _coalesced_mean_(grads: list[torch.Tensor], group=None) -> None:
     """Average tensors across ``group``'s ranks in place: one all-reduce per (device, dtype) and
     bucket of at most :data:`ALL_REDUCE_BUCKET_BYTES` (a larger tensor alone, reduced in place
     where it can be)."""
+    group = group if group is not None else _group()
     world = dist.get_world_size(group)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
@@ -288,7 +370,7 @@ def sync_grads(params: Sequence[torch.nn.Parameter]) -> None:
     Parameters without a ``.grad`` are skipped; use :func:`all_reduce_grads` when
     ranks may differ in which parameters received a gradient.
     """
-    if not is_distributed() or dist.get_world_size() == 1:
+    if not is_distributed() or get_world_size() == 1:
         return
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if grads:
@@ -299,6 +381,7 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter], group=None) -> None:
     """Average gradients like :func:`sync_grads`; a parameter without a ``.grad``
     takes part with zeros (and receives the average), so every rank joins the
     same collective. ``group`` limits it to those ranks (default: all)."""
+    group = group if group is not None else _group()
     if not is_distributed() or dist.get_world_size(group) == 1:
         return
     grads = []

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -73,7 +73,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ._blocks import find_transformer_blocks
-from ._runtime import require_process_group
+from ._runtime import device_mesh, get_world_size, require_process_group
 
 __all__ = [
     "tp_mesh_layout",
@@ -134,9 +134,9 @@ def check_tp_divides(config: Any, tp: int, *, dense_mlp: bool = True) -> None:
 def build_dp_tp_mesh(tp: int, device_type: str | None = None) -> DeviceMesh:
     """A 2-D mesh ``("dp", "tp")`` over all ranks, TP innermost: rank = dp_rank * tp + tp_rank."""
     require_process_group("build_dp_tp_mesh")
-    dp, tp = tp_mesh_layout(dist.get_world_size(), tp)
+    dp, tp = tp_mesh_layout(get_world_size(), tp)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return device_mesh(device_type, (dp, tp), ("dp", "tp"))
 
 
 @dataclass

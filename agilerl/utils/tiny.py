@@ -171,6 +171,9 @@ def save_tiny_model(path: str | Path, arch: str = "qwen2", *, seed: int = 0, **c
     tokenizer = char_tokenizer()
     config_kwargs.setdefault("vocab_size", len(tokenizer))
     model = tiny_model(arch, seed=seed, **config_kwargs)
+    # save_pretrained writes nothing off global rank 0 under torch.distributed; the main rank of a
+    # population member's own ranks (agilerl.distributed.use_rank_group) writes this model too.
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -52,14 +52,13 @@ def chunk_rows(ctx: Context) -> int:
     return rows if chunk is None or chunk >= rows else chunk
 
 
-def learn_logits_bytes(ctx: Context, *, backward: bool, tile: bool = True) -> int:
+def learn_logits_bytes(ctx: Context, *, backward: bool) -> int:
     """With grad: one tile of a chunk (plus an fp32 tile for a soft cap's derivative in
     backward), the head weight, and the one-position logits the model's own head makes
-    (m x V x p). ``tile=False``: after the chunks, the head weight and those logits only."""
+    (m x V x p)."""
     rows = chunk_rows(ctx)
     softcap = rows * ctx.vocab_size * 4 if backward and ctx.spec.final_logit_softcapping else 0
-    chunk = tile_bytes(ctx, rows) + softcap if tile else 0
-    return chunk + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    return tile_bytes(ctx, rows) + softcap + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
 
 
 def reference_logits_bytes(ctx: Context) -> int:

@@ -258,13 +258,11 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     value = value_head_bytes(ctx)  # LLMPPO: kept for backward, and its gradient at the head's
     flowing_in = gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows)
     return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        {"weights_gathered": terms.after_forward, "gradients": grads.prior + grads.head,
-         "activations": kept + hidden_grad + beside + 2 * value,
-         "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx)},
-        # a trained untied lm_head unit's reduce-scatter, once the chunks are done but not its workspace
+        # (a trained untied lm_head: its unit's own backward and reduce-scatter, of the one-position
+        # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks)
         {"weights_gathered": terms.after_forward, "gradients": grads.prior + grads.head + grads.head_reducing,
          "activations": kept + hidden_grad + beside + 2 * value, "comm_buffers": grads.head_buffer,
-         "logits": learn_logits_bytes(ctx, backward=True, tile=False) + head_gradient_bytes(ctx)},
+         "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx)},
         {"weights_gathered": window, "gradients": grads.prior + acts.running_grads,
          "activations": running + beside + value},
         {"weights_gathered": window, "gradients": grads.prior + acts.backward_grads,

@@ -46,8 +46,10 @@ def test_shipped_manifest_validates_and_round_trips(path):
         ({"algorithm": {"model_name": "m", "fsdp": {"cpu_offload": True, "optim_cpu_offload": True}}},
          "cpu_offload=True and optim_cpu_offload=True"),
         ({**GOOD, "training": {"rollout_batch_size": 6, "training_gpus_per_agent": 4}}, "multiple of training_gpus"),
-        ({**GOOD, "training": {"rollout_engines_per_agent": 3}}, "colocated"),
-        ({**GOOD, "training": {"rollout_engines_per_agent": 1}}, "needs algorithm.vllm"),
+        ({"algorithm": {"name": "SFT", "model_name": "m"}, "training": {"rollout_engines_per_agent": 1}},
+         "SFT has no rollout"),
+        ({**GOOD, "training": {"rollout_engines_per_agent": 1},
+          "algorithm": {"model_name": "m", "vllm": {}, "offload_weights_during_rollout": True}}, "share no memory"),
         ({"algorithm": {"model_name": "m", "micro_batch_size_per_gpu": 3}}, "does not divide"),
         ({**GOOD, "environment": {"operators": "/"}}, "unsupported operators"),
         ({**GOOD, "lora": {"r": 0}}, "lora.r"),
@@ -82,6 +84,29 @@ def test_unreadable_files(tmp_path, capsys):
         load_manifest(bad)
     assert main([str(missing)]) == 2
     assert "no such manifest" in capsys.readouterr().err
+
+
+def test_the_launched_ranks_split_into_members_trainers_and_engines():
+    from agilerl.manifest import TrainingSection
+
+    # the seed's manifest: 4 trainer GPUs and 2 engines per member
+    seed = TrainingSection(rollout_batch_size=8, training_gpus_per_agent=4, rollout_engines_per_agent=2)
+    layout = seed.layout(6)
+    assert (layout.members, layout.trainers, layout.engines, layout.shared) == (1, 4, 2, False)
+    assert layout.of(5) == (0, True, [0, 1, 2, 3], [4, 5]) and layout.of(1) == (0, False, [0, 1, 2, 3], [4, 5])
+    with pytest.raises(ValueError, match=r"1 member\(s\) x \(4 trainer \+ 2 engine rank\(s\)\) = 6 ranks, but 4"):
+        seed.layout(4)
+    # the launched world by default, shared out between the members
+    pop = TrainingSection(rollout_batch_size=4, population_size=2)
+    assert pop.layout(4).trainers == 2 and pop.layout(4).of(3) == (1, False, [2, 3], [])
+    assert TrainingSection().layout(2).trainers == 2
+    with pytest.raises(ValueError, match="do not split into 2 population member"):
+        pop.layout(3)
+    # a member given every rank shares them with the others (they train in turn)
+    shared = TrainingSection(rollout_batch_size=4, population_size=2, training_gpus_per_agent=2).layout(2)
+    assert shared.shared and shared.of(1) == (0, False, [0, 1], [])
+    with pytest.raises(ValueError, match="multiple of the 3 trainer"):
+        TrainingSection(rollout_batch_size=4).layout(3)
 
 
 def test_world_size_must_match_the_manifest(tmp_path, capsys, monkeypatch):

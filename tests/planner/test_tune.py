@@ -125,6 +125,27 @@ def test_search_space_is_what_the_planner_chooses_less_what_the_user_fixed(spec)
     assert sum(p["sharding"] == "fsdp" for p in points) == 2 * 2 * 2 * 2 * 2 * 2 * 2
 
 
+@pytest.mark.timeout(60)
+def test_full_finetuning_also_searches_parameter_offload_and_the_gradient_sync(spec):
+    full = SMALL.model_copy(update={"full_finetune": True})
+    space = search_space(spec, full, cpu_cluster(MIB), fixed={}, sharding="fsdp")
+    assert space.choices["defer_grad_sync"] == (False, True)
+    # GRPO's Hugging Face generate runs on the trainer's weights: no parameter offload
+    assert space.choices["cpu_offload"] == (False,)
+    sft = Workload.model_validate({**full.model_dump(), "algorithm": "sft", "group_size": None, "beta": None,
+                                   "generation": None, "update_epochs": 1})
+    space = search_space(spec, sft, cpu_cluster(MIB), fixed={}, sharding="fsdp")
+    assert space.choices["cpu_offload"] == (False, True) and "cpu_offload" in space.searched
+    offloaded = space.candidate({"cpu_offload": True, "optim_cpu_offload": True})
+    assert offloaded.fsdp.cpu_offload and not offloaded.fsdp.optim_cpu_offload  # the two are exclusive
+    points = grid(space)
+    assert not any(p.get("cpu_offload") and "optim_cpu_offload" in p for p in points)
+    assert any(p.get("cpu_offload") for p in points) and any(p.get("defer_grad_sync") is False for p in points)
+    # a LoRA run keeps both as they are
+    lora = search_space(spec, SMALL, cpu_cluster(MIB), fixed={}, sharding="fsdp")
+    assert lora.choices["cpu_offload"] == (False,) and lora.choices["defer_grad_sync"] == (True,)
+
+
 # -- the objective, with FixedTrial ----------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():

@@ -103,6 +103,8 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         "gather_weights_for_rollout": bool(result.workload.gather_weights_for_rollout),
         "fits": result.fits,
         "summary": summary,
+        "algorithm": result.workload.algorithm,  # what the planner was told this run is
+        "full_finetune": result.workload.full_finetune,
     }
 
 

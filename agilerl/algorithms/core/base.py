@@ -37,6 +37,7 @@ from torch import nn
 
 from agilerl.distributed import (
     FSDPConfig,
+    barrier,
     build_optimizer,
     clip_grad_norm_,
     full_optimizer_state_dict,
@@ -141,6 +142,7 @@ class LLMAlgorithm:
         index: int,
         tokenizer=None,
         gather_weights_for_rollout: bool | str = False,
+        rollout_engine=None,
     ) -> None:
         if (model_name is None) == (actor_network is None):
             raise ValueError("pass exactly one of model_name (a local path or hub id) and actor_network")
@@ -174,7 +176,7 @@ class LLMAlgorithm:
                 "fsdp_config=None to train on one device."
             )
         if isinstance(self.fsdp_config, FSDPConfig):
-            if self.fsdp_config.cpu_offload and vllm_config is None and self.generates:
+            if self.fsdp_config.cpu_offload and vllm_config is None and rollout_engine is None and self.generates:
                 raise ValueError(
                     "FSDPConfig(cpu_offload=True) needs a colocated vLLM engine (vllm_config): Hugging Face "
                     "generate assumes weights stay on the compute device. Use optim_cpu_offload=True to "
@@ -202,7 +204,8 @@ class LLMAlgorithm:
         self._auto_chunk = logprob_chunk_size == "auto"
         self._auto_gc = gradient_checkpointing == "auto"
         # With a vLLM engine Hugging Face generate does not run: nothing to gather.
-        self._auto_gather = self.generates and gather_weights_for_rollout == "auto" and vllm_config is None
+        self._auto_gather = (self.generates and gather_weights_for_rollout == "auto" and vllm_config is None
+                             and rollout_engine is None)
         # Until the estimate says otherwise "auto" is off: it costs memory, unit-by-unit never does.
         self.gather_weights_for_rollout = gather_weights_for_rollout is True
         self.logprob_chunk_size = 1024 if logprob_chunk_size == "auto" else logprob_chunk_size
@@ -505,6 +508,22 @@ class LLMAlgorithm:
             raise ValueError(f"{n} sequences on this rank do not split into micro-batches of {m}")
         return [slice(i, i + m) for i in range(0, n, m)]
 
+    def _learn_micro_batches(self, n: int):
+        """The slices of a rank's ``n`` sequences, one micro-batch at a time, each inside phase
+        ``learn`` (the caller's forward and backward run there) with FSDP2's gradient sync on for the
+        last one only under ``defer_grad_sync`` (one reduce-scatter a step), every one otherwise."""
+        from agilerl.distributed import set_gradient_sync
+
+        self.model.train()
+        self._sync_tensor_parallel_rng()  # identical dropout masks within a TP group
+        batches = self._micro_batches(n)
+        defer = self.sharded and self.fsdp_config.defer_grad_sync
+        for i, s in enumerate(batches):
+            with self._phase("learn"):
+                if self.sharded:
+                    set_gradient_sync(self.model, (i == len(batches) - 1) or not defer)
+                yield s
+
     @staticmethod
     def _first_scored(loss_mask: torch.Tensor) -> int:
         """The first log-prob position any loss term reads (the earliest completion token's)."""
@@ -764,8 +783,7 @@ class LLMAlgorithm:
                                     for name, m in self.heads.items()}
                 payload["head_optimizer"] = self.head_optimizer.state_dict()
             atomic_save(payload, path / CHECKPOINT_FILE)
-        if is_distributed():
-            torch.distributed.barrier()
+        barrier()
         return path / CHECKPOINT_FILE
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
@@ -830,9 +848,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _gather(obj: Any) -> list[Any]:
-    """``obj`` from every rank, in rank order (a list of one without a process group)."""
-    if not is_distributed():
-        return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
+    """``obj`` from every rank (of the agent's rank group), in rank order (a list of one without a
+    process group)."""
+    from agilerl.distributed import gather_objects
+
+    return gather_objects([obj])

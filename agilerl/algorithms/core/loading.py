@@ -79,10 +79,18 @@ def resolve_model_source(model_name: str) -> str:
     digest = hashlib.sha1(f"{arch}|{sorted(kwargs.items())}|{seed}".encode()).hexdigest()[:12]
     target = _cache_dir() / "tiny" / f"{arch}-{digest}"
     if is_main_process() and not (target / "config.json").exists():
-        _quiet_transformers()
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        save_tiny_model(tmp, arch, seed=seed, **kwargs)
-        tmp.rename(target) if not target.exists() else None
+        import fcntl
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Another writer may be at it too (the main rank of every population member's group, another
+        # launch): one at a time, and the model appears whole or not at all.
+        with open(target.parent / f".{target.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (target / "config.json").exists():
+                _quiet_transformers()
+                tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+                save_tiny_model(tmp, arch, seed=seed, **kwargs)
+                tmp.rename(target)
     barrier()
     return str(target)
 

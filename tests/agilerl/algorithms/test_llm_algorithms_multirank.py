@@ -60,6 +60,23 @@ def sft_and_dpo_under_fsdp_give_data_parallels_update(ctx):
 
 
 @cases.case
+def full_finetuning_sft_with_parameter_offload_gives_data_parallels_update(ctx):
+    # cpu_offload: the fp32 shards and their gradients on the host, AdamW stepping them there; SFT and
+    # DPO never run Hugging Face generate, so it needs no colocated engine.
+    from agilerl.algorithms import SFT
+
+    results = []
+    for fsdp in (None, FSDPConfig(**FP32_SHARDED, cpu_offload=True, defer_grad_sync=False)):
+        agent = _offline(SFT, lora_config=None, batch_size=4, micro_batch_size_per_gpu=1, fsdp_config=fsdp, lr=1e-3)
+        batch = _rank_share(agent.encode(PROMPTS, ANSWERS), ctx.rank)
+        metrics = [agent.learn(batch)["loss"] for _ in range(2)]
+        results.append((metrics, _weights(agent)))
+    (dp_m, dp_w), (off_m, off_w) = results
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(dp_m, off_m)), (dp_m, off_m)
+    _close(off_w, dp_w, "cpu_offload")
+
+
+@cases.case
 def sft_normalises_by_the_tokens_of_the_whole_step_across_ranks(ctx):
     from agilerl.algorithms import SFT
 
@@ -131,6 +148,24 @@ def full_finetuning_grpo_under_fsdp_with_offloads_gives_data_parallels_update(ct
 
 def _learn(agent, seed=0):
     return agent.learn(synthetic_experiences(agent, seed=seed)[:3])
+
+
+@cases.case
+def every_algorithm_asks_the_planner_with_fsdp_config_auto(ctx):
+    from agilerl.algorithms import DPO, LLMPPO, SFT
+    from agilerl.distributed import gather_objects
+
+    for algorithm, extra in ((SFT, {"batch_size": 4}), (DPO, {"batch_size": 2}),
+                             (LLMPPO, {"batch_size": 2, "max_output_tokens": 4})):
+        for full in (False, True):
+            agent = _offline(algorithm, fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto",
+                             max_model_len=16, **({"lora_config": None} if full else {}), **extra)
+            assert agent.plan is not None, algorithm.algo_name
+            plans = gather_objects([agent.plan["summary"]])
+            assert plans[0] == plans[1]  # rank 0 planned, every rank applied the same plan
+            assert (agent.plan["algorithm"], agent.plan["full_finetune"]) == (
+                {"SFT": "sft", "DPO": "dpo", "LLMPPO": "ppo"}[algorithm.algo_name], full)
+            assert agent.micro_batch_size_per_gpu == agent.plan["micro_batch_size_per_gpu"]
 
 
 @cases.case
