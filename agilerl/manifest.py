@@ -164,6 +164,10 @@ class AlgorithmSection(_Section):
             given = [f for f in _ROLLOUT_FIELDS if getattr(self, f) != type(self).model_fields[f].default]
             if given:
                 raise ValueError(f"{given[0]}: {self.name} learns from the environment's answers, it has no rollout")
+        if self.name == "DPO" and self.beta is not None and self.beta <= 0:
+            raise ValueError("beta: DPO's beta scales its implicit reward and must be > 0")
+        if self.name == "SFT" and self.use_separate_reference_adapter:
+            raise ValueError("use_separate_reference_adapter: SFT has no reference policy")
         if self.name == "LLMREINFORCE" and self.update_epochs not in (None, 1):
             raise ValueError(f"update_epochs: LLMREINFORCE is on-policy, so 1 (got {self.update_epochs})")
         return self
@@ -255,12 +259,15 @@ class TrainingSection(_Section):
         members, engines = self.population_size, self.rollout_engines_per_agent
         trainers = self.training_gpus_per_agent
         if trainers is None:
-            if world % members or world // members <= engines:
+            if not engines and world < members:
+                trainers = world  # fewer ranks than members (one process): they share them, in turn
+            elif world % members or world // members <= engines:
                 raise ValueError(
                     f"{world} launched rank(s) do not split into {members} population member(s) of trainer ranks"
                     + (f" and {engines} engine rank(s) each" if engines else "")
                     + ": launch a multiple of population_size, or set training.training_gpus_per_agent")
-            trainers = world // members - engines
+            else:
+                trainers = world // members - engines
         shared = trainers == world and not engines  # every member on every rank, in turn
         if not shared and world != members * (trainers + engines):
             raise ValueError(
@@ -339,6 +346,14 @@ class Manifest(_Section):
         if self.training.rollout_engines_per_agent and self.algorithm.offload_weights_during_rollout:
             raise ValueError("algorithm.offload_weights_during_rollout: engines on ranks of their own "
                              "(training.rollout_engines_per_agent) share no memory with the trainer")
+        if self.training.rollout_engines_per_agent and self.algorithm.vllm is not None:
+            raise ValueError("algorithm.vllm with training.rollout_engines_per_agent: engines on ranks of their own "
+                             "run Hugging Face generate; a vLLM engine there is not supported yet (drop algorithm.vllm, "
+                             "or set rollout_engines_per_agent: 0 for a colocated engine on each trainer rank)")
+        fsdp = self.algorithm.fsdp_config()
+        if self.training.rollout_engines_per_agent and fsdp not in (None, "auto") and fsdp.tp > 1:
+            raise ValueError("algorithm.fsdp.tp > 1 with training.rollout_engines_per_agent: the ranks of a "
+                             "tensor-parallel group would send the engines their shared prompts each; use tp: 1")
         if self.lora is None and self.algorithm.load_in_4bit:
             raise ValueError("lora: null (full fine-tuning) with algorithm.load_in_4bit: 4-bit weights do not train; "
                              "QLoRA needs a lora section")

@@ -74,7 +74,18 @@ def check_launch(manifest, *, device: str | None = None) -> None:
 
 
 def train(manifest, *, device: str | None = None, max_steps: int | None = None) -> list[list[dict[str, float]]]:
-    """Run the manifest; return each population member's per-step metrics."""
+    """Run the manifest; return the per-step metrics of each population member this rank trains
+    (its own member's, on a member's ranks; every member's when they share the ranks; none on an
+    engine rank)."""
+    from agilerl.distributed import use_rank_group
+
+    try:
+        return _train(manifest, device=device, max_steps=max_steps)
+    finally:
+        use_rank_group(None)  # the process's helpers act on every rank again
+
+
+def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[dict[str, float]]]:
     import torch
 
     from agilerl.distributed import get_world_size, init_distributed
@@ -176,18 +187,11 @@ def _serve(ranks, algo, source: str, tokenizer, device: str | None) -> list:
     """An engine rank: a rollout engine for its member's trainer ranks, until they stop it."""
     from agilerl.distributed import resolve_device
 
-    if algo.vllm is not None:
-        from agilerl.utils.engine import VLLMEngine
+    # Hugging Face generate (the manifest refuses algorithm.vllm with engines on ranks of their own)
+    from agilerl.utils.remote_engine import HFGenerateEngine, serve_rollout_engine
 
-        # a single-process engine of its own on this rank (not one of a colocated set across the ranks)
-        engine = VLLMEngine(source, algo.vllm, dtype=algo.dtype, seed=0, max_model_len=algo.max_model_len,
-                            distributed=False)
-    else:
-        from agilerl.utils.remote_engine import HFGenerateEngine
-
-        engine = HFGenerateEngine(source, dtype=algo.dtype, device=resolve_device(device),
-                                  pad_token_id=tokenizer.pad_token_id)
-    from agilerl.utils.remote_engine import serve_rollout_engine
+    engine = HFGenerateEngine(source, dtype=algo.dtype, device=resolve_device(device),
+                              pad_token_id=tokenizer.pad_token_id)
 
     served = serve_rollout_engine(engine, ranks)
     print(f"engine rank {ranks.engines}: served {served} rollouts", flush=True)
@@ -246,7 +250,7 @@ def _checkpoints(folder: Path) -> list[Path]:
         import torch
 
         try:
-            steps[folder] = int(torch.load(final, map_location="cpu", weights_only=False).get("steps", 0))
+            steps[folder] = int(torch.load(final, map_location="cpu", weights_only=False, mmap=True).get("steps", 0))
         except Exception:  # noqa: BLE001 - unreadable: try it last, _resume reports it
             steps[folder] = -1
     return sorted(steps, key=lambda d: (steps[d], d == folder), reverse=True)
@@ -332,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         train(manifest, device=args.device, max_steps=args.max_steps)
     except EngineError as err:  # the rollout engine failed to start, or a sync did not match it
         print(f"{parser.prog}: error: algorithm.vllm: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # what an algorithm refuses at construction that the manifest let through
+        print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

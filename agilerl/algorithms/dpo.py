@@ -108,7 +108,7 @@ class DPO(LLMAlgorithm):
             load_in_4bit=load_in_4bit, device=device, dtype=dtype, attn_implementation=attn_implementation,
             seed=seed, index=index, tokenizer=tokenizer,
         )
-        if self.micro_batch_size_per_gpu % 2:  # the planner's choice, or a rank's whole odd share cannot happen
+        if self.micro_batch_size_per_gpu % 2:  # a rank's whole share is whole pairs: cannot happen
             raise ValueError(f"micro_batch_size_per_gpu={self.micro_batch_size_per_gpu} splits a pair")
         self.eos_token_id = self._eos_token_id()
 
@@ -121,10 +121,11 @@ class DPO(LLMAlgorithm):
         token; both sides share one prompt width, so a pair's prompt columns are equal)."""
         if len(chosen) != len(rejected):
             raise BatchError(f"{len(chosen)} chosen but {len(rejected)} rejected completions")
-        eos = sorted(self._eos_set())
+        eos = self.eos_token_id  # the model's first end-of-sequence id (its chat turn's end, where it has one)
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
         both = encode_pairs(self.tokenizer, [p for p in prompts for _ in range(2)],
                             [c for pair in zip(chosen, rejected) for c in pair],
-                            eos_token_id=eos[0] if eos else None, pad_token_id=self.pad_token_id)
+                            eos_token_id=eos, pad_token_id=self.pad_token_id)
         return {f"{side}_{k}": v[i::2] for k, v in both.items() for i, side in enumerate(("chosen", "rejected"))}
 
     def _pair_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

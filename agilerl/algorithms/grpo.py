@@ -210,7 +210,7 @@ class GRPO(LLMAlgorithm):
         self.update_epochs = update_epochs
         self.max_output_tokens = max_output_tokens
         self.generation_kwargs: dict[str, Any] = {}
-        self.engine = None
+        self.engine = rollout_engine  # None until a colocated vLLM engine starts (below), if any
         super().__init__(
             model_name=model_name,
             actor_network=actor_network,
@@ -250,7 +250,9 @@ class GRPO(LLMAlgorithm):
             self._weight_offload = WeightOffload(self.model)
         if rollout_engine is not None:
             # an engine of the caller's (agilerl.utils.remote_engine.RemoteEngine: engines on ranks of their own)
-            self.engine = rollout_engine
+            if self.sharded and self.fsdp_config.tp > 1:
+                raise ValueError("rollout_engine with tp > 1: the ranks of a tensor-parallel group would each send "
+                                 "the engine their shared prompts; use tp=1")
         elif vllm_config is not None:
             from agilerl.utils.engine import shared_vllm_engine
 
@@ -276,7 +278,8 @@ class GRPO(LLMAlgorithm):
         fields: dict[str, Any] = dict(
             prompts_per_step=self.batch_size, group_size=self.group_size, prompt_tokens=prompt,
             completion_tokens=completion, beta=self.beta, update_epochs=self.update_epochs,
-            generation="vllm" if vllm is not None else "hf",
+            # an engine of its own (rollout_engine): nothing generates on the trainer's GPUs
+            generation="none" if self.engine is not None and vllm is None else ("vllm" if vllm is not None else "hf"),
             gather_weights_for_rollout=None if self._auto_gather else self.gather_weights_for_rollout)
         if vllm is not None:  # the trainer's engine settings as they are (VLLMConfig's defaults included)
             fields.update(vllm_gpu_memory_utilization=vllm.gpu_memory_utilization, vllm_max_num_seqs=vllm.max_num_seqs,
@@ -540,7 +543,7 @@ class GRPO(LLMAlgorithm):
         """Send the actor's merged weights (base + scaled LoRA) to the rollout engine (phase ``sync``)."""
 
         with self._phase("sync"):
-            self.engine.load_weights(_merged_weights(self.model, causal_lm(self.model)))
+            self.engine.load_weights(_merged_weights(self.model, causal_lm(self.model), self.dtype))
 
     # -- learning ------------------------------------------------------------------------
     def _attention_mask(self, ids: torch.Tensor, action_masks: torch.Tensor) -> torch.Tensor:
@@ -662,7 +665,7 @@ def _mergeable_lora_layers(model: nn.Module, sharded: bool = True) -> list[nn.Mo
     return layers
 
 
-def _merged_weights(model: nn.Module, lm: nn.Module):
+def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None = None):
     """Base weights with the actor's LoRA delta merged, under Hugging Face names.
 
     A generator that gathers one module's parameters at a time (and, for a
@@ -698,4 +701,6 @@ def _merged_weights(model: nn.Module, lm: nn.Module):
                 if pname == "weight" and layer is not None:
                     value = value + layer.get_delta_weight(ACTOR).to(value.dtype)
                 full_name = f"{name}.{pname}" if name else pname
-                yield full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", ""), value.detach().clone()
+                # in the compute dtype the engine runs (full fine-tuning's fp32 shards: half the bytes sent)
+                value = value.detach().to(dtype, copy=True) if dtype is not None else value.detach().clone()
+                yield full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", ""), value

@@ -88,12 +88,13 @@ _SCOPE: RankGroup | None = None
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def _new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+def _new_group(ranks: Sequence[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
     """The process group of ``ranks`` (this rank among them), made once: only its ranks take part
-    (local synchronisation, named by its ranks), so each population member makes its own."""
+    (local synchronisation, named by its ranks), so each population member makes its own.
+    ``timeout``: its collectives' (default: torch's)."""
     key = tuple(sorted(int(r) for r in ranks))
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True, timeout=timeout)
     return _GROUPS[key]
 
 

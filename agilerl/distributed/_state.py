@@ -311,8 +311,13 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 @torch.no_grad()
-def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Inverse of :func:`full_optimizer_state_dict`: each rank keeps its slices."""
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, *,
+                                   master_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Inverse of :func:`full_optimizer_state_dict`: each rank keeps its slices.
+
+    Full fine-tuning moves between layouts: a saved ``master_weight`` sets an fp32 parameter where
+    there is no master optimizer, and ``master_weights`` (the checkpoint's full weights) seed a
+    master optimizer's fp32 masters where they were saved in fp32 and nothing else says more."""
     from ._optim import MasterWeightAdamW
 
     with_masters = isinstance(optimizer, MasterWeightAdamW)
@@ -321,7 +326,18 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
     moe, _ = _expert_parallel(model)
     master_of = {id(p): m for p, m in optimizer.masters} if with_masters else {}
     if with_masters:
-        optimizer.refresh_from_params()  # the weights just loaded; a saved fp32 master overrides below
+        # the weights just loaded; a saved fp32 master overrides below, and so do fp32 weights given
+        # (a checkpoint written with fp32 parameters, FSDP2's shards, loaded beside bf16 ones)
+        optimizer.refresh_from_params()
+        names = {id(p): _clean(n) for n, p in model.named_parameters()}
+        for p, master in optimizer.masters:
+            full = (master_weights or {}).get(names[id(p)])
+            if full is not None and full.dtype == torch.float32 and p.dtype != torch.float32:
+                local = _local_experts(moe, names[id(p)], full)
+                if isinstance(p, DTensor):
+                    local = distribute_tensor(local.to(p.to_local().device), p.device_mesh, p.placements,
+                                              src_data_rank=None).to_local()
+                master.copy_(local)
     for fqn, p, target in _param_states(model, optimizer):
         if fqn not in state:
             continue
@@ -331,6 +347,12 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         for key, value in state[fqn].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 value = _local_experts(moe, fqn, value)
+            if key == "master_weight" and not with_masters:
+                # saved beside a bf16 weight by MasterWeightAdamW; here the parameter is its own master
+                # (FSDP2's fp32 shards): it takes the fp32 value, and no optimizer state is made of it
+                if local.dtype == torch.float32:
+                    _copy_into(p, value)
+                continue
             if not isinstance(value, torch.Tensor):
                 target[key] = value
                 continue

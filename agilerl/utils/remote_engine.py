@@ -15,14 +15,15 @@ trainer sees a :class:`RemoteEngine`, which implements the engine protocol
   arrive.
 
 An engine rank runs :func:`serve_rollout_engine` until the trainer says ``stop``. Its engine is
-a vLLM engine when the manifest has ``algorithm.vllm`` (GPU machines), else
-:class:`HFGenerateEngine`, Hugging Face generate on the engine rank's own copy of the model
-(what runs on these CPU test machines). Engines on their own ranks never sleep: nothing else
-needs their memory.
+:class:`HFGenerateEngine`, Hugging Face generate on the engine rank's own copy of the model; any
+object with the engine protocol serves. A vLLM engine there is not supported yet: in process
+beside torchrun's group it would build its own groups over every rank. Engines on their own
+ranks never sleep: nothing else needs their memory.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -47,14 +48,19 @@ class EngineRanks:
         return self.trainers[0]
 
 
+#: How long an engine rank waits for its trainers' next command: a whole learn step, a checkpoint
+#: save or a model load in between (the trainers' own collectives keep init_distributed's timeout).
+ENGINE_WAIT = datetime.timedelta(hours=6)
+
+
 def engine_ranks(trainers: Sequence[int], engines: Sequence[int]) -> EngineRanks:
     """The member's rollout and sync groups (made by every rank of the member, trainer or engine,
     in the same order; ranks of other members need not take part)."""
     from agilerl.distributed._runtime import _new_group
 
-    trainers, engines = tuple(trainers), tuple(engines)
-    rollout = _new_group([*trainers, *engines])
-    sync = _new_group([trainers[0], *engines])
+    trainers, engines = tuple(sorted(trainers)), tuple(sorted(engines))
+    rollout = _new_group([*trainers, *engines], timeout=ENGINE_WAIT)
+    sync = _new_group([trainers[0], *engines], timeout=ENGINE_WAIT)
     return EngineRanks(trainers=trainers, engines=engines, rollout_group=rollout, sync_group=sync)
 
 

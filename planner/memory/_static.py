@@ -208,12 +208,10 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         return GradientTerms(prior=prior, reducing=0, reduce_buffer=0, final=memory.trainable_elements * 4,
                              embed=embed, **growth)
     if not one:
-        _, trainable, _ = trained_elements(ctx, layout)
-        if "trained_full" not in layout.sums or layout.sums["trained_full"][0] != ctx.full_finetune:
-            full = (sum(t.numel for t in layout.base_tensors) if ctx.full_finetune
-                    else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters)
-            layout.sums["trained_full"] = (ctx.full_finetune, full)
-        trainable_full = layout.sums["trained_full"][1]
+        if "trained_full" not in layout.sums:  # every trained element, unsharded (the layout knows which)
+            layout.sums["trained_full"] = (sum(t.numel for t in layout.base_tensors) if ctx.full_finetune
+                                           else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters)
+        trainable_full = layout.sums["trained_full"]
         accumulated = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
         prior = trainable_full * accumulated if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
     else:

@@ -797,7 +797,8 @@ class LLMAlgorithm:
         file = path / CHECKPOINT_FILE if path.is_dir() else path
         if not file.exists():
             raise FileNotFoundError(f"no checkpoint at {file}")
-        payload = torch.load(file, map_location="cpu", weights_only=False)
+        # memory-mapped: each rank reads the tensors it takes, not the whole file into host memory
+        payload = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
         if payload.get("algo") != self.algo_name:
             raise ValueError(f"{file} is a {payload.get('algo')} checkpoint, not {self.algo_name}")
         if bool(payload.get("full_finetune", False)) != self.full_finetune:
@@ -806,6 +807,11 @@ class LLMAlgorithm:
                              f"{'every parameter' if self.full_finetune else 'LoRA adapters'}")
         if self.full_finetune:
             weights = payload["weights"]
+            names = {n.replace("_checkpoint_wrapped_module.", "") for n, _ in self.model.named_parameters()}
+            if set(weights["model"]) != names:
+                missing, extra = sorted(names - set(weights["model"])), sorted(set(weights["model"]) - names)
+                raise ValueError(f"{file} holds another model's weights: missing {missing[:5]}, unexpected "
+                                 f"{extra[:5]}")
             set_full_model_state_dict(self.model, weights["model"], strict=False)
             if "reference" in weights and self.reference_model is not None:
                 set_full_model_state_dict(self.reference_model, weights["reference"], strict=False)
@@ -815,7 +821,8 @@ class LLMAlgorithm:
                 if name == REFERENCE and not self.use_separate_reference_adapter:
                     continue
                 set_full_model_state_dict(self.model, weights, strict=False)
-        load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
+        load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"],
+                                       master_weights=payload["weights"]["model"] if self.full_finetune else None)
         for name, module in self.heads.items():
             module.load_state_dict(payload["heads"][name])
         if self.heads:

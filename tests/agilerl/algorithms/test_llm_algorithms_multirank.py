@@ -185,4 +185,34 @@ def a_full_finetuning_checkpoint_saved_under_fsdp_loads_data_parallel(ctx):
     _close(_weights(plain), _weights(sharded), "after a step")
 
 
+@cases.case
+def full_finetuning_checkpoints_move_between_bf16_unsharded_and_fp32_shards(ctx):
+    # bf16 compute both ways: unsharded the fp32 truth is MasterWeightAdamW's masters (saved as
+    # master_weight), under FSDP2 the fp32 shards themselves. Either side resumes from the other
+    # with the fp32 values, not their bf16 rounding.
+    from agilerl.algorithms import SFT
+    from agilerl.distributed import MasterWeightAdamW
+
+    common = dict(lora_config=None, batch_size=4, dtype="bfloat16", lr=1e-3)
+    plain = _offline(SFT, **common)
+    assert isinstance(plain.optimizer, MasterWeightAdamW)
+    batch = _rank_share(plain.encode(PROMPTS, ANSWERS), ctx.rank)
+    plain.learn(batch)
+    masters = {n: m.clone() for (n, _), (_, m) in zip(plain.model.named_parameters(), plain.optimizer.masters)}
+    path = plain.save_checkpoint(ctx.shared_dir / "bf16_plain")
+    sharded = _offline(SFT, **common, fsdp_config=FSDPConfig(reduce_dtype="float32", param_persistence_threshold=0),
+                       seed=7)
+    sharded.load_checkpoint(path)
+    fp32 = _weights(sharded)
+    for name, master in masters.items():
+        assert torch.equal(fp32[name], master), name  # the shards took the masters, exactly
+    sharded.learn(batch)
+    path = sharded.save_checkpoint(ctx.shared_dir / "fp32_shards")
+    saved = _weights(sharded)
+    again = _offline(SFT, **common, seed=8)
+    again.load_checkpoint(path)
+    for (name, _), (_, master) in zip(again.model.named_parameters(), again.optimizer.masters):
+        assert torch.equal(master, saved[name]), name  # the masters took the fp32 shards, exactly
+
+
 test_dist = cases.pytest_test()

@@ -376,3 +376,28 @@ def test_manifests_train_sft_dpo_and_ppo_and_full_finetuning():
                        "training": {"rollout_batch_size": 2}})
     with pytest.raises(ManifestError, match="4-bit weights do not train"):
         load_manifest({"algorithm": {"name": "SFT", "model_name": "x", "load_in_4bit": True}, "lora": None})
+    with pytest.raises(ManifestError, match="DPO's beta scales its implicit reward"):
+        load_manifest({"algorithm": {"name": "DPO", "model_name": "x", "beta": 0.0}})
+    with pytest.raises(ManifestError, match="SFT has no reference policy"):
+        load_manifest({"algorithm": {"name": "SFT", "model_name": "x", "use_separate_reference_adapter": True}})
+    with pytest.raises(ManifestError, match="a vLLM engine there is not supported yet"):
+        load_manifest({"algorithm": {"model_name": "x", "vllm": {}}, "training": {"rollout_engines_per_agent": 1}})
+    with pytest.raises(ManifestError, match="tensor-parallel group"):
+        load_manifest({"algorithm": {"model_name": "x", "fsdp": {"tp": 2}}, "training": {"rollout_engines_per_agent": 1}})
+
+
+def test_a_full_finetuning_checkpoint_of_another_model_is_refused(tmp_path):
+    agent = _offline(SFT, lora_config=None, batch_size=4)
+    agent.save_checkpoint(tmp_path / "small")
+    other = _offline(SFT, lora_config=None, batch_size=4,
+                     model_name="tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=3&initializer_range=0.1")
+    with pytest.raises(ValueError, match="another model's weights: missing .*layers.2"):
+        other.load_checkpoint(tmp_path / "small")
+
+
+def test_encoded_completions_end_with_the_models_first_end_of_sequence_id():
+    agent = _offline(SFT, batch_size=4)
+    agent.eos_token_id = [3, TOKENIZER.eos_token_id]  # e.g. a chat model's turn end first, its text end after
+    batch = agent.encode(PROMPTS, ANSWERS)
+    ends = [int(row[m.bool()][-1]) for row, m in zip(batch["input_ids"], batch["completion_mask"])]
+    assert ends == [3] * 4  # the first, not the smallest

@@ -32,3 +32,11 @@ def test_no_reference_phase_without_kl_or_a_second_epoch(dense_spec):
     assert reference_phase(ctx, shared_terms(ctx, build_layout(ctx))) is None
     ctx = make_context(dense_spec, beta=0.0, update_epochs=2)
     assert reference_phase(ctx, shared_terms(ctx, build_layout(ctx))) is not None
+
+
+def test_the_step_counts_the_runtimes_gradient_buckets():
+    # planner.memory cannot import the runtime (torch): its copy of the bucket size must be the runtime's
+    from agilerl.distributed._runtime import ALL_REDUCE_BUCKET_BYTES as runtime
+    from planner.memory._phases import ALL_REDUCE_BUCKET_BYTES as planner
+
+    assert planner == runtime
