@@ -242,7 +242,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
 def _moe_rows(model) -> dict[str, float]:
     """Routed rows this rank's experts computed per token block: the largest block and the mean
     (row-wise experts only; empty otherwise). Their ratio across ranks is the load imbalance."""
-    from agilerl.distributed._moe import moe_layout
+    from agilerl.distributed import moe_layout
 
     layout = moe_layout(model)
     if layout is None or not layout.layers:

@@ -47,7 +47,7 @@ def _installed_versions() -> tuple[str, str]:
 
 def _cache_path(digest: str, targets: tuple[str | tuple[str, ...], ...]) -> Path:
     tv, pv = _installed_versions()
-    targets_key = "+".join(ModelSpec._target_key(t) for t in targets).replace("/", "_")
+    targets_key = "+".join(ModelSpec.target_key(t) for t in targets).replace("/", "_")
     if len(targets_key) > 64:  # module lists (a LoraConfig whose targets PEFT expanded) would overflow a file name
         import hashlib
 
@@ -100,7 +100,7 @@ def load_model_spec(
     # Module names stay a tuple: PEFT reads a string as one regular expression.
     wanted = lora_targets if isinstance(lora_targets, str) else tuple(sorted(lora_targets))
     targets = tuple(dict.fromkeys([*DEFAULT_LORA_TARGETS, wanted]))
-    want = ModelSpec._target_key(lora_targets)
+    want = ModelSpec.target_key(lora_targets)
 
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():

@@ -146,7 +146,7 @@ class ModelSpec(_Frozen):
 
     def lora_shapes(self, targets: str | tuple[str, ...]) -> list[LoraShape]:
         """Every adapter the target spec adds, across the whole model (shapes at rank 1)."""
-        key = self._target_key(targets)
+        key = self.target_key(targets)
         out = list(self.lora_outside_blocks.get(key, ()))
         for block in self.blocks:
             out.extend(block.lora[key])
@@ -156,11 +156,11 @@ class ModelSpec(_Frozen):
         return rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in self.lora_shapes(targets))
 
     def has_lora_targets(self, targets: str | tuple[str, ...]) -> bool:
-        key = self._target_key(targets)
+        key = self.target_key(targets)
         return all(key in b.lora for b in self.block_types.values())
 
     @staticmethod
-    def _target_key(targets: str | tuple[str, ...] | list[str]) -> str:
+    def target_key(targets: str | tuple[str, ...] | list[str]) -> str:
         if isinstance(targets, str):
             return targets
         return ",".join(sorted(targets))
@@ -396,7 +396,7 @@ def build_spec(config, *, name: str,
     lora_outside: dict[str, list[LoraShape]] = {}
     base = model  # PEFT adapts the model it is given: after it, later target specs build a fresh one
     for targets in lora_targets:
-        key = ModelSpec._target_key(targets)
+        key = ModelSpec.target_key(targets)
         if base is None:
             with torch.device("meta"):
                 base = AutoModelForCausalLM.from_config(config)

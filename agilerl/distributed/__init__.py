@@ -50,6 +50,7 @@ _LAZY = {
     "find_transformer_blocks": "_blocks",
     "block_kind": "_blocks",
     "fsdp_layout": "_fsdp",
+    "expert_parallel": "_fsdp",
     "FSDPLayout": "_fsdp",
     "set_gradient_sync": "_fsdp",
     "register_forward_method": "_fsdp",
@@ -74,6 +75,7 @@ _LAZY = {
     # optimizers and clipping
     # mixture of experts
     "model_experts_problem": "_moe",
+    "moe_layout": "_moe",
     "build_optimizer": "_optim",
     "CPUOffloadAdamW": "_optim",
     "MasterWeightAdamW": "_optim",

@@ -74,6 +74,7 @@ __all__ = [
     "torch_dtype",
     "FSDPLayout",
     "fsdp_layout",
+    "expert_parallel",
     "set_gradient_sync",
     "rebind_replicated_params",
     "register_forward_method",
@@ -176,6 +177,16 @@ class FSDPLayout:
 def fsdp_layout(model: nn.Module) -> FSDPLayout | None:
     """The layout apply_fsdp2 recorded on ``model`` (None if it was not sharded)."""
     return getattr(model, "_agilerl_fsdp_layout", None)
+
+
+def expert_parallel(model: nn.Module):
+    """(MoE layout, EP process group) when ``model``'s experts are split by expert parallelism,
+    else (None, None): what the state dicts, the optimizer's clipping and the trainer read."""
+    layout = fsdp_layout(model)
+    moe = getattr(layout, "moe", None) if layout is not None else None
+    if moe is None or moe.ep == 1 or layout.expert_mesh is None:
+        return None, None
+    return moe, layout.expert_mesh["ep"].get_group()
 
 
 def _grad_sync_enabled(layout: FSDPLayout) -> bool:

@@ -199,9 +199,9 @@ def _expert_grad_ids(model: nn.Module | None) -> tuple[set[int], Any]:
     """Ids of the parameters split by expert parallelism, and the EP group (none without EP)."""
     if model is None:
         return set(), None
-    from ._state import _expert_parallel
+    from ._fsdp import expert_parallel
 
-    moe, group = _expert_parallel(model)
+    moe, group = expert_parallel(model)
     if moe is None:
         return set(), None
     from ._moe import expert_modules

@@ -71,14 +71,9 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _expert_parallel(model: nn.Module):
-    """(MoE layout, EP process group) when the model's experts are split by expert parallelism."""
-    from ._fsdp import fsdp_layout
+    from ._fsdp import expert_parallel
 
-    layout = fsdp_layout(model)
-    moe = getattr(layout, "moe", None) if layout is not None else None
-    if moe is None or moe.ep == 1 or layout.expert_mesh is None:
-        return None, None
-    return moe, layout.expert_mesh["ep"].get_group()
+    return expert_parallel(model)
 
 
 def _local_experts(moe, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,7 @@ def _lora_by_type(spec: ModelSpec, workload: Workload) -> dict[str, tuple[tuple[
     with full fine-tuning)."""
     if workload.full_finetune:
         return {kind: ((), ()) for kind in spec.block_types}
-    key = ModelSpec._target_key(workload.lora_targets)
+    key = ModelSpec.target_key(workload.lora_targets)
     if not spec.has_lora_targets(workload.lora_targets):
         raise KeyError(f"the spec of {spec.name} has no LoRA coverage for targets {key!r}; rebuild it with them")
     return {kind: (tuple(e[0] for e in b.lora[key]), tuple(e[1:] for e in b.lora[key]))
@@ -201,7 +201,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         extra_streams=spec.hidden_streams - 1,
         lora_rank=workload.lora_rank,
         num_adapters=2 if workload.use_separate_reference_adapter else 1,
-        lora_key="full" if workload.full_finetune else ModelSpec._target_key(workload.lora_targets),
+        lora_key="full" if workload.full_finetune else ModelSpec.target_key(workload.lora_targets),
         lora_names=tuple(lora[kind][0] for kind in spec.layers),
         lora_shapes=tuple(lora[kind][1] for kind in spec.layers),
         packed=tuple(packed[kind] for kind in spec.layers),

@@ -71,7 +71,7 @@ def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
                            f"&num_kv_heads=2", lora_targets=targets)
     from planner.spec import ModelSpec
 
-    key = ModelSpec._target_key(targets)
+    key = ModelSpec.target_key(targets)
     block = spec.block(0)
     adapted = frozenset(e[0] for e in block.lora[key])
     p = 2 if dtype == torch.bfloat16 else 4
