@@ -1,6 +1,6 @@
 """Estimate vs measurement: the planner's per-rank peak against real probes of the trainer.
 
-    python benchmarks/accuracy.py [--device cpu] [--limit K] [--rerun] [--fit]
+    python -m benchmarks.accuracy [--device cpu] [--limit K] [--rerun] [--fit]
 
 Runs the probe over a fixed, seeded set of configurations of small models
 (two architectures; world sizes 1, 2 and 4; reshard on/off; wrap 1/2;
@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _probe_cache import (  # noqa: E402
+from agilerl.distributed import FSDPConfig
+from benchmarks._probe_cache import (
     cache_key,
     calibration_samples,
     coefficients_path,
@@ -34,12 +31,12 @@ from _probe_cache import (  # noqa: E402
     measure_cached,
     saved_coefficients,
 )
+from planner.calibration import Sample, fit_coefficients
+from planner.memory import Coefficients
+from planner.probe import COMPONENTS, ProbeRequest
+from planner.workload import Workload
 
-from agilerl.distributed import FSDPConfig  # noqa: E402
-from planner.calibration import Sample, fit_coefficients  # noqa: E402
-from planner.memory import Coefficients  # noqa: E402
-from planner.probe import COMPONENTS, ProbeRequest  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ARCHS = {
     "qwen2": "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096",

@@ -21,20 +21,14 @@ Measurements are cached in ``benchmarks/results/algorithms_<device>.json``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from agilerl.distributed import FSDPConfig
+from benchmarks._probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients
+from planner.probe import ProbeRequest
+from planner.workload import Workload
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if str(ROOT / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients  # noqa: E402
-
-from agilerl.distributed import FSDPConfig  # noqa: E402
-from planner.probe import ProbeRequest  # noqa: E402
-from planner.workload import Workload  # noqa: E402
 
 MODELS = {
     # the model the full fine-tuning terms were first checked against (the development set below)

@@ -1,6 +1,6 @@
 """Newer families: the planner's estimate against probes of SmolLM3, OLMo 2, Gemma 4 and gpt-oss runs.
 
-    python benchmarks/family_memory.py [--device cpu] [--rerun]
+    python -m benchmarks.family_memory [--device cpu] [--rerun]
 
 Real probes of the GRPO trainer (bf16 base, fp32 LoRA adapters, FSDP2) on tiny random
 models of the four architectures the catalog added without a tiny model before:
@@ -21,15 +21,8 @@ here. Measurements are cached in ``benchmarks/results/families_<device>.json``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _probe_cache import peak_benchmark_main, peak_request  # noqa: E402
-
-from planner.probe import ProbeRequest  # noqa: E402
+from benchmarks._probe_cache import peak_benchmark_main, peak_request
+from planner.probe import ProbeRequest
 
 MODELS = {
     # the control: an architecture the accuracy benchmark already covers, at the same sizes

@@ -1,6 +1,6 @@
 """Does the shipped CPU demo learn? Mean reward early vs late, over three seeds.
 
-    python benchmarks/grpo_demo_seeds.py [--manifest PATH] [--seeds 0 1 2]
+    python -m benchmarks.grpo_demo_seeds [--manifest PATH] [--seeds 0 1 2]
 
 Prints, per seed, the mean reward over the first and last 10% of steps, then
 the mean rise across seeds against the spread (standard deviation across
@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """GRPO learn step: time and peak tensor bytes per rank, measured with the probe (CPU, gloo).
 
-    python benchmarks/grpo_memory.py
+    python -m benchmarks.grpo_memory
 
 A small Qwen2-architecture model (random weights), at 1 and 2 ranks, data
 parallel vs FSDP2, chunked vs unchunked log-probs. Peak bytes are torch's
@@ -10,14 +10,9 @@ backward of one micro-batch) and over the whole step.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from agilerl.distributed import FSDPConfig  # noqa: E402
-from planner.probe import ProbeRequest, run_probe  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+from agilerl.distributed import FSDPConfig
+from planner.probe import ProbeRequest, run_probe
+from planner.workload import Workload
 
 # A vocabulary large enough that logits matter, as in real LLMs (relative to hidden size).
 MODEL = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&vocab_size=8192"

@@ -1,6 +1,6 @@
 """The log-prob head over completion rows only, against every row (CPU, one process).
 
-    python benchmarks/head_rows.py
+    python -m benchmarks.head_rows
 
 GRPO's loss reads the completion's log-probs only; ``linear_token_logprobs(...,
 first=P - 1)`` skips the prompt's rows. Prints the forward + backward time of the
@@ -11,15 +11,11 @@ completion 128 tokens, hidden 512, vocabulary 32,000, chunks of 1,024 rows, bf16
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from agilerl.utils.logprobs import linear_token_logprobs  # noqa: E402
+from agilerl.utils.logprobs import linear_token_logprobs
 
 
 def timed(prompt: int, completion: int, first: int, repeats: int = 5) -> float:

@@ -1,6 +1,6 @@
 """Long context: the estimate against probes of 4k to 32k tokens per micro-batch.
 
-    python benchmarks/long_context.py [--rerun]
+    python -m benchmarks.long_context [--rerun]
 
 A tiny but wide Qwen2 (hidden 256, MLP 1024, 2 layers) in bf16 with fp32 LoRA
 adapters on one CPU device, SDPA, checkpointing on and off, micro-batches of
@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
+from benchmarks._probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients
+from planner.probe import ProbeRequest
+from planner.workload import Workload
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from _probe_cache import cache_key, estimate_request, measure_cached, saved_coefficients  # noqa: E402
-
-from planner.probe import ProbeRequest  # noqa: E402
-from planner.workload import Workload  # noqa: E402
 
 MODEL = ("tiny:qwen2?hidden_size=256&intermediate_size=1024&num_layers=2&num_heads=4&num_kv_heads=2"
          "&vocab_size=4096&max_position_embeddings=8192")

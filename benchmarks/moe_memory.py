@@ -1,6 +1,6 @@
 """MoE memory: the expert chunk's slope, and the planner's estimate against probes of MoE runs.
 
-    python benchmarks/moe_memory.py [--device cpu] [--rerun] [--fit]
+    python -m benchmarks.moe_memory [--device cpu] [--rerun] [--fit]
 
 Two tables, from real probes of the GRPO trainer on tiny random MoE models
 (packed experts, LoRA on every linear and on the expert stacks):
@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _probe_cache import (  # noqa: E402
+from agilerl.distributed import FSDPConfig
+from benchmarks._probe_cache import (
     cache_key,
     calibration_samples,
     coefficients_path,
@@ -41,12 +38,12 @@ from _probe_cache import (  # noqa: E402
     measure_cached,
     saved_coefficients,
 )
+from planner.calibration import Sample, fit_coefficients
+from planner.memory import Coefficients
+from planner.probe import ProbeRequest
+from planner.workload import Workload
 
-from agilerl.distributed import FSDPConfig  # noqa: E402
-from planner.calibration import Sample, fit_coefficients  # noqa: E402
-from planner.memory import Coefficients  # noqa: E402
-from planner.probe import ProbeRequest  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ARCHS = {
     "qwen3_moe": "tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"

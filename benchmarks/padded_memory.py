@@ -1,6 +1,6 @@
 """Padded batches: the planner's estimate against probes whose rows differ in length.
 
-    python benchmarks/padded_memory.py [--device cpu] [--rerun]
+    python -m benchmarks.padded_memory [--device cpu] [--rerun]
 
 Real GRPO rollouts have prompts of different lengths (left-padded) and
 completions that end early (right-padded). The probe's padded mode draws
@@ -17,15 +17,8 @@ Measurements are cached in ``benchmarks/results/padded_<device>.json``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _probe_cache import peak_benchmark_main, peak_request  # noqa: E402
-
-from planner.probe import ProbeRequest  # noqa: E402
+from benchmarks._probe_cache import peak_benchmark_main, peak_request
+from planner.probe import ProbeRequest
 
 MODELS = {
     "q128-L4": "tiny:qwen2?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"

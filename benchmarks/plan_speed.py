@@ -1,6 +1,6 @@
 """How fast is planning? Estimate latency, and the command line cold and warm.
 
-    python benchmarks/plan_speed.py
+    python -m benchmarks.plan_speed
 
 - ``estimate``: one call of planner.memory.estimate, median of 200, per catalog model;
 - ``plan``: one call of planner.choose.plan (tens of estimates);
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def _timed_cli(args: list[str], env: dict[str, str]) -> float:

@@ -1,6 +1,6 @@
 """Per-layer-embedding models: the planner's estimate against probes of Gemma-3n-style runs.
 
-    python benchmarks/ple_memory.py [--device cpu] [--rerun]
+    python -m benchmarks.ple_memory [--device cpu] [--rerun]
 
 Real probes of the GRPO trainer on tiny random Gemma-3n text models (per-layer
 embedding tables sharded as their own FSDP unit, AltUp's four hidden streams,
@@ -15,15 +15,8 @@ Measurements are cached in ``benchmarks/results/ple_<device>.json``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _probe_cache import peak_benchmark_main, peak_request  # noqa: E402
-
-from planner.probe import ProbeRequest  # noqa: E402
+from benchmarks._probe_cache import peak_benchmark_main, peak_request
+from planner.probe import ProbeRequest
 
 MODELS = {
     "h128-L4": "tiny:gemma3n?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"

@@ -1,6 +1,6 @@
 """The shared-prefix forward: the planner's estimate against probes whose groups share their prompt.
 
-    python benchmarks/prefix_memory.py [--device cpu] [--rerun]
+    python -m benchmarks.prefix_memory [--device cpu] [--rerun]
 
 In a real GRPO batch the rows of a group share their prompt, and the trainer runs it once
 per group (agilerl.utils.shared_prefix): a prefix pass over the distinct prompts, then every
@@ -15,16 +15,9 @@ Measurements are cached in ``benchmarks/results/prefix_<device>.json``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from _probe_cache import peak_benchmark_main, peak_request  # noqa: E402
-from padded_memory import MODELS, PHASES  # noqa: E402  (the same model and phases, each twin beside)
-
-from planner.probe import ProbeRequest  # noqa: E402
+from benchmarks._probe_cache import peak_benchmark_main, peak_request
+from benchmarks.padded_memory import MODELS, PHASES  # (the same model and phases, each twin beside)
+from planner.probe import ProbeRequest
 
 CONFIGS = [dict(model="q128-L4", world=world, gc=gc, micro=4, prompt=384, completion=128, padded=padded, shared=shared)
            for world in (1, 2) for gc in (False, True) for padded in (False, True) for shared in (False, True)

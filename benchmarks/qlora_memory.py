@@ -1,6 +1,6 @@
 """QLoRA's estimate against real probes of the trainer (bitsandbytes NF4 on CPU, bf16 base).
 
-    python benchmarks/qlora_memory.py
+    python -m benchmarks.qlora_memory
 
 Probes the tiny Qwen2 of benchmarks/accuracy.py with QLoRA (load_in_4bit) on one
 device and under FSDP2 on 2 and 4 gloo ranks (reshard on/off, checkpointing
@@ -13,19 +13,13 @@ its quantisation constants whole on every rank, the rest in bf16.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from agilerl.distributed import FSDPConfig  # noqa: E402
-from planner.calibration import coefficients_for  # noqa: E402
-from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
-from planner.memory import estimate  # noqa: E402
-from planner.models import load_model_spec  # noqa: E402
-from planner.probe import ProbeRequest, run_probe  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+from agilerl.distributed import FSDPConfig
+from planner.calibration import coefficients_for
+from planner.hardware import CPU_DEVICE, Cluster
+from planner.memory import estimate
+from planner.models import load_model_spec
+from planner.probe import ProbeRequest, run_probe
+from planner.workload import Workload
 
 MODEL = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096"
 #: (ranks, sharded, gradient checkpointing, reshard after forward, QLoRA)

@@ -1,6 +1,6 @@
 """Rollout time under FSDP2: unit by unit, gathered once, gathered once with LoRA merged.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/rollout_speed.py [--reps 5]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 -m benchmarks.rollout_speed [--reps 5]
 
 GRPO's Hugging Face generation on 2 gloo ranks, a tiny random 4-layer Qwen2 (hidden 256,
 LoRA r=16 on every linear, fp32), 2 prompts x 8 completions of 64 new tokens. Four ways,
@@ -20,14 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+import torch
 
 MODEL = "tiny:qwen2?hidden_size=256&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&initializer_range=0.05"
 

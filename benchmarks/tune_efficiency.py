@@ -1,6 +1,6 @@
 """Tuner efficiency on CPU: an exhaustive grid, every point measured 3 times, against the tuner.
 
-    python benchmarks/tune_efficiency.py [--repeats 3] [--budget-mib MIB] [--replays 20] [--no-tuner]
+    python -m benchmarks.tune_efficiency [--repeats 3] [--budget-mib MIB] [--replays 20] [--no-tuner]
 
 A tiny Qwen2 (2 layers, hidden 128, vocabulary 4096) on 2 gloo ranks, FSDP2
 with every parameter sharded; the searched knobs are reshard_after_forward,
@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 # Private caches: the tuner's calibration must not land in the user's.
 os.environ.setdefault("AGILERL_CACHE", tempfile.mkdtemp(prefix="agilerl-tune-bench-"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")

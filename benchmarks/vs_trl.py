@@ -1,9 +1,9 @@
 """This project's GRPO step against Hugging Face TRL's ``GRPOTrainer``, on the same CPU work.
 
     pip install -e ".[bench]"            # TRL; never a runtime dependency
-    python benchmarks/vs_trl.py [--pairs 5] [--steps 3] [--dtype float32] [--gradient-checkpointing]
-    python benchmarks/vs_trl.py --ranks 2   # also: FSDP2 against data parallel on 2 gloo ranks
-    python benchmarks/vs_trl.py --ranks 2 --ranks-only --fsdp-config default   # FSDP2 as FSDPConfig()
+    python -m benchmarks.vs_trl [--pairs 5] [--steps 3] [--dtype float32] [--gradient-checkpointing]
+    python -m benchmarks.vs_trl --ranks 2   # also: FSDP2 against data parallel on 2 gloo ranks
+    python -m benchmarks.vs_trl --ranks 2 --ranks-only --fsdp-config default   # FSDP2 as FSDPConfig()
 
 Both trainers get the same tiny random 4-layer Qwen2 (hidden 256, written once to a local
 directory), the same character tokenizer object, LoRA r=16 on every linear (dropout 0), the
@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MODEL = ("tiny:qwen2?hidden_size=256&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
          "&initializer_range=0.05")
@@ -241,7 +240,7 @@ def run_trl(steps: int, dtype: str, checkpointing: bool) -> dict:
 # -- driver --------------------------------------------------------------------------------------
 def _spawn(which: str, args, ranks: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    worker = [str(Path(__file__).resolve()), "--worker", which, "--steps", str(args.steps), "--dtype", args.dtype,
+    worker = ["-m", "benchmarks.vs_trl", "--worker", which, "--steps", str(args.steps), "--dtype", args.dtype,
               "--fsdp-config", args.fsdp_config]
     if args.gradient_checkpointing:
         worker.append("--gradient-checkpointing")
@@ -250,7 +249,7 @@ def _spawn(which: str, args, ranks: int = 1) -> dict:
                "--master_port", str(29500 + os.getpid() % 1000), *worker]
     else:
         cmd = [sys.executable, *worker]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{which} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
