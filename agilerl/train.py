@@ -12,21 +12,26 @@ train in turn.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from agilerl.utils.cli import ArgumentParser, positive_int
+from agilerl.utils.cli import ArgumentParser, positive_int, show_logs
 
 __all__ = ["main", "train", "check_launch"]
 
+#: Named, not ``__name__``: under ``python -m agilerl.train`` this module is ``__main__``.
+logger = logging.getLogger("agilerl.train")
 
-def _log(msg: str) -> None:
+
+def _log(msg: str, level: int = logging.INFO) -> None:
+    """Log ``msg`` on the main process (the other ranks train the same steps)."""
     from agilerl.distributed import is_main_process
 
     if is_main_process():
-        print(msg, flush=True)
+        logger.log(level, "%s", msg)
 
 
 def check_launch(manifest, *, device: str | None = None) -> None:
@@ -194,7 +199,7 @@ def _serve(ranks, algo, source: str, tokenizer, device: str | None) -> list:
                               pad_token_id=tokenizer.pad_token_id)
 
     served = serve_rollout_engine(engine, ranks)
-    print(f"engine rank {ranks.engines}: served {served} rollouts", flush=True)
+    logger.info("engine rank %s: served %d rollouts", ranks.engines, served)
     return []
 
 
@@ -265,7 +270,7 @@ def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
         try:
             extra = agent.load_checkpoint(path)
         except (OSError, RuntimeError, EOFError, ValueError) as err:  # unreadable: fall back to an older one
-            _log(f"agent {agent.index}: skipping checkpoint {path}: {type(err).__name__}: {err}")
+            _log(f"agent {agent.index}: skipping checkpoint {path}: {type(err).__name__}: {err}", logging.WARNING)
             continue
         if "env_rng" in extra:
             env.set_state(extra["env_rng"])
@@ -313,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute device (default: cuda when available)")
     parser.add_argument("--max-steps", type=positive_int, default=None, help="override training.max_steps")
     args = parser.parse_args(argv)
+    with show_logs("stdout", "agilerl"):  # the library's lines (the main rank's, and engine ranks') on stdout
+        return _main(parser, args)
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import os
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: end with the launcher, even on its kill -9

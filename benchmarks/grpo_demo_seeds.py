@@ -23,9 +23,6 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None)
     args = parser.parse_args()
 
-    import contextlib
-    import io
-
     from agilerl.manifest import load_manifest
     from agilerl.train import train
 
@@ -33,8 +30,7 @@ def main() -> None:
     for seed in args.seeds:
         manifest = load_manifest(args.manifest)
         manifest.training.seed = seed
-        with contextlib.redirect_stdout(io.StringIO()):
-            history = train(manifest, device="cpu", max_steps=args.max_steps)[0]
+        history = train(manifest, device="cpu", max_steps=args.max_steps)[0]  # it logs, prints nothing
         rewards = [m["mean_reward"] for m in history]
         k = max(1, len(rewards) // 10)
         rows.append((seed, statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:]), len(rewards)))

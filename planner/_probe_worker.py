@@ -30,9 +30,15 @@ def _write(out_dir: Path, rank: int, payload: dict) -> None:
 
 
 def main() -> None:
+    from agilerl.utils.cli import show_logs
     from agilerl.utils.lifetime import die_with_parent
 
     die_with_parent()  # the launcher (torchrun) dying, even by SIGKILL, ends this rank
+    with show_logs("stdout", "agilerl", "planner"):  # the trainer's lines, in the worker log as before
+        _main()
+
+
+def _main() -> None:
     request = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", 0))

@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 
 from agilerl.distributed import FSDPConfig
-from agilerl.utils.cli import ArgumentParser, margin_fraction, positive_float, positive_int
+from agilerl.utils.cli import (
+    ArgumentParser,
+    margin_fraction,
+    positive_float,
+    positive_int,
+    show_logs,
+)
 
 from ._cli_fields import add_fields, collect_fields, flag_name
 from .hardware import GIB
@@ -300,9 +306,10 @@ def _clean(err: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "probe":
-        return probe_main(argv[1:])
-    return plan_main(argv)
+    with show_logs("stderr", "planner", "agilerl"):  # stdout carries the plan, the manifest or the JSON
+        if argv and argv[0] == "probe":
+            return probe_main(argv[1:])
+        return plan_main(argv)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class GRPO(LLMAlgorithm):
     planner's): checkpointing off when every block's activations fit, the
     largest log-prob chunk whose logits workspace fits. If the estimate cannot
     be made (a model it cannot read), checkpointing stays on and chunks are
-    1024 rows, and the reason is printed.
+    1024 rows, and the reason is logged.
 
     ``gather_weights_for_rollout`` materialises the rollout's weights once per
     Hugging Face generate instead of once per generated token: under FSDP2 every
@@ -140,7 +140,7 @@ class GRPO(LLMAlgorithm):
     and the weights after are bit for bit those before: the merged copies are
     dropped, never unmerged. ``"auto"`` (the default) turns it on where the memory
     estimate says the copies fit beside generation's KV cache, off otherwise, and
-    prints the choice; it is off with a vLLM engine, where generate does not run.
+    logs the choice; it is off with a vLLM engine, where generate does not run.
 
     ``share_prompt_prefix`` (default True) runs each group's prompt once rather than once
     per completion: in the no-grad passes, in learn (gradients included) and in generate's

@@ -4,15 +4,24 @@ Bad input is one line on stderr and exit status 2: ``prog: error: argument
 --gpus: must be a positive integer, got '0'``. argparse's default prints the
 whole usage first, which for a parser with fifty flags buries the line that
 matters.
+
+The library logs (``logging.getLogger("agilerl")`` / ``"planner"`` and their
+children) and never prints; :func:`show_logs` is how a command shows those
+records to its user.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
-__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "margin_fraction"]
+__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "margin_fraction",
+           "show_logs"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -59,3 +68,44 @@ def margin_fraction(text: str) -> float:
     if not (0.0 <= value < 1.0):
         raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1) of GPU memory, got {text!r}")
     return value
+
+
+class _CurrentStream(logging.StreamHandler):
+    """A handler writing to ``sys.stdout`` or ``sys.stderr`` as it is when a record comes (a redirect
+    or a test's capture made after the handler was installed included)."""
+
+    def __init__(self, stream: str) -> None:
+        self._which = stream
+        super().__init__()
+
+    @property
+    def stream(self):  # StreamHandler's attribute, looked up at every record
+        return getattr(sys, self._which)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns one; the current stream wins
+        pass
+
+
+@contextmanager
+def show_logs(stream: str, *names: str, level: int = logging.INFO) -> Iterator[None]:
+    """Within the block, show the records of the loggers ``names`` (``"agilerl"``, ``"planner"``)
+    at ``level`` and above on ``stream`` (``"stdout"`` or ``"stderr"``), the message alone, one line
+    each; the loggers' levels and handlers are restored after. A command wraps its work in this:
+    the library decides what to say (and, under torchrun, which rank says it), the command where
+    its user sees it."""
+    handler = _CurrentStream(stream)
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > level:
+            logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, old in zip(loggers, saved):
+            logger.removeHandler(handler)
+            logger.setLevel(old)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def test_short_demo_run(tmp_path, capsys):
     path.write_text(yaml.safe_dump(data))
     assert main([str(path), "--device", "cpu", "--max-steps", "3"]) == 0
     out = capsys.readouterr().out
-    assert "step    3" in out and "mean reward over the first" in out
+    assert "step    3" in out and "mean reward over the first" in out  # the library's log, shown on stdout
+    assert not logging.getLogger("agilerl").handlers  # and only while the command runs
     assert (tmp_path / "ckpt" / "agent0" / "attributes.pt").exists()
     rewards = [float(line.split("reward ")[1].split()[0]) for line in out.splitlines() if " step " in line]
     assert len(rewards) == 3 and all(math.isfinite(r) for r in rewards)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
@@ -70,6 +71,8 @@ from .adapters import ACTOR, REFERENCE, adapter_state_dict, copy_adapter_, use_a
 from .loading import DEFAULT_LORA, resolve_lora_config
 
 __all__ = ["LLMAlgorithm", "normalise_fsdp_config", "on_rank0", "DEFAULT_LORA"]
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "attributes.pt"
 
@@ -305,8 +308,8 @@ class LLMAlgorithm:
 
         if not self.distributed:
             self.fsdp_config = None
-            print("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
-                  "training unsharded", flush=True)
+            logger.info("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
+                        "training unsharded")
             return micro
         result = on_rank0(plan_for_agent, self, actor_network, micro)
         if "error" in result:
@@ -322,15 +325,15 @@ class LLMAlgorithm:
         """gradient_checkpointing / logprob_chunk_size / gather_weights_for_rollout "auto" without
         fsdp_config="auto" (one device, data parallel, an explicit FSDPConfig): rank 0 asks the memory
         estimate, every rank applies the same. Should the estimate fail, the safe defaults stay
-        (checkpointing on, 1024-row chunks, no gather) and the reason is printed."""
+        (checkpointing on, 1024-row chunks, no gather) and the reason is logged."""
         from .autoplan import pick_auto_knobs
 
         result = on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
             if is_main_process():
-                print(f"[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, logprob_chunk_size=1024, "
-                      f"gather_weights_for_rollout=False): "
-                      f"the memory estimate failed ({result['error']})", flush=True)
+                logger.warning("[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, "
+                               "logprob_chunk_size=1024, gather_weights_for_rollout=False): "
+                               "the memory estimate failed (%s)", result["error"])
             return
         self._take_auto_knobs(result)
 
@@ -344,7 +347,7 @@ class LLMAlgorithm:
         if self._auto_gather:
             self.gather_weights_for_rollout = result["gather_weights_for_rollout"]
         if is_main_process():
-            print(result["summary"], flush=True)
+            logger.info("%s", result["summary"])
 
     def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
         """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512
@@ -366,7 +369,7 @@ class LLMAlgorithm:
         self.fsdp_config = self.fsdp_config.model_copy(
             update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]})
         if is_main_process():
-            print(result["summary"], flush=True)
+            logger.info("%s", result["summary"])
 
     def _check_batch_shape(self, micro: int | None) -> int:
         """A rank's sequences per step, split into micro-batches of whole examples."""

@@ -13,6 +13,7 @@ each rank loads the whole model, as data parallelism requires.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ __all__ = ["default_lora_config", "resolve_lora_config", "DEFAULT_LORA", "resolv
 
 #: The algorithms' ``lora_config`` default: :func:`default_lora_config`. ``None`` fine-tunes every parameter.
 DEFAULT_LORA = "default"
+
+logger = logging.getLogger(__name__)
 
 
 def default_lora_config():
@@ -344,8 +347,8 @@ def _say_full_precision_experts(model: nn.Module, dtype: torch.dtype) -> None:
     packed = [p for n, p in model.named_parameters() if p.dim() == 3 and ".lora_" not in n]
     if packed and is_main_process():
         size = sum(p.numel() for p in packed) * torch.empty((), dtype=dtype).element_size() / 2**30
-        print(f"[agilerl] QLoRA: the {len(packed)} packed routed-expert tensors ({size:.2f} GiB) stay in "
-              f"{str(dtype).removeprefix('torch.')}: bitsandbytes quantises nn.Linear layers only", flush=True)
+        logger.warning("[agilerl] QLoRA: the %d packed routed-expert tensors (%.2f GiB) stay in %s: bitsandbytes "
+                       "quantises nn.Linear layers only", len(packed), size, str(dtype).removeprefix("torch."))
 
 
 def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:

@@ -440,20 +440,33 @@ def train_cli_short_runs_data_parallel_and_fsdp(ctx):
 
 @cases.case
 def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
-    import io
-    from contextlib import redirect_stdout
+    import logging
 
     from agilerl.distributed import gather_objects
 
-    buffer = io.StringIO()
-    with redirect_stdout(buffer):
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    kept, library = Kept(), logging.getLogger("agilerl")
+    level = library.level
+    library.addHandler(kept)
+    library.setLevel(logging.INFO)
+    try:
         agent = make_agent(fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto",
                            max_model_len=16)
+    finally:
+        library.removeHandler(kept)
+        library.setLevel(level)
     assert agent.plan is not None
     plans = gather_objects([agent.plan["summary"]])
     assert plans[0] == plans[1]  # rank 0 planned, every rank applied the same plan
-    printed = buffer.getvalue()
-    assert ("fsdp_config='auto' planned" in printed) == (ctx.rank == 0)
+    logged = "\n".join(kept.messages)
+    assert ("fsdp_config='auto' planned" in logged) == (ctx.rank == 0)  # the main rank says it, once
     assert agent.logprob_chunk_size == agent.plan["logprob_chunk_size"]
     assert agent.micro_batch_size_per_gpu == agent.plan["micro_batch_size_per_gpu"]
     assert agent.sharded == (agent.plan["fsdp"] is not None)

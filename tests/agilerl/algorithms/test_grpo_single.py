@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -526,19 +527,28 @@ def test_offload_weights_during_rollout_needs_a_rollout_engine():
         make_agent(offload_weights_during_rollout=True)
 
 
-def test_auto_fsdp_on_one_device_trains_unsharded(capsys):
+def _logged(caplog, level: int = logging.INFO) -> str:
+    """What the library logged at ``level`` (its loggers are ``agilerl`` and its children)."""
+    return "\n".join(r.getMessage() for r in caplog.records
+                     if r.levelno == level and (r.name == "agilerl" or r.name.startswith("agilerl.")))
+
+
+def test_auto_fsdp_on_one_device_trains_unsharded(caplog, capsys):
+    caplog.set_level(logging.INFO, logger="agilerl")
     agent = make_agent(fsdp_config="auto")
     assert agent.fsdp_config is None and not agent.sharded
-    assert "no sharding needed" in capsys.readouterr().out
+    assert "no sharding needed" in _logged(caplog)
+    assert "no sharding needed" not in capsys.readouterr().out  # logged, never printed
     agent.learn(synthetic_experiences(agent)[:3])
 
 
-def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(capsys):
+def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(caplog):
     from planner.choose import LOGPROB_CHUNKS
 
+    caplog.set_level(logging.INFO, logger="agilerl")
     agent = make_agent(gradient_checkpointing="auto", logprob_chunk_size="auto")
-    out = capsys.readouterr().out
-    assert "'auto' resolved by the memory estimate (one device)" in out
+    assert "'auto' resolved by the memory estimate (one device)" in _logged(caplog)
+    caplog.clear()
     # A tiny model on this host's memory: every block's activations and the largest chunk fit.
     assert agent.gradient_checkpointing is False and agent.logprob_chunk_size == max(LOGPROB_CHUNKS)
     assert agent.model.get_base_model().is_gradient_checkpointing is False
@@ -546,10 +556,10 @@ def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(capsy
     # Values given are kept, and the estimate is not asked.
     explicit = make_agent(gradient_checkpointing=True, logprob_chunk_size=7)
     assert explicit.gradient_checkpointing is True and explicit.logprob_chunk_size == 7
-    assert "resolved by the memory estimate" not in capsys.readouterr().out
+    assert "resolved by the memory estimate" not in caplog.text
 
 
-def test_auto_knobs_keep_safe_defaults_when_the_estimate_fails(monkeypatch, capsys):
+def test_auto_knobs_keep_safe_defaults_when_the_estimate_fails(monkeypatch, caplog):
     import agilerl.algorithms.core.autoplan as autoplan
 
     def broken(*args, **kwargs):
@@ -558,8 +568,8 @@ def test_auto_knobs_keep_safe_defaults_when_the_estimate_fails(monkeypatch, caps
     monkeypatch.setattr(autoplan, "pick_auto_knobs", broken)
     agent = make_agent(gradient_checkpointing="auto", logprob_chunk_size="auto")
     assert agent.gradient_checkpointing is True and agent.logprob_chunk_size == 1024
-    out = capsys.readouterr().out
-    assert "kept its defaults" in out and "no spec for this model" in out
+    warned = _logged(caplog, logging.WARNING)  # a warning: heard without any logging set up
+    assert "kept its defaults" in warned and "no spec for this model" in warned
 
 
 def test_gather_once_on_one_device_generates_on_merged_copies_and_leaves_the_weights_bit_for_bit():
@@ -602,11 +612,11 @@ def test_gather_once_on_one_device_generates_on_merged_copies_and_leaves_the_wei
     assert (base - unmerged).abs().max() > 1e-3
 
 
-def test_auto_gather_comes_from_the_estimate_on_one_device(capsys):
+def test_auto_gather_comes_from_the_estimate_on_one_device(caplog):
+    caplog.set_level(logging.INFO, logger="agilerl")
     agent = make_agent(gather_weights_for_rollout="auto")
-    out = capsys.readouterr().out
     # A tiny model on this host's memory: the merged copies fit.
-    assert "'auto' resolved by the memory estimate (one device): gather_weights_for_rollout=True" in out
+    assert "'auto' resolved by the memory estimate (one device): gather_weights_for_rollout=True" in _logged(caplog)
     assert agent.gather_weights_for_rollout is True
     with pytest.raises(ValueError, match="gather_weights_for_rollout must be True, False or 'auto'"):
         make_agent(gather_weights_for_rollout="yes")

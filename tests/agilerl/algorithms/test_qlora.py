@@ -12,6 +12,7 @@ within 1e-3 relative, adapters within 1e-3 after two AdamW steps at lr 1e-2).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import bitsandbytes as bnb  # the [qlora] extra, part of [dev]: these tests run, never skip
@@ -155,16 +156,19 @@ def test_a_rollout_engine_gets_the_dequantised_base_with_the_adapter_merged():
         assert not torch.equal(sent, bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state))
 
 
-def test_a_moe_says_its_packed_experts_stay_in_the_compute_dtype(capsys):
+def test_a_moe_says_its_packed_experts_stay_in_the_compute_dtype(caplog):
     # transformers packs each layer's routed experts into two 3-D tensors (gate_up_proj, down_proj),
     # which bitsandbytes does not quantise: 2 layers x 2 tensors here.
     agent = make_agent(**QLORA, model_name="tiny:qwen3_moe?hidden_size=32&intermediate_size=64&num_layers=2"
                                            "&num_heads=2&num_kv_heads=1")
-    out = capsys.readouterr().out
-    assert "QLoRA: the 4 packed routed-expert tensors" in out and "stay in bfloat16" in out
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "agilerl.algorithms.core.loading" and r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert "QLoRA: the 4 packed routed-expert tensors" in warned[0] and "stay in bfloat16" in warned[0]
     assert agent.model is not None
+    caplog.clear()
     make_agent(**QLORA)  # a dense model says nothing
-    assert "packed routed-expert" not in capsys.readouterr().out
+    assert "packed routed-expert" not in caplog.text
 
 
 def test_the_nf4_bytes_survive_an_eval_forward_where_bitsandbytes_would_repack_them(monkeypatch):
