@@ -185,7 +185,7 @@ def plan_main(argv: list[str]) -> int:
     from . import emit
     from .calibration import coefficients_for, coefficients_source
     from .choose import Decision, plan
-    from .hardware import MAX_GPUS, Cluster, gpu_by_name
+    from .hardware import MAX_GPUS, Cluster, gpu_by_name, with_memory
     from .models import ModelNotFound, load_model_spec
 
     parser = _plan_parser()
@@ -193,8 +193,7 @@ def plan_main(argv: list[str]) -> int:
     try:
         gpu = gpu_by_name(args.gpu)
         if args.gpu_memory is not None:
-            # Same kind (so its calibration applies), other memory.
-            gpu = gpu.model_copy(update={"memory_bytes": int(args.gpu_memory * GIB)})
+            gpu = with_memory(gpu, args.gpu_memory)
         if args.gpus > MAX_GPUS:
             raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE", "MAX_GPUS", "MARGIN_FRACTION", "GIB", "MIB",
-           "fmt_bytes", "gpu_for_device"]
+           "fmt_bytes", "gpu_for_device", "with_memory"]
 
 #: Share of each GPU's memory a plan keeps free (the default of plan(), the CLI's --margin and the tuner).
 MARGIN_FRACTION = 0.05
@@ -82,6 +82,17 @@ def gpu_by_name(name: str) -> GPU:
         return GPUS[aliases[key]]
     close = difflib.get_close_matches(name, list(GPUS), n=3, cutoff=0.3)
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+
+
+def with_memory(gpu: GPU, gib: float) -> GPU:
+    """``gpu`` with ``gib`` GiB of memory (``--gpu-memory``, the explorer's GPU memory field).
+
+    The name stays, so the kind's shipped coefficients and the user's calibration for it
+    (keyed by name) still apply; plan output shows the memory beside the name. ValueError
+    unless ``gib`` is more than 0."""
+    if not gib > 0:
+        raise ValueError(f"GPU memory must be more than 0 GiB, not {gib:g}")
+    return gpu.model_copy(update={"memory_bytes": int(gib * GIB)})
 
 
 def gpu_for_device(device_name: str) -> GPU | None:

@@ -14,11 +14,11 @@ from pydantic import ValidationError
 
 from agilerl.distributed import FSDPConfig
 from planner.choose import Plan, plan
-from planner.hardware import GPUS, Cluster
+from planner.hardware import GPUS, Cluster, with_memory
 from planner.spec import ModelSpec
 from planner.workload import Workload
 
-from ._knobs import AUTO, GIB, KnobErrors, knob_table, parse
+from ._knobs import AUTO, KnobErrors, knob_table, parse
 
 __all__ = ["Request", "build_request", "compute", "manifest_problem"]
 
@@ -88,10 +88,7 @@ def build_request(values: Mapping[str, str | bool]) -> Request:
         if memory is not None:
             if memory <= 0:
                 raise KnobErrors({"cluster.gpu_memory_gib": "must be more than 0"})
-            # As `agilerl-plan --gpu-memory` does, so both show the same numbers.
-            gpu = gpu.model_copy(
-                update={"name": f"{gpu.name} ({memory:g} GiB)", "memory_bytes": int(memory * GIB)}
-            )
+            gpu = with_memory(gpu, memory)  # as `agilerl-plan --gpu-memory`: the calibration applies
         cluster = Cluster(gpu=gpu, **c)
     except KnobErrors as err:
         errors.update(err.errors)

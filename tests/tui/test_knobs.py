@@ -99,8 +99,24 @@ def test_overrides_parse_to_the_fields_types():
     assert request.workload.micro_batch_size_per_gpu == 4
     assert (
         request.cluster.gpu.memory_bytes == 40 * 2**30
-        and request.cluster.gpu.name == "H100-80GB (40 GiB)"
+        and request.cluster.gpu.name == "H100-80GB"
     )
+
+
+def test_a_gpu_given_other_memory_keeps_the_users_calibration(tmp_path, monkeypatch):
+    """The explorer resizes a GPU as ``agilerl-plan --gpu-memory`` does: same kind, so a
+    calibration saved for the kind is the one the plan uses."""
+    from planner.calibration import save_calibration
+    from planner.memory import Coefficients
+    from planner.models import load_model_spec
+    from tui._request import compute
+
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
+    request = _request(cluster__gpu_memory_gib="40")
+    spec = load_model_spec("Qwen/Qwen2.5-0.5B")
+    assert "shipped CUDA" in compute(spec, request).coefficients_source  # the control
+    save_calibration(GPUS["H100-80GB"], Coefficients())
+    assert "your calibration for H100-80GB" in compute(spec, request).coefficients_source
 
 
 def test_invalid_knobs_are_reported_by_key():
