@@ -292,7 +292,7 @@ def _prune(folder: Path, keep: int) -> None:
 
 
 def _decode(agent, ids, masks):
-    eos = agent._eos_set()
+    eos = agent.eos_token_ids()
     texts, stopped = [], []
     for row, mask in zip(ids, masks):
         tokens = row[mask.bool()].tolist()

@@ -16,8 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from agilerl.distributed import FSDPConfig
-from agilerl.distributed._config import DTYPE_NAMES  # not re-exported by agilerl.distributed
+from agilerl.distributed import DTYPE_NAMES, FSDPConfig
 from planner.hardware import GIB, GPU, GPUS, Cluster, gpu_by_name
 from planner.workload import Workload
 

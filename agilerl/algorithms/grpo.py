@@ -280,7 +280,7 @@ class GRPO(LLMAlgorithm):
             completion_tokens=completion, beta=self.beta, update_epochs=self.update_epochs,
             # an engine of its own (rollout_engine): nothing generates on the trainer's GPUs
             generation="none" if self.engine is not None and vllm is None else ("vllm" if vllm is not None else "hf"),
-            gather_weights_for_rollout=None if self._auto_gather else self.gather_weights_for_rollout)
+            gather_weights_for_rollout=None if "gather_weights_for_rollout" in self.auto_knobs else self.gather_weights_for_rollout)
         if vllm is not None:  # the trainer's engine settings as they are (VLLMConfig's defaults included)
             fields.update(vllm_gpu_memory_utilization=vllm.gpu_memory_utilization, vllm_max_num_seqs=vllm.max_num_seqs,
                           vllm_sleep_level=vllm.sleep_level, vllm_enforce_eager=vllm.enforce_eager,
@@ -341,7 +341,7 @@ class GRPO(LLMAlgorithm):
     def _completion_mask(self, completions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """1 up to and including each row's first end-of-sequence token, else the whole row
         (or its first ``lengths`` tokens, for engines that return ragged completions)."""
-        eos = torch.tensor(sorted(self._eos_set()), device=completions.device, dtype=completions.dtype)
+        eos = torch.tensor(sorted(self.eos_token_ids()), device=completions.device, dtype=completions.dtype)
         is_eos = torch.isin(completions, eos)
         width = completions.shape[1]
         first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1), torch.full_like(is_eos[:, 0], width, dtype=torch.long))
@@ -525,7 +525,7 @@ class GRPO(LLMAlgorithm):
                 self.engine.wake_up(tags=["kv_cache"])
             outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens,
                                            temperature=self.temperature, seed=self._engine_seed(),
-                                           stop_token_ids=sorted(self._eos_set()),
+                                           stop_token_ids=sorted(self.eos_token_ids()),
                                            min_tokens=int(self.generation_kwargs.get("min_new_tokens", 0)))
         finally:
             self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)

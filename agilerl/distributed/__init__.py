@@ -37,6 +37,7 @@ _LAZY = {
     "resolve_device": "_runtime",
     "require_process_group": "_runtime",
     "use_rank_group": "_runtime",
+    "group_of_ranks": "_runtime",
     "rank_group": "_runtime",
     "RankGroup": "_runtime",
     "device_mesh": "_runtime",

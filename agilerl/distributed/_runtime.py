@@ -35,6 +35,7 @@ __all__ = [
     "resolve_device",
     "require_process_group",
     "use_rank_group",
+    "group_of_ranks",
     "rank_group",
     "RankGroup",
     "device_mesh",
@@ -88,7 +89,7 @@ _SCOPE: RankGroup | None = None
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def _new_group(ranks: Sequence[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+def group_of_ranks(ranks: Sequence[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
     """The process group of ``ranks`` (this rank among them), made once: only its ranks take part
     (local synchronisation, named by its ranks), so each population member makes its own.
     ``timeout``: its collectives' (default: torch's)."""
@@ -115,7 +116,7 @@ def use_rank_group(ranks: Sequence[int] | None) -> RankGroup | None:
     if len(key) == dist.get_world_size():
         _SCOPE = None  # every rank: the default group
         return None
-    _SCOPE = RankGroup(ranks=key, group=_new_group(key))
+    _SCOPE = RankGroup(ranks=key, group=group_of_ranks(key))
     return _SCOPE
 
 
@@ -143,7 +144,7 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     groups = []
     for dim in range(len(shape)):
         along = ranks[tuple(slice(None) if d == dim else where[d] for d in range(len(shape)))]
-        groups.append(_new_group(along.tolist()))
+        groups.append(group_of_ranks(along.tolist()))
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 

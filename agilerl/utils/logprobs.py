@@ -39,6 +39,7 @@ __all__ = [
     "shared_attention_mask",
     "additive_attention_mask",
     "causal_lm",
+    "full_causal",
 ]
 
 
@@ -291,7 +292,7 @@ def shared_attention_mask(config, attention_mask: torch.Tensor, dtype: torch.dty
     if not _pad_before_real(attention_mask.bool()):
         return torch.ones_like(attention_mask)
     length = attention_mask.shape[1]
-    if getattr(config, "_attn_implementation", None) not in ADDITIVE_MASK_ATTENTION or not _full_causal(config, length):
+    if getattr(config, "_attn_implementation", None) not in ADDITIVE_MASK_ATTENTION or not full_causal(config, length):
         return attention_mask
     return additive_attention_mask(attention_mask, dtype)
 
@@ -315,7 +316,7 @@ def _pad_before_real(real: torch.Tensor) -> bool:
     return bool((later_real & ~real).any())
 
 
-def _full_causal(config, length: int) -> bool:
+def full_causal(config, length: int) -> bool:
     """Whether every layer of ``config`` attends causally to all earlier tokens of a ``length``-long row."""
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)

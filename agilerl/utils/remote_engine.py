@@ -56,11 +56,11 @@ ENGINE_WAIT = datetime.timedelta(hours=6)
 def engine_ranks(trainers: Sequence[int], engines: Sequence[int]) -> EngineRanks:
     """The member's rollout and sync groups (made by every rank of the member, trainer or engine,
     in the same order; ranks of other members need not take part)."""
-    from agilerl.distributed._runtime import _new_group
+    from agilerl.distributed import group_of_ranks
 
     trainers, engines = tuple(sorted(trainers)), tuple(sorted(engines))
-    rollout = _new_group([*trainers, *engines], timeout=ENGINE_WAIT)
-    sync = _new_group([trainers[0], *engines], timeout=ENGINE_WAIT)
+    rollout = group_of_ranks([*trainers, *engines], timeout=ENGINE_WAIT)
+    sync = group_of_ranks([trainers[0], *engines], timeout=ENGINE_WAIT)
     return EngineRanks(trainers=trainers, engines=engines, rollout_group=rollout, sync_group=sync)
 
 

@@ -86,14 +86,14 @@ def engines_on_ranks_of_their_own_get_the_trainers_weights(ctx):
         assert math.isfinite(metrics["loss"])
         agent.sync_engine_weights()
         prompt = TOKENIZER(PROMPTS[:2], add_special_tokens=False)["input_ids"]
-        remote = agent.engine.generate(prompt, max_tokens=4, temperature=0.0, stop_token_ids=sorted(agent._eos_set()))
+        remote = agent.engine.generate(prompt, max_tokens=4, temperature=0.0, stop_token_ids=sorted(agent.eos_token_ids()))
         local = []
         with torch.no_grad(), use_adapter(agent.model, ACTOR):
             for p in prompt:
                 out = agent.model.generate(input_ids=torch.tensor([p]), max_new_tokens=4, do_sample=False,
                                            pad_token_id=agent.pad_token_id, eos_token_id=agent.eos_token_id)
                 row = out[0, len(p):].tolist()
-                cut = next((i + 1 for i, t in enumerate(row) if t in agent._eos_set()), len(row))
+                cut = next((i + 1 for i, t in enumerate(row) if t in agent.eos_token_ids()), len(row))
                 local.append(row[:cut])
         assert remote == local, (remote, local)
         agent.engine.stop()

@@ -85,16 +85,6 @@ def objective_for(spec, cluster, probe, *, fixed=None, sharding="auto", workload
                      request=request, probe=probe)
 
 
-# -- the headless core -----------------------------------------------------------------------------
-@pytest.mark.timeout(60)
-def test_planner_core_and_the_cli_glue_never_import_optuna():
-    code = ("import argparse, sys; import planner.choose, planner.memory, planner.probe, planner.tune; "
-            "planner.tune.add_tune_arguments(argparse.ArgumentParser()); "
-            "print(sorted(m for m in ('optuna', 'torch', 'transformers', 'peft', 'sqlalchemy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
-
-
 # -- search space ----------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_search_space_is_what_the_planner_chooses_less_what_the_user_fixed(spec):
@@ -381,7 +371,6 @@ def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spe
     assert result.num_launched == 4
 
 
-
 def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
@@ -661,7 +650,6 @@ def test_a_crashed_rank_is_an_infeasible_trial_and_the_study_goes_on(spec, monke
         assert t.user_attrs["status"] == "crashed" and t.user_attrs["constraint"] == 1.0
     assert result.best is None and result.best_plan is None
     assert any("crashed" in line for line in seen)
-
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def engine_greedy(agent, prompts=PROMPTS) -> list[list[int]]:
     """Sync the actor's weights into the engine, then its greedy completions."""
     agent.sync_engine_weights()
     return agent.engine.generate(prompts, max_tokens=NEW_TOKENS, temperature=0.0,
-                                 stop_token_ids=sorted(agent._eos_set()))
+                                 stop_token_ids=sorted(agent.eos_token_ids()))
 
 
 @torch.no_grad()
@@ -35,7 +35,7 @@ def hf_greedy(agent, prompts=PROMPTS) -> list[list[int]]:
     """Hugging Face greedy generation of the actor (LoRA on), one prompt at a time, same stop ids."""
     from agilerl.algorithms.core.adapters import ACTOR, use_adapter
 
-    eos = sorted(agent._eos_set())
+    eos = sorted(agent.eos_token_ids())
     out = []
     was_training = agent.model.training
     agent.model.eval()

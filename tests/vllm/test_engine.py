@@ -50,7 +50,7 @@ def test_rollouts_come_from_the_engine_and_stop_at_the_stop_ids(agent):
         ids, masks = agent.get_action(["1+1=", "2+2="])
     finally:
         agent.engine.generate = generate
-    assert len(calls) == 1 and calls[0]["stop_token_ids"] == sorted(agent._eos_set())
+    assert len(calls) == 1 and calls[0]["stop_token_ids"] == sorted(agent.eos_token_ids())
     assert ids.shape[0] == agent.batch_size * agent.group_size
     assert 1 <= masks.sum(1).min() and masks.sum(1).max() <= agent.max_output_tokens
     greedy = engine_greedy(agent)[0]

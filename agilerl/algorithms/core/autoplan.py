@@ -73,8 +73,8 @@ def _workload_for(agent, micro: int | None):
     fields, prompt = agent.workload_fields()
     return Workload(
         algorithm=algorithm, full_finetune=agent.full_finetune, micro_batch_size_per_gpu=micro,
-        logprob_chunk_size=None if agent._auto_chunk else agent.logprob_chunk_size,
-        gradient_checkpointing=None if agent._auto_gc else agent.gradient_checkpointing,
+        logprob_chunk_size=None if "logprob_chunk_size" in agent.auto_knobs else agent.logprob_chunk_size,
+        gradient_checkpointing=None if "gradient_checkpointing" in agent.auto_knobs else agent.gradient_checkpointing,
         lora_rank=rank, lora_alpha=alpha, lora_targets=_lora_targets(agent),
         use_separate_reference_adapter=agent.use_separate_reference_adapter, weights_dtype=dtype,
         load_in_4bit=agent.load_in_4bit, share_prompt_prefix=agent.share_prompt_prefix, **fields,
@@ -128,11 +128,11 @@ def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
     chosen = []
-    if agent._auto_gc:
+    if "gradient_checkpointing" in agent.auto_knobs:
         chosen.append(f"gradient_checkpointing={bool(result.workload.gradient_checkpointing)}")
-    if agent._auto_chunk:
+    if "logprob_chunk_size" in agent.auto_knobs:
         chosen.append(f"logprob_chunk_size={result.workload.logprob_chunk_size}")
-    if agent._auto_gather:
+    if "gather_weights_for_rollout" in agent.auto_knobs:
         chosen.append(f"gather_weights_for_rollout={bool(result.workload.gather_weights_for_rollout)}")
     where = "one device" if agent.world_size == 1 else (
         "data parallel" if fsdp is None else "the given FSDPConfig") + f" on {agent.world_size} ranks"

@@ -56,10 +56,10 @@ from agilerl.distributed import (
 )
 from agilerl.utils.algo_utils import VLLMConfig
 from agilerl.utils.logprobs import (
-    _full_causal,
     causal_lm,
     chunked_token_logprobs,
     final_norm,
+    full_causal,
     linear_token_logprobs,
     output_head,
     position_ids_from_mask,
@@ -204,11 +204,14 @@ class LLMAlgorithm:
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.max_model_len = max_model_len
-        self._auto_chunk = logprob_chunk_size == "auto"
-        self._auto_gc = gradient_checkpointing == "auto"
-        # With a vLLM engine Hugging Face generate does not run: nothing to gather.
-        self._auto_gather = (self.generates and gather_weights_for_rollout == "auto" and vllm_config is None
-                             and rollout_engine is None)
+        # The knobs given as "auto", which the memory estimate sets. With a vLLM engine Hugging
+        # Face generate does not run: there is no rollout gather to choose.
+        gather_auto = (self.generates and gather_weights_for_rollout == "auto" and vllm_config is None
+                       and rollout_engine is None)
+        self.auto_knobs: frozenset[str] = frozenset(
+            name for name, auto in (("logprob_chunk_size", logprob_chunk_size == "auto"),
+                                    ("gradient_checkpointing", gradient_checkpointing == "auto"),
+                                    ("gather_weights_for_rollout", gather_auto)) if auto)
         # Until the estimate says otherwise "auto" is off: it costs memory, unit-by-unit never does.
         self.gather_weights_for_rollout = gather_weights_for_rollout is True
         self.logprob_chunk_size = 1024 if logprob_chunk_size == "auto" else logprob_chunk_size
@@ -244,7 +247,7 @@ class LLMAlgorithm:
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
-        if self.plan is None and (self._auto_gc or self._auto_chunk or self._auto_gather):
+        if self.plan is None and self.auto_knobs:
             self._resolve_auto_knobs(actor_network)
         if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
             self._resolve_expert_chunk(actor_network)
@@ -340,12 +343,8 @@ class LLMAlgorithm:
     def _take_auto_knobs(self, result: dict[str, Any]) -> None:
         """Apply the estimate's checkpointing, log-prob chunk and rollout gather where they were "auto";
         log the plan."""
-        if self._auto_chunk:
-            self.logprob_chunk_size = result["logprob_chunk_size"]
-        if self._auto_gc:
-            self.gradient_checkpointing = result["gradient_checkpointing"]
-        if self._auto_gather:
-            self.gather_weights_for_rollout = result["gather_weights_for_rollout"]
+        for name in sorted(self.auto_knobs):
+            setattr(self, name, result[name])
         if is_main_process():
             logger.info("%s", result["summary"])
 
@@ -442,7 +441,8 @@ class LLMAlgorithm:
             eos = getattr(lm.config, "eos_token_id", None)
         return eos
 
-    def _eos_set(self) -> set[int]:
+    def eos_token_ids(self) -> set[int]:
+        """The token ids that end a completion (the tokenizer's EOS, else the model config's)."""
         eos = self._eos_token_id() if not hasattr(self, "eos_token_id") else self.eos_token_id
         return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
 
@@ -616,7 +616,7 @@ class LLMAlgorithm:
             config = causal_lm(self.model if model is None else model).config
             self._prefix_problems[length] = shared_prefix_problem(
                 getattr(config, "model_type", None), getattr(config, "_attn_implementation", None),
-                full_causal=_full_causal(config, length), tp=self.fsdp_config.tp if self.sharded else 1)
+                full_causal=full_causal(config, length), tp=self.fsdp_config.tp if self.sharded else 1)
         if self._prefix_problems[length] is not None:
             return None
         from agilerl.utils.prefix_cache import prompt_groups
