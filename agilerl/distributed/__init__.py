@@ -5,9 +5,10 @@ torch.distributed from the launcher's environment (torchrun, or an
 orchestration layer setting the same variables), and these helpers no-op on a
 single device.
 
-``FSDPConfig`` is imported eagerly and does not import torch; everything else
-is loaded on first access, so ``from agilerl.distributed import FSDPConfig``
-stays cheap for the planner.
+``FSDPConfig`` and the layout rules of ``_plan`` (``ParallelDims``, the tensor-
+parallel block plan, expert chunks, FSDP unit order) are imported eagerly and
+import no torch; everything else is loaded on first access, so the planner can
+import them cheaply.
 """
 
 from __future__ import annotations
@@ -16,6 +17,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._config import DTYPE_NAMES, FSDPConfig
+from ._plan import (
+    BLOCK_PLAN,
+    COLWISE,
+    EP_AXIS,
+    EXPERT_SHARD_AXIS,
+    HEAD_NORMS,
+    ROWWISE,
+    FSDPUnit,
+    ParallelDims,
+    combination_problem,
+    expert_chunk_rows,
+    expert_parallel_problem,
+    expert_row_bytes,
+    fsdp_units,
+    tp_dim,
+    tp_split_problem,
+)
 
 _LAZY = {
     # process group and collectives
@@ -84,7 +102,27 @@ _LAZY = {
     "resolve_optim_cpu_offload": "_optim",
 }
 
-__all__ = ["FSDPConfig", "DTYPE_NAMES", *_LAZY]
+__all__ = [
+    "FSDPConfig",
+    "DTYPE_NAMES",
+    # how a model is laid out over ranks (torch-free; the planner counts from the same rules)
+    "ParallelDims",
+    "combination_problem",
+    "BLOCK_PLAN",
+    "HEAD_NORMS",
+    "COLWISE",
+    "ROWWISE",
+    "tp_dim",
+    "tp_split_problem",
+    "EP_AXIS",
+    "EXPERT_SHARD_AXIS",
+    "expert_parallel_problem",
+    "expert_row_bytes",
+    "expert_chunk_rows",
+    "FSDPUnit",
+    "fsdp_units",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

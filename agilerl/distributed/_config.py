@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ._plan import ParallelDims, combination_problem
+
 __all__ = ["FSDPConfig", "DTYPE_NAMES"]
 
 #: Dtype names accepted by ``param_dtype`` and ``reduce_dtype``, with aliases.
@@ -214,40 +216,21 @@ class FSDPConfig(BaseModel):
                 "optim_cpu_offload=False (or None) with cpu_offload=True, or "
                 "cpu_offload=False to offload only the optimizer."
             )
-        if self.ep > 1 and (self.tp > 1 or self.shard_group_size is not None):
-            raise ValueError(
-                f"ep={self.ep} with tp > 1 or shard_group_size (HSDP) is not supported yet: use ep=1, "
-                "or tp=1 and shard_group_size=None"
-            )
+        if problem := combination_problem(tp=self.tp, ep=self.ep, shard_group_size=self.shard_group_size):
+            raise ValueError(problem)
         return self
 
-    def check_world(self, world_size: int) -> None:
-        """Raise ValueError unless ``world_size`` ranks can take this layout.
+    def dims(self, world_size: int) -> ParallelDims:
+        """This layout on ``world_size`` ranks: its data-parallel, shard and expert groups.
 
-        ``tp``, ``ep`` and ``shard_group_size`` must each divide the ranks; with
-        ``tp > 1`` the data-parallel groups shard across all of them
-        (``shard_group_size`` unset, or ``world_size // tp``). The single rule for
-        the planner and for ``apply_fsdp2``'s meshes.
+        Raises ValueError unless the ranks can take it (``ParallelDims`` names the
+        allowed values): the single rule for the planner and for ``apply_fsdp2``'s meshes.
         """
-        if world_size < 1:
-            raise ValueError(f"world size must be positive, got {world_size}")
+        return ParallelDims(world_size, tp=self.tp, ep=self.ep, shard_group_size=self.shard_group_size)
 
-        def allowed(limit: int = world_size) -> str:
-            return ", ".join(str(d) for d in range(1, min(world_size, limit) + 1) if world_size % d == 0)
-
-        if world_size % self.tp:
-            raise ValueError(f"tp={self.tp} must divide the {world_size} ranks (allowed: {allowed()})")
-        if self.ep > 1 and world_size % self.ep:
-            raise ValueError(f"ep={self.ep} must divide the {world_size} ranks (allowed: {allowed()})")
-        group = self.shard_group_size
-        if group is not None:
-            if self.tp > 1 and group != world_size // self.tp:
-                raise ValueError(
-                    f"tp={self.tp} with shard_group_size={group} (HSDP) is not supported yet: leave "
-                    "shard_group_size unset with tp > 1")
-            if world_size % group:
-                raise ValueError(f"shard_group_size={group} must divide the {world_size} ranks "
-                                 f"(allowed: {allowed()})")
+    def check_world(self, world_size: int) -> None:
+        """Raise ValueError unless ``world_size`` ranks can take this layout (see :meth:`dims`)."""
+        self.dims(world_size)
 
     # -- serialisation ---------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from ._moe import (
     is_moe_block,
     model_experts_problem,
 )
+from ._plan import fsdp_units
 from ._runtime import (
     all_reduce_grads,
     device_mesh,
@@ -65,6 +66,7 @@ from ._runtime import (
     rank_group,
     require_process_group,
 )
+from ._tp import apply_tensor_parallel
 
 __all__ = [
     "apply_fsdp2",
@@ -367,23 +369,12 @@ def register_forward_method(model: nn.Module, method_name: str) -> None:
 
 
 def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
-    if mesh is None:
-        config.check_world(get_world_size())
-    if config.tp > 1:
-        from ._tp import build_dp_tp_mesh
-
-        if mesh is None:
-            return build_dp_tp_mesh(config.tp, device_type)
-        if mesh.mesh_dim_names != ("dp", "tp") or mesh.size(1) != config.tp:
+    if mesh is not None:
+        if config.tp > 1 and (mesh.mesh_dim_names != ("dp", "tp") or mesh.size(1) != config.tp):
             raise ValueError(f"with tp={config.tp} the mesh must have dims ('dp', 'tp') with tp innermost")
         return mesh
-    if mesh is not None:
-        return mesh
-    world = get_world_size()
-    group = config.shard_group_size
-    if group is None or group == world:
-        return device_mesh(device_type, (world,), ("shard",))
-    return device_mesh(device_type, (world // group, group), ("replicate", "shard"))
+    shape, names = config.dims(get_world_size()).fsdp_mesh()
+    return device_mesh(device_type, shape, names)
 
 
 def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | None,
@@ -443,8 +434,6 @@ def apply_fsdp2(
 
     shard_mesh = mesh
     if config.tp > 1:
-        from ._tp import apply_tensor_parallel
-
         # TP first (DTensors over "tp"); FSDP then shards those over "dp" (2-D, as torchtitan).
         apply_tensor_parallel(model, mesh["tp"])
         shard_mesh = mesh["dp"]
@@ -496,27 +485,18 @@ def apply_fsdp2(
     embed, head, tied = _embeddings_and_head(model)
     named = {id(m): n for n, m in model.named_modules()}
 
-    if embed is not None and not tied and _has_shardable([embed]):
-        fully_shard(embed, **kwargs)
-        layout.units.append(embed)
-        layout.unit_names.append(named.get(id(embed), "embeddings"))
-    for table in find_per_layer_embeddings(model):  # looked up right after the embeddings
-        if _has_shardable([table]):
-            fully_shard(table, **kwargs)
-            layout.units.append(table)
-            layout.unit_names.append(named.get(id(table), "embed_tokens_per_layer"))
-    n = config.wrap_every_n_blocks
-    for start in range(0, len(blocks), n):
-        group = blocks[start : start + n]
+    tables = find_per_layer_embeddings(model)
+    parts = fsdp_units(len(blocks), config.wrap_every_n_blocks, separate_embedding=embed is not None and not tied,
+                       per_layer_embeddings=len(tables), separate_head=head is not None and not tied)
+    by_kind = {"embed": lambda _: [embed], "per_layer_embed": lambda p: [tables[p.start]],
+               "blocks": lambda p: blocks[p.start : p.stop], "head": lambda _: [head]}
+    for part in parts:
+        group = by_kind[part.kind](part)
         if not _has_shardable(group):
             continue
         fully_shard(group if len(group) > 1 else group[0], **kwargs)
         layout.units.append(group[0])
-        layout.unit_names.append(named.get(id(group[0]), f"blocks.{start}"))
-    if head is not None and not tied and _has_shardable([head]):
-        fully_shard(head, **kwargs)
-        layout.units.append(head)
-        layout.unit_names.append(named.get(id(head), "lm_head"))
+        layout.unit_names.append(named.get(id(group[0]), part.name))
     fully_shard(model, **kwargs)
     layout.root = model
 

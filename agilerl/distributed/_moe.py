@@ -52,6 +52,16 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from ._plan import (
+    EP_AXIS,
+    EXPERT_SHARD_AXIS,
+    ParallelDims,
+    expert_chunk_rows,
+    expert_parallel_problem,
+    expert_row_bytes,
+)
+from ._runtime import device_mesh, get_world_size
+
 __all__ = [
     "EP_AXIS",
     "EXPERT_SHARD_AXIS",
@@ -81,11 +91,6 @@ __all__ = [
     "gather_expert_tensor",
 ]
 
-#: Mesh axis of the expert-parallel group (ranks that split one layer's experts).
-EP_AXIS = "ep"
-#: Mesh axis that FSDP-shards the local experts: the data-parallel ranks left over.
-EXPERT_SHARD_AXIS = "expert_shard"
-_MIB = 2**20
 _WRAPPED = ("base_layer", "_checkpoint_wrapped_module")
 _CKPT_PREFIX = "_checkpoint_wrapped_module."
 
@@ -442,17 +447,6 @@ def _check_supported(experts: nn.Module) -> None:
         raise NotImplementedError(problem)
 
 
-def expert_chunk_rows(*, chunk_mib: float | None, row_bytes: int) -> int | None:
-    """Rows per chunk so one chunk's widest activation is at most ``chunk_mib`` MiB.
-
-    ``row_bytes`` is the widest activation of one row; None means no chunking.
-    At least one row per chunk, so a chunk may exceed a budget below one row.
-    """
-    if chunk_mib is None:
-        return None
-    return max(1, int(chunk_mib * _MIB) // row_bytes)
-
-
 def _expert_linear(x: Tensor, weight: Tensor, loras: tuple[_Lora, ...], e: int) -> Tensor:
     y = F.linear(x, weight[e])
     for lora in loras:
@@ -643,7 +637,8 @@ def _experts_forward(experts: nn.Module, state: _ExpertState, hidden_states: Ten
     """Drop-in ``experts(hidden [T, H], top_k_index, top_k_weights)`` with EP, blocks and chunks."""
     weights = _expert_weights(experts)
     hidden_dim = hidden_states.shape[-1]
-    row_bytes = max(weights.gate_up.shape[1], hidden_dim) * hidden_states.element_size()
+    row_bytes = expert_row_bytes(expert_width=weights.gate_up.shape[1] // 2, hidden_size=hidden_dim,
+                                 element_size=hidden_states.element_size())
     chunk_rows = expert_chunk_rows(chunk_mib=state.chunk_mib, row_bytes=row_bytes)
     combine_row_bytes = top_k_index.shape[-1] * hidden_dim * 4  # one token's k fp32 rows
     combine_rows = expert_chunk_rows(chunk_mib=state.chunk_mib, row_bytes=combine_row_bytes)
@@ -781,16 +776,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, *, ep_to
 
 def check_expert_parallel(*, world_size: int, ep: int, num_experts: int | None = None) -> None:
     """Validate an EP degree: it must divide the world size and every layer's expert count."""
-    if ep < 1 or world_size % ep:
-        allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"ep={ep} must divide the world size {world_size}; allowed: {allowed}")
-    if num_experts is not None and num_experts % ep:
-        allowed = [
-            d for d in range(1, num_experts + 1) if num_experts % d == 0 and world_size % d == 0
-        ]
-        raise ValueError(
-            f"ep={ep} must divide the {num_experts} experts per layer; allowed: {allowed}"
-        )
+    problem = expert_parallel_problem(world_size, ep, () if num_experts is None else (num_experts,))
+    if problem:
+        raise ValueError(problem)
 
 
 def build_expert_mesh(*, ep: int, device_type: str = "cpu") -> DeviceMesh:
@@ -800,11 +788,8 @@ def build_expert_mesh(*, ep: int, device_type: str = "cpu") -> DeviceMesh:
     ep <= GPUs per node); ``mesh["ep"]`` is the group to split experts over,
     ``mesh["expert_shard"]`` the FSDP mesh for the local experts.
     """
-    from ._runtime import device_mesh, get_world_size
-
-    world = get_world_size()
-    check_expert_parallel(world_size=world, ep=ep)
-    return device_mesh(device_type, (world // ep, ep), (EXPERT_SHARD_AXIS, EP_AXIS))
+    shape, names = ParallelDims(get_world_size(), ep=ep).expert_mesh()
+    return device_mesh(device_type, shape, names)
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

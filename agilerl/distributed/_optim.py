@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._config import FSDPConfig
+from ._fsdp import expert_parallel
+from ._moe import expert_modules
 
 __all__ = [
     "CPUOffloadAdamW",
@@ -199,13 +201,9 @@ def _expert_grad_ids(model: nn.Module | None) -> tuple[set[int], Any]:
     """Ids of the parameters split by expert parallelism, and the EP group (none without EP)."""
     if model is None:
         return set(), None
-    from ._fsdp import expert_parallel
-
     moe, group = expert_parallel(model)
     if moe is None:
         return set(), None
-    from ._moe import expert_modules
-
     return {id(p) for m in expert_modules(model) for p in m.parameters()}, group
 
 

@@ -12,6 +12,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._fsdp import expert_parallel, rebind_replicated_params
+from ._moe import expert_slice, gather_expert_tensor
+from ._optim import MasterWeightAdamW
+
 __all__ = [
     "set_full_model_state_dict",
     "materialize_fsdp2_from_cpu_state",
@@ -70,19 +74,11 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source.to(device=target.device, dtype=target.dtype))
 
 
-def _expert_parallel(model: nn.Module):
-    from ._fsdp import expert_parallel
-
-    return expert_parallel(model)
-
-
 def _local_experts(moe, name: str, full: torch.Tensor) -> torch.Tensor:
     """This EP rank's experts of a full (all-experts) tensor; other tensors unchanged."""
     shard = moe.expert_shard(name) if moe is not None else None
     if shard is None:
         return full
-    from ._moe import expert_slice
-
     local = shard.num_experts // moe.ep
     return expert_slice(full, shard=shard, first=moe.ep_rank * local, num_local=local)
 
@@ -92,8 +88,6 @@ def _all_experts(moe, group, name: str, local: torch.Tensor) -> torch.Tensor:
     shard = moe.expert_shard(name) if moe is not None else None
     if shard is None:
         return local
-    from ._moe import gather_expert_tensor
-
     return gather_expert_tensor(local, shard=shard, group=group)
 
 
@@ -119,7 +113,7 @@ def set_full_model_state_dict(
                 f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
                 f"{' ...' if len(unexpected) > 10 else ''}"
             )
-    moe, _ = _expert_parallel(model)
+    moe, _ = expert_parallel(model)
     for key, target in targets.items():
         if key in full_state_dict:
             try:
@@ -203,8 +197,6 @@ def materialize_fsdp2_from_cpu_state(
     Allocates only local shards on ``device`` (``to_empty``), recomputes the
     non-persistent buffers, then copies each rank's slice of every tensor.
     """
-    from ._fsdp import rebind_replicated_params
-
     model.to_empty(device=device)
     rebind_replicated_params(model)
     reinit_non_persistent_buffers(model)
@@ -220,7 +212,7 @@ def full_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, keep:
     ``full_tensor()``, expert slices over the EP group. ``keep=False`` joins the
     gathers but keeps nothing.
     """
-    moe, ep_group = _expert_parallel(model)
+    moe, ep_group = expert_parallel(model)
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
@@ -238,7 +230,7 @@ def full_model_state_dict(model: nn.Module, *, to_cpu: bool = True, keep: bool =
     that do not write the checkpoint), so only one rank pays the host memory.
     """
     out: dict[str, torch.Tensor] = {}
-    moe, ep_group = _expert_parallel(model)
+    moe, ep_group = expert_parallel(model)
     for key, value in model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
@@ -254,8 +246,6 @@ def _param_states(model: nn.Module, optimizer: torch.optim.Optimizer):
     For a ``MasterWeightAdamW`` (``CPUOffloadAdamW`` included) the state belongs to the
     fp32 master of the local shard: plain tensors, even where the parameter is a DTensor.
     """
-    from ._optim import MasterWeightAdamW
-
     names = {id(p): _clean(n) for n, p in model.named_parameters()}
     if isinstance(optimizer, MasterWeightAdamW):
         for p, master in optimizer.masters:
@@ -276,10 +266,8 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     bf16 weight) is saved too, under ``"master_weight"``. Collective under FSDP2: every rank
     calls it.
     """
-    from ._optim import MasterWeightAdamW
-
     out: dict[str, dict[str, torch.Tensor]] = {}
-    moe, ep_group = _expert_parallel(model)
+    moe, ep_group = expert_parallel(model)
     masters = {}
     if isinstance(optimizer, MasterWeightAdamW):
         masters = {id(p): m for p, m in optimizer.masters if p.dtype != torch.float32}
@@ -313,12 +301,10 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
     Full fine-tuning moves between layouts: a saved ``master_weight`` sets an fp32 parameter where
     there is no master optimizer, and ``master_weights`` (the checkpoint's full weights) seed a
     master optimizer's fp32 masters where they were saved in fp32 and nothing else says more."""
-    from ._optim import MasterWeightAdamW
-
     with_masters = isinstance(optimizer, MasterWeightAdamW)
     inner = optimizer.inner if with_masters else optimizer
     steps_on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
-    moe, _ = _expert_parallel(model)
+    moe, _ = expert_parallel(model)
     master_of = {id(p): m for p, m in optimizer.masters} if with_masters else {}
     if with_masters:
         # the weights just loaded; a saved fp32 master overrides below, and so do fp32 weights given

@@ -73,6 +73,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ._blocks import find_transformer_blocks
+from ._moe import is_moe_block
+from ._plan import BLOCK_PLAN, HEAD_NORMS, ParallelDims, tp_split_problem
 from ._runtime import device_mesh, get_world_size, require_process_group
 
 __all__ = [
@@ -87,48 +89,22 @@ __all__ = [
     "sync_tp_rng",
 ]
 
-#: Linear layers of a dense decoder block, by path, and how each is split.
-BLOCK_PLAN: dict[str, str] = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
-#: Norms over ``head_dim`` applied to local heads (Qwen3, Gemma 3), where present.
-HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
-
-
 def tp_mesh_layout(world_size: int, tp: int) -> tuple[int, int]:
     """``(dp, tp)`` for ``world_size`` ranks: ``dp = world_size // tp`` data-parallel groups."""
-    if tp < 1 or world_size < 1:
-        raise ValueError(f"tp ({tp}) and world_size ({world_size}) must be positive")
-    if world_size % tp:
-        allowed = [t for t in range(1, world_size + 1) if world_size % t == 0]
-        raise ValueError(
-            f"tp={tp} must divide the world size {world_size} (allowed here: {allowed})"
-        )
-    return world_size // tp, tp
+    dims = ParallelDims(world_size, tp=tp)
+    return dims.dp, dims.tp
 
 
-def check_tp_divides(config: Any, tp: int, *, dense_mlp: bool = True) -> None:
+def check_tp_divides(config: Any, tp: int, *, dense_mlp: bool = True, sinks: bool = False) -> None:
     """Raise unless ``tp`` ranks can each hold whole heads, whole GQA groups and MLP columns
-    (``dense_mlp=False``: no dense MLP is split, as in a model whose every block is MoE)."""
+    (``dense_mlp=False``: no dense MLP is split, as in a model whose every block is MoE;
+    ``sinks``: its attention has sinks, which are not split)."""
     num_heads = config.num_attention_heads
-    counts = {
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or num_heads,
-    }
-    if dense_mlp:
-        counts["intermediate_size"] = config.intermediate_size
-    bad = {name: n for name, n in counts.items() if n % tp}
-    if bad:
-        raise ValueError(
-            f"tp={tp} must divide the model's head counts and MLP width so that each rank "
-            f"holds whole heads and whole GQA groups; not divisible: {bad} (model has {counts})"
-        )
+    problem = tp_split_problem(
+        tp, num_heads=num_heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        intermediate_size=config.intermediate_size if dense_mlp else None, sinks=sinks)
+    if problem:
+        raise ValueError(problem)
 
 
 def build_dp_tp_mesh(tp: int, device_type: str | None = None) -> DeviceMesh:
@@ -267,26 +243,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPLayout:
         raise ValueError("apply_tensor_parallel was already applied to this model")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_tensor_parallel must run before fully_shard (TP first, then FSDP)")
-    from ._moe import is_moe_block
-
     _, blocks = find_transformer_blocks(model)
     names = {id(m): n for n, m in model.named_modules()}
     plan = []
+    sinks = False
     for block in blocks:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         prefix = names.get(id(block), type(inner).__name__)
         # A MoE block splits its attention only: its router and experts (and any shared
         # experts) stay whole, computed alike on every TP rank from identical inputs.
         moe = is_moe_block(inner)
-        if any(n.split(".")[-1] == "sinks" for n, _ in inner.named_parameters()):
-            raise ValueError(f"{prefix}: tp > 1 does not split attention sinks (one learnt logit per "
-                             "head, gpt-oss); use tp=1")
+        sinks = sinks or any(n.split(".")[-1] == "sinks" for n, _ in inner.named_parameters())
         paths = [p for p in BLOCK_PLAN if not (moe and p.startswith("mlp."))]
         for path in paths:
             _check_linear(_get(inner, path), f"{prefix}.{path}")
         plan.append((prefix, inner, paths))
     check_tp_divides(_text_config(model), tp_mesh.size(),
-                     dense_mlp=any(p.startswith("mlp.") for _, _, paths in plan for p in paths))
+                     dense_mlp=any(p.startswith("mlp.") for _, _, paths in plan for p in paths), sinks=sinks)
 
     layout = TPLayout(mesh=tp_mesh)
     for prefix, inner, paths in plan:

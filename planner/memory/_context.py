@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from agilerl.distributed import FSDPConfig
+from agilerl.distributed import FSDPConfig, ParallelDims
 from agilerl.utils.shared_prefix import shared_prefix_problem
 
 from ..hardware import Cluster
@@ -148,8 +148,10 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
                   coefficients: Coefficients) -> Context:
     """Resolve and validate the inputs of one estimate (raises ValueError / KeyError as the trainer would)."""
     num_gpus = cluster.num_gpus
-    tp = fsdp.tp if fsdp else 1
-    data_parallel_ranks = max(1, num_gpus // tp)
+    # The ranks' split, validated as agilerl.distributed validates it (ValueError naming what divides).
+    dims = fsdp.dims(num_gpus) if fsdp else ParallelDims(num_gpus)
+    tp, ep = dims.tp, dims.ep
+    data_parallel_ranks = dims.dp
     workload = resolve_workload(workload, data_parallel_ranks=data_parallel_ranks)
     weight_bytes = DTYPE_BYTES[workload.weights_dtype]
     completions = workload.completions_per_rank(data_parallel_ranks)
@@ -157,7 +159,6 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
     lora = _lora_by_type(spec, workload)
     if tp > 1 and (problem := tp_problem(spec, tp)):
         raise ValueError(problem)
-    ep = fsdp.ep if fsdp else 1
     if ep > 1:
         check_ep(spec, ep, num_gpus, fsdp)
     # Which expert code runs (agilerl.distributed._moe): PEFT's merged expert stack in the
@@ -180,7 +181,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         on_gpu=cluster.gpu.kind != "cpu",
         num_gpus=num_gpus, tp=tp, ep=ep,
         data_parallel_ranks=data_parallel_ranks,
-        shard_group=(fsdp.shard_group_size or data_parallel_ranks) if fsdp else 1,
+        shard_group=dims.shard if fsdp else 1,
         persistence_threshold=fsdp.param_persistence_threshold if fsdp else math.inf,
         weight_bytes=weight_bytes,
         # agilerl.algorithms.core.loading: full fine-tuning under FSDP2 keeps fp32 shards (the masters)
@@ -208,7 +209,7 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         expert_lora=tuple(expert_lora[kind] for kind in spec.layers),
         expert_chunk_mib=chunk_mib,
         expert_rowwise=ep > 1 or chunk_mib is not None,
-        expert_group=num_gpus // ep if ep > 1 else None,
+        expert_group=dims.expert_shard if ep > 1 else None,
         checkpointed=checkpointed_layers(spec, workload, fsdp),
         scores_materialised=workload.attn_implementation == "eager",
         distinct_layers=tuple(first.values()),

@@ -12,7 +12,9 @@ row-wise experts); benchmarks/moe_memory.py reports the measured error.
 
 from __future__ import annotations
 
-from ._coefficients import MIB
+from agilerl.distributed import expert_chunk_rows as chunk_rows
+from agilerl.distributed import expert_row_bytes
+
 from ._context import Context
 from ._units import Layout
 
@@ -29,11 +31,11 @@ def routed_experts(ctx: Context, index: int) -> tuple[int, int] | None:
 
 
 def expert_chunk_rows(ctx: Context, rows: int, width: int) -> int:
-    """Rows one expert chunk computes at once (agilerl.distributed._moe.expert_chunk_rows):
+    """Rows one expert chunk computes at once (agilerl.distributed.expert_chunk_rows):
     min(rows, chunk_mib MiB // (max(2 width, H) p)), all of them without a chunk size."""
-    if ctx.expert_chunk_mib is None:
-        return rows
-    return min(rows, max(1, int(ctx.expert_chunk_mib * MIB) // (max(2 * width, ctx.hidden_size) * ctx.compute_bytes)))
+    row_bytes = expert_row_bytes(expert_width=width, hidden_size=ctx.hidden_size, element_size=ctx.compute_bytes)
+    chunk = chunk_rows(chunk_mib=ctx.expert_chunk_mib, row_bytes=row_bytes)
+    return rows if chunk is None else min(rows, chunk)
 
 
 def router_saved_per_token(ctx: Context, index: int) -> int:

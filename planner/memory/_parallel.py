@@ -3,14 +3,19 @@ tensor parallelism splits, and the TP / EP degrees it accepts."""
 
 from __future__ import annotations
 
-from agilerl.distributed import FSDPConfig
+from agilerl.distributed import (
+    COLWISE,
+    ROWWISE,
+    FSDPConfig,
+    expert_parallel_problem,
+    tp_dim,
+    tp_split_problem,
+)
 
 from ..spec import BlockSpec, ModelSpec
 
-#: Linears tensor parallelism splits (agilerl.distributed._tp): colwise split their output
-#: (weight dim 0, bias), rowwise their input (weight dim 1).
-COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROWWISE = ("o_proj", "down_proj")
+__all__ = ["COLWISE", "ROWWISE", "tp_dim", "is_packed_expert", "is_packed", "has_packed_experts",
+           "row_wise_experts", "expert_parallel_degrees", "tp_problem", "tensor_parallel_degrees", "check_ep"]
 
 
 def is_packed_expert(name: str, shape: tuple[int, ...] | None = None) -> bool:
@@ -23,18 +28,6 @@ def is_packed_expert(name: str, shape: tuple[int, ...] | None = None) -> bool:
     if "experts" not in path.split("."):
         return False
     return ":" in name or (shape is not None and len(shape) == 3)
-
-
-def tp_dim(tensor_name: str) -> int | None:
-    """The dimension tensor parallelism splits a block tensor along, or None when it is whole:
-    0 for a colwise linear's weight and bias, 1 for a rowwise linear's weight."""
-    parts = tensor_name.split(".")
-    module = parts[-2] if len(parts) >= 2 else ""
-    if module in COLWISE:
-        return 0
-    if module in ROWWISE and parts[-1] == "weight":
-        return 1
-    return None
 
 
 def is_packed(block: BlockSpec) -> bool:
@@ -52,30 +45,34 @@ def row_wise_experts(spec: ModelSpec) -> bool:
     return has_packed_experts(spec) and spec.expert_layout_problem is None
 
 
+def _expert_counts(spec: ModelSpec) -> tuple[int, ...]:
+    return tuple(sorted({b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"}))
+
+
 def expert_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
     """EP degrees agilerl.distributed accepts on ``world`` GPUs: [1] unless the model has packed
     experts the row-wise experts can run, else every degree dividing the GPUs and each layer's
-    expert count."""
-    counts = {b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"}
+    expert count (agilerl.distributed.expert_parallel_problem)."""
+    counts = _expert_counts(spec)
     if not counts or not row_wise_experts(spec):
         return [1]
-    return [d for d in range(1, world + 1) if world % d == 0 and all(c % d == 0 for c in counts)]
+    return [d for d in range(1, world + 1) if expert_parallel_problem(world, d, counts) is None]
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:
     """Why agilerl.distributed cannot split ``spec`` over ``tp`` ranks, or None: every block's
-    attention and KV heads and each dense MLP's width must divide by it (a MoE block splits
-    its attention only, and needs its experts packed)."""
+    attention and KV heads and each dense MLP's width must divide by it
+    (agilerl.distributed.tp_split_problem; a MoE block splits its attention only, and needs
+    its experts packed)."""
     for b in spec.block_types.values():
-        if b.attention.num_heads % tp or b.attention.num_kv_heads % tp:
-            return (f"tp={tp} needs attention heads ({b.attention.num_heads}) and KV heads "
-                    f"({b.attention.num_kv_heads}) divisible by it")
-        if b.mlp.kind == "moe" and not is_packed(b):
+        if tp > 1 and b.mlp.kind == "moe" and not is_packed(b):
             return f"tp={tp} needs MoE experts packed per layer ({b.kind} loops over expert modules)"
-        if any(n.split(".")[-1] == "sinks" for n, _ in b.tensors):
-            return f"tp={tp} does not split attention sinks (one learnt logit per head in {b.kind}); use tp=1"
-        if b.mlp.kind != "moe" and b.mlp.intermediate_size % tp:
-            return f"tp={tp} needs the MLP width ({b.mlp.intermediate_size}) divisible by it"
+        problem = tp_split_problem(
+            tp, num_heads=b.attention.num_heads, num_kv_heads=b.attention.num_kv_heads,
+            intermediate_size=None if b.mlp.kind == "moe" else b.mlp.intermediate_size,
+            sinks=any(n.split(".")[-1] == "sinks" for n, _ in b.tensors))
+        if problem:
+            return problem
     return None
 
 
@@ -86,12 +83,9 @@ def tensor_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
 
 def check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
     """The EP degree agilerl.distributed accepts: packed experts, dividing the world and every expert count."""
-    allowed = expert_parallel_degrees(spec, world)
-    if allowed == [1] and spec.expert_layout_problem:
-        raise ValueError(f"ep={ep}: {spec.expert_layout_problem}")
-    if allowed == [1]:
+    if not _expert_counts(spec) or not row_wise_experts(spec):
+        if spec.expert_layout_problem:
+            raise ValueError(f"ep={ep}: {spec.expert_layout_problem}")
         raise ValueError(f"ep={ep} needs packed MoE experts; {spec.name} has none. Use ep=1.")
-    counts = sorted({b.mlp.num_experts for b in spec.block_types.values() if b.mlp.kind == "moe"})
-    if ep not in allowed:
-        raise ValueError(f"ep={ep} must divide the {world} GPUs and the {counts[-1]} experts per layer; "
-                         f"allowed: {allowed}")
+    if problem := expert_parallel_problem(world, ep, _expert_counts(spec)):
+        raise ValueError(problem)

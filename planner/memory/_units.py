@@ -1,15 +1,17 @@
 """Tensors as FSDP sees them on one rank, and the FSDP units agilerl.distributed wraps.
 
 FSDP2 gives rank i rows ``[i*ceil(d/S), (i+1)*ceil(d/S))`` of every sharded tensor, so rank 0
-holds the largest shards. Units run in order: the embeddings (unless tied), the per-layer
-embeddings, the blocks (``wrap_every_n_blocks`` layers each), the lm_head; the root holds
-the rest.
+holds the largest shards. Units run in the order agilerl.distributed.fsdp_units gives (the
+runtime's own): the embeddings (unless tied), the per-layer embeddings, the blocks
+(``wrap_every_n_blocks`` layers each), the lm_head; the root holds the rest.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from agilerl.distributed import fsdp_units
 
 from ..spec import is_per_layer_embedding
 from ._context import Context
@@ -135,11 +137,10 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
     return LayerTensors(tuple(base), tuple(lora), tuple(expert_base), tuple(expert_lora), expert_down)
 
 
-def _outside_blocks(ctx: Context) -> tuple[list[Unit], Unit, Tensor, Tensor | None]:
-    """The units before the blocks (embeddings, per-layer embeddings), the root, and the
-    embedding and lm_head tensors."""
+def _outside_blocks(ctx: Context) -> tuple[Unit, Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """The root unit, the embedding and lm_head tensors, and the per-layer embedding tables
+    that are units of their own (under FSDP; otherwise they stay in the root)."""
     spec, threshold, r = ctx.spec, ctx.persistence_threshold, ctx.lora_rank
-    units: list[Unit] = []
     embed = make_tensor(spec.embed_shape, threshold)
     head = make_tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
     root_base = [make_tensor(s, threshold) for name, s in spec.root_tensors if not is_per_layer_embedding(name)]
@@ -151,15 +152,11 @@ def _outside_blocks(ctx: Context) -> tuple[list[Unit], Unit, Tensor, Tensor | No
             root_lora.append(make_tensor((b_rows, r * b_cols), threshold))
     if spec.tie_word_embeddings:
         root_base.append(embed)
-    else:
-        units.append(Unit("embed", base=(embed,)))
-    # Per-layer embeddings (PLE) are a unit of their own, looked up right after the embeddings.
-    ple = [make_tensor(s, threshold) for name, s in spec.root_tensors if is_per_layer_embedding(name)]
-    if ple and ctx.sharded:
-        units.append(Unit("embed_tokens_per_layer", base=tuple(ple)))
-    elif ple:
+    ple = tuple(make_tensor(s, threshold) for name, s in spec.root_tensors if is_per_layer_embedding(name))
+    if not ctx.sharded:
         root_base.extend(ple)
-    return units, Unit("root", base=tuple(root_base), lora=tuple(root_lora)), embed, head
+        ple = ()
+    return Unit("root", base=tuple(root_base), lora=tuple(root_lora)), embed, head, ple
 
 
 #: Layouts by what they depend on (:func:`_layout_key`): a plan asks tens of estimates that differ
@@ -194,20 +191,25 @@ def build_layout(ctx: Context) -> Layout:
 
 def _build_layout(ctx: Context) -> Layout:
     spec = ctx.spec
-    units, root, embed, head = _outside_blocks(ctx)
+    root, embed, head, ple = _outside_blocks(ctx)
     by_type = {i: layer_tensors(ctx, i) for i in ctx.distinct_layers}
     layers = [by_type[i] for i in ctx.representative]
-    wrap = ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1
+    parts = fsdp_units(spec.num_layers, ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1,
+                       separate_embedding=not spec.tie_word_embeddings, per_layer_embeddings=len(ple),
+                       separate_head=head is not None)
+    units: list[Unit] = []
     nested: dict[str, tuple[Unit, ...]] = {}
-    for start in range(0, spec.num_layers, wrap):
-        members = range(start, min(start + wrap, spec.num_layers))
-        unit = Unit(f"blocks.{start}", base=tuple(t for i in members for t in layers[i].base),
+    for part in parts:
+        if part.kind != "blocks":
+            tensor = {"embed": embed, "head": head}.get(part.kind) or ple[part.start]
+            units.append(Unit(part.name, base=(tensor,)))
+            continue
+        members = range(part.start, part.stop)
+        unit = Unit(part.name, base=tuple(t for i in members for t in layers[i].base),
                     lora=tuple(t for i in members for t in layers[i].lora))
         units.append(unit)
         nested[unit.name] = tuple(Unit(f"blocks.{i}.experts", layers[i].expert_base, layers[i].expert_lora)
                                   for i in members if ctx.packed[i]) if ctx.ep > 1 else ()
-    if head is not None:
-        units.append(Unit("lm_head", base=(head,)))
     all_units = [*units, root]
     return Layout(
         units=tuple(units), root=root, embed=embed, head=head, nested=nested,

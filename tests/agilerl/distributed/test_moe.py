@@ -308,9 +308,9 @@ def test_chunk_rows_and_validation():
     assert expert_chunk_rows(chunk_mib=1 / 1024, row_bytes=128) == 8
     assert expert_chunk_rows(chunk_mib=1 / 2**20, row_bytes=128) == 1  # never below one row
     check_expert_parallel(world_size=8, ep=4, num_experts=128)
-    with pytest.raises(ValueError, match=r"divide the world size 8; allowed: \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"ep=3 must divide the 8 ranks \(allowed: 1, 2, 4, 8\)"):
         check_expert_parallel(world_size=8, ep=3)
-    with pytest.raises(ValueError, match="experts per layer"):
+    with pytest.raises(ValueError, match=r"ep=8 must divide the 60 experts per layer \(allowed: 1, 2, 4\)"):
         check_expert_parallel(world_size=8, ep=8, num_experts=60)
 
 

@@ -65,11 +65,11 @@ def test_what_the_trainer_refuses(dense_spec, moe_spec):
         make_context(dense_spec, gpus=3, fsdp=FSDPConfig())
     with pytest.raises(KeyError, match="no LoRA coverage"):
         make_context(dense_spec, lora_targets=("q_proj",))
-    with pytest.raises(ValueError, match="KV heads"):
+    with pytest.raises(ValueError, match=r"tp=4 must divide .* not divisible: \{'num_key_value_heads': 2\}"):
         make_context(dense_spec, gpus=4, fsdp=FSDPConfig(tp=4), prompts_per_step=4)
     with pytest.raises(ValueError, match="needs packed MoE experts"):
         make_context(dense_spec, fsdp=FSDPConfig(ep=2))
-    with pytest.raises(ValueError, match=r"allowed: \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"ep=3 must divide the 8 experts per layer \(allowed: 1, 2\)"):
         make_context(moe_spec, gpus=6, fsdp=FSDPConfig(ep=3), prompts_per_step=6)
 
 
