@@ -31,3 +31,15 @@ def test_import_contracts_hold():
 def test_ruff_passes():
     done = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_commit_hooks_run_the_same_checks():
+    """.pre-commit-config.yaml runs what this module runs, on the same installed tools."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    hooks = [hook for repo in config["repos"] for hook in repo["hooks"]]
+    assert all(repo["repo"] == "local" for repo in config["repos"])  # nothing downloaded
+    entries = {hook["entry"].split()[0]: hook for hook in hooks}
+    assert entries["ruff"]["entry"].split()[:2] == ["ruff", "check"]
+    assert entries["lint-imports"]["pass_filenames"] is False  # the contracts are over the whole project
