@@ -252,7 +252,14 @@ class Workload(BaseModel):
         return self.prompts_per_step * self.group_size
 
     def completions_per_rank(self, data_parallel_ranks: int) -> int:
+        """A data-parallel rank's sequences per step. The RL objectives split the step's
+        completions; sft and dpo split its examples, so a rank trains on whole pairs
+        (agilerl.algorithms.LLMAlgorithm.local_examples)."""
         total = self.completions_per_step
+        if self.algorithm in OFFLINE_SEQUENCES and self.prompts_per_step % data_parallel_ranks:
+            kind = "preference pairs" if self.algorithm == "dpo" else "examples"
+            raise ValueError(f"prompts_per_step = {self.prompts_per_step} {kind} do not split over "
+                             f"{data_parallel_ranks} ranks: {self.algorithm} trains each rank on whole {kind}")
         if total % data_parallel_ranks:
             raise ValueError(
                 f"prompts_per_step x group_size = {total} completions do not split over {data_parallel_ranks} ranks"

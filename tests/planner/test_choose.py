@@ -358,3 +358,8 @@ def test_dpo_micro_batches_hold_whole_pairs(spec):
     assert p.workload.micro_batch_size_per_gpu % 2 == 0
     with pytest.raises(ValueError, match="must be even"):
         plan(spec, wl.model_copy(update={"micro_batch_size_per_gpu": 1}), Cluster(gpu=_gpu(4096), num_gpus=2))
+    # 4 pairs (8 sequences) over 8 GPUs: one sequence each would split every pair, which the trainer
+    # refuses (each rank takes whole examples); before, plan() had no micro-batch to choose and crashed.
+    with pytest.raises(ValueError, match="prompts_per_step = 4 preference pairs do not split over 8 ranks"):
+        plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=8))
+    plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=4))  # one pair per rank
