@@ -25,6 +25,7 @@ and names the smallest changes that would.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -93,8 +94,12 @@ def _gib(n: float) -> str:
 
 
 class _Search:
-    def __init__(self, spec, cluster, coefficients, margin):
+    """The fixed inputs of one plan and the estimate they are judged by."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, coefficients: Coefficients | None, margin: int, *,
+                 workload: Workload, fixed: dict[str, Any]):
         self.spec, self.cluster, self.coefficients, self.margin = spec, cluster, coefficients, margin
+        self.workload, self.fixed = workload, fixed  # as the user gave them
         self.limit = cluster.gpu.memory_bytes - margin
 
     def estimate(self, workload: Workload, fsdp: FSDPConfig | None) -> Estimate:
@@ -102,6 +107,22 @@ class _Search:
 
     def fits(self, workload, fsdp) -> bool:
         return self.estimate(workload, fsdp).peak_bytes <= self.limit
+
+
+@dataclass
+class _Draft:
+    """What plan() has chosen so far: the workload and FSDPConfig the next step starts from, and why."""
+
+    workload: Workload
+    fsdp: FSDPConfig | None = None
+    decisions: list[Decision] = field(default_factory=list)
+
+    def note(self, field: str, value: Any, reason: str) -> None:
+        self.decisions.append(Decision(field=field, value=value, reason=reason))
+
+    def trying(self, **update: Any) -> Workload:
+        """The current workload with ``update`` applied."""
+        return self.workload.model_copy(update=update)
 
 
 def _divisors(n: int) -> list[int]:
@@ -211,227 +232,292 @@ def plan(
     check_inputs(spec, workload, cluster, fixed, sharding)
     colocated = workload.generation == "vllm" if colocated_vllm is None else colocated_vllm
     margin = int(cluster.gpu.memory_bytes * margin_fraction)
-    search = _Search(spec, cluster, coefficients, margin)
-    W = cluster.num_gpus
-    decisions: list[Decision] = []
-    user_micro = workload.micro_batch_size_per_gpu
-    user_chunk = workload.logprob_chunk_size
-    user_gc = workload.gradient_checkpointing
+    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed=fixed)
 
-    def with_(wl: Workload, **kw) -> Workload:
-        return wl.model_copy(update=kw)
-
-    frugal = with_(workload, micro_batch_size_per_gpu=user_micro or (2 if workload.algorithm == "dpo" else 1),
-                   logprob_chunk_size=user_chunk or LOGPROB_CHUNKS[0],
-                   gradient_checkpointing=True if user_gc is None else user_gc)
+    # 1. the most frugal settings, sharded only where data parallel does not fit
+    draft = _Draft(_frugal_workload(workload))
     vllm_notes: list[Decision] = []
-    user_util = workload.vllm_gpu_memory_utilization
     if workload.generation == "vllm":
-        frugal, vllm_notes = _vllm_frugal(spec, frugal, cluster, fixed)
-
-    # 1. data parallel or FSDP2
-    use_fsdp = sharding == "fsdp" or (sharding == "auto" and (W > 1 or bool(fixed)))
-    if sharding == "auto" and fixed:
-        decisions.append(Decision(field="sharding", value="fsdp",
-                                  reason=f"FSDPConfig fields were given ({', '.join(sorted(fixed))})"))
-    elif sharding == "auto" and W > 1:
-        if search.fits(frugal, None):
-            use_fsdp = False
-            decisions.append(Decision(field="sharding", value="data parallel",
-                                      reason="the whole actor fits on each GPU, so no weight gathers are needed"))
-        else:
-            need = search.estimate(frugal, None).peak_bytes
-            decisions.append(Decision(field="sharding", value="fsdp",
-                                      reason=f"unsharded it needs {_gib(need)} per GPU, over {_gib(search.limit)}"))
-    elif W == 1 and sharding != "fsdp":
-        use_fsdp = False
-        decisions.append(Decision(field="sharding", value="none", reason="one device: no sharding needed"))
-    if sharding == "none":
-        use_fsdp = False
-
-    fsdp: FSDPConfig | None = None
-    if use_fsdp:
-        # Full fine-tuning holds every unsharded gradient between micro-batches under defer_grad_sync:
-        # reduce-scatter each micro-batch instead until the deferral is known to fit.
-        base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
-                    optim_cpu_offload=False, cpu_offload=False, shard_group_size=None,
-                    defer_grad_sync=not workload.full_finetune)
-        # the row-wise experts in chunks: far below PEFT's merged expert stacks
-        row_wise = row_wise_experts(spec)
-        if row_wise:
-            base["routed_expert_chunk_mib"] = EXPERT_CHUNKS_MIB[0]
-        base.update(fixed)
-        fsdp = FSDPConfig(**base)
-        if row_wise and "ep" not in fixed and not search.fits(frugal, fsdp):
-            # Expert parallel: each rank gathers E / ep experts, sharded over world / ep ranks.
-            for ep in _expert_parallel_degrees(spec, cluster):
-                candidate = fsdp.model_copy(update={"ep": ep})
-                if search.fits(frugal, candidate):
-                    fsdp = candidate
-                    decisions.append(Decision(field="ep", value=ep, reason=(
-                        f"experts split over {ep} GPUs: each gathers {1 / ep:.3g} of a layer's experts")))
-                    break
-        if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
-            fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
-        # cpu_offload parks the weights on the host: only where Hugging Face generate does not need them
-        offloadable = colocated or workload.algorithm in OFFLINE_SEQUENCES
-        if not search.fits(frugal, fsdp) and offloadable and "cpu_offload" not in fixed and not workload.load_in_4bit:
-            candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
-            if search.fits(frugal, candidate):
-                fsdp = candidate
-                decisions.append(Decision(field="cpu_offload", value=True, reason=(
-                    "last resort: parameters and gradients on the host; nothing else fits")))
-
-    current = frugal
-    if not search.fits(current, fsdp):
-        est = search.estimate(current, fsdp)
+        draft.workload, vllm_notes = _vllm_frugal(spec, draft.workload, cluster, fixed)
+    if _choose_sharding(search, draft, sharding):
+        draft.fsdp = _frugal_fsdp(search, draft, colocated)
+    if not search.fits(draft.workload, draft.fsdp):
+        est = search.estimate(draft.workload, draft.fsdp)
         suggestions = _suggest(spec, workload, cluster, coefficients, margin, fixed) if suggest else []
-        decisions.append(Decision(field="fits", value=False, reason=(
-            f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
-            f"over the {_gib(search.limit)} available")))
-        return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
-                    decisions=tuple(decisions), fits=False, margin_bytes=margin, suggestions=tuple(suggestions),
-                    coefficients_source=source)
-
-    def note(field: str, value: Any, reason: str) -> None:
-        decisions.append(Decision(field=field, value=value, reason=reason))
+        draft.note("fits", False, f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase "
+                                  f"{est.peak_phase}, over the {_gib(search.limit)} available")
+        return Plan(model=spec.name, cluster=cluster, fsdp=draft.fsdp, workload=draft.workload, estimate=est,
+                    decisions=tuple(draft.decisions), fits=False, margin_bytes=margin,
+                    suggestions=tuple(suggestions), coefficients_source=source)
 
     # 2. relax, in order of throughput value
-    if fsdp is not None and not fsdp.cpu_offload and "optim_cpu_offload" not in fixed:
-        if fsdp.optim_cpu_offload:
-            on_gpu = search.estimate(current, fsdp.model_copy(update={"optim_cpu_offload": False})).peak_bytes
-            note("optim_cpu_offload", True, f"Adam state on the GPU would need {_gib(on_gpu)} per GPU; "
-                                            f"on the host it fits")
-        else:
-            note("optim_cpu_offload", False, "Adam state fits on the GPU (fused AdamW there is fastest)")
+    _note_optimizer_offload(search, draft)
+    completions = workload.completions_per_rank(cluster.num_gpus // (draft.fsdp.tp if draft.fsdp else 1))
+    _choose_micro_batch(search, draft, completions)
+    _choose_checkpointing(search, draft)
+    if draft.fsdp is not None:
+        _choose_gradient_flow(search, draft, completions)
+    _choose_rollout_gather(search, draft)
+    _choose_logprob_chunk(search, draft)
+    if draft.fsdp is not None:
+        _choose_unit_sizes(search, draft)
+        _choose_experts(search, draft)
+    draft.decisions.extend(vllm_notes)
+    _choose_vllm_utilization(search, draft)
 
-    n = workload.completions_per_rank(W // (fsdp.tp if fsdp else 1))
-    if user_micro is None:
-        choices = [mb for mb in _divisors(n) if workload.micro_batch_fits_examples(mb)]
-        best = choices[0]
-        for mb in choices:
-            if search.fits(with_(current, micro_batch_size_per_gpu=mb), fsdp):
-                best = mb
-        current = with_(current, micro_batch_size_per_gpu=best)
-        note("micro_batch_size_per_gpu", best, f"the largest divisor of the {n} completions per GPU that fits"
-             if best < n else f"all {n} completions per GPU in one micro-batch fit")
+    est = search.estimate(draft.workload, draft.fsdp)
+    draft.note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
+                             f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
+    return Plan(model=spec.name, cluster=cluster, fsdp=draft.fsdp, workload=draft.workload, estimate=est,
+                decisions=tuple(draft.decisions), fits=True, margin_bytes=margin, coefficients_source=source)
 
-    if user_gc is None:
-        if search.fits(with_(current, gradient_checkpointing=False), fsdp):
-            current = with_(current, gradient_checkpointing=False)
-            note("gradient_checkpointing", False, "activations of every block fit: no recompute in backward")
-        else:
-            off = search.estimate(with_(current, gradient_checkpointing=False), fsdp).peak_bytes
-            note("gradient_checkpointing", True, f"without it the learn phase needs {_gib(off)}")
 
-    if fsdp is not None:
-        per_node = cluster.per_node
-        if "shard_group_size" not in fixed and cluster.num_nodes > 1:
-            hsdp = fsdp.model_copy(update={"shard_group_size": per_node})
-            if search.fits(current, hsdp):
-                fsdp = hsdp
-                note("shard_group_size", per_node, f"weights sharded within a node of {per_node} GPUs fit, so "
-                                                   "all-gathers stay on the node's fast links (HSDP)")
-            else:
-                note("shard_group_size", None, f"sharding only within a node of {per_node} GPUs does not fit")
-        elif "shard_group_size" not in fixed:
-            note("shard_group_size", None, "one node: sharding across all its GPUs")
-        micro_batches = n // current.micro_batch_size_per_gpu
-        if "defer_grad_sync" not in fixed and micro_batches == 1:
-            fsdp = fsdp.model_copy(update={"defer_grad_sync": True})  # one micro-batch: nothing to defer (the default)
-        elif "defer_grad_sync" not in fixed:
-            defer = fsdp.model_copy(update={"defer_grad_sync": True})
-            if fsdp.defer_grad_sync or search.fits(current, defer):
-                fsdp = defer
-                note("defer_grad_sync", True, f"the {micro_batches} micro-batches' unsharded gradients fit until the "
-                                              "last one reduce-scatters them: one reduce-scatter per step")
-            else:
-                need = search.estimate(current, defer).peak_bytes
-                note("defer_grad_sync", False, f"holding every unsharded gradient between micro-batches would need "
-                                               f"{_gib(need)}: each micro-batch reduce-scatters")
-        if "reshard_after_forward" not in fixed:
-            keep = fsdp.model_copy(update={"reshard_after_forward": False})
-            if search.fits(current, keep):
-                fsdp = keep
-                note("reshard_after_forward", False, "every unit can stay gathered from forward to backward: "
-                                                     "no second all-gather")
-            else:
-                note("reshard_after_forward", True, "keeping all units gathered does not fit")
+def _frugal_workload(workload: Workload) -> Workload:
+    """The user's workload with the knobs left open at their most frugal: one example per
+    micro-batch, the smallest log-prob chunk, checkpointing on."""
+    return workload.model_copy(update=dict(
+        micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu or (2 if workload.algorithm == "dpo" else 1),
+        logprob_chunk_size=workload.logprob_chunk_size or LOGPROB_CHUNKS[0],
+        gradient_checkpointing=True if workload.gradient_checkpointing is None else workload.gradient_checkpointing))
 
-    if workload.generation == "hf" and workload.gather_weights_for_rollout is None:
-        # Unsharded: a merged copy of each adapted linear; under FSDP2: every unit gathered at once
-        # (with reshard_after_forward=False generate's forwards would keep them gathered anyway, but
-        # only gathering once lets it run LoRA merged and without per-token synced steps).
-        once = with_(current, gather_weights_for_rollout=True)
-        fits = search.fits(once, fsdp)
-        current = once if fits else with_(current, gather_weights_for_rollout=False)
-        if fsdp is None:
-            note("gather_weights_for_rollout", fits, "a merged copy of every adapted linear fits beside generation's "
-                 "KV cache: one matmul per linear per token, not three" if fits else
-                 "LoRA stays unmerged in generation: a merged copy of the adapted weights does not fit beside the KV cache")
-        else:
-            note("gather_weights_for_rollout", fits, "every unit gathered at once fits beside generation's KV cache: "
-                 "one all-gather per unit per rollout, not one per token" if fits else
-                 "generation re-gathers unit by unit: all units at once do not fit beside the KV cache")
 
-    if user_chunk is None:
-        best = LOGPROB_CHUNKS[0]
-        for chunk in LOGPROB_CHUNKS:
-            if search.fits(with_(current, logprob_chunk_size=chunk), fsdp):
-                best = chunk
-        current = with_(current, logprob_chunk_size=best)
-        note("logprob_chunk_size", best, "the largest log-prob chunk (token rows) whose logits workspace fits")
+def _choose_sharding(search: _Search, draft: _Draft, sharding: str) -> bool:
+    """Whether to shard with FSDP2: asked for, FSDPConfig fields given, or data parallel does not fit."""
+    fixed, gpus = search.fixed, search.cluster.num_gpus
+    if sharding == "none":
+        return False
+    if sharding == "fsdp":
+        return True
+    if fixed:
+        draft.note("sharding", "fsdp", f"FSDPConfig fields were given ({', '.join(sorted(fixed))})")
+        return True
+    if gpus == 1:
+        draft.note("sharding", "none", "one device: no sharding needed")
+        return False
+    if search.fits(draft.workload, None):
+        draft.note("sharding", "data parallel", "the whole actor fits on each GPU, so no weight gathers are needed")
+        return False
+    need = search.estimate(draft.workload, None).peak_bytes
+    draft.note("sharding", "fsdp", f"unsharded it needs {_gib(need)} per GPU, over {_gib(search.limit)}")
+    return True
 
-    if fsdp is not None:
-        if "wrap_every_n_blocks" not in fixed:
-            best = 1
-            for wrap in (2, 4):
-                if wrap <= spec.num_layers and search.fits(current, fsdp.model_copy(update={"wrap_every_n_blocks": wrap})):
-                    best = wrap
-            fsdp = fsdp.model_copy(update={"wrap_every_n_blocks": best})
-            note("wrap_every_n_blocks", best, "fewer, bigger collectives" if best > 1 else
-                 "bigger units do not fit")
-        for field in ("prefetch_units", "backward_prefetch_units"):
-            if field in fixed:
-                continue
-            deeper = fsdp.model_copy(update={field: 2})
-            if search.fits(current, deeper):
-                fsdp = deeper
-                note(field, 2, "a second unit in flight fits: more overlap of gathers with compute")
-            else:
-                note(field, 1, "only one neighbouring unit fits in flight")
-        if row_wise and "routed_expert_chunk_mib" not in fixed:
-            best = EXPERT_CHUNKS_MIB[0]
-            for chunk in EXPERT_CHUNKS_MIB[1:]:
-                if search.fits(current, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk})):
-                    best = chunk
-            fsdp = fsdp.model_copy(update={"routed_expert_chunk_mib": best})
-            note("routed_expert_chunk_mib", best, "the largest of 64/128/256/512 MiB whose expert chunk fits: "
-                 "fewer kernel launches per MoE layer" if best > EXPERT_CHUNKS_MIB[0] else
-                 "only the smallest expert chunk fits")
-        if row_wise and "ep" not in fixed and not any(d.field == "ep" for d in decisions):
-            note("ep", fsdp.ep, "every rank holds a shard of every expert: no all-to-all needed")
-        if spec.is_moe and not row_wise:
-            note("ep", fsdp.ep, "Hugging Face's expert loop runs the experts (their layout has no "
-                 "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset")
 
-    decisions.extend(vllm_notes)
-    if workload.generation == "vllm" and user_util is None and workload.vllm_kv_cache_memory_bytes is None:
-        floor = current.vllm_gpu_memory_utilization
-        for util in VLLM_UTILIZATIONS:
-            if util > floor and search.fits(with_(current, vllm_gpu_memory_utilization=util), fsdp):
-                current = with_(current, vllm_gpu_memory_utilization=util)
+def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
+    """The most frugal FSDPConfig: resharding, one block a unit, prefetch 1, the smallest expert
+    chunk; then expert parallelism, Adam on the host and parameter offload, each only when what
+    came before does not fit."""
+    spec, fixed, workload, frugal = search.spec, search.fixed, search.workload, draft.workload
+    # Full fine-tuning holds every unsharded gradient between micro-batches under defer_grad_sync:
+    # reduce-scatter each micro-batch instead until the deferral is known to fit.
+    base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
+                optim_cpu_offload=False, cpu_offload=False, shard_group_size=None,
+                defer_grad_sync=not workload.full_finetune)
+    # the row-wise experts in chunks: far below PEFT's merged expert stacks
+    row_wise = row_wise_experts(spec)
+    if row_wise:
+        base["routed_expert_chunk_mib"] = EXPERT_CHUNKS_MIB[0]
+    base.update(fixed)
+    fsdp = FSDPConfig(**base)
+    if row_wise and "ep" not in fixed and not search.fits(frugal, fsdp):
+        # Expert parallel: each rank gathers E / ep experts, sharded over world / ep ranks.
+        for ep in _expert_parallel_degrees(spec, search.cluster):
+            candidate = fsdp.model_copy(update={"ep": ep})
+            if search.fits(frugal, candidate):
+                fsdp = candidate
+                draft.note("ep", ep, f"experts split over {ep} GPUs: each gathers {1 / ep:.3g} of a layer's experts")
                 break
-        note("vllm_gpu_memory_utilization", current.vllm_gpu_memory_utilization,
-             "the largest fraction (in 0.05 steps, at most 0.9) with training and sync within budget: the engine's "
-             "KV cache takes what training leaves" if current.vllm_gpu_memory_utilization > floor else
-             "the least the engine starts with (its weights and one sequence's KV cache); no larger fraction fits")
+    if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
+        fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
+    # cpu_offload parks the weights on the host: only where Hugging Face generate does not need them
+    offloadable = colocated or workload.algorithm in OFFLINE_SEQUENCES
+    if not search.fits(frugal, fsdp) and offloadable and "cpu_offload" not in fixed and not workload.load_in_4bit:
+        candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
+        if search.fits(frugal, candidate):
+            fsdp = candidate
+            draft.note("cpu_offload", True, "last resort: parameters and gradients on the host; nothing else fits")
+    return fsdp
 
-    est = search.estimate(current, fsdp)
-    note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
-                       f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
-    return Plan(model=spec.name, cluster=cluster, fsdp=fsdp, workload=current, estimate=est,
-                decisions=tuple(decisions), fits=True, margin_bytes=margin, coefficients_source=source)
+
+def _note_optimizer_offload(search: _Search, draft: _Draft) -> None:
+    """Say where Adam's state went (the frugal FSDPConfig moved it to the host only if it had to)."""
+    fsdp = draft.fsdp
+    if fsdp is None or fsdp.cpu_offload or "optim_cpu_offload" in search.fixed:
+        return
+    if fsdp.optim_cpu_offload:
+        on_gpu = search.estimate(draft.workload, fsdp.model_copy(update={"optim_cpu_offload": False})).peak_bytes
+        draft.note("optim_cpu_offload", True, f"Adam state on the GPU would need {_gib(on_gpu)} per GPU; "
+                                              f"on the host it fits")
+    else:
+        draft.note("optim_cpu_offload", False, "Adam state fits on the GPU (fused AdamW there is fastest)")
+
+
+def _choose_micro_batch(search: _Search, draft: _Draft, completions: int) -> None:
+    """The largest micro-batch dividing a rank's completions (whole examples) that fits."""
+    workload = search.workload
+    if workload.micro_batch_size_per_gpu is not None:
+        return
+    choices = [mb for mb in _divisors(completions) if workload.micro_batch_fits_examples(mb)]
+    best = choices[0]
+    for mb in choices:
+        if search.fits(draft.trying(micro_batch_size_per_gpu=mb), draft.fsdp):
+            best = mb
+    draft.workload = draft.trying(micro_batch_size_per_gpu=best)
+    draft.note("micro_batch_size_per_gpu", best,
+               f"the largest divisor of the {completions} completions per GPU that fits" if best < completions
+               else f"all {completions} completions per GPU in one micro-batch fit")
+
+
+def _choose_checkpointing(search: _Search, draft: _Draft) -> None:
+    """Checkpointing off when every block's activations fit."""
+    if search.workload.gradient_checkpointing is not None:
+        return
+    off = draft.trying(gradient_checkpointing=False)
+    if search.fits(off, draft.fsdp):
+        draft.workload = off
+        draft.note("gradient_checkpointing", False, "activations of every block fit: no recompute in backward")
+    else:
+        need = search.estimate(off, draft.fsdp).peak_bytes
+        draft.note("gradient_checkpointing", True, f"without it the learn phase needs {_gib(need)}")
+
+
+def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> None:
+    """FSDP2's sharding and gathers: node-local shard groups (HSDP), deferred gradient sync,
+    and no resharding between forward and backward, each where it fits."""
+    fixed, cluster, current = search.fixed, search.cluster, draft.workload
+    fsdp = draft.fsdp
+    assert fsdp is not None
+    per_node = cluster.per_node
+    if "shard_group_size" not in fixed and cluster.num_nodes > 1:
+        hsdp = fsdp.model_copy(update={"shard_group_size": per_node})
+        if search.fits(current, hsdp):
+            fsdp = hsdp
+            draft.note("shard_group_size", per_node, f"weights sharded within a node of {per_node} GPUs fit, so "
+                                                     "all-gathers stay on the node's fast links (HSDP)")
+        else:
+            draft.note("shard_group_size", None, f"sharding only within a node of {per_node} GPUs does not fit")
+    elif "shard_group_size" not in fixed:
+        draft.note("shard_group_size", None, "one node: sharding across all its GPUs")
+    micro_batches = completions // current.micro_batch_size_per_gpu
+    if "defer_grad_sync" not in fixed and micro_batches == 1:
+        fsdp = fsdp.model_copy(update={"defer_grad_sync": True})  # one micro-batch: nothing to defer (the default)
+    elif "defer_grad_sync" not in fixed:
+        defer = fsdp.model_copy(update={"defer_grad_sync": True})
+        if fsdp.defer_grad_sync or search.fits(current, defer):
+            fsdp = defer
+            draft.note("defer_grad_sync", True, f"the {micro_batches} micro-batches' unsharded gradients fit until "
+                                                "the last one reduce-scatters them: one reduce-scatter per step")
+        else:
+            need = search.estimate(current, defer).peak_bytes
+            draft.note("defer_grad_sync", False, f"holding every unsharded gradient between micro-batches would "
+                                                 f"need {_gib(need)}: each micro-batch reduce-scatters")
+    if "reshard_after_forward" not in fixed:
+        keep = fsdp.model_copy(update={"reshard_after_forward": False})
+        if search.fits(current, keep):
+            fsdp = keep
+            draft.note("reshard_after_forward", False, "every unit can stay gathered from forward to backward: "
+                                                       "no second all-gather")
+        else:
+            draft.note("reshard_after_forward", True, "keeping all units gathered does not fit")
+    draft.fsdp = fsdp
+
+
+def _choose_rollout_gather(search: _Search, draft: _Draft) -> None:
+    """gather_weights_for_rollout under Hugging Face generate, where it fits.
+
+    Unsharded: a merged copy of each adapted linear; under FSDP2: every unit gathered at once
+    (with reshard_after_forward=False generate's forwards would keep them gathered anyway, but
+    only gathering once lets it run LoRA merged and without per-token synced steps).
+    """
+    workload = search.workload
+    if workload.generation != "hf" or workload.gather_weights_for_rollout is not None:
+        return
+    once = draft.trying(gather_weights_for_rollout=True)
+    fits = search.fits(once, draft.fsdp)
+    draft.workload = once if fits else draft.trying(gather_weights_for_rollout=False)
+    if draft.fsdp is None:
+        draft.note("gather_weights_for_rollout", fits, "a merged copy of every adapted linear fits beside "
+                   "generation's KV cache: one matmul per linear per token, not three" if fits else
+                   "LoRA stays unmerged in generation: a merged copy of the adapted weights does not fit beside "
+                   "the KV cache")
+    else:
+        draft.note("gather_weights_for_rollout", fits, "every unit gathered at once fits beside generation's KV "
+                   "cache: one all-gather per unit per rollout, not one per token" if fits else
+                   "generation re-gathers unit by unit: all units at once do not fit beside the KV cache")
+
+
+def _choose_logprob_chunk(search: _Search, draft: _Draft) -> None:
+    """The largest log-prob chunk whose logits workspace fits."""
+    if search.workload.logprob_chunk_size is not None:
+        return
+    best = LOGPROB_CHUNKS[0]
+    for chunk in LOGPROB_CHUNKS:
+        if search.fits(draft.trying(logprob_chunk_size=chunk), draft.fsdp):
+            best = chunk
+    draft.workload = draft.trying(logprob_chunk_size=best)
+    draft.note("logprob_chunk_size", best, "the largest log-prob chunk (token rows) whose logits workspace fits")
+
+
+def _choose_unit_sizes(search: _Search, draft: _Draft) -> None:
+    """Bigger FSDP units (2 or 4 blocks) and deeper prefetch, where they fit."""
+    fixed, current, fsdp = search.fixed, draft.workload, draft.fsdp
+    assert fsdp is not None
+    if "wrap_every_n_blocks" not in fixed:
+        best = 1
+        for wrap in (2, 4):
+            if wrap <= search.spec.num_layers and search.fits(current, fsdp.model_copy(update={"wrap_every_n_blocks": wrap})):
+                best = wrap
+        fsdp = fsdp.model_copy(update={"wrap_every_n_blocks": best})
+        draft.note("wrap_every_n_blocks", best, "fewer, bigger collectives" if best > 1 else "bigger units do not fit")
+    for name in ("prefetch_units", "backward_prefetch_units"):
+        if name in fixed:
+            continue
+        deeper = fsdp.model_copy(update={name: 2})
+        if search.fits(current, deeper):
+            fsdp = deeper
+            draft.note(name, 2, "a second unit in flight fits: more overlap of gathers with compute")
+        else:
+            draft.note(name, 1, "only one neighbouring unit fits in flight")
+    draft.fsdp = fsdp
+
+
+def _choose_experts(search: _Search, draft: _Draft) -> None:
+    """The largest expert chunk that fits (FSDPConfig.routed_expert_chunk_mib's documented choice),
+    and why ep is what it is."""
+    spec, fixed, fsdp = search.spec, search.fixed, draft.fsdp
+    assert fsdp is not None
+    row_wise = row_wise_experts(spec)
+    if row_wise and "routed_expert_chunk_mib" not in fixed:
+        best = EXPERT_CHUNKS_MIB[0]
+        for chunk in EXPERT_CHUNKS_MIB[1:]:
+            if search.fits(draft.workload, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk})):
+                best = chunk
+        fsdp = draft.fsdp = fsdp.model_copy(update={"routed_expert_chunk_mib": best})
+        draft.note("routed_expert_chunk_mib", best, "the largest of 64/128/256/512 MiB whose expert chunk fits: "
+                   "fewer kernel launches per MoE layer" if best > EXPERT_CHUNKS_MIB[0] else
+                   "only the smallest expert chunk fits")
+    if row_wise and "ep" not in fixed and not any(d.field == "ep" for d in draft.decisions):
+        draft.note("ep", fsdp.ep, "every rank holds a shard of every expert: no all-to-all needed")
+    if spec.is_moe and not row_wise:
+        draft.note("ep", fsdp.ep, "Hugging Face's expert loop runs the experts (their layout has no "
+                   "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset")
+
+
+def _choose_vllm_utilization(search: _Search, draft: _Draft) -> None:
+    """The colocated engine's gpu_memory_utilization: the largest that leaves training within budget."""
+    workload = search.workload
+    if (workload.generation != "vllm" or workload.vllm_gpu_memory_utilization is not None
+            or workload.vllm_kv_cache_memory_bytes is not None):
+        return
+    floor = draft.workload.vllm_gpu_memory_utilization
+    for util in VLLM_UTILIZATIONS:
+        if util > floor and search.fits(draft.trying(vllm_gpu_memory_utilization=util), draft.fsdp):
+            draft.workload = draft.trying(vllm_gpu_memory_utilization=util)
+            break
+    chosen = draft.workload.vllm_gpu_memory_utilization
+    draft.note("vllm_gpu_memory_utilization", chosen,
+               "the largest fraction (in 0.05 steps, at most 0.9) with training and sync within budget: the "
+               "engine's KV cache takes what training leaves" if chosen > floor else
+               "the least the engine starts with (its weights and one sequence's KV cache); no larger fraction fits")
 
 
 def suggest_fixes(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any] | None = None,
