@@ -61,19 +61,10 @@ def _main() -> None:
 
 def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     import torch
-    from peft import LoraConfig
 
-    import agilerl.algorithms
     from agilerl.distributed import FSDPConfig, get_world_size, init_distributed
-    from agilerl.utils.logprobs import causal_lm
-    from planner._tracking import (
-        PhaseRecorder,
-        device_of,
-        host_peak_bytes,
-        host_peak_reset,
-        param_bytes,
-    )
-    from planner.workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES, Workload
+    from planner._tracking import PhaseRecorder, device_of
+    from planner.workload import OFFLINE_SEQUENCES, Workload
 
     torch.set_num_threads(int(os.environ.get("AGILERL_PROBE_THREADS", "1")))
     init_distributed(timeout_seconds=int(request.get("collective_timeout_s", 120)))
@@ -84,64 +75,12 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     if device == "cuda" and budget:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
-    world = get_world_size()
-    result["world_size"] = world
+    result["world_size"] = get_world_size()
 
-    lora = None if workload.full_finetune else LoraConfig(
-        r=workload.lora_rank, lora_alpha=workload.lora_alpha, lora_dropout=0.0,
-        target_modules=list(workload.lora_targets) if isinstance(workload.lora_targets, (list, tuple))
-        else workload.lora_targets, task_type="CAUSAL_LM")
-    algorithm = getattr(agilerl.algorithms, ALGORITHM_CLASSES[workload.algorithm])
-    offline = workload.algorithm in OFFLINE_SEQUENCES
-    kwargs = dict(
-        pad_token_id=0, pad_token="<pad>", lora_config=lora, batch_size=workload.prompts_per_step,
-        micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu,
-        logprob_chunk_size=workload.logprob_chunk_size,
-        gradient_checkpointing=bool(workload.gradient_checkpointing),
-        load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=device, dtype=workload.weights_dtype,
-        share_prompt_prefix=workload.share_prompt_prefix,
-        attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
-    )
-    if workload.algorithm != "sft":
-        kwargs.update(beta=workload.beta, use_separate_reference_adapter=workload.use_separate_reference_adapter)
-    if not offline:
-        kwargs.update(group_size=workload.group_size, update_epochs=workload.update_epochs,
-                      max_output_tokens=workload.completion_tokens,
-                      gather_weights_for_rollout=bool(workload.gather_weights_for_rollout))
-    if workload.generation == "vllm" and request.get("generate", False):
-        from agilerl.utils.algo_utils import VLLMConfig
-
-        kwargs.update(vllm_config=VLLMConfig(**workload.vllm_settings()),
-                      offload_weights_during_rollout=workload.offload_weights_during_rollout,
-                      max_model_len=workload.sequence_tokens)  # the engine's too, unless vllm_max_model_len
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    host_peak_reset()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    load_tracker = MemTracker()
-    start = time.perf_counter()
-    with load_tracker:
-        agent = algorithm(request["model"], **kwargs)
-    result["load_seconds"] = time.perf_counter() - start
+    algorithm, kwargs = _algorithm_and_arguments(request, workload, fsdp)
+    agent = _load(algorithm, request["model"], kwargs, result)
     dev = device_of(agent.model)
-    load = {"host_peak": host_peak_bytes(),
-            "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0))}
-    load.update(param_bytes(agent.model))
-    reference = param_bytes(agent.reference_model) if agent.reference_model is not None else {}
-    if reference:
-        load["reference_weights"] = sum(reference.values())
-    load["total"] = max(load["tracker_total"], sum(param_bytes(agent.model).values()) + sum(reference.values()))
-    if device == "cuda":
-        load["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-        load["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-    result["phases"]["load"] = load
-    result["param_bytes"] = param_bytes(agent.model)
-    result["micro_batch_size_per_gpu"] = agent.micro_batch_size_per_gpu
-    result["logprob_chunk_size"] = agent.logprob_chunk_size
-
     recorder = PhaseRecorder(agent.model, agent.optimizer, dev, enabled=False, reference=agent.reference_model)
-
     fault = _fault_injection(result["rank"])
     stall = _fault_injection(result["rank"], "AGILERL_PROBE_STALL")
 
@@ -154,11 +93,136 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         return recorder(name)
 
     agent.phase_observer = observe
-    vocab = causal_lm(agent.model).config.vocab_size
     gen = torch.Generator().manual_seed(1234 + result["rank"])
+    experiences = _synthetic_batches(agent, workload, gen)
+
+    def rollout():
+        p_len, c_len = workload.prompt_tokens, workload.completion_tokens
+        vocab = _vocab_size(agent)
+        prompts = {"input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
+                   "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long)}
+        agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length (the engine too)
+        ids, masks = agent.get_action(prompts)
+        assert ids.shape[1] == p_len + c_len, ids.shape
+        if agent.engine is not None:
+            result["engine"] = agent.engine.memory_report()
+
+    generate = request.get("generate", False) and workload.algorithm not in OFFLINE_SEQUENCES
+    # Step 1: warm-up, untracked.
+    if generate:
+        rollout()
+    agent.learn(experiences())
+    # Step 2: one tracker per phase.
+    recorder.enabled = True
+    if generate:
+        rollout()
+    agent.learn(experiences())
+    if request.get("save", False):
+        with tempfile.TemporaryDirectory() as tmp:
+            agent.save_checkpoint(tmp)
+    recorder.enabled = False
+    result["phases"].update(recorder.peaks)
+    result["moe_rows"] = _moe_rows(agent.model)
+    host = _host_state_bytes(agent)
+    if host:
+        for record in result["phases"].values():
+            record["host_optimizer_state"] = host
+    result["step_seconds"] = _timed_steps(agent, experiences, device, int(request.get("timed_steps", 3)), current)
+    result["tokens_per_step"] = workload.completions_per_step * workload.sequence_tokens
+    if budget:
+        over = {name: rec.get("cuda_max_allocated", rec["total"]) for name, rec in result["phases"].items()
+                if rec.get("cuda_max_allocated", rec["total"]) > budget}
+        result["over_budget_phases"] = over
+    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+
+
+def _algorithm_and_arguments(request: dict, workload, fsdp) -> tuple[type, dict]:
+    """The algorithm class the workload names and its arguments, as a user's run passes them."""
+    from peft import LoraConfig
+
+    import agilerl.algorithms
+    from planner.workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
+
+    lora = None if workload.full_finetune else LoraConfig(
+        r=workload.lora_rank, lora_alpha=workload.lora_alpha, lora_dropout=0.0,
+        target_modules=list(workload.lora_targets) if isinstance(workload.lora_targets, (list, tuple))
+        else workload.lora_targets, task_type="CAUSAL_LM")
+    algorithm = getattr(agilerl.algorithms, ALGORITHM_CLASSES[workload.algorithm])
+    kwargs = dict(
+        pad_token_id=0, pad_token="<pad>", lora_config=lora, batch_size=workload.prompts_per_step,
+        micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu,
+        logprob_chunk_size=workload.logprob_chunk_size,
+        gradient_checkpointing=bool(workload.gradient_checkpointing),
+        load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=request["device"],
+        dtype=workload.weights_dtype, share_prompt_prefix=workload.share_prompt_prefix,
+        attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
+    )
+    if workload.algorithm != "sft":
+        kwargs.update(beta=workload.beta, use_separate_reference_adapter=workload.use_separate_reference_adapter)
+    if workload.algorithm not in OFFLINE_SEQUENCES:
+        kwargs.update(group_size=workload.group_size, update_epochs=workload.update_epochs,
+                      max_output_tokens=workload.completion_tokens,
+                      gather_weights_for_rollout=bool(workload.gather_weights_for_rollout))
+    if workload.generation == "vllm" and request.get("generate", False):
+        from agilerl.utils.algo_utils import VLLMConfig
+
+        kwargs.update(vllm_config=VLLMConfig(**workload.vllm_settings()),
+                      offload_weights_during_rollout=workload.offload_weights_during_rollout,
+                      max_model_len=workload.sequence_tokens)  # the engine's too, unless vllm_max_model_len
+    return algorithm, kwargs
+
+
+def _load(algorithm: type, model: str, kwargs: dict, result: dict):
+    """Build the agent under a tracker and record the load phase: host peak, the tracker's
+    device peak, the model's and the reference's parameter bytes (CUDA's peaks on a GPU)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from planner._tracking import device_of, host_peak_bytes, host_peak_reset, param_bytes
+
+    host_peak_reset()
+    on_cuda = kwargs["device"] == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    load_tracker = MemTracker()
+    start = time.perf_counter()
+    with load_tracker:
+        agent = algorithm(model, **kwargs)
+    result["load_seconds"] = time.perf_counter() - start
+    dev = device_of(agent.model)
+    load = {"host_peak": host_peak_bytes(),
+            "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0))}
+    load.update(param_bytes(agent.model))
+    reference = param_bytes(agent.reference_model) if agent.reference_model is not None else {}
+    if reference:
+        load["reference_weights"] = sum(reference.values())
+    load["total"] = max(load["tracker_total"], sum(param_bytes(agent.model).values()) + sum(reference.values()))
+    if on_cuda:
+        load["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        load["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
+    result["phases"]["load"] = load
+    result["param_bytes"] = param_bytes(agent.model)
+    result["micro_batch_size_per_gpu"] = agent.micro_batch_size_per_gpu
+    result["logprob_chunk_size"] = agent.logprob_chunk_size
+    return agent
+
+
+def _vocab_size(agent) -> int:
+    from agilerl.utils.logprobs import causal_lm
+
+    return causal_lm(agent.model).config.vocab_size
+
+
+def _synthetic_batches(agent, workload, gen):
+    """A function making one step's batch for this rank, of random tokens shaped as the
+    workload says: a rollout's (ids, masks, rewards), SFT's examples or DPO's pairs."""
+    import torch
+
+    from planner.workload import OFFLINE_SEQUENCES
+
+    vocab = _vocab_size(agent)
     p_len, c_len = workload.prompt_tokens, workload.completion_tokens
     n_local = workload.completions_per_rank(agent.data_parallel_ranks)
-
     pad = agent.pad_token_id
 
     def experiences():
@@ -184,7 +248,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
             head = torch.searchsorted(group, group)  # each row's group's first local row
             ids[:, :p_len] = ids[head, :p_len]
         rewards = torch.rand(n_local, generator=gen)
-        if not offline:
+        if workload.algorithm not in OFFLINE_SEQUENCES:
             return ids, masks, rewards
         # SFT's examples, DPO's pairs (consecutive rows: a group of two shares its prompt), with the
         # attention the trainer derives for a rollout: the completion and the prompt's real tokens.
@@ -195,38 +259,15 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
             return batch
         return {f"{side}_{k}": v[i::2] for k, v in batch.items() for i, side in enumerate(("chosen", "rejected"))}
 
-    def rollout():
-        prompts = {"input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
-                   "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long)}
-        agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length (the engine too)
-        ids, masks = agent.get_action(prompts)
-        assert ids.shape[1] == p_len + c_len, ids.shape
-        if agent.engine is not None:
-            result["engine"] = agent.engine.memory_report()
+    return experiences
 
-    generate = request.get("generate", False) and not offline
-    # Step 1: warm-up, untracked.
-    if generate:
-        rollout()
-    agent.learn(experiences())
-    # Step 2: one tracker per phase.
-    recorder.enabled = True
-    if generate:
-        rollout()
-    agent.learn(experiences())
-    if request.get("save", False):
-        with tempfile.TemporaryDirectory() as tmp:
-            agent.save_checkpoint(tmp)
-    recorder.enabled = False
-    result["phases"].update(recorder.peaks)
-    result["moe_rows"] = _moe_rows(agent.model)
-    host = _host_state_bytes(agent)
-    if host:
-        for record in result["phases"].values():
-            record["host_optimizer_state"] = host
-    # Timed steps, untracked.
+
+def _timed_steps(agent, experiences, device: str, steps: int, current: dict) -> list[float]:
+    """Seconds of ``steps`` untracked learn steps (the batch made before the clock starts)."""
+    import torch
+
     seconds = []
-    for _ in range(int(request.get("timed_steps", 3))):
+    for _ in range(steps):
         batch = experiences()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -236,13 +277,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
-    result["step_seconds"] = seconds
-    result["tokens_per_step"] = workload.completions_per_step * (p_len + c_len)
-    if budget:
-        over = {name: rec.get("cuda_max_allocated", rec["total"]) for name, rec in result["phases"].items()
-                if rec.get("cuda_max_allocated", rec["total"]) > budget}
-        result["over_budget_phases"] = over
-    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+    return seconds
 
 
 def _moe_rows(model) -> dict[str, float]:
