@@ -43,3 +43,19 @@ def test_the_commit_hooks_run_the_same_checks():
     entries = {hook["entry"].split()[0]: hook for hook in hooks}
     assert entries["ruff"]["entry"].split()[:2] == ["ruff", "check"]
     assert entries["lint-imports"]["pass_filenames"] is False  # the contracts are over the whole project
+
+
+def test_no_function_longer_than_150_lines():
+    """Long functions are split along their steps (planner.choose.plan, the probe worker): the
+    limit is checked here so that it stays true."""
+    import ast
+
+    long = []
+    for package in ("agilerl", "planner", "tui"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 150:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

@@ -24,6 +24,13 @@ CASES = {
         "import planner.catalog, planner.choose, planner.emit, planner.memory, planner.models",
         ("torch", "transformers", "peft", "optuna", "textual"),
     ),
+    "the planner's public API": (
+        """
+        import planner
+        assert {n for n in planner.__all__ if getattr(planner, n) is None} == set()
+        """,
+        ("torch", "transformers", "peft", "optuna", "textual"),
+    ),
     "every catalog spec": (
         """
         import planner.catalog as c
