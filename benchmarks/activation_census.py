@@ -15,7 +15,7 @@ import itertools
 
 import torch
 
-from planner._tracking import LiveBytes
+from planner.probe.tracking import LiveBytes
 
 H, WIDTH, RANK, BATCH, LENGTH = 128, 384, 8, 2, 128
 ARCHS = ("qwen2", "llama", "mistral", "qwen3", "gemma2", "gemma3")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner._tracking import LiveBytes
 from planner.memory._tape import block_tape
 from planner.models import load_model_spec
+from planner.probe.tracking import LiveBytes
 
 H, WIDTH, RANK, TOKENS = 64, 160, 4, 2 * 96
 

@@ -1,6 +1,6 @@
 """The tuner's objective: measured tokens per second, constrained by measured peak memory.
 
-``objective(trial)`` builds a candidate with ``trial.suggest_*`` (planner._tune_space),
+``objective(trial)`` builds a candidate with ``trial.suggest_*`` (planner.tune._space),
 estimates it, and launches a probe only when the estimate says it can fit the
 device at all. Every outcome is a finished trial:
 
@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._tune_space import Candidate, Space, suggest_candidate
-from .hardware import Cluster, fmt_bytes
-from .memory import Coefficients, estimate
-from .probe import Measurement, ProbeRequest
-from .spec import ModelSpec
+from ..hardware import Cluster, fmt_bytes
+from ..memory import Coefficients, estimate
+from ..probe import Measurement, ProbeRequest
+from ..spec import ModelSpec
+from ._space import Candidate, Space, suggest_candidate
 
 __all__ = ["Objective", "CONSTRAINT_KEY", "INFEASIBLE_FAILURE", "STATUSES"]
 
@@ -48,7 +48,7 @@ def set_constraint(trial: Any, value: float) -> None:
     """Record the memory constraint where the sampler reads it (and as a user attribute for tables).
 
     Optuna >= 5 reads ``trial.set_constraint``; older releases read the user
-    attribute through ``TPESampler(constraints_func=...)`` (see planner._tune_study).
+    attribute through ``TPESampler(constraints_func=...)`` (see planner.tune._study).
     """
     trial.set_user_attr(CONSTRAINT_KEY, float(value))
     if hasattr(trial, "set_constraint"):

@@ -24,8 +24,8 @@ from typing import Any
 
 from agilerl.utils.lifetime import identity, is_gone
 
-from ._tune_objective import CONSTRAINT_KEY, Objective
-from ._tune_storage import heartbeat
+from ._objective import CONSTRAINT_KEY, Objective
+from ._storage import heartbeat
 
 __all__ = ["create_study", "FINGERPRINT_KEY", "OWNER_KEY", "check_fingerprint", "fail_orphaned_trials", "launch_claim", "enqueue_planner_pick", "enqueue_confirmations", "run_trials", "launched_trials",
            "finished", "measured_by_key", "StopReason"]
@@ -92,7 +92,7 @@ def fail_orphaned_trials(study: Any, storage: Any) -> list[int]:
 
 
 def launch_claim(study: Any, storage: Any, *, max_launches: int, poll_s: float = 1.0) -> Callable[[Any, str], bool]:
-    """``claim(trial, key)`` for :class:`~planner._tune_objective.Objective` with workers sharing a study.
+    """``claim(trial, key)`` for :class:`~planner.tune._objective.Objective` with workers sharing a study.
 
     A trial measuring ``key`` goes ahead only when no lower-numbered RUNNING
     trial has the same key: it waits for that one (whose result it then reuses)

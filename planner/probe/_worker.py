@@ -1,4 +1,4 @@
-"""Rank side of a probe: ``torchrun ... -m planner._probe_worker REQUEST.json OUT_DIR``.
+"""Rank side of a probe: ``torchrun ... -m planner.probe._worker REQUEST.json OUT_DIR``.
 
 Builds the real trainer of the requested algorithm (GRPO and those on its loop,
 LLMPPO, SFT, DPO; LoRA or full fine-tuning) for the requested workload and
@@ -63,7 +63,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     import torch
 
     from agilerl.distributed import FSDPConfig, get_world_size, init_distributed
-    from planner._tracking import PhaseRecorder, device_of
+    from planner.probe.tracking import PhaseRecorder, device_of
     from planner.workload import OFFLINE_SEQUENCES, Workload
 
     torch.set_num_threads(int(os.environ.get("AGILERL_PROBE_THREADS", "1")))
@@ -178,7 +178,7 @@ def _load(algorithm: type, model: str, kwargs: dict, result: dict):
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from planner._tracking import device_of, host_peak_bytes, host_peak_reset, param_bytes
+    from planner.probe.tracking import device_of, host_peak_bytes, host_peak_reset, param_bytes
 
     host_peak_reset()
     on_cuda = kwargs["device"] == "cuda"

@@ -22,9 +22,9 @@ from agilerl.utils.cli import (
     show_logs,
 )
 
-from ._cli_fields import add_fields, collect_fields, flag_name
-from .hardware import GIB
-from .workload import Workload
+from ..hardware import GIB
+from ..workload import Workload
+from ._fields import add_fields, collect_fields, flag_name
 
 __all__ = ["main"]
 
@@ -75,7 +75,7 @@ def probe_main(argv: list[str]) -> int:
 
     from agilerl.utils.sources import check_model_source
 
-    from .probe import ProbeRequest, run_probe
+    from ..probe import ProbeRequest, run_probe
 
     parser = _probe_parser()
     args = parser.parse_args(argv)
@@ -146,7 +146,7 @@ def _check_output(path: str | None) -> None:
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from .hardware import GPUS, MARGIN_FRACTION
+    from ..hardware import GPUS, MARGIN_FRACTION
 
     parser = ArgumentParser(
         prog="agilerl-plan",
@@ -173,7 +173,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tui", action="store_true", help="explore the plan interactively (needs the [tui] extra)")
     add_fields(parser, Workload, group_title="workload")
     add_fields(parser, FSDPConfig, group_title="FSDPConfig fields to fix (the planner chooses the rest)")
-    from ._tune_args import add_tune_arguments
+    from ..tune import add_tune_arguments
 
     add_tune_arguments(parser)
     return parser
@@ -182,11 +182,11 @@ def _plan_parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str]) -> int:
     from pydantic import ValidationError
 
-    from . import emit
-    from .calibration import coefficients_for, coefficients_source
-    from .choose import Decision, plan
-    from .hardware import MAX_GPUS, Cluster, gpu_by_name, with_memory
-    from .models import ModelNotFound, load_model_spec
+    from .. import emit
+    from ..calibration import coefficients_for, coefficients_source
+    from ..choose import Decision, plan
+    from ..hardware import MAX_GPUS, Cluster, gpu_by_name, with_memory
+    from ..models import ModelNotFound, load_model_spec
 
     parser = _plan_parser()
     args = parser.parse_args(argv)
@@ -227,20 +227,20 @@ def plan_main(argv: list[str]) -> int:
         fixed = collect_fields(args, FSDPConfig)
         FSDPConfig(**fixed)
         if args.tune:
-            from ._tune_args import check_tune_arguments
+            from ..tune import check_tune_arguments
 
             check_tune_arguments(args)
     except (KeyError, ValidationError, ValueError) as err:
         return _bad_input(err)
     try:
         spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)
-        from .choose import check_inputs
+        from ..choose import check_inputs
 
         check_inputs(spec, workload, cluster, fixed, args.sharding)
     except (ModelNotFound, ValueError) as err:
         return _bad_input(err)
     if args.tune:
-        from .tune import tune_main
+        from ..tune import tune_main
 
         return tune_main(args, spec=spec, model=args.model, workload=workload, cluster=cluster, fixed=fixed,
                          coefficients=coefficients_for(gpu))
@@ -309,7 +309,3 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "probe":
             return probe_main(argv[1:])
         return plan_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

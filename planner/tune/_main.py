@@ -1,20 +1,5 @@
-"""``agilerl-plan MODEL --gpus N --tune``: refine the planner's choice with short real runs (Optuna).
-
-Each trial is a probe (planner.probe: a real GRPO run under torchrun, in
-subprocesses) of one candidate from the space ``plan()`` chooses in
-(planner._tune_space). The objective is measured tokens per second, maximised,
-subject to the measured peak staying within the budget less a safety margin
-(planner._tune_objective); candidates the estimate rejects are recorded as
-constraint violations without a launch. The planner's own pick is the first
-trial; optionally (--confirm) the last ones measure the fastest candidates
-again, and the pick is the fitting candidate with the best median
-(planner._tune_run). Studies live in a
-SQLite file by default and resume where they stopped (planner._tune_storage,
-planner._tune_study). After the trials the estimate is calibrated on them
-(planner._tune_calibrate) and the best measured config is emitted like a plan.
-
-Optuna is imported only when a study runs: the planner core never needs it.
-"""
+"""``agilerl-plan ... --tune``: run the study the command line asks for, print its trials and emit the
+best measured config like a plan (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -25,23 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._tune_args import add_tune_arguments, check_tune_arguments
-from ._tune_calibrate import CalibrationReport
-from ._tune_objective import Objective
-from ._tune_report import trial_json, trials_table
-from ._tune_run import TuneResult, probe_model, tune, tuned_plan
-from ._tune_space import Candidate, Space, grid, search_space, suggest_candidate
-from ._tune_storage import DEFAULT_STORAGE, open_storage
-from .hardware import CPU_DEVICE, MARGIN_FRACTION, Cluster
-from .memory import Coefficients
-from .probe import Measurement, ProbeRequest
-from .spec import ModelSpec
-from .workload import Workload
+from ..hardware import CPU_DEVICE, MARGIN_FRACTION, Cluster
+from ..memory import Coefficients
+from ..probe import Measurement, ProbeRequest
+from ..spec import ModelSpec
+from ..workload import Workload
+from ._report import trial_json, trials_table
+from ._run import TuneResult, tune
 
-__all__ = ["add_tune_arguments", "check_tune_arguments", "tune_main", "tune", "TuneResult", "Objective", "Candidate", "Space",
-           "search_space", "suggest_candidate", "grid", "open_storage", "probe_model", "tuned_plan",
-           "CalibrationReport", "DEFAULT_STORAGE"]
-
+__all__ = ["tune_main"]
 
 
 def _default_device() -> str:
@@ -66,7 +43,7 @@ def tune_main(
 ) -> int:
     """Run ``--tune``; print per ``--format``, write ``--output``. Exit 0: a fitting config was
     measured; 3: none was; 2: bad input; 130: interrupted (rerun the command to resume)."""
-    from .calibration import coefficients_for
+    from ..calibration import coefficients_for
 
     try:
         import optuna
@@ -115,7 +92,7 @@ def tune_main(
 
 
 def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
-    from . import emit
+    from .. import emit
 
     best_number = result.best.number if result.best is not None else None
     table = trials_table(result.trials, best_numbers=tuple(t.number for t in result.best_runs))

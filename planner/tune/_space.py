@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict
 
 from agilerl.distributed import FSDPConfig
 
-from .choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
-from .hardware import Cluster
-from .memory import DTYPE_BYTES, expert_parallel_degrees, row_wise_experts, tensor_parallel_degrees
-from .spec import ModelSpec
-from .workload import OFFLINE_SEQUENCES, Workload
+from ..choose import EXPERT_CHUNKS_MIB, LOGPROB_CHUNKS, Plan
+from ..hardware import Cluster
+from ..memory import DTYPE_BYTES, expert_parallel_degrees, row_wise_experts, tensor_parallel_degrees
+from ..spec import ModelSpec
+from ..workload import OFFLINE_SEQUENCES, Workload
 
 __all__ = ["Candidate", "Space", "FSDP_KNOBS", "TUNED_FSDP", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
            "plan_params"]

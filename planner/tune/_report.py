@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .hardware import fmt_bytes
+from ..hardware import fmt_bytes
 
 __all__ = ["progress_line", "trials_table", "trial_json", "KNOB_LABELS"]
 

@@ -12,11 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._tune_calibrate import CalibrationReport, calibrate
-from ._tune_objective import Objective
-from ._tune_report import progress_line
-from ._tune_space import Candidate, grid, plan_params, search_space
-from ._tune_storage import (
+from ..choose import Decision, Plan, plan
+from ..hardware import MARGIN_FRACTION, Cluster, fmt_bytes
+from ..memory import Coefficients
+from ..probe import Measurement, ProbeRequest
+from ..spec import ModelSpec
+from ..workload import Workload
+from ._calibrate import CalibrationReport, calibrate
+from ._objective import Objective
+from ._report import progress_line
+from ._space import Candidate, grid, plan_params, search_space
+from ._storage import (
     DEFAULT_STORAGE,
     OWNER_ENV,
     default_study_name,
@@ -26,7 +32,7 @@ from ._tune_storage import (
     redact,
     storage_url,
 )
-from ._tune_study import (
+from ._study import (
     check_fingerprint,
     create_study,
     earlier_result,
@@ -39,12 +45,6 @@ from ._tune_study import (
     median_tokens,
     run_trials,
 )
-from .choose import Decision, Plan, plan
-from .hardware import MARGIN_FRACTION, Cluster, fmt_bytes
-from .memory import Coefficients
-from .probe import Measurement, ProbeRequest
-from .spec import ModelSpec
-from .workload import Workload
 
 __all__ = ["TuneResult", "tune", "tuned_plan", "probe_model", "MAX_ENUMERATED"]
 
@@ -88,8 +88,8 @@ def probe_model(model: str) -> str:
     trial never downloads."""
     if model.startswith("tiny:") or Path(model).expanduser().exists():
         return model
-    from . import catalog
-    from .spec import config_digest, spec_cache_dir
+    from .. import catalog
+    from ..spec import config_digest, spec_cache_dir
 
     name = catalog.resolve(model) or model
     if _cached_file(name, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
@@ -243,7 +243,7 @@ def tune(
                            generate=generate, memory_budget_bytes=cluster.gpu.memory_bytes,
                            timeout_s=trial_timeout_s, timed_steps=timed_steps)
     if probe is None:
-        from .probe import run_probe
+        from ..probe import run_probe
 
         env = {OWNER_ENV: owner_tag()}
         probe = lambda req: run_probe(req, env=env)  # noqa: E731

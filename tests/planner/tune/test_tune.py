@@ -139,7 +139,7 @@ def test_full_finetuning_also_searches_parameter_offload_and_the_gradient_sync(s
 # -- the objective, with FixedTrial ----------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
-    from planner._tune_space import grid, suggest_candidate
+    from planner.tune._space import grid, suggest_candidate
 
     moe = load_model_spec("tiny:qwen3_moe?hidden_size=64&moe_intermediate_size=256&num_experts=4&num_layers=2")
     wl = SMALL.model_copy(update={"prompts_per_step": 8, "prompt_tokens": 256, "completion_tokens": 256})
@@ -176,7 +176,7 @@ def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
 
 @pytest.mark.timeout(60)
 def test_moe_search_space_adds_tensor_parallel_for_the_attention():
-    from planner._tune_space import grid, plan_params, suggest_candidate
+    from planner.tune._space import grid, plan_params, suggest_candidate
 
     # 4 heads, 2 KV heads: tp 1 or 2 of the 4 GPUs; the experts stay whole, so their width does not matter.
     moe = load_model_spec("tiny:qwen3_moe?hidden_size=64&moe_intermediate_size=24&num_experts=4&num_layers=2")
@@ -257,7 +257,7 @@ def test_an_oom_crash_or_overrun_is_an_infeasible_trial_not_an_error(spec, kind)
 # -- storage ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_storage_urls(tmp_path):
-    from planner._tune_storage import storage_url
+    from planner.tune._storage import storage_url
 
     assert storage_url(str(tmp_path / "t.db")) == f"sqlite:///{tmp_path / 't.db'}"
     assert storage_url(None).startswith("sqlite:///") and storage_url(None).endswith("/agilerl-tune.db")
@@ -283,7 +283,7 @@ def test_storage_urls(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_orphans_of_a_dead_tuner_are_killed_and_live_ones_kept():
-    from planner._tune_storage import OWNER_ENV, kill_orphans
+    from planner.tune._storage import OWNER_ENV, kill_orphans
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -424,8 +424,8 @@ def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(
 # -- calibration -----------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_calibration_fits_on_some_trials_judges_on_the_others_and_saves(spec, tmp_path, monkeypatch):
-    from planner._tune_calibrate import calibrate
     from planner.calibration import calibration_path, coefficients_for
+    from planner.tune._calibrate import calibrate
 
     monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
     cluster = cpu_cluster(64 * MIB)
@@ -563,7 +563,7 @@ def test_a_tuner_killed_mid_trial_resumes_without_rerunning_or_orphans(tmp_path)
     db = tmp_path / "tune.db"
     cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "3", "--storage", str(db), "--study-name", "s",
            "--device", "cpu", "--timed-steps", "1", "--seed", "0", "--no-calibration"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     log = tmp_path / "first.log"
     with log.open("w") as out:
         first = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -616,7 +616,7 @@ def test_ctrl_c_or_sigterm_kills_the_probe_and_fails_the_trial(tmp_path, signum)
     cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "2", "--storage", str(db), "--study-name", "s",
            "--device", "cpu", "--seed", "0", "--no-calibration"]
     # The first probe stalls in learn, so it is still running when the signal arrives.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "AGILERL_PROBE_STALL": "0:learn"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "AGILERL_PROBE_STALL": "0:learn"}
     # A shell that runs the suite in the background ignores SIGINT, and Python keeps an ignored
     # SIGINT ignored: give the tuner the default disposition a terminal would.
     tuner = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -665,7 +665,7 @@ def postgres_url():
 def test_two_workers_share_a_postgres_study_and_one_killed_leaves_the_other_to_finish(postgres_url, tmp_path):
     cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "4", "--storage", postgres_url,
            "--study-name", "shared", "--device", "cpu", "--timed-steps", "1", "--no-calibration", "--format", "json"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     a = subprocess.Popen(cmd + ["--seed", "0"], env=env, stdout=subprocess.PIPE, stderr=logs[0].open("w"), text=True)
     b = subprocess.Popen(cmd + ["--seed", "1"], env=env, stdout=subprocess.DEVNULL, stderr=logs[1].open("w"))

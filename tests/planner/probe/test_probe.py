@@ -199,7 +199,7 @@ def test_kill_9_of_the_probe_command_leaves_no_process_within_2_s():
 
     mark = uuid.uuid4().hex
     env = {**os.environ, "AGILERL_TEST_MARK": mark, "AGILERL_PROBE_STALL": "0:learn",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     cmd = [sys.executable, "-m", "planner.cli", "probe", MODEL, "--gpus", "2", "--device", "cpu", "--timed-steps", "1",
            "--prompts-per-step", "2", "--group-size", "2", "--prompt-tokens", "8", "--completion-tokens", "8",
            "--weights-dtype", "float32", "--lora-rank", "4", "--param-dtype", "float32"]

@@ -8,7 +8,7 @@ import argparse
 
 from agilerl.utils.cli import non_negative_int, positive_float, positive_int
 
-from ._tune_storage import DEFAULT_STORAGE
+from ._storage import DEFAULT_STORAGE
 
 __all__ = ["add_tune_arguments", "check_tune_arguments"]
 
@@ -52,7 +52,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_tune_arguments(args: argparse.Namespace) -> None:
     """Refuse bad ``--tune`` flags before any model is read (ValueError naming the flag)."""
-    from ._tune_storage import storage_url
+    from ._storage import storage_url
 
     storage_url(args.storage)
     if args.study_name is not None and not args.study_name.strip():

@@ -1,6 +1,6 @@
 """Probe: measure a short real run of the trainer (the planner's ground truth, the tuner's trial).
 
-``run_probe`` launches ``torchrun --nproc_per_node=N`` on :mod:`planner._probe_worker`,
+``run_probe`` launches ``torchrun --nproc_per_node=N`` on :mod:`planner.probe._worker`,
 which builds the real GRPO trainer and runs real learn() steps on synthetic
 rollouts of exactly the requested shapes. The parent never imports torch; it
 enforces the timeout, kills the whole process group on expiry or failure (no
@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agilerl.distributed import FSDPConfig
 from agilerl.utils.lifetime import die_with_parent
 
-from .names import COMPONENTS, PHASES
-from .workload import Workload
+from ..names import COMPONENTS, PHASES
+from ..workload import Workload
 
 __all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
 
@@ -230,7 +230,7 @@ def _format_table(m: Measurement) -> str:
 def _commands(request: ProbeRequest, request_path: Path, out_dir: Path) -> list[list[str]]:
     """One launcher per node this host runs: the ranks themselves, one torchrun, or (emulated nodes) one
     torchrun agent per node joined by c10d rendezvous on localhost."""
-    worker = ["-m", "planner._probe_worker", str(request_path), str(out_dir)]
+    worker = ["-m", "planner.probe._worker", str(request_path), str(out_dir)]
     if request.nproc == 1 and request.fsdp is None:
         return [[sys.executable, *worker]]
     run = [sys.executable, "-m", "torch.distributed.run"]

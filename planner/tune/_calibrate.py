@@ -21,11 +21,11 @@ from pydantic import BaseModel
 
 from agilerl.distributed import FSDPConfig
 
-from .calibration import Sample, fit_coefficients, save_calibration
-from .hardware import Cluster
-from .memory import Coefficients
-from .spec import ModelSpec
-from .workload import Workload
+from ..calibration import Sample, fit_coefficients, save_calibration
+from ..hardware import Cluster
+from ..memory import Coefficients
+from ..spec import ModelSpec
+from ..workload import Workload
 
 __all__ = ["CalibrationReport", "calibrate", "MIN_FOR_HOLDOUT"]
 

@@ -1,0 +1,11 @@
+"""Probes: a short real run of the trainer, measured (the planner's ground truth, the tuner's trial).
+
+``run_probe`` launches ``torchrun`` on the worker (``planner.probe._worker``), which builds the
+real trainer and runs real steps on synthetic batches of exactly the requested shapes; the
+parent imports no torch. ``planner.probe.tracking`` holds the torch-side trackers the worker
+records each phase with (importing it imports torch).
+"""
+
+from ._launch import COMPONENTS, PHASES, Measurement, ProbeRequest, RankMeasurement, run_probe
+
+__all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
