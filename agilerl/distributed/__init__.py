@@ -13,8 +13,9 @@ import them cheaply.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from agilerl.utils.lazy import lazy_names
 
 from ._config import DTYPE_NAMES, FSDPConfig
 from ._plan import (
@@ -125,17 +126,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agilerl.distributed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover

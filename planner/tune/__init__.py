@@ -17,8 +17,9 @@ nothing else of the tuner, and Optuna is imported only when a study runs.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from agilerl.utils.lazy import lazy_names
 
 _LAZY = {
     "add_tune_arguments": "_args",
@@ -61,17 +62,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'planner.tune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover

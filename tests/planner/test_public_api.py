@@ -14,6 +14,7 @@ def test_each_public_name_is_its_modules_object(name):
     module = importlib.import_module(f"planner.{planner._LAZY[name]}")
     assert name in module.__all__, f"planner.{name} is not public in {module.__name__}"
     assert getattr(planner, name) is getattr(module, name)
+    assert vars(planner)[name] is getattr(module, name)  # kept: the next access is a plain lookup
 
 
 def test_unknown_names_raise_attribute_error():
