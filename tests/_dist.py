@@ -28,13 +28,44 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Calls:
+    """How many times the functions :func:`count_calls` wraps were called (``n``, read at any time)."""
+
+    n: int = 0
+
+
+@contextmanager
+def count_calls(owner: object, *names: str) -> Iterator[Calls]:
+    """Count the calls of ``owner.<name>`` (e.g. ``torch.distributed.all_reduce``) for each name
+    it has, while the block runs; the originals are put back however it ends."""
+    calls = Calls()
+    originals = {name: getattr(owner, name) for name in names if hasattr(owner, name)}
+    assert originals, f"{owner!r} has none of {names}"
+
+    def counting(fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            calls.n += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(owner, name, counting(fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(owner, name, fn)
 
 
 @dataclass

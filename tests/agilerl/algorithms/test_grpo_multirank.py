@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from agilerl.distributed import FSDPConfig, barrier, full_optimizer_state_dict
-from tests._dist import DistCases
+from tests._dist import DistCases, count_calls
 from tests.agilerl.algorithms._common import lora_state, make_agent, synthetic_experiences
 
 cases = DistCases(__name__, nproc=2)
@@ -238,26 +238,15 @@ def fsdp_weight_offload_during_rollout_frees_the_shards_and_restores_them(ctx):
 def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were(ctx):
     import torch.distributed as dist
 
-    gathers = {"n": 0}
-    real = dist.all_gather_single
-
-    def counting(*args, **kwargs):
-        gathers["n"] += 1
-        return real(*args, **kwargs)
-
     results = {}
     for once in (False, True):
         agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once,
                            max_output_tokens=6, seed=3)
         before = {n: p.to_local().clone() for n, p in agent.model.named_parameters()}
         torch.manual_seed(11)
-        gathers["n"] = 0
-        dist.all_gather_single = counting
-        try:
+        with count_calls(dist, "all_gather_single") as gathers:
             ids, masks = agent.get_action(["1+2=", "3+4="])
-        finally:
-            dist.all_gather_single = real
-        results[once] = (ids, masks, gathers["n"])
+        results[once] = (ids, masks, gathers.n)
         for n, p in agent.model.named_parameters():
             assert isinstance(p, DTensor) and torch.equal(p.to_local(), before[n]), n  # resharded, unchanged
         metrics = _learn(agent)  # training goes on with the units' own reshard setting
@@ -272,21 +261,17 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
     for once in (False, True):
         agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once,
                            micro_batch_size_per_gpu=2, seed=3)
-        gathers["n"] = 0
         counted = {}
+        with count_calls(dist, "all_gather_single") as gathers:
 
-        @contextlib.contextmanager
-        def observe(name, counted=counted):
-            start = gathers["n"]
-            yield
-            counted[name] = counted.get(name, 0) + gathers["n"] - start
+            @contextlib.contextmanager
+            def observe(name, counted=counted, gathers=gathers):
+                start = gathers.n
+                yield
+                counted[name] = counted.get(name, 0) + gathers.n - start
 
-        agent.phase_observer = observe
-        dist.all_gather_single = counting
-        try:
+            agent.phase_observer = observe
             _learn(agent)
-        finally:
-            dist.all_gather_single = real
         reference[once] = counted["reference"]
     assert 0 < reference[True] <= units < reference[False], (reference, units)
 

@@ -20,7 +20,7 @@ from agilerl.distributed import (
     set_gradient_sync,
 )
 from agilerl.utils.tiny import tiny_model
-from tests._dist import DistCases
+from tests._dist import DistCases, count_calls
 
 cases = DistCases(__name__, nproc=2)
 
@@ -74,28 +74,13 @@ def prefetch_lists(ctx):
 
 
 def _count_reduce_scatters(model, micro_batches: int, defer: bool) -> int:
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-    calls = {"n": 0}
-
-    def wrap(fn):
-        def counting(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-        return counting
-
-    for n in names:
-        setattr(dist, n, wrap(originals[n]))
-    try:
+    with count_calls(dist, "reduce_scatter_single", "reduce_scatter_tensor") as calls:
         ids = torch.randint(3, 60, (2 * micro_batches, 8))
         for i, chunk in enumerate(ids.chunk(micro_batches)):
             if defer:
                 set_gradient_sync(model, i == micro_batches - 1)
             model(input_ids=chunk, labels=chunk).loss.backward()
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
-    return calls["n"]
+    return calls.n
 
 
 @cases.case

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import agilerl.distributed as ad
 from agilerl.distributed import FSDPConfig
-from tests._dist import DistCases
+from tests._dist import DistCases, count_calls
 
 cases = DistCases(__name__, nproc=2)
 
@@ -73,19 +73,9 @@ def metrics_dict_excluded_maximized_nan(ctx):
         "peak": 3.0 + ctx.rank,  # maximized -> 4, even though rank 1 also lists it as excluded
     }
     excluded = ("gone",) + (("reward", "peak") if ctx.rank == 1 else ())
-    calls = {"n": 0}
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with count_calls(dist, "all_reduce") as calls:
         out = ad.aggregate_metrics_dict(metrics, excluded=excluded, maximized=("peak",))
-    finally:
-        dist.all_reduce = original
-    assert calls["n"] == 1, "all metrics must be reduced in one all-reduce"
+    assert calls.n == 1, "all metrics must be reduced in one all-reduce"
     assert out["loss"] == 0.5 and out["reward"] == 4.0 and out["peak"] == 4.0
     assert math.isnan(out["gone"])
     assert list(out) == list(metrics)
@@ -97,19 +87,9 @@ def sync_grads_averages_in_one_collective(ctx):
     b = torch.nn.Parameter(torch.zeros(2, 2))
     a.grad = torch.full((3,), float(ctx.rank + 1))  # 1, 2 -> 1.5
     b.grad = torch.full((2, 2), 10.0 * ctx.rank)  # 0, 10 -> 5
-    calls = {"n": 0}
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with count_calls(dist, "all_reduce") as calls:
         ad.sync_grads([a, b])
-    finally:
-        dist.all_reduce = original
-    assert calls["n"] == 1
+    assert calls.n == 1
     assert torch.equal(a.grad, torch.full((3,), 1.5)) and torch.equal(b.grad, torch.full((2, 2), 5.0))
 
 
