@@ -45,6 +45,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from planner.hardware import CPU_DEVICE, Cluster  # noqa: E402
 from planner.models import load_model_spec  # noqa: E402
 from planner.probe import Measurement, ProbeRequest, RankMeasurement, run_probe  # noqa: E402
+from planner.request import PlanRequest  # noqa: E402
 from planner.tune import grid, search_space, tune  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
@@ -163,8 +164,8 @@ def print_grid(rows: list[dict], limit: int, budget: int) -> None:
 
 
 def run_tuner(spec, cluster, *, trials: int, seed: int, confirm: int, probe=None, say=None):
-    return tune(spec=spec, model=MODEL, workload=WORKLOAD, cluster=cluster, fixed=FIXED, coefficients=None,
-                sharding="fsdp", margin_fraction=MARGIN, device="cpu", max_trials=trials, storage="memory",
+    request = PlanRequest(cluster, WORKLOAD, FIXED, sharding="fsdp", margin_fraction=MARGIN)
+    return tune(spec=spec, model=MODEL, request=request, coefficients=None, device="cpu", max_trials=trials, storage="memory",
                 timed_steps=TIMED_STEPS, seed=seed, calibration=probe is None, confirm=confirm, probe=probe,
                 progress=say)
 

@@ -9,8 +9,11 @@ The public API, importable from here::
   :func:`coefficients_for` (``planner.calibration``);
 - its inputs: :func:`load_model_spec` / :class:`ModelSpec` (a model read on the meta
   device, or the catalog's), :class:`Workload`, :class:`Cluster` / :class:`GPU`;
-- the choice: :func:`plan` with :class:`Plan` and :class:`Decision`,
-  :func:`check_inputs`, :func:`suggest_fixes` (``planner.choose``);
+- the request: :class:`PlanRequest` (cluster, workload, fixed FSDPConfig fields, sharding,
+  margin; validated once, :class:`RequestError` naming each bad field) (``planner.request``);
+- the choice: :func:`plan_request` (a request, with its GPU's coefficients) or :func:`plan`,
+  with :class:`Plan` and :class:`Decision`, :func:`check_inputs`, :func:`suggest_fixes`
+  (``planner.choose``);
 - its outputs: ``planner.emit`` (table, JSON, manifest, Python snippet).
 
 The measured side, which runs real trainers, lives in ``planner.probe`` (torchrun
@@ -43,6 +46,9 @@ _LAZY = {
     "Decision": "choose",
     "check_inputs": "choose",
     "suggest_fixes": "choose",
+    "plan_request": "choose",
+    "PlanRequest": "request",
+    "RequestError": "request",
 }
 
 __all__ = [
@@ -63,6 +69,9 @@ __all__ = [
     "Decision",
     "check_inputs",
     "suggest_fixes",
+    "plan_request",
+    "PlanRequest",
+    "RequestError",
 ]
 
 
@@ -71,9 +80,10 @@ __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .calibration import coefficients_for  # noqa: F401
-    from .choose import Decision, Plan, check_inputs, plan, suggest_fixes  # noqa: F401
+    from .choose import Decision, Plan, check_inputs, plan, plan_request, suggest_fixes  # noqa: F401
     from .hardware import GPU, Cluster, gpu_by_name  # noqa: F401
     from .memory import Coefficients, Estimate, PhaseEstimate, estimate  # noqa: F401
     from .models import ModelNotFound, load_model_spec  # noqa: F401
+    from .request import PlanRequest, RequestError  # noqa: F401
     from .spec import ModelSpec  # noqa: F401
     from .workload import Workload  # noqa: F401

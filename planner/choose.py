@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from agilerl.distributed import FSDPConfig
 
+from . import calibration
 from .hardware import GIB, MARGIN_FRACTION, Cluster
 from .memory import (
     EXPERT_CHUNKS_MIB,
@@ -44,10 +45,11 @@ from .memory import (
     tp_problem,
     vllm_floor,
 )
+from .request import Decision, PlanRequest, RequestError, request_problems
 from .spec import ModelSpec
 from .workload import OFFLINE_SEQUENCES, Workload
 
-__all__ = ["Decision", "Plan", "plan", "check_inputs", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
+__all__ = ["Decision", "Plan", "plan", "plan_request", "check_inputs", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
 
 LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 #: vllm_gpu_memory_utilization the planner tries, largest first (a larger KV cache: more sequences
@@ -55,14 +57,6 @@ LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 VLLM_UTILIZATIONS = tuple(round(0.9 - 0.05 * i, 2) for i in range(17))
 #: vLLM's own max_num_seqs default, the most the planner picks.
 VLLM_MAX_NUM_SEQS = 256
-
-
-class Decision(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    field: str
-    value: Any
-    reason: str
 
 
 class Plan(BaseModel):
@@ -139,22 +133,17 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
                  sharding: str = "auto") -> None:
     """Raise ValueError naming the field when the inputs describe a run the trainer would refuse.
 
-    Nothing the user gave is dropped or defaulted: FSDPConfig fields with
-    ``sharding='none'``, a layout the GPUs cannot take (tp, shard_group_size,
-    ep), block counts and kinds the model does not have, a sequence longer than
-    the model's positions, a micro-batch that does not divide a GPU's share.
+    Nothing the user gave is dropped or defaulted: the rules that need no model
+    (:func:`planner.request.request_problems`: FSDPConfig fields with ``sharding='none'``, a
+    layout the GPUs cannot take, a batch that does not split), then those of the model's layout:
+    tp and ep it cannot take, block counts and kinds it does not have, a sequence longer than its
+    positions.
     """
     fixed = dict(fixed or {})
-    if sharding not in ("auto", "fsdp", "none"):
-        raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
-    fsdp = FSDPConfig(**fixed)  # the user's fields, with FSDPConfig's own errors
-    if fixed and sharding == "none":
-        raise ValueError(f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
-                         f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'")
-    if fsdp.cpu_offload and workload.load_in_4bit:
-        raise ValueError("QLoRA (load_in_4bit) with cpu_offload=True is not supported: the 4-bit quantisation "
-                         "state stays on the device; use optim_cpu_offload=True")
-    fsdp.check_world(cluster.num_gpus)
+    problems = request_problems(workload, cluster, fixed, sharding)
+    if problems:
+        raise RequestError(problems)
+    fsdp = FSDPConfig(**fixed)
     if fsdp.tp > 1 and (problem := tp_problem(spec, fsdp.tp)):
         raise ValueError(problem)
     if fsdp.ep > 1:
@@ -172,18 +161,6 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
         raise ValueError(f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "
                          f"{spec.max_position_embeddings} positions of {spec.name} (max_position_embeddings; "
                          "a longer context needs rope scaling in its config.json)")
-    data_parallel = cluster.num_gpus // fsdp.tp
-    per_gpu = workload.completions_per_rank(data_parallel)
-    micro = workload.micro_batch_size_per_gpu
-    if micro is not None and per_gpu % micro:
-        raise ValueError(f"micro_batch_size_per_gpu={micro} does not divide the {per_gpu} completions per GPU "
-                         f"(prompts_per_step x group_size / {data_parallel} GPUs)")
-    if micro is not None and not workload.micro_batch_fits_examples(micro):
-        raise ValueError(f"micro_batch_size_per_gpu={micro}: dpo runs a pair's chosen and rejected sequences in "
-                         "one micro-batch, so it must be even")
-    if fsdp.cpu_offload and workload.generation == "hf":
-        raise ValueError("cpu_offload=True with generation='hf': Hugging Face generate runs on the trainer's "
-                         "weights, which must stay on the GPU; use a colocated vLLM engine or optim_cpu_offload")
 
 
 def _vllm_frugal(spec: ModelSpec, workload: Workload, cluster: Cluster,
@@ -270,6 +247,22 @@ def plan(
                              f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
     return Plan(model=spec.name, cluster=cluster, fsdp=draft.fsdp, workload=draft.workload, estimate=est,
                 decisions=tuple(draft.decisions), fits=True, margin_bytes=margin, coefficients_source=source)
+
+
+def plan_request(spec: ModelSpec, request: PlanRequest, *, coefficients: Coefficients | None = None,
+                 coefficients_source: str | None = None, suggest: bool = True) -> Plan:
+    """:func:`plan` for a validated request, with the coefficients its GPU gets unless given
+    (:func:`planner.calibration.coefficients_for`: the user's calibration for the GPU kind, else the
+    shipped ones); the request's own decisions are reported after the plan's."""
+    if coefficients is None:
+        coefficients = calibration.coefficients_for(request.cluster.gpu)
+        coefficients_source = coefficients_source or calibration.coefficients_source(request.cluster.gpu)
+    result = plan(spec, request.workload, request.cluster, fixed=dict(request.fixed), sharding=request.sharding,
+                  coefficients=coefficients, coefficients_source=coefficients_source,
+                  margin_fraction=request.margin_fraction, suggest=suggest)
+    if request.decisions:
+        result = result.model_copy(update={"decisions": (*result.decisions, *request.decisions)})
+    return result
 
 
 def _frugal_workload(workload: Workload) -> Workload:

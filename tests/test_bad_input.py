@@ -137,7 +137,7 @@ CASES = [
     (plan(M, "--checkpoint-skip-layer-types", "Qwen9DecoderLayer"), "checkpoint_skip_layer_types"),
     # -- agilerl-plan: the workload -------------------------------------------------------------
     (plan(M, "--prompts-per-step", "0"), "prompts_per_step"),
-    (plan(M, "--gpus", "2", "--prompts-per-step", "3"), "--prompts-per-step"),
+    (plan(M, "--gpus", "2", "--prompts-per-step", "3"), "prompts_per_step = 3 must be a multiple of the 2 GPUs"),
     (plan(M, "--group-size", "1"), "group_size"),
     (plan(M, "--prompt-tokens", "0"), "prompt_tokens"),
     (plan(M, "--completion-tokens", "-1"), "completion_tokens"),

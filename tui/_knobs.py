@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from agilerl.distributed import DTYPE_NAMES, FSDPConfig
-from planner.hardware import GIB, GPU, GPUS, Cluster, gpu_by_name
+from planner.hardware import GIB, GPU, GPUS, MARGIN_FRACTION, Cluster, gpu_by_name
+from planner.request import MARGIN_HELP, SHARDING_HELP
 from planner.workload import Workload
 
 __all__ = ["AUTO", "GIB", "Knob", "KnobErrors", "initial_values", "knob_table", "parse"]
@@ -58,11 +59,6 @@ WORKLOAD_FIELDS = (
     "logprob_rows",
     "padded_batches",
     "share_prompt_prefix",
-)
-#: ``plan(sharding=...)`` is an argument, not a model field, so it has no description to reuse.
-SHARDING_HELP = (
-    "auto: data parallel when the whole actor fits on each GPU, else FSDP2; "
-    "fsdp: always FSDP2; none: never shard."
 )
 
 
@@ -172,6 +168,7 @@ def knob_table() -> tuple[Knob, ...]:
             ("auto", "fsdp", "none"),
             ("auto", "fsdp", "none"),
         ),
+        Knob("plan.margin_fraction", "safety margin", MARGIN_HELP, "float"),
     )
     workload = tuple(_knob("workload", Workload, f) for f in WORKLOAD_FIELDS)
     fsdp = tuple(_knob("fsdp", FSDPConfig, f) for f in FSDPConfig.model_fields)
@@ -205,6 +202,7 @@ def initial_values(
         "cluster.gpu": gpu_by_name(gpu).name,
         "cluster.gpu_memory_gib": _text(gpu_memory_gib),
         "plan.sharding": "auto",
+        "plan.margin_fraction": _text(MARGIN_FRACTION),
     }
     for knob in knob_table():
         if knob.group not in ("workload", "fsdp"):

@@ -1,43 +1,32 @@
-"""From knob values to a plan: validate them into a request, run plan(), check its manifest.
+"""From knob values to a plan: validate them into a :class:`planner.request.PlanRequest`, run
+plan(), check its manifest.
 
-Headless (no textual). Validation uses the planner's own models (Cluster, Workload,
-FSDPConfig) and reports every problem by knob key, so the screen can mark each in place.
+Headless (no textual). Validation uses the planner's own models and rules (Cluster, Workload,
+FSDPConfig, PlanRequest: the command line's), and reports every problem by knob key, so the
+screen can mark each in place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from agilerl.distributed import FSDPConfig
-from planner.choose import Plan, plan
+from planner.choose import Plan, plan_request
 from planner.hardware import GPUS, Cluster, with_memory
+from planner.request import PlanRequest, RequestError, fixed_problems
 from planner.spec import ModelSpec
 from planner.workload import Workload
 
 from ._knobs import AUTO, KnobErrors, knob_table, parse
 
-__all__ = ["Request", "build_request", "compute", "manifest_problem"]
-
-
-@dataclass(frozen=True)
-class Request:
-    """What one plan() call needs, already validated."""
-
-    cluster: Cluster
-    workload: Workload
-    fixed: Mapping[str, Any]
-    sharding: str
+__all__ = ["build_request", "compute", "manifest_problem"]
 
 
 def _validation_errors(err: ValidationError, group: str, fallback: str) -> dict[str, str]:
     """Field errors under their knob; an error of a combination under the first knob of the group its
     message names (else ``fallback``)."""
-    from ._knobs import knob_table
-
     # Workload messages name fields (cluster ones name CLI flags, which do not match knob names).
     names = [k.key.split(".", 1)[1] for k in knob_table() if k.key.startswith(group + ".")] \
         if group == "workload" else []
@@ -54,7 +43,16 @@ def _validation_errors(err: ValidationError, group: str, fallback: str) -> dict[
     return out
 
 
-def build_request(values: Mapping[str, str | bool]) -> Request:
+def _by_knob(problems: Mapping[str, str]) -> dict[str, str]:
+    """A request's problems under their knobs; one no knob holds (a combination) under ``""``."""
+    keys = {k.key for k in knob_table()}
+    out: dict[str, str] = {}
+    for key, msg in problems.items():
+        out.setdefault(key if key in keys else "", msg)
+    return out
+
+
+def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
     """Validate the raw knob values into a plan request; KnobErrors names every bad knob."""
     errors: dict[str, str] = {}
     parsed: dict[str, Any] = {}
@@ -77,10 +75,7 @@ def build_request(values: Mapping[str, str | bool]) -> Request:
     except ValidationError as err:
         errors.update(_validation_errors(err, "workload", "workload.generation"))
     fixed = group("fsdp")
-    try:
-        FSDPConfig(**fixed)
-    except ValidationError as err:
-        errors.update(_validation_errors(err, "fsdp", ""))
+    errors.update(_by_knob(fixed_problems(fixed)))
     c = group("cluster")
     try:
         gpu = GPUS[c.pop("gpu")]
@@ -98,45 +93,18 @@ def build_request(values: Mapping[str, str | bool]) -> Request:
         pass  # an unknown GPU kind is already reported by its choice
     if errors or workload is None or cluster is None:
         raise KnobErrors(errors)
-    _check_split(workload, cluster, fixed, errors)
-    if errors:
-        raise KnobErrors(errors)
-    return Request(
-        cluster=cluster, workload=workload, fixed=fixed, sharding=parsed["plan.sharding"]
-    )
-
-
-def _check_split(
-    workload: Workload, cluster: Cluster, fixed: Mapping[str, Any], errors: dict[str, str]
-) -> None:
-    """The batch must split evenly over the data-parallel ranks and into micro-batches."""
-    ranks = max(1, cluster.num_gpus // int(fixed.get("tp", 1)))
     try:
-        per_rank = workload.completions_per_rank(ranks)
-    except ValueError as err:
-        errors["workload.prompts_per_step"] = str(err)
-        return
-    micro = workload.micro_batch_size_per_gpu
-    if micro is not None and per_rank % micro:
-        errors["workload.micro_batch_size_per_gpu"] = (
-            f"does not divide the {per_rank} completions per GPU"
-        )
+        return PlanRequest(cluster=cluster, workload=workload, fixed=fixed, sharding=parsed["plan.sharding"],
+                           margin_fraction=parsed["plan.margin_fraction"])
+    except RequestError as err:
+        raise KnobErrors(_by_knob(err.problems)) from None
 
 
-def compute(spec: ModelSpec, request: Request) -> Plan:
-    """plan() for a validated request with the GPU kind's coefficients; ValueError -> KnobErrors."""
-    from planner.calibration import coefficients_for, coefficients_source
-
+def compute(spec: ModelSpec, request: PlanRequest) -> Plan:
+    """The plan of a validated request (as the command line's: the GPU kind's coefficients or
+    the user's calibration); ValueError -> KnobErrors."""
     try:
-        return plan(
-            spec,
-            request.workload,
-            request.cluster,
-            fixed=dict(request.fixed),
-            sharding=request.sharding,
-            coefficients=coefficients_for(request.cluster.gpu),
-            coefficients_source=coefficients_source(request.cluster.gpu),
-        )
+        return plan_request(spec, request)
     except (ValueError, KeyError) as err:
         raise KnobErrors({"": str(err).strip("'\"")}) from err
 

@@ -147,6 +147,7 @@ def _check_output(path: str | None) -> None:
 
 def _plan_parser() -> argparse.ArgumentParser:
     from ..hardware import GPUS, MARGIN_FRACTION
+    from ..request import MARGIN_HELP, SHARDING_HELP, SHARDINGS
 
     parser = ArgumentParser(
         prog="agilerl-plan",
@@ -163,10 +164,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
     parser.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
                         help="GPU memory in GiB (overrides the catalog figure of --gpu)")
-    parser.add_argument("--sharding", choices=["auto", "fsdp", "none"], default="auto",
-                        help="auto: data parallel when the actor fits on each GPU, else FSDP2")
+    parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help=SHARDING_HELP)
     parser.add_argument("--margin", type=margin_fraction, default=MARGIN_FRACTION,
-                        help="safety margin, fraction of GPU memory in [0, 1)")
+                        help=f"{MARGIN_HELP} [default: {MARGIN_FRACTION}]")
     parser.add_argument("--format", choices=["table", "json", "yaml", "python"], default="table")
     parser.add_argument("--output", metavar="MANIFEST", help="write the manifest YAML for `agilerl.train` here")
     parser.add_argument("--allow-download", action="store_true", help="fetch the config from the hub if not local")
@@ -183,10 +183,10 @@ def plan_main(argv: list[str]) -> int:
     from pydantic import ValidationError
 
     from .. import emit
-    from ..calibration import coefficients_for, coefficients_source
-    from ..choose import Decision, plan
+    from ..choose import check_inputs, plan_request
     from ..hardware import MAX_GPUS, Cluster, gpu_by_name, with_memory
     from ..models import ModelNotFound, load_model_spec
+    from ..request import PlanRequest
 
     parser = _plan_parser()
     args = parser.parse_args(argv)
@@ -206,26 +206,11 @@ def plan_main(argv: list[str]) -> int:
             run(args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                 gpu_memory_gib=args.gpu_memory)
             return 0
-        fields = collect_fields(args, Workload)
-        vllm_only = sorted(k for k in fields if k.startswith("vllm_") or k == "offload_weights_during_rollout")
-        if vllm_only and fields.get("generation") != "vllm":
-            raise ValueError(f"{flag_name(vllm_only[0])} sets the colocated vLLM engine: it needs --generation vllm")
-        raised = None
-        if "prompts_per_step" not in fields:
-            # Manifests give every GPU whole prompts (rollout_batch_size is a multiple of the GPUs).
-            default = Workload.model_fields["prompts_per_step"].default
-            fields["prompts_per_step"] = -(-default // args.gpus) * args.gpus
-            if fields["prompts_per_step"] != default:
-                raised = Decision(field="prompts_per_step", value=fields["prompts_per_step"], reason=(
-                    f"the default {default} raised to a multiple of the {args.gpus} GPUs, so every GPU gets whole "
-                    "prompts; set --prompts-per-step to choose"))
-        elif fields["prompts_per_step"] % args.gpus:
-            raise ValueError(f"--prompts-per-step {fields['prompts_per_step']} must be a multiple of --gpus "
-                             f"{args.gpus}: the manifest's rollout_batch_size gives every GPU whole prompts")
-        workload = Workload(**fields)
-        workload.completions_per_rank(args.gpus)
-        fixed = collect_fields(args, FSDPConfig)
-        FSDPConfig(**fixed)
+        request = PlanRequest.build(cluster, Workload(**collect_fields(args, Workload)),
+                                    collect_fields(args, FSDPConfig), sharding=args.sharding,
+                                    margin_fraction=args.margin)
+        if problem := request.manifest_problem():
+            raise ValueError(problem)
         if args.tune:
             from ..tune import check_tune_arguments
 
@@ -233,25 +218,19 @@ def plan_main(argv: list[str]) -> int:
     except (KeyError, ValidationError, ValueError) as err:
         return _bad_input(err)
     try:
-        spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)
-        from ..choose import check_inputs
-
-        check_inputs(spec, workload, cluster, fixed, args.sharding)
+        spec = load_model_spec(args.model, lora_targets=request.workload.lora_targets,
+                               allow_download=args.allow_download)
+        check_inputs(spec, request.workload, request.cluster, dict(request.fixed), request.sharding)
     except (ModelNotFound, ValueError) as err:
         return _bad_input(err)
     if args.tune:
         from ..tune import tune_main
 
-        return tune_main(args, spec=spec, model=args.model, workload=workload, cluster=cluster, fixed=fixed,
-                         coefficients=coefficients_for(gpu))
+        return tune_main(args, spec=spec, model=args.model, request=request)
     try:
-        result = plan(spec, workload, cluster, fixed=fixed, sharding=args.sharding,
-                      coefficients=coefficients_for(gpu), coefficients_source=coefficients_source(gpu),
-                      margin_fraction=args.margin)
+        result = plan_request(spec, request)
     except ValueError as err:
         return _bad_input(err)
-    if raised is not None:
-        result = result.model_copy(update={"decisions": (*result.decisions, raised)})
     if args.format == "json":
         print(json.dumps(emit.plan_json(result), indent=2))
     elif args.format == "yaml":

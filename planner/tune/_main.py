@@ -8,13 +8,11 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from ..hardware import CPU_DEVICE, MARGIN_FRACTION, Cluster
-from ..memory import Coefficients
+from ..hardware import CPU_DEVICE
 from ..probe import Measurement, ProbeRequest
+from ..request import PlanRequest
 from ..spec import ModelSpec
-from ..workload import Workload
 from ._report import trial_json, trials_table
 from ._run import TuneResult, tune
 
@@ -35,14 +33,12 @@ def tune_main(
     *,
     spec: ModelSpec,
     model: str,
-    workload: Workload,
-    cluster: Cluster,
-    fixed: dict[str, Any],
-    coefficients: Coefficients | None,
+    request: PlanRequest,
     probe: Callable[[ProbeRequest], Measurement] | None = None,
 ) -> int:
     """Run ``--tune``; print per ``--format``, write ``--output``. Exit 0: a fitting config was
-    measured; 3: none was; 2: bad input; 130: interrupted (rerun the command to resume)."""
+    measured; 3: none was; 2: bad input; 130: interrupted (rerun the command to resume). The
+    estimate uses the coefficients of the GPU the trials run on (``coefficients_for``)."""
     from ..calibration import coefficients_for
 
     try:
@@ -54,15 +50,15 @@ def tune_main(
     device = getattr(args, "device", None) or _default_device()
     if device == "cpu":
         # CPU probes: a CPU "device" (no GPU-only terms) whose memory is the per-rank budget.
-        budget = cluster.gpu.memory_bytes
-        cluster = cluster.model_copy(update={"gpu": CPU_DEVICE.model_copy(update={"memory_bytes": budget})})
-        coefficients = coefficients_for(cluster.gpu)
+        cluster = request.cluster
+        cpu = CPU_DEVICE.model_copy(update={"memory_bytes": cluster.gpu.memory_bytes})
+        request = request.with_cluster(cluster.model_copy(update={"gpu": cpu}))
     else:
         import torch
 
         have = torch.cuda.device_count()
-        if have < cluster.num_gpus:
-            print(f"error: --gpus {cluster.num_gpus} but this machine has {have} GPU(s): every trial runs on "
+        if have < request.cluster.num_gpus:
+            print(f"error: --gpus {request.cluster.num_gpus} but this machine has {have} GPU(s): every trial runs on "
                   "this machine", file=sys.stderr)
             return 2
     fmt = getattr(args, "format", "table")
@@ -72,8 +68,7 @@ def tune_main(
 
     try:
         result = tune(
-            spec=spec, model=model, workload=workload, cluster=cluster, fixed=fixed, coefficients=coefficients,
-            sharding=getattr(args, "sharding", "auto"), margin_fraction=getattr(args, "margin", MARGIN_FRACTION),
+            spec=spec, model=model, request=request, coefficients=coefficients_for(request.cluster.gpu),
             device=device, max_trials=args.trials, timeout_s=args.timeout, storage=args.storage,
             study_name=args.study_name, trial_timeout_s=args.trial_timeout, timed_steps=args.timed_steps,
             generate=False if args.skip_rollout else None, seed=args.seed,

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ..choose import Decision, Plan, plan
-from ..hardware import MARGIN_FRACTION, Cluster, fmt_bytes
+from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients
 from ..probe import Measurement, ProbeRequest
+from ..request import PlanRequest
 from ..spec import ModelSpec
 from ..workload import Workload
 from ._calibrate import CalibrationReport, calibrate
@@ -177,12 +178,8 @@ def tune(
     *,
     spec: ModelSpec,
     model: str,
-    workload: Workload,
-    cluster: Cluster,
-    fixed: dict[str, Any],
+    request: PlanRequest,
     coefficients: Coefficients | None,
-    sharding: str = "auto",
-    margin_fraction: float = MARGIN_FRACTION,
     device: str = "cpu",
     max_trials: int = 20,
     timeout_s: float | None = None,
@@ -198,7 +195,8 @@ def tune(
     probe: Callable[[ProbeRequest], Measurement] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> TuneResult:
-    """Run (or resume) the study; ``cluster.gpu.memory_bytes`` is the per-rank budget.
+    """Run (or resume) the study of ``request`` (its cluster's ``gpu.memory_bytes`` is the per-rank
+    budget, its margin what a trial must leave free).
 
     The last ``confirm`` of the ``max_trials`` launches (at most a quarter of them) measure
     the fastest candidates a second time, and the pick is by each candidate's median. Off by
@@ -209,6 +207,8 @@ def tune(
     KeyboardInterrupt after recording the interrupted trial as FAIL.
     """
     say = progress or (lambda _msg: None)
+    workload, cluster, sharding = request.workload, request.cluster, request.sharding
+    fixed, margin_fraction = dict(request.fixed), request.margin_fraction
     if max_trials < 1:
         raise ValueError(f"--trials must be at least 1, got {max_trials}")
     space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding)
@@ -238,10 +238,10 @@ def tune(
     if enqueue_planner_pick(study, plan_params(space, picked) if picked.fits else None):
         say("the planner's pick is the first trial")
     # A cluster of several nodes is emulated on this host: one torchrun agent per node, c10d rendezvous.
-    request = ProbeRequest(model=probe_model(model), workload=workload, nproc=cluster.num_gpus,
-                           nnodes=cluster.num_nodes, device=device,
-                           generate=generate, memory_budget_bytes=cluster.gpu.memory_bytes,
-                           timeout_s=trial_timeout_s, timed_steps=timed_steps)
+    probe_request = ProbeRequest(model=probe_model(model), workload=workload, nproc=cluster.num_gpus,
+                                 nnodes=cluster.num_nodes, device=device,
+                                 generate=generate, memory_budget_bytes=cluster.gpu.memory_bytes,
+                                 timeout_s=trial_timeout_s, timed_steps=timed_steps)
     if probe is None:
         from ..probe import run_probe
 
@@ -256,7 +256,7 @@ def tune(
         return run(req)
 
     objective = Objective(space=space, spec=spec, cluster=cluster, coefficients=coefficients,
-                          margin_fraction=margin_fraction, request=request, probe=launch,
+                          margin_fraction=margin_fraction, request=probe_request, probe=launch,
                           previous=earlier_result(study),
                           claim=launch_claim(study, store, max_launches=max_trials - max(0, min(confirm, max_trials // 4))))
 

@@ -82,6 +82,7 @@ def test_overrides_parse_to_the_fields_types():
         fsdp__shard_group_size="none",
         fsdp__param_dtype="float32",
         fsdp__checkpoint_skip_layer_types="moe, full_attention",
+        workload__generation="vllm",
         workload__vllm_sleep_level="2",
         workload__gradient_checkpointing="true",
         workload__micro_batch_size_per_gpu="4",

@@ -24,11 +24,11 @@ from textual.worker import Worker, WorkerState
 from planner import emit
 from planner.choose import Plan
 from planner.models import load_model_spec
+from planner.request import PlanRequest
 from planner.spec import ModelSpec
 
 from .. import _request
 from .._knobs import KnobErrors
-from .._request import Request
 from ..widgets import ComponentTable, DecisionView, KnobPanel, KnobRow, PhaseBars, Verdict
 from ._dialogs import ExportScreen, SavePrompt
 from ._model_picker import ModelPicker
@@ -42,7 +42,7 @@ SLOW_PLAN_SECONDS = 0.25
 GENERAL_HINT = "Tab: next knob   Up/Down: double/halve a number   F1: help"
 
 
-def _plan_job(spec: ModelSpec, request: Request) -> tuple[Plan, str | None]:
+def _plan_job(spec: ModelSpec, request: PlanRequest) -> tuple[Plan, str | None]:
     """The worker's job: the plan, and why its manifest would not validate (None when it does)."""
     result = _request.compute(spec, request)
     return result, _request.manifest_problem(result)
@@ -98,14 +98,14 @@ class ExplorerScreen(Screen):
         self.values = dict(values)
         self.spec: ModelSpec | None = None
         self.plan: Plan | None = None
-        self.request: Request | None = None  # the request self.plan answers
+        self.request: PlanRequest | None = None  # the request self.plan answers
         self.errors: dict[str, str] = {}  # invalid knobs by key ("" for the whole request)
         self.model_error: str | None = None  # why the last model asked for did not load
         self.manifest_problem: str | None = None  # why self.plan's manifest would not validate
         self.loading_model: str | None = None
         self.last_recompute_seconds: float | None = None  # knob change to plan on screen
-        self._plan_wanted: tuple[ModelSpec, Request, float] | None = None
-        self._plan_running: tuple[ModelSpec, Request, float] | None = None
+        self._plan_wanted: tuple[ModelSpec, PlanRequest, float] | None = None
+        self._plan_running: tuple[ModelSpec, PlanRequest, float] | None = None
 
     # -- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:

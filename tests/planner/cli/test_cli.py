@@ -137,5 +137,5 @@ def test_every_algorithm_and_full_finetuning_plan_to_a_manifest_the_trainer_read
     assert code == 0 and load_manifest(json.loads(out)["manifest"]).lora is not None
     # 8 pairs over 16 GPUs would split pairs: one line, exit 2
     code, out, err = run(["Qwen/Qwen2.5-1.5B", "--gpus", "16", "--algorithm", "dpo", "--prompts-per-step", "8"], capsys)
-    assert code == 2 and "--prompts-per-step 8 must be a multiple of --gpus 16" in err
+    assert code == 2 and "8 preference pairs do not split over 16 ranks" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -24,6 +24,7 @@ from planner.hardware import CPU_DEVICE, Cluster
 from planner.memory import Coefficients, estimate
 from planner.models import load_model_spec
 from planner.probe import Measurement, ProbeRequest, RankMeasurement
+from planner.request import PlanRequest
 from planner.tune import (
     Objective,
     add_tune_arguments,
@@ -314,7 +315,7 @@ def test_study_seeds_the_planner_pick_prunes_by_estimate_and_keeps_the_constrain
                    for p in grid(space))
     cluster = cpu_cluster(peaks[len(peaks) // 2])
     probe = FakeProbe(spec, cluster)
-    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None,
+    result = tune(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL), coefficients=None,
                   storage="memory", max_trials=6, probe=probe, seed=3, calibration=False, confirm=0)
     trials = result.trials
     picked = plan(spec, SMALL, cluster, fixed=SHARD_ALL)
@@ -346,7 +347,7 @@ def test_study_seeds_the_planner_pick_prunes_by_estimate_and_keeps_the_constrain
 def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spec, tmp_path):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
-    common = dict(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None,
+    common = dict(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL), coefficients=None,
                   storage=storage, study_name="resume", seed=0, calibration=False, heartbeat_interval_s=1, confirm=0)
     first = FakeProbe(spec, cluster)
     tune(**common, max_trials=2, probe=first)
@@ -374,24 +375,25 @@ def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spe
 def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
-    common = dict(spec=spec, model=MODEL, cluster=cluster, fixed=SHARD_ALL, coefficients=None, storage=storage,
-                  study_name="named", seed=0, calibration=False, confirm=0)
+    common = dict(spec=spec, model=MODEL, coefficients=None, storage=storage, study_name="named", seed=0,
+                  calibration=False, confirm=0)
+    request = PlanRequest(cluster, SMALL, SHARD_ALL)
     first = FakeProbe(spec, cluster)
-    tune(**common, workload=SMALL, max_trials=1, probe=first)
+    tune(**common, request=request, max_trials=1, probe=first)
     other = FakeProbe(spec, cluster)
-    longer = SMALL.model_copy(update={"prompt_tokens": 16})
+    longer = PlanRequest(cluster, SMALL.model_copy(update={"prompt_tokens": 16}), SHARD_ALL)
     with pytest.raises(ValueError, match=r"built for another run.*workload\.prompt_tokens \(8 in the study, 16 now\)"):
-        tune(**common, workload=longer, max_trials=2, probe=other)
+        tune(**common, request=longer, max_trials=2, probe=other)
     other_spec = load_model_spec("tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=3")
     with pytest.raises(ValueError, match=r"built for another run.*spec"):
-        tune(**{**common, "spec": other_spec}, workload=SMALL, max_trials=2, probe=other)
+        tune(**{**common, "spec": other_spec}, request=request, max_trials=2, probe=other)
     with pytest.raises(ValueError, match=r"cluster\.gpu\.memory_bytes"):
-        tune(**{**common, "cluster": cpu_cluster(32 * MIB)}, workload=SMALL, max_trials=2, probe=other)
+        tune(**common, request=request.with_cluster(cpu_cluster(32 * MIB)), max_trials=2, probe=other)
     assert other.requests == []  # nothing launched for the wrong run
-    tune(**common, workload=SMALL, max_trials=2, probe=other)  # the same run resumes
+    tune(**common, request=request, max_trials=2, probe=other)  # the same run resumes
     assert len(other.requests) == 1
     with pytest.raises(ValueError, match="--storage is empty"):
-        tune(**{**common, "storage": ""}, workload=SMALL, max_trials=1, probe=other)
+        tune(**{**common, "storage": ""}, request=request, max_trials=1, probe=other)
 
 @pytest.mark.timeout(120)
 def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(spec):
@@ -409,7 +411,7 @@ def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(
         ranks = [RankMeasurement(rank=0, phases={"learn": {"total": MIB}}, step_seconds=[step] * 3)]
         return Measurement(request=request, ok=True, ranks=ranks)
 
-    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed={}, coefficients=None,
+    result = tune(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL), coefficients=None,
                   storage="memory", max_trials=8, probe=probe, seed=0, calibration=False, confirm=2)
     seconds = [t for t in result.trials if "confirm_of" in t.user_attrs]
     assert len(seconds) == 2 and all(t.user_attrs["launched"] for t in seconds)
@@ -474,7 +476,7 @@ def test_tune_main_prints_the_trials_and_emits_the_best_config(spec, tmp_path, c
 
     cluster = cpu_cluster(64 * MIB)
     out = tmp_path / "best.yaml"
-    common = dict(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None)
+    common = dict(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL))
     argv = ["--tune", "--trials", "3", "--storage", "memory", "--device", "cpu", "--seed", "0", "--no-calibration"]
     code = tune_main(_args(argv + ["--output", str(out)]), probe=FakeProbe(spec, cluster), **common)
     captured = capsys.readouterr()
@@ -527,6 +529,7 @@ TUNER = textwrap.dedent("""
     import argparse, sys
     from planner.hardware import CPU_DEVICE, Cluster
     from planner.models import load_model_spec
+    from planner.request import PlanRequest
     from planner.tune import add_tune_arguments, tune_main
     from planner.workload import Workload
 
@@ -545,8 +548,9 @@ TUNER = textwrap.dedent("""
     cluster = Cluster(gpu=CPU_DEVICE.model_copy(update={"memory_bytes": int(args.budget_mib * 2**20)}),
                       num_gpus=args.gpus)
     spec = load_model_spec(args.model)
-    sys.exit(tune_main(args, spec=spec, model=args.model, workload=workload, cluster=cluster,
-                       fixed={"param_dtype": "float32", "param_persistence_threshold": 0}, coefficients=None))
+    fixed = {"param_dtype": "float32", "param_persistence_threshold": 0}
+    request = PlanRequest(cluster, workload, fixed, sharding=args.sharding, margin_fraction=args.margin)
+    sys.exit(tune_main(args, spec=spec, model=args.model, request=request))
 """)
 
 
@@ -640,8 +644,8 @@ def test_a_crashed_rank_is_an_infeasible_trial_and_the_study_goes_on(spec, monke
     monkeypatch.setenv("AGILERL_PROBE_KILL", "1:learn")
     cluster = cpu_cluster(64 * MIB)
     seen: list[str] = []
-    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, fixed=SHARD_ALL, coefficients=None,
-                  sharding="fsdp", storage="memory", max_trials=2, seed=0, timed_steps=1, trial_timeout_s=120,
+    result = tune(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL, sharding="fsdp"),
+                  coefficients=None, storage="memory", max_trials=2, seed=0, timed_steps=1, trial_timeout_s=120,
                   calibration=False, progress=seen.append)
     launched = [t for t in result.trials if t.user_attrs["launched"]]
     assert len(launched) == 2  # the first crash did not end the study
@@ -713,8 +717,10 @@ def test_a_trial_on_two_nodes_runs_as_two_torchrun_agents(spec):
         seen.append(request)
         return run_probe(request)
 
-    result = tune(spec=spec, model=MODEL, workload=SMALL, cluster=cluster, coefficients=None,
-                  fixed={**SHARD_ALL, "shard_group_size": 2}, storage=None, seed=0, calibration=False, max_trials=1,
+    # Four prompts: the manifest gives each of the 4 GPUs whole prompts.
+    workload = SMALL.model_copy(update={"prompts_per_step": 4})
+    request = PlanRequest(cluster, workload, {**SHARD_ALL, "shard_group_size": 2})
+    result = tune(spec=spec, model=MODEL, request=request, coefficients=None, storage=None, seed=0, calibration=False, max_trials=1,
                   timed_steps=1, probe=probe)
     [request] = seen
     assert (request.nproc, request.nnodes, request.fsdp.shard_group_size) == (4, 2, 2)
