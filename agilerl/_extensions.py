@@ -89,6 +89,8 @@ def install() -> None:
 
 def guarded_command(module: str) -> list[str]:
     """``python -c ...`` that hides broken extension packages, then runs ``module`` as ``__main__``."""
-    code = ("import agilerl._extensions as e; e.hide_broken(); import runpy; "
-            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    code = (
+        "import agilerl._extensions as e; e.hide_broken(); import runpy; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
     return [sys.executable, "-c", code]

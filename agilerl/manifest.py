@@ -15,8 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agilerl.distributed import FSDPConfig
 from agilerl.utils.algo_utils import VLLMConfig
 
-__all__ = ["Manifest", "AlgorithmSection", "TrainingSection", "EnvironmentSection", "LoraSection", "load_manifest",
-           "ManifestError", "ALGORITHM_FIELDS", "OFFLINE_ALGORITHMS"]
+__all__ = [
+    "Manifest",
+    "AlgorithmSection",
+    "TrainingSection",
+    "EnvironmentSection",
+    "LoraSection",
+    "load_manifest",
+    "ManifestError",
+    "ALGORITHM_FIELDS",
+    "OFFLINE_ALGORITHMS",
+]
 
 
 class ManifestError(ValueError):
@@ -41,59 +50,91 @@ ALGORITHM_FIELDS: dict[str, tuple[str, ...]] = {
 #: Algorithms trained from a dataset (the environment's prompts with their answers), without a
 #: rollout: the rollout's fields are refused for them.
 OFFLINE_ALGORITHMS = ("SFT", "DPO")
-_ROLLOUT_FIELDS = ("group_size", "update_epochs", "temperature", "max_output_tokens", "vllm",
-                   "gather_weights_for_rollout", "offload_weights_during_rollout")
+_ROLLOUT_FIELDS = (
+    "group_size",
+    "update_epochs",
+    "temperature",
+    "max_output_tokens",
+    "vllm",
+    "gather_weights_for_rollout",
+    "offload_weights_during_rollout",
+)
 
 
 class AlgorithmSection(_Section):
     name: Annotated[
         Literal["GRPO", "CISPO", "GSPO", "LLMREINFORCE", "LLMPPO", "SFT", "DPO"],
-        Field(description="LLM algorithm to train: the RL objectives on a rollout (GRPO, CISPO, GSPO, LLMREINFORCE, "
-                          "LLMPPO), or SFT and DPO on the environment's prompts with their answers (each with its "
-                          "own defaults)."),
+        Field(
+            description="LLM algorithm to train: the RL objectives on a rollout (GRPO, CISPO, GSPO, LLMREINFORCE, "
+            "LLMPPO), or SFT and DPO on the environment's prompts with their answers (each with its "
+            "own defaults)."
+        ),
     ] = "GRPO"
     model_name: Annotated[
         str,
-        Field(description="Local model directory, hub id, or a built-in tiny model such as "
-                          "'tiny:qwen2?hidden_size=64&num_layers=2' (built locally, no download)."),
+        Field(
+            description="Local model directory, hub id, or a built-in tiny model such as "
+            "'tiny:qwen2?hidden_size=64&num_layers=2' (built locally, no download)."
+        ),
     ]
     fsdp: Annotated[
         bool | Literal["auto"] | FSDPConfig,
-        Field(description="false: no sharding (data parallel under torchrun); true: FSDPConfig defaults; a mapping "
-                          "of FSDPConfig fields; 'auto': the planner chooses."),
+        Field(
+            description="false: no sharding (data parallel under torchrun); true: FSDPConfig defaults; a mapping "
+            "of FSDPConfig fields; 'auto': the planner chooses."
+        ),
     ] = False
     group_size: Annotated[
         int | None, Field(ge=1, description="Completions per prompt; null: the algorithm's default (8, LLMPPO 1).")
     ] = None
     beta: Annotated[
         float | None,
-        Field(ge=0.0, description="KL penalty weight against the reference policy (DPO: its implicit reward's scale); "
-                                  "null: the algorithm's default (GRPO and LLMREINFORCE 0.04, CISPO and GSPO 0, "
-                                  "LLMPPO 0.05, DPO 0.1)."),
+        Field(
+            ge=0.0,
+            description="KL penalty weight against the reference policy (DPO: its implicit reward's scale); "
+            "null: the algorithm's default (GRPO and LLMREINFORCE 0.04, CISPO and GSPO 0, "
+            "LLMPPO 0.05, DPO 0.1).",
+        ),
     ] = None
-    lr: Annotated[float | None, Field(gt=0.0, description="AdamW learning rate of the actor; null: the algorithm's "
-                                                          "default (1e-5, SFT 5e-5, DPO 5e-6).")] = None
+    lr: Annotated[
+        float | None,
+        Field(
+            gt=0.0,
+            description="AdamW learning rate of the actor; null: the algorithm's default (1e-5, SFT 5e-5, DPO 5e-6).",
+        ),
+    ] = None
     clip_coef: Annotated[
         float | None,
-        Field(gt=0.0, description="Ratio clip below (and above, for GRPO); null: the algorithm's default (GRPO 0.2, "
-                                  "GSPO 3e-4; CISPO and LLMREINFORCE take none)."),
+        Field(
+            gt=0.0,
+            description="Ratio clip below (and above, for GRPO); null: the algorithm's default (GRPO 0.2, "
+            "GSPO 3e-4; CISPO and LLMREINFORCE take none).",
+        ),
     ] = None
     clip_coef_high: Annotated[
         float | None,
-        Field(gt=0.0, description="CISPO: the importance weight's cap is 1 + this (default 4.0); GSPO: the sequence "
-                                  "ratio's upper clip (default 4e-4). Other algorithms take none."),
+        Field(
+            gt=0.0,
+            description="CISPO: the importance weight's cap is 1 + this (default 4.0); GSPO: the sequence "
+            "ratio's upper clip (default 4e-4). Other algorithms take none.",
+        ),
     ] = None
     vf_coef: Annotated[float | None, Field(gt=0.0, description="LLMPPO: the value loss's weight (default 0.1).")] = None
     clip_coef_value: Annotated[
-        float | None, Field(gt=0.0, description="LLMPPO: the value clip range (default 0.2).")] = None
+        float | None, Field(gt=0.0, description="LLMPPO: the value clip range (default 0.2).")
+    ] = None
     gamma: Annotated[float | None, Field(ge=0.0, le=1.0, description="LLMPPO: the discount (default 1.0).")] = None
-    gae_lambda: Annotated[float | None, Field(ge=0.0, le=1.0, description="LLMPPO: GAE's lambda (default 0.95).")] = None
+    gae_lambda: Annotated[float | None, Field(ge=0.0, le=1.0, description="LLMPPO: GAE's lambda (default 0.95).")] = (
+        None
+    )
     nll_alpha: Annotated[
-        float | None, Field(ge=0.0, description="DPO: weight of the chosen completions' NLL (RPO; default 0).")] = None
+        float | None, Field(ge=0.0, description="DPO: weight of the chosen completions' NLL (RPO; default 0).")
+    ] = None
     max_grad_norm: Annotated[float, Field(gt=0.0, description="Global gradient-norm clip.")] = 1.0
     update_epochs: Annotated[
-        int | None, Field(ge=1, description="Optimizer passes over each batch; null: the algorithm's default (1, "
-                                            "LLMPPO 4).")] = None
+        int | None,
+        Field(ge=1, description="Optimizer passes over each batch; null: the algorithm's default (1, LLMPPO 4)."),
+    ] = None
     temperature: Annotated[float, Field(gt=0.0, description="Sampling temperature (log-probs use the same).")] = 1.0
     max_output_tokens: Annotated[int, Field(ge=1, description="Most tokens generated per completion.")] = 256
     max_model_len: Annotated[int | None, Field(ge=1, description="Longest prompt + completion.")] = None
@@ -102,34 +143,50 @@ class AlgorithmSection(_Section):
     ] = None
     logprob_chunk_size: Annotated[
         int | None | Literal["auto"],
-        Field(description="Token rows per log-prob chunk (bounds the logits workspace); null: unchunked; 'auto': "
-                          "1024, or the planner's choice with fsdp: auto."),
+        Field(
+            description="Token rows per log-prob chunk (bounds the logits workspace); null: unchunked; 'auto': "
+            "1024, or the planner's choice with fsdp: auto."
+        ),
     ] = "auto"
     gradient_checkpointing: Annotated[
         bool | Literal["auto"],
-        Field(description="Recompute block activations in backward; 'auto': on, or the planner's choice with fsdp: auto."),
+        Field(
+            description="Recompute block activations in backward; 'auto': on, or the planner's choice with fsdp: auto."
+        ),
     ] = "auto"
     use_separate_reference_adapter: Annotated[
         bool, Field(description="Keep a frozen 'reference' LoRA adapter instead of disabling adapters.")
     ] = False
-    load_in_4bit: Annotated[bool, Field(description="QLoRA: 4-bit NF4 base weights (with fsdp too; not with cpu_offload).")] = False
+    load_in_4bit: Annotated[
+        bool, Field(description="QLoRA: 4-bit NF4 base weights (with fsdp too; not with cpu_offload).")
+    ] = False
     dtype: Annotated[
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
     ] = "bfloat16"
-    vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = None
+    vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = (
+        None
+    )
     gather_weights_for_rollout: Annotated[
         bool | Literal["auto"],
-        Field(description="Materialise the rollout's weights once for a whole Hugging Face generate instead of once "
-                          "per token: under FSDP2 every unit gathered, unsharded a merged copy of each adapted "
-                          "linear; 'auto': where the memory estimate says it fits.")
+        Field(
+            description="Materialise the rollout's weights once for a whole Hugging Face generate instead of once "
+            "per token: under FSDP2 every unit gathered, unsharded a merged copy of each adapted "
+            "linear; 'auto': where the memory estimate says it fits."
+        ),
     ] = "auto"
     share_prompt_prefix: Annotated[
-        bool, Field(description="Run each group's prompt once rather than once per completion (learn, the no-grad "
-                                "passes, generate's prefill) where the model allows.")
+        bool,
+        Field(
+            description="Run each group's prompt once rather than once per completion (learn, the no-grad "
+            "passes, generate's prefill) where the model allows."
+        ),
     ] = True
     offload_weights_during_rollout: Annotated[
-        bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the vLLM engine generates "
-                                "(needs vllm).")
+        bool,
+        Field(
+            description="Park the trainer's weights (base and adapters) in host memory while the vLLM engine generates "
+            "(needs vllm)."
+        ),
     ] = False
 
     @field_validator("logprob_chunk_size")
@@ -148,10 +205,13 @@ class AlgorithmSection(_Section):
             try:
                 return FSDPConfig.model_validate(value)
             except ValidationError as err:
-                raise ValueError("; ".join(
-                    (f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
-                    for e in err.errors()
-                )) from None
+                raise ValueError(
+                    "; ".join(
+                        (f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "")
+                        + e["msg"].removeprefix("Value error, ")
+                        for e in err.errors()
+                    )
+                ) from None
         return value
 
     @model_validator(mode="after")
@@ -217,14 +277,21 @@ class TrainingSection(_Section):
     ] = 8
     training_gpus_per_agent: Annotated[
         int | None,
-        Field(ge=1, description="Trainer ranks per population member (data parallel, or FSDP2's shards); null: the "
-                                "launched ranks shared out, world / population_size - rollout_engines_per_agent."),
+        Field(
+            ge=1,
+            description="Trainer ranks per population member (data parallel, or FSDP2's shards); null: the "
+            "launched ranks shared out, world / population_size - rollout_engines_per_agent.",
+        ),
     ] = None
     rollout_engines_per_agent: Annotated[
-        int, Field(ge=0, description="Rollout engines per member on ranks of their own, one GPU each, fed weights and "
-                                     "prompts by the member's trainer ranks (a vLLM engine with algorithm.vllm, else "
-                                     "Hugging Face generate); 0: the trainer ranks generate (with algorithm.vllm, a "
-                                     "colocated engine on each).")
+        int,
+        Field(
+            ge=0,
+            description="Rollout engines per member on ranks of their own, one GPU each, fed weights and "
+            "prompts by the member's trainer ranks (a vLLM engine with algorithm.vllm, else "
+            "Hugging Face generate); 0: the trainer ranks generate (with algorithm.vllm, a "
+            "colocated engine on each).",
+        ),
     ] = 0
     max_steps: Annotated[int, Field(ge=1, description="Training steps per population member.")] = 100
     population_size: Annotated[int, Field(ge=1, description="Independent agents trained side by side.")] = 1
@@ -232,8 +299,10 @@ class TrainingSection(_Section):
     log_every: Annotated[int, Field(ge=1, description="Steps between metric lines.")] = 10
     checkpoint_dir: Annotated[
         str | None,
-        Field(description="Where each agent's checkpoints go: agent<i>/attributes.pt at the end, agent<i>/step-<n>/ "
-                          "every checkpoint_interval steps. A rerun resumes from the newest complete one."),
+        Field(
+            description="Where each agent's checkpoints go: agent<i>/attributes.pt at the end, agent<i>/step-<n>/ "
+            "every checkpoint_interval steps. A rerun resumes from the newest complete one."
+        ),
     ] = None
     checkpoint_interval: Annotated[
         int | None, Field(ge=1, description="Steps between checkpoints (needs checkpoint_dir); null: only at the end.")
@@ -265,7 +334,8 @@ class TrainingSection(_Section):
                 raise ValueError(
                     f"{world} launched rank(s) do not split into {members} population member(s) of trainer ranks"
                     + (f" and {engines} engine rank(s) each" if engines else "")
-                    + ": launch a multiple of population_size, or set training.training_gpus_per_agent")
+                    + ": launch a multiple of population_size, or set training.training_gpus_per_agent"
+                )
             else:
                 trainers = world // members - engines
         shared = trainers == world and not engines  # every member on every rank, in turn
@@ -273,10 +343,13 @@ class TrainingSection(_Section):
             raise ValueError(
                 f"training asks for {members} member(s) x ({trainers} trainer + {engines} engine rank(s)) = "
                 f"{members * (trainers + engines)} ranks, but {world} were launched: run `torchrun "
-                f"--nproc_per_node={members * (trainers + engines)} -m agilerl.train ...` or change the manifest")
+                f"--nproc_per_node={members * (trainers + engines)} -m agilerl.train ...` or change the manifest"
+            )
         if self.rollout_batch_size % trainers:
-            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of the "
-                             f"{trainers} trainer rank(s) per member")
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of the "
+                f"{trainers} trainer rank(s) per member"
+            )
         return RankLayout(members=members, trainers=trainers, engines=engines, shared=shared)
 
 
@@ -298,8 +371,12 @@ class RankLayout:
         span = self.trainers + self.engines
         member, local = divmod(rank, span)
         first = member * span
-        return (member, local >= self.trainers, list(range(first, first + self.trainers)),
-                list(range(first + self.trainers, first + span)))
+        return (
+            member,
+            local >= self.trainers,
+            list(range(first, first + self.trainers)),
+            list(range(first + self.trainers, first + span)),
+        )
 
 
 class EnvironmentSection(_Section):
@@ -319,15 +396,20 @@ class LoraSection(_Section):
     r: Annotated[int, Field(ge=1, description="LoRA rank.")] = 16
     alpha: Annotated[int, Field(ge=1, description="LoRA alpha (scale = alpha / r).")] = 32
     dropout: Annotated[float, Field(ge=0.0, lt=1.0, description="LoRA dropout.")] = 0.05
-    target_modules: Annotated[
-        str | list[str], Field(description="'all-linear' or module names to adapt.")
-    ] = "all-linear"
+    target_modules: Annotated[str | list[str], Field(description="'all-linear' or module names to adapt.")] = (
+        "all-linear"
+    )
 
     def to_peft(self):
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.target_modules, task_type="CAUSAL_LM")
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=self.target_modules,
+            task_type="CAUSAL_LM",
+        )
 
 
 class Manifest(_Section):
@@ -335,8 +417,11 @@ class Manifest(_Section):
     training: TrainingSection = TrainingSection()
     environment: EnvironmentSection = EnvironmentSection()
     lora: Annotated[
-        LoraSection | None, Field(description="LoRA adapters to train; null fine-tunes every parameter (full "
-                                              "fine-tuning: fp32 master weights, gradients and AdamW moments).")
+        LoraSection | None,
+        Field(
+            description="LoRA adapters to train; null fine-tunes every parameter (full "
+            "fine-tuning: fp32 master weights, gradients and AdamW moments)."
+        ),
     ] = LoraSection()
 
     @model_validator(mode="after")
@@ -344,35 +429,49 @@ class Manifest(_Section):
         if self.training.rollout_engines_per_agent and self.algorithm.offline:
             raise ValueError(f"training.rollout_engines_per_agent: {self.algorithm.name} has no rollout (0)")
         if self.training.rollout_engines_per_agent and self.algorithm.offload_weights_during_rollout:
-            raise ValueError("algorithm.offload_weights_during_rollout: engines on ranks of their own "
-                             "(training.rollout_engines_per_agent) share no memory with the trainer")
+            raise ValueError(
+                "algorithm.offload_weights_during_rollout: engines on ranks of their own "
+                "(training.rollout_engines_per_agent) share no memory with the trainer"
+            )
         if self.training.rollout_engines_per_agent and self.algorithm.vllm is not None:
-            raise ValueError("algorithm.vllm with training.rollout_engines_per_agent: engines on ranks of their own "
-                             "run Hugging Face generate; a vLLM engine there is not supported yet (drop algorithm.vllm, "
-                             "or set rollout_engines_per_agent: 0 for a colocated engine on each trainer rank)")
+            raise ValueError(
+                "algorithm.vllm with training.rollout_engines_per_agent: engines on ranks of their own "
+                "run Hugging Face generate; a vLLM engine there is not supported yet (drop algorithm.vllm, "
+                "or set rollout_engines_per_agent: 0 for a colocated engine on each trainer rank)"
+            )
         fsdp = self.algorithm.fsdp_config()
         if self.training.rollout_engines_per_agent and fsdp not in (None, "auto") and fsdp.tp > 1:
-            raise ValueError("algorithm.fsdp.tp > 1 with training.rollout_engines_per_agent: the ranks of a "
-                             "tensor-parallel group would send the engines their shared prompts each; use tp: 1")
+            raise ValueError(
+                "algorithm.fsdp.tp > 1 with training.rollout_engines_per_agent: the ranks of a "
+                "tensor-parallel group would send the engines their shared prompts each; use tp: 1"
+            )
         if self.lora is None and self.algorithm.load_in_4bit:
-            raise ValueError("lora: null (full fine-tuning) with algorithm.load_in_4bit: 4-bit weights do not train; "
-                             "QLoRA needs a lora section")
+            raise ValueError(
+                "lora: null (full fine-tuning) with algorithm.load_in_4bit: 4-bit weights do not train; "
+                "QLoRA needs a lora section"
+            )
         if self.lora is None and self.algorithm.use_separate_reference_adapter:
-            raise ValueError("lora: null (full fine-tuning) with algorithm.use_separate_reference_adapter: there is "
-                             "no adapter, the reference is a frozen copy of the model")
+            raise ValueError(
+                "lora: null (full fine-tuning) with algorithm.use_separate_reference_adapter: there is "
+                "no adapter, the reference is a frozen copy of the model"
+            )
         total = self.training.rollout_batch_size * self.algorithm.sequences_per_prompt
         micro = self.algorithm.micro_batch_size_per_gpu
         gpus = self.training.training_gpus_per_agent
         per_rank = total // gpus if gpus else total
-        if micro is not None and per_rank % micro:  # without the GPUs (the launch decides), a rank's share divides the total
+        if (
+            micro is not None and per_rank % micro
+        ):  # without the GPUs (the launch decides), a rank's share divides the total
             where = f"over {gpus} GPUs gives {per_rank} per GPU" if gpus else "in all"
             raise ValueError(
                 f"rollout_batch_size x group_size = {total} completions {where}, which "
                 f"algorithm.micro_batch_size_per_gpu={micro} does not divide"
             )
         if micro is not None and self.algorithm.name == "DPO" and micro % 2:
-            raise ValueError(f"algorithm.micro_batch_size_per_gpu={micro}: DPO runs a pair's chosen and rejected "
-                             "sequences in one micro-batch, so it counts sequences and must be even")
+            raise ValueError(
+                f"algorithm.micro_batch_size_per_gpu={micro}: DPO runs a pair's chosen and rejected "
+                "sequences in one micro-batch, so it counts sequences and must be even"
+            )
         return self
 
     def to_yaml(self) -> str:
@@ -400,7 +499,9 @@ def _format_errors(err: ValidationError) -> str:
 def _is_union_member(part: object) -> bool:
     # pydantic names union members in the location: 'bool', "literal['auto']", 'function-before[...]'
     text = str(part)
-    return text in ("bool", "str", "int", "float") or text.startswith(("literal[", "function-", "FSDPConfig", "VLLMConfig"))
+    return text in ("bool", "str", "int", "float") or text.startswith(
+        ("literal[", "function-", "FSDPConfig", "VLLMConfig")
+    )
 
 
 def load_manifest(source: str | Path | dict) -> Manifest:

@@ -52,17 +52,21 @@ def check_launch(manifest, *, device: str | None = None) -> None:
     layout = training.layout(world)  # ValueError naming the launch the manifest needs
     fsdp = algo.fsdp_config()
     if fsdp is not None and not launched:
-        raise ValueError("algorithm.fsdp shards the model with FSDP2, which needs a process group: run `torchrun "
-                         f"--nproc_per_node={layout.trainers} -m agilerl.train ...`, or set fsdp: false for one "
-                         "device")
+        raise ValueError(
+            "algorithm.fsdp shards the model with FSDP2, which needs a process group: run `torchrun "
+            f"--nproc_per_node={layout.trainers} -m agilerl.train ...`, or set fsdp: false for one "
+            "device"
+        )
     if fsdp is not None and fsdp != "auto":
         fsdp.check_world(layout.trainers)
     micro = algo.micro_batch_size_per_gpu
     data_parallel = layout.trainers // (fsdp.tp if fsdp is not None and fsdp != "auto" else 1)
     per_rank = training.rollout_batch_size * algo.sequences_per_prompt // data_parallel
     if micro is not None and per_rank % micro:
-        raise ValueError(f"algorithm.micro_batch_size_per_gpu={micro} does not divide a trainer rank's {per_rank} "
-                         f"completions (rollout_batch_size x group_size over {data_parallel} data-parallel ranks)")
+        raise ValueError(
+            f"algorithm.micro_batch_size_per_gpu={micro} does not divide a trainer rank's {per_rank} "
+            f"completions (rollout_batch_size x group_size over {data_parallel} data-parallel ranks)"
+        )
     check_model_source(algo.model_name, allow_download=True)
     if algo.vllm is not None:
         from agilerl.utils.engine import EngineError, check_vllm_installed
@@ -135,9 +139,13 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
     if algo.name != "SFT":
         kwargs["use_separate_reference_adapter"] = algo.use_separate_reference_adapter
     if not algo.offline:
-        kwargs.update(temperature=algo.temperature, max_output_tokens=algo.max_output_tokens, vllm_config=algo.vllm,
-                      offload_weights_during_rollout=algo.offload_weights_during_rollout,
-                      gather_weights_for_rollout=algo.gather_weights_for_rollout)
+        kwargs.update(
+            temperature=algo.temperature,
+            max_output_tokens=algo.max_output_tokens,
+            vllm_config=algo.vllm,
+            offload_weights_during_rollout=algo.offload_weights_during_rollout,
+            gather_weights_for_rollout=algo.gather_weights_for_rollout,
+        )
     start = time.monotonic()
     remote = None
     if not layout.shared and not serves:
@@ -152,11 +160,15 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
     if layout.shared:
         population = create_population(algo.name, {}, training.population_size, algo_kwargs=kwargs, device=device)
     else:
-        population = create_population(algo.name, {}, 1, algo_kwargs={**kwargs, "seed": training.seed + member},
-                                       device=device)
+        population = create_population(
+            algo.name, {}, 1, algo_kwargs={**kwargs, "seed": training.seed + member}, device=device
+        )
         population[0].index = member
-    where = (f"{world} rank(s)" if layout.shared else
-             f"ranks {trainers[0]}-{trainers[-1]}" + (f" (engines on {engines[0]}-{engines[-1]})" if engines else ""))
+    where = (
+        f"{world} rank(s)"
+        if layout.shared
+        else f"ranks {trainers[0]}-{trainers[-1]}" + (f" (engines on {engines[0]}-{engines[-1]})" if engines else "")
+    )
     _log(f"built {len(population)} {algo.name} agent(s) on {where} in {time.monotonic() - start:.1f}s")
     histories: list[list[dict[str, float]]] = []
     for agent in population:
@@ -172,8 +184,12 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
             history.append(metrics)
             if step == 1 or step % training.log_every == 0 or step == steps:
                 _log(f"agent {agent.index} step {step:4d}  {_metrics_line(metrics)}")
-            if folder is not None and training.checkpoint_interval and step % training.checkpoint_interval == 0 \
-                    and step < steps:
+            if (
+                folder is not None
+                and training.checkpoint_interval
+                and step % training.checkpoint_interval == 0
+                and step < steps
+            ):
                 _save(agent, env, history, folder / f"{STEP_PREFIX}{step:08d}")
                 _prune(folder, training.keep_checkpoints)
         histories.append(history)
@@ -195,8 +211,9 @@ def _serve(ranks, algo, source: str, tokenizer, device: str | None) -> list:
     # Hugging Face generate (the manifest refuses algorithm.vllm with engines on ranks of their own)
     from agilerl.utils.remote_engine import HFGenerateEngine, serve_rollout_engine
 
-    engine = HFGenerateEngine(source, dtype=algo.dtype, device=resolve_device(device),
-                              pad_token_id=tokenizer.pad_token_id)
+    engine = HFGenerateEngine(
+        source, dtype=algo.dtype, device=resolve_device(device), pad_token_id=tokenizer.pad_token_id
+    )
 
     served = serve_rollout_engine(engine, ranks)
     logger.info("engine rank %s: served %d rollouts", ranks.engines, served)
@@ -225,9 +242,15 @@ def _step(agent, env, name: str, prompts_per_step: int) -> dict[str, float]:
 
 
 #: What a step's log line shows, where the algorithm reports it.
-_LOGGED = (("mean_reward", "reward {:.3f}"), ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
-           ("reward_margin", "margin {:+.3f}"), ("reward_accuracy", "acc {:.2f}"), ("value_loss", "vloss {:.4f}"),
-           ("completion_length", "len {:.2f}"))
+_LOGGED = (
+    ("mean_reward", "reward {:.3f}"),
+    ("loss", "loss {:+.4f}"),
+    ("kl", "kl {:.4f}"),
+    ("reward_margin", "margin {:+.3f}"),
+    ("reward_accuracy", "acc {:.2f}"),
+    ("value_loss", "vloss {:.4f}"),
+    ("completion_length", "len {:.2f}"),
+)
 
 
 def _metrics_line(metrics: dict[str, float]) -> str:
@@ -247,9 +270,12 @@ def _checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints under ``folder``, newest step first (written atomically: a file is whole)."""
     from agilerl.algorithms.core.base import CHECKPOINT_FILE
 
-    found = [d for d in folder.glob(f"{STEP_PREFIX}*") if d.name[len(STEP_PREFIX):].isdigit()
-             and (d / CHECKPOINT_FILE).is_file()]
-    steps = {d: int(d.name[len(STEP_PREFIX):]) for d in found}
+    found = [
+        d
+        for d in folder.glob(f"{STEP_PREFIX}*")
+        if d.name[len(STEP_PREFIX) :].isdigit() and (d / CHECKPOINT_FILE).is_file()
+    ]
+    steps = {d: int(d.name[len(STEP_PREFIX) :]) for d in found}
     final = folder / CHECKPOINT_FILE
     if final.is_file():  # an earlier run's final checkpoint: its step is inside
         import torch
@@ -311,11 +337,13 @@ def _summary(index: int, history: list[dict[str, float]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m agilerl.train", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(
+        prog="python -m agilerl.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("manifest", help="path to a manifest YAML")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="compute device (default: cuda when available)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="compute device (default: cuda when available)"
+    )
     parser.add_argument("--max-steps", type=positive_int, default=None, help="override training.max_steps")
     args = parser.parse_args(argv)
     with show_logs("stdout", "agilerl"):  # the library's lines (the main rank's, and engine ranks') on stdout

@@ -35,8 +35,9 @@ def saved_coefficients(device: str) -> Coefficients:
 def estimate_request(req: ProbeRequest, coefficients: Coefficients) -> Estimate:
     """The planner's estimate of what ``req`` runs (its model, workload, FSDP config and ranks)."""
     spec = load_model_spec(req.model, lora_targets=req.workload.lora_targets)
-    return estimate(spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=req.nproc), req.fsdp,
-                    coefficients=coefficients)
+    return estimate(
+        spec, req.workload, Cluster(gpu=CPU_DEVICE, num_gpus=req.nproc), req.fsdp, coefficients=coefficients
+    )
 
 
 def cache_key(req: ProbeRequest) -> str:
@@ -73,8 +74,14 @@ def load_cache(cache: Path) -> dict[str, dict]:
     return out
 
 
-def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest], *,
-                   cache: Path, rerun: bool, phases: Sequence[str]) -> dict[str, dict]:
+def measure_cached(
+    configs: Sequence[dict[str, Any]],
+    request_for: Callable[[dict[str, Any]], ProbeRequest],
+    *,
+    cache: Path,
+    rerun: bool,
+    phases: Sequence[str],
+) -> dict[str, dict]:
     """Probe every configuration missing from ``cache``; returns the whole cache."""
     results = load_cache(cache) if not rerun else {}
     for i, c in enumerate(configs):
@@ -89,8 +96,11 @@ def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dic
             print(f"  FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
             continue
         results[key] = {
-            "phases": {ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
-                       for ph in phases if any(ph in r.phases for r in m.ranks)},
+            "phases": {
+                ph: max((r.phases.get(ph, {}) for r in m.ranks), key=lambda rec: rec.get("total", 0))
+                for ph in phases
+                if any(ph in r.phases for r in m.ranks)
+            },
             "peak": m.peak_bytes,
             "weights": max(r.param_bytes.get("weights", 0) for r in m.ranks),
         }
@@ -99,8 +109,9 @@ def measure_cached(configs: Sequence[dict[str, Any]], request_for: Callable[[dic
     return results
 
 
-def calibration_samples(configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest],
-                        results: dict[str, dict]) -> list[Sample]:
+def calibration_samples(
+    configs: Sequence[dict[str, Any]], request_for: Callable[[dict[str, Any]], ProbeRequest], results: dict[str, dict]
+) -> list[Sample]:
     """The cached measurements of ``configs`` as planner.calibration samples (CPU clusters)."""
     out = []
     for c in configs:
@@ -114,16 +125,23 @@ def calibration_samples(configs: Sequence[dict[str, Any]], request_for: Callable
     return out
 
 
-def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
-                     request_for: Callable[[dict[str, Any]], ProbeRequest], results: dict[str, dict],
-                     coefficients: Coefficients, phases: Sequence[str]) -> None:
+def print_peak_table(
+    title: str,
+    configs: Sequence[dict[str, Any]],
+    request_for: Callable[[dict[str, Any]], ProbeRequest],
+    results: dict[str, dict],
+    coefficients: Coefficients,
+    phases: Sequence[str],
+) -> None:
     """Measured vs estimated per-rank peak of each phase, one row per configuration (keys
     ``model``, ``world``, ``gc``, ``micro``, ``prompt``, ``completion``), and the mean and
     worst error over every phase but ``step``."""
     mib = 2**20
     print(f"\n{title}: measured vs estimated per-rank peak, MiB")
-    print(f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
-          + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in phases))
+    print(
+        f"{'model':8} {'gpus':>4} {'ckpt':>4} {'mb':>3} {'seq':>4} {'weights m/e':>13} "
+        + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in phases)
+    )
     errors = []
     for c in configs:
         req = request_for(c)
@@ -134,8 +152,10 @@ def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
         weights_e = est.phases["learn"].components.get("weights", 0)
         # a padded-batch probe, a probe whose groups share their prompt
         name = c["model"] + ("/pad" if c.get("padded") else "") + ("/sh" if c.get("shared") else "")
-        row = (f"{name:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
-               f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}")
+        row = (
+            f"{name:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
+            f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}"
+        )
         for ph in phases:
             measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
             err = (guess - measured) / measured
@@ -145,13 +165,20 @@ def print_peak_table(title: str, configs: Sequence[dict[str, Any]],
         print(row)
     if errors:
         named = " + ".join(ph for ph in phases if ph != "step")
-        print(f"\n{named}: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
-              f"over {len(errors)} phase peaks")
+        print(
+            f"\n{named}: mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
+            f"over {len(errors)} phase peaks"
+        )
 
 
-def peak_benchmark_main(doc: str, name: str, title: str, configs: Sequence[dict[str, Any]],
-                        request_for: Callable[[dict[str, Any], str], ProbeRequest],
-                        phases: Sequence[str]) -> None:
+def peak_benchmark_main(
+    doc: str,
+    name: str,
+    title: str,
+    configs: Sequence[dict[str, Any]],
+    request_for: Callable[[dict[str, Any], str], ProbeRequest],
+    phases: Sequence[str],
+) -> None:
     """The command line of a per-rank peak benchmark: ``--device``, ``--rerun``; measures (cached
     in ``benchmarks/results/<name>_<device>.json``) and prints :func:`print_peak_table`."""
     import argparse
@@ -161,10 +188,17 @@ def peak_benchmark_main(doc: str, name: str, title: str, configs: Sequence[dict[
     parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
     args = parser.parse_args()
     cache = ROOT / "benchmarks" / "results" / f"{name}_{args.device}.json"
-    results = measure_cached(configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
-                             phases=phases)
-    print_peak_table(f"{title} ({args.device})", configs, lambda c: request_for(c, args.device), results,
-                     saved_coefficients(args.device), phases)
+    results = measure_cached(
+        configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun, phases=phases
+    )
+    print_peak_table(
+        f"{title} ({args.device})",
+        configs,
+        lambda c: request_for(c, args.device),
+        results,
+        saved_coefficients(args.device),
+        phases,
+    )
 
 
 def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementation: str) -> ProbeRequest:
@@ -176,11 +210,20 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
     workload = Workload(
         padded_batches=c.get("padded", False),  # True: the probe's padded rows, else rows of one length
         share_prompt_prefix=c.get("shared", False),  # True: a group's rows share their prompt, run once
-        prompts_per_step=2, group_size=4, prompt_tokens=c["prompt"], completion_tokens=c["completion"],
-        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
-        lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation=attn_implementation,
+        prompts_per_step=2,
+        group_size=4,
+        prompt_tokens=c["prompt"],
+        completion_tokens=c["completion"],
+        micro_batch_size_per_gpu=c["micro"],
+        logprob_chunk_size=256,
+        gradient_checkpointing=c["gc"],
+        lora_rank=8,
+        lora_alpha=16,
+        weights_dtype="bfloat16",
+        attn_implementation=attn_implementation,
         generation="none",
     )
     fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
-    return ProbeRequest(model=model, workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
-                        timed_steps=1, timeout_s=600)
+    return ProbeRequest(
+        model=model, workload=workload, fsdp=fsdp, nproc=c["world"], device=device, timed_steps=1, timeout_s=600
+    )

@@ -48,8 +48,18 @@ PHASES = ("rollout", "reference", "learn", "step")
 def configurations(count: int = 36, seed: int = 0) -> list[dict]:
     """A seeded sample of the grid that covers every value of every knob."""
     rng = random.Random(seed)
-    grid = dict(arch=list(ARCHS), world=[1, 2, 4], reshard=[True, False], wrap=[1, 2], gc=[True, False],
-                micro=[1, 2, 4], seq=[64, 128, 256, 512], rank=[8, 64], offload=[False, True], generate=[False, True])
+    grid = dict(
+        arch=list(ARCHS),
+        world=[1, 2, 4],
+        reshard=[True, False],
+        wrap=[1, 2],
+        gc=[True, False],
+        micro=[1, 2, 4],
+        seq=[64, 128, 256, 512],
+        rank=[8, 64],
+        offload=[False, True],
+        generate=[False, True],
+    )
     configs = []
     for i in range(count):
         c = {k: v[i % len(v)] if i < 2 * max(len(x) for x in grid.values()) else rng.choice(v) for k, v in grid.items()}
@@ -69,18 +79,39 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     workload = Workload(
         padded_batches=False,  # the probes' synthetic rows have one length
         share_prompt_prefix=False,  # random rows that share nothing
-        prompts_per_step=2, group_size=8, prompt_tokens=c["seq"] - completion, completion_tokens=completion,
-        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
-        lora_rank=c["rank"], lora_alpha=2 * c["rank"], weights_dtype="bfloat16", attn_implementation="sdpa",
+        prompts_per_step=2,
+        group_size=8,
+        prompt_tokens=c["seq"] - completion,
+        completion_tokens=completion,
+        micro_batch_size_per_gpu=c["micro"],
+        logprob_chunk_size=256,
+        gradient_checkpointing=c["gc"],
+        lora_rank=c["rank"],
+        lora_alpha=2 * c["rank"],
+        weights_dtype="bfloat16",
+        attn_implementation="sdpa",
         generation="hf" if c["generate"] else "none",
     )
     fsdp = None
     if c["world"] > 1:
-        fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0,
-                          reshard_after_forward=c["reshard"], wrap_every_n_blocks=c["wrap"],
-                          optim_cpu_offload=c["offload"])
-    return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
-                        generate=c["generate"], timed_steps=1, timeout_s=600)
+        fsdp = FSDPConfig(
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            param_persistence_threshold=0,
+            reshard_after_forward=c["reshard"],
+            wrap_every_n_blocks=c["wrap"],
+            optim_cpu_offload=c["offload"],
+        )
+    return ProbeRequest(
+        model=ARCHS[c["arch"]],
+        workload=workload,
+        fsdp=fsdp,
+        nproc=c["world"],
+        device=device,
+        generate=c["generate"],
+        timed_steps=1,
+        timeout_s=600,
+    )
 
 
 def estimate_for(c: dict, device: str, coefficients: Coefficients):
@@ -98,10 +129,22 @@ def errors(configs, results, device, coefficients) -> list[dict]:
         phases = {ph: rec for ph, rec in measured["phases"].items() if ph in est.phases}
         m_peak = max(rec["total"] for rec in phases.values())
         e_peak = max(est.phases[ph].total for ph in phases)
-        rows.append({"config": c, "measured": m_peak, "estimated": e_peak, "error": (e_peak - m_peak) / m_peak,
-                     "phases": {ph: (est.phases[ph].total, rec["total"]) for ph, rec in phases.items()},
-                     "components": {ph: ({n: est.phases[ph].components.get(n, 0) for n in COMPONENTS},
-                                         {n: rec.get(n, 0) for n in COMPONENTS}) for ph, rec in phases.items()}})
+        rows.append(
+            {
+                "config": c,
+                "measured": m_peak,
+                "estimated": e_peak,
+                "error": (e_peak - m_peak) / m_peak,
+                "phases": {ph: (est.phases[ph].total, rec["total"]) for ph, rec in phases.items()},
+                "components": {
+                    ph: (
+                        {n: est.phases[ph].components.get(n, 0) for n in COMPONENTS},
+                        {n: rec.get(n, 0) for n in COMPONENTS},
+                    )
+                    for ph, rec in phases.items()
+                },
+            }
+        )
     return rows
 
 
@@ -120,15 +163,21 @@ def report(rows: list[dict], title: str) -> None:
         print(f"{title}: no measurements")
         return
     abs_err = [abs(r["error"]) for r in rows]
-    print(f"\n{title}: {len(rows)} configurations; peak per rank, mean |error| {100 * statistics.fmean(abs_err):.2f}%, "
-          f"max |error| {100 * max(abs_err):.2f}%")
-    print(f"{'id':>3} {'arch':>6} {'W':>2} {'resh':>5} {'wrap':>4} {'gc':>5} {'mb':>3} {'seq':>4} {'r':>3} {'offl':>5}"
-          f" {'gen':>5} {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}")
+    print(
+        f"\n{title}: {len(rows)} configurations; peak per rank, mean |error| {100 * statistics.fmean(abs_err):.2f}%, "
+        f"max |error| {100 * max(abs_err):.2f}%"
+    )
+    print(
+        f"{'id':>3} {'arch':>6} {'W':>2} {'resh':>5} {'wrap':>4} {'gc':>5} {'mb':>3} {'seq':>4} {'r':>3} {'offl':>5}"
+        f" {'gen':>5} {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}"
+    )
     for r in rows:
         c = r["config"]
-        print(f"{c['id']:>3} {c['arch']:>6} {c['world']:>2} {c['reshard']!s:>5} {c['wrap']:>4} {c['gc']!s:>5}"
-              f" {c['micro']:>3} {c['seq']:>4} {c['rank']:>3} {c['offload']!s:>5} {c['generate']!s:>5}"
-              f" {r['measured'] / 2**20:>13.2f} {r['estimated'] / 2**20:>13.2f} {100 * r['error']:>+6.2f}%")
+        print(
+            f"{c['id']:>3} {c['arch']:>6} {c['world']:>2} {c['reshard']!s:>5} {c['wrap']:>4} {c['gc']!s:>5}"
+            f" {c['micro']:>3} {c['seq']:>4} {c['rank']:>3} {c['offload']!s:>5} {c['generate']!s:>5}"
+            f" {r['measured'] / 2**20:>13.2f} {r['estimated'] / 2**20:>13.2f} {100 * r['error']:>+6.2f}%"
+        )
 
 
 def component_report(rows: list[dict]) -> None:
@@ -150,8 +199,9 @@ def main() -> None:
     args = parser.parse_args()
     configs = configurations()[: args.limit]
     cache = ROOT / "benchmarks" / "results" / f"accuracy_{args.device}.json"
-    results = measure_cached(configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
-                             phases=PHASES)
+    results = measure_cached(
+        configs, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun, phases=PHASES
+    )
     if args.fit:
         coefficients = fit(configs, results, args.device)
         coeff_path = coefficients_path(args.device)

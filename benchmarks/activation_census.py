@@ -71,8 +71,10 @@ def counted(arch: str, dtype: torch.dtype, targets):
     from planner.models import load_model_spec
     from planner.spec import ModelSpec
 
-    spec = load_model_spec(f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4"
-                           f"&num_kv_heads=2", lora_targets=targets)
+    spec = load_model_spec(
+        f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
+        lora_targets=targets,
+    )
     block = spec.block(0)
     adapted = frozenset(e[0] for e in block.lora[ModelSpec._target_key(targets)])
     p = 2 if dtype == torch.bfloat16 else 4
@@ -82,8 +84,9 @@ def counted(arch: str, dtype: torch.dtype, targets):
 def counted_q_dim(arch: str) -> int:
     from planner.models import load_model_spec
 
-    spec = load_model_spec(f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4"
-                           f"&num_kv_heads=2")
+    spec = load_model_spec(
+        f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2"
+    )
     return spec.block(0).attention.q_dim
 
 
@@ -107,8 +110,11 @@ def main() -> None:
         q_dim = counted_q_dim(arch)
         saved_s, nograd_s = scores * (p + 4 + cast), scores * (p + 4 + cast) + (2 * q_dim * p if scores else 0)
         cells = []
-        for m, c in ((saved, tape.saved + saved_s), (forward, fwd + saved_s),
-                     (nograd, max(tape.nograd_peak, tape.attention_live + nograd_s))):
+        for m, c in (
+            (saved, tape.saved + saved_s),
+            (forward, fwd + saved_s),
+            (nograd, max(tape.nograd_peak, tape.attention_live + nograd_s)),
+        ):
             err = (c - m) / m
             worst = max(worst, abs(err))
             cells.append(f"{m:>6.0f} {100 * err:>+6.1f}%")

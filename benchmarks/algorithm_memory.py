@@ -33,11 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
     # the model the full fine-tuning terms were first checked against (the development set below)
     "q128-L3": "tiny:qwen2?hidden_size=128&intermediate_size=384&num_layers=3&num_heads=4&num_kv_heads=2"
-               "&vocab_size=2048",
-    "q96-L4": "tiny:qwen2?hidden_size=96&intermediate_size=320&num_layers=4&num_heads=4&num_kv_heads=2"
-              "&vocab_size=1536",
+    "&vocab_size=2048",
+    "q96-L4": "tiny:qwen2?hidden_size=96&intermediate_size=320&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=1536",
     "l128-L3": "tiny:llama?hidden_size=128&intermediate_size=256&num_layers=3&num_heads=4&num_kv_heads=4"
-               "&vocab_size=1024",
+    "&vocab_size=1024",
 }
 PHASES = ("reference", "learn", "step")
 ALGORITHMS = ("grpo", "ppo", "sft", "dpo")
@@ -48,20 +47,26 @@ def _configs() -> list[dict]:
     for world in (1, 2):
         for algorithm in ALGORITHMS:
             for full in (False, True):
-                out.append(dict(
-                    algorithm=algorithm, full=full, world=world,
-                    model="q96-L4" if (algorithm in ("grpo", "sft")) == (world == 1) else "l128-L3",
-                    gc=full != (algorithm in ("ppo", "dpo")),
-                    # full fine-tuning: the planner's own choice reduce-scatters every micro-batch; the
-                    # default deferral (every unsharded fp32 gradient held) on two of them
-                    defer=world == 2 and (not full or algorithm in ("ppo", "dpo")),
-                ))
+                out.append(
+                    dict(
+                        algorithm=algorithm,
+                        full=full,
+                        world=world,
+                        model="q96-L4" if (algorithm in ("grpo", "sft")) == (world == 1) else "l128-L3",
+                        gc=full != (algorithm in ("ppo", "dpo")),
+                        # full fine-tuning: the planner's own choice reduce-scatters every micro-batch; the
+                        # default deferral (every unsharded fp32 gradient held) on two of them
+                        defer=world == 2 and (not full or algorithm in ("ppo", "dpo")),
+                    )
+                )
     return out
 
 
 #: Full fine-tuning on 2 ranks, where its terms were first checked: 48 + 48 tokens, micro-batches of 2.
-DEVELOPMENT = [dict(algorithm=a, full=True, world=2, model="q128-L3", gc=True, defer=d, set="development")
-               for a, d in (("grpo", False), ("grpo", True), ("sft", True), ("dpo", True))]
+DEVELOPMENT = [
+    dict(algorithm=a, full=True, world=2, model="q128-L3", gc=True, defer=d, set="development")
+    for a, d in (("grpo", False), ("grpo", True), ("sft", True), ("dpo", True))
+]
 CONFIGS = _configs() + DEVELOPMENT
 
 
@@ -71,25 +76,49 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     development = c.get("set") == "development"
     tokens = 48 if development else 64
     workload = Workload(
-        algorithm=c["algorithm"], full_finetune=c["full"], prompts_per_step=8 // per,
+        algorithm=c["algorithm"],
+        full_finetune=c["full"],
+        prompts_per_step=8 // per,
         **({"group_size": per} if c["algorithm"] in ("grpo", "ppo") else {}),
-        prompt_tokens=tokens, completion_tokens=tokens, micro_batch_size_per_gpu=8 // c["world"] // 2,  # 2 a rank
-        logprob_chunk_size=64 if development else 128, gradient_checkpointing=c["gc"], lora_rank=8, lora_alpha=16,
-        weights_dtype="bfloat16", attn_implementation="sdpa", generation="none",
-        padded_batches=False, share_prompt_prefix=False,
+        prompt_tokens=tokens,
+        completion_tokens=tokens,
+        micro_batch_size_per_gpu=8 // c["world"] // 2,  # 2 a rank
+        logprob_chunk_size=64 if development else 128,
+        gradient_checkpointing=c["gc"],
+        lora_rank=8,
+        lora_alpha=16,
+        weights_dtype="bfloat16",
+        attn_implementation="sdpa",
+        generation="none",
+        padded_batches=False,
+        share_prompt_prefix=False,
     )
-    fsdp = (FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0,
-                       defer_grad_sync=c["defer"]) if c["world"] > 1 else None)
-    return ProbeRequest(model=MODELS[c["model"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
-                        timed_steps=1, timeout_s=900)
+    fsdp = (
+        FSDPConfig(
+            param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0, defer_grad_sync=c["defer"]
+        )
+        if c["world"] > 1
+        else None
+    )
+    return ProbeRequest(
+        model=MODELS[c["model"]],
+        workload=workload,
+        fsdp=fsdp,
+        nproc=c["world"],
+        device=device,
+        timed_steps=1,
+        timeout_s=900,
+    )
 
 
 def report(results: dict, device: str) -> None:
     mib = 2**20
     coefficients = saved_coefficients(device)
     print(f"\nEvery algorithm ({device}, bf16): measured vs estimated per-rank peak, MiB")
-    print(f"{'algorithm':9} {'train':5} {'model':8} {'gpus':>4} {'ckpt':>4} {'defer':>5} "
-          + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in PHASES))
+    print(
+        f"{'algorithm':9} {'train':5} {'model':8} {'gpus':>4} {'ckpt':>4} {'defer':>5} "
+        + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in PHASES)
+    )
     errors: dict[str, list[float]] = {}
     for c in CONFIGS:
         req = request_for(c, device)
@@ -97,8 +126,10 @@ def report(results: dict, device: str) -> None:
         if rec is None:
             continue
         est = estimate_request(req, coefficients)
-        row = (f"{c['algorithm']:9} {'full' if c['full'] else 'lora':5} {c['model']:8} {c['world']:>4} "
-               f"{'on' if c['gc'] else 'off':>4} {('yes' if c['defer'] else 'no') if c['world'] > 1 else '-':>5}")
+        row = (
+            f"{c['algorithm']:9} {'full' if c['full'] else 'lora':5} {c['model']:8} {c['world']:>4} "
+            f"{'on' if c['gc'] else 'off':>4} {('yes' if c['defer'] else 'no') if c['world'] > 1 else '-':>5}"
+        )
         for ph in PHASES:
             if ph not in rec["phases"] or ph not in est.phases:
                 row += f" {'-':>17} {'':>6}"
@@ -106,8 +137,11 @@ def report(results: dict, device: str) -> None:
             measured, guess = rec["phases"][ph]["total"], est.phases[ph].total
             err = (guess - measured) / measured
             if ph != "step":
-                keys = ("development",) if c.get("set") == "development" else (
-                    "all", c["algorithm"], "full" if c["full"] else "lora")
+                keys = (
+                    ("development",)
+                    if c.get("set") == "development"
+                    else ("all", c["algorithm"], "full" if c["full"] else "lora")
+                )
                 for key in keys:
                     errors.setdefault(key, []).append(abs(err))
             row += f" {measured / mib:8.2f}/{guess / mib:<8.2f} {err:+6.1%}"
@@ -116,8 +150,10 @@ def report(results: dict, device: str) -> None:
     for key in ("all", "lora", "full", *ALGORITHMS, "development"):
         if key in errors:
             e = errors[key]
-            print(f"reference + learn, {key:11}: mean |error| {sum(e) / len(e):.2%}, max {max(e):.2%} over {len(e)} "
-                  "phase peaks")
+            print(
+                f"reference + learn, {key:11}: mean |error| {sum(e) / len(e):.2%}, max {max(e):.2%} over {len(e)} "
+                "phase peaks"
+            )
 
 
 def main() -> None:
@@ -126,8 +162,9 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true", help="ignore cached measurements")
     args = parser.parse_args()
     cache = ROOT / "benchmarks" / "results" / f"algorithms_{args.device}.json"
-    results = measure_cached(CONFIGS, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun,
-                             phases=PHASES)
+    results = measure_cached(
+        CONFIGS, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun, phases=PHASES
+    )
     report(results, args.device)
 
 

@@ -15,8 +15,8 @@ models of the four architectures the catalog added without a tiny model before:
   own expert loop (the row-wise experts do not take that layout), alternating sliding
   and full attention layers.
 
-A tiny Qwen2 of the same sizes is the control. Against ``planner.memory.estimate`` with the shipped coefficients; nothing is fitted
-here. Measurements are cached in ``benchmarks/results/families_<device>.json``.
+A tiny Qwen2 of the same sizes is the control. Against ``planner.memory.estimate`` with the
+shipped coefficients; nothing is fitted here. Measurements are cached in ``benchmarks/results/families_<device>.json``.
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ from planner.probe import ProbeRequest
 
 MODELS = {
     # the control: an architecture the accuracy benchmark already covers, at the same sizes
-    "qwen2": "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
-             "&vocab_size=4096",
+    "qwen2": "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096",
     "smollm3": "tiny:smollm3?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
-               "&vocab_size=4096",
-    "olmo2": "tiny:olmo2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=4"
-             "&vocab_size=4096",
+    "&vocab_size=4096",
+    "olmo2": "tiny:olmo2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=4&vocab_size=4096",
     "gemma4": "tiny:gemma4?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
-              "&vocab_size=4096",
+    "&vocab_size=4096",
     "gpt_oss": "tiny:gpt_oss?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
-               "&vocab_size=4096&num_local_experts=8&num_experts_per_tok=2",
+    "&vocab_size=4096&num_local_experts=8&num_experts_per_tok=2",
 }
 PHASES = ("reference", "learn", "step")
 CONFIGS = [

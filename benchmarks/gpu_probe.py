@@ -68,9 +68,11 @@ def machine() -> list[str]:
 def cuda_context_bytes() -> int:
     """Device memory a fresh CUDA process holds beyond PyTorch's reservation, measured in a
     subprocess (the context, cuBLAS' handles): what NVML sees and torch does not."""
-    code = ("import torch; torch.zeros(1, device='cuda'); torch.ones(256, 256, device='cuda') @ "
-            "torch.ones(256, 256, device='cuda'); torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(); "
-            "print(total - free - torch.cuda.memory_reserved())")
+    code = (
+        "import torch; torch.zeros(1, device='cuda'); torch.ones(256, 256, device='cuda') @ "
+        "torch.ones(256, 256, device='cuda'); torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(); "
+        "print(total - free - torch.cuda.memory_reserved())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -92,12 +94,24 @@ def request(model_dir: str, c: tuple, device: str):
     from planner.workload import Workload
 
     _, micro, prompt, completion, gc, rank, generate = c
-    workload = Workload(padded_batches=False, prompts_per_step=1, group_size=max(2, micro), prompt_tokens=prompt,
-                        completion_tokens=completion, micro_batch_size_per_gpu=micro, logprob_chunk_size=1024,
-                        gradient_checkpointing=gc, lora_rank=rank, lora_alpha=2 * rank, weights_dtype="bfloat16",
-                        attn_implementation="sdpa", generation="hf" if generate else "none")
-    return ProbeRequest(model=model_dir, workload=workload, nproc=1, device=device, generate=generate,
-                        timed_steps=2, timeout_s=420)
+    workload = Workload(
+        padded_batches=False,
+        prompts_per_step=1,
+        group_size=max(2, micro),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        micro_batch_size_per_gpu=micro,
+        logprob_chunk_size=1024,
+        gradient_checkpointing=gc,
+        lora_rank=rank,
+        lora_alpha=2 * rank,
+        weights_dtype="bfloat16",
+        attn_implementation="sdpa",
+        generation="hf" if generate else "none",
+    )
+    return ProbeRequest(
+        model=model_dir, workload=workload, nproc=1, device=device, generate=generate, timed_steps=2, timeout_s=420
+    )
 
 
 def write_config(name: str, target: Path) -> str:
@@ -140,8 +154,10 @@ def main() -> None:
         lines.append(f"CUDA context measured: {context / 2**20:.0f} MiB")
         print(lines[-1], flush=True)
     coefficients = coefficients_for(gpu)
-    header = (f"{'model':<18} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'phase':>9} {'measured GiB':>13}"
-              f" {'estimate GiB':>13} {'error':>7}  (measured: max_memory_reserved + CUDA context)")
+    header = (
+        f"{'model':<18} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'phase':>9} {'measured GiB':>13}"
+        f" {'estimate GiB':>13} {'error':>7}  (measured: max_memory_reserved + CUDA context)"
+    )
     rows, errors = [header], []
     print(header, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,8 +168,9 @@ def main() -> None:
             name = c[0]
             model_dir = write_config(name, Path(tmp) / catalog.slug(name))
             req = request(model_dir, c, "cuda")
-            est = estimate(catalog.load_spec(name), req.workload, Cluster(gpu=gpu, num_gpus=1), None,
-                           coefficients=coefficients)
+            est = estimate(
+                catalog.load_spec(name), req.workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients
+            )
             label = f"{name.split('/')[-1]:<18} {c[1]:>3} {c[2] + c[3]:>6} {'on' if c[4] else 'off':>3} {c[5]:>3}"
             if args.dry_run:
                 for ph in PHASES:
@@ -178,8 +195,10 @@ def main() -> None:
                 rows.append(f"{label} {ph:>9} {measured / GIB:>13.2f} {e / GIB:>13.2f} {100 * errors[-1]:>+6.1f}%")
                 print(rows[-1], flush=True)
     if errors:
-        rows.append(f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
-                    f"max {100 * max(abs(e) for e in errors):.2f}% over {len(errors)} phase peaks")
+        rows.append(
+            f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
+            f"max {100 * max(abs(e) for e in errors):.2f}% over {len(errors)} phase peaks"
+        )
         print(rows[-1])
     out = ROOT / "benchmarks" / "results" / f"gpu_{kind}.txt"
     if not args.dry_run:

@@ -70,8 +70,10 @@ SPEC_OF = {
     "Qwen/Qwen2.5-3B-Instruct": "Qwen/Qwen2.5-3B",
     "allenai/OLMoE-1B-7B-0924-Instruct": "allenai/OLMoE-1B-7B-0924",
 }
-UPSTREAM = ("first update, a step per micro-batch: no AdamW moments before the first step; foreach AdamW: "
-            "one fp32 moment-sized temporary in the step; no-grad actor and reference rows in one forward")
+UPSTREAM = (
+    "first update, a step per micro-batch: no AdamW moments before the first step; foreach AdamW: "
+    "one fp32 moment-sized temporary in the step; no-grad actor and reference rows in one forward"
+)
 
 
 @dataclass(frozen=True)
@@ -102,15 +104,25 @@ def load_rows() -> list[Row]:
         workload = Workload(
             padded_batches=False,  # the rig: one prompt, completions pinned to one length
             share_prompt_prefix=False,  # upstream AgileRL runs every row whole
-            prompts_per_step=int(r["n_prompts"]), group_size=int(r["group_size"]),
-            prompt_tokens=int(r["prompt_tokens"]), completion_tokens=int(r["completion_tokens"]),
-            micro_batch_size_per_gpu=int(r["micro_batch_effective"]), logprob_chunk_size=int(r["logprob_chunk_rows"]),
-            gradient_checkpointing=r["gradient_checkpointing"] == "True", lora_rank=int(r["lora_rank"]),
-            lora_alpha=int(r["lora_alpha"]), lora_targets=targets,
-            use_separate_reference_adapter=r["use_separate_reference_adapter"] == "True", beta=float(r["beta"]),
-            update_epochs=int(r["update_epochs"]), weights_dtype=r["weights_dtype"], generation="vllm",
+            prompts_per_step=int(r["n_prompts"]),
+            group_size=int(r["group_size"]),
+            prompt_tokens=int(r["prompt_tokens"]),
+            completion_tokens=int(r["completion_tokens"]),
+            micro_batch_size_per_gpu=int(r["micro_batch_effective"]),
+            logprob_chunk_size=int(r["logprob_chunk_rows"]),
+            gradient_checkpointing=r["gradient_checkpointing"] == "True",
+            lora_rank=int(r["lora_rank"]),
+            lora_alpha=int(r["lora_alpha"]),
+            lora_targets=targets,
+            use_separate_reference_adapter=r["use_separate_reference_adapter"] == "True",
+            beta=float(r["beta"]),
+            update_epochs=int(r["update_epochs"]),
+            weights_dtype=r["weights_dtype"],
+            generation="vllm",
             vllm_gpu_memory_utilization=float(r["vllm_gpu_memory_utilization"]),
-            vllm_sleep_level=int(r["vllm_sleep_level"]), vllm_max_num_seqs=seqs, vllm_max_model_len=length,
+            vllm_sleep_level=int(r["vllm_sleep_level"]),
+            vllm_max_num_seqs=seqs,
+            vllm_max_model_len=length,
             vllm_max_num_batched_tokens=min(seqs * length, max(length, seqs * 8192)),
             offload_weights_during_rollout=r["trainer_offload_during_rollout"] == "True",
             attn_implementation=r["attn_implementation"],
@@ -118,12 +130,22 @@ def load_rows() -> list[Row]:
         )
         gpu = GPUS["A100-40GB"].model_copy(update={"memory_bytes": int(float(r["gpu_memory_gib"]) * GIB)})
         config = (r["model"], r["seq_len"], r["group_size"], r["micro_batch"], r["lora_rank"])
-        rows.append(Row(row_id=r["row_id"], model=r["model"], phase=r["phase_measured"],
-                        measured=int(float(r["measured_raw_gib" if r["phase_measured"] == "training"
-                                            else "measured_gib"]) * GIB),
-                        rebased=int(float(r["measured_gib"]) * GIB),
-                        rig_estimate=int(float(r["source_estimate_gib"]) * GIB), config=config,
-                        workload=workload, cluster=Cluster(gpu=gpu, num_gpus=1), lora_targets=targets))
+        rows.append(
+            Row(
+                row_id=r["row_id"],
+                model=r["model"],
+                phase=r["phase_measured"],
+                measured=int(
+                    float(r["measured_raw_gib" if r["phase_measured"] == "training" else "measured_gib"]) * GIB
+                ),
+                rebased=int(float(r["measured_gib"]) * GIB),
+                rig_estimate=int(float(r["source_estimate_gib"]) * GIB),
+                config=config,
+                workload=workload,
+                cluster=Cluster(gpu=gpu, num_gpus=1),
+                lora_targets=targets,
+            )
+        )
     return rows
 
 
@@ -177,7 +199,9 @@ def estimated(row: Row, coefficients: Coefficients, *, upstream: bool = True) ->
         # Upstream runs the actor's and the reference's no-grad rows in one forward: the
         # reference phase over twice the micro-batch's rows.
         w = row.workload
-        fused = w.model_copy(update={"group_size": 2 * w.group_size, "micro_batch_size_per_gpu": 2 * w.micro_batch_size_per_gpu})
+        fused = w.model_copy(
+            update={"group_size": 2 * w.group_size, "micro_batch_size_per_gpu": 2 * w.micro_batch_size_per_gpu}
+        )
         wide = estimate(spec_of(row), fused, row.cluster, None, coefficients=coefficients)
         est = est.model_copy(update={"phases": {**est.phases, "reference": wide.phases["reference"]}})
     return window(row, est, upstream=upstream)
@@ -242,21 +266,31 @@ def report(rows: list[Row], half: dict, coefficients: Coefficients, *, show_rows
         raw, _ = estimated(r, coefficients, upstream=False)
         records.append((r, est, raw, components))
     if show_rows:
-        print(f"\n{'model':<14} {'phase':<10} {'half':<8} {'seq':>5} {'g':>3} {'mb':>3} {'r':>3} {'util':>5}"
-              f" {'measured':>9} {'estimate':>9} {'error':>7} {'raw err':>7} {'rig err':>7}  components (GiB)")
+        print(
+            f"\n{'model':<14} {'phase':<10} {'half':<8} {'seq':>5} {'g':>3} {'mb':>3} {'r':>3} {'util':>5}"
+            f" {'measured':>9} {'estimate':>9} {'error':>7} {'raw err':>7} {'rig err':>7}  components (GiB)"
+        )
         for r, est, raw, components in records:
             w = r.workload
-            top = ", ".join(f"{k}={v / GIB:.2f}" for k, v in sorted(components.items(), key=lambda kv: -kv[1]) if v > 0.005 * GIB)
-            print(f"{r.model.split('/')[-1][:14]:<14} {r.phase:<10} {half[r.config]:<8} {w.sequence_tokens:>5}"
-                  f" {w.group_size:>3} {w.micro_batch_size_per_gpu:>3} {w.lora_rank:>3}"
-                  f" {w.vllm_gpu_memory_utilization:>5.2f} {r.measured / GIB:>9.3f} {est / GIB:>9.3f}"
-                  f" {100 * (est - r.measured) / r.measured:>+6.1f}% {100 * (raw - r.measured) / r.measured:>+6.1f}%"
-                  f" {100 * (r.rig_estimate - r.measured) / r.measured:>+6.1f}%  {top}")
+            top = ", ".join(
+                f"{k}={v / GIB:.2f}" for k, v in sorted(components.items(), key=lambda kv: -kv[1]) if v > 0.005 * GIB
+            )
+            print(
+                f"{r.model.split('/')[-1][:14]:<14} {r.phase:<10} {half[r.config]:<8} {w.sequence_tokens:>5}"
+                f" {w.group_size:>3} {w.micro_batch_size_per_gpu:>3} {w.lora_rank:>3}"
+                f" {w.vllm_gpu_memory_utilization:>5.2f} {r.measured / GIB:>9.3f} {est / GIB:>9.3f}"
+                f" {100 * (est - r.measured) / r.measured:>+6.1f}% {100 * (raw - r.measured) / r.measured:>+6.1f}%"
+                f" {100 * (r.rig_estimate - r.measured) / r.measured:>+6.1f}%  {top}"
+            )
     print(f"\n{'':<40} {'this estimate':>30} {'without upstream adj.':>30} {'the rig estimator':>30}")
     groups: dict[str, list] = {}
     for rec in records:
         r = rec[0]
-        for key in (f"{r.phase} / {half[r.config]}", f"{r.phase} / {r.model.split('/')[-1]}", f"all / {half[r.config]}"):
+        for key in (
+            f"{r.phase} / {half[r.config]}",
+            f"{r.phase} / {r.model.split('/')[-1]}",
+            f"all / {half[r.config]}",
+        ):
             groups.setdefault(key, []).append(rec)
     rebased = [(e - r.rebased) / r.rebased for r, e, _, _ in records if r.phase == "training"]
     print(f"(training rows against the rig's re-based figure instead: {_stats(rebased)})")
@@ -270,13 +304,16 @@ def report(rows: list[Row], half: dict, coefficients: Coefficients, *, show_rows
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fit", action="store_true", help="fit the GPU-only coefficients on the fit half and save them")
+    parser.add_argument(
+        "--fit", action="store_true", help="fit the GPU-only coefficients on the fit half and save them"
+    )
     parser.add_argument("--rows", action="store_true", help="print every row")
     args = parser.parse_args()
     rows = load_rows()
     half = halves(rows)
-    coefficients = (Coefficients.from_json(CUDA_COEFFICIENTS.read_text()) if CUDA_COEFFICIENTS.exists()
-                    else Coefficients())
+    coefficients = (
+        Coefficients.from_json(CUDA_COEFFICIENTS.read_text()) if CUDA_COEFFICIENTS.exists() else Coefficients()
+    )
     if args.fit:
         # The kernel terms a GPU row cannot see (FSDP's buffers, the experts') come from the CPU
         # probes; only the GPU-only ones are fitted here.

@@ -29,7 +29,7 @@ def timed(prompt: int, completion: int, first: int, repeats: int = 5) -> float:
         hidden.grad = None
         start = time.perf_counter()
         out = linear_token_logprobs(hidden, targets, weight, chunk_size=1024, first=first)
-        out[:, prompt - 1:].sum().backward()
+        out[:, prompt - 1 :].sum().backward()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

@@ -22,8 +22,10 @@ from planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MODEL = ("tiny:qwen2?hidden_size=256&intermediate_size=1024&num_layers=2&num_heads=4&num_kv_heads=2"
-         "&vocab_size=4096&max_position_embeddings=8192")
+MODEL = (
+    "tiny:qwen2?hidden_size=256&intermediate_size=1024&num_layers=2&num_heads=4&num_kv_heads=2"
+    "&vocab_size=4096&max_position_embeddings=8192"
+)
 PHASES = ("reference", "learn", "step")
 #: (sequences per micro-batch, tokens per sequence), smallest first.
 SHAPES = ((1, 4096), (2, 4096), (4, 4096), (2, 8192), (8, 4096))
@@ -37,10 +39,18 @@ def request_for(c: dict) -> ProbeRequest:
     workload = Workload(
         padded_batches=False,  # the probes' synthetic rows have one length
         share_prompt_prefix=False,  # random rows that share nothing
-        prompts_per_step=1, group_size=max(2, c["micro"]), prompt_tokens=c["seq"] // 4,
-        completion_tokens=c["seq"] - c["seq"] // 4, micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=1024,
-        gradient_checkpointing=c["gc"], lora_rank=16, lora_alpha=32, weights_dtype="bfloat16",
-        attn_implementation="sdpa", generation="none",
+        prompts_per_step=1,
+        group_size=max(2, c["micro"]),
+        prompt_tokens=c["seq"] // 4,
+        completion_tokens=c["seq"] - c["seq"] // 4,
+        micro_batch_size_per_gpu=c["micro"],
+        logprob_chunk_size=1024,
+        gradient_checkpointing=c["gc"],
+        lora_rank=16,
+        lora_alpha=32,
+        weights_dtype="bfloat16",
+        attn_implementation="sdpa",
+        generation="none",
     )
     return ProbeRequest(model=MODEL, workload=workload, nproc=1, timed_steps=1, timeout_s=3600)
 
@@ -54,7 +64,10 @@ def main() -> None:
     results = measure_cached(configs, request_for, cache=cache, rerun=args.rerun, phases=PHASES)
     coefficients = saved_coefficients("cpu")
     print(f"model {MODEL}, bf16 base, fp32 LoRA r=16, SDPA, one CPU device")
-    print(f"{'tokens':>7} {'mb x len':>10} {'ckpt':>5} {'phase':>9} {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}")
+    print(
+        f"{'tokens':>7} {'mb x len':>10} {'ckpt':>5} {'phase':>9} "
+        f"{'measured MiB':>13} {'estimate MiB':>13} {'error':>7}"
+    )
     errors = []
     learn: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
     for c in configs:
@@ -69,17 +82,23 @@ def main() -> None:
                 continue
             m, e = rec["phases"][ph]["total"], est.phases[ph].total
             errors.append((e - m) / m)
-            print(f"{tokens:>7} {c['micro']:>3} x {c['seq']:<5} {'on' if c['gc'] else 'off':>5} {ph:>9}"
-                  f" {m / 2**20:>13.2f} {e / 2**20:>13.2f} {100 * (e - m) / m:>+6.2f}%")
+            print(
+                f"{tokens:>7} {c['micro']:>3} x {c['seq']:<5} {'on' if c['gc'] else 'off':>5} {ph:>9}"
+                f" {m / 2**20:>13.2f} {e / 2**20:>13.2f} {100 * (e - m) / m:>+6.2f}%"
+            )
         learn[c["gc"]].append((tokens, rec["phases"]["learn"]["total"], est.phases["learn"].total))
     if errors:
-        print(f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
-              f"max {100 * max(abs(e) for e in errors):.2f}%")
+        print(
+            f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
+            f"max {100 * max(abs(e) for e in errors):.2f}%"
+        )
     for gc, points in learn.items():
         if len(points) >= 2:
             (t0, m0, e0), (t1, m1, e1) = min(points), max(points)
-            print(f"learn peak growth, checkpointing {'on' if gc else 'off'}: measured {(m1 - m0) / (t1 - t0):.0f} "
-                  f"bytes per token, estimate {(e1 - e0) / (t1 - t0):.0f}")
+            print(
+                f"learn peak growth, checkpointing {'on' if gc else 'off'}: measured {(m1 - m0) / (t1 - t0):.0f} "
+                f"bytes per token, estimate {(e1 - e0) / (t1 - t0):.0f}"
+            )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 ARCHS = {
     "qwen3_moe": "tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
-                 "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024",
+    "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024",
     "mixtral": "tiny:mixtral?hidden_size=96&intermediate_size=384&num_local_experts=4&num_experts_per_tok=2"
-               "&num_layers=3&num_heads=4&num_kv_heads=2&vocab_size=768",
+    "&num_layers=3&num_heads=4&num_kv_heads=2&vocab_size=768",
 }
 PHASES = ("reference", "learn", "step")
 MOE_COEFFICIENTS = ("moe_rows_saved", "moe_rows_hf", "moe_chunk", "moe_dispatch", "moe_stack_grad")
@@ -57,8 +57,11 @@ SLOPE_CHUNKS = (1, 2, 4, 8)
 
 
 def slope_configs() -> list[dict]:
-    return [dict(kind="slope", arch="qwen3_moe", world=2, ep=ep, chunk=c, gc=True, micro=4, seq=512)
-            for ep in (1, 2) for c in SLOPE_CHUNKS]
+    return [
+        dict(kind="slope", arch="qwen3_moe", world=2, ep=ep, chunk=c, gc=True, micro=4, seq=512)
+        for ep in (1, 2)
+        for c in SLOPE_CHUNKS
+    ]
 
 
 def grid_configs() -> list[dict]:
@@ -89,8 +92,20 @@ def grid_configs() -> list[dict]:
     ]
     out = []
     for i, (arch, world, ep, chunk, gc, micro, seq) in enumerate(rows):
-        out.append(dict(kind="grid", id=i, half="fit" if i % 2 == 0 else "held-out", arch=arch, world=world,
-                        ep=ep, chunk=chunk, gc=gc, micro=micro, seq=seq))
+        out.append(
+            dict(
+                kind="grid",
+                id=i,
+                half="fit" if i % 2 == 0 else "held-out",
+                arch=arch,
+                world=world,
+                ep=ep,
+                chunk=chunk,
+                gc=gc,
+                micro=micro,
+                seq=seq,
+            )
+        )
     return out
 
 
@@ -98,16 +113,37 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     workload = Workload(
         padded_batches=False,  # the probes' synthetic rows have one length
         share_prompt_prefix=False,  # random rows that share nothing
-        prompts_per_step=4, group_size=4, prompt_tokens=c["seq"] // 2, completion_tokens=c["seq"] // 2,
-        micro_batch_size_per_gpu=c["micro"], logprob_chunk_size=256, gradient_checkpointing=c["gc"],
-        lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", attn_implementation="sdpa", generation="none",
+        prompts_per_step=4,
+        group_size=4,
+        prompt_tokens=c["seq"] // 2,
+        completion_tokens=c["seq"] // 2,
+        micro_batch_size_per_gpu=c["micro"],
+        logprob_chunk_size=256,
+        gradient_checkpointing=c["gc"],
+        lora_rank=8,
+        lora_alpha=16,
+        weights_dtype="bfloat16",
+        attn_implementation="sdpa",
+        generation="none",
     )
     fsdp = None
     if c["world"] > 1:
-        fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0,
-                          ep=c["ep"], routed_expert_chunk_mib=c["chunk"])
-    return ProbeRequest(model=ARCHS[c["arch"]], workload=workload, fsdp=fsdp, nproc=c["world"], device=device,
-                        timed_steps=1, timeout_s=600)
+        fsdp = FSDPConfig(
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            param_persistence_threshold=0,
+            ep=c["ep"],
+            routed_expert_chunk_mib=c["chunk"],
+        )
+    return ProbeRequest(
+        model=ARCHS[c["arch"]],
+        workload=workload,
+        fsdp=fsdp,
+        nproc=c["world"],
+        device=device,
+        timed_steps=1,
+        timeout_s=600,
+    )
 
 
 def estimated(c: dict, device: str, coefficients: Coefficients):
@@ -146,8 +182,10 @@ def slope_report(results: dict, device: str, coefficients: Coefficients) -> None
             est.append(got[1] / 2**20)
             print(f"{ep:>3} {c['chunk']:>9} {measured[-1]:>13.2f} {est[-1]:>13.2f}")
         if len(xs) >= 2:
-            print(f"    slope: measured {_least_squares_slope(xs, measured):.2f} MiB per MiB of chunk, "
-                  f"planner {_least_squares_slope(xs, est):.2f}")
+            print(
+                f"    slope: measured {_least_squares_slope(xs, measured):.2f} MiB per MiB of chunk, "
+                f"planner {_least_squares_slope(xs, est):.2f}"
+            )
 
 
 def grid_report(configs: list[dict], results: dict, device: str, coefficients: Coefficients) -> None:
@@ -163,13 +201,19 @@ def grid_report(configs: list[dict], results: dict, device: str, coefficients: C
             print(f"\n{half} half: no measurements")
             continue
         errs = [abs(e - m) / m for _, m, e in rows]
-        print(f"\n{half.upper() if half == 'held-out' else half} half: {len(rows)} configurations; peak per rank, "
-              f"mean |error| {100 * statistics.fmean(errs):.2f}%, max |error| {100 * max(errs):.2f}%")
-        print(f"{'id':>3} {'arch':>9} {'W':>2} {'ep':>3} {'chunk':>5} {'gc':>5} {'mb':>3} {'seq':>4}"
-              f" {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}")
+        print(
+            f"\n{half.upper() if half == 'held-out' else half} half: {len(rows)} configurations; peak per rank, "
+            f"mean |error| {100 * statistics.fmean(errs):.2f}%, max |error| {100 * max(errs):.2f}%"
+        )
+        print(
+            f"{'id':>3} {'arch':>9} {'W':>2} {'ep':>3} {'chunk':>5} {'gc':>5} {'mb':>3} {'seq':>4}"
+            f" {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}"
+        )
         for c, m, e in rows:
-            print(f"{c['id']:>3} {c['arch']:>9} {c['world']:>2} {c['ep']:>3} {c['chunk']!s:>5} {c['gc']!s:>5}"
-                  f" {c['micro']:>3} {c['seq']:>4} {m / 2**20:>13.2f} {e / 2**20:>13.2f} {100 * (e - m) / m:>+6.2f}%")
+            print(
+                f"{c['id']:>3} {c['arch']:>9} {c['world']:>2} {c['ep']:>3} {c['chunk']!s:>5} {c['gc']!s:>5}"
+                f" {c['micro']:>3} {c['seq']:>4} {m / 2**20:>13.2f} {e / 2**20:>13.2f} {100 * (e - m) / m:>+6.2f}%"
+            )
 
 
 def samples(configs, results, device) -> list[Sample]:
@@ -184,8 +228,9 @@ def main() -> None:
     args = parser.parse_args()
     grid = grid_configs()
     cache = ROOT / "benchmarks" / "results" / f"moe_{args.device}.json"
-    results = measure_cached(slope_configs() + grid, lambda c: request_for(c, args.device), cache=cache,
-                             rerun=args.rerun, phases=PHASES)
+    results = measure_cached(
+        slope_configs() + grid, lambda c: request_for(c, args.device), cache=cache, rerun=args.rerun, phases=PHASES
+    )
     coeff_path = coefficients_path(args.device)
     coefficients = saved_coefficients(args.device)
     if args.fit:

@@ -22,11 +22,14 @@ from planner.probe import ProbeRequest
 
 MODELS = {
     "q128-L4": "tiny:qwen2?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
-               "&vocab_size=1024",
+    "&vocab_size=1024",
 }
 PHASES = ("reference", "learn", "step")
-CONFIGS = [dict(model="q128-L4", world=2, gc=gc, micro=4, prompt=256, completion=256, padded=padded)
-           for gc in (False, True) for padded in (False, True)]
+CONFIGS = [
+    dict(model="q128-L4", world=2, gc=gc, micro=4, prompt=256, completion=256, padded=padded)
+    for gc in (False, True)
+    for padded in (False, True)
+]
 
 
 def request_for(c: dict, device: str) -> ProbeRequest:

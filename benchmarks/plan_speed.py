@@ -43,8 +43,10 @@ def _tui_change() -> None:
 
     spec = catalog.load_spec("meta-llama/Llama-3.1-70B")
     values = initial_values(num_gpus=16, gpus_per_node=8)
-    for knob, choices in (("workload.micro_batch_size_per_gpu", ("1", "2", "4")),
-                          ("workload.lora_rank", ("8", "16", "32", "64"))):
+    for knob, choices in (
+        ("workload.micro_batch_size_per_gpu", ("1", "2", "4")),
+        ("workload.lora_rank", ("8", "16", "32", "64")),
+    ):
         times = []
         for i in range(24):
             values = {**values, knob: choices[i % len(choices)]}
@@ -53,8 +55,10 @@ def _tui_change() -> None:
             t = time.perf_counter()
             _plan_job(spec, _request.build_request(values))
             times.append(time.perf_counter() - t)
-        print(f"TUI change of {knob.split('.', 1)[1]}, Llama-3.1-70B on 16 GPUs: "
-              f"{statistics.median(times) * 1000:.1f} ms median, {max(times) * 1000:.1f} ms worst of 24")
+        print(
+            f"TUI change of {knob.split('.', 1)[1]}, Llama-3.1-70B on 16 GPUs: "
+            f"{statistics.median(times) * 1000:.1f} ms median, {max(times) * 1000:.1f} ms worst of 24"
+        )
 
 
 def main() -> None:
@@ -86,8 +90,10 @@ def main() -> None:
     cold = [_timed_cli(["meta-llama/Llama-3.1-70B", "--gpus", "8"], env) for _ in range(3)]
     print(f"CLI, catalog Llama-3.1-70B on 8 GPUs: {min(cold):.2f} s (best of 3, cold interpreter)")
     config = catalog.entry("Qwen/Qwen2.5-7B").config
-    for label, cfg in (("Qwen2.5-7B's, a catalog entry", config),
-                       ("Qwen2.5-7B's with 30 layers, not one", {**config, "num_hidden_layers": 30})):
+    for label, cfg in (
+        ("Qwen2.5-7B's, a catalog entry", config),
+        ("Qwen2.5-7B's with 30 layers, not one", {**config, "num_hidden_layers": 30}),
+    ):
         with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as cache:
             (Path(tmp) / "config.json").write_text(json.dumps(cfg))
             env_cfg = dict(env, AGILERL_CACHE=cache)

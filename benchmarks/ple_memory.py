@@ -20,9 +20,9 @@ from planner.probe import ProbeRequest
 
 MODELS = {
     "h128-L4": "tiny:gemma3n?hidden_size=128&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2"
-               "&vocab_size=2048",
+    "&vocab_size=2048",
     "h96-L6": "tiny:gemma3n?hidden_size=96&intermediate_size=384&num_layers=6&num_heads=4&num_kv_heads=2"
-              "&vocab_size=1024",
+    "&vocab_size=1024",
 }
 PHASES = ("reference", "learn", "step")
 CONFIGS = [

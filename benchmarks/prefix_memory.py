@@ -19,9 +19,14 @@ from benchmarks._probe_cache import peak_benchmark_main, peak_request
 from benchmarks.padded_memory import MODELS, PHASES  # (the same model and phases, each twin beside)
 from planner.probe import ProbeRequest
 
-CONFIGS = [dict(model="q128-L4", world=world, gc=gc, micro=4, prompt=384, completion=128, padded=padded, shared=shared)
-           for world in (1, 2) for gc in (False, True) for padded in (False, True) for shared in (False, True)
-           if not (world == 1 and padded)]
+CONFIGS = [
+    dict(model="q128-L4", world=world, gc=gc, micro=4, prompt=384, completion=128, padded=padded, shared=shared)
+    for world in (1, 2)
+    for gc in (False, True)
+    for padded in (False, True)
+    for shared in (False, True)
+    if not (world == 1 and padded)
+]
 
 
 def request_for(c: dict, device: str) -> ProbeRequest:

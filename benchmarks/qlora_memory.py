@@ -23,25 +23,49 @@ from planner.workload import Workload
 
 MODEL = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096"
 #: (ranks, sharded, gradient checkpointing, reshard after forward, QLoRA)
-RUNS = [(1, False, True, True, True), (1, False, False, True, True), (1, False, True, True, False),
-        (2, True, True, True, True), (2, True, False, True, True), (2, True, True, False, True),
-        (4, True, True, True, True), (2, True, True, True, False)]
+RUNS = [
+    (1, False, True, True, True),
+    (1, False, False, True, True),
+    (1, False, True, True, False),
+    (2, True, True, True, True),
+    (2, True, False, True, True),
+    (2, True, True, False, True),
+    (4, True, True, True, True),
+    (2, True, True, True, False),
+]
 PHASES = ("reference", "learn", "step")
 
 
 def main() -> None:
     spec = load_model_spec(MODEL)
-    print(f"{'ranks':>5} {'fsdp':>5} {'gc':>5} {'reshard':>7} {'base':>5} {'phase':<10}"
-          f"{'measured KiB':>13}{'estimate KiB':>13}{'error':>8}")
+    print(
+        f"{'ranks':>5} {'fsdp':>5} {'gc':>5} {'reshard':>7} {'base':>5} {'phase':<10}"
+        f"{'measured KiB':>13}{'estimate KiB':>13}{'error':>8}"
+    )
     errors = []
     for world, sharded, gc, reshard, qlora in RUNS:
         cluster = Cluster(gpu=CPU_DEVICE, num_gpus=world)
-        workload = Workload(padded_batches=False, share_prompt_prefix=False, prompts_per_step=world, group_size=2, prompt_tokens=128, completion_tokens=128,
-                            micro_batch_size_per_gpu=2, logprob_chunk_size=256, gradient_checkpointing=gc,
-                            lora_rank=8, lora_alpha=16, weights_dtype="bfloat16", load_in_4bit=qlora,
-                            generation="none")
-        fsdp = FSDPConfig(param_dtype="bfloat16", reshard_after_forward=reshard,
-                          param_persistence_threshold=0) if sharded else None
+        workload = Workload(
+            padded_batches=False,
+            share_prompt_prefix=False,
+            prompts_per_step=world,
+            group_size=2,
+            prompt_tokens=128,
+            completion_tokens=128,
+            micro_batch_size_per_gpu=2,
+            logprob_chunk_size=256,
+            gradient_checkpointing=gc,
+            lora_rank=8,
+            lora_alpha=16,
+            weights_dtype="bfloat16",
+            load_in_4bit=qlora,
+            generation="none",
+        )
+        fsdp = (
+            FSDPConfig(param_dtype="bfloat16", reshard_after_forward=reshard, param_persistence_threshold=0)
+            if sharded
+            else None
+        )
         m = run_probe(ProbeRequest(model=MODEL, workload=workload, fsdp=fsdp, nproc=world, timed_steps=1))
         if not m.ok:
             print(f"probe failed: {m.failure[-1500:]}")
@@ -53,11 +77,16 @@ def main() -> None:
             error = (estimated - measured) / measured * 100
             if qlora:
                 errors.append(abs(error))
-            print(f"{world:>5} {str(sharded):>5} {str(gc):>5} {str(reshard):>7} {'nf4' if qlora else 'bf16':>5} "
-                  f"{phase:<10}{measured / 1024:>13,.0f}{estimated / 1024:>13,.0f}{error:>+7.1f}%", flush=True)
+            print(
+                f"{world:>5} {str(sharded):>5} {str(gc):>5} {str(reshard):>7} {'nf4' if qlora else 'bf16':>5} "
+                f"{phase:<10}{measured / 1024:>13,.0f}{estimated / 1024:>13,.0f}{error:>+7.1f}%",
+                flush=True,
+            )
     if errors:
-        print(f"QLoRA phases: mean |error| {sum(errors) / len(errors):.2f}%, worst {max(errors):.2f}% "
-              f"({len(errors)} phase peaks)")
+        print(
+            f"QLoRA phases: mean |error| {sum(errors) / len(errors):.2f}%, worst {max(errors):.2f}% "
+            f"({len(errors)} phase peaks)"
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ import time
 
 import torch
 
-MODEL = "tiny:qwen2?hidden_size=256&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&initializer_range=0.05"
+MODEL = (
+    "tiny:qwen2?hidden_size=256&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&initializer_range=0.05"
+)
 
 
 def build(mode: str):
@@ -35,14 +37,30 @@ def build(mode: str):
     from agilerl.utils.tiny import char_tokenizer
 
     tokenizer = char_tokenizer()
-    fsdp = None if mode == "dp" else FSDPConfig(param_dtype="float32", reduce_dtype="float32",
-                                                param_persistence_threshold=0)
-    agent = GRPO(MODEL, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id, pad_token=tokenizer.pad_token,
-                 lora_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
-                                        task_type="CAUSAL_LM"),
-                 batch_size=2, group_size=8, max_output_tokens=64, dtype="float32", device="cpu",
-                 gradient_checkpointing=False, logprob_chunk_size=256, fsdp_config=fsdp,
-                 gather_weights_for_rollout=mode.startswith("fsdp/once"), seed=0)
+    fsdp = (
+        None
+        if mode == "dp"
+        else FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
+    )
+    agent = GRPO(
+        MODEL,
+        tokenizer=tokenizer,
+        pad_token_id=tokenizer.pad_token_id,
+        pad_token=tokenizer.pad_token,
+        lora_config=LoraConfig(
+            r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+        ),
+        batch_size=2,
+        group_size=8,
+        max_output_tokens=64,
+        dtype="float32",
+        device="cpu",
+        gradient_checkpointing=False,
+        logprob_chunk_size=256,
+        fsdp_config=fsdp,
+        gather_weights_for_rollout=mode.startswith("fsdp/once"),
+        seed=0,
+    )
     ids, masks = agent.get_action(["1+2=", "3+4="])
     rewards = torch.rand(ids.shape[0] * agent.data_parallel_ranks)
     agent.learn((ids, masks, rewards[agent.local_slice(2)]))  # a non-zero adapter
@@ -71,8 +89,10 @@ def main() -> None:
             times[mode].append(time.perf_counter() - start)
     grpo._mergeable_lora_layers = mergeable
     if is_main_process():
-        print(f"\nrollout on 2 gloo ranks, {MODEL.split('?')[0]} h256 L4, 16 completions x 64 tokens, "
-              f"median of {args.reps}")
+        print(
+            f"\nrollout on 2 gloo ranks, {MODEL.split('?')[0]} h256 L4, 16 completions x 64 tokens, "
+            f"median of {args.reps}"
+        )
         print(f"{'mode':<18} {'s per get_action':>16} {'vs fsdp/unit':>13}")
         unit = statistics.median(times["fsdp/unit"])
         for mode in modes:

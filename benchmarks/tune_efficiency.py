@@ -50,11 +50,26 @@ from planner.tune import grid, search_space, tune  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
 MODEL = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=4096"
-WORKLOAD = Workload(padded_batches=False, share_prompt_prefix=False, prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=32, lora_rank=8,
-                    lora_alpha=16, weights_dtype="float32", generation="none")
+WORKLOAD = Workload(
+    padded_batches=False,
+    share_prompt_prefix=False,
+    prompts_per_step=2,
+    group_size=4,
+    prompt_tokens=32,
+    completion_tokens=32,
+    lora_rank=8,
+    lora_alpha=16,
+    weights_dtype="float32",
+    generation="none",
+)
 NPROC = 2
-FIXED = {"param_dtype": "float32", "param_persistence_threshold": 0, "optim_cpu_offload": False,
-         "prefetch_units": 1, "backward_prefetch_units": 1}
+FIXED = {
+    "param_dtype": "float32",
+    "param_persistence_threshold": 0,
+    "optim_cpu_offload": False,
+    "prefetch_units": 1,
+    "backward_prefetch_units": 1,
+}
 MARGIN = 0.05
 TIMED_STEPS = 5
 CACHE = ROOT / "benchmarks" / "results" / "tune_grid_cpu.json"
@@ -65,7 +80,8 @@ MIB = 2**20
 def _key(request: ProbeRequest) -> str:
     """A run's identity without the budget (on CPU the budget only judges, it changes nothing)."""
     return request.model_copy(update={"memory_budget_bytes": None, "timeout_s": 600}).model_dump_json(
-        exclude_defaults=True)
+        exclude_defaults=True
+    )
 
 
 def _load_cache() -> dict[str, list[dict]]:
@@ -75,22 +91,36 @@ def _load_cache() -> dict[str, list[dict]]:
 
 
 def _record(m: Measurement) -> dict:
-    return {"ok": m.ok, "failure": (m.failure or "")[:500], "peak_bytes": m.peak_bytes, "peak_phase": m.peak_phase,
-            "tokens_per_second": m.tokens_per_second, "step_seconds": m.step_seconds,
-            "ranks": [r.model_dump() for r in m.ranks], "wall_seconds": m.wall_seconds}
+    return {
+        "ok": m.ok,
+        "failure": (m.failure or "")[:500],
+        "peak_bytes": m.peak_bytes,
+        "peak_phase": m.peak_phase,
+        "tokens_per_second": m.tokens_per_second,
+        "step_seconds": m.step_seconds,
+        "ranks": [r.model_dump() for r in m.ranks],
+        "wall_seconds": m.wall_seconds,
+    }
 
 
 def _measurement(request: ProbeRequest, run: dict) -> Measurement:
-    return Measurement(request=request, ok=run["ok"], failure=run["failure"] or None,
-                       ranks=[RankMeasurement(**r) for r in run["ranks"]], wall_seconds=run["wall_seconds"])
+    return Measurement(
+        request=request,
+        ok=run["ok"],
+        failure=run["failure"] or None,
+        ranks=[RankMeasurement(**r) for r in run["ranks"]],
+        wall_seconds=run["wall_seconds"],
+    )
 
 
 def measure_grid(space, base: ProbeRequest, repeats: int) -> dict[str, list[dict]]:
     cache = _load_cache()
     points = grid(space)
     todo = sum(max(0, repeats - len(cache.get(_key(_request(space, base, p)), []))) for p in points)
-    print(f"grid: {len(points)} points x {repeats} runs; {todo} probe(s) to run, the rest cached in {CACHE}",
-          file=sys.stderr)
+    print(
+        f"grid: {len(points)} points x {repeats} runs; {todo} probe(s) to run, the rest cached in {CACHE}",
+        file=sys.stderr,
+    )
     done = 0
     start = time.monotonic()
     # Round-robin over the points, so a burst of load elsewhere on the machine does not fall on
@@ -105,8 +135,11 @@ def measure_grid(space, base: ProbeRequest, repeats: int) -> dict[str, list[dict
             runs.append(_record(m))
             done += 1
             eta = (time.monotonic() - start) / done * (todo - done)
-            print(f"  [{done}/{todo}] {params}: {'ok' if m.ok else 'FAILED'} peak {m.peak_bytes / MIB:.2f} MiB, "
-                  f"{m.tokens_per_second or 0:,.0f} tokens/s (about {eta / 60:.0f} min left)", file=sys.stderr)
+            print(
+                f"  [{done}/{todo}] {params}: {'ok' if m.ok else 'FAILED'} peak {m.peak_bytes / MIB:.2f} MiB, "
+                f"{m.tokens_per_second or 0:,.0f} tokens/s (about {eta / 60:.0f} min left)",
+                file=sys.stderr,
+            )
             CACHE.parent.mkdir(parents=True, exist_ok=True)
             CACHE.write_text(json.dumps(cache, indent=0))
     return cache
@@ -124,13 +157,17 @@ def summarise(space, base: ProbeRequest, cache: dict, limit: int) -> list[dict]:
         ok = [r for r in runs if r["ok"]]
         tokens = [r["tokens_per_second"] for r in ok]
         median = statistics.median(tokens) if tokens else 0.0
-        rows.append({
-            "params": params, "key": space.candidate(params).key, "runs": len(runs),
-            "peak_bytes": max((r["peak_bytes"] for r in ok), default=None),
-            "fits": len(ok) == len(runs) and all(r["peak_bytes"] <= limit for r in ok),
-            "tokens_per_second": median,
-            "spread": (max(tokens) - min(tokens)) / median if median else None,
-        })
+        rows.append(
+            {
+                "params": params,
+                "key": space.candidate(params).key,
+                "runs": len(runs),
+                "peak_bytes": max((r["peak_bytes"] for r in ok), default=None),
+                "fits": len(ok) == len(runs) and all(r["peak_bytes"] <= limit for r in ok),
+                "tokens_per_second": median,
+                "spread": (max(tokens) - min(tokens)) / median if median else None,
+            }
+        )
     return rows
 
 
@@ -143,31 +180,58 @@ def judge(rows: list[dict], pick_key: str | None) -> dict:
     tolerance = max(0.05, best["spread"] or 0.0, pick["spread"] or 0.0)
     gap = 1 - pick["tokens_per_second"] / best["tokens_per_second"]
     ok = pick["fits"] and gap <= tolerance
-    why = "" if ok else ("the pick does not fit by the grid's measurement" if not pick["fits"]
-                         else f"{gap:.1%} slower than the best, over the {tolerance:.1%} tolerance")
+    why = (
+        ""
+        if ok
+        else (
+            "the pick does not fit by the grid's measurement"
+            if not pick["fits"]
+            else f"{gap:.1%} slower than the best, over the {tolerance:.1%} tolerance"
+        )
+    )
     return {"best": best, "pick": pick, "gap": gap, "tolerance": tolerance, "ok": ok, "why": why}
 
 
 def _label(params: dict) -> str:
-    short = {"reshard_after_forward": "reshard", "wrap_every_n_blocks": "wrap", "micro_batch_size_per_gpu": "micro",
-             "gradient_checkpointing": "ckpt"}
+    short = {
+        "reshard_after_forward": "reshard",
+        "wrap_every_n_blocks": "wrap",
+        "micro_batch_size_per_gpu": "micro",
+        "gradient_checkpointing": "ckpt",
+    }
     return " ".join(f"{short.get(k, k)}={v}" for k, v in params.items())
 
 
 def print_grid(rows: list[dict], limit: int, budget: int) -> None:
-    print(f"\ngrid ({len(rows)} points, {rows[0]['runs']} runs each); budget {budget / MIB:.2f} MiB per rank, "
-          f"limit {limit / MIB:.2f} MiB (5% margin)")
+    print(
+        f"\ngrid ({len(rows)} points, {rows[0]['runs']} runs each); budget {budget / MIB:.2f} MiB per rank, "
+        f"limit {limit / MIB:.2f} MiB (5% margin)"
+    )
     print(f"{'point':<44} {'peak MiB':>9} {'fits':>5} {'tokens/s':>9} {'spread':>7}")
     for r in sorted(rows, key=lambda r: -r["tokens_per_second"]):
-        print(f"{_label(r['params']):<44} {r['peak_bytes'] / MIB:>9.2f} {'yes' if r['fits'] else 'no':>5} "
-              f"{r['tokens_per_second']:>9,.0f} {r['spread']:>7.1%}")
+        print(
+            f"{_label(r['params']):<44} {r['peak_bytes'] / MIB:>9.2f} {'yes' if r['fits'] else 'no':>5} "
+            f"{r['tokens_per_second']:>9,.0f} {r['spread']:>7.1%}"
+        )
 
 
 def run_tuner(spec, cluster, *, trials: int, seed: int, confirm: int, probe=None, say=None):
     request = PlanRequest(cluster, WORKLOAD, FIXED, sharding="fsdp", margin_fraction=MARGIN)
-    return tune(spec=spec, model=MODEL, request=request, coefficients=None, device="cpu", max_trials=trials, storage="memory",
-                timed_steps=TIMED_STEPS, seed=seed, calibration=probe is None, confirm=confirm, probe=probe,
-                progress=say)
+    return tune(
+        spec=spec,
+        model=MODEL,
+        request=request,
+        coefficients=None,
+        device="cpu",
+        max_trials=trials,
+        storage="memory",
+        timed_steps=TIMED_STEPS,
+        seed=seed,
+        calibration=probe is None,
+        confirm=confirm,
+        probe=probe,
+        progress=say,
+    )
 
 
 def main() -> int:
@@ -195,12 +259,21 @@ def main() -> int:
     print_grid(rows, limit, budget)
     cluster = Cluster(gpu=CPU_DEVICE.model_copy(update={"memory_bytes": budget}), num_gpus=NPROC)
     trials = len(rows) // 3
-    report: dict = {"model": MODEL, "grid_points": len(rows), "repeats": args.repeats, "budget_bytes": budget,
-                    "limit_bytes": limit, "grid": rows}
+    report: dict = {
+        "model": MODEL,
+        "grid_points": len(rows),
+        "repeats": args.repeats,
+        "budget_bytes": budget,
+        "limit_bytes": limit,
+        "grid": rows,
+    }
     best = max((r for r in rows if r["fits"]), key=lambda r: r["tokens_per_second"])
-    print(f"\ngrid best: {_label(best['params'])}: {best['tokens_per_second']:,.0f} tokens/s "
-          f"(spread {best['spread']:.1%}); {sum(r['fits'] for r in rows)} of {len(rows)} points fit")
+    print(
+        f"\ngrid best: {_label(best['params'])}: {best['tokens_per_second']:,.0f} tokens/s "
+        f"(spread {best['spread']:.1%}); {sum(r['fits'] for r in rows)} of {len(rows)} points fit"
+    )
     if not args.no_tuner:
+
         def say(msg: str) -> None:
             print(f"[tune] {msg}", file=sys.stderr, flush=True)
 
@@ -209,22 +282,35 @@ def main() -> int:
         tuner_seconds = time.monotonic() - t0
         verdict = judge(rows, result.best.user_attrs["key"] if result.best else None)
         pick = verdict["pick"]
-        print(f"\ntuner: {result.num_launched} probe(s) launched (allowed {trials} = a third of the grid), "
-              f"{len(result.trials)} trials in all, {tuner_seconds / 60:.1f} min (grid: {grid_seconds / 60:.1f} min "
-              "measured this run; cached points cost nothing)")
+        print(
+            f"\ntuner: {result.num_launched} probe(s) launched (allowed {trials} = a third of the grid), "
+            f"{len(result.trials)} trials in all, {tuner_seconds / 60:.1f} min (grid: {grid_seconds / 60:.1f} min "
+            "measured this run; cached points cost nothing)"
+        )
         if pick is not None:
-            print(f"tuner pick: {_label(pick['params'])}: grid measures {pick['tokens_per_second']:,.0f} tokens/s "
-                  f"(spread {pick['spread']:.1%}), fits by the grid: {'yes' if pick['fits'] else 'NO'}; "
-                  f"{verdict['gap']:.1%} below the grid's best; tolerance {verdict['tolerance']:.1%}")
-            print(f"tuner's own measurement of it: {result.best_tokens_per_second:,.0f} tokens/s "
-                  f"(median of {len(result.best_runs)} run(s))")
+            print(
+                f"tuner pick: {_label(pick['params'])}: grid measures {pick['tokens_per_second']:,.0f} tokens/s "
+                f"(spread {pick['spread']:.1%}), fits by the grid: {'yes' if pick['fits'] else 'NO'}; "
+                f"{verdict['gap']:.1%} below the grid's best; tolerance {verdict['tolerance']:.1%}"
+            )
+            print(
+                f"tuner's own measurement of it: {result.best_tokens_per_second:,.0f} tokens/s "
+                f"(median of {len(result.best_runs)} run(s))"
+            )
         print(f"verdict: {'PASS' if verdict['ok'] else 'FAIL: ' + verdict['why']}")
         if result.calibration:
             print(result.calibration.line())
-        report["tuner"] = {"launched": result.num_launched, "allowed": trials, "trials": len(result.trials),
-                           "seconds": tuner_seconds, "pick": pick, "gap": verdict.get("gap"),
-                           "tolerance": verdict.get("tolerance"), "ok": verdict["ok"],
-                           "calibration": result.calibration.model_dump() if result.calibration else None}
+        report["tuner"] = {
+            "launched": result.num_launched,
+            "allowed": trials,
+            "trials": len(result.trials),
+            "seconds": tuner_seconds,
+            "pick": pick,
+            "gap": verdict.get("gap"),
+            "tolerance": verdict.get("tolerance"),
+            "ok": verdict["ok"],
+            "calibration": result.calibration.model_dump() if result.calibration else None,
+        }
     if args.replays:
         report["replays"] = {}
         print(f"\nreplays ({args.replays} seeds each, trials answered from a random one of the grid's runs):")
@@ -238,15 +324,23 @@ def main() -> int:
 
                 result = run_tuner(spec, cluster, trials=trials, seed=seed, confirm=confirm, probe=replay)
                 verdict = judge(rows, result.best.user_attrs["key"] if result.best else None)
-                outcomes.append({"seed": seed, "launched": result.num_launched, "ok": verdict["ok"],
-                                 "gap": verdict.get("gap"),
-                                 "fits": bool(verdict["pick"] and verdict["pick"]["fits"])})
+                outcomes.append(
+                    {
+                        "seed": seed,
+                        "launched": result.num_launched,
+                        "ok": verdict["ok"],
+                        "gap": verdict.get("gap"),
+                        "fits": bool(verdict["pick"] and verdict["pick"]["fits"]),
+                    }
+                )
             gaps = [o["gap"] for o in outcomes if o["gap"] is not None]
-            print(f"  --confirm {confirm}: {sum(o['ok'] for o in outcomes)}/{args.replays} within tolerance, "
-                  f"{sum(g <= 0.05 for g in gaps)}/{args.replays} within 5%; picks that do not fit: "
-                  f"{sum(not o['fits'] for o in outcomes)}; probes launched max "
-                  f"{max(o['launched'] for o in outcomes)} of {trials}; gap to the grid's best: median "
-                  f"{statistics.median(gaps):.1%}, worst {max(gaps):.1%}")
+            print(
+                f"  --confirm {confirm}: {sum(o['ok'] for o in outcomes)}/{args.replays} within tolerance, "
+                f"{sum(g <= 0.05 for g in gaps)}/{args.replays} within 5%; picks that do not fit: "
+                f"{sum(not o['fits'] for o in outcomes)}; probes launched max "
+                f"{max(o['launched'] for o in outcomes)} of {trials}; gap to the grid's best: median "
+                f"{statistics.median(gaps):.1%}, worst {max(gaps):.1%}"
+            )
             report["replays"][f"confirm={confirm}"] = outcomes
     REPORT.write_text(json.dumps(report, indent=1, default=str))
     return 0

@@ -29,10 +29,22 @@ def _agent(vllm: bool):
 
     tok = char_tokenizer()
     engine = VLLMConfig(kv_cache_memory_bytes=256 << 20, enforce_eager=True) if vllm else None
-    agent = GRPO(MODEL, pad_token_id=tok.pad_token_id, pad_token=tok.pad_token, tokenizer=tok,
-                 lora_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
-                 batch_size=PROMPTS, group_size=GROUP, max_output_tokens=NEW, max_model_len=256, dtype="bfloat16",
-                 device="cpu", gradient_checkpointing=False, vllm_config=engine, seed=0)
+    agent = GRPO(
+        MODEL,
+        pad_token_id=tok.pad_token_id,
+        pad_token=tok.pad_token,
+        tokenizer=tok,
+        lora_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
+        batch_size=PROMPTS,
+        group_size=GROUP,
+        max_output_tokens=NEW,
+        max_model_len=256,
+        dtype="bfloat16",
+        device="cpu",
+        gradient_checkpointing=False,
+        vllm_config=engine,
+        seed=0,
+    )
     agent.generation_kwargs["min_new_tokens"] = NEW  # every completion exactly NEW tokens, both ways
     return agent
 
@@ -59,8 +71,10 @@ def main() -> None:
     built = time.perf_counter() - start
     rows.append(("vllm engine (sync included)", _median(lambda: engine.get_action(prompts))))
     rows.append(("  of which the weight sync", _median(engine.sync_engine_weights)))
-    print(f"Rollout of {PROMPTS} x {GROUP} completions x {NEW} tokens, bf16, {torch.get_num_threads()} thread(s); "
-          f"agent with engine built in {built:.1f} s")
+    print(
+        f"Rollout of {PROMPTS} x {GROUP} completions x {NEW} tokens, bf16, {torch.get_num_threads()} thread(s); "
+        f"agent with engine built in {built:.1f} s"
+    )
     print(f"{'mode':30} {'seconds':>8} {'vs HF':>6}")
     for name, seconds in rows:
         print(f"{name:30} {seconds:8.3f} {seconds / rows[0][1]:5.2f}x")

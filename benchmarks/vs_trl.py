@@ -46,8 +46,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MODEL = ("tiny:qwen2?hidden_size=256&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
-         "&initializer_range=0.05")
+MODEL = (
+    "tiny:qwen2?hidden_size=256&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&initializer_range=0.05"
+)
 PROMPTS, GROUP, PROMPT_TOKENS, NEW_TOKENS, RANK, BETA, LR = 2, 8, 64, 64, 16, 0.04, 1e-5
 PHASES = ("step", "generation", "reference", "learn")
 
@@ -91,13 +92,28 @@ def planned_fsdp_config(dtype: str, checkpointing: bool, world: int):
     from planner.models import load_model_spec
     from planner.workload import Workload
 
-    workload = Workload(prompts_per_step=PROMPTS, group_size=GROUP, prompt_tokens=PROMPT_TOKENS,
-                        completion_tokens=NEW_TOKENS, micro_batch_size_per_gpu=GROUP * PROMPTS // world,
-                        gradient_checkpointing=checkpointing, lora_rank=RANK, lora_alpha=2 * RANK,
-                        lora_targets="all-linear", beta=BETA, weights_dtype=dtype)
+    workload = Workload(
+        prompts_per_step=PROMPTS,
+        group_size=GROUP,
+        prompt_tokens=PROMPT_TOKENS,
+        completion_tokens=NEW_TOKENS,
+        micro_batch_size_per_gpu=GROUP * PROMPTS // world,
+        gradient_checkpointing=checkpointing,
+        lora_rank=RANK,
+        lora_alpha=2 * RANK,
+        lora_targets="all-linear",
+        beta=BETA,
+        weights_dtype=dtype,
+    )
     cluster = visible_cluster(world)
-    result = plan(load_model_spec(MODEL, lora_targets="all-linear"), workload, cluster, sharding="fsdp",
-                  fixed={"param_dtype": dtype}, coefficients=coefficients_for(cluster.gpu))
+    result = plan(
+        load_model_spec(MODEL, lora_targets="all-linear"),
+        workload,
+        cluster,
+        sharding="fsdp",
+        fixed={"param_dtype": dtype},
+        coefficients=coefficients_for(cluster.gpu),
+    )
     return result.fsdp
 
 
@@ -119,10 +135,24 @@ def run_ours(steps: int, dtype: str, checkpointing: bool, fsdp: str | None = Non
         config = planned_fsdp_config(dtype, checkpointing, int(os.environ.get("WORLD_SIZE", "1")))
     else:
         config = FSDPConfig(param_dtype=dtype, reduce_dtype="float32") if fsdp == "default" else None
-    agent = GRPO(source, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id, pad_token=tokenizer.pad_token,
-                 lora_config=_lora(), batch_size=PROMPTS, group_size=GROUP, max_output_tokens=NEW_TOKENS,
-                 beta=BETA, lr=LR, dtype=dtype, device="cpu", attn_implementation="sdpa",
-                 gradient_checkpointing=checkpointing, fsdp_config=config, seed=0)
+    agent = GRPO(
+        source,
+        tokenizer=tokenizer,
+        pad_token_id=tokenizer.pad_token_id,
+        pad_token=tokenizer.pad_token,
+        lora_config=_lora(),
+        batch_size=PROMPTS,
+        group_size=GROUP,
+        max_output_tokens=NEW_TOKENS,
+        beta=BETA,
+        lr=LR,
+        dtype=dtype,
+        device="cpu",
+        attn_implementation="sdpa",
+        gradient_checkpointing=checkpointing,
+        fsdp_config=config,
+        seed=0,
+    )
     agent.generation_kwargs["min_new_tokens"] = NEW_TOKENS
     spent: dict[str, float] = {}
 
@@ -141,7 +171,7 @@ def run_ours(steps: int, dtype: str, checkpointing: bool, fsdp: str | None = Non
         spent.clear()
         barrier()
         start = time.perf_counter()
-        ids, masks = agent.get_action(prompts[i * PROMPTS:(i + 1) * PROMPTS])
+        ids, masks = agent.get_action(prompts[i * PROMPTS : (i + 1) * PROMPTS])
         texts = [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, masks)]
         agent.learn((ids, masks, torch.tensor([_reward(t) for t in texts])))
         barrier()
@@ -174,19 +204,41 @@ def run_trl(steps: int, dtype: str, checkpointing: bool) -> dict:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     args = GRPOConfig(
         output_dir=os.environ.get("TMPDIR", "/tmp") + f"/vs_trl_{os.getpid()}",
-        per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP, max_completion_length=NEW_TOKENS,
-        generation_kwargs={"min_new_tokens": NEW_TOKENS}, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
-        learning_rate=LR, max_grad_norm=1.0, num_iterations=1, gradient_checkpointing=checkpointing,
-        max_steps=steps + 1, logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
-        bf16=dtype == "bfloat16", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP,
+        max_completion_length=NEW_TOKENS,
+        generation_kwargs={"min_new_tokens": NEW_TOKENS},
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=BETA,
+        learning_rate=LR,
+        max_grad_norm=1.0,
+        num_iterations=1,
+        gradient_checkpointing=checkpointing,
+        max_steps=steps + 1,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=dtype == "bfloat16",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     dataset = Dataset.from_dict({"prompt": _prompts(PROMPTS * (steps + 1))})
 
     def reward(completions, **_):
         return [_reward(c) for c in completions]
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=_lora())
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=_lora(),
+    )
     spent: dict[str, float] = {}
 
     def wrap(name: str, fn, only_no_grad: bool = False):
@@ -198,12 +250,14 @@ def run_trl(steps: int, dtype: str, checkpointing: bool) -> dict:
                 return fn(*a, **k)
             finally:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
         return inner
 
     trainer._generate = wrap("generation", trainer._generate)
     trainer._generate_and_score_completions = wrap("prepare", trainer._generate_and_score_completions)
-    trainer._get_per_token_logps_and_entropies = wrap("reference", trainer._get_per_token_logps_and_entropies,
-                                                      only_no_grad=True)
+    trainer._get_per_token_logps_and_entropies = wrap(
+        "reference", trainer._get_per_token_logps_and_entropies, only_no_grad=True
+    )
     times: dict[str, list[float]] = {k: [] for k in PHASES}
     lengths: list[int] = []
 
@@ -240,20 +294,38 @@ def run_trl(steps: int, dtype: str, checkpointing: bool) -> dict:
 # -- driver --------------------------------------------------------------------------------------
 def _spawn(which: str, args, ranks: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    worker = ["-m", "benchmarks.vs_trl", "--worker", which, "--steps", str(args.steps), "--dtype", args.dtype,
-              "--fsdp-config", args.fsdp_config]
+    worker = [
+        "-m",
+        "benchmarks.vs_trl",
+        "--worker",
+        which,
+        "--steps",
+        str(args.steps),
+        "--dtype",
+        args.dtype,
+        "--fsdp-config",
+        args.fsdp_config,
+    ]
     if args.gradient_checkpointing:
         worker.append("--gradient-checkpointing")
     if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(29500 + os.getpid() % 1000), *worker]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+            *worker,
+        ]
     else:
         cmd = [sys.executable, *worker]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{which} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _table(title: str, names: tuple[str, str], runs: dict[str, list[dict]]) -> None:
@@ -288,17 +360,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on in both trainers (default off)")
     parser.add_argument("--ranks", type=int, default=1, help="2: also FSDP2 against data parallel on 2 gloo ranks")
-    parser.add_argument("--fsdp-config", default="planned", choices=["planned", "default"],
-                        help="FSDP2 side of --ranks: the planner's FSDPConfig for this run (default), "
-                             "or FSDPConfig() with the run's dtype")
+    parser.add_argument(
+        "--fsdp-config",
+        default="planned",
+        choices=["planned", "default"],
+        help="FSDP2 side of --ranks: the planner's FSDPConfig for this run (default), "
+        "or FSDPConfig() with the run's dtype",
+    )
     parser.add_argument("--ranks-only", action="store_true", help="with --ranks: only FSDP2 against data parallel")
     parser.add_argument("--worker", choices=["ours", "trl", "dp", "fsdp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        run = {"ours": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing),
-               "trl": lambda: run_trl(args.steps, args.dtype, args.gradient_checkpointing),
-               "dp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing),
-               "fsdp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing, fsdp=args.fsdp_config)}
+        run = {
+            "ours": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing),
+            "trl": lambda: run_trl(args.steps, args.dtype, args.gradient_checkpointing),
+            "dp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing),
+            "fsdp": lambda: run_ours(args.steps, args.dtype, args.gradient_checkpointing, fsdp=args.fsdp_config),
+        }
         result = run[args.worker]()
         if result:
             print("RESULT " + json.dumps(result), flush=True)
@@ -306,19 +384,21 @@ def main() -> None:
     try:
         import trl
     except ImportError:
-        raise SystemExit("TRL is not installed: pip install -e \".[bench]\"") from None
+        raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from None
     import torch
     import transformers
 
     _model_dir()  # written once, before the timed processes
     print(f"machine: {_machine()}")
-    print(f"{MODEL.split('?')[0]} h256 L4, LoRA r={RANK}, {PROMPTS} prompts x {GROUP} completions, "
-          f"{PROMPT_TOKENS} + {NEW_TOKENS} tokens, {args.dtype}, checkpointing "
-          f"{'on' if args.gradient_checkpointing else 'off'}, OMP_NUM_THREADS=1; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, trl {trl.__version__}; {args.pairs} pairs x {args.steps} steps")
+    print(
+        f"{MODEL.split('?')[0]} h256 L4, LoRA r={RANK}, {PROMPTS} prompts x {GROUP} completions, "
+        f"{PROMPT_TOKENS} + {NEW_TOKENS} tokens, {args.dtype}, checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}, OMP_NUM_THREADS=1; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, trl {trl.__version__}; {args.pairs} pairs x {args.steps} steps"
+    )
     runs: dict[str, list[dict]] = {"agilerl": [], "trl": []}
     for i in range(0 if args.ranks_only and args.ranks > 1 else args.pairs):
-        for name in (("agilerl", "trl") if i % 2 == 0 else ("trl", "agilerl")):
+        for name in ("agilerl", "trl") if i % 2 == 0 else ("trl", "agilerl"):
             runs[name].append(_spawn("ours" if name == "agilerl" else "trl", args))
             print(f"  pair {i + 1} {name}: step {runs[name][-1]['step']:.3f} s", flush=True)
     if runs["agilerl"]:
@@ -326,12 +406,16 @@ def main() -> None:
     if args.ranks > 1:
         runs = {"fsdp2": [], "dp": []}
         for i in range(args.pairs):
-            for name in (("fsdp2", "dp") if i % 2 == 0 else ("dp", "fsdp2")):
+            for name in ("fsdp2", "dp") if i % 2 == 0 else ("dp", "fsdp2"):
                 runs[name].append(_spawn("fsdp" if name == "fsdp2" else "dp", args, ranks=args.ranks))
                 print(f"  pair {i + 1} {name}: step {runs[name][-1]['step']:.3f} s", flush=True)
         chosen = ", ".join(f"{k}={v}" for k, v in runs["fsdp2"][0].get("fsdp_config", {}).items())
-        _table(f"this trainer on {args.ranks} gloo ranks (the same global batch), median seconds per step; "
-               f"FSDP2 with the {args.fsdp_config} FSDPConfig ({chosen or 'all defaults'})", ("fsdp2", "dp"), runs)
+        _table(
+            f"this trainer on {args.ranks} gloo ranks (the same global batch), median seconds per step; "
+            f"FSDP2 with the {args.fsdp_config} FSDPConfig ({chosen or 'all defaults'})",
+            ("fsdp2", "dp"),
+            runs,
+        )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,16 @@ from pathlib import Path
 from .hardware import GPU
 from .memory import Coefficients
 
-__all__ = ["coefficients_for", "coefficients_source", "calibration_path", "save_calibration", "Sample", "fit_coefficients", "phase_errors",
-           "FITTED"]
+__all__ = [
+    "coefficients_for",
+    "coefficients_source",
+    "calibration_path",
+    "save_calibration",
+    "Sample",
+    "fit_coefficients",
+    "phase_errors",
+    "FITTED",
+]
 
 _SHIPPED = Path(__file__).resolve().parent
 
@@ -95,9 +103,14 @@ def phase_errors(samples: list[Sample], coefficients: Coefficients) -> list[floa
     return out
 
 
-def fit_coefficients(samples: list[Sample], *, start: Coefficients | None = None,
-                     names: tuple[str, ...] = FITTED, iterations: int = 40,
-                     bounds: tuple[float, float] = (0.0, 32.0)) -> Coefficients:
+def fit_coefficients(
+    samples: list[Sample],
+    *,
+    start: Coefficients | None = None,
+    names: tuple[str, ...] = FITTED,
+    iterations: int = 40,
+    bounds: tuple[float, float] = (0.0, 32.0),
+) -> Coefficients:
     """Least squares on relative per-phase errors (Levenberg-Marquardt, bounded coefficients).
 
     Only the kernel-dependent coefficients in ``names`` move; the exact terms of

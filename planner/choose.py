@@ -49,7 +49,16 @@ from .request import Decision, PlanRequest, RequestError, request_problems
 from .spec import ModelSpec
 from .workload import OFFLINE_SEQUENCES, Workload
 
-__all__ = ["Decision", "Plan", "plan", "plan_request", "check_inputs", "suggest_fixes", "LOGPROB_CHUNKS", "EXPERT_CHUNKS_MIB"]
+__all__ = [
+    "Decision",
+    "Plan",
+    "plan",
+    "plan_request",
+    "check_inputs",
+    "suggest_fixes",
+    "LOGPROB_CHUNKS",
+    "EXPERT_CHUNKS_MIB",
+]
 
 LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 #: vllm_gpu_memory_utilization the planner tries, largest first (a larger KV cache: more sequences
@@ -90,8 +99,16 @@ def _gib(n: float) -> str:
 class _Search:
     """The fixed inputs of one plan and the estimate they are judged by."""
 
-    def __init__(self, spec: ModelSpec, cluster: Cluster, coefficients: Coefficients | None, margin: int, *,
-                 workload: Workload, fixed: dict[str, Any]):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        cluster: Cluster,
+        coefficients: Coefficients | None,
+        margin: int,
+        *,
+        workload: Workload,
+        fixed: dict[str, Any],
+    ):
         self.spec, self.cluster, self.coefficients, self.margin = spec, cluster, coefficients, margin
         self.workload, self.fixed = workload, fixed  # as the user gave them
         self.limit = cluster.gpu.memory_bytes - margin
@@ -129,8 +146,9 @@ def _expert_parallel_degrees(spec: ModelSpec, cluster: Cluster) -> list[int]:
     return sorted(allowed, key=lambda d: (d > cluster.per_node, d))
 
 
-def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None,
-                 sharding: str = "auto") -> None:
+def check_inputs(
+    spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: dict[str, Any] | None = None, sharding: str = "auto"
+) -> None:
     """Raise ValueError naming the field when the inputs describe a run the trainer would refuse.
 
     Nothing the user gave is dropped or defaulted: the rules that need no model
@@ -151,20 +169,26 @@ def check_inputs(spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: d
     if fsdp.routed_expert_chunk_mib is not None and spec.expert_layout_problem:
         raise ValueError(f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g}: {spec.expert_layout_problem}")
     if fsdp.wrap_every_n_blocks > spec.num_layers:
-        raise ValueError(f"wrap_every_n_blocks={fsdp.wrap_every_n_blocks} is more than the {spec.num_layers} "
-                         f"blocks of {spec.name}")
+        raise ValueError(
+            f"wrap_every_n_blocks={fsdp.wrap_every_n_blocks} is more than the {spec.num_layers} blocks of {spec.name}"
+        )
     unknown = sorted(set(fsdp.checkpoint_skip_layer_types) - set(spec.block_kinds))
     if unknown:
-        raise ValueError(f"checkpoint_skip_layer_types names block kinds {spec.name} does not have: {unknown}; "
-                         f"its blocks are of kinds {spec.block_kinds}")
+        raise ValueError(
+            f"checkpoint_skip_layer_types names block kinds {spec.name} does not have: {unknown}; "
+            f"its blocks are of kinds {spec.block_kinds}"
+        )
     if workload.sequence_tokens > spec.max_position_embeddings:
-        raise ValueError(f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "
-                         f"{spec.max_position_embeddings} positions of {spec.name} (max_position_embeddings; "
-                         "a longer context needs rope scaling in its config.json)")
+        raise ValueError(
+            f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "
+            f"{spec.max_position_embeddings} positions of {spec.name} (max_position_embeddings; "
+            "a longer context needs rope scaling in its config.json)"
+        )
 
 
-def _vllm_frugal(spec: ModelSpec, workload: Workload, cluster: Cluster,
-                 fixed: dict[str, Any]) -> tuple[Workload, list[Decision]]:
+def _vllm_frugal(
+    spec: ModelSpec, workload: Workload, cluster: Cluster, fixed: dict[str, Any]
+) -> tuple[Workload, list[Decision]]:
     """The colocated engine's settings the plan starts from: ``max_num_seqs`` a rank's completions
     (at most 256) and, unless given, the least ``gpu_memory_utilization`` the engine starts with
     (its weights and one sequence's KV cache), raised later to the largest that fits."""
@@ -175,9 +199,17 @@ def _vllm_frugal(spec: ModelSpec, workload: Workload, cluster: Cluster,
         n = workload.completions_per_rank(max(1, cluster.num_gpus // tp))
         seqs = min(VLLM_MAX_NUM_SEQS, n)
         update["vllm_max_num_seqs"] = seqs
-        notes.append(Decision(field="vllm_max_num_seqs", value=seqs, reason=(
-            f"a rank's {n} completions per rollout all in flight at once" if seqs == n else
-            f"vLLM's default; a rank has {n} completions per rollout")))
+        notes.append(
+            Decision(
+                field="vllm_max_num_seqs",
+                value=seqs,
+                reason=(
+                    f"a rank's {n} completions per rollout all in flight at once"
+                    if seqs == n
+                    else f"vLLM's default; a rank has {n} completions per rollout"
+                ),
+            )
+        )
     if workload.vllm_gpu_memory_utilization is None and workload.vllm_kv_cache_memory_bytes is None:
         sized = workload.model_copy(update={**update, "vllm_gpu_memory_utilization": 1.0})
         floor = vllm_floor(spec, sized, cluster, None) / cluster.gpu.memory_bytes
@@ -221,11 +253,24 @@ def plan(
     if not search.fits(draft.workload, draft.fsdp):
         est = search.estimate(draft.workload, draft.fsdp)
         suggestions = _suggest(spec, workload, cluster, coefficients, margin, fixed) if suggest else []
-        draft.note("fits", False, f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase "
-                                  f"{est.peak_phase}, over the {_gib(search.limit)} available")
-        return Plan(model=spec.name, cluster=cluster, fsdp=draft.fsdp, workload=draft.workload, estimate=est,
-                    decisions=tuple(draft.decisions), fits=False, margin_bytes=margin,
-                    suggestions=tuple(suggestions), coefficients_source=source)
+        draft.note(
+            "fits",
+            False,
+            f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase "
+            f"{est.peak_phase}, over the {_gib(search.limit)} available",
+        )
+        return Plan(
+            model=spec.name,
+            cluster=cluster,
+            fsdp=draft.fsdp,
+            workload=draft.workload,
+            estimate=est,
+            decisions=tuple(draft.decisions),
+            fits=False,
+            margin_bytes=margin,
+            suggestions=tuple(suggestions),
+            coefficients_source=source,
+        )
 
     # 2. relax, in order of throughput value
     _note_optimizer_offload(search, draft)
@@ -243,23 +288,50 @@ def plan(
     _choose_vllm_utilization(search, draft)
 
     est = search.estimate(draft.workload, draft.fsdp)
-    draft.note("fits", True, f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
-                             f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}")
-    return Plan(model=spec.name, cluster=cluster, fsdp=draft.fsdp, workload=draft.workload, estimate=est,
-                decisions=tuple(draft.decisions), fits=True, margin_bytes=margin, coefficients_source=source)
+    draft.note(
+        "fits",
+        True,
+        f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
+        f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}",
+    )
+    return Plan(
+        model=spec.name,
+        cluster=cluster,
+        fsdp=draft.fsdp,
+        workload=draft.workload,
+        estimate=est,
+        decisions=tuple(draft.decisions),
+        fits=True,
+        margin_bytes=margin,
+        coefficients_source=source,
+    )
 
 
-def plan_request(spec: ModelSpec, request: PlanRequest, *, coefficients: Coefficients | None = None,
-                 coefficients_source: str | None = None, suggest: bool = True) -> Plan:
+def plan_request(
+    spec: ModelSpec,
+    request: PlanRequest,
+    *,
+    coefficients: Coefficients | None = None,
+    coefficients_source: str | None = None,
+    suggest: bool = True,
+) -> Plan:
     """:func:`plan` for a validated request, with the coefficients its GPU gets unless given
     (:func:`planner.calibration.coefficients_for`: the user's calibration for the GPU kind, else the
     shipped ones); the request's own decisions are reported after the plan's."""
     if coefficients is None:
         coefficients = calibration.coefficients_for(request.cluster.gpu)
         coefficients_source = coefficients_source or calibration.coefficients_source(request.cluster.gpu)
-    result = plan(spec, request.workload, request.cluster, fixed=dict(request.fixed), sharding=request.sharding,
-                  coefficients=coefficients, coefficients_source=coefficients_source,
-                  margin_fraction=request.margin_fraction, suggest=suggest)
+    result = plan(
+        spec,
+        request.workload,
+        request.cluster,
+        fixed=dict(request.fixed),
+        sharding=request.sharding,
+        coefficients=coefficients,
+        coefficients_source=coefficients_source,
+        margin_fraction=request.margin_fraction,
+        suggest=suggest,
+    )
     if request.decisions:
         result = result.model_copy(update={"decisions": (*result.decisions, *request.decisions)})
     return result
@@ -268,10 +340,13 @@ def plan_request(spec: ModelSpec, request: PlanRequest, *, coefficients: Coeffic
 def _frugal_workload(workload: Workload) -> Workload:
     """The user's workload with the knobs left open at their most frugal: one example per
     micro-batch, the smallest log-prob chunk, checkpointing on."""
-    return workload.model_copy(update=dict(
-        micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu or (2 if workload.algorithm == "dpo" else 1),
-        logprob_chunk_size=workload.logprob_chunk_size or LOGPROB_CHUNKS[0],
-        gradient_checkpointing=True if workload.gradient_checkpointing is None else workload.gradient_checkpointing))
+    return workload.model_copy(
+        update=dict(
+            micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu or (2 if workload.algorithm == "dpo" else 1),
+            logprob_chunk_size=workload.logprob_chunk_size or LOGPROB_CHUNKS[0],
+            gradient_checkpointing=True if workload.gradient_checkpointing is None else workload.gradient_checkpointing,
+        )
+    )
 
 
 def _choose_sharding(search: _Search, draft: _Draft, sharding: str) -> bool:
@@ -302,9 +377,16 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
     spec, fixed, workload, frugal = search.spec, search.fixed, search.workload, draft.workload
     # Full fine-tuning holds every unsharded gradient between micro-batches under defer_grad_sync:
     # reduce-scatter each micro-batch instead until the deferral is known to fit.
-    base = dict(reshard_after_forward=True, wrap_every_n_blocks=1, prefetch_units=1, backward_prefetch_units=1,
-                optim_cpu_offload=False, cpu_offload=False, shard_group_size=None,
-                defer_grad_sync=not workload.full_finetune)
+    base = dict(
+        reshard_after_forward=True,
+        wrap_every_n_blocks=1,
+        prefetch_units=1,
+        backward_prefetch_units=1,
+        optim_cpu_offload=False,
+        cpu_offload=False,
+        shard_group_size=None,
+        defer_grad_sync=not workload.full_finetune,
+    )
     # the row-wise experts in chunks: far below PEFT's merged expert stacks
     row_wise = row_wise_experts(spec)
     if row_wise:
@@ -338,8 +420,9 @@ def _note_optimizer_offload(search: _Search, draft: _Draft) -> None:
         return
     if fsdp.optim_cpu_offload:
         on_gpu = search.estimate(draft.workload, fsdp.model_copy(update={"optim_cpu_offload": False})).peak_bytes
-        draft.note("optim_cpu_offload", True, f"Adam state on the GPU would need {_gib(on_gpu)} per GPU; "
-                                              f"on the host it fits")
+        draft.note(
+            "optim_cpu_offload", True, f"Adam state on the GPU would need {_gib(on_gpu)} per GPU; on the host it fits"
+        )
     else:
         draft.note("optim_cpu_offload", False, "Adam state fits on the GPU (fused AdamW there is fastest)")
 
@@ -355,9 +438,13 @@ def _choose_micro_batch(search: _Search, draft: _Draft, completions: int) -> Non
         if search.fits(draft.trying(micro_batch_size_per_gpu=mb), draft.fsdp):
             best = mb
     draft.workload = draft.trying(micro_batch_size_per_gpu=best)
-    draft.note("micro_batch_size_per_gpu", best,
-               f"the largest divisor of the {completions} completions per GPU that fits" if best < completions
-               else f"all {completions} completions per GPU in one micro-batch fit")
+    draft.note(
+        "micro_batch_size_per_gpu",
+        best,
+        f"the largest divisor of the {completions} completions per GPU that fits"
+        if best < completions
+        else f"all {completions} completions per GPU in one micro-batch fit",
+    )
 
 
 def _choose_checkpointing(search: _Search, draft: _Draft) -> None:
@@ -384,8 +471,12 @@ def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> N
         hsdp = fsdp.model_copy(update={"shard_group_size": per_node})
         if search.fits(current, hsdp):
             fsdp = hsdp
-            draft.note("shard_group_size", per_node, f"weights sharded within a node of {per_node} GPUs fit, so "
-                                                     "all-gathers stay on the node's fast links (HSDP)")
+            draft.note(
+                "shard_group_size",
+                per_node,
+                f"weights sharded within a node of {per_node} GPUs fit, so "
+                "all-gathers stay on the node's fast links (HSDP)",
+            )
         else:
             draft.note("shard_group_size", None, f"sharding only within a node of {per_node} GPUs does not fit")
     elif "shard_group_size" not in fixed:
@@ -397,18 +488,29 @@ def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> N
         defer = fsdp.model_copy(update={"defer_grad_sync": True})
         if fsdp.defer_grad_sync or search.fits(current, defer):
             fsdp = defer
-            draft.note("defer_grad_sync", True, f"the {micro_batches} micro-batches' unsharded gradients fit until "
-                                                "the last one reduce-scatters them: one reduce-scatter per step")
+            draft.note(
+                "defer_grad_sync",
+                True,
+                f"the {micro_batches} micro-batches' unsharded gradients fit until "
+                "the last one reduce-scatters them: one reduce-scatter per step",
+            )
         else:
             need = search.estimate(current, defer).peak_bytes
-            draft.note("defer_grad_sync", False, f"holding every unsharded gradient between micro-batches would "
-                                                 f"need {_gib(need)}: each micro-batch reduce-scatters")
+            draft.note(
+                "defer_grad_sync",
+                False,
+                f"holding every unsharded gradient between micro-batches would "
+                f"need {_gib(need)}: each micro-batch reduce-scatters",
+            )
     if "reshard_after_forward" not in fixed:
         keep = fsdp.model_copy(update={"reshard_after_forward": False})
         if search.fits(current, keep):
             fsdp = keep
-            draft.note("reshard_after_forward", False, "every unit can stay gathered from forward to backward: "
-                                                       "no second all-gather")
+            draft.note(
+                "reshard_after_forward",
+                False,
+                "every unit can stay gathered from forward to backward: no second all-gather",
+            )
         else:
             draft.note("reshard_after_forward", True, "keeping all units gathered does not fit")
     draft.fsdp = fsdp
@@ -428,14 +530,24 @@ def _choose_rollout_gather(search: _Search, draft: _Draft) -> None:
     fits = search.fits(once, draft.fsdp)
     draft.workload = once if fits else draft.trying(gather_weights_for_rollout=False)
     if draft.fsdp is None:
-        draft.note("gather_weights_for_rollout", fits, "a merged copy of every adapted linear fits beside "
-                   "generation's KV cache: one matmul per linear per token, not three" if fits else
-                   "LoRA stays unmerged in generation: a merged copy of the adapted weights does not fit beside "
-                   "the KV cache")
+        draft.note(
+            "gather_weights_for_rollout",
+            fits,
+            "a merged copy of every adapted linear fits beside "
+            "generation's KV cache: one matmul per linear per token, not three"
+            if fits
+            else "LoRA stays unmerged in generation: a merged copy of the adapted weights does not fit beside "
+            "the KV cache",
+        )
     else:
-        draft.note("gather_weights_for_rollout", fits, "every unit gathered at once fits beside generation's KV "
-                   "cache: one all-gather per unit per rollout, not one per token" if fits else
-                   "generation re-gathers unit by unit: all units at once do not fit beside the KV cache")
+        draft.note(
+            "gather_weights_for_rollout",
+            fits,
+            "every unit gathered at once fits beside generation's KV "
+            "cache: one all-gather per unit per rollout, not one per token"
+            if fits
+            else "generation re-gathers unit by unit: all units at once do not fit beside the KV cache",
+        )
 
 
 def _choose_logprob_chunk(search: _Search, draft: _Draft) -> None:
@@ -457,7 +569,9 @@ def _choose_unit_sizes(search: _Search, draft: _Draft) -> None:
     if "wrap_every_n_blocks" not in fixed:
         best = 1
         for wrap in (2, 4):
-            if wrap <= search.spec.num_layers and search.fits(current, fsdp.model_copy(update={"wrap_every_n_blocks": wrap})):
+            if wrap <= search.spec.num_layers and search.fits(
+                current, fsdp.model_copy(update={"wrap_every_n_blocks": wrap})
+            ):
                 best = wrap
         fsdp = fsdp.model_copy(update={"wrap_every_n_blocks": best})
         draft.note("wrap_every_n_blocks", best, "fewer, bigger collectives" if best > 1 else "bigger units do not fit")
@@ -485,21 +599,32 @@ def _choose_experts(search: _Search, draft: _Draft) -> None:
             if search.fits(draft.workload, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk})):
                 best = chunk
         fsdp = draft.fsdp = fsdp.model_copy(update={"routed_expert_chunk_mib": best})
-        draft.note("routed_expert_chunk_mib", best, "the largest of 64/128/256/512 MiB whose expert chunk fits: "
-                   "fewer kernel launches per MoE layer" if best > EXPERT_CHUNKS_MIB[0] else
-                   "only the smallest expert chunk fits")
+        draft.note(
+            "routed_expert_chunk_mib",
+            best,
+            "the largest of 64/128/256/512 MiB whose expert chunk fits: fewer kernel launches per MoE layer"
+            if best > EXPERT_CHUNKS_MIB[0]
+            else "only the smallest expert chunk fits",
+        )
     if row_wise and "ep" not in fixed and not any(d.field == "ep" for d in draft.decisions):
         draft.note("ep", fsdp.ep, "every rank holds a shard of every expert: no all-to-all needed")
     if spec.is_moe and not row_wise:
-        draft.note("ep", fsdp.ep, "Hugging Face's expert loop runs the experts (their layout has no "
-                   "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset")
+        draft.note(
+            "ep",
+            fsdp.ep,
+            "Hugging Face's expert loop runs the experts (their layout has no "
+            "expert parallel or chunked experts here): ep=1, routed_expert_chunk_mib unset",
+        )
 
 
 def _choose_vllm_utilization(search: _Search, draft: _Draft) -> None:
     """The colocated engine's gpu_memory_utilization: the largest that leaves training within budget."""
     workload = search.workload
-    if (workload.generation != "vllm" or workload.vllm_gpu_memory_utilization is not None
-            or workload.vllm_kv_cache_memory_bytes is not None):
+    if (
+        workload.generation != "vllm"
+        or workload.vllm_gpu_memory_utilization is not None
+        or workload.vllm_kv_cache_memory_bytes is not None
+    ):
         return
     floor = draft.workload.vllm_gpu_memory_utilization
     for util in VLLM_UTILIZATIONS:
@@ -507,17 +632,29 @@ def _choose_vllm_utilization(search: _Search, draft: _Draft) -> None:
             draft.workload = draft.trying(vllm_gpu_memory_utilization=util)
             break
     chosen = draft.workload.vllm_gpu_memory_utilization
-    draft.note("vllm_gpu_memory_utilization", chosen,
-               "the largest fraction (in 0.05 steps, at most 0.9) with training and sync within budget: the "
-               "engine's KV cache takes what training leaves" if chosen > floor else
-               "the least the engine starts with (its weights and one sequence's KV cache); no larger fraction fits")
+    draft.note(
+        "vllm_gpu_memory_utilization",
+        chosen,
+        "the largest fraction (in 0.05 steps, at most 0.9) with training and sync within budget: the "
+        "engine's KV cache takes what training leaves"
+        if chosen > floor
+        else "the least the engine starts with (its weights and one sequence's KV cache); no larger fraction fits",
+    )
 
 
-def suggest_fixes(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any] | None = None,
-                  coefficients: Coefficients | None = None, margin_fraction: float = MARGIN_FRACTION) -> list[str]:
+def suggest_fixes(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    fixed: dict[str, Any] | None = None,
+    coefficients: Coefficients | None = None,
+    margin_fraction: float = MARGIN_FRACTION,
+) -> list[str]:
     """The smallest changes that would make a plan fit (what plan() reports when nothing does)."""
-    return _suggest(spec, workload, cluster, coefficients, int(cluster.gpu.memory_bytes * margin_fraction),
-                    dict(fixed or {}))
+    return _suggest(
+        spec, workload, cluster, coefficients, int(cluster.gpu.memory_bytes * margin_fraction), dict(fixed or {})
+    )
 
 
 def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
@@ -531,18 +668,20 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
             wl = Workload.model_validate(wl.model_dump())
         except ValueError:
             return False
-        frugal = wl.model_copy(update={
-            "micro_batch_size_per_gpu": wl.micro_batch_size_per_gpu or 1,
-            "logprob_chunk_size": wl.logprob_chunk_size or LOGPROB_CHUNKS[0],
-            "gradient_checkpointing": True if wl.gradient_checkpointing is None else wl.gradient_checkpointing,
-        })
+        frugal = wl.model_copy(
+            update={
+                "micro_batch_size_per_gpu": wl.micro_batch_size_per_gpu or 1,
+                "logprob_chunk_size": wl.logprob_chunk_size or LOGPROB_CHUNKS[0],
+                "gradient_checkpointing": True if wl.gradient_checkpointing is None else wl.gradient_checkpointing,
+            }
+        )
         try:
             candidates: list[FSDPConfig | None] = [None]
             if cl.num_gpus > 1:
-                candidates.append(FSDPConfig(**{"optim_cpu_offload": True, "defer_grad_sync": not wl.full_finetune,
-                                                **fixed}))
-            return any(estimate(spec, frugal, cl, f, coefficients=coefficients).peak_bytes <= limit
-                       for f in candidates)
+                candidates.append(
+                    FSDPConfig(**{"optim_cpu_offload": True, "defer_grad_sync": not wl.full_finetune, **fixed})
+                )
+            return any(estimate(spec, frugal, cl, f, coefficients=coefficients).peak_bytes <= limit for f in candidates)
         except ValueError:
             return False
 
@@ -574,8 +713,11 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
         # given is a smaller fraction (down to a tenth), or parking the trainer's weights.
         # (left to the planner, or a KV cache size given, the fraction is already the least that works)
         util = workload.vllm_gpu_memory_utilization
-        steps = [] if util is None or workload.vllm_kv_cache_memory_bytes is not None else [
-            round(util - 0.05 * i, 2) for i in range(1, 40) if util - 0.05 * i >= 0.1 - 1e-9]
+        steps = (
+            []
+            if util is None or workload.vllm_kv_cache_memory_bytes is not None
+            else [round(util - 0.05 * i, 2) for i in range(1, 40) if util - 0.05 * i >= 0.1 - 1e-9]
+        )
         for lower in steps:
             if feasible(workload.model_copy(update={"vllm_gpu_memory_utilization": lower}), cluster):
                 out.append(f"lower vllm_gpu_memory_utilization to {lower:.2f}")
@@ -583,8 +725,10 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
         if not workload.offload_weights_during_rollout:
             wl = workload.model_copy(update={"offload_weights_during_rollout": True})
             if feasible(wl, cluster):
-                out.append("set offload_weights_during_rollout=True (the trainer's weights wait on the host "
-                           "while the engine generates)")
+                out.append(
+                    "set offload_weights_during_rollout=True (the trainer's weights wait on the host "
+                    "while the engine generates)"
+                )
     completion = workload.completion_tokens
     while completion > 16:
         completion //= 2

@@ -15,7 +15,6 @@ from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 __all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
 
 
-
 def _unit(capacity: int) -> tuple[str, int]:
     """GiB for GPUs; MiB for the small budgets of CPU probes and tests."""
     return ("MiB", MIB) if capacity < 4 * GIB else ("GiB", GIB)
@@ -44,12 +43,14 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         algorithm["beta"] = w.beta
     if not offline:
         algorithm["max_output_tokens"] = w.completion_tokens
-    algorithm.update({
-        "max_model_len": w.sequence_tokens,
-        "micro_batch_size_per_gpu": w.micro_batch_size_per_gpu,
-        "logprob_chunk_size": w.logprob_chunk_size,
-        "gradient_checkpointing": w.gradient_checkpointing,
-    })
+    algorithm.update(
+        {
+            "max_model_len": w.sequence_tokens,
+            "micro_batch_size_per_gpu": w.micro_batch_size_per_gpu,
+            "logprob_chunk_size": w.logprob_chunk_size,
+            "gradient_checkpointing": w.gradient_checkpointing,
+        }
+    )
     if w.algorithm != "sft":
         algorithm["use_separate_reference_adapter"] = w.use_separate_reference_adapter
     algorithm.update(load_in_4bit=w.load_in_4bit, dtype=w.weights_dtype)
@@ -62,8 +63,11 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     targets = w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)
     return {
         "algorithm": algorithm,
-        "training": {"rollout_batch_size": w.prompts_per_step, "training_gpus_per_agent": plan.cluster.num_gpus,
-                     "rollout_engines_per_agent": 0},
+        "training": {
+            "rollout_batch_size": w.prompts_per_step,
+            "training_gpus_per_agent": plan.cluster.num_gpus,
+            "rollout_engines_per_agent": 0,
+        },
         "lora": None if w.full_finetune else {"r": w.lora_rank, "alpha": w.lora_alpha, "target_modules": targets},
     }
 
@@ -96,8 +100,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "margin_bytes": plan.margin_bytes,
         "host_peak_bytes_per_rank": est.host_peak_bytes,
         "host_peak_bytes_per_node": est.host_per_node_bytes,
-        "phases": {name: {"components": ph.components, "total": ph.total, "host": ph.host}
-                   for name, ph in est.phases.items()},
+        "phases": {
+            name: {"components": ph.components, "total": ph.total, "host": ph.host} for name, ph in est.phases.items()
+        },
         "decisions": [d.model_dump(mode="json") for d in plan.decisions],
         "suggestions": list(plan.suggestions),
         "notes": list(est.notes),
@@ -178,12 +183,16 @@ def table(plan: Plan) -> str:
         "",
     ]
     if plan.fsdp is not None:
-        lines.append("FSDPConfig: " + ", ".join(f"{k}={v}" for k, v in plan.fsdp.model_dump(exclude_defaults=True).items()))
+        lines.append(
+            "FSDPConfig: " + ", ".join(f"{k}={v}" for k, v in plan.fsdp.model_dump(exclude_defaults=True).items())
+        )
     else:
         lines.append("FSDPConfig: none (no sharding)")
     w = plan.workload
-    lines.append(f"micro_batch_size_per_gpu={w.micro_batch_size_per_gpu}, logprob_chunk_size={w.logprob_chunk_size}, "
-                 f"gradient_checkpointing={w.gradient_checkpointing}")
+    lines.append(
+        f"micro_batch_size_per_gpu={w.micro_batch_size_per_gpu}, logprob_chunk_size={w.logprob_chunk_size}, "
+        f"gradient_checkpointing={w.gradient_checkpointing}"
+    )
     lines.append("")
     lines.append("why:")
     for d in plan.decisions:

@@ -14,8 +14,20 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["GPU", "Cluster", "GPUS", "gpu_by_name", "CPU_DEVICE", "MAX_GPUS", "MARGIN_FRACTION", "GIB", "MIB",
-           "fmt_bytes", "gpu_for_device", "with_memory"]
+__all__ = [
+    "GPU",
+    "Cluster",
+    "GPUS",
+    "gpu_by_name",
+    "CPU_DEVICE",
+    "MAX_GPUS",
+    "MARGIN_FRACTION",
+    "GIB",
+    "MIB",
+    "fmt_bytes",
+    "gpu_for_device",
+    "with_memory",
+]
 
 #: Share of each GPU's memory a plan keeps free (the default of plan(), the CLI's --margin and the tuner).
 MARGIN_FRACTION = 0.05
@@ -29,6 +41,8 @@ def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.2f} MiB"
+
+
 #: The most trainer GPUs a plan takes (2**17, above the largest training clusters built): more is a typo.
 MAX_GPUS = 2**17
 
@@ -38,8 +52,12 @@ class GPU(BaseModel):
 
     name: Annotated[str, Field(description="Device name.")]
     memory_bytes: Annotated[int, Field(gt=0, description="Device memory as torch reports it.")]
-    kind: Annotated[Literal["cuda", "rocm", "cpu"], Field(description="Accelerator family ('cpu' for CPU probes).")] = "cuda"
-    cuda_context_bytes: Annotated[int, Field(ge=0, description="Context memory outside the caching allocator.")] = 512 * MIB
+    kind: Annotated[Literal["cuda", "rocm", "cpu"], Field(description="Accelerator family ('cpu' for CPU probes).")] = (
+        "cuda"
+    )
+    cuda_context_bytes: Annotated[int, Field(ge=0, description="Context memory outside the caching allocator.")] = (
+        512 * MIB
+    )
     memory_bandwidth_gbps: Annotated[float | None, Field(description="HBM bandwidth, GB/s.")] = None
     source: Annotated[str, Field(description="Where the figures come from.")] = ""
 
@@ -47,20 +65,48 @@ class GPU(BaseModel):
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in [
-        GPU(name="A100-40GB", memory_bytes=42_505_273_344, cuda_context_bytes=501 * MIB, memory_bandwidth_gbps=1555,
-            source="NVIDIA A100 datasheet; context: public measurement (~501 MiB)"),
-        GPU(name="A100-80GB", memory_bytes=85_100_068_864, cuda_context_bytes=501 * MIB, memory_bandwidth_gbps=2039,
-            source="NVIDIA A100 datasheet; context as A100-40GB"),
-        GPU(name="H100-80GB", memory_bytes=85_045_231_616, memory_bandwidth_gbps=3350,
-            source="NVIDIA H100 SXM datasheet"),
-        GPU(name="H200", memory_bytes=150_754_820_096, memory_bandwidth_gbps=4800,
-            source="NVIDIA H200 datasheet (141 GB HBM3e; ~139.4 GiB visible)"),
-        GPU(name="L4", memory_bytes=23_580_639_232, cuda_context_bytes=226 * MIB, memory_bandwidth_gbps=300,
-            source="NVIDIA L4 datasheet; context: public measurement (~226 MiB)"),
+        GPU(
+            name="A100-40GB",
+            memory_bytes=42_505_273_344,
+            cuda_context_bytes=501 * MIB,
+            memory_bandwidth_gbps=1555,
+            source="NVIDIA A100 datasheet; context: public measurement (~501 MiB)",
+        ),
+        GPU(
+            name="A100-80GB",
+            memory_bytes=85_100_068_864,
+            cuda_context_bytes=501 * MIB,
+            memory_bandwidth_gbps=2039,
+            source="NVIDIA A100 datasheet; context as A100-40GB",
+        ),
+        GPU(
+            name="H100-80GB",
+            memory_bytes=85_045_231_616,
+            memory_bandwidth_gbps=3350,
+            source="NVIDIA H100 SXM datasheet",
+        ),
+        GPU(
+            name="H200",
+            memory_bytes=150_754_820_096,
+            memory_bandwidth_gbps=4800,
+            source="NVIDIA H200 datasheet (141 GB HBM3e; ~139.4 GiB visible)",
+        ),
+        GPU(
+            name="L4",
+            memory_bytes=23_580_639_232,
+            cuda_context_bytes=226 * MIB,
+            memory_bandwidth_gbps=300,
+            source="NVIDIA L4 datasheet; context: public measurement (~226 MiB)",
+        ),
         GPU(name="A10G", memory_bytes=23_836_098_560, memory_bandwidth_gbps=600, source="AWS G5 / NVIDIA A10G"),
         GPU(name="RTX-4090", memory_bytes=25_390_809_088, memory_bandwidth_gbps=1008, source="NVIDIA RTX 4090 specs"),
-        GPU(name="MI300X", memory_bytes=205_822_885_888, kind="rocm", memory_bandwidth_gbps=5300,
-            source="AMD Instinct MI300X datasheet (192 GB HBM3)"),
+        GPU(
+            name="MI300X",
+            memory_bytes=205_822_885_888,
+            kind="rocm",
+            memory_bandwidth_gbps=5300,
+            source="AMD Instinct MI300X datasheet (192 GB HBM3)",
+        ),
     ]
 }
 
@@ -70,6 +116,7 @@ CPU_DEVICE = GPU(name="cpu", memory_bytes=64 * GIB, kind="cpu", cuda_context_byt
 
 def gpu_by_name(name: str) -> GPU:
     """A catalog GPU by name (case- and punctuation-insensitive), or KeyError with suggestions."""
+
     def norm(s: str) -> str:
         return "".join(ch for ch in s.lower() if ch.isalnum())
 
@@ -81,7 +128,9 @@ def gpu_by_name(name: str) -> GPU:
     if key in aliases:
         return GPUS[aliases[key]]
     close = difflib.get_close_matches(name, list(GPUS), n=3, cutoff=0.3)
-    raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    raise KeyError(
+        f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+    )
 
 
 def with_memory(gpu: GPU, gib: float) -> GPU:
@@ -109,8 +158,7 @@ def gpu_for_device(device_name: str) -> GPU | None:
 
     words = set(split(device_name))
     whole = [gpu for name, gpu in GPUS.items() if set(split(name)) <= words]
-    first = [gpu for name, gpu in GPUS.items()
-             if any(c.isdigit() for c in split(name)[0]) and split(name)[0] in words]
+    first = [gpu for name, gpu in GPUS.items() if any(c.isdigit() for c in split(name)[0]) and split(name)[0] in words]
     return whole[0] if whole else first[0] if len(first) == 1 else None
 
 

@@ -27,12 +27,21 @@ from agilerl.distributed import FSDPConfig
 from .hardware import MARGIN_FRACTION, Cluster
 from .workload import Workload
 
-__all__ = ["Decision", "PlanRequest", "RequestError", "SHARDINGS", "SHARDING_HELP", "MARGIN_HELP", "request_problems",
-           "fixed_problems"]
+__all__ = [
+    "Decision",
+    "PlanRequest",
+    "RequestError",
+    "SHARDINGS",
+    "SHARDING_HELP",
+    "MARGIN_HELP",
+    "request_problems",
+    "fixed_problems",
+]
 
 SHARDINGS = ("auto", "fsdp", "none")
-SHARDING_HELP = ("auto: data parallel when the whole actor fits on each GPU, else FSDP2; "
-                 "fsdp: always FSDP2; none: never shard")
+SHARDING_HELP = (
+    "auto: data parallel when the whole actor fits on each GPU, else FSDP2; fsdp: always FSDP2; none: never shard"
+)
 MARGIN_HELP = "the share of GPU memory a plan leaves free, a fraction in [0, 1)"
 _VLLM_FIELDS = tuple(name for name in Workload.model_fields if name.startswith("vllm_"))
 _LAYOUT_FIELDS = ("tp", "ep", "shard_group_size")
@@ -79,8 +88,9 @@ def _layout_key(message: str) -> str:
     return f"fsdp.{named[0][1]}" if named else "fsdp"
 
 
-def request_problems(workload: Workload, cluster: Cluster, fixed: Mapping[str, Any] | None = None,
-                     sharding: str = "auto") -> dict[str, str]:
+def request_problems(
+    workload: Workload, cluster: Cluster, fixed: Mapping[str, Any] | None = None, sharding: str = "auto"
+) -> dict[str, str]:
     """Every rule a run must meet that needs no model, by key; empty when there is none.
 
     Nothing the user gave is dropped or defaulted: FSDPConfig fields with ``sharding='none'``,
@@ -96,11 +106,15 @@ def request_problems(workload: Workload, cluster: Cluster, fixed: Mapping[str, A
         return {**problems, **bad_fixed}
     fsdp = FSDPConfig(**fixed)
     if fixed and sharding == "none":
-        problems["plan.sharding"] = (f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
-                                     f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'")
+        problems["plan.sharding"] = (
+            f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
+            f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'"
+        )
     if fsdp.cpu_offload and workload.load_in_4bit:
-        problems["fsdp.cpu_offload"] = ("QLoRA (load_in_4bit) with cpu_offload=True is not supported: the 4-bit "
-                                        "quantisation state stays on the device; use optim_cpu_offload=True")
+        problems["fsdp.cpu_offload"] = (
+            "QLoRA (load_in_4bit) with cpu_offload=True is not supported: the 4-bit "
+            "quantisation state stays on the device; use optim_cpu_offload=True"
+        )
     try:
         fsdp.check_world(cluster.num_gpus)
     except ValueError as err:
@@ -116,15 +130,21 @@ def request_problems(workload: Workload, cluster: Cluster, fixed: Mapping[str, A
     if micro is not None and per_gpu % micro:
         problems["workload.micro_batch_size_per_gpu"] = (
             f"micro_batch_size_per_gpu={micro} does not divide the {per_gpu} completions per GPU "
-            f"(prompts_per_step x group_size / {data_parallel} GPUs)")
+            f"(prompts_per_step x group_size / {data_parallel} GPUs)"
+        )
     elif micro is not None and not workload.micro_batch_fits_examples(micro):
         problems["workload.micro_batch_size_per_gpu"] = (
             f"micro_batch_size_per_gpu={micro}: dpo runs a pair's chosen and rejected sequences in one "
-            "micro-batch, so it must be even")
+            "micro-batch, so it must be even"
+        )
     if fsdp.cpu_offload and workload.generation == "hf":
-        problems.setdefault("fsdp.cpu_offload", (
-            "cpu_offload=True with generation='hf': Hugging Face generate runs on the trainer's weights, which "
-            "must stay on the GPU; use a colocated vLLM engine or optim_cpu_offload"))
+        problems.setdefault(
+            "fsdp.cpu_offload",
+            (
+                "cpu_offload=True with generation='hf': Hugging Face generate runs on the trainer's weights, which "
+                "must stay on the GPU; use a colocated vLLM engine or optim_cpu_offload"
+            ),
+        )
     return problems
 
 
@@ -139,8 +159,10 @@ def _front_end_problems(request: PlanRequest) -> dict[str, str]:
         for name in _VLLM_FIELDS:
             value = getattr(workload, name)
             if value != Workload.model_fields[name].default:
-                problems[f"workload.{name}"] = (f"{name}={value} sets the colocated vLLM engine: it needs "
-                                                f"generation='vllm' (got {workload.generation!r})")
+                problems[f"workload.{name}"] = (
+                    f"{name}={value} sets the colocated vLLM engine: it needs "
+                    f"generation='vllm' (got {workload.generation!r})"
+                )
     return problems
 
 
@@ -164,14 +186,23 @@ class PlanRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
         # On a key both name, the rule that needs no manifest says it.
-        problems = {**_front_end_problems(self),
-                    **request_problems(self.workload, self.cluster, self.fixed, self.sharding)}
+        problems = {
+            **_front_end_problems(self),
+            **request_problems(self.workload, self.cluster, self.fixed, self.sharding),
+        }
         if problems:
             raise RequestError(problems)
 
     @classmethod
-    def build(cls, cluster: Cluster, workload: Workload, fixed: Mapping[str, Any] | None = None, *,
-              sharding: str = "auto", margin_fraction: float = MARGIN_FRACTION) -> PlanRequest:
+    def build(
+        cls,
+        cluster: Cluster,
+        workload: Workload,
+        fixed: Mapping[str, Any] | None = None,
+        *,
+        sharding: str = "auto",
+        margin_fraction: float = MARGIN_FRACTION,
+    ) -> PlanRequest:
         """A request with the defaults a plan needs: a ``prompts_per_step`` the user left at its
         default is raised to a multiple of the GPUs (every GPU gets whole prompts), and says so."""
         decisions: tuple[Decision, ...] = ()
@@ -179,11 +210,24 @@ class PlanRequest:
         if "prompts_per_step" not in workload.model_fields_set and default % cluster.num_gpus:
             raised = -(-default // cluster.num_gpus) * cluster.num_gpus
             workload = workload.model_copy(update={"prompts_per_step": raised})
-            decisions = (Decision(field="prompts_per_step", value=raised, reason=(
-                f"the default {default} raised to a multiple of the {cluster.num_gpus} GPUs, so every GPU gets "
-                "whole prompts; set --prompts-per-step to choose")),)
-        return cls(cluster=cluster, workload=workload, fixed=dict(fixed or {}), sharding=sharding,
-                   margin_fraction=margin_fraction, decisions=decisions)
+            decisions = (
+                Decision(
+                    field="prompts_per_step",
+                    value=raised,
+                    reason=(
+                        f"the default {default} raised to a multiple of the {cluster.num_gpus} GPUs, so every GPU gets "
+                        "whole prompts; set --prompts-per-step to choose"
+                    ),
+                ),
+            )
+        return cls(
+            cluster=cluster,
+            workload=workload,
+            fixed=dict(fixed or {}),
+            sharding=sharding,
+            margin_fraction=margin_fraction,
+            decisions=decisions,
+        )
 
     def manifest_problem(self) -> str | None:
         """Why a manifest of this request would not validate, or None. A manifest's
@@ -192,8 +236,10 @@ class PlanRequest:
         and marks its manifest); the command line, which always writes a manifest, refuses it."""
         prompts, gpus = self.workload.prompts_per_step, self.cluster.num_gpus
         if prompts % gpus:
-            return (f"prompts_per_step = {prompts} must be a multiple of the {gpus} GPUs: the manifest's "
-                    "rollout_batch_size gives every GPU whole prompts")
+            return (
+                f"prompts_per_step = {prompts} must be a multiple of the {gpus} GPUs: the manifest's "
+                "rollout_batch_size gives every GPU whole prompts"
+            )
         return None
 
     def with_cluster(self, cluster: Cluster) -> PlanRequest:

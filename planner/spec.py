@@ -225,16 +225,27 @@ def _attention(block, config) -> AttentionSpec:
         sliding = window if getattr(config, "use_sliding_window", True) else None
     sliding = int(sliding) if sliding else None
     softcap = getattr(config, "attn_logit_softcapping", None)
-    return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, q_dim=q_dim, kv_dim=kv_dim,
-                         sliding_window=sliding, logit_softcapping=float(softcap) if softcap else None)
+    return AttentionSpec(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        q_dim=q_dim,
+        kv_dim=kv_dim,
+        sliding_window=sliding,
+        logit_softcapping=float(softcap) if softcap else None,
+    )
 
 
 def _mlp(block, config) -> MlpSpec:
     mlp = getattr(block, "mlp", None) or getattr(block, "block_sparse_moe", None)
     experts = getattr(mlp, "experts", None) if mlp is not None else None
     if experts is not None:
-        num = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-                  or getattr(config, "n_routed_experts", None) or 0)
+        num = int(
+            getattr(config, "num_experts", None)
+            or getattr(config, "num_local_experts", None)
+            or getattr(config, "n_routed_experts", None)
+            or 0
+        )
         top_k = int(getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1)
         width = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
         shared = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)
@@ -242,8 +253,13 @@ def _mlp(block, config) -> MlpSpec:
         if shared is not None:
             up = getattr(shared, "up_proj", None)
             shared_width = int(up.out_features) if up is not None else 0
-        return MlpSpec(kind="moe", intermediate_size=width, num_experts=num, experts_per_token=top_k,
-                       shared_intermediate_size=shared_width)
+        return MlpSpec(
+            kind="moe",
+            intermediate_size=width,
+            num_experts=num,
+            experts_per_token=top_k,
+            shared_intermediate_size=shared_width,
+        )
     width = getattr(config, "intermediate_size", 4 * config.hidden_size)
     width = int(max(width) if isinstance(width, list) else width)  # per layer (Gemma-3n): read off up_proj
     up = getattr(mlp, "up_proj", None) if mlp is not None else None
@@ -275,7 +291,8 @@ def _plain_linear_lora(model, targets) -> list[tuple[str, str, tuple[int, int, i
     linear = (nn.Linear, Conv1D)
     for module in model.modules():
         if not isinstance(module, (*linear, nn.Embedding)) and any(
-                p.dim() >= 2 for p in module.parameters(recurse=False)):
+            p.dim() >= 2 for p in module.parameters(recurse=False)
+        ):
             return None  # a matrix PEFT may wrap as a parameter (packed experts, a router)
     if isinstance(targets, str):
         if targets.lower() != "all-linear":
@@ -283,8 +300,7 @@ def _plain_linear_lora(model, targets) -> list[tuple[str, str, tuple[int, int, i
         head = model.get_output_embeddings()
         chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, linear) and m is not head]
     else:
-        chosen = [(n, m) for n, m in model.named_modules()
-                  if n and any(n == t or n.endswith("." + t) for t in targets)]
+        chosen = [(n, m) for n, m in model.named_modules() if n and any(n == t or n.endswith("." + t) for t in targets)]
         if not chosen or not all(isinstance(m, linear) for _, m in chosen):
             return None  # nothing matched (PEFT's own error), or a non-linear module
     out = []
@@ -317,9 +333,13 @@ def _peft_lora(model, targets) -> list[tuple[str, str, tuple[int, int, int, int]
     return out
 
 
-def build_spec(config, *, name: str,
-               lora_targets: tuple[str | tuple[str, ...], ...] = DEFAULT_LORA_TARGETS,
-               text_model_of: str | None = None) -> ModelSpec:
+def build_spec(
+    config,
+    *,
+    name: str,
+    lora_targets: tuple[str | tuple[str, ...], ...] = DEFAULT_LORA_TARGETS,
+    text_model_of: str | None = None,
+) -> ModelSpec:
     """Build a spec from a transformers config (or config dict) on the meta device.
 
     ``text_model_of``: the class of the multimodal checkpoint whose text model ``config`` is.
@@ -351,7 +371,8 @@ def build_spec(config, *, name: str,
             f"{name}: the blocks of {type(model).__name__} ({type(blocks[0]).__name__}) have no attention with "
             "query/key/value projections; "
             "the estimate models attention decoder blocks, so recurrent and state-space models "
-            "(RWKV, Mamba) are not supported")
+            "(RWKV, Mamba) are not supported"
+        )
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
@@ -384,8 +405,10 @@ def build_spec(config, *, name: str,
     block_types: dict[str, BlockSpec] = {}
     layers = []
     block_tensors = [tuple((n, _shape(p)) for n, p in b.named_parameters()) for b in blocks]
-    block_linears = [tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules()
-                           if isinstance(m, nn.Linear)) for b in blocks]
+    block_linears = [
+        tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules() if isinstance(m, nn.Linear))
+        for b in blocks
+    ]
     block_attention = [_attention(b, text_config) for b in blocks]
     block_mlp = [_mlp(b, text_config) for b in blocks]
     block_kinds = [block_kind(b) for b in blocks]
@@ -410,7 +433,7 @@ def build_spec(config, *, name: str,
             if index is None:
                 outside.append((label, *shapes))
             else:
-                local = label[len(block_prefix[id(blocks[index])]):]
+                local = label[len(block_prefix[id(blocks[index])]) :]
                 per_block[index].append((local, *shapes))
         for i in range(len(blocks)):
             lora_by_block[i][key] = per_block[i]
@@ -418,8 +441,12 @@ def build_spec(config, *, name: str,
 
     for i in range(len(blocks)):
         spec = BlockSpec(
-            kind=block_kinds[i], tensors=block_tensors[i], linears=block_linears[i], attention=block_attention[i],
-            mlp=block_mlp[i], lora={k: tuple(v) for k, v in lora_by_block[i].items()},
+            kind=block_kinds[i],
+            tensors=block_tensors[i],
+            linears=block_linears[i],
+            attention=block_attention[i],
+            mlp=block_mlp[i],
+            lora={k: tuple(v) for k, v in lora_by_block[i].items()},
         )
         key = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:10]
         block_types.setdefault(key, spec)
@@ -446,7 +473,8 @@ def build_spec(config, *, name: str,
         lora_outside_blocks={k: tuple(v) for k, v in lora_outside.items()},
         hidden_streams=int(getattr(text_config, "altup_num_inputs", 1) or 1),
         per_layer_input_width=len(blocks) * int(getattr(text_config, "hidden_size_per_layer_input", 0) or 0)
-        if any(is_per_layer_embedding(n) for n, _ in root_tensors) else 0,
+        if any(is_per_layer_embedding(n) for n, _ in root_tensors)
+        else 0,
         expert_layout_problem=expert_problem,
         text_model_of=text_model_of,
     )

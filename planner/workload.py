@@ -6,8 +6,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["Workload", "ALGORITHM_CLASSES", "ALGORITHM_DEFAULTS", "OFFLINE_SEQUENCES", "VLLM_DEFAULT_UTILIZATION",
-           "VLLM_DEFAULT_MAX_NUM_SEQS"]
+__all__ = [
+    "Workload",
+    "ALGORITHM_CLASSES",
+    "ALGORITHM_DEFAULTS",
+    "OFFLINE_SEQUENCES",
+    "VLLM_DEFAULT_UTILIZATION",
+    "VLLM_DEFAULT_MAX_NUM_SEQS",
+]
 
 #: agilerl.utils.algo_utils.VLLMConfig's defaults, read where the planner is not asked to choose.
 VLLM_DEFAULT_UTILIZATION = 0.3
@@ -15,8 +21,15 @@ VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 #: Workload.algorithm -> the trainer class (agilerl.algorithms) and the manifest's algorithm.name.
-ALGORITHM_CLASSES = {"grpo": "GRPO", "cispo": "CISPO", "gspo": "GSPO", "reinforce": "LLMREINFORCE", "ppo": "LLMPPO",
-                     "sft": "SFT", "dpo": "DPO"}
+ALGORITHM_CLASSES = {
+    "grpo": "GRPO",
+    "cispo": "CISPO",
+    "gspo": "GSPO",
+    "reinforce": "LLMREINFORCE",
+    "ppo": "LLMPPO",
+    "sft": "SFT",
+    "dpo": "DPO",
+}
 #: The offline objectives (no rollout) and the sequences each example has: SFT's completion, DPO's
 #: chosen and rejected ones.
 OFFLINE_SEQUENCES = {"sft": 1, "dpo": 2}
@@ -37,24 +50,38 @@ class Workload(BaseModel):
 
     algorithm: Annotated[
         Literal["grpo", "cispo", "gspo", "reinforce", "ppo", "sft", "dpo"],
-        Field(description="The objective. grpo, cispo, gspo and reinforce run GRPO's passes (rollout, reference "
-                          "when beta > 0, an old log-prob pass when update_epochs > 1, learn; cispo and gspo default "
-                          "to beta 0, reinforce to one epoch); ppo adds a value head, its sampling pass every step "
-                          "and 4 epochs; sft learns completions (no rollout, no reference); dpo a chosen and a "
-                          "rejected completion per prompt against a reference pass (no rollout)."),
+        Field(
+            description="The objective. grpo, cispo, gspo and reinforce run GRPO's passes (rollout, reference "
+            "when beta > 0, an old log-prob pass when update_epochs > 1, learn; cispo and gspo default "
+            "to beta 0, reinforce to one epoch); ppo adds a value head, its sampling pass every step "
+            "and 4 epochs; sft learns completions (no rollout, no reference); dpo a chosen and a "
+            "rejected completion per prompt against a reference pass (no rollout)."
+        ),
     ] = "grpo"
     full_finetune: Annotated[
         bool,
-        Field(description="Train every parameter (lora_config=None) with fp32 master weights, gradients and AdamW "
-                          "moments, and a frozen reference copy in the weights dtype where the objective has a "
-                          "reference; False: LoRA adapters on a frozen base."),
+        Field(
+            description="Train every parameter (lora_config=None) with fp32 master weights, gradients and AdamW "
+            "moments, and a frozen reference copy in the weights dtype where the objective has a "
+            "reference; False: LoRA adapters on a frozen base."
+        ),
     ] = False
     prompts_per_step: Annotated[
-        int, Field(ge=1, description="Prompts (preference pairs for dpo, examples for sft) per optimizer step across "
-                                     "all GPUs (the trainer's batch_size).")] = 8
+        int,
+        Field(
+            ge=1,
+            description="Prompts (preference pairs for dpo, examples for sft) per optimizer step across "
+            "all GPUs (the trainer's batch_size).",
+        ),
+    ] = 8
     group_size: Annotated[
-        int, Field(ge=1, description="Completions per prompt: generated (at least 2 for the group-relative "
-                                     "objectives; ppo 1 by default), 1 for sft, 2 for dpo (chosen, rejected).")] = 8
+        int,
+        Field(
+            ge=1,
+            description="Completions per prompt: generated (at least 2 for the group-relative "
+            "objectives; ppo 1 by default), 1 for sft, 2 for dpo (chosen, rejected).",
+        ),
+    ] = 8
     prompt_tokens: Annotated[int, Field(ge=1, description="Prompt length in tokens (the longest, as padded).")] = 256
     completion_tokens: Annotated[int, Field(ge=1, description="Completion length in tokens (max_output_tokens).")] = 256
     micro_batch_size_per_gpu: Annotated[
@@ -75,17 +102,29 @@ class Workload(BaseModel):
         bool, Field(description="A frozen 'reference' adapter (fp32) instead of disabling adapters.")
     ] = False
     beta: Annotated[
-        float, Field(ge=0.0, description="KL weight; 0 skips the reference pass (dpo: the implicit reward's scale, "
-                                         "its reference pass always runs).")] = 0.04
-    update_epochs: Annotated[int, Field(ge=1, description="Optimizer passes per batch (>1 adds an old log-prob pass).")] = 1
+        float,
+        Field(
+            ge=0.0,
+            description="KL weight; 0 skips the reference pass (dpo: the implicit reward's scale, "
+            "its reference pass always runs).",
+        ),
+    ] = 0.04
+    update_epochs: Annotated[
+        int, Field(ge=1, description="Optimizer passes per batch (>1 adds an old log-prob pass).")
+    ] = 1
     weights_dtype: Annotated[
         Literal["bfloat16", "float16", "float32"],
-        Field(description="Dtype the base weights are loaded in (frozen with LoRA; with full_finetune the model "
-                          "computes in it and the optimizer keeps fp32 masters, or FSDP2 keeps fp32 shards).")
+        Field(
+            description="Dtype the base weights are loaded in (frozen with LoRA; with full_finetune the model "
+            "computes in it and the optimizer keeps fp32 masters, or FSDP2 keeps fp32 shards)."
+        ),
     ] = "bfloat16"
     load_in_4bit: Annotated[
-        bool, Field(description="QLoRA: NF4 base weights (planned on one device or data parallel; a colocated vLLM "
-                                "engine holds its own copy in the weights dtype).")
+        bool,
+        Field(
+            description="QLoRA: NF4 base weights (planned on one device or data parallel; a colocated vLLM "
+            "engine holds its own copy in the weights dtype)."
+        ),
     ] = False
     generation: Annotated[
         Literal["hf", "vllm", "none"],
@@ -93,46 +132,67 @@ class Workload(BaseModel):
     ] = "hf"
     vllm_gpu_memory_utilization: Annotated[
         float | None,
-        Field(gt=0, le=1, description="Fraction of GPU memory a colocated vLLM engine takes; None: the planner "
-                                      "picks the largest that fits (an estimate alone reads VLLMConfig's 0.3).")
+        Field(
+            gt=0,
+            le=1,
+            description="Fraction of GPU memory a colocated vLLM engine takes; None: the planner "
+            "picks the largest that fits (an estimate alone reads VLLMConfig's 0.3).",
+        ),
     ] = None
     vllm_sleep_level: Annotated[Literal[1, 2], Field(description="vLLM sleep level between rollouts.")] = 1
     vllm_max_num_seqs: Annotated[
         int | None,
-        Field(ge=1, description="Most sequences the vLLM engine schedules at once; None: the planner picks a rank's "
-                                "completions per rollout, at most 256 (an estimate alone reads VLLMConfig's 256).")
+        Field(
+            ge=1,
+            description="Most sequences the vLLM engine schedules at once; None: the planner picks a rank's "
+            "completions per rollout, at most 256 (an estimate alone reads VLLMConfig's 256).",
+        ),
     ] = None
     vllm_max_model_len: Annotated[
-        int | None, Field(ge=1, description="Longest sequence the vLLM engine accepts; None: prompt + completion tokens.")
+        int | None,
+        Field(ge=1, description="Longest sequence the vLLM engine accepts; None: prompt + completion tokens."),
     ] = None
     vllm_max_num_batched_tokens: Annotated[
         int | None,
-        Field(ge=1, description="Tokens the vLLM engine schedules per step; None: the trainer's rule "
-                                "(agilerl.utils.algo_utils.vllm_batched_tokens).")
+        Field(
+            ge=1,
+            description="Tokens the vLLM engine schedules per step; None: the trainer's rule "
+            "(agilerl.utils.algo_utils.vllm_batched_tokens).",
+        ),
     ] = None
     vllm_kv_cache_memory_bytes: Annotated[
         int | None,
-        Field(ge=1, description="The vLLM engine's KV cache in bytes (VLLMConfig.kv_cache_memory_bytes; on CPU, "
-                                "VLLM_CPU_KVCACHE_SPACE); None: vllm_gpu_memory_utilization sizes it.")
+        Field(
+            ge=1,
+            description="The vLLM engine's KV cache in bytes (VLLMConfig.kv_cache_memory_bytes; on CPU, "
+            "VLLM_CPU_KVCACHE_SPACE); None: vllm_gpu_memory_utilization sizes it.",
+        ),
     ] = None
     vllm_enforce_eager: Annotated[
         bool, Field(description="vLLM without CUDA graphs (their pool comes out of its KV cache, not on top).")
     ] = False
     offload_weights_during_rollout: Annotated[
-        bool, Field(description="Park the trainer's weights (base and adapters) in host memory while the colocated vLLM engine "
-                                "generates (needs generation='vllm').")
+        bool,
+        Field(
+            description="Park the trainer's weights (base and adapters) in host memory while the colocated vLLM engine "
+            "generates (needs generation='vllm')."
+        ),
     ] = False
     gather_weights_for_rollout: Annotated[
         bool | None,
-        Field(description="Materialise the rollout's weights once for a whole Hugging Face generate instead of once per "
-                          "token: under FSDP2 every unit gathered (and LoRA folded in), unsharded a merged copy of "
-                          "each adapted linear; None: the planner chooses.")
+        Field(
+            description="Materialise the rollout's weights once for a whole Hugging Face generate instead of once per "
+            "token: under FSDP2 every unit gathered (and LoRA folded in), unsharded a merged copy of "
+            "each adapted linear; None: the planner chooses."
+        ),
     ] = None
     logprob_rows: Annotated[
         Literal["completion", "all"],
-        Field(description="Token rows the log-prob head runs over: the completion's, from its earliest token on "
-                          "(this trainer), or every position (trainers that score the prompt too, such as "
-                          "upstream AgileRL's)."),
+        Field(
+            description="Token rows the log-prob head runs over: the completion's, from its earliest token on "
+            "(this trainer), or every position (trainers that score the prompt too, such as "
+            "upstream AgileRL's)."
+        ),
     ] = "completion"
     attn_implementation: Annotated[
         Literal["sdpa", "eager", "flash_attention_2"],
@@ -140,16 +200,20 @@ class Workload(BaseModel):
     ] = "sdpa"
     padded_batches: Annotated[
         bool,
-        Field(description="Rows of a micro-batch differ in length (real rollouts: prompts left-padded, completions "
-                          "ending early), so its forward holds an attention mask of micro-batch x length^2; False: "
-                          "every row has the same length (the probes' synthetic batches).")
+        Field(
+            description="Rows of a micro-batch differ in length (real rollouts: prompts left-padded, completions "
+            "ending early), so its forward holds an attention mask of micro-batch x length^2; False: "
+            "every row has the same length (the probes' synthetic batches)."
+        ),
     ] = True
     share_prompt_prefix: Annotated[
         bool,
-        Field(description="The rows of a group share their prompt (real rollouts) and the trainer runs it once per "
-                          "group where the model allows (agilerl.utils.shared_prefix): in learn, the no-grad passes "
-                          "and generate's prefill; False: rows that share nothing (the probes' random batches) or "
-                          "a trainer that runs every row whole.")
+        Field(
+            description="The rows of a group share their prompt (real rollouts) and the trainer runs it once per "
+            "group where the model allows (agilerl.utils.shared_prefix): in learn, the no-grad passes "
+            "and generate's prefill; False: rows that share nothing (the probes' random batches) or "
+            "a trainer that runs every row whole."
+        ),
     ] = True
 
     @field_validator("lora_targets")
@@ -176,34 +240,48 @@ class Workload(BaseModel):
         if algorithm in OFFLINE_SEQUENCES:
             wanted = OFFLINE_SEQUENCES[algorithm]
             if self.group_size != wanted:
-                raise ValueError(f"group_size={self.group_size}: {algorithm} has {wanted} sequence(s) per example"
-                                 + (" (chosen, rejected)" if algorithm == "dpo" else ""))
+                raise ValueError(
+                    f"group_size={self.group_size}: {algorithm} has {wanted} sequence(s) per example"
+                    + (" (chosen, rejected)" if algorithm == "dpo" else "")
+                )
             if self.generation != "none":
-                raise ValueError(f"generation={self.generation!r}: {algorithm} learns from a dataset, it has no "
-                                 "rollout (generation='none')")
+                raise ValueError(
+                    f"generation={self.generation!r}: {algorithm} learns from a dataset, it has no "
+                    "rollout (generation='none')"
+                )
             if self.update_epochs != 1:
                 raise ValueError(f"update_epochs={self.update_epochs}: {algorithm} takes one pass per batch")
         elif algorithm != "ppo" and self.group_size < 2:
-            raise ValueError(f"group_size={self.group_size}: {algorithm}'s advantages are relative within a group "
-                             "of at least 2 completions")
+            raise ValueError(
+                f"group_size={self.group_size}: {algorithm}'s advantages are relative within a group "
+                "of at least 2 completions"
+            )
         if algorithm == "dpo" and self.beta <= 0:
             raise ValueError(f"beta={self.beta}: dpo's beta scales its implicit reward and must be > 0")
         if algorithm == "sft" and self.beta != 0:
             raise ValueError(f"beta={self.beta}: sft has no reference policy (beta 0)")
         if self.full_finetune and self.load_in_4bit:
-            raise ValueError("full_finetune=True with load_in_4bit=True: QLoRA trains LoRA adapters on a frozen "
-                             "4-bit base; 4-bit weights do not train")
+            raise ValueError(
+                "full_finetune=True with load_in_4bit=True: QLoRA trains LoRA adapters on a frozen "
+                "4-bit base; 4-bit weights do not train"
+            )
         if self.full_finetune and self.use_separate_reference_adapter:
-            raise ValueError("full_finetune=True with use_separate_reference_adapter=True: there is no adapter; the "
-                             "reference is a frozen copy of the model")
+            raise ValueError(
+                "full_finetune=True with use_separate_reference_adapter=True: there is no adapter; the "
+                "reference is a frozen copy of the model"
+            )
         if algorithm == "reinforce" and self.update_epochs != 1:
             raise ValueError(f"update_epochs={self.update_epochs}: reinforce is on-policy (one update epoch)")
         if self.offload_weights_during_rollout and self.generation != "vllm":
-            raise ValueError("offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
-                             "Hugging Face generate runs on the trainer's weights")
+            raise ValueError(
+                "offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
+                "Hugging Face generate runs on the trainer's weights"
+            )
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.sequence_tokens:
-            raise ValueError(f"vllm_max_model_len={self.vllm_max_model_len} is shorter than prompt_tokens + "
-                             f"completion_tokens = {self.sequence_tokens}: the engine would refuse the prompts")
+            raise ValueError(
+                f"vllm_max_model_len={self.vllm_max_model_len} is shorter than prompt_tokens + "
+                f"completion_tokens = {self.sequence_tokens}: the engine would refuse the prompts"
+            )
         return self
 
     def vllm_settings(self) -> dict[str, Any]:
@@ -258,8 +336,10 @@ class Workload(BaseModel):
         total = self.completions_per_step
         if self.algorithm in OFFLINE_SEQUENCES and self.prompts_per_step % data_parallel_ranks:
             kind = "preference pairs" if self.algorithm == "dpo" else "examples"
-            raise ValueError(f"prompts_per_step = {self.prompts_per_step} {kind} do not split over "
-                             f"{data_parallel_ranks} ranks: {self.algorithm} trains each rank on whole {kind}")
+            raise ValueError(
+                f"prompts_per_step = {self.prompts_per_step} {kind} do not split over "
+                f"{data_parallel_ranks} ranks: {self.algorithm} trains each rank on whole {kind}"
+            )
         if total % data_parallel_ranks:
             raise ValueError(
                 f"prompts_per_step x group_size = {total} completions do not split over {data_parallel_ranks} ranks"

@@ -25,8 +25,10 @@ __all__ = ["postgres_server"]
 def _binary(name: str) -> str:
     found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
     if found is None:
-        raise RuntimeError(f"PostgreSQL's {name} is not installed: apt-get install postgresql (the tuner's shared-"
-                           "study tests need a real server)")
+        raise RuntimeError(
+            f"PostgreSQL's {name} is not installed: apt-get install postgresql (the tuner's shared-"
+            "study tests need a real server)"
+        )
     return found
 
 
@@ -65,6 +67,7 @@ def postgres_server(database: str = "tune") -> Iterator[str]:
             conn.execute(f'CREATE DATABASE "{database}"')
         yield f"postgresql://agilerl@127.0.0.1:{port}/{database}"
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True,
-                       timeout=60)
+        subprocess.run(
+            [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True, timeout=60
+        )
         shutil.rmtree(root, ignore_errors=True)

@@ -29,14 +29,30 @@ MOE = "allenai/OLMoE-1B-7B-0924"
 TINY = "tiny:qwen2?hidden_size=32&num_layers=2"
 
 # A valid config.json every config case starts from (a tiny Llama); None deletes a key.
-LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-         "max_position_embeddings": 512}
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 512,
+}
 
 # A valid manifest every train case starts from.
-MANIFEST = {"algorithm": {"name": "GRPO", "model_name": TINY, "group_size": 2, "max_output_tokens": 2,
-                          "dtype": "float32", "gradient_checkpointing": False},
-            "training": {"rollout_batch_size": 2, "max_steps": 1}}
+MANIFEST = {
+    "algorithm": {
+        "name": "GRPO",
+        "model_name": TINY,
+        "group_size": 2,
+        "max_output_tokens": 2,
+        "dtype": "float32",
+        "gradient_checkpointing": False,
+    },
+    "training": {"rollout_batch_size": 2, "max_steps": 1},
+}
 
 
 def plan(*argv):
@@ -180,8 +196,20 @@ CASES = [
     (config('{"model_type": "llama", '), "not valid JSON"),
     (config("[1, 2]"), "model_type"),
     (config({"model_type": None}), "model_type"),
-    (config({"model_type": "llama", "hidden_size": None, "intermediate_size": None, "num_hidden_layers": None,
-             "num_attention_heads": None, "num_key_value_heads": None, "vocab_size": None}), "hidden_size"),
+    (
+        config(
+            {
+                "model_type": "llama",
+                "hidden_size": None,
+                "intermediate_size": None,
+                "num_hidden_layers": None,
+                "num_attention_heads": None,
+                "num_key_value_heads": None,
+                "vocab_size": None,
+            }
+        ),
+        "hidden_size",
+    ),
     (config({"hidden_size": None}), "hidden_size"),
     (config({"num_hidden_layers": None}), "num_hidden_layers"),
     (config({"vocab_size": None}), "vocab_size"),
@@ -270,8 +298,10 @@ CASES = [
     (manifest({"algorithm": {"model_name": "no-such-org/no-such-model"}}, process=True), "no-such-org/no-such-model"),
     (manifest({"algorithm": {"model_name": "tiny:qwen9"}}, process=True), "qwen9"),
     (manifest({"algorithm": {"model_name": "tiny:qwen2?hiden_size=64"}}, process=True), "hiden_size"),
-    (manifest({"algorithm": {"model_name": "tiny:qwen2?num_heads=4&num_kv_heads=3"}}, process=True),
-     "num_key_value_heads"),
+    (
+        manifest({"algorithm": {"model_name": "tiny:qwen2?num_heads=4&num_kv_heads=3"}}, process=True),
+        "num_key_value_heads",
+    ),
     # -- FSDPConfig -------------------------------------------------------------------------------
     (fsdp(ep=2, tp=2), "ep"),
     (fsdp(checkpoint_skip_layer_types=5), "checkpoint_skip_layer_types"),

@@ -1,5 +1,5 @@
 """The project's checks on itself, run by the README's test command so that CI enforces them:
-import-linter's contracts (pyproject.toml) and ruff."""
+import-linter's contracts (pyproject.toml), ruff's lint and format, and the type checker."""
 
 from __future__ import annotations
 
@@ -22,14 +22,21 @@ def _tool(name: str) -> str:
 
 
 def test_import_contracts_hold():
-    done = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=280)
+    done = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
 
 
 def test_ruff_passes():
     done = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_code_is_formatted():
+    """``ruff format`` (pyproject's line length): run it, or the commit hook, before committing."""
+    done = subprocess.run(
+        [_tool("ruff"), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=280
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -40,9 +47,11 @@ def test_the_commit_hooks_run_the_same_checks():
     config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
     hooks = [hook for repo in config["repos"] for hook in repo["hooks"]]
     assert all(repo["repo"] == "local" for repo in config["repos"])  # nothing downloaded
-    entries = {hook["entry"].split()[0]: hook for hook in hooks}
+    entries = {hook["id"]: hook for hook in hooks}
     assert entries["ruff"]["entry"].split()[:2] == ["ruff", "check"]
-    assert entries["lint-imports"]["pass_filenames"] is False  # the contracts are over the whole project
+    assert entries["ruff-format"]["entry"].split()[:2] == ["ruff", "format"]
+    assert entries["import-contracts"]["entry"].split()[0] == "lint-imports"
+    assert entries["import-contracts"]["pass_filenames"] is False  # the contracts are over the whole project
 
 
 def test_no_function_longer_than_150_lines():

@@ -61,8 +61,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_what_an_entry_point_imports(case):
     code, forbidden = CASES[case]
-    script = (textwrap.dedent(code) + "\nimport sys\n"
-              f"print(sorted(m for m in {forbidden!r} if m in sys.modules))\n")
+    script = textwrap.dedent(code) + f"\nimport sys\nprint(sorted(m for m in {forbidden!r} if m in sys.modules))\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", f"{case} imported {done.stdout.splitlines()[-1]}"

@@ -28,8 +28,9 @@ def _validation_errors(err: ValidationError, group: str, fallback: str) -> dict[
     """Field errors under their knob; an error of a combination under the first knob of the group its
     message names (else ``fallback``)."""
     # Workload messages name fields (cluster ones name CLI flags, which do not match knob names).
-    names = [k.key.split(".", 1)[1] for k in knob_table() if k.key.startswith(group + ".")] \
-        if group == "workload" else []
+    names = (
+        [k.key.split(".", 1)[1] for k in knob_table() if k.key.startswith(group + ".")] if group == "workload" else []
+    )
     out: dict[str, str] = {}
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
@@ -94,8 +95,13 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
     if errors or workload is None or cluster is None:
         raise KnobErrors(errors)
     try:
-        return PlanRequest(cluster=cluster, workload=workload, fixed=fixed, sharding=parsed["plan.sharding"],
-                           margin_fraction=parsed["plan.margin_fraction"])
+        return PlanRequest(
+            cluster=cluster,
+            workload=workload,
+            fixed=fixed,
+            sharding=parsed["plan.sharding"],
+            margin_fraction=parsed["plan.margin_fraction"],
+        )
     except RequestError as err:
         raise KnobErrors(_by_knob(err.problems)) from None
 

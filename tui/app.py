@@ -49,9 +49,7 @@ class ExplorerApp(App[None]):
         gpu_memory_gib: float | None = None,
     ) -> None:
         super().__init__()
-        values = initial_values(
-            num_gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib
-        )
+        values = initial_values(num_gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib)
         self.explorer = ExplorerScreen(model, values)
 
     def get_default_screen(self) -> ExplorerScreen:
@@ -82,9 +80,7 @@ def run(
     gpu_memory_gib: float | None = None,
 ) -> None:
     """Run the explorer in this terminal until the user quits."""
-    ExplorerApp(
-        model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib
-    ).run()
+    ExplorerApp(model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib).run()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,13 +93,10 @@ def parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=DEFAULT_MODEL,
-        help=f"catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...' "
-        f"[default: {DEFAULT_MODEL}]",
+        help=f"catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...' [default: {DEFAULT_MODEL}]",
     )
     p.add_argument("--gpus", type=int, default=1, help="trainer GPUs in total")
-    p.add_argument(
-        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)"
-    )
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)")
     p.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
     p.add_argument(
         "--gpu-memory",

@@ -46,8 +46,10 @@ def cispo_loss(
     total = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / total
     with torch.no_grad():
-        stats = {"kl": (kl * mask).sum() / total,
-                 "clip_fraction": ((ratio > 1.0 + clip_coef_high).to(mask.dtype) * mask).sum() / total}
+        stats = {
+            "kl": (kl * mask).sum() / total,
+            "clip_fraction": ((ratio > 1.0 + clip_coef_high).to(mask.dtype) * mask).sum() / total,
+        }
     return loss, stats
 
 
@@ -61,16 +63,26 @@ class CISPO(GRPO):
     algo_name = "CISPO"
     extra_hyperparameters = ("clip_coef_high",)
 
-    def __init__(self, model_name: str | None = None, *, beta: float = 0.0, clip_coef_high: float = 4.0,
-                 clip_coef: float | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        model_name: str | None = None,
+        *,
+        beta: float = 0.0,
+        clip_coef_high: float = 4.0,
+        clip_coef: float | None = None,
+        **kwargs,
+    ) -> None:
         if clip_coef is not None:
-            raise ValueError("CISPO bounds the importance weight from above only: set clip_coef_high "
-                             "(the weight is capped at 1 + clip_coef_high), not clip_coef")
+            raise ValueError(
+                "CISPO bounds the importance weight from above only: set clip_coef_high "
+                "(the weight is capped at 1 + clip_coef_high), not clip_coef"
+            )
         if not clip_coef_high > 0:
             raise ValueError(f"clip_coef_high must be > 0, got {clip_coef_high}")
         self.clip_coef_high = float(clip_coef_high)
         super().__init__(model_name, beta=beta, **kwargs)
 
     def policy_loss(self, logp, old_logp, ref_logp, advantages, mask):
-        return cispo_loss(logp, old_logp, ref_logp, advantages, mask, clip_coef_high=self.clip_coef_high,
-                          beta=self.beta)
+        return cispo_loss(
+            logp, old_logp, ref_logp, advantages, mask, clip_coef_high=self.clip_coef_high, beta=self.beta
+        )

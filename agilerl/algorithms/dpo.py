@@ -36,16 +36,26 @@ from .core.pairs import BatchError, completion_batch, encode_pairs
 __all__ = ["DPO", "dpo_loss"]
 
 
-def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_ref: torch.Tensor, rejected_ref: torch.Tensor,
-             *, beta: float, num_pairs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    chosen_ref: torch.Tensor,
+    rejected_ref: torch.Tensor,
+    *,
+    beta: float,
+    num_pairs: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DPO term (module doc) of some pairs' summed log-probs ``[p]``, over ``num_pairs``;
     the implicit rewards' statistics beside it (sums over these pairs)."""
     chosen_reward = beta * (chosen - chosen_ref)
     rejected_reward = beta * (rejected - rejected_ref)
     loss = -F.logsigmoid(chosen_reward - rejected_reward).sum() / num_pairs
     with torch.no_grad():
-        stats = {"chosen_reward": chosen_reward.sum(), "rejected_reward": rejected_reward.sum(),
-                 "accuracy": (chosen_reward > rejected_reward).float().sum()}
+        stats = {
+            "chosen_reward": chosen_reward.sum(),
+            "rejected_reward": rejected_reward.sum(),
+            "accuracy": (chosen_reward > rejected_reward).float().sum(),
+        }
     return loss, stats
 
 
@@ -94,19 +104,37 @@ class DPO(LLMAlgorithm):
         if nll_alpha < 0:
             raise ValueError(f"nll_alpha must be >= 0, got {nll_alpha}")
         if micro_batch_size_per_gpu is not None and micro_batch_size_per_gpu % 2:
-            raise ValueError(f"micro_batch_size_per_gpu counts sequences, a pair's two in the same micro-batch: "
-                             f"it must be even, got {micro_batch_size_per_gpu}")
+            raise ValueError(
+                f"micro_batch_size_per_gpu counts sequences, a pair's two in the same micro-batch: "
+                f"it must be even, got {micro_batch_size_per_gpu}"
+            )
         self.batch_size = batch_size
         self.beta = beta
         self.nll_alpha = nll_alpha
         super().__init__(
-            model_name=model_name, actor_network=actor_network, pad_token_id=pad_token_id, pad_token=pad_token,
-            lora_config=lora_config, fsdp_config=fsdp_config, vllm_config=None, lr=lr, max_grad_norm=max_grad_norm,
-            micro_batch_size_per_gpu=micro_batch_size_per_gpu, logprob_chunk_size=logprob_chunk_size,
-            gradient_checkpointing=gradient_checkpointing, temperature=1.0, max_model_len=max_model_len,
-            share_prompt_prefix=share_prompt_prefix, use_separate_reference_adapter=use_separate_reference_adapter,
-            load_in_4bit=load_in_4bit, device=device, dtype=dtype, attn_implementation=attn_implementation,
-            seed=seed, index=index, tokenizer=tokenizer,
+            model_name=model_name,
+            actor_network=actor_network,
+            pad_token_id=pad_token_id,
+            pad_token=pad_token,
+            lora_config=lora_config,
+            fsdp_config=fsdp_config,
+            vllm_config=None,
+            lr=lr,
+            max_grad_norm=max_grad_norm,
+            micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+            logprob_chunk_size=logprob_chunk_size,
+            gradient_checkpointing=gradient_checkpointing,
+            temperature=1.0,
+            max_model_len=max_model_len,
+            share_prompt_prefix=share_prompt_prefix,
+            use_separate_reference_adapter=use_separate_reference_adapter,
+            load_in_4bit=load_in_4bit,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            seed=seed,
+            index=index,
+            tokenizer=tokenizer,
         )
         if self.micro_batch_size_per_gpu % 2:  # a rank's whole share is whole pairs: cannot happen
             raise ValueError(f"micro_batch_size_per_gpu={self.micro_batch_size_per_gpu} splits a pair")
@@ -123,23 +151,31 @@ class DPO(LLMAlgorithm):
             raise BatchError(f"{len(chosen)} chosen but {len(rejected)} rejected completions")
         eos = self.eos_token_id  # the model's first end-of-sequence id (its chat turn's end, where it has one)
         eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        both = encode_pairs(self.tokenizer, [p for p in prompts for _ in range(2)],
-                            [c for pair in zip(chosen, rejected) for c in pair],
-                            eos_token_id=eos, pad_token_id=self.pad_token_id)
+        both = encode_pairs(
+            self.tokenizer,
+            [p for p in prompts for _ in range(2)],
+            [c for pair in zip(chosen, rejected) for c in pair],
+            eos_token_id=eos,
+            pad_token_id=self.pad_token_id,
+        )
         return {f"{side}_{k}": v[i::2] for k, v in both.items() for i, side in enumerate(("chosen", "rejected"))}
 
     def _pair_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The batch's pairs interleaved into rows (chosen 2i, rejected 2i + 1), padded to one width."""
         for side in ("chosen", "rejected"):
             if isinstance(batch, Mapping) and f"{side}_input_ids" not in batch:
-                raise BatchError(f"DPO.learn: the batch has no '{side}_input_ids' (a preference pair needs a chosen "
-                                 f"and a rejected completion; it has {sorted(batch)})")
+                raise BatchError(
+                    f"DPO.learn: the batch has no '{side}_input_ids' (a preference pair needs a chosen "
+                    f"and a rejected completion; it has {sorted(batch)})"
+                )
         sides = [completion_batch(batch, prefix=f"{side}_", who="DPO.learn") for side in ("chosen", "rejected")]
         if sides[0][0].shape[0] != sides[1][0].shape[0]:
             raise BatchError(f"DPO.learn: {sides[0][0].shape[0]} chosen but {sides[1][0].shape[0]} rejected rows")
         width = max(s[0].shape[1] for s in sides)
-        padded = [[F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id if j == 0 else 0)
-                   for j, t in enumerate(s)] for s in sides]
+        padded = [
+            [F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id if j == 0 else 0) for j, t in enumerate(s)]
+            for s in sides
+        ]
         return tuple(torch.stack([padded[0][j], padded[1][j]], dim=1).reshape(-1, width) for j in range(3))
 
     def learn(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -153,17 +189,25 @@ class DPO(LLMAlgorithm):
         """
         ids, attention, completion = self._pair_rows(batch)
         pairs = ids.shape[0] // 2
-        expected = self.batch_size // self.data_parallel_ranks if self.batch_size % self.data_parallel_ranks == 0 else None
+        expected = (
+            self.batch_size // self.data_parallel_ranks if self.batch_size % self.data_parallel_ranks == 0 else None
+        )
         if pairs != expected:
-            raise ValueError(f"DPO.learn got {pairs} pairs; a rank's share of batch_size={self.batch_size} over "
-                             f"{self.data_parallel_ranks} data-parallel ranks is {expected}")
+            raise ValueError(
+                f"DPO.learn got {pairs} pairs; a rank's share of batch_size={self.batch_size} over "
+                f"{self.data_parallel_ranks} data-parallel ranks is {expected}"
+            )
         ids, attention, completion = ids.to(self.device), attention.to(self.device), completion.to(self.device)
         mask = completion[:, 1:]
         first = self._first_scored(mask)
         fmask = mask.float()
         with self._phase("reference"):
-            ref = (self._no_grad_logprobs(ids, attention, REFERENCE if self.use_separate_reference_adapter else None,
-                                          first) * fmask).sum(dim=1)
+            ref = (
+                self._no_grad_logprobs(
+                    ids, attention, REFERENCE if self.use_separate_reference_adapter else None, first
+                )
+                * fmask
+            ).sum(dim=1)
         chosen_tokens = float(self._dp_sum(float(mask[0::2].sum())))
         sums = {"loss": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0, "accuracy": 0.0}
         num_pairs = pairs * self.data_parallel_ranks
@@ -173,8 +217,14 @@ class DPO(LLMAlgorithm):
             seq = (logp * fmask[s]).sum(dim=1)
             # gradients are averaged over the data-parallel ranks: a rank's sums over its pairs,
             # over every rank's pairs, scaled back up by their number
-            loss, stats = dpo_loss(seq[0::2], seq[1::2], ref[s][0::2], ref[s][1::2], beta=self.beta,
-                                   num_pairs=num_pairs / self.data_parallel_ranks)
+            loss, stats = dpo_loss(
+                seq[0::2],
+                seq[1::2],
+                ref[s][0::2],
+                ref[s][1::2],
+                beta=self.beta,
+                num_pairs=num_pairs / self.data_parallel_ranks,
+            )
             if self.nll_alpha:
                 loss = loss - self.nll_alpha * seq[0::2].sum() / (chosen_tokens / self.data_parallel_ranks)
             loss.backward()
@@ -187,7 +237,12 @@ class DPO(LLMAlgorithm):
         totals = {k: self._dp_sum(v) for k, v in sums.items()}
         chosen, rejected = totals["chosen_reward"] / num_pairs, totals["rejected_reward"] / num_pairs
         self.scores.append(chosen - rejected)
-        metrics = {"loss": totals["loss"], "chosen_reward": chosen, "rejected_reward": rejected,
-                   "reward_margin": chosen - rejected, "reward_accuracy": totals["accuracy"] / num_pairs,
-                   "grad_norm": norm}
+        metrics = {
+            "loss": totals["loss"],
+            "chosen_reward": chosen,
+            "rejected_reward": rejected,
+            "reward_margin": chosen - rejected,
+            "reward_accuracy": totals["accuracy"] / num_pairs,
+            "grad_norm": norm,
+        }
         return aggregate_metrics_dict(metrics, maximized=("grad_norm",))

@@ -188,15 +188,22 @@ class GRPO(LLMAlgorithm):
         tokenizer=None,
     ) -> None:
         if group_size < self.min_group_size:
-            raise ValueError(f"group_size must be at least {self.min_group_size}"
-                             + (" (advantages are relative within a group)" if self.min_group_size > 1 else "")
-                             + f", got {group_size}")
-        for name, value in (("batch_size", batch_size), ("update_epochs", update_epochs),
-                            ("max_output_tokens", max_output_tokens)):
+            raise ValueError(
+                f"group_size must be at least {self.min_group_size}"
+                + (" (advantages are relative within a group)" if self.min_group_size > 1 else "")
+                + f", got {group_size}"
+            )
+        for name, value in (
+            ("batch_size", batch_size),
+            ("update_epochs", update_epochs),
+            ("max_output_tokens", max_output_tokens),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if gather_weights_for_rollout not in (True, False, "auto"):
-            raise ValueError(f"gather_weights_for_rollout must be True, False or 'auto', got {gather_weights_for_rollout!r}")
+            raise ValueError(
+                f"gather_weights_for_rollout must be True, False or 'auto', got {gather_weights_for_rollout!r}"
+            )
         if offload_weights_during_rollout and vllm_config is None:
             raise ValueError(
                 "offload_weights_during_rollout=True needs a colocated vLLM engine (vllm_config): it parks the "
@@ -243,29 +250,40 @@ class GRPO(LLMAlgorithm):
         self._weight_offload = None
         if offload_weights_during_rollout:
             if self.sharded and self.fsdp_config.cpu_offload:
-                raise ValueError("offload_weights_during_rollout=True with FSDPConfig(cpu_offload=True): the "
-                                 "weights already live in host memory; drop one of the two")
+                raise ValueError(
+                    "offload_weights_during_rollout=True with FSDPConfig(cpu_offload=True): the "
+                    "weights already live in host memory; drop one of the two"
+                )
             from .core.offload import WeightOffload
 
             self._weight_offload = WeightOffload(self.model)
         if rollout_engine is not None:
             # an engine of the caller's (agilerl.utils.remote_engine.RemoteEngine: engines on ranks of their own)
             if self.sharded and self.fsdp_config.tp > 1:
-                raise ValueError("rollout_engine with tp > 1: the ranks of a tensor-parallel group would each send "
-                                 "the engine their shared prompts; use tp=1")
+                raise ValueError(
+                    "rollout_engine with tp > 1: the ranks of a tensor-parallel group would each send "
+                    "the engine their shared prompts; use tp=1"
+                )
         elif vllm_config is not None:
             from agilerl.utils.engine import shared_vllm_engine
 
             # One engine per rank, shared by the population's agents on it: each agent syncs its own
             # weights into it before every rollout.
-            self.engine = shared_vllm_engine(self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank,
-                                             max_model_len=max_model_len)
+            self.engine = shared_vllm_engine(
+                self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank, max_model_len=max_model_len
+            )
 
     #: The fewest completions per prompt the objective accepts (group-relative advantages need two).
     min_group_size = 2
     generates = True
-    algorithm_hyperparameters: tuple[str, ...] = ("group_size", "beta", "clip_coef", "update_epochs", "temperature",
-                                                  "max_output_tokens")
+    algorithm_hyperparameters: tuple[str, ...] = (
+        "group_size",
+        "beta",
+        "clip_coef",
+        "update_epochs",
+        "temperature",
+        "max_output_tokens",
+    )
 
     @property
     def needs_reference(self) -> bool:
@@ -276,17 +294,28 @@ class GRPO(LLMAlgorithm):
         prompt = max(1, (self.max_model_len or 2 * completion) - completion)
         vllm = self.vllm_config
         fields: dict[str, Any] = dict(
-            prompts_per_step=self.batch_size, group_size=self.group_size, prompt_tokens=prompt,
-            completion_tokens=completion, beta=self.beta, update_epochs=self.update_epochs,
+            prompts_per_step=self.batch_size,
+            group_size=self.group_size,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            beta=self.beta,
+            update_epochs=self.update_epochs,
             # an engine of its own (rollout_engine): nothing generates on the trainer's GPUs
             generation="none" if self.engine is not None and vllm is None else ("vllm" if vllm is not None else "hf"),
-            gather_weights_for_rollout=None if "gather_weights_for_rollout" in self.auto_knobs else self.gather_weights_for_rollout)
+            gather_weights_for_rollout=None
+            if "gather_weights_for_rollout" in self.auto_knobs
+            else self.gather_weights_for_rollout,
+        )
         if vllm is not None:  # the trainer's engine settings as they are (VLLMConfig's defaults included)
-            fields.update(vllm_gpu_memory_utilization=vllm.gpu_memory_utilization, vllm_max_num_seqs=vllm.max_num_seqs,
-                          vllm_sleep_level=vllm.sleep_level, vllm_enforce_eager=vllm.enforce_eager,
-                          vllm_max_model_len=vllm.max_model_len,
-                          vllm_max_num_batched_tokens=vllm.max_num_batched_tokens,
-                          vllm_kv_cache_memory_bytes=vllm.kv_cache_memory_bytes)
+            fields.update(
+                vllm_gpu_memory_utilization=vllm.gpu_memory_utilization,
+                vllm_max_num_seqs=vllm.max_num_seqs,
+                vllm_sleep_level=vllm.sleep_level,
+                vllm_enforce_eager=vllm.enforce_eager,
+                vllm_max_model_len=vllm.max_model_len,
+                vllm_max_num_batched_tokens=vllm.max_num_batched_tokens,
+                vllm_kv_cache_memory_bytes=vllm.kv_cache_memory_bytes,
+            )
         note = None if self.max_model_len else f"assumed prompts of {prompt} tokens"
         return fields, note
 
@@ -344,7 +373,9 @@ class GRPO(LLMAlgorithm):
         eos = torch.tensor(sorted(self.eos_token_ids()), device=completions.device, dtype=completions.dtype)
         is_eos = torch.isin(completions, eos)
         width = completions.shape[1]
-        first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1), torch.full_like(is_eos[:, 0], width, dtype=torch.long))
+        first = torch.where(
+            is_eos.any(dim=1), is_eos.float().argmax(dim=1), torch.full_like(is_eos[:, 0], width, dtype=torch.long)
+        )
         length = torch.clamp(first + 1, max=width)
         if lengths is not None:
             length = torch.minimum(length, lengths.to(length.device))
@@ -474,7 +505,7 @@ class GRPO(LLMAlgorithm):
                 out = self.model.generate(**kwargs)
         finally:
             self.model.train(was_training)
-        completions = out[:, ids.shape[1]:]
+        completions = out[:, ids.shape[1] :]
         if completions.shape[1] == 0:
             completions = torch.full((ids.shape[0], 1), self.pad_token_id, device=ids.device, dtype=ids.dtype)
         return completions
@@ -505,9 +536,14 @@ class GRPO(LLMAlgorithm):
 
         rows, dtype, lm = groups.rows, self._activation_dtype(), causal_lm(self.model)
         cache = DynamicCache()
-        self.model(input_ids=ids[rows, :split], attention_mask=shared_attention_mask(lm.config, mask[rows, :split], dtype),
-                   position_ids=position_ids_from_mask(mask[rows, :split]), use_cache=True, logits_to_keep=1,
-                   **{cache_argument(lm): cache})
+        self.model(
+            input_ids=ids[rows, :split],
+            attention_mask=shared_attention_mask(lm.config, mask[rows, :split], dtype),
+            position_ids=position_ids_from_mask(mask[rows, :split]),
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument(lm): cache},
+        )
         cache.batch_select_indices(groups.inverse)
         return cache
 
@@ -523,10 +559,14 @@ class GRPO(LLMAlgorithm):
             if offload is not None:
                 offload.offload()
                 self.engine.wake_up(tags=["kv_cache"])
-            outputs = self.engine.generate(prompts, max_tokens=self.max_output_tokens,
-                                           temperature=self.temperature, seed=self._engine_seed(),
-                                           stop_token_ids=sorted(self.eos_token_ids()),
-                                           min_tokens=int(self.generation_kwargs.get("min_new_tokens", 0)))
+            outputs = self.engine.generate(
+                prompts,
+                max_tokens=self.max_output_tokens,
+                temperature=self.temperature,
+                seed=self._engine_seed(),
+                stop_token_ids=sorted(self.eos_token_ids()),
+                min_tokens=int(self.generation_kwargs.get("min_new_tokens", 0)),
+            )
         finally:
             self.engine.sleep(self.vllm_config.sleep_level if self.vllm_config else 1)
             if offload is not None:
@@ -621,8 +661,14 @@ class GRPO(LLMAlgorithm):
         group-normalised ``(r - mean) / (std + eps)``."""
         return group_advantages(rewards, self.group_size)
 
-    def policy_loss(self, logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                    advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def policy_loss(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's loss and its ``kl`` and ``clip_fraction`` statistics (:func:`grpo_loss`).
         ``old_logp`` is ``logp.detach()`` with one update epoch (the policy that sampled)."""
         return grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_coef=self.clip_coef, beta=self.beta)
@@ -635,7 +681,6 @@ def _reshards_after_forward(unit: nn.Module, default: bool) -> bool:
     except AttributeError:  # pragma: no cover - another torch layout
         return default
     return default if group is None else group.post_forward_mesh_info is not None
-
 
 
 def _mergeable_lora_layers(model: nn.Module, sharded: bool = True) -> list[nn.Module]:
@@ -657,9 +702,13 @@ def _mergeable_lora_layers(model: nn.Module, sharded: bool = True) -> list[nn.Mo
             continue
         base = layer.get_base_layer()
         weight = getattr(base, "weight", None)
-        if (weight is None or isinstance(weight, DTensor) is not sharded
-                or getattr(base, "quant_state", None) is not None
-                or layer.use_dora.get(ACTOR, False) or getattr(layer, "lora_bias", {}).get(ACTOR, False)):
+        if (
+            weight is None
+            or isinstance(weight, DTensor) is not sharded
+            or getattr(base, "quant_state", None) is not None
+            or layer.use_dora.get(ACTOR, False)
+            or getattr(layer, "lora_bias", {}).get(ACTOR, False)
+        ):
             continue
         layers.append(layer)
     return layers
@@ -677,8 +726,9 @@ def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None =
 
     from .core.adapters import tuner_layers
 
-    lora_of = {id(layer.get_base_layer()): layer for layer in tuner_layers(model)
-               if ACTOR in getattr(layer, "lora_A", {})}
+    lora_of = {
+        id(layer.get_base_layer()): layer for layer in tuner_layers(model) if ACTOR in getattr(layer, "lora_A", {})
+    }
     seen: set[int] = set()
     for name, module in lm.named_modules():
         if getattr(module, "base_layer", None) is not None or ".lora_" in f".{name}.":

@@ -51,8 +51,7 @@ def gspo_loss(
     loss = per_sequence.mean()
     with torch.no_grad():
         is_clipped = ((ratio < 1.0 - clip_coef) & (adv < 0)) | ((ratio > 1.0 + clip_coef_high) & (adv > 0))
-        stats = {"kl": (kl * mask).sum() / mask.sum().clamp(min=1.0),
-                 "clip_fraction": is_clipped.to(mask.dtype).mean()}
+        stats = {"kl": (kl * mask).sum() / mask.sum().clamp(min=1.0), "clip_fraction": is_clipped.to(mask.dtype).mean()}
     return loss, stats
 
 
@@ -66,8 +65,15 @@ class GSPO(GRPO):
     algo_name = "GSPO"
     extra_hyperparameters = ("clip_coef_high",)
 
-    def __init__(self, model_name: str | None = None, *, beta: float = 0.0, clip_coef: float = 3e-4,
-                 clip_coef_high: float = 4e-4, **kwargs) -> None:
+    def __init__(
+        self,
+        model_name: str | None = None,
+        *,
+        beta: float = 0.0,
+        clip_coef: float = 3e-4,
+        clip_coef_high: float = 4e-4,
+        **kwargs,
+    ) -> None:
         for name, value in (("clip_coef", clip_coef), ("clip_coef_high", clip_coef_high)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -75,5 +81,13 @@ class GSPO(GRPO):
         super().__init__(model_name, beta=beta, clip_coef=clip_coef, **kwargs)
 
     def policy_loss(self, logp, old_logp, ref_logp, advantages, mask):
-        return gspo_loss(logp, old_logp, ref_logp, advantages, mask, clip_coef=self.clip_coef,
-                         clip_coef_high=self.clip_coef_high, beta=self.beta)
+        return gspo_loss(
+            logp,
+            old_logp,
+            ref_logp,
+            advantages,
+            mask,
+            clip_coef=self.clip_coef,
+            clip_coef_high=self.clip_coef_high,
+            beta=self.beta,
+        )

@@ -43,8 +43,9 @@ from .grpo import GRPO
 __all__ = ["LLMPPO", "gae_advantages", "ppo_loss", "token_rewards", "masked_whiten"]
 
 
-def token_rewards(old_logp: torch.Tensor, ref_logp: torch.Tensor | None, rewards: torch.Tensor,
-                  mask: torch.Tensor, *, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_rewards(
+    old_logp: torch.Tensor, ref_logp: torch.Tensor | None, rewards: torch.Tensor, mask: torch.Tensor, *, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards ``[n, L]``: ``-beta`` times the k1 KL estimate on completion tokens, and
     each completion's reward on its last token; with the KL estimate itself."""
     mask = mask.to(old_logp.dtype)
@@ -55,8 +56,9 @@ def token_rewards(old_logp: torch.Tensor, ref_logp: torch.Tensor | None, rewards
     return out * mask, kl
 
 
-def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
-                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[n, L]`` by GAE (module doc), values read as 0 outside ``mask``."""
     mask = mask.to(values.dtype)
     values = values * mask
@@ -80,9 +82,19 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     return (values - mean) * torch.rsqrt(var + eps)
 
 
-def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
-             old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, clip_coef: float,
-             clip_coef_value: float, vf_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_coef: float,
+    clip_coef_value: float,
+    vf_coef: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss plus ``vf_coef`` times the clipped value loss (module doc), masked
     means over the micro-batch's completion tokens."""
     mask = mask.to(logp.dtype)
@@ -95,9 +107,11 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     vf_loss = 0.5 * (vf * mask).sum() / total
     with torch.no_grad():
         stats = {
-            "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
+            "policy_loss": pg_loss.detach(),
+            "value_loss": vf_loss.detach(),
             "clip_fraction": (((ratio - 1.0).abs() > clip_coef).to(mask.dtype) * mask).sum() / total,
-            "value_clip_fraction": (((values - old_values).abs() > clip_coef_value).to(mask.dtype) * mask).sum() / total,
+            "value_clip_fraction": (((values - old_values).abs() > clip_coef_value).to(mask.dtype) * mask).sum()
+            / total,
         }
     return pg_loss + vf_coef * vf_loss, stats
 
@@ -113,10 +127,21 @@ class LLMPPO(GRPO):
     min_group_size = 1
     extra_hyperparameters = ("vf_coef", "clip_coef_value", "gamma", "gae_lambda", "whiten_advantages", "value_lr")
 
-    def __init__(self, model_name: str | None = None, *, group_size: int = 1, beta: float = 0.05,
-                 update_epochs: int = 4, vf_coef: float = 0.1, clip_coef_value: float = 0.2, gamma: float = 1.0,
-                 gae_lambda: float = 0.95, whiten_advantages: bool = True, value_lr: float | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        model_name: str | None = None,
+        *,
+        group_size: int = 1,
+        beta: float = 0.05,
+        update_epochs: int = 4,
+        vf_coef: float = 0.1,
+        clip_coef_value: float = 0.2,
+        gamma: float = 1.0,
+        gae_lambda: float = 0.95,
+        whiten_advantages: bool = True,
+        value_lr: float | None = None,
+        **kwargs,
+    ) -> None:
         for name, value in (("vf_coef", vf_coef), ("clip_coef_value", clip_coef_value)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -135,26 +160,28 @@ class LLMPPO(GRPO):
         generator = torch.Generator().manual_seed(self.seed)  # the same head on every rank
         head = nn.Linear(causal_lm(self.model).config.hidden_size, 1)
         with torch.no_grad():
-            bound = head.in_features ** -0.5  # nn.Linear's own init, drawn from the seed
+            bound = head.in_features**-0.5  # nn.Linear's own init, drawn from the seed
             head.weight.uniform_(-bound, bound, generator=generator)
             head.bias.uniform_(-bound, bound, generator=generator)
         self.value_head = self.add_head("value_head", head, lr=self.value_lr)
 
-    def _logprobs_and_values(self, ids: torch.Tensor, attention: torch.Tensor, first: int) -> tuple[
-            torch.Tensor, torch.Tensor]:
+    def _logprobs_and_values(
+        self, ids: torch.Tensor, attention: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The actor's log-probs ``[n, T - 1]`` and its values at the same positions (0 before
         ``first``): the value head on the final hidden states, in fp32."""
         hidden: dict[str, torch.Tensor] = {}
         with use_adapter(self.model, ACTOR):
             logp = self.token_logprobs(ids, attention, first, hidden=hidden)
         h, offset = hidden["h"], hidden["offset"]
-        states = h[:, first - offset: ids.shape[1] - 1 - offset]
+        states = h[:, first - offset : ids.shape[1] - 1 - offset]
         values = self.value_head(states.float()).squeeze(-1)
         return logp, F.pad(values, (first, 0))
 
     @torch.no_grad()
-    def _sampling_pass(self, ids: torch.Tensor, attention: torch.Tensor, first: int) -> tuple[
-            torch.Tensor, torch.Tensor]:
+    def _sampling_pass(
+        self, ids: torch.Tensor, attention: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         was_training = self.model.training
         self.model.eval()
         try:
@@ -181,8 +208,9 @@ class LLMPPO(GRPO):
         with self._phase("reference"), self._gathered_for_reference():
             ref_logp = None
             if self.beta != 0.0:
-                ref_logp = self._no_grad_logprobs(ids, attention, REFERENCE if self.use_separate_reference_adapter
-                                                  else None, first)
+                ref_logp = self._no_grad_logprobs(
+                    ids, attention, REFERENCE if self.use_separate_reference_adapter else None, first
+                )
             old_logp, old_values = self._sampling_pass(ids, attention, first)
         per_token, kl = token_rewards(old_logp, ref_logp, rewards, mask, beta=self.beta)
         advantages, returns = gae_advantages(per_token, old_values, mask, gamma=self.gamma, lam=self.gae_lambda)
@@ -195,9 +223,18 @@ class LLMPPO(GRPO):
         for _ in range(self.update_epochs):
             for s in self._learn_micro_batches(n):
                 logp, values = self._logprobs_and_values(ids[s], attention[s], first)
-                loss, stats = ppo_loss(logp, old_logp[s], advantages[s], values, old_values[s], returns[s],
-                                       mask[s], clip_coef=self.clip_coef, clip_coef_value=self.clip_coef_value,
-                                       vf_coef=self.vf_coef)
+                loss, stats = ppo_loss(
+                    logp,
+                    old_logp[s],
+                    advantages[s],
+                    values,
+                    old_values[s],
+                    returns[s],
+                    mask[s],
+                    clip_coef=self.clip_coef,
+                    clip_coef_value=self.clip_coef_value,
+                    vf_coef=self.vf_coef,
+                )
                 (loss / count).backward()
                 share = count * self.update_epochs
                 sums["loss"] += float(loss.detach()) / share
@@ -208,7 +245,11 @@ class LLMPPO(GRPO):
         self.steps += 1
         mean_reward = float(rewards.mean())
         self.scores.append(mean_reward)
-        metrics = {**sums, "kl": float((kl * mask).sum() / mask.sum().clamp(min=1.0)),
-                   "grad_norm": sum(norms) / len(norms), "mean_reward": mean_reward,
-                   "completion_length": float(action_masks.sum(dim=1).float().mean())}
+        metrics = {
+            **sums,
+            "kl": float((kl * mask).sum() / mask.sum().clamp(min=1.0)),
+            "grad_norm": sum(norms) / len(norms),
+            "mean_reward": mean_reward,
+            "completion_length": float(action_masks.sum(dim=1).float().mean()),
+        }
         return aggregate_metrics_dict(metrics, maximized=("grad_norm",))

@@ -55,8 +55,9 @@ class LLMREINFORCE(GRPO):
 
     algo_name = "LLMREINFORCE"
 
-    def __init__(self, model_name: str | None = None, *, clip_coef: float | None = None, update_epochs: int = 1,
-                 **kwargs) -> None:
+    def __init__(
+        self, model_name: str | None = None, *, clip_coef: float | None = None, update_epochs: int = 1, **kwargs
+    ) -> None:
         if clip_coef is not None:
             raise ValueError("LLMREINFORCE clips nothing (no importance ratio): drop clip_coef")
         if update_epochs != 1:

@@ -73,13 +73,29 @@ class SFT(LLMAlgorithm):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
         super().__init__(
-            model_name=model_name, actor_network=actor_network, pad_token_id=pad_token_id, pad_token=pad_token,
-            lora_config=lora_config, fsdp_config=fsdp_config, vllm_config=None, lr=lr, max_grad_norm=max_grad_norm,
-            micro_batch_size_per_gpu=micro_batch_size_per_gpu, logprob_chunk_size=logprob_chunk_size,
-            gradient_checkpointing=gradient_checkpointing, temperature=1.0, max_model_len=max_model_len,
-            share_prompt_prefix=share_prompt_prefix, use_separate_reference_adapter=False,
-            load_in_4bit=load_in_4bit, device=device, dtype=dtype, attn_implementation=attn_implementation,
-            seed=seed, index=index, tokenizer=tokenizer,
+            model_name=model_name,
+            actor_network=actor_network,
+            pad_token_id=pad_token_id,
+            pad_token=pad_token,
+            lora_config=lora_config,
+            fsdp_config=fsdp_config,
+            vllm_config=None,
+            lr=lr,
+            max_grad_norm=max_grad_norm,
+            micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+            logprob_chunk_size=logprob_chunk_size,
+            gradient_checkpointing=gradient_checkpointing,
+            temperature=1.0,
+            max_model_len=max_model_len,
+            share_prompt_prefix=share_prompt_prefix,
+            use_separate_reference_adapter=False,
+            load_in_4bit=load_in_4bit,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            seed=seed,
+            index=index,
+            tokenizer=tokenizer,
         )
         self.eos_token_id = self._eos_token_id()
 
@@ -87,8 +103,7 @@ class SFT(LLMAlgorithm):
         """Text pairs as a batch ``learn`` takes (the completion followed by the end-of-sequence token)."""
         eos = self.eos_token_id  # the model's first end-of-sequence id (its chat turn's end, where it has one)
         eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        return encode_pairs(self.tokenizer, prompts, completions, eos_token_id=eos,
-                            pad_token_id=self.pad_token_id)
+        return encode_pairs(self.tokenizer, prompts, completions, eos_token_id=eos, pad_token_id=self.pad_token_id)
 
     def learn(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One update on this rank's examples.
@@ -102,8 +117,10 @@ class SFT(LLMAlgorithm):
         ids, attention, completion = completion_batch(batch, who="SFT.learn")
         expected = self.sequences_per_step // self.data_parallel_ranks
         if ids.shape[0] != expected:
-            raise ValueError(f"SFT.learn got {ids.shape[0]} examples; a rank's share of batch_size="
-                             f"{self.batch_size} over {self.data_parallel_ranks} data-parallel ranks is {expected}")
+            raise ValueError(
+                f"SFT.learn got {ids.shape[0]} examples; a rank's share of batch_size="
+                f"{self.batch_size} over {self.data_parallel_ranks} data-parallel ranks is {expected}"
+            )
         ids, attention, completion = ids.to(self.device), attention.to(self.device), completion.to(self.device)
         mask = completion[:, 1:]
         first = self._first_scored(mask)
@@ -123,6 +140,10 @@ class SFT(LLMAlgorithm):
         self.steps += 1
         mean_nll = self._dp_sum(summed) / total_tokens
         self.scores.append(-mean_nll)
-        metrics = {"loss": mean_nll, "perplexity": float(torch.tensor(mean_nll).exp()), "grad_norm": norm,
-                   "completion_tokens": local_tokens}
+        metrics = {
+            "loss": mean_nll,
+            "perplexity": float(torch.tensor(mean_nll).exp()),
+            "grad_norm": norm,
+            "completion_tokens": local_tokens,
+        }
         return aggregate_metrics_dict(metrics, maximized=("grad_norm",))

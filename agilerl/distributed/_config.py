@@ -38,14 +38,12 @@ def _dtype_name(value: Any, field_name: str) -> str:
         value = str(value)
     if not isinstance(value, str):
         raise ValueError(
-            f"{field_name} must be a torch.dtype or one of "
-            f"{sorted(set(DTYPE_NAMES.values()))}, got {value!r}"
+            f"{field_name} must be a torch.dtype or one of {sorted(set(DTYPE_NAMES.values()))}, got {value!r}"
         )
     name = value.removeprefix("torch.")
     if name not in DTYPE_NAMES:
         raise ValueError(
-            f"{field_name}={value!r} is not supported; allowed: "
-            f"{sorted(set(DTYPE_NAMES.values()))} (or a torch.dtype)"
+            f"{field_name}={value!r} is not supported; allowed: {sorted(set(DTYPE_NAMES.values()))} (or a torch.dtype)"
         )
     return DTYPE_NAMES[name]
 
@@ -132,16 +130,14 @@ class FSDPConfig(BaseModel):
         int,
         Field(
             ge=1,
-            description="Consecutive transformer blocks per FSDP unit. Larger values mean "
-            "fewer, bigger collectives.",
+            description="Consecutive transformer blocks per FSDP unit. Larger values mean fewer, bigger collectives.",
         ),
     ] = 1
     param_persistence_threshold: Annotated[
         int,
         Field(
             ge=0,
-            description="Parameters with fewer elements than this stay unsharded. "
-            "0 shards every parameter.",
+            description="Parameters with fewer elements than this stay unsharded. 0 shards every parameter.",
         ),
     ] = 100000
     ep: Annotated[

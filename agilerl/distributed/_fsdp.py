@@ -310,8 +310,9 @@ class _ReplicatedCast:
         module.register_forward_hook(lambda mod, args, out: self.exit(), always_call=True)
 
 
-def _install_replicated_casts(model: nn.Module, layout: FSDPLayout, ignored: set, dtype: torch.dtype,
-                              containers_in_order: list[nn.Module]) -> None:
+def _install_replicated_casts(
+    model: nn.Module, layout: FSDPLayout, ignored: set, dtype: torch.dtype, containers_in_order: list[nn.Module]
+) -> None:
     """Group the replicated parameters needing a cast by the unit they sit in, hook each unit.
 
     ``containers_in_order``: every transformer block (unwrapped: checkpoint
@@ -331,8 +332,9 @@ def _install_replicated_casts(model: nn.Module, layout: FSDPLayout, ignored: set
     containers: dict[int, nn.Module] = {}
     for owner_list in places.values():
         owner_name = names[id(owner_list[0][0])]
-        container = next((m for prefix, m in prefixes if owner_name == prefix or owner_name.startswith(prefix + ".")),
-                         model)
+        container = next(
+            (m for prefix, m in prefixes if owner_name == prefix or owner_name.startswith(prefix + ".")), model
+        )
         groups.setdefault(id(container), []).append(owner_list)
         containers[id(container)] = container
     casts = []
@@ -377,8 +379,9 @@ def _mesh_for(config: FSDPConfig, mesh: DeviceMesh | None, device_type: str) -> 
     return device_mesh(device_type, shape, names)
 
 
-def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | None,
-               device_type: str) -> tuple[MoELayout | None, DeviceMesh | None]:
+def _apply_moe(
+    model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | None, device_type: str
+) -> tuple[MoELayout | None, DeviceMesh | None]:
     """Expert parallel (ep > 1), or chunked local experts (a chunk size set); else nothing.
 
     Returns the MoE layout and the mesh for the experts' FSDP units (None: they
@@ -394,20 +397,31 @@ def _apply_moe(model: nn.Module, config: FSDPConfig, expert_mesh: DeviceMesh | N
             raise ValueError("with ep=1, expert_mesh must span every rank")
         moe = None
         if has_moe and config.routed_expert_chunk_mib is not None:
-            moe = apply_expert_parallel(model, None, ep_token_blocks=config.ep_token_blocks,
-                                        routed_expert_chunk_mib=config.routed_expert_chunk_mib)
+            moe = apply_expert_parallel(
+                model,
+                None,
+                ep_token_blocks=config.ep_token_blocks,
+                routed_expert_chunk_mib=config.routed_expert_chunk_mib,
+            )
         return moe, expert_mesh if has_moe else None
     if not has_moe:
-        raise ValueError(f"FSDPConfig.ep={config.ep} needs packed MoE experts; "
-                         f"{type(model).__name__} has none. Use ep=1.")
+        raise ValueError(
+            f"FSDPConfig.ep={config.ep} needs packed MoE experts; {type(model).__name__} has none. Use ep=1."
+        )
     if expert_mesh is None:
         expert_mesh = build_expert_mesh(ep=config.ep, device_type=device_type)
     names = tuple(expert_mesh.mesh_dim_names or ())
     if names != (EXPERT_SHARD_AXIS, EP_AXIS) or expert_mesh[EP_AXIS].size() != config.ep:
-        raise ValueError(f"expert_mesh must be build_expert_mesh(ep={config.ep}): dims "
-                         f"({EXPERT_SHARD_AXIS!r}, {EP_AXIS!r}) with an ep axis of {config.ep}")
-    moe = apply_expert_parallel(model, expert_mesh[EP_AXIS], ep_token_blocks=config.ep_token_blocks,
-                                routed_expert_chunk_mib=config.routed_expert_chunk_mib)
+        raise ValueError(
+            f"expert_mesh must be build_expert_mesh(ep={config.ep}): dims "
+            f"({EXPERT_SHARD_AXIS!r}, {EP_AXIS!r}) with an ep axis of {config.ep}"
+        )
+    moe = apply_expert_parallel(
+        model,
+        expert_mesh[EP_AXIS],
+        ep_token_blocks=config.ep_token_blocks,
+        routed_expert_chunk_mib=config.routed_expert_chunk_mib,
+    )
     return moe, expert_mesh
 
 
@@ -486,10 +500,19 @@ def apply_fsdp2(
     named = {id(m): n for n, m in model.named_modules()}
 
     tables = find_per_layer_embeddings(model)
-    parts = fsdp_units(len(blocks), config.wrap_every_n_blocks, separate_embedding=embed is not None and not tied,
-                       per_layer_embeddings=len(tables), separate_head=head is not None and not tied)
-    by_kind = {"embed": lambda _: [embed], "per_layer_embed": lambda p: [tables[p.start]],
-               "blocks": lambda p: blocks[p.start : p.stop], "head": lambda _: [head]}
+    parts = fsdp_units(
+        len(blocks),
+        config.wrap_every_n_blocks,
+        separate_embedding=embed is not None and not tied,
+        per_layer_embeddings=len(tables),
+        separate_head=head is not None and not tied,
+    )
+    by_kind = {
+        "embed": lambda _: [embed],
+        "per_layer_embed": lambda p: [tables[p.start]],
+        "blocks": lambda p: blocks[p.start : p.stop],
+        "head": lambda _: [head],
+    }
     for part in parts:
         group = by_kind[part.kind](part)
         if not _has_shardable(group):
@@ -513,7 +536,9 @@ def apply_fsdp2(
         mesh_device = mesh.device_type
         for p in replicated:
             if not isinstance(p, DTensor) and not p.is_meta and p.device.type != mesh_device:
-                p.data = p.data.to(torch.device(mesh_device, torch.cuda.current_device()) if mesh_device == "cuda" else mesh_device)
+                p.data = p.data.to(
+                    torch.device(mesh_device, torch.cuda.current_device()) if mesh_device == "cuda" else mesh_device
+                )
         containers = list(blocks) + [m for m in (embed, head) if m is not None]
         _install_replicated_casts(model, layout, ignored, param_dtype, containers)
         _install_replicated_grad_sync(layout)

@@ -111,10 +111,7 @@ def _base(module: nn.Module) -> nn.Module:
 
 def _is_packed_experts(module: nn.Module) -> bool:
     params = module._parameters
-    return all(
-        params.get(name) is not None and params[name].dim() == 3
-        for name in ("gate_up_proj", "down_proj")
-    )
+    return all(params.get(name) is not None and params[name].dim() == 3 for name in ("gate_up_proj", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -168,8 +165,9 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _softmax_topk(router: nn.Module, hidden: Tensor, indices: Tensor | None, *,
-                  renormalize: bool, cast_back: bool) -> _Routed:
+def _softmax_topk(
+    router: nn.Module, hidden: Tensor, indices: Tensor | None, *, renormalize: bool, cast_back: bool
+) -> _Routed:
     """Qwen2/Qwen3-MoE, OLMoE, Mixtral: softmax, top-k, optional renormalisation.
 
     Weights are gathered from the probabilities at the chosen indices (the
@@ -337,8 +335,7 @@ def moe_checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     and every rank must run all of them even if it has no more tensors to
     recompute.
     """
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=routing_replay_contexts,
-                      early_stop=False, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=routing_replay_contexts, early_stop=False, **kwargs)
 
 
 def checkpoint_moe_block(block: nn.Module) -> nn.Module:
@@ -348,8 +345,7 @@ def checkpoint_moe_block(block: nn.Module) -> nn.Module:
         checkpoint_wrapper,
     )
 
-    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                              checkpoint_fn=moe_checkpoint)
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=moe_checkpoint)
 
 
 # -- 4. expert compute ----------------------------------------------------------------------
@@ -391,11 +387,13 @@ def _expert_weights(experts: nn.Module) -> _ExpertWeights:
                 num = module.num_experts
                 a = module.lora_A[name].weight
                 b = module.lora_B[name].weight
-                loras[module.parameter_name].append(_Lora(
-                    a=a.reshape(num, -1, a.shape[-1]),
-                    b=b.reshape(b.shape[0], -1, num).permute(2, 0, 1),
-                    scaling=module.scaling[name],
-                ))
+                loras[module.parameter_name].append(
+                    _Lora(
+                        a=a.reshape(num, -1, a.shape[-1]),
+                        b=b.reshape(b.shape[0], -1, num).permute(2, 0, 1),
+                        scaling=module.scaling[name],
+                    )
+                )
         module = module.base_layer
     return _ExpertWeights(
         gate_up=module.gate_up_proj,
@@ -418,9 +416,11 @@ def experts_problem(experts: nn.Module) -> str | None:
     flags = dict(has_gate=True, has_bias=False, is_transposed=False, has_post_expert_norm=False)
     odd = {k: getattr(base, k) for k, v in flags.items() if getattr(base, k, v) != v}
     if odd:
-        return (f"{type(base).__name__}: packed experts with {odd} are not supported by expert parallel or "
-                "routed_expert_chunk_mib (supported: gate_up_proj [E, 2I, H] and down_proj [E, H, I], no "
-                "biases); use ep=1 and leave routed_expert_chunk_mib unset")
+        return (
+            f"{type(base).__name__}: packed experts with {odd} are not supported by expert parallel or "
+            "routed_expert_chunk_mib (supported: gate_up_proj [E, 2I, H] and down_proj [E, H, I], no "
+            "biases); use ep=1 and leave routed_expert_chunk_mib unset"
+        )
     module = experts
     while _is_param_wrapper(module):
         if module.parameter_name not in ("gate_up_proj", "down_proj"):
@@ -455,8 +455,7 @@ def _expert_linear(x: Tensor, weight: Tensor, loras: tuple[_Lora, ...], e: int) 
     return y
 
 
-def _experts_on_segments(x: Tensor, *, weights: _ExpertWeights,
-                         segments: tuple[tuple[int, int, int], ...]) -> Tensor:
+def _experts_on_segments(x: Tensor, *, weights: _ExpertWeights, segments: tuple[tuple[int, int, int], ...]) -> Tensor:
     """Expert e's MLP on rows ``x[lo:hi]`` for each (e, lo, hi); rows are grouped by expert.
 
     The segments tile ``x`` in order, so it is split (one concatenation of the
@@ -470,8 +469,9 @@ def _experts_on_segments(x: Tensor, *, weights: _ExpertWeights,
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _run_local_experts(rows: Tensor, counts: list[int], weights: _ExpertWeights,
-                       chunk_rows: int | None, stats: ExpertParallelStats) -> Tensor:
+def _run_local_experts(
+    rows: Tensor, counts: list[int], weights: _ExpertWeights, chunk_rows: int | None, stats: ExpertParallelStats
+) -> Tensor:
     """The local experts on ``rows`` (grouped by expert, ``counts`` rows each), chunk by chunk.
 
     With a chunk size each chunk is checkpointed, so its activations (the
@@ -542,8 +542,7 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable ``all_to_all_single`` along dim 0; its backward is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int],
-                group: Any) -> Tensor:
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -586,8 +585,15 @@ def _inverse(perm: Tensor) -> Tensor:
     return inv
 
 
-def _token_block(state: _ExpertState, weights: _ExpertWeights, x: Tensor, indices: Tensor,
-                 routing: Tensor, chunk_rows: int | None, combine_rows: int | None) -> Tensor:
+def _token_block(
+    state: _ExpertState,
+    weights: _ExpertWeights,
+    x: Tensor,
+    indices: Tensor,
+    routing: Tensor,
+    chunk_rows: int | None,
+    combine_rows: int | None,
+) -> Tensor:
     """Dispatch one token block's (token, expert) rows, run the experts, combine: [T, H] fp32."""
     num_tokens, k = indices.shape
     flat = indices.reshape(-1)
@@ -632,13 +638,15 @@ def _token_block(state: _ExpertState, weights: _ExpertWeights, x: Tensor, indice
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _experts_forward(experts: nn.Module, state: _ExpertState, hidden_states: Tensor,
-                     top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def _experts_forward(
+    experts: nn.Module, state: _ExpertState, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
     """Drop-in ``experts(hidden [T, H], top_k_index, top_k_weights)`` with EP, blocks and chunks."""
     weights = _expert_weights(experts)
     hidden_dim = hidden_states.shape[-1]
-    row_bytes = expert_row_bytes(expert_width=weights.gate_up.shape[1] // 2, hidden_size=hidden_dim,
-                                 element_size=hidden_states.element_size())
+    row_bytes = expert_row_bytes(
+        expert_width=weights.gate_up.shape[1] // 2, hidden_size=hidden_dim, element_size=hidden_states.element_size()
+    )
     chunk_rows = expert_chunk_rows(chunk_mib=state.chunk_mib, row_bytes=row_bytes)
     combine_row_bytes = top_k_index.shape[-1] * hidden_dim * 4  # one token's k fp32 rows
     combine_rows = expert_chunk_rows(chunk_mib=state.chunk_mib, row_bytes=combine_row_bytes)
@@ -654,6 +662,7 @@ def _experts_forward(experts: nn.Module, state: _ExpertState, hidden_states: Ten
 
 def _slice_experts(experts: nn.Module, first: int, num_local: int) -> None:
     """Keep experts [first, first + num_local) of the packed weights and their LoRA factors."""
+
     def _replace(owner: nn.Module, name: str, value: Tensor) -> None:
         old = owner._parameters[name]
         owner._parameters[name] = nn.Parameter(value.clone(), requires_grad=old.requires_grad)
@@ -664,8 +673,7 @@ def _slice_experts(experts: nn.Module, first: int, num_local: int) -> None:
         for adapters, kind in ((module.lora_A, "dim0"), (module.lora_B, "lora_b")):
             for linear in adapters.values():
                 shard = ExpertShard(kind=kind, num_experts=num)
-                local = expert_slice(linear.weight.detach(), shard=shard, first=first,
-                                     num_local=num_local)
+                local = expert_slice(linear.weight.detach(), shard=shard, first=first, num_local=num_local)
                 _replace(linear, "weight", local)
         for linear in module.lora_A.values():
             linear.out_features = linear.weight.shape[0]
@@ -674,7 +682,7 @@ def _slice_experts(experts: nn.Module, first: int, num_local: int) -> None:
         module.num_experts = num_local
         module = module.base_layer
     for name in ("gate_up_proj", "down_proj"):
-        _replace(module, name, getattr(module, name).detach()[first:first + num_local])
+        _replace(module, name, getattr(module, name).detach()[first : first + num_local])
     module.num_experts = num_local
 
 
@@ -716,8 +724,13 @@ def moe_layout(model: nn.Module) -> MoELayout | None:
     return getattr(model, "_agilerl_moe_layout", None)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, *, ep_token_blocks: int = 1,
-                          routed_expert_chunk_mib: float | None = None) -> MoELayout:
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_mesh: DeviceMesh | None,
+    *,
+    ep_token_blocks: int = 1,
+    routed_expert_chunk_mib: float | None = None,
+) -> MoELayout:
     """Split each MoE layer's experts over ``ep_mesh`` and route tokens with all-to-all.
 
     Rank i of the EP group keeps the contiguous experts [i*E/ep, (i+1)*E/ep) of
@@ -737,17 +750,16 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, *, ep_to
     layers = find_moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no packed MoE experts to split")
-    layout = MoELayout(ep=ep, ep_rank=ep_rank, token_blocks=ep_token_blocks,
-                       chunk_mib=routed_expert_chunk_mib, layers=layers)
+    layout = MoELayout(
+        ep=ep, ep_rank=ep_rank, token_blocks=ep_token_blocks, chunk_mib=routed_expert_chunk_mib, layers=layers
+    )
     module_names = {id(m): n for n, m in model.named_modules()}
     for layer in layers:
         experts = layer.experts
         if hasattr(experts, "_agilerl_expert_state"):
             raise ValueError(f"apply_expert_parallel was already applied to {layer.name}")
         if any(type(p).__name__ == "DTensor" for p in experts.parameters()):
-            raise ValueError(
-                "apply_expert_parallel must run before fully_shard (experts are already sharded)"
-            )
+            raise ValueError("apply_expert_parallel must run before fully_shard (experts are already sharded)")
         _check_supported(experts)
         num_experts = layer.base_experts.num_experts
         if num_experts % ep:
@@ -756,8 +768,13 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh | None, *, ep_to
         if ep > 1:
             _slice_experts(experts, ep_rank * num_local, num_local)
         state = _ExpertState(
-            num_experts=num_experts, first_expert=ep_rank * num_local, num_local_experts=num_local,
-            ep=ep, group=group, token_blocks=ep_token_blocks, chunk_mib=routed_expert_chunk_mib,
+            num_experts=num_experts,
+            first_expert=ep_rank * num_local,
+            num_local_experts=num_local,
+            ep=ep,
+            group=group,
+            token_blocks=ep_token_blocks,
+            chunk_mib=routed_expert_chunk_mib,
         )
         experts._agilerl_expert_state = state
         experts.forward = functools.partial(_experts_forward, experts, state)
@@ -807,8 +824,9 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if id(p) in ids]
 
 
-def fully_shard_experts(model: nn.Module, *, expert_mesh: DeviceMesh, gradient_divide_factor: float,
-                        **fully_shard_kwargs: Any) -> list[nn.Module]:
+def fully_shard_experts(
+    model: nn.Module, *, expert_mesh: DeviceMesh, gradient_divide_factor: float, **fully_shard_kwargs: Any
+) -> list[nn.Module]:
     """``fully_shard`` each experts module on ``expert_mesh``; call before sharding the blocks.
 
     ``gradient_divide_factor`` must be the number of data-parallel batch
@@ -835,11 +853,11 @@ def expert_slice(full: Tensor, *, shard: ExpertShard, first: int, num_local: int
     """Experts [first, first + num_local) of a full expert parameter (a view where possible)."""
     if shard.kind == "dim0":
         rows = full.shape[0] // shard.num_experts
-        return full[first * rows:(first + num_local) * rows]
+        return full[first * rows : (first + num_local) * rows]
     if shard.kind == "lora_b":
         out = full.shape[0]
         columns = full.reshape(out, -1, shard.num_experts)  # (out, r, E)
-        return columns[:, :, first:first + num_local].reshape(out, -1)
+        return columns[:, :, first : first + num_local].reshape(out, -1)
     raise ValueError(f"unknown expert shard kind {shard.kind!r}; allowed: 'dim0', 'lora_b'")
 
 
@@ -853,4 +871,3 @@ def gather_expert_tensor(local: Tensor, *, shard: ExpertShard, group: Any) -> Te
     out = local.shape[0]
     columns = [p.reshape(out, -1, shard.num_experts // size) for p in parts]  # (out, r, E_local)
     return torch.cat(columns, dim=2).reshape(out, -1)
-

@@ -231,9 +231,16 @@ def build_optimizer(
     if any(p.dtype != torch.float32 for p in params) and not any(isinstance(p, DTensor) for p in params):
         # Low-precision trainable weights (full fine-tuning of a bf16 model, unsharded): fp32
         # masters, gradients and moments beside them. Under FSDP2 the shards are fp32 already.
-        return MasterWeightAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                 master_device=_local(params[0]).device, accumulate_grads=True,
-                                 fused=device_type in ("cuda", "cpu", "xpu") or None)
+        return MasterWeightAdamW(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            master_device=_local(params[0]).device,
+            accumulate_grads=True,
+            fused=device_type in ("cuda", "cpu", "xpu") or None,
+        )
     fused = device_type in ("cuda", "cpu", "mps", "xpu")
     # Fused kernels cannot mix DTensor shards and replicated plain tensors in
     # one call, and a param group is one call: keep them in separate groups.
@@ -244,8 +251,9 @@ def build_optimizer(
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
-                    model: nn.Module | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *, model: nn.Module | None = None
+) -> torch.Tensor:
     """Clip gradients by their global norm; works on a mix of DTensor and plain grads.
 
     ``torch.nn.utils.clip_grad_norm_`` cannot stack the norms of sharded
@@ -293,7 +301,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     if coef < 1.0:
         by_type: dict[Any, list[torch.Tensor]] = {}
         for g in grads:
-            by_type.setdefault((type(g), g.device if not isinstance(g, DTensor) else id(g.device_mesh), g.dtype), []).append(g)
+            by_type.setdefault(
+                (type(g), g.device if not isinstance(g, DTensor) else id(g.device_mesh), g.dtype), []
+            ).append(g)
         for members in by_type.values():
             torch._foreach_mul_(members, coef)
     return total

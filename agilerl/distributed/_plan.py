@@ -56,8 +56,10 @@ def combination_problem(*, tp: int, ep: int, shard_group_size: int | None) -> st
     """Why these degrees cannot combine on any number of ranks, or None: expert parallelism
     takes neither tensor parallelism nor HSDP yet."""
     if ep > 1 and (tp > 1 or shard_group_size is not None):
-        return (f"ep={ep} with tp > 1 or shard_group_size (HSDP) is not supported yet: use ep=1, "
-                "or tp=1 and shard_group_size=None")
+        return (
+            f"ep={ep} with tp > 1 or shard_group_size (HSDP) is not supported yet: use ep=1, "
+            "or tp=1 and shard_group_size=None"
+        )
     return None
 
 
@@ -93,11 +95,12 @@ class ParallelDims:
             raise ValueError(problem)
         if group is not None:
             if tp > 1 and group != world // tp:
-                raise ValueError(f"tp={tp} with shard_group_size={group} (HSDP) is not supported yet: leave "
-                                 "shard_group_size unset with tp > 1")
+                raise ValueError(
+                    f"tp={tp} with shard_group_size={group} (HSDP) is not supported yet: leave "
+                    "shard_group_size unset with tp > 1"
+                )
             if world % group:
-                raise ValueError(f"shard_group_size={group} must divide the {world} ranks "
-                                 f"(allowed: {_allowed(world)})")
+                raise ValueError(f"shard_group_size={group} must divide the {world} ranks (allowed: {_allowed(world)})")
 
     @property
     def dp(self) -> int:
@@ -166,8 +169,9 @@ def tp_dim(tensor_name: str) -> int | None:
     return None
 
 
-def tp_split_problem(tp: int, *, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None,
-                     sinks: bool = False) -> str | None:
+def tp_split_problem(
+    tp: int, *, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None, sinks: bool = False
+) -> str | None:
     """Why ``tp`` ranks cannot split a block, or None: each rank must hold whole heads, whole
     GQA groups and (when a dense MLP is split, ``intermediate_size`` given) whole MLP columns;
     attention sinks (one learnt logit per head, gpt-oss) are not split."""
@@ -181,9 +185,11 @@ def tp_split_problem(tp: int, *, num_heads: int, num_kv_heads: int, intermediate
     bad = {name: n for name, n in counts.items() if n % tp}
     if not bad:
         return None
-    return (f"tp={tp} must divide the model's head counts and MLP width so that each rank holds whole "
-            f"heads and whole GQA groups; not divisible: {bad} (model has {counts}; allowed: "
-            f"{_allowed(min(counts.values()), *counts.values())})")
+    return (
+        f"tp={tp} must divide the model's head counts and MLP width so that each rank holds whole "
+        f"heads and whole GQA groups; not divisible: {bad} (model has {counts}; allowed: "
+        f"{_allowed(min(counts.values()), *counts.values())})"
+    )
 
 
 # -- expert parallelism -------------------------------------------------------------------------
@@ -196,8 +202,7 @@ def expert_parallel_problem(world: int, ep: int, expert_counts: tuple[int, ...] 
         return f"ep={ep} must divide the {world} ranks (allowed: {_allowed(world)})"
     odd = sorted({n for n in expert_counts if n % ep})
     if odd:
-        return (f"ep={ep} must divide the {odd[-1]} experts per layer (allowed: "
-                f"{_allowed(world, *expert_counts)})")
+        return f"ep={ep} must divide the {odd[-1]} experts per layer (allowed: {_allowed(world, *expert_counts)})"
     return None
 
 
@@ -236,8 +241,14 @@ class FSDPUnit:
         return {"embed": "embed", "per_layer_embed": "embed_tokens_per_layer", "head": "lm_head"}[self.kind]
 
 
-def fsdp_units(num_blocks: int, wrap_every_n_blocks: int = 1, *, separate_embedding: bool = True,
-               per_layer_embeddings: int = 0, separate_head: bool = True) -> tuple[FSDPUnit, ...]:
+def fsdp_units(
+    num_blocks: int,
+    wrap_every_n_blocks: int = 1,
+    *,
+    separate_embedding: bool = True,
+    per_layer_embeddings: int = 0,
+    separate_head: bool = True,
+) -> tuple[FSDPUnit, ...]:
     """The FSDP units of a model in forward order, the root apart: the input embeddings
     (unless tied to the head), each per-layer embedding table (looked up right after them),
     the blocks ``wrap_every_n_blocks`` at a time, and the untied lm_head. The root holds
@@ -246,8 +257,10 @@ def fsdp_units(num_blocks: int, wrap_every_n_blocks: int = 1, *, separate_embedd
         raise ValueError(f"wrap_every_n_blocks={wrap_every_n_blocks} must be positive")
     units = [FSDPUnit("embed")] if separate_embedding else []
     units += [FSDPUnit("per_layer_embed", i, i + 1) for i in range(per_layer_embeddings)]
-    units += [FSDPUnit("blocks", s, min(s + wrap_every_n_blocks, num_blocks))
-              for s in range(0, num_blocks, wrap_every_n_blocks)]
+    units += [
+        FSDPUnit("blocks", s, min(s + wrap_every_n_blocks, num_blocks))
+        for s in range(0, num_blocks, wrap_every_n_blocks)
+    ]
     if separate_head:
         units.append(FSDPUnit("head"))
     return tuple(units)

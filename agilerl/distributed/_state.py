@@ -205,7 +205,9 @@ def materialize_fsdp2_from_cpu_state(
 
 
 @torch.no_grad()
-def full_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, keep: bool = True) -> dict[str, torch.Tensor]:
+def full_tensors(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor], *, keep: bool = True
+) -> dict[str, torch.Tensor]:
     """Full CPU copies of some of ``model``'s (possibly sharded) tensors, by state-dict key.
 
     One gather at a time (collective: every rank calls it): FSDP shards with
@@ -294,8 +296,13 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 @torch.no_grad()
-def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, *,
-                                   master_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+def load_full_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict,
+    *,
+    master_weights: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """Inverse of :func:`full_optimizer_state_dict`: each rank keeps its slices.
 
     Full fine-tuning moves between layouts: a saved ``master_weight`` sets an fp32 parameter where
@@ -316,8 +323,9 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
             if full is not None and full.dtype == torch.float32 and p.dtype != torch.float32:
                 local = _local_experts(moe, names[id(p)], full)
                 if isinstance(p, DTensor):
-                    local = distribute_tensor(local.to(p.to_local().device), p.device_mesh, p.placements,
-                                              src_data_rank=None).to_local()
+                    local = distribute_tensor(
+                        local.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None
+                    ).to_local()
                 master.copy_(local)
     for fqn, p, target in _param_states(model, optimizer):
         if fqn not in state:

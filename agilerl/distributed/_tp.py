@@ -89,6 +89,7 @@ __all__ = [
     "sync_tp_rng",
 ]
 
+
 def tp_mesh_layout(world_size: int, tp: int) -> tuple[int, int]:
     """``(dp, tp)`` for ``world_size`` ranks: ``dp = world_size // tp`` data-parallel groups."""
     dims = ParallelDims(world_size, tp=tp)
@@ -101,8 +102,12 @@ def check_tp_divides(config: Any, tp: int, *, dense_mlp: bool = True, sinks: boo
     ``sinks``: its attention has sinks, which are not split)."""
     num_heads = config.num_attention_heads
     problem = tp_split_problem(
-        tp, num_heads=num_heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        intermediate_size=config.intermediate_size if dense_mlp else None, sinks=sinks)
+        tp,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        intermediate_size=config.intermediate_size if dense_mlp else None,
+        sinks=sinks,
+    )
     if problem:
         raise ValueError(problem)
 
@@ -154,8 +159,7 @@ def _is_lora(module: nn.Module) -> bool:
 def _check_linear(module: nn.Module | None, name: str) -> None:
     if module is None:
         raise ValueError(
-            f"{name} is missing: tensor parallelism supports dense blocks with separate "
-            f"{sorted(BLOCK_PLAN)}"
+            f"{name} is missing: tensor parallelism supports dense blocks with separate {sorted(BLOCK_PLAN)}"
         )
     if _is_lora(module):
         if getattr(module, "lora_variant", None) or getattr(module, "lora_magnitude_vector", None):
@@ -258,8 +262,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPLayout:
         for path in paths:
             _check_linear(_get(inner, path), f"{prefix}.{path}")
         plan.append((prefix, inner, paths))
-    check_tp_divides(_text_config(model), tp_mesh.size(),
-                     dense_mlp=any(p.startswith("mlp.") for _, _, paths in plan for p in paths), sinks=sinks)
+    check_tp_divides(
+        _text_config(model),
+        tp_mesh.size(),
+        dense_mlp=any(p.startswith("mlp.") for _, _, paths in plan for p in paths),
+        sinks=sinks,
+    )
 
     layout = TPLayout(mesh=tp_mesh)
     for prefix, inner, paths in plan:

@@ -37,22 +37,24 @@ class VLLMConfig(BaseModel):
 
     gpu_memory_utilization: Annotated[
         float,
-        Field(gt=0.0, le=1.0, description="Fraction of each GPU's total memory vLLM may take (weights, KV cache, CUDA graphs)."),
+        Field(
+            gt=0.0,
+            le=1.0,
+            description="Fraction of each GPU's total memory vLLM may take (weights, KV cache, CUDA graphs).",
+        ),
     ] = 0.3
-    max_num_seqs: Annotated[
-        int, Field(ge=1, description="Most sequences vLLM schedules at once.")
-    ] = 256
+    max_num_seqs: Annotated[int, Field(ge=1, description="Most sequences vLLM schedules at once.")] = 256
     sleep_mode: Annotated[
         bool,
         Field(description="Put the engine to sleep between rollouts so training can use its memory."),
     ] = True
     sleep_level: Annotated[
         Literal[1, 2],
-        Field(description="1 moves weights to CPU and drops the KV cache; 2 drops both (weights are re-synced on wake)."),
+        Field(
+            description="1 moves weights to CPU and drops the KV cache; 2 drops both (weights are re-synced on wake)."
+        ),
     ] = 1
-    tensor_parallel_size: Annotated[
-        int, Field(ge=1, description="GPUs one engine spans with tensor parallelism.")
-    ] = 1
+    tensor_parallel_size: Annotated[int, Field(ge=1, description="GPUs one engine spans with tensor parallelism.")] = 1
     enforce_eager: Annotated[
         bool, Field(description="Disable CUDA graphs (their pool comes out of the engine's KV cache; slower decoding).")
     ] = False
@@ -61,11 +63,17 @@ class VLLMConfig(BaseModel):
     ] = None
     max_num_batched_tokens: Annotated[
         int | None,
-        Field(ge=1, description="Tokens the engine schedules per step; None: min(max_num_seqs x max_model_len, "
-                                "max(max_model_len, 8192)).")
+        Field(
+            ge=1,
+            description="Tokens the engine schedules per step; None: min(max_num_seqs x max_model_len, "
+            "max(max_model_len, 8192)).",
+        ),
     ] = None
     kv_cache_memory_bytes: Annotated[
         int | None,
-        Field(ge=1, description="The engine's KV cache in bytes; None sizes it from gpu_memory_utilization "
-                                "(on CPU: VLLM_CPU_KVCACHE_SPACE GiB when set).")
+        Field(
+            ge=1,
+            description="The engine's KV cache in bytes; None sizes it from gpu_memory_utilization "
+            "(on CPU: VLLM_CPU_KVCACHE_SPACE GiB when set).",
+        ),
     ] = None

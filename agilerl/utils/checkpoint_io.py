@@ -149,9 +149,15 @@ class QuantisedView(Mapping[str, torch.Tensor]):
     keys ``base`` lacks (a config without weights: random tensors drawn per key).
     """
 
-    def __init__(self, base: Mapping[str, torch.Tensor], modules: Mapping[str, torch.nn.Module], *,
-                 dtype: torch.dtype, device: str | torch.device,
-                 fallback: Callable[[str, torch.nn.Module], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        base: Mapping[str, torch.Tensor],
+        modules: Mapping[str, torch.nn.Module],
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        fallback: Callable[[str, torch.nn.Module], torch.Tensor] | None = None,
+    ) -> None:
         self.base, self.modules, self.dtype, self.device, self.fallback = base, modules, dtype, device, fallback
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -162,7 +168,8 @@ class QuantisedView(Mapping[str, torch.Tensor]):
 
         full = self.base[key] if key in self.base else self.fallback(key, module)
         packed, state = bnb.functional.quantize_4bit(
-            full.to(self.dtype), blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8)
+            full.to(self.dtype), blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8
+        )
         state.to(self.device)  # in place
         module.quant_state = state
         return packed
@@ -207,8 +214,10 @@ class ConvertedCheckpoint(Mapping[str, torch.Tensor]):
                 continue
             unknown = set(ops) - {"MergeModulelist", "Concatenate"}
             if unknown:
-                raise NotImplementedError(f"checkpoint conversion for {model_type} uses {sorted(unknown)}, "
-                                          "which the sharded loader does not apply")
+                raise NotImplementedError(
+                    f"checkpoint conversion for {model_type} uses {sorted(unknown)}, "
+                    "which the sharded loader does not apply"
+                )
             converters.append(t)
         self._renamed: dict[str, str] = {}
         for key in base:

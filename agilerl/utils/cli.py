@@ -20,8 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "margin_fraction",
-           "show_logs"]
+__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "margin_fraction", "show_logs"]
 
 
 class ArgumentParser(argparse.ArgumentParser):

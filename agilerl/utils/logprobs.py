@@ -133,10 +133,12 @@ def _row_chunks(rows: int, chunk_size: int | None, index: torch.Tensor | None):
         step = chunk_size or rows
         return [slice(start, start + step) for start in _chunks(rows, chunk_size)]
     step = chunk_size or max(1, index.numel())
-    return [index[start:start + step] for start in range(0, index.numel(), step)]
+    return [index[start : start + step] for start in range(0, index.numel(), step)]
 
 
-def _linear_logprobs_nograd(hidden, weight, bias, targets, chunk_size, temperature, softcap, index=None) -> torch.Tensor:
+def _linear_logprobs_nograd(
+    hidden, weight, bias, targets, chunk_size, temperature, softcap, index=None
+) -> torch.Tensor:
     make = torch.empty if index is None else torch.zeros
     out = make(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for rows in _row_chunks(hidden.shape[0], chunk_size, index):
@@ -193,8 +195,16 @@ class _LinearLogprobs(torch.autograd.Function):
             if need_b:
                 grad_b.add_(grad.float().sum(0))
             del grad, logits
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def linear_token_logprobs(
@@ -229,8 +239,9 @@ def linear_token_logprobs(
             raise ValueError(f"first={first} leaves no position of {length}")
         starts = torch.arange(0, flat_t.numel(), length, device=flat_t.device)
         index = (starts[:, None] + torch.arange(first, length, device=flat_t.device)).reshape(-1)
-    if torch.is_grad_enabled() and (flat_h.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        flat_h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         out = _LinearLogprobs.apply(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap, index)
     else:
         out = _linear_logprobs_nograd(flat_h, weight, bias, flat_t, chunk_size, temperature, softcap, index)
@@ -304,8 +315,11 @@ def additive_attention_mask(attention_mask: torch.Tensor, dtype: torch.dtype, fi
     query with no key to attend to keeps a finite row."""
     length = attention_mask.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()[first_query:]
-    allowed = causal[None, None] if bool(attention_mask.all()) \
+    allowed = (
+        causal[None, None]
+        if bool(attention_mask.all())
         else causal[None, None] & attention_mask.bool()[:, None, None, :]
+    )
     mask = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 

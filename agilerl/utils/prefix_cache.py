@@ -19,6 +19,7 @@ __all__ = [
     "suffix_attention_mask",
 ]
 
+
 def cache_argument(lm) -> str:
     """The name under which this transformers version's forward and generate take a KV cache:
     ``cache`` (5.2x on) or ``past_key_values`` (earlier; later ones still accept it, with a warning)."""
@@ -88,8 +89,7 @@ class PrefixedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.recorded.kv[layer_idx]
-        return (torch.cat([k[self.inverse], key_states], dim=-2),
-                torch.cat([v[self.inverse], value_states], dim=-2))
+        return (torch.cat([k[self.inverse], key_states], dim=-2), torch.cat([v[self.inverse], value_states], dim=-2))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

@@ -100,16 +100,22 @@ class RemoteEngine:
             if not leader:
                 continue
             tensor = tensor.detach().contiguous().cpu()
-            dist.broadcast_object_list([(name, tuple(tensor.shape), tensor.dtype)], src=self.me,
-                                       group=self.ranks.sync_group)
+            dist.broadcast_object_list(
+                [(name, tuple(tensor.shape), tensor.dtype)], src=self.me, group=self.ranks.sync_group
+            )
             dist.broadcast(tensor, src=self.me, group=self.ranks.sync_group)
         if leader:
             dist.broadcast_object_list([None], src=self.me, group=self.ranks.sync_group)
 
     def generate(self, prompts, *, max_tokens, temperature, seed=None, stop_token_ids=(), min_tokens=0):
         leader = self.me == self.ranks.leader
-        params = dict(max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=list(stop_token_ids),
-                      min_tokens=min_tokens)
+        params = dict(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=list(stop_token_ids),
+            min_tokens=min_tokens,
+        )
         _broadcast_command(self.ranks, {"op": "generate", **params} if leader else None)
         mine = [list(map(int, p)) for p in prompts]
         everyone: list = [None] * dist.get_world_size(self.ranks.rollout_group)
@@ -121,7 +127,7 @@ class RemoteEngine:
         counts = [len(part) for kind, part in everyone if kind == "prompts"]
         index = self.ranks.trainers.index(self.me)
         start = sum(counts[:index])
-        return completions[start:start + counts[index]]
+        return completions[start : start + counts[index]]
 
     def stop(self) -> None:
         """End the engine ranks' service (every trainer rank calls it)."""
@@ -158,10 +164,14 @@ def serve_rollout_engine(engine, ranks: EngineRanks) -> int:
                 prompts = [p for kind, part in everyone if kind == "prompts" for p in part]
                 share = _share(len(prompts), len(ranks.engines), engine_index)
                 seed = command["seed"]
-                out = engine.generate(prompts[share], max_tokens=command["max_tokens"],
-                                      temperature=command["temperature"],
-                                      seed=None if seed is None else seed + share.start,
-                                      stop_token_ids=command["stop_token_ids"], min_tokens=command["min_tokens"])
+                out = engine.generate(
+                    prompts[share],
+                    max_tokens=command["max_tokens"],
+                    temperature=command["temperature"],
+                    seed=None if seed is None else seed + share.start,
+                    stop_token_ids=command["stop_token_ids"],
+                    min_tokens=command["min_tokens"],
+                )
                 dist.all_gather_object([None] * len(everyone), ("completions", out), group=ranks.rollout_group)
                 served += 1
             case other:
@@ -173,8 +183,9 @@ class HFGenerateEngine:
     ``dtype``, its weights replaced by every ``load_weights``. Sampling seeds the whole batch
     with ``seed`` (one draw per batch, not per prompt)."""
 
-    def __init__(self, model_source: str, *, dtype: str = "bfloat16", device: str = "cpu",
-                 pad_token_id: int = 0) -> None:
+    def __init__(
+        self, model_source: str, *, dtype: str = "bfloat16", device: str = "cpu", pad_token_id: int = 0
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         from agilerl.algorithms.core.loading import has_weights
@@ -203,8 +214,9 @@ class HFGenerateEngine:
             if name not in state:
                 from agilerl.utils.engine import EngineError
 
-                raise EngineError(f"the engine's model has no weight {name!r}: the trainer's model and the engine's "
-                                  "differ")
+                raise EngineError(
+                    f"the engine's model has no weight {name!r}: the trainer's model and the engine's differ"
+                )
             state[name].copy_(tensor.to(state[name].dtype))
 
     @torch.no_grad()
@@ -215,15 +227,22 @@ class HFGenerateEngine:
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         if seed is not None:
             torch.manual_seed(seed)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=max_tokens, min_new_tokens=min_tokens or None,
-                                  do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                                  top_k=0, top_p=1.0, pad_token_id=self.pad_token_id,
-                                  eos_token_id=list(stop_token_ids) or None)
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=max_tokens,
+            min_new_tokens=min_tokens or None,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=list(stop_token_ids) or None,
+        )
         completions = []
         stops = set(stop_token_ids)
         for row in out[:, width:].tolist():

@@ -22,10 +22,11 @@ again: :class:`~agilerl.utils.prefix_cache.RecordingCache` keeps only the first 
 :class:`~agilerl.utils.prefix_cache.PrefixedCache` stores nothing, so recomputing a block returns what its forward did.
 
 What runs it, and where it falls back to the one-pass forward, is :func:`shared_prefix_problem`
-(one rule for the trainer and the planner; torch-free, so the planner imports it): the model families whose attention reads and
-writes a plain key/value cache, SDPA or eager attention, every layer attending to the whole
-row (no sliding window or chunk shorter than it), and no tensor parallelism. Rows are
-grouped by their content (:func:`~agilerl.utils.prefix_cache.prompt_groups`), so a batch without repeated prompts runs
+(one rule for the trainer and the planner; torch-free, so the planner imports it): the model
+families whose attention reads and writes a plain key/value cache, SDPA or eager attention,
+every layer attending to the whole row (no sliding window or chunk shorter than it), and no
+tensor parallelism. Rows are grouped by their content
+(:func:`~agilerl.utils.prefix_cache.prompt_groups`), so a batch without repeated prompts runs
 in one pass.
 
 One difference in randomness: with LoRA dropout, a group's rows share the prompt's
@@ -46,8 +47,9 @@ SHARED_PREFIX_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qw
 ADDITIVE_MASK_ATTENTION = ("sdpa", "eager")
 
 
-def shared_prefix_problem(model_type: str | None, attention: str | None, *, full_causal: bool,
-                          tp: int = 1) -> str | None:
+def shared_prefix_problem(
+    model_type: str | None, attention: str | None, *, full_causal: bool, tp: int = 1
+) -> str | None:
     """Why a forward of this model cannot run in two passes; None if it can.
 
     ``full_causal``: every layer attends to the whole row (no sliding window or attention chunk
@@ -61,5 +63,3 @@ def shared_prefix_problem(model_type: str | None, attention: str | None, *, full
     if tp > 1:
         return "tensor parallelism splits the heads the cache holds"
     return None
-
-

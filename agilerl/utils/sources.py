@@ -33,22 +33,41 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
 
-__all__ = ["TINY_PREFIX", "parse_tiny", "check_config", "check_causal_lm_type", "check_model_source",
-           "looks_like_path", "text_config", "cached_config", "read_config", "multimodal_architecture",
-           "multimodal_text_model", "encoder_configs", "check_trainable"]
+__all__ = [
+    "TINY_PREFIX",
+    "parse_tiny",
+    "check_config",
+    "check_causal_lm_type",
+    "check_model_source",
+    "looks_like_path",
+    "text_config",
+    "cached_config",
+    "read_config",
+    "multimodal_architecture",
+    "multimodal_text_model",
+    "encoder_configs",
+    "check_trainable",
+]
 
 TINY_PREFIX = "tiny:"
 
 #: Config fields every estimate and every build needs; a config without them is refused, not defaulted.
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-_POSITIVE_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                        "intermediate_size", "num_key_value_heads", "head_dim")
+_POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+    "num_key_value_heads",
+    "head_dim",
+)
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def parse_tiny(name: str) -> tuple[str, dict[str, Any]]:
     """``tiny:qwen2?hidden_size=64&num_layers=2`` -> ("qwen2", {"hidden_size": 64, "num_layers": 2})."""
-    body = name[len(TINY_PREFIX):]
+    body = name[len(TINY_PREFIX) :]
     arch, _, query = body.partition("?")
     if not arch:
         raise ValueError(f"{name!r}: a tiny model is 'tiny:<arch>[?key=value&...]', e.g. 'tiny:qwen2?num_layers=2'")
@@ -112,7 +131,8 @@ def check_trainable(config: dict, name: str) -> None:
         raise ValueError(
             f"{name}: {arch} is a multimodal model ({', '.join(encoder_configs(config))} beside its text_config); "
             "the trainer trains decoder-only causal LMs: export its text model with `python -m "
-            f"agilerl.utils.text_model {name} OUT_DIR` and train OUT_DIR")
+            f"agilerl.utils.text_model {name} OUT_DIR` and train OUT_DIR"
+        )
 
 
 def _positive(value: Any) -> bool:
@@ -124,22 +144,31 @@ def check_config(config: dict, name: str) -> None:
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ValueError(f"{name} is not a transformers config (no model_type field)")
     if config.get("is_encoder_decoder"):
-        raise ValueError(f"{name}: model_type {config['model_type']!r} is an encoder-decoder model; only decoder-only "
-                         "causal LMs (…ForCausalLM) are supported")
+        raise ValueError(
+            f"{name}: model_type {config['model_type']!r} is an encoder-decoder model; only decoder-only "
+            "causal LMs (…ForCausalLM) are supported"
+        )
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"{name}: config field architectures={archs!r} must be a list of class names")
     multimodal = isinstance(config.get("text_config"), dict)
-    unsupported = [a for a in archs if not a.endswith(_CAUSAL_SUFFIXES)
-                   and not (multimodal and a.endswith("ForConditionalGeneration"))]
+    unsupported = [
+        a
+        for a in archs
+        if not a.endswith(_CAUSAL_SUFFIXES) and not (multimodal and a.endswith("ForConditionalGeneration"))
+    ]
     if unsupported:
-        raise ValueError(f"{name}: architecture {unsupported[0]} is not a causal LM; only decoder-only causal LMs "
-                         "(…ForCausalLM, or a multimodal model's text part) are supported")
+        raise ValueError(
+            f"{name}: architecture {unsupported[0]} is not a causal LM; only decoder-only causal LMs "
+            "(…ForCausalLM, or a multimodal model's text part) are supported"
+        )
     text = text_config(config)
     missing = [key for key in REQUIRED_FIELDS if key not in text]
     if missing:
-        raise ValueError(f"{name}: config has no {', '.join(missing)}; the estimate needs "
-                         f"{', '.join(REQUIRED_FIELDS)} given, not a library's defaults")
+        raise ValueError(
+            f"{name}: config has no {', '.join(missing)}; the estimate needs "
+            f"{', '.join(REQUIRED_FIELDS)} given, not a library's defaults"
+        )
     for key in _POSITIVE_INT_FIELDS:
         value = text.get(key)
         if key == "intermediate_size" and isinstance(value, list):  # per layer (Gemma-3n)
@@ -151,11 +180,15 @@ def check_config(config: dict, name: str) -> None:
     heads, hidden = text["num_attention_heads"], text["hidden_size"]
     kv = text.get("num_key_value_heads") or heads
     if heads % kv:
-        raise ValueError(f"{name}: config field num_key_value_heads={kv} must divide num_attention_heads={heads} "
-                         "(each KV head serves a whole group of query heads)")
+        raise ValueError(
+            f"{name}: config field num_key_value_heads={kv} must divide num_attention_heads={heads} "
+            "(each KV head serves a whole group of query heads)"
+        )
     if text.get("head_dim") is None and hidden % heads:
-        raise ValueError(f"{name}: config field hidden_size={hidden} is not divisible by num_attention_heads={heads} "
-                         "(and no head_dim is set)")
+        raise ValueError(
+            f"{name}: config field hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+            "(and no head_dim is set)"
+        )
 
 
 def check_causal_lm_type(config: dict, name: str) -> None:
@@ -170,17 +203,21 @@ def check_causal_lm_type(config: dict, name: str) -> None:
     kind = text_config(config).get("model_type", config["model_type"])
     outer = config["model_type"]
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and outer not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{name}: model_type {outer!r} has no causal-LM class in transformers "
-                         f"{transformers.__version__}; only decoder-only causal LMs are supported")
+        raise ValueError(
+            f"{name}: model_type {outer!r} has no causal-LM class in transformers "
+            f"{transformers.__version__}; only decoder-only causal LMs are supported"
+        )
     if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not text_config(config).get("is_decoder"):
-        raise ValueError(f"{name}: model_type {kind!r} is an encoder (masked LM); only decoder-only causal LMs "
-                         "are supported")
+        raise ValueError(
+            f"{name}: model_type {kind!r} is an encoder (masked LM); only decoder-only causal LMs are supported"
+        )
 
 
 def looks_like_path(name: str) -> bool:
     """A name meant as a local path: it starts with . / ~, ends in .json, or has more than one '/'."""
     return not name.startswith(TINY_PREFIX) and (
-        name.startswith((".", "/", "~")) or name.endswith(".json") or name.count("/") > 1)
+        name.startswith((".", "/", "~")) or name.endswith(".json") or name.count("/") > 1
+    )
 
 
 def read_config(path: Path) -> dict:
@@ -254,11 +291,15 @@ def check_model_source(name: str, *, allow_download: bool, for_training: bool = 
             check_trainable(config, name)
         return
     if not allow_download:
-        raise ValueError(f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
-                         "Hugging Face cache; pass --allow-download to let the trainer fetch it from the hub")
+        raise ValueError(
+            f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
+            "Hugging Face cache; pass --allow-download to let the trainer fetch it from the hub"
+        )
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if offline or not _hub_reachable():
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        raise ValueError(f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
-                         f"Hugging Face cache, and {why}: download it first (huggingface-cli download {name}) "
-                         "or give its local directory")
+        raise ValueError(
+            f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
+            f"Hugging Face cache, and {why}: download it first (huggingface-cli download {name}) "
+            "or give its local directory"
+        )

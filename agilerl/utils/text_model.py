@@ -27,9 +27,17 @@ from agilerl.utils.cli import ArgumentParser
 __all__ = ["export_text_model"]
 
 #: Tokenizer and chat-template files copied next to the exported weights when present.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "chat_template.json", "chat_template.jinja", "generation_config.json", "vocab.json",
-                   "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def _source_dir(source: str) -> Path:
@@ -40,8 +48,10 @@ def _source_dir(source: str) -> Path:
 
     cached = cached_config(source)
     if cached is None:
-        raise ValueError(f"{source}: not a local directory and not in the local Hugging Face cache "
-                         f"(download it first: huggingface-cli download {source})")
+        raise ValueError(
+            f"{source}: not a local directory and not in the local Hugging Face cache "
+            f"(download it first: huggingface-cli download {source})"
+        )
     return cached.parent
 
 
@@ -58,8 +68,10 @@ def export_text_model(source: str, out_dir: str | Path, *, dtype: str = "bfloat1
     raw = read_config(folder / "config.json")
     arch = multimodal_architecture(raw)
     if arch is None:
-        raise ValueError(f"{source}: not a multimodal checkpoint (no vision or audio config beside a text_config); "
-                         "the trainer takes it as it is")
+        raise ValueError(
+            f"{source}: not a multimodal checkpoint (no vision or audio config beside a text_config); "
+            "the trainer takes it as it is"
+        )
     cls = getattr(transformers, arch, None)
     if cls is None:
         raise ValueError(f"{source}: transformers {transformers.__version__} has no class {arch}")

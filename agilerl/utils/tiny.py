@@ -58,15 +58,23 @@ def tiny_config(
 
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY_ARCHITECTURES)}")
-    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                 num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                 max_position_embeddings=max_position_embeddings)
+    sizes = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+    )
     for key, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"tiny:{arch}: {key}={value!r} must be a positive integer")
     if num_heads % num_kv_heads or hidden_size % num_heads:
-        raise ValueError(f"tiny:{arch}: num_kv_heads={num_kv_heads} (num_key_value_heads) must divide "
-                         f"num_heads={num_heads}, and num_heads must divide hidden_size={hidden_size}")
+        raise ValueError(
+            f"tiny:{arch}: num_kv_heads={num_kv_heads} (num_key_value_heads) must divide "
+            f"num_heads={num_heads}, and num_heads must divide hidden_size={hidden_size}"
+        )
     cls = getattr(transformers, TINY_ARCHITECTURES[arch])
     known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
     unknown = sorted(set(overrides) - known)
@@ -75,8 +83,10 @@ def tiny_config(
 
         close = difflib.get_close_matches(unknown[0], [*sizes, *known], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"tiny:{arch}: unknown config key {unknown[0]!r}{hint}; keys are tiny_config's "
-                         f"({', '.join(sizes)}, seed) or {cls.__name__} fields")
+        raise ValueError(
+            f"tiny:{arch}: unknown config key {unknown[0]!r}{hint}; keys are tiny_config's "
+            f"({', '.join(sizes)}, seed) or {cls.__name__} fields"
+        )
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -96,22 +106,34 @@ def tiny_config(
         kwargs["sliding_window"] = max_position_embeddings
     if arch == "gemma4":  # PLE, sliding layers then a global one twice as wide (per_layer_config); no KV sharing
         head_dim = hidden_size // num_heads
-        kwargs.update(vocab_size_per_layer_input=vocab_size, hidden_size_per_layer_input=8, num_kv_shared_layers=0,
-                      sliding_window=max_position_embeddings,
-                      layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
-                      per_layer_config={f"{num_layers - 1:02d}": {"head_dim": 2 * head_dim}})
+        kwargs.update(
+            vocab_size_per_layer_input=vocab_size,
+            hidden_size_per_layer_input=8,
+            num_kv_shared_layers=0,
+            sliding_window=max_position_embeddings,
+            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+            per_layer_config={f"{num_layers - 1:02d}": {"head_dim": 2 * head_dim}},
+        )
     if arch == "smollm3":  # every second layer without rotary embeddings (NoPE), as every fourth in SmolLM3-3B
         kwargs["no_rope_layer_interval"] = 2
     if arch == "gpt_oss":  # attention sinks, biased transposed experts, alternating sliding/full layers
-        kwargs.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
-                      + ["sliding_attention"] * (num_layers % 2),
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        kwargs.update(
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+            + ["sliding_attention"] * (num_layers % 2),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     kwargs.update(_MOE_DEFAULTS.get(arch, {}))
     if arch == "gemma3n":  # per-layer embeddings (PLE), AltUp and Laurel at tiny sizes; no KV sharing
-        kwargs.update(vocab_size_per_layer_input=vocab_size, hidden_size_per_layer_input=8, laurel_rank=4,
-                      num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * num_layers,
-                      sliding_window=max_position_embeddings,
-                      layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"])
+        kwargs.update(
+            vocab_size_per_layer_input=vocab_size,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+            num_kv_shared_layers=0,
+            activation_sparsity_pattern=[0.0] * num_layers,
+            sliding_window=max_position_embeddings,
+            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+        )
     kwargs.update(overrides)
     try:
         config = cls(**kwargs)

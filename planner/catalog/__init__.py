@@ -51,13 +51,37 @@ ENTRIES_JSON_PATH = SPECS_DIR / "_entries.json"
 
 #: config.json fields that describe the checkpoint or its use, not the architecture: two
 #: configs that differ only in these build the same model.
-NOT_ARCHITECTURE = frozenset({
-    "architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
-    "initializer_range", "output_attentions", "output_hidden_states", "return_dict", "problem_type",
-    "id2label", "label2id", "chunk_size_feed_forward", "quantization_config", "attn_implementation",
-    "_attn_implementation_autoset", "tokenizer_class", "task_specific_params", "prefix", "finetuning_task",
-})
+NOT_ARCHITECTURE = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "_name_or_path",
+        "use_cache",
+        "initializer_range",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "problem_type",
+        "id2label",
+        "label2id",
+        "chunk_size_feed_forward",
+        "quantization_config",
+        "attn_implementation",
+        "_attn_implementation_autoset",
+        "tokenizer_class",
+        "task_specific_params",
+        "prefix",
+        "finetuning_task",
+    }
+)
 
 
 class CatalogEntry(BaseModel):
@@ -204,8 +228,7 @@ def suggest(name: str, n: int = 5) -> list[str]:
     best_root, best_family = root(best), by_name[best].family
 
     def rank(hub_id: str) -> tuple[int, int, float]:
-        return (hub_id != best and root(hub_id) != best_root, by_name[hub_id].family != best_family,
-                -scores[hub_id])
+        return (hub_id != best and root(hub_id) != best_root, by_name[hub_id].family != best_family, -scores[hub_id])
 
     return sorted(scores, key=rank)[:n]
 
@@ -230,8 +253,12 @@ def _canonical(value: Any) -> Any:
     return str(value)
 
 
-def content_key(config: dict[str, Any], defaults: dict[str, Any], multimodal: str | None = None,
-                aliases: dict[str, str] | None = None) -> str:
+def content_key(
+    config: dict[str, Any],
+    defaults: dict[str, Any],
+    multimodal: str | None = None,
+    aliases: dict[str, str] | None = None,
+) -> str:
     """A digest of what a config says about the architecture: its fields over its model type's
     transformers defaults, without :data:`NOT_ARCHITECTURE`. ``multimodal``: the checkpoint class
     whose text model ``config`` is (a multimodal model plans as its text model). ``aliases``: the
@@ -247,8 +274,9 @@ def content_key(config: dict[str, Any], defaults: dict[str, Any], multimodal: st
         merged.pop("sliding_window", None)
         merged.pop("max_window_layers", None)
     heads, hidden = merged.get("num_attention_heads"), merged.get("hidden_size")
-    if merged.get("head_dim") is None or (isinstance(heads, int) and isinstance(hidden, int) and heads
-                                          and merged["head_dim"] == hidden // heads):
+    if merged.get("head_dim") is None or (
+        isinstance(heads, int) and isinstance(hidden, int) and heads and merged["head_dim"] == hidden // heads
+    ):
         merged.pop("head_dim", None)  # the head width transformers derives anyway
     text = json.dumps({"config": merged, "multimodal": multimodal}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]

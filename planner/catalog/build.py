@@ -90,11 +90,13 @@ def entries_json() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m planner.catalog.build",
-                                     description="Rebuild the catalog's shipped specs.")
+    parser = argparse.ArgumentParser(
+        prog="python -m planner.catalog.build", description="Rebuild the catalog's shipped specs."
+    )
     parser.add_argument("names", nargs="*", help="hub ids or aliases (default: every entry)")
-    parser.add_argument("--check", action="store_true",
-                        help="compare with the shipped specs, write nothing; exit 1 if any differ")
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the shipped specs, write nothing; exit 1 if any differ"
+    )
     args = parser.parse_args(argv)
 
     todo = [entry(n) for n in args.names] if args.names else entries()
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             e.spec_path.write_text(spec.model_dump_json(indent=None) + "\n", encoding="utf-8")
         diff = relative_difference(spec.total_params, e.published_params)
-        print(f"{e.name:<36} {spec.total_params:>16,} {e.published_params:>16,} {diff:>+8.2%}",
-              flush=True)
+        print(f"{e.name:<36} {spec.total_params:>16,} {e.published_params:>16,} {diff:>+8.2%}", flush=True)
 
     import json
 

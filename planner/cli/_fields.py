@@ -65,8 +65,13 @@ def _converter(annotation: Any):
     return parse, choices, optional
 
 
-def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], *, skip: tuple[str, ...] = (),
-               group_title: str | None = None) -> None:
+def add_fields(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    *,
+    skip: tuple[str, ...] = (),
+    group_title: str | None = None,
+) -> None:
     """One ``--field-name`` flag per field; unset flags keep the model's defaults."""
     target = parser.add_argument_group(group_title) if group_title else parser
     for name, field in model.model_fields.items():
@@ -80,11 +85,18 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], *, skip:
         bare = dict(nargs="?", const=True) if field.annotation is bool and default is False else {}
         if bare:
             metavar = "true|false"
-        target.add_argument(flag_name(name), dest=f"{model.__name__}.{name}", type=parse, default=argparse.SUPPRESS,
-                            metavar=metavar, help=f"{field.description}{extra} [default: {default}]", **bare)
+        target.add_argument(
+            flag_name(name),
+            dest=f"{model.__name__}.{name}",
+            type=parse,
+            default=argparse.SUPPRESS,
+            metavar=metavar,
+            help=f"{field.description}{extra} [default: {default}]",
+            **bare,
+        )
 
 
 def collect_fields(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
     """The flags the user set for ``model``'s fields."""
     prefix = f"{model.__name__}."
-    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix)}

@@ -1,9 +1,9 @@
 """``agilerl-plan``: memory plans, probes and tuning for GRPO with FSDP2.
 
-    agilerl-plan MODEL --gpus N [--gpu H100-80GB] [workload flags] [--format table|json|yaml|python]
-    agilerl-plan MODEL --gpus N --tune [--trials K] [--storage URL]   (short real trials, Optuna)
-    agilerl-plan MODEL --tui                                          (interactive explorer)
-    agilerl-plan probe MODEL --gpus N [workload and FSDPConfig flags] [--format json]
+agilerl-plan MODEL --gpus N [--gpu H100-80GB] [workload flags] [--format table|json|yaml|python]
+agilerl-plan MODEL --gpus N --tune [--trials K] [--storage URL]   (short real trials, Optuna)
+agilerl-plan MODEL --tui                                          (interactive explorer)
+agilerl-plan probe MODEL --gpus N [workload and FSDPConfig flags] [--format json]
 """
 
 from __future__ import annotations
@@ -29,32 +29,44 @@ from ._fields import add_fields, collect_fields, flag_name
 __all__ = ["main"]
 
 
-
 def _probe_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="agilerl-plan probe",
         description="Measure a short real run of the GRPO trainer: per-rank, per-phase peak memory by component, "
-                    "host memory, step time. Launches torchrun itself.",
+        "host memory, step time. Launches torchrun itself.",
     )
     parser.add_argument("model", help="model directory, config.json, hub id, or 'tiny:<arch>?...'")
-    parser.add_argument("--gpus", type=positive_int, default=1,
-                        help="ranks to launch (GPUs, or CPU processes with --device cpu)")
+    parser.add_argument(
+        "--gpus", type=positive_int, default=1, help="ranks to launch (GPUs, or CPU processes with --device cpu)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--no-fsdp", action="store_true", help="train unsharded (single device or data parallel)")
     parser.add_argument("--generate", action="store_true", help="also measure one real generation (rollout phase)")
     parser.add_argument("--save", action="store_true", help="also measure a checkpoint save")
-    parser.add_argument("--budget-gib", type=positive_float, default=None,
-                        help="per-rank device budget; report whether it fits")
+    parser.add_argument(
+        "--budget-gib", type=positive_float, default=None, help="per-rank device budget; report whether it fits"
+    )
     parser.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole launch is killed")
     parser.add_argument("--timed-steps", type=positive_int, default=3, help="untracked learn steps to time")
-    parser.add_argument("--nnodes", type=positive_int, default=1,
-                        help="nodes the --gpus ranks span; without --rdzv-endpoint each node is a torchrun agent on "
-                             "this host (c10d rendezvous), so node boundaries (HSDP, host memory per node) are real")
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="a probe across real nodes: run the same command on every node with this endpoint "
-                             "(node 0's address); each node reports its own ranks")
-    parser.add_argument("--allow-download", action="store_true",
-                        help="let the trainer fetch a hub model that is not in the local Hugging Face cache")
+    parser.add_argument(
+        "--nnodes",
+        type=positive_int,
+        default=1,
+        help="nodes the --gpus ranks span; without --rdzv-endpoint each node is a torchrun agent on "
+        "this host (c10d rendezvous), so node boundaries (HSDP, host memory per node) are real",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="a probe across real nodes: run the same command on every node with this endpoint "
+        "(node 0's address); each node reports its own ranks",
+    )
+    parser.add_argument(
+        "--allow-download",
+        action="store_true",
+        help="let the trainer fetch a hub model that is not in the local Hugging Face cache",
+    )
     parser.add_argument("--format", choices=["table", "json"], default="table")
     add_fields(parser, Workload, group_title="workload")
     add_fields(parser, FSDPConfig, group_title="FSDPConfig (ignored with --no-fsdp)")
@@ -88,8 +100,10 @@ def probe_main(argv: list[str]) -> int:
         workload.completions_per_rank(args.gpus)
         fixed = collect_fields(args, FSDPConfig)
         if args.no_fsdp and fixed:
-            raise ValueError(f"--no-fsdp trains unsharded, so the FSDPConfig flags given "
-                             f"({', '.join(flag_name(k) for k in sorted(fixed))}) would be ignored; drop one or the other")
+            raise ValueError(
+                f"--no-fsdp trains unsharded, so the FSDPConfig flags given "
+                f"({', '.join(flag_name(k) for k in sorted(fixed))}) would be ignored; drop one or the other"
+            )
         fsdp = None if args.no_fsdp else FSDPConfig(**fixed)
         if fsdp is not None:
             fsdp.check_world(args.gpus)
@@ -106,10 +120,18 @@ def probe_main(argv: list[str]) -> int:
             except EngineError as err:
                 raise ValueError(f"--generation vllm --generate: {err}") from None
         request = ProbeRequest(
-            model=args.model, workload=workload, fsdp=fsdp, nproc=args.gpus, device=device,
-            generate=args.generate, save=args.save, timeout_s=args.timeout, timed_steps=args.timed_steps,
+            model=args.model,
+            workload=workload,
+            fsdp=fsdp,
+            nproc=args.gpus,
+            device=device,
+            generate=args.generate,
+            save=args.save,
+            timeout_s=args.timeout,
+            timed_steps=args.timed_steps,
             memory_budget_bytes=int(args.budget_gib * GIB) if args.budget_gib is not None else None,
-            nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+            nnodes=args.nnodes,
+            rdzv_endpoint=args.rdzv_endpoint,
         )
     except (ValidationError, ValueError) as err:
         print(f"agilerl-plan probe: error: {_clean(err)}", file=sys.stderr)
@@ -152,21 +174,28 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="agilerl-plan",
         description="Will GRPO + LoRA on this model fit, how much memory each GPU needs (per phase and "
-                    "component), and which FSDPConfig to use and why. Offline for catalog models. "
-                    "Subcommand: `agilerl-plan probe ...` measures a real run.",
+        "component), and which FSDPConfig to use and why. Offline for catalog models. "
+        "Subcommand: `agilerl-plan probe ...` measures a real run.",
         epilog="exit status: 0 fits, 3 does not fit, 2 bad input; --tune: 0 a measured config fits, 3 none did, "
-               "130 interrupted (rerun to resume)",
+        "130 interrupted (rerun to resume)",
     )
     parser.add_argument("model", help="catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...'")
     parser.add_argument("--gpus", type=positive_int, default=1, help="trainer GPUs in total")
-    parser.add_argument("--gpus-per-node", type=positive_int, default=None,
-                        help="GPUs per node (default: all on one node)")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: all on one node)"
+    )
     parser.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
-    parser.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
-                        help="GPU memory in GiB (overrides the catalog figure of --gpu)")
+    parser.add_argument(
+        "--gpu-memory",
+        type=positive_float,
+        default=None,
+        metavar="GIB",
+        help="GPU memory in GiB (overrides the catalog figure of --gpu)",
+    )
     parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help=SHARDING_HELP)
-    parser.add_argument("--margin", type=margin_fraction, default=MARGIN_FRACTION,
-                        help=f"{MARGIN_HELP} [default: {MARGIN_FRACTION}]")
+    parser.add_argument(
+        "--margin", type=margin_fraction, default=MARGIN_FRACTION, help=f"{MARGIN_HELP} [default: {MARGIN_FRACTION}]"
+    )
     parser.add_argument("--format", choices=["table", "json", "yaml", "python"], default="table")
     parser.add_argument("--output", metavar="MANIFEST", help="write the manifest YAML for `agilerl.train` here")
     parser.add_argument("--allow-download", action="store_true", help="fetch the config from the hub if not local")
@@ -202,13 +231,24 @@ def plan_main(argv: list[str]) -> int:
             try:
                 from tui.app import run
             except ImportError as err:
-                raise ValueError(f"--tui needs the explorer's extra: pip install 'agilerl-fsdp-planner[tui]' ({err})") from None
-            run(args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
-                gpu_memory_gib=args.gpu_memory)
+                raise ValueError(
+                    f"--tui needs the explorer's extra: pip install 'agilerl-fsdp-planner[tui]' ({err})"
+                ) from None
+            run(
+                args.model,
+                gpus=args.gpus,
+                gpus_per_node=args.gpus_per_node,
+                gpu=args.gpu,
+                gpu_memory_gib=args.gpu_memory,
+            )
             return 0
-        request = PlanRequest.build(cluster, Workload(**collect_fields(args, Workload)),
-                                    collect_fields(args, FSDPConfig), sharding=args.sharding,
-                                    margin_fraction=args.margin)
+        request = PlanRequest.build(
+            cluster,
+            Workload(**collect_fields(args, Workload)),
+            collect_fields(args, FSDPConfig),
+            sharding=args.sharding,
+            margin_fraction=args.margin,
+        )
         if problem := request.manifest_problem():
             raise ValueError(problem)
         if args.tune:
@@ -218,8 +258,9 @@ def plan_main(argv: list[str]) -> int:
     except (KeyError, ValidationError, ValueError) as err:
         return _bad_input(err)
     try:
-        spec = load_model_spec(args.model, lora_targets=request.workload.lora_targets,
-                               allow_download=args.allow_download)
+        spec = load_model_spec(
+            args.model, lora_targets=request.workload.lora_targets, allow_download=args.allow_download
+        )
         check_inputs(spec, request.workload, request.cluster, dict(request.fixed), request.sharding)
     except (ModelNotFound, ValueError) as err:
         return _bad_input(err)
@@ -273,8 +314,10 @@ def _clean(err: Exception) -> str:
     from pydantic import ValidationError
 
     if isinstance(err, ValidationError):
-        text = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg'].removeprefix('Value error, ')}"
-                         for e in err.errors())
+        text = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in err.errors()
+        )
     elif isinstance(err, KeyError) and err.args:
         text = str(err.args[0])
     else:

@@ -36,21 +36,35 @@ the log-prob workspace (``_logits``), generation (``_generation``), GPU-only ter
 from ._coefficients import Coefficients
 from ._context import DTYPE_BYTES, resolve_workload
 from ._estimate import (
-           EXPERT_CHUNKS_MIB,
-           MARGIN_FRACTION,
-           estimate,
-           resolve_expert_chunk,
-           vllm_floor,
+    EXPERT_CHUNKS_MIB,
+    MARGIN_FRACTION,
+    estimate,
+    resolve_expert_chunk,
+    vllm_floor,
 )
 from ._parallel import (
-           check_ep,
-           expert_parallel_degrees,
-           row_wise_experts,
-           tensor_parallel_degrees,
-           tp_problem,
+    check_ep,
+    expert_parallel_degrees,
+    row_wise_experts,
+    tensor_parallel_degrees,
+    tp_problem,
 )
 from ._result import Estimate, PhaseEstimate
 
-__all__ = ["Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload",
-           "expert_parallel_degrees", "row_wise_experts", "tensor_parallel_degrees", "check_ep", "tp_problem", "resolve_expert_chunk", "EXPERT_CHUNKS_MIB",
-           "MARGIN_FRACTION", "vllm_floor"]
+__all__ = [
+    "Coefficients",
+    "Estimate",
+    "PhaseEstimate",
+    "estimate",
+    "DTYPE_BYTES",
+    "resolve_workload",
+    "expert_parallel_degrees",
+    "row_wise_experts",
+    "tensor_parallel_degrees",
+    "check_ep",
+    "tp_problem",
+    "resolve_expert_chunk",
+    "EXPERT_CHUNKS_MIB",
+    "MARGIN_FRACTION",
+    "vllm_floor",
+]

@@ -57,8 +57,7 @@ def learn_passes(ctx: Context) -> tuple[Pass, ...]:
     padded = sdpa and ctx.workload.padded_batches
     if not split:
         return (Pass(m, T, T, masked=padded and m > 1),)
-    return (Pass(ctx.prefix_rows, split, split, masked=padded),
-            Pass(m, T - split, T, prefix_kv_rows=m, masked=sdpa))
+    return (Pass(ctx.prefix_rows, split, split, masked=padded), Pass(m, T - split, T, prefix_kv_rows=m, masked=sdpa))
 
 
 def one_pass(ctx: Context) -> Pass:
@@ -89,7 +88,9 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
     per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast}[moment]
     # Eager attention repeats grouped K and V to every query head (repeat_kv), alive with the scores.
     t_k = t_q if t_k is None else t_k
-    repeated = 2 * att.q_dim * p * batch * t_k // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
+    repeated = (
+        2 * att.q_dim * p * batch * t_k // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
+    )
     return int(per_score * batch * att.num_heads // ctx.tp * t_q * t_k) + repeated
 
 
@@ -99,12 +100,18 @@ def tape_of(ctx: Context, index: int) -> BlockTape:
     if (tape := ctx.tapes.get(index)) is not None:
         return tape
     block = ctx.spec.block(index)
-    ctx.tapes[index] = tape = block_tape(block, hidden=ctx.hidden_size, adapted=frozenset(n.split(":", 1)[0] for n in ctx.lora_names[index]),
-                      rank=ctx.lora_rank, compute_bytes=ctx.compute_bytes,
-                      adapter_bytes=ctx.adapter_compute_bytes, tp=ctx.tp,
-                      mlp_tp=1 if ctx.packed[index] else ctx.tp,
-                      include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe",
-                      full=ctx.full_finetune)
+    ctx.tapes[index] = tape = block_tape(
+        block,
+        hidden=ctx.hidden_size,
+        adapted=frozenset(n.split(":", 1)[0] for n in ctx.lora_names[index]),
+        rank=ctx.lora_rank,
+        compute_bytes=ctx.compute_bytes,
+        adapter_bytes=ctx.adapter_compute_bytes,
+        tp=ctx.tp,
+        mlp_tp=1 if ctx.packed[index] else ctx.tp,
+        include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe",
+        full=ctx.full_finetune,
+    )
     return tape
 
 
@@ -144,8 +151,12 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
     altup = 7.5 * ctx.extra_streams * H * p
     # a masked SDPA under GQA saves K and V repeated to every head: the whole row's, in a suffix pass
     repeated = tape.masked_kv_saved * (pass_.rows * pass_.keys) if pass_.masked else 0
-    extra_saved = (N * (moe + altup) + merged_stack_saved_bytes(ctx, layout, index)
-                   + prefix_kv_bytes(ctx, index, pass_.prefix_kv_rows) + repeated)
+    extra_saved = (
+        N * (moe + altup)
+        + merged_stack_saved_bytes(ctx, layout, index)
+        + prefix_kv_bytes(ctx, index, pass_.prefix_kv_rows)
+        + repeated
+    )
     # eager attention's saved scores outlive the attention; its softmax input does not
     scores = attention_scores_bytes(ctx, pass_.rows, pass_.queries, index, "saved", pass_.keys)
     saved = int(N * tape.saved + extra_saved) + scores
@@ -155,7 +166,8 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
         forward=int(N * tape.grad_peak + extra_saved) + scores,
         recompute=int(N * tape.recompute_peak + extra_saved) + scores + transient,
         backward=max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient),
-        nograd_per_token=tape.nograd_peak, nograd_base_per_token=tape.nograd_peak_base,
+        nograd_per_token=tape.nograd_peak,
+        nograd_base_per_token=tape.nograd_peak_base,
         attention_live_per_token=tape.attention_live,
     )
 
@@ -214,8 +226,9 @@ def checkpointed_block_bytes(ctx: Context, tokens: int | None = None) -> int:
     return (1 + ctx.extra_streams) * N * ctx.hidden_size * ctx.compute_bytes
 
 
-def kept_bytes(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None, *,
-               recorded: bool = False) -> list[int]:
+def kept_bytes(
+    ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None, *, recorded: bool = False
+) -> list[int]:
     """Per layer, what it keeps once its forward (or pass) has run: its input when
     checkpointed, else its saved tensors. ``recorded``: a prefix pass, whose checkpointed
     blocks also keep their recorded K and V alive (the recompute's cache argument)."""
@@ -241,7 +254,9 @@ def boundary_bytes(ctx: Context, tokens: int | None = None) -> int:
     N = ctx.micro_batch_tokens if tokens is None else tokens
     H, p, extra = ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
     altup = (5 * extra + 3) * N * H * p if extra else 0
-    per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p + (H * p if ctx.full_finetune else 0)
+    per_token = (
+        4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p + (H * p if ctx.full_finetune else 0)
+    )
     return int(N * per_token) + rotary_bytes(ctx, N) + altup
 
 
@@ -254,8 +269,9 @@ def gradients_in_flight(ctx: Context, *, recompute: bool, tokens: int | None = N
     return N * (2 * H * p + (4 * H if recompute else 0))
 
 
-def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None,
-                        grown: tuple[int, ...] = ()) -> tuple[tuple[int, int], tuple[int, int]]:
+def learn_block_moments(
+    ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None, grown: tuple[int, ...] = ()
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """The most alive while the blocks run (their forward, or a checkpointed block's
     recompute in backward) and while they run backward, as two moments: a unit's
     unsharded gradients exist only in the second. Each moment is (activations, gradients
@@ -271,8 +287,10 @@ def learn_block_moments(ctx: Context, blocks: dict[int, BlockActivations], pass_
     # The block's input, referenced by the caller (in fp32 the input norm saves it, so the
     # block's own terms count it).
     x_in = N * ctx.carried_hidden * ctx.compute_bytes if ctx.compute_bytes != 4 else 0
-    flowing, recomputing = (gradients_in_flight(ctx, recompute=False, tokens=N),
-                            gradients_in_flight(ctx, recompute=True, tokens=N))
+    flowing, recomputing = (
+        gradients_in_flight(ctx, recompute=False, tokens=N),
+        gradients_in_flight(ctx, recompute=True, tokens=N),
+    )
     running, backward, before = (0, 0), (0, 0), 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
@@ -312,18 +330,29 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
         blocks = activations_by_type(ctx, layout)
         (running, g_run), (backward, g_back) = learn_block_moments(ctx, blocks, grown=grown)
         blocks_kept = sum(kept_bytes(ctx, blocks))
-        return LearnActivations(kept=blocks_kept + boundary_bytes(ctx), blocks_kept=blocks_kept,
-                                running=running, backward=backward, head_rows=ctx.micro_batch_tokens,
-                                running_grads=g_run, backward_grads=g_back)
+        return LearnActivations(
+            kept=blocks_kept + boundary_bytes(ctx),
+            blocks_kept=blocks_kept,
+            running=running,
+            backward=backward,
+            head_rows=ctx.micro_batch_tokens,
+            running_grads=g_run,
+            backward_grads=g_back,
+        )
     prefix, suffix = passes
     prefix_kept = sum(kept_bytes(ctx, activations_by_type(ctx, layout, prefix), prefix, recorded=True))
     suffix_blocks = activations_by_type(ctx, layout, suffix)
     (running, g_run), (backward, g_back) = learn_block_moments(ctx, suffix_blocks, suffix, grown=grown)
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
-    return LearnActivations(kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
-                            blocks_kept=blocks_kept, running=prefix_kept + running,
-                            backward=prefix_kept + backward + recorded_prefix_bytes(ctx), head_rows=suffix.tokens,
-                            running_grads=g_run, backward_grads=g_back)
+    return LearnActivations(
+        kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
+        blocks_kept=blocks_kept,
+        running=prefix_kept + running,
+        backward=prefix_kept + backward + recorded_prefix_bytes(ctx),
+        head_rows=suffix.tokens,
+        running_grads=g_run,
+        backward_grads=g_back,
+    )
 
 
 def value_head_bytes(ctx: Context) -> int:
@@ -341,8 +370,17 @@ def saved_activation_bytes(ctx: Context, blocks: dict[int, BlockActivations]) ->
     return sum(kept_bytes(ctx, blocks)) + boundary_bytes(ctx)
 
 
-def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, index: int,
-                       adapters_on: bool = True, *, keys: int | None = None, masked: bool | None = None) -> int:
+def nograd_block_bytes(
+    ctx: Context,
+    layout: Layout,
+    batch: int,
+    length: int,
+    index: int,
+    adapters_on: bool = True,
+    *,
+    keys: int | None = None,
+    masked: bool | None = None,
+) -> int:
     """The most a block's forward without grad holds over ``batch`` x ``length`` tokens beyond
     its input: the tape's moments, or the experts' temporaries beside the stream; AltUp's
     streams, eager attention's scores, and a masked SDPA's K and V repeated to every head over
@@ -367,18 +405,32 @@ def nograd_block_bytes(ctx: Context, layout: Layout, batch: int, length: int, in
     return int(max(peak, tokens * acts.attention_live_per_token + scores + repeated))
 
 
-def nograd_forward_bytes(ctx: Context, layout: Layout, batch: int, length: int, adapters_on: bool = True, *,
-                         forward: str = "reference", mask_bytes: int | None = None, keys: int | None = None,
-                         masked: bool | None = None) -> int:
+def nograd_forward_bytes(
+    ctx: Context,
+    layout: Layout,
+    batch: int,
+    length: int,
+    adapters_on: bool = True,
+    *,
+    forward: str = "reference",
+    mask_bytes: int | None = None,
+    keys: int | None = None,
+    masked: bool | None = None,
+) -> int:
     """A no-grad forward's most over its blocks, with what the model holds beside: the
     embeddings' output (referenced until the forward returns), the block's input, the
     rotary tables and a padded batch's attention mask (``forward``: "reference" or "generate";
     ``mask_bytes``, ``keys``, ``masked``: a suffix pass's mask, key length and masking)."""
     tokens = batch * length
-    beside = 2 * tokens * ctx.carried_hidden * ctx.compute_bytes + 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * tokens
+    beside = (
+        2 * tokens * ctx.carried_hidden * ctx.compute_bytes
+        + 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * tokens
+    )
     beside += attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes
-    return beside + max(nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
-                        for i in ctx.distinct_layers)
+    return beside + max(
+        nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
+        for i in ctx.distinct_layers
+    )
 
 
 def suffix_mask_bytes(ctx: Context) -> int:
@@ -411,8 +463,18 @@ def reference_forward_bytes(ctx: Context, layout: Layout, adapters_on: bool) -> 
     split, m = ctx.prefix_split, ctx.micro_batch
     prefix = nograd_forward_bytes(ctx, layout, ctx.prefix_rows, split, adapters_on)
     copies = max(2 * prefix_kv_bytes(ctx, i, m) for i in ctx.distinct_layers)  # the copy and the cat's output
-    suffix = (nograd_forward_bytes(ctx, layout, m, ctx.sequence_tokens - split, adapters_on,
-                                   mask_bytes=suffix_mask_bytes(ctx), keys=ctx.sequence_tokens,
-                                   masked=ctx.workload.attn_implementation == "sdpa")
-              + recorded_prefix_bytes(ctx) + copies)
+    suffix = (
+        nograd_forward_bytes(
+            ctx,
+            layout,
+            m,
+            ctx.sequence_tokens - split,
+            adapters_on,
+            mask_bytes=suffix_mask_bytes(ctx),
+            keys=ctx.sequence_tokens,
+            masked=ctx.workload.attn_implementation == "sdpa",
+        )
+        + recorded_prefix_bytes(ctx)
+        + copies
+    )
     return max(prefix, suffix)

@@ -33,16 +33,51 @@ class Coefficients(BaseModel):
         return cls.model_validate({k: v for k, v in data.items() if k in cls.model_fields})
 
     # Mixture-of-experts blocks (planner.memory._moe). Per (token, expert) row:
-    moe_rows_saved: Annotated[float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")] = 2.0
-    moe_rows_hf: Annotated[float, Field(description="Hugging Face experts loop: saved per routed row, x hidden_size (besides the 3 x width a gated MLP saves)")] = 2.0
-    moe_chunk: Annotated[float, Field(description="one expert chunk's recompute in backward, x its counted tensors")] = 1.0
-    moe_dispatch: Annotated[float, Field(description="row-wise experts: buffers in the dispatch's backward beyond the four row gradients, x routed rows of a token block x hidden (none on CPU probes)")] = 0.0
-    moe_stack_grad: Annotated[float, Field(description="Hugging Face experts with LoRA on the stacks: copies of PEFT's merged down stack made in its backward (its gradient)")] = 1.0
+    moe_rows_saved: Annotated[
+        float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")
+    ] = 2.0
+    moe_rows_hf: Annotated[
+        float,
+        Field(
+            description="Hugging Face experts loop: saved per routed row, x hidden_size "
+            "(besides the 3 x width a gated MLP saves)"
+        ),
+    ] = 2.0
+    moe_chunk: Annotated[
+        float, Field(description="one expert chunk's recompute in backward, x its counted tensors")
+    ] = 1.0
+    moe_dispatch: Annotated[
+        float,
+        Field(
+            description="row-wise experts: buffers in the dispatch's backward beyond the four row gradients, "
+            "x routed rows of a token block x hidden (none on CPU probes)"
+        ),
+    ] = 0.0
+    moe_stack_grad: Annotated[
+        float,
+        Field(
+            description="Hugging Face experts with LoRA on the stacks: copies of PEFT's merged down stack "
+            "made in its backward (its gradient)"
+        ),
+    ] = 1.0
     # FSDP2: buffers beside the backward's gathered window (fraction of the largest edge unit).
-    all_gather_overlap: Annotated[float, Field(description="FSDP buffers beside the gathered window, x the largest of the embeddings, head and root units")] = 1.0
+    all_gather_overlap: Annotated[
+        float,
+        Field(
+            description="FSDP buffers beside the gathered window, x the largest of the embeddings, head and root units"
+        ),
+    ] = 1.0
     # GPU-only terms.
     nccl_bytes: Annotated[int, Field(description="NCCL communicator buffers per rank (multi-GPU)")] = 256 * MIB
     allocator_slack_fraction: Annotated[float, Field(description="caching-allocator fragmentation, x allocated")] = 0.07
-    vllm_sleep_residual_bytes: Annotated[int, Field(description="what a sleeping vLLM engine keeps on the GPU")] = 512 * MIB
-    vllm_outside_budget_bytes: Annotated[int, Field(description="what an awake vLLM engine allocates beyond gpu_memory_utilization (CUDA graph and sampler buffers)")] = 512 * MIB
+    vllm_sleep_residual_bytes: Annotated[int, Field(description="what a sleeping vLLM engine keeps on the GPU")] = (
+        512 * MIB
+    )
+    vllm_outside_budget_bytes: Annotated[
+        int,
+        Field(
+            description="what an awake vLLM engine allocates beyond gpu_memory_utilization "
+            "(CUDA graph and sampler buffers)"
+        ),
+    ] = 512 * MIB
     host_process_bytes: Annotated[int, Field(description="host memory of a trainer process before the model")] = 2 * GIB

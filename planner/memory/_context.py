@@ -88,13 +88,17 @@ class Context:
 def resolve_workload(workload: Workload, *, data_parallel_ranks: int) -> Workload:
     """The workload with the trainer's own defaults for fields left to the planner."""
     n = workload.completions_per_rank(data_parallel_ranks)
-    return workload.model_copy(update={
-        "micro_batch_size_per_gpu": workload.micro_batch_size_per_gpu or n,
-        "gradient_checkpointing": True if workload.gradient_checkpointing is None else workload.gradient_checkpointing,
-        # VLLMConfig's defaults
-        "vllm_gpu_memory_utilization": workload.vllm_gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION,
-        "vllm_max_num_seqs": workload.vllm_max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS,
-    })
+    return workload.model_copy(
+        update={
+            "micro_batch_size_per_gpu": workload.micro_batch_size_per_gpu or n,
+            "gradient_checkpointing": True
+            if workload.gradient_checkpointing is None
+            else workload.gradient_checkpointing,
+            # VLLMConfig's defaults
+            "vllm_gpu_memory_utilization": workload.vllm_gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION,
+            "vllm_max_num_seqs": workload.vllm_max_num_seqs or VLLM_DEFAULT_MAX_NUM_SEQS,
+        }
+    )
 
 
 def distinct_prompts(rows: int, group_size: int) -> int:
@@ -114,8 +118,9 @@ def shared_prefix_split(spec: ModelSpec, workload: Workload, tp: int) -> int:
     if not workload.share_prompt_prefix or workload.prompt_tokens < 2:
         return 0
     length = workload.sequence_tokens
-    full_causal = all(b.attention.sliding_window is None or b.attention.sliding_window >= length
-                      for b in spec.block_types.values())
+    full_causal = all(
+        b.attention.sliding_window is None or b.attention.sliding_window >= length for b in spec.block_types.values()
+    )
     if shared_prefix_problem(spec.model_type, workload.attn_implementation, full_causal=full_causal, tp=tp):
         return 0
     return workload.prompt_tokens - 1
@@ -140,12 +145,15 @@ def _lora_by_type(spec: ModelSpec, workload: Workload) -> dict[str, tuple[tuple[
     key = ModelSpec.target_key(workload.lora_targets)
     if not spec.has_lora_targets(workload.lora_targets):
         raise KeyError(f"the spec of {spec.name} has no LoRA coverage for targets {key!r}; rebuild it with them")
-    return {kind: (tuple(e[0] for e in b.lora[key]), tuple(e[1:] for e in b.lora[key]))
-            for kind, b in spec.block_types.items()}
+    return {
+        kind: (tuple(e[0] for e in b.lora[key]), tuple(e[1:] for e in b.lora[key]))
+        for kind, b in spec.block_types.items()
+    }
 
 
-def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig | None, *,
-                  coefficients: Coefficients) -> Context:
+def build_context(
+    spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig | None, *, coefficients: Coefficients
+) -> Context:
     """Resolve and validate the inputs of one estimate (raises ValueError / KeyError as the trainer would)."""
     num_gpus = cluster.num_gpus
     # The ranks' split, validated as agilerl.distributed validates it (ValueError naming what divides).
@@ -176,10 +184,16 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         split, prefix_rows = 0, micro_batch
     expert_lora = {kind: any(is_packed_expert(n) for n in names) for kind, (names, _) in lora.items()}
     return Context(
-        spec=spec, workload=workload, cluster=cluster, fsdp=fsdp, coefficients=coefficients,
+        spec=spec,
+        workload=workload,
+        cluster=cluster,
+        fsdp=fsdp,
+        coefficients=coefficients,
         sharded=fsdp is not None,
         on_gpu=cluster.gpu.kind != "cpu",
-        num_gpus=num_gpus, tp=tp, ep=ep,
+        num_gpus=num_gpus,
+        tp=tp,
+        ep=ep,
         data_parallel_ranks=data_parallel_ranks,
         shard_group=dims.shard if fsdp else 1,
         persistence_threshold=fsdp.param_persistence_threshold if fsdp else math.inf,
@@ -190,14 +204,16 @@ def build_context(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: F
         reference_copy=workload.full_finetune and workload.has_reference,
         compute_bytes=DTYPE_BYTES[fsdp.param_dtype] if fsdp else weight_bytes,
         # the adapters' compute dtype (PEFT's fp32 unsharded); without adapters the compute dtype
-        adapter_compute_bytes=(DTYPE_BYTES[fsdp.param_dtype] if fsdp else
-                               (weight_bytes if workload.full_finetune else 4)),
+        adapter_compute_bytes=(
+            DTYPE_BYTES[fsdp.param_dtype] if fsdp else (weight_bytes if workload.full_finetune else 4)
+        ),
         completions_per_rank=completions,
         micro_batch=micro_batch,
         micro_batches=completions // micro_batch,
         sequence_tokens=workload.sequence_tokens,
         micro_batch_tokens=micro_batch * workload.sequence_tokens,
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
         carried_hidden=spec.hidden_size * spec.hidden_streams,
         extra_streams=spec.hidden_streams - 1,
         lora_rank=workload.lora_rank,

@@ -27,27 +27,36 @@ def estimate(
 ) -> Estimate:
     """Per-rank memory of a GRPO run by phase and component (see the package docstring)."""
     k = coefficients or Coefficients()
-    if (fsdp is not None and fsdp.routed_expert_chunk_mib is None and spec.is_moe
-            and row_wise_experts(spec)):
+    if fsdp is not None and fsdp.routed_expert_chunk_mib is None and spec.is_moe and row_wise_experts(spec):
         # agilerl's GRPO resolves None before sharding (FSDPConfig's documented choice).
         chunk, _ = resolve_expert_chunk(spec, workload, cluster, fsdp, coefficients=k)
-        est = estimate(spec, workload, cluster, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}),
-                       coefficients=k)
+        est = estimate(
+            spec, workload, cluster, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}), coefficients=k
+        )
         note = f"routed_expert_chunk_mib=None: the trainer picks {chunk} MiB (the largest of 64/128/256/512 that fits)"
         return est.model_copy(update={"notes": (*est.notes, note)})
     return assemble(build_context(spec, workload, cluster, fsdp, coefficients=k))
 
 
-def resolve_expert_chunk(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig, *,
-                         coefficients: Coefficients | None = None) -> tuple[int, dict[int, int]]:
+def resolve_expert_chunk(
+    spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig, *, coefficients: Coefficients | None = None
+) -> tuple[int, dict[int, int]]:
     """routed_expert_chunk_mib=None as the trainer resolves it: the largest of EXPERT_CHUNKS_MIB
     whose estimated peak leaves MARGIN_FRACTION of the GPU free, else the smallest.
 
     Returns the chunk and the estimated peak at every candidate.
     """
     limit = cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
-    peaks = {chunk: estimate(spec, workload, cluster, fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}),
-                             coefficients=coefficients).peak_bytes for chunk in EXPERT_CHUNKS_MIB}
+    peaks = {
+        chunk: estimate(
+            spec,
+            workload,
+            cluster,
+            fsdp.model_copy(update={"routed_expert_chunk_mib": chunk}),
+            coefficients=coefficients,
+        ).peak_bytes
+        for chunk in EXPERT_CHUNKS_MIB
+    }
     fitting = [chunk for chunk, peak in peaks.items() if peak <= limit]
     return (fitting[-1] if fitting else EXPERT_CHUNKS_MIB[0]), peaks
 

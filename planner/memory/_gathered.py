@@ -77,8 +77,14 @@ def gather_buffer_bytes(ctx: Context, layout: Layout, unit_bytes: tuple[int, ...
 def build_gathered(ctx: Context, layout: Layout) -> Gathered:
     """The layout's gathered sizes under ``ctx``: made once per layout and what they depend on
     (kept in ``layout.sums``, as the static sums are)."""
-    key = ("gathered", ctx.sharded, ctx.compute_bytes, ctx.shard_group > 1,
-           (ctx.expert_group or ctx.shard_group) > 1, ctx.coefficients.all_gather_overlap)
+    key = (
+        "gathered",
+        ctx.sharded,
+        ctx.compute_bytes,
+        ctx.shard_group > 1,
+        (ctx.expert_group or ctx.shard_group) > 1,
+        ctx.coefficients.all_gather_overlap,
+    )
     found = layout.sums.get(key)
     if found is None:
         found = layout.sums[key] = _build_gathered(ctx, layout)
@@ -90,7 +96,10 @@ def _build_gathered(ctx: Context, layout: Layout) -> Gathered:
     root_bytes = unit_gathered_bytes(ctx, layout.root)
     order = gather_order(ctx, layout, unit_bytes)
     return Gathered(
-        unit_bytes=unit_bytes, root_bytes=root_bytes, all_bytes=sum(unit_bytes) + root_bytes, order=order,
+        unit_bytes=unit_bytes,
+        root_bytes=root_bytes,
+        all_bytes=sum(unit_bytes) + root_bytes,
+        order=order,
         largest_bytes=max((b for b, _, _ in order), default=0),
         buffer_bytes=gather_buffer_bytes(ctx, layout, unit_bytes, root_bytes),
     )

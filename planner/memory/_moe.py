@@ -110,8 +110,9 @@ def _rowwise_backward_transient(ctx: Context, rows: int, expert_width: int, inde
     chunk_rows = expert_chunk_rows(ctx, int(block_rows), expert_width)
     per_expert = min(chunk_rows, block_rows / (ctx.spec.block(index).mlp.num_experts // ctx.ep))
     gate_up_copies = 3 if ctx.expert_lora[index] else 1
-    recompute = 2 * block_rows * H + k.moe_chunk * ((chunk_rows - per_expert) * (4 * expert_width + H)
-                                                    + gate_up_copies * per_expert * 2 * expert_width)
+    recompute = 2 * block_rows * H + k.moe_chunk * (
+        (chunk_rows - per_expert) * (4 * expert_width + H) + gate_up_copies * per_expert * 2 * expert_width
+    )
     return int(max(dispatch, recompute) * ctx.compute_bytes)
 
 
@@ -128,8 +129,7 @@ def backward_transient_bytes(ctx: Context, layout: Layout, batch: int, index: in
     return _rowwise_backward_transient(ctx, rows, expert_width, index)
 
 
-def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, index: int,
-                         adapters_on: bool) -> float:
+def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, index: int, adapters_on: bool) -> float:
     """Peak temporaries of a block's routed experts in a forward without grad over ``batch`` x
     ``length`` tokens (0 for a block without packed experts).
 

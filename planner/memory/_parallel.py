@@ -14,8 +14,19 @@ from agilerl.distributed import (
 
 from ..spec import BlockSpec, ModelSpec
 
-__all__ = ["COLWISE", "ROWWISE", "tp_dim", "is_packed_expert", "is_packed", "has_packed_experts",
-           "row_wise_experts", "expert_parallel_degrees", "tp_problem", "tensor_parallel_degrees", "check_ep"]
+__all__ = [
+    "COLWISE",
+    "ROWWISE",
+    "tp_dim",
+    "is_packed_expert",
+    "is_packed",
+    "has_packed_experts",
+    "row_wise_experts",
+    "expert_parallel_degrees",
+    "tp_problem",
+    "tensor_parallel_degrees",
+    "check_ep",
+]
 
 
 def is_packed_expert(name: str, shape: tuple[int, ...] | None = None) -> bool:
@@ -68,9 +79,12 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
         if tp > 1 and b.mlp.kind == "moe" and not is_packed(b):
             return f"tp={tp} needs MoE experts packed per layer ({b.kind} loops over expert modules)"
         problem = tp_split_problem(
-            tp, num_heads=b.attention.num_heads, num_kv_heads=b.attention.num_kv_heads,
+            tp,
+            num_heads=b.attention.num_heads,
+            num_kv_heads=b.attention.num_kv_heads,
             intermediate_size=None if b.mlp.kind == "moe" else b.mlp.intermediate_size,
-            sinks=any(n.split(".")[-1] == "sinks" for n, _ in b.tensors))
+            sinks=any(n.split(".")[-1] == "sinks" for n, _ in b.tensors),
+        )
         if problem:
             return problem
     return None

@@ -97,10 +97,16 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
     memory = static_memory(ctx, layout)
     gathered = build_gathered(ctx, layout)
     return Terms(
-        layout=layout, memory=memory, static=static_components(memory), host=host_resident(ctx, memory),
-        gathered=gathered, nograd_gathered=nograd_gathered_bytes(ctx, gathered),
-        after_forward=after_forward_bytes(ctx, gathered), vllm_asleep=vllm_asleep_bytes(ctx),
-        kept_logprobs=kept_logprob_bytes(ctx), kept_reference=kept_logprob_bytes(ctx, "reference"),
+        layout=layout,
+        memory=memory,
+        static=static_components(memory),
+        host=host_resident(ctx, memory),
+        gathered=gathered,
+        nograd_gathered=nograd_gathered_bytes(ctx, gathered),
+        after_forward=after_forward_bytes(ctx, gathered),
+        vllm_asleep=vllm_asleep_bytes(ctx),
+        kept_logprobs=kept_logprob_bytes(ctx),
+        kept_reference=kept_logprob_bytes(ctx, "reference"),
     )
 
 
@@ -119,9 +125,12 @@ def larger(*candidates: Components) -> Components:
 
 def load_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Loading the weights: no optimizer state yet, a tensor at a time through the host."""
-    return make_phase(ctx, terms,
-                      {**terms.static, "optimizer_state": 0, "weights_gathered": load_gathered_bytes(ctx, terms.layout)},
-                      {"host_checkpoint": load_host_checkpoint_bytes(ctx, terms.layout)})
+    return make_phase(
+        ctx,
+        terms,
+        {**terms.static, "optimizer_state": 0, "weights_gathered": load_gathered_bytes(ctx, terms.layout)},
+        {"host_checkpoint": load_host_checkpoint_bytes(ctx, terms.layout)},
+    )
 
 
 def lora_fold_bytes(ctx: Context) -> int:
@@ -150,9 +159,12 @@ def merged_copy_bytes(ctx: Context) -> int:
     LoRA on packed experts (left unmerged) and with tp > 1 (nothing is merged)."""
     if not ctx.workload.gather_weights_for_rollout or ctx.workload.load_in_4bit or ctx.tp > 1:
         return 0
-    return ctx.weight_bytes * sum(a_cols * b_rows for names, shapes in zip(ctx.lora_names, ctx.lora_shapes)
-                                  for name, (_, a_cols, b_rows, _) in zip(names, shapes)
-                                  if ":" not in name and (not ctx.sharded or a_cols * b_rows < ctx.persistence_threshold))
+    return ctx.weight_bytes * sum(
+        a_cols * b_rows
+        for names, shapes in zip(ctx.lora_names, ctx.lora_shapes)
+        for name, (_, a_cols, b_rows, _) in zip(names, shapes)
+        if ":" not in name and (not ctx.sharded or a_cols * b_rows < ctx.persistence_threshold)
+    )
 
 
 def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
@@ -173,23 +185,30 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             # one linear at a time: everything gathered, no KV cache yet, and one delta being built.
             folded = merged + (terms.gathered.all_bytes if ctx.sharded else 0)
             folding = {**terms.static, "weights_gathered": folded + lora_fold_bytes(ctx)}
-            return {"rollout": make_phase(ctx, terms, larger(generating, folding) if lora_fold_bytes(ctx)
-                                          else generating)}
+            return {
+                "rollout": make_phase(ctx, terms, larger(generating, folding) if lora_fold_bytes(ctx) else generating)
+            }
         case "vllm":
             awake, outside = vllm_awake_bytes(ctx), vllm_outside_budget_bytes(ctx)
             largest_unit = terms.gathered.largest_bytes if ctx.sharded else 0
             if not ctx.workload.offload_weights_during_rollout:
-                return {"rollout": make_phase(ctx, terms, {**terms.static, "vllm": awake + outside}),
-                        "sync": make_phase(ctx, terms, {**terms.static, "vllm": awake + outside,
-                                                        "weights_gathered": largest_unit})}
+                return {
+                    "rollout": make_phase(ctx, terms, {**terms.static, "vllm": awake + outside}),
+                    "sync": make_phase(
+                        ctx, terms, {**terms.static, "vllm": awake + outside, "weights_gathered": largest_unit}
+                    ),
+                }
             # The engine wakes its weights, takes the new ones while the trainer's are on the
             # device, then its KV cache once the trainer's weights (base and adapters) are on
             # the host.
             parked = {"weights": 0, "weights_replicated": 0, "lora": 0}
             host = {"host_weights": terms.host.get("host_weights", 0) + sum(terms.static.get(k, 0) for k in parked)}
-            return {"rollout": make_phase(ctx, terms, {**terms.static, **parked, "vllm": awake + outside}, host),
-                    "sync": make_phase(ctx, terms, {**terms.static, "vllm": vllm_weight_bytes(ctx),
-                                                    "weights_gathered": largest_unit})}
+            return {
+                "rollout": make_phase(ctx, terms, {**terms.static, **parked, "vllm": awake + outside}, host),
+                "sync": make_phase(
+                    ctx, terms, {**terms.static, "vllm": vllm_weight_bytes(ctx), "weights_gathered": largest_unit}
+                ),
+            }
     return {}
 
 
@@ -215,13 +234,24 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
         # Full fine-tuning's reference is a model of its own: its window beside whatever the actor left
         # gathered (a rollout's forwards under reshard_after_forward=False); it reshards after its pass.
         window += terms.after_forward if workload.generation != "none" else 0
-    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        {"weights_gathered": window, "activations": fwd + kept},
-        {"weights_gathered": terms.after_forward, "activations": hidden + kept,
-         "logits": reference_logits_bytes(ctx)},
-        # LLMPPO: the value head over the scored positions' hidden states, in fp32
-        {"weights_gathered": terms.after_forward, "activations": hidden + kept + value_head_bytes(ctx)},
-    )})
+    return make_phase(
+        ctx,
+        terms,
+        {
+            **terms.static,
+            "vllm": terms.vllm_asleep,
+            **larger(
+                {"weights_gathered": window, "activations": fwd + kept},
+                {
+                    "weights_gathered": terms.after_forward,
+                    "activations": hidden + kept,
+                    "logits": reference_logits_bytes(ctx),
+                },
+                # LLMPPO: the value head over the scored positions' hidden states, in fp32
+                {"weights_gathered": terms.after_forward, "activations": hidden + kept + value_head_bytes(ctx)},
+            ),
+        },
+    )
 
 
 def backward_gradients(ctx: Context, grads) -> tuple[int, ...]:
@@ -257,24 +287,49 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     beside = terms.kept_logprobs + learn_mask_bytes(ctx)
     value = value_head_bytes(ctx)  # LLMPPO: kept for backward, and its gradient at the head's
     flowing_in = gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows)
-    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, **larger(
-        # (a trained untied lm_head: its unit's own backward and reduce-scatter, of the one-position
-        # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks)
-        {"weights_gathered": terms.after_forward, "gradients": grads.prior + grads.head + grads.head_reducing,
-         "activations": kept + hidden_grad + beside + 2 * value, "comm_buffers": grads.head_buffer,
-         "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx)},
-        {"weights_gathered": window, "gradients": grads.prior + acts.running_grads,
-         "activations": running + beside + value},
-        {"weights_gathered": window, "gradients": grads.prior + acts.backward_grads,
-         "activations": backward + beside + value},
-        # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
-        # its own activations are freed (what the blocks keep and the gradients flowing remain)
-        {"weights_gathered": window, "gradients": grads.prior + acts.backward_grads + grads.reducing,
-         "activations": acts.blocks_kept + flowing_in + beside, "comm_buffers": grads.reduce_buffer},
-        # the end of the backward: every gradient of the step made, the embeddings' as it is made
-        {"weights_gathered": window, "gradients": max(grads.prior, grads.final) + grads.embed,
-         "activations": flowing_in + beside},
-    )})
+    return make_phase(
+        ctx,
+        terms,
+        {
+            **terms.static,
+            "vllm": terms.vllm_asleep,
+            **larger(
+                # (a trained untied lm_head: its unit's own backward and reduce-scatter, of the one-position
+                # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks)
+                {
+                    "weights_gathered": terms.after_forward,
+                    "gradients": grads.prior + grads.head + grads.head_reducing,
+                    "activations": kept + hidden_grad + beside + 2 * value,
+                    "comm_buffers": grads.head_buffer,
+                    "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx),
+                },
+                {
+                    "weights_gathered": window,
+                    "gradients": grads.prior + acts.running_grads,
+                    "activations": running + beside + value,
+                },
+                {
+                    "weights_gathered": window,
+                    "gradients": grads.prior + acts.backward_grads,
+                    "activations": backward + beside + value,
+                },
+                # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
+                # its own activations are freed (what the blocks keep and the gradients flowing remain)
+                {
+                    "weights_gathered": window,
+                    "gradients": grads.prior + acts.backward_grads + grads.reducing,
+                    "activations": acts.blocks_kept + flowing_in + beside,
+                    "comm_buffers": grads.reduce_buffer,
+                },
+                # the end of the backward: every gradient of the step made, the embeddings' as it is made
+                {
+                    "weights_gathered": window,
+                    "gradients": max(grads.prior, grads.final) + grads.embed,
+                    "activations": flowing_in + beside,
+                },
+            ),
+        },
+    )
 
 
 #: agilerl.distributed's data-parallel gradient average flattens at most this many bytes at once.
@@ -288,9 +343,17 @@ def step_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     bucket = 0
     if not ctx.sharded and ctx.data_parallel_ranks > 1:
         bucket = min(ALL_REDUCE_BUCKET_BYTES, memory.trainable_elements * 4)
-    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep,
-                                   "gradients": memory.gradients_sharded, "comm_buffers": bucket,
-                                   "optimizer_state": step_optimizer_bytes(ctx, memory)})
+    return make_phase(
+        ctx,
+        terms,
+        {
+            **terms.static,
+            "vllm": terms.vllm_asleep,
+            "gradients": memory.gradients_sharded,
+            "comm_buffers": bucket,
+            "optimizer_state": step_optimizer_bytes(ctx, memory),
+        },
+    )
 
 
 def save_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
@@ -298,8 +361,9 @@ def save_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     the host (on a CPU run the same memory: counted with the gathered weights)."""
     host = save_host_checkpoint_bytes(ctx, terms.memory)
     gathered = save_gathered_bytes(ctx, terms.layout) + (0 if ctx.on_gpu else host)
-    return make_phase(ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, "weights_gathered": gathered},
-                      {"host_checkpoint": host})
+    return make_phase(
+        ctx, terms, {**terms.static, "vllm": terms.vllm_asleep, "weights_gathered": gathered}, {"host_checkpoint": host}
+    )
 
 
 def assemble(ctx: Context) -> Estimate:
@@ -311,13 +375,24 @@ def assemble(ctx: Context) -> Estimate:
     phases["learn"] = learn_phase(ctx, terms)
     phases["step"] = step_phase(ctx, terms)
     phases["save"] = save_phase(ctx, terms)
-    notes = (([QLORA_NOTE] if ctx.workload.load_in_4bit else []) + ([FULL_NOTE] if ctx.full_finetune else [])
-             + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else []))
+    notes = (
+        ([QLORA_NOTE] if ctx.workload.load_in_4bit else [])
+        + ([FULL_NOTE] if ctx.full_finetune else [])
+        + ([VLLM_NOTE] if ctx.workload.generation == "vllm" else [])
+    )
     if ctx.workload.load_in_4bit and any(ctx.packed):
-        notes.append(f"QLoRA: the packed routed experts stay in {ctx.workload.weights_dtype} (bitsandbytes "
-                     "quantises nn.Linear layers only)")
+        notes.append(
+            f"QLoRA: the packed routed experts stay in {ctx.workload.weights_dtype} (bitsandbytes "
+            "quantises nn.Linear layers only)"
+        )
     if ctx.spec.text_model_of:
-        notes.append(f"the text model of {ctx.spec.text_model_of}: its vision/audio encoders are not counted; the "
-                     "trainer fine-tunes the exported text model (python -m agilerl.utils.text_model SOURCE OUT_DIR)")
-    return Estimate(phases=phases, capacity_bytes=ctx.cluster.gpu.memory_bytes, gpus_per_node=ctx.cluster.per_node,
-                    notes=tuple(notes))
+        notes.append(
+            f"the text model of {ctx.spec.text_model_of}: its vision/audio encoders are not counted; the "
+            "trainer fine-tunes the exported text model (python -m agilerl.utils.text_model SOURCE OUT_DIR)"
+        )
+    return Estimate(
+        phases=phases,
+        capacity_bytes=ctx.cluster.gpu.memory_bytes,
+        gpus_per_node=ctx.cluster.per_node,
+        notes=tuple(notes),
+    )

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from ._context import DTYPE_BYTES, Context
 from ._units import Layout
 
-#: Per quantised value: the double-quantised absmax (one uint8 per block of 64) and its fp32 scales (one per 256 blocks).
+#: Per quantised value: the double-quantised absmax (one uint8 per block of 64) and its fp32
+#: scales (one per 256 blocks).
 NF4_CONSTANT_BYTES = 1 / 64 + 4 / (64 * 256)
 NF4_BYTES_PER_PARAM = 0.5 + NF4_CONSTANT_BYTES  # 4-bit values and their constants
 QLORA_NOTE = "QLoRA: NF4 block linears (embeddings, lm_head and norms kept in the weights dtype)"
-FULL_NOTE = ("full fine-tuning: every parameter trains with fp32 master weights, gradients and AdamW moments"
-             " (16 bytes a parameter beside the weights)")
+FULL_NOTE = (
+    "full fine-tuning: every parameter trains with fp32 master weights, gradients and AdamW moments"
+    " (16 bytes a parameter beside the weights)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +67,10 @@ def base_weight_bytes(ctx: Context, layout: Layout, element_bytes: int | None = 
     if ctx.fsdp is None:
         result = sum(nbytes(t, t.numel) for t in layout.base_tensors) + constants, 0
     else:
-        result = (sum(nbytes(t, t.local(ctx.shard_group)) for t in layout.base_tensors if t.sharded) + constants,
-                  sum(nbytes(t, t.numel) for t in layout.base_tensors if not t.sharded))
+        result = (
+            sum(nbytes(t, t.local(ctx.shard_group)) for t in layout.base_tensors if t.sharded) + constants,
+            sum(nbytes(t, t.numel) for t in layout.base_tensors if not t.sharded),
+        )
     layout.sums[key] = result
     return result
 
@@ -123,11 +128,19 @@ def static_memory(ctx: Context, layout: Layout) -> StaticMemory:
     else:
         optimizer_device, host_optimizer = trainable * (8 + master) + trainable_tensors * 4, 0
     return StaticMemory(
-        weights=weights, weights_replicated=weights_replicated, lora_device=lora_device,
-        optimizer_device=optimizer_device, host_optimizer=host_optimizer, host_weights=host_weights,
-        gradients_sharded=0 if cpu_offload else trainable * 4, host_gradients=trainable * 4 if cpu_offload else 0,
-        lora_elements=lora_elements, trainable_elements=trainable, trainable_tensors=trainable_tensors,
-        reference_device=reference, host_reference=host_reference,
+        weights=weights,
+        weights_replicated=weights_replicated,
+        lora_device=lora_device,
+        optimizer_device=optimizer_device,
+        host_optimizer=host_optimizer,
+        host_weights=host_weights,
+        gradients_sharded=0 if cpu_offload else trainable * 4,
+        host_gradients=trainable * 4 if cpu_offload else 0,
+        lora_elements=lora_elements,
+        trainable_elements=trainable,
+        trainable_tensors=trainable_tensors,
+        reference_device=reference,
+        host_reference=host_reference,
     )
 
 
@@ -190,10 +203,13 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     key = ("gradient_units", ctx.full_finetune, ctx.shard_group, ctx.sharded)
     if key not in layout.sums:
         units = layout.units if ctx.full_finetune else layout.block_units
-        layout.sums[key] = (max((_full_unit_elements(ctx, layout, u) for u in units), default=0),
-                            tuple(_held_elements(ctx, u) for u in layout.block_units),
-                            _held_elements(ctx, next((u for u in layout.units if u.name == "lm_head"), layout.root)
-                                           ) if ctx.full_finetune and layout.head is not None else 0)
+        layout.sums[key] = (
+            max((_full_unit_elements(ctx, layout, u) for u in units), default=0),
+            tuple(_held_elements(ctx, u) for u in layout.block_units),
+            _held_elements(ctx, next((u for u in layout.units if u.name == "lm_head"), layout.root))
+            if ctx.full_finetune and layout.head is not None
+            else 0,
+        )
     largest_unit, per_unit, head = layout.sums[key]
     growth = dict(head=head * 4, per_unit=tuple(n * 4 for n in per_unit)) if one else {}
     embed = 0
@@ -205,12 +221,16 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
             embed = 0  # fp32 weights: autograd accumulates into their own gradient
     if not ctx.sharded:
         prior = memory.trainable_elements * 4 if not one else 0
-        return GradientTerms(prior=prior, reducing=0, reduce_buffer=0, final=memory.trainable_elements * 4,
-                             embed=embed, **growth)
+        return GradientTerms(
+            prior=prior, reducing=0, reduce_buffer=0, final=memory.trainable_elements * 4, embed=embed, **growth
+        )
     if not one:
         if "trained_full" not in layout.sums:  # every trained element, unsharded (the layout knows which)
-            layout.sums["trained_full"] = (sum(t.numel for t in layout.base_tensors) if ctx.full_finetune
-                                           else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters)
+            layout.sums["trained_full"] = (
+                sum(t.numel for t in layout.base_tensors)
+                if ctx.full_finetune
+                else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters
+            )
         trainable_full = layout.sums["trained_full"]
         accumulated = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
         prior = trainable_full * accumulated if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
@@ -219,10 +239,16 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     # A trained untied lm_head (full fine-tuning): its unit's backward, reduce-scatter included, runs
     # while the chunked head's weight-gradient workspace is still alive (measured on 2 gloo ranks).
     head_full = layout.head.numel if ctx.full_finetune and layout.head is not None and layout.head.sharded else 0
-    return GradientTerms(prior=prior, reducing=largest_unit * p,
-                         reduce_buffer=largest_unit * DTYPE_BYTES[ctx.fsdp.reduce_dtype],
-                         final=memory.gradients_sharded, embed=embed, head_reducing=head_full * p,
-                         head_buffer=head_full * DTYPE_BYTES[ctx.fsdp.reduce_dtype], **growth)
+    return GradientTerms(
+        prior=prior,
+        reducing=largest_unit * p,
+        reduce_buffer=largest_unit * DTYPE_BYTES[ctx.fsdp.reduce_dtype],
+        final=memory.gradients_sharded,
+        embed=embed,
+        head_reducing=head_full * p,
+        head_buffer=head_full * DTYPE_BYTES[ctx.fsdp.reduce_dtype],
+        **growth,
+    )
 
 
 def step_optimizer_bytes(ctx: Context, memory: StaticMemory) -> int:

@@ -32,6 +32,7 @@ What the code keeps, with ``p`` the compute dtype's bytes and ``a`` the adapters
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..spec import BlockSpec
@@ -104,7 +105,9 @@ def _role(path: str) -> str | None:
     return None
 
 
-def block_linears(block: BlockSpec, adapted: frozenset[str], *, tp: int = 1, mlp_tp: int = 1) -> dict[str, list[Linear]]:
+def block_linears(
+    block: BlockSpec, adapted: frozenset[str], *, tp: int = 1, mlp_tp: int = 1
+) -> dict[str, list[Linear]]:
     """The block's linears by role (attn_in, attn_out, mlp_in, mlp_out), widths per TP rank.
 
     Tensor parallelism splits the outputs of q, k, v, gate and up and the inputs of o and
@@ -151,9 +154,76 @@ def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool, full: bool =
     return lin.out_features * p
 
 
-def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: int, compute_bytes: int,
-               adapter_bytes: int = ADAPTER_BYTES, tp: int = 1, mlp_tp: int = 1, include_mlp: bool = True,
-               full: bool = False) -> BlockTape:
+def _attention_moments(
+    lin: dict[str, list[Linear]],
+    transient: Callable[[Linear, bool], float],
+    cast_copy: Callable[[Linear, float], float],
+    grad: list[float],
+    nograd: list[float],
+    nograd_base: list[float],
+    *,
+    p: float,
+    H: float,
+    rank_bytes: float,
+    cast: bool,
+    full: bool,
+    q: float,
+    kv: float,
+    heads: float,
+    head_width: float,
+    norm_saved: float,
+) -> tuple[float, float, float, float]:
+    """The attention half of :func:`block_tape`: appends its moments to ``grad``, ``nograd`` and
+    ``nograd_base``; returns what it saved, the normed input, that input as held in a forward with
+    grad (0 when saved), and the attention's locals alive without grad. ``rank_bytes``: one
+    token's lora_A output (rank x the adapters' dtype)."""
+    saved = 0.0
+    # -- attention --------------------------------------------------------------------------
+    # input norm: fp32 upcast (saved) and its square's temporary, the bf16 output
+    saved += norm_saved
+    grad.append(saved + 4 * H + H * p)
+    nograd.append((4 * H if p != 4 else 0) + 4 * H + H * p)  # the upcast (a no-op in fp32), its square
+    nograd_base.append(nograd[-1])
+    normed = H * p  # the normed input, alive through the attention's input projections
+    held_normed = normed  # the same in a forward with grad, unless it is saved
+    outputs = 0.0
+    for x in lin["attn_in"]:
+        grad.append(saved + normed + outputs + cast_copy(x, H) + transient(x, True))
+        nograd.append(normed + outputs + cast_copy(x, H) + transient(x, True))
+        nograd_base.append(normed + outputs + transient(x, False))
+        saved += cast_copy(x, H) + (rank_bytes if x.adapted else 0)
+        outputs += x.out_features * p
+    if not cast and any(x.adapted for x in lin["attn_in"]):
+        saved += p * H  # lora_A of q, k and v save the one normed input
+        held_normed = 0.0  # which is then counted as saved
+    saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
+    # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
+    saved += 2 * q * p + 2 * kv * p + 4 * heads
+    # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
+    # as does its argument, the normed input.
+    attention_locals = (2 * q + 2 * kv) * p
+    for x in lin["attn_out"]:
+        grad.append(saved + held_normed + cast_copy(x, q) + transient(x, True))
+        nograd.append(normed + attention_locals + cast_copy(x, q) + transient(x, True))
+        nograd_base.append(normed + attention_locals + transient(x, False))
+        # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new
+        saved += cast_copy(x, q) + (rank_bytes if x.adapted else 0)
+    return saved, normed, held_normed, attention_locals
+
+
+def block_tape(
+    block: BlockSpec,
+    *,
+    hidden: int,
+    adapted: frozenset[str],
+    rank: int,
+    compute_bytes: int,
+    adapter_bytes: int = ADAPTER_BYTES,
+    tp: int = 1,
+    mlp_tp: int = 1,
+    include_mlp: bool = True,
+    full: bool = False,
+) -> BlockTape:
     """Walk one block's ops (see the module docstring) and return its :class:`BlockTape`.
 
     ``adapter_bytes``: the adapters' compute dtype, fp32 unsharded (PEFT), FSDP's
@@ -193,38 +263,25 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     grad: list[float] = []  # forward-with-grad moments
     nograd: list[float] = []
     nograd_base: list[float] = []
-    saved = 0.0
-    # -- attention --------------------------------------------------------------------------
-    # input norm: fp32 upcast (saved) and its square's temporary, the bf16 output
-    saved += norm_saved
-    grad.append(saved + 4 * H + H * p)
-    nograd.append((4 * H if p != 4 else 0) + 4 * H + H * p)  # the upcast (a no-op in fp32), its square
-    nograd_base.append(nograd[-1])
-    normed = H * p  # the normed input, alive through the attention's input projections
-    held_normed = normed  # the same in a forward with grad, unless it is saved
-    outputs = 0.0
-    for x in lin["attn_in"]:
-        grad.append(saved + normed + outputs + cast_copy(x, H) + transient(x, True))
-        nograd.append(normed + outputs + cast_copy(x, H) + transient(x, True))
-        nograd_base.append(normed + outputs + transient(x, False))
-        saved += cast_copy(x, H) + (a * rank if x.adapted else 0)
-        outputs += x.out_features * p
-    if not cast and any(x.adapted for x in lin["attn_in"]):
-        saved += p * H  # lora_A of q, k and v save the one normed input
-        held_normed = 0.0  # which is then counted as saved
-    saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
-    # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
-    saved += 2 * q * p + 2 * kv * p + 4 * heads
-    # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
-    # as does its argument, the normed input.
-    attention_locals = (2 * q + 2 * kv) * p
+    saved, normed, held_normed, attention_locals = _attention_moments(
+        lin,
+        transient,
+        cast_copy,
+        grad,
+        nograd,
+        nograd_base,
+        p=p,
+        H=H,
+        rank_bytes=a * rank,
+        cast=cast,
+        full=full,
+        q=q,
+        kv=kv,
+        heads=heads,
+        head_width=head_width,
+        norm_saved=norm_saved,
+    )
     attention_live = normed + attention_locals
-    for x in lin["attn_out"]:
-        grad.append(saved + held_normed + cast_copy(x, q) + transient(x, True))
-        nograd.append(normed + attention_locals + cast_copy(x, q) + transient(x, True))
-        nograd_base.append(normed + attention_locals + transient(x, False))
-        # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new
-        saved += cast_copy(x, q) + (a * rank if x.adapted else 0)
     stream = held_stream = H * p  # the residual stream after attention, alive until the block returns
     # -- MLP ------------------------------------------------------------------------------------
     saved += (hidden_norms - 1 - after_mlp) * norm_saved  # the pre-MLP (and Gemma's post-attention) norms
@@ -233,9 +290,16 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     if not include_mlp or not lin["mlp_in"]:
         saved += after_mlp * norm_saved
         grad.append(saved + held_stream + H * p)
-        return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(grad), backward_peak=saved + H * p,
-                         nograd_peak=max(nograd) + stream, nograd_peak_base=max(nograd_base) + stream,
-                         attention_live=attention_live, **masked)
+        return BlockTape(
+            saved=saved,
+            grad_peak=max(grad),
+            recompute_peak=max(grad),
+            backward_peak=saved + H * p,
+            nograd_peak=max(nograd) + stream,
+            nograd_peak_base=max(nograd_base) + stream,
+            attention_live=attention_live,
+            **masked,
+        )
     gated = any(x.name.rsplit(".", 1)[-1] in _GATES for x in lin["mlp_in"])
     width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
@@ -285,6 +349,13 @@ def block_tape(block: BlockSpec, *, hidden: int, adapted: frozenset[str], rank: 
     at_down = saved + (width * a if down_adapted else width * p)
     at_product = saved - down_input_saved + 3 * width * p
     backward = max(at_down, at_product)
-    return BlockTape(saved=saved, grad_peak=max(grad), recompute_peak=max(recompute), backward_peak=backward,
-                     nograd_peak=max(nograd), nograd_peak_base=max(nograd_base), attention_live=attention_live,
-                     **masked)
+    return BlockTape(
+        saved=saved,
+        grad_peak=max(grad),
+        recompute_peak=max(recompute),
+        backward_peak=backward,
+        nograd_peak=max(nograd),
+        nograd_peak_base=max(nograd_base),
+        attention_live=attention_live,
+        **masked,
+    )

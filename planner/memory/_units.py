@@ -36,8 +36,17 @@ class Tensor:
         return math.ceil(self.rows / (self.group or shards)) * self.rest
 
 
-def make_tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim: int | None = None,
-                ep: int = 1, ep_dim: int | None = None, group: int | None = None, four_bit: bool = False) -> Tensor:
+def make_tensor(
+    shape: tuple[int, ...],
+    threshold: float,
+    *,
+    tp: int = 1,
+    tp_dim: int | None = None,
+    ep: int = 1,
+    ep_dim: int | None = None,
+    group: int | None = None,
+    four_bit: bool = False,
+) -> Tensor:
     """A tensor as FSDP sees it on one rank: split by tensor parallelism along ``tp_dim``, or
     by expert parallelism along ``ep_dim`` (then FSDP-sharded over ``group`` ranks), first.
 
@@ -58,8 +67,9 @@ def make_tensor(shape: tuple[int, ...], threshold: float, *, tp: int = 1, tp_dim
     if four_bit:  # bitsandbytes packs [out, in] into [out x in / 2, 1] uint8, which FSDP2 shards by rows
         packed = local[0] * rest // 2
         return Tensor(rows=packed, rest=1, numel=packed, sharded=numel // 2 >= threshold, four_bit=True)
-    return Tensor(rows=local[0], rest=rest, numel=local[0] * rest,
-                  sharded=ep_dim is not None or numel >= threshold, group=group)
+    return Tensor(
+        rows=local[0], rest=rest, numel=local[0] * rest, sharded=ep_dim is not None or numel >= threshold, group=group
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +134,19 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
         base.append(t)
     for name, (a_rows, a_cols, b_rows, b_cols) in zip(ctx.lora_names[index], ctx.lora_shapes[index]):
         if packed and is_packed_expert(name):  # A (r E, in) by its rows, B (out, r E) by its columns
-            pair = (make_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=group),
-                    make_tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=group))
+            pair = (
+                make_tensor((r * a_rows, a_cols), threshold, ep=ep, ep_dim=0, group=group),
+                make_tensor((b_rows, r * b_cols), threshold, ep=ep, ep_dim=1, group=group),
+            )
             expert_lora.extend(pair * ctx.num_adapters)
         else:
             # colwise base: B split on its output; rowwise: A on its input
             module = name.rsplit(".", 1)[-1]
             split = tp if not packed or name.startswith("self_attn.") else 1
-            pair = (make_tensor((r * a_rows, a_cols), threshold, tp=split, tp_dim=1 if module in ROWWISE else None),
-                    make_tensor((b_rows, r * b_cols), threshold, tp=split, tp_dim=0 if module in COLWISE else None))
+            pair = (
+                make_tensor((r * a_rows, a_cols), threshold, tp=split, tp_dim=1 if module in ROWWISE else None),
+                make_tensor((b_rows, r * b_cols), threshold, tp=split, tp_dim=0 if module in COLWISE else None),
+            )
         lora.extend(pair * ctx.num_adapters)
     return LayerTensors(tuple(base), tuple(lora), tuple(expert_base), tuple(expert_lora), expert_down)
 
@@ -166,9 +180,20 @@ _LAYOUTS: dict[tuple, tuple[object, Layout]] = {}
 
 def _layout_key(ctx: Context) -> tuple:
     fsdp = ctx.fsdp
-    return (id(ctx.spec), ctx.ep, ctx.tp, ctx.lora_rank, ctx.lora_key, ctx.num_adapters, ctx.persistence_threshold,
-            ctx.full_finetune,
-            ctx.expert_group, ctx.sharded, ctx.workload.load_in_4bit, fsdp.wrap_every_n_blocks if fsdp else 1)
+    return (
+        id(ctx.spec),
+        ctx.ep,
+        ctx.tp,
+        ctx.lora_rank,
+        ctx.lora_key,
+        ctx.num_adapters,
+        ctx.persistence_threshold,
+        ctx.full_finetune,
+        ctx.expert_group,
+        ctx.sharded,
+        ctx.workload.load_in_4bit,
+        fsdp.wrap_every_n_blocks if fsdp else 1,
+    )
 
 
 def build_layout(ctx: Context) -> Layout:
@@ -194,9 +219,13 @@ def _build_layout(ctx: Context) -> Layout:
     root, embed, head, ple = _outside_blocks(ctx)
     by_type = {i: layer_tensors(ctx, i) for i in ctx.distinct_layers}
     layers = [by_type[i] for i in ctx.representative]
-    parts = fsdp_units(spec.num_layers, ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1,
-                       separate_embedding=not spec.tie_word_embeddings, per_layer_embeddings=len(ple),
-                       separate_head=head is not None)
+    parts = fsdp_units(
+        spec.num_layers,
+        ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1,
+        separate_embedding=not spec.tie_word_embeddings,
+        per_layer_embeddings=len(ple),
+        separate_head=head is not None,
+    )
     units: list[Unit] = []
     nested: dict[str, tuple[Unit, ...]] = {}
     for part in parts:
@@ -205,14 +234,28 @@ def _build_layout(ctx: Context) -> Layout:
             units.append(Unit(part.name, base=(tensor,)))
             continue
         members = range(part.start, part.stop)
-        unit = Unit(part.name, base=tuple(t for i in members for t in layers[i].base),
-                    lora=tuple(t for i in members for t in layers[i].lora))
+        unit = Unit(
+            part.name,
+            base=tuple(t for i in members for t in layers[i].base),
+            lora=tuple(t for i in members for t in layers[i].lora),
+        )
         units.append(unit)
-        nested[unit.name] = tuple(Unit(f"blocks.{i}.experts", layers[i].expert_base, layers[i].expert_lora)
-                                  for i in members if ctx.packed[i]) if ctx.ep > 1 else ()
+        nested[unit.name] = (
+            tuple(
+                Unit(f"blocks.{i}.experts", layers[i].expert_base, layers[i].expert_lora)
+                for i in members
+                if ctx.packed[i]
+            )
+            if ctx.ep > 1
+            else ()
+        )
     all_units = [*units, root]
     return Layout(
-        units=tuple(units), root=root, embed=embed, head=head, nested=nested,
+        units=tuple(units),
+        root=root,
+        embed=embed,
+        head=head,
+        nested=nested,
         base_tensors=tuple(t for u in all_units for t in u.base),
         lora_tensors=tuple(t for u in all_units for t in u.lora),
         block_units=tuple(u for u in units if u.name.startswith("blocks.")),

@@ -31,6 +31,7 @@ from ..workload import Workload
 
 __all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
 
+
 class ProbeRequest(BaseModel):
     """What to measure."""
 
@@ -39,18 +40,32 @@ class ProbeRequest(BaseModel):
     model: Annotated[str, Field(description="Model directory, hub id, or built-in tiny model ('tiny:qwen2?...').")]
     workload: Workload = Workload()
     fsdp: Annotated[FSDPConfig | None, Field(description="Sharding settings; None trains unsharded.")] = None
-    nproc: Annotated[int, Field(ge=1, description="Ranks to launch (GPUs, or CPU processes), on all nodes together.")] = 1
+    nproc: Annotated[
+        int, Field(ge=1, description="Ranks to launch (GPUs, or CPU processes), on all nodes together.")
+    ] = 1
     nnodes: Annotated[
-        int, Field(ge=1, description="Nodes the ranks span (nproc / nnodes each). Without rdzv_endpoint every node "
-                                     "is a torchrun agent on this host, joined by c10d rendezvous.")
+        int,
+        Field(
+            ge=1,
+            description="Nodes the ranks span (nproc / nnodes each). Without rdzv_endpoint every node "
+            "is a torchrun agent on this host, joined by c10d rendezvous.",
+        ),
     ] = 1
     rdzv_endpoint: Annotated[
-        str | None, Field(description="HOST:PORT of the c10d rendezvous of a real multi-node probe: run the probe "
-                                      "on every node with the same endpoint; each node reports its own ranks.")
+        str | None,
+        Field(
+            description="HOST:PORT of the c10d rendezvous of a real multi-node probe: run the probe "
+            "on every node with the same endpoint; each node reports its own ranks."
+        ),
     ] = None
     device: Annotated[Literal["cpu", "cuda"], Field(description="Where the ranks compute.")] = "cpu"
-    generate: Annotated[bool, Field(description="Also measure one real rollout: Hugging Face generate, or the "
-                                                "colocated vLLM engine with workload.generation='vllm'.")] = False
+    generate: Annotated[
+        bool,
+        Field(
+            description="Also measure one real rollout: Hugging Face generate, or the "
+            "colocated vLLM engine with workload.generation='vllm'."
+        ),
+    ] = False
     save: Annotated[bool, Field(description="Also measure a checkpoint save.")] = False
     memory_budget_bytes: Annotated[
         int | None, Field(ge=1, description="Per-rank device budget; over it the run is reported as not fitting.")
@@ -148,8 +163,9 @@ class Measurement(BaseModel):
         """The largest node's host memory: the sum of its ranks' host peaks."""
         nodes: dict[int, int] = {}
         for r in self.ranks:
-            nodes[r.node] = nodes.get(r.node, 0) + max((rec.get("host_peak", 0) for rec in r.phases.values()),
-                                                       default=0)
+            nodes[r.node] = nodes.get(r.node, 0) + max(
+                (rec.get("host_peak", 0) for rec in r.phases.values()), default=0
+            )
         return max(nodes.values(), default=0)
 
     @property
@@ -176,11 +192,19 @@ class Measurement(BaseModel):
 
     def summary(self) -> dict:
         return {
-            "ok": self.ok, "fits": self.fits, "failure": self.failure, "oom": self.oom, "oom_phase": self.oom_phase,
-            "over_budget_phases": self.over_budget_phases, "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase,
-            "host_peak_bytes": self.host_peak_bytes, "host_per_node_bytes": self.host_per_node_bytes,
+            "ok": self.ok,
+            "fits": self.fits,
+            "failure": self.failure,
+            "oom": self.oom,
+            "oom_phase": self.oom_phase,
+            "over_budget_phases": self.over_budget_phases,
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_per_node_bytes": self.host_per_node_bytes,
             "step_seconds_median": self.step_seconds_median,
-            "step_seconds_spread": self.step_seconds_spread, "tokens_per_second": self.tokens_per_second,
+            "step_seconds_spread": self.step_seconds_spread,
+            "tokens_per_second": self.tokens_per_second,
         }
 
     def table(self) -> str:
@@ -193,16 +217,25 @@ def _mib(n: int | float) -> str:
 
 def _format_table(m: Measurement) -> str:
     req = m.request
-    lines = [f"probe {req.model} on {req.nproc} x {req.device}"
-             + (f", fsdp {req.fsdp.model_dump(exclude_defaults=True) or 'defaults'}" if req.fsdp else ", unsharded")]
+    lines = [
+        f"probe {req.model} on {req.nproc} x {req.device}"
+        + (f", fsdp {req.fsdp.model_dump(exclude_defaults=True) or 'defaults'}" if req.fsdp else ", unsharded")
+    ]
     if not m.ok:
         lines.append(f"FAILED: {m.failure}")
         if m.oom:
             lines.append(f"out of memory in phase {m.oom_phase}")
         return "\n".join(lines)
-    components = [c for c in COMPONENTS + ("host_optimizer_state",)
-                  if any(rec.get(c, 0) for r in m.ranks for rec in r.phases.values())]
-    header = f"{'rank':>4} {'phase':<10}" + "".join(f"{c[:14]:>15}" for c in components) + f"{'total MiB':>12}{'host MiB':>11}"
+    components = [
+        c
+        for c in COMPONENTS + ("host_optimizer_state",)
+        if any(rec.get(c, 0) for r in m.ranks for rec in r.phases.values())
+    ]
+    header = (
+        f"{'rank':>4} {'phase':<10}"
+        + "".join(f"{c[:14]:>15}" for c in components)
+        + f"{'total MiB':>12}{'host MiB':>11}"
+    )
     lines.append(header)
     for r in m.ranks:
         for phase in PHASES:
@@ -210,17 +243,24 @@ def _format_table(m: Measurement) -> str:
             if rec is None:
                 continue
             cells = "".join(f"{_mib(rec.get(c, 0)):>15}" for c in components)
-            lines.append(f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}")
-    lines.append(f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB"
-                 f" per rank, {_mib(m.host_per_node_bytes)} MiB per node")
+            lines.append(
+                f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}"
+            )
+    lines.append(
+        f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB"
+        f" per rank, {_mib(m.host_per_node_bytes)} MiB per node"
+    )
     imbalance = m.moe_load_imbalance
     if imbalance is not None:
         busiest = max(r.moe_rows["max_block"] for r in m.ranks if r.moe_rows)
-        lines.append(f"MoE routed rows per token block: busiest {busiest:,.0f}, "
-                     f"{imbalance:.2f}x the mean (1.00 is balanced)")
+        lines.append(
+            f"MoE routed rows per token block: busiest {busiest:,.0f}, {imbalance:.2f}x the mean (1.00 is balanced)"
+        )
     if m.step_seconds:
-        lines.append(f"step {m.step_seconds_median:.3f} s median (spread {m.step_seconds_spread:.3f} s over "
-                     f"{len(m.step_seconds)} steps); {m.tokens_per_second:,.0f} tokens/s")
+        lines.append(
+            f"step {m.step_seconds_median:.3f} s median (spread {m.step_seconds_spread:.3f} s over "
+            f"{len(m.step_seconds)} steps); {m.tokens_per_second:,.0f} tokens/s"
+        )
     if req.memory_budget_bytes:
         verdict = "fits" if m.fits else f"does NOT fit (over in {sorted(m.over_budget_phases)})"
         lines.append(f"budget {_mib(req.memory_budget_bytes)} MiB per rank: {verdict}")
@@ -241,8 +281,18 @@ def _commands(request: ProbeRequest, request_path: Path, out_dir: Path) -> list[
         return [[*run, *nodes, f"--rdzv-endpoint={request.rdzv_endpoint}", "--rdzv-id=agilerl-probe", *worker]]
     endpoint = f"127.0.0.1:{_free_port()}"
     rdzv_id = f"agilerl-probe-{os.getpid()}-{time.monotonic_ns()}"
-    return [[*run, *nodes, f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--node-rank={i}",
-             "--local-addr=127.0.0.1", *worker] for i in range(request.nnodes)]
+    return [
+        [
+            *run,
+            *nodes,
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={rdzv_id}",
+            f"--node-rank={i}",
+            "--local-addr=127.0.0.1",
+            *worker,
+        ]
+        for i in range(request.nnodes)
+    ]
 
 
 def _free_port() -> int:
@@ -312,9 +362,17 @@ def run_probe(
     say(f"launching {request.nproc} rank(s) on {request.device}")
     with log_path.open("wb") as log:
         parent = os.getpid()
-        procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True,
-                                  preexec_fn=lambda: die_with_parent(parent))  # kill -9 of us takes them too
-                 for cmd in _commands(request, request_path, out_dir)]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=run_env,
+                start_new_session=True,
+                preexec_fn=lambda: die_with_parent(parent),
+            )  # kill -9 of us takes them too
+            for cmd in _commands(request, request_path, out_dir)
+        ]
         failure: str | None = None
         failed_at: float | None = None
         try:
@@ -323,8 +381,9 @@ def run_probe(
                 if now - start > request.timeout_s:
                     failure = f"timed out after {request.timeout_s:.0f}s"
                     break
-                if failed_at is None and (any(_failed(p) for p in out_dir.glob("rank*.json"))
-                                          or any(p.poll() not in (None, 0) for p in procs)):
+                if failed_at is None and (
+                    any(_failed(p) for p in out_dir.glob("rank*.json")) or any(p.poll() not in (None, 0) for p in procs)
+                ):
                     failed_at = now
                     say("a rank failed; stopping the others")
                 if failed_at is not None and now - failed_at > failure_grace_s:
@@ -340,12 +399,21 @@ def run_probe(
     ranks = []
     for path in sorted(out_dir.glob("rank*.json")):
         data = json.loads(path.read_text())
-        ranks.append(RankMeasurement(
-            rank=data["rank"], node=data.get("node", 0), phases=data.get("phases", {}), step_seconds=data.get("step_seconds", []),
-            param_bytes=data.get("param_bytes", {}), load_seconds=data.get("load_seconds"), error=data.get("error"),
-            oom=data.get("oom", False), oom_phase=data.get("oom_phase"), moe_rows=data.get("moe_rows", {}),
-            engine=data.get("engine", {}),
-        ))
+        ranks.append(
+            RankMeasurement(
+                rank=data["rank"],
+                node=data.get("node", 0),
+                phases=data.get("phases", {}),
+                step_seconds=data.get("step_seconds", []),
+                param_bytes=data.get("param_bytes", {}),
+                load_seconds=data.get("load_seconds"),
+                error=data.get("error"),
+                oom=data.get("oom", False),
+                oom_phase=data.get("oom_phase"),
+                moe_rows=data.get("moe_rows", {}),
+                engine=data.get("engine", {}),
+            )
+        )
         mb, chunk = data.get("micro_batch_size_per_gpu"), data.get("logprob_chunk_size")
     ranks.sort(key=lambda r: r.rank)
     oom = any(r.oom for r in ranks)
@@ -366,9 +434,17 @@ def run_probe(
                 over[phase] = max(over.get(phase, 0), value)
     say("done" if failure is None else "failed")
     return Measurement(
-        request=request, ok=failure is None, failure=failure, oom=oom, oom_phase=oom_phase, over_budget_phases=over,
-        ranks=ranks, micro_batch_size_per_gpu=mb if ranks else None, logprob_chunk_size=chunk if ranks else None,
-        wall_seconds=wall, work_dir=str(work),
+        request=request,
+        ok=failure is None,
+        failure=failure,
+        oom=oom,
+        oom_phase=oom_phase,
+        over_budget_phases=over,
+        ranks=ranks,
+        micro_batch_size_per_gpu=mb if ranks else None,
+        logprob_chunk_size=chunk if ranks else None,
+        wall_seconds=wall,
+        work_dir=str(work),
     )
 
 

@@ -42,7 +42,15 @@ def _main() -> None:
     request = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", 0))
-    result: dict = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", 0)), "phases": {}, "ok": False, "oom": False, "oom_phase": None, "error": None}
+    result: dict = {
+        "rank": rank,
+        "node": int(os.environ.get("GROUP_RANK", 0)),
+        "phases": {},
+        "ok": False,
+        "oom": False,
+        "oom_phase": None,
+        "error": None,
+    }
     current = {"phase": "load"}
     try:
         _run(request, result, current, out_dir)
@@ -99,8 +107,10 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     def rollout():
         p_len, c_len = workload.prompt_tokens, workload.completion_tokens
         vocab = _vocab_size(agent)
-        prompts = {"input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
-                   "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long)}
+        prompts = {
+            "input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
+            "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long),
+        }
         agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length (the engine too)
         ids, masks = agent.get_action(prompts)
         assert ids.shape[1] == p_len + c_len, ids.shape
@@ -130,8 +140,11 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     result["step_seconds"] = _timed_steps(agent, experiences, device, int(request.get("timed_steps", 3)), current)
     result["tokens_per_step"] = workload.completions_per_step * workload.sequence_tokens
     if budget:
-        over = {name: rec.get("cuda_max_allocated", rec["total"]) for name, rec in result["phases"].items()
-                if rec.get("cuda_max_allocated", rec["total"]) > budget}
+        over = {
+            name: rec.get("cuda_max_allocated", rec["total"])
+            for name, rec in result["phases"].items()
+            if rec.get("cuda_max_allocated", rec["total"]) > budget
+        }
         result["over_budget_phases"] = over
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
 
@@ -143,32 +156,54 @@ def _algorithm_and_arguments(request: dict, workload, fsdp) -> tuple[type, dict]
     import agilerl.algorithms
     from planner.workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 
-    lora = None if workload.full_finetune else LoraConfig(
-        r=workload.lora_rank, lora_alpha=workload.lora_alpha, lora_dropout=0.0,
-        target_modules=list(workload.lora_targets) if isinstance(workload.lora_targets, (list, tuple))
-        else workload.lora_targets, task_type="CAUSAL_LM")
+    lora = (
+        None
+        if workload.full_finetune
+        else LoraConfig(
+            r=workload.lora_rank,
+            lora_alpha=workload.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(workload.lora_targets)
+            if isinstance(workload.lora_targets, (list, tuple))
+            else workload.lora_targets,
+            task_type="CAUSAL_LM",
+        )
+    )
     algorithm = getattr(agilerl.algorithms, ALGORITHM_CLASSES[workload.algorithm])
     kwargs = dict(
-        pad_token_id=0, pad_token="<pad>", lora_config=lora, batch_size=workload.prompts_per_step,
+        pad_token_id=0,
+        pad_token="<pad>",
+        lora_config=lora,
+        batch_size=workload.prompts_per_step,
         micro_batch_size_per_gpu=workload.micro_batch_size_per_gpu,
         logprob_chunk_size=workload.logprob_chunk_size,
         gradient_checkpointing=bool(workload.gradient_checkpointing),
-        load_in_4bit=workload.load_in_4bit, fsdp_config=fsdp, device=request["device"],
-        dtype=workload.weights_dtype, share_prompt_prefix=workload.share_prompt_prefix,
-        attn_implementation=workload.attn_implementation, seed=request.get("seed", 0), lr=1e-4,
+        load_in_4bit=workload.load_in_4bit,
+        fsdp_config=fsdp,
+        device=request["device"],
+        dtype=workload.weights_dtype,
+        share_prompt_prefix=workload.share_prompt_prefix,
+        attn_implementation=workload.attn_implementation,
+        seed=request.get("seed", 0),
+        lr=1e-4,
     )
     if workload.algorithm != "sft":
         kwargs.update(beta=workload.beta, use_separate_reference_adapter=workload.use_separate_reference_adapter)
     if workload.algorithm not in OFFLINE_SEQUENCES:
-        kwargs.update(group_size=workload.group_size, update_epochs=workload.update_epochs,
-                      max_output_tokens=workload.completion_tokens,
-                      gather_weights_for_rollout=bool(workload.gather_weights_for_rollout))
+        kwargs.update(
+            group_size=workload.group_size,
+            update_epochs=workload.update_epochs,
+            max_output_tokens=workload.completion_tokens,
+            gather_weights_for_rollout=bool(workload.gather_weights_for_rollout),
+        )
     if workload.generation == "vllm" and request.get("generate", False):
         from agilerl.utils.algo_utils import VLLMConfig
 
-        kwargs.update(vllm_config=VLLMConfig(**workload.vllm_settings()),
-                      offload_weights_during_rollout=workload.offload_weights_during_rollout,
-                      max_model_len=workload.sequence_tokens)  # the engine's too, unless vllm_max_model_len
+        kwargs.update(
+            vllm_config=VLLMConfig(**workload.vllm_settings()),
+            offload_weights_during_rollout=workload.offload_weights_during_rollout,
+            max_model_len=workload.sequence_tokens,
+        )  # the engine's too, unless vllm_max_model_len
     return algorithm, kwargs
 
 
@@ -190,8 +225,10 @@ def _load(algorithm: type, model: str, kwargs: dict, result: dict):
         agent = algorithm(model, **kwargs)
     result["load_seconds"] = time.perf_counter() - start
     dev = device_of(agent.model)
-    load = {"host_peak": host_peak_bytes(),
-            "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0))}
+    load = {
+        "host_peak": host_peak_bytes(),
+        "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0)),
+    }
     load.update(param_bytes(agent.model))
     reference = param_bytes(agent.reference_model) if agent.reference_model is not None else {}
     if reference:
@@ -290,8 +327,10 @@ def _moe_rows(model) -> dict[str, float]:
         return {}
     stats = layout.stats()
     blocks = sum(s.num_token_blocks for s in stats)
-    return {"max_block": float(max(s.max_rows_received for s in stats)),
-            "mean_block": sum(s.num_rows_received for s in stats) / max(1, blocks)}
+    return {
+        "max_block": float(max(s.max_rows_received for s in stats)),
+        "mean_block": sum(s.num_rows_received for s in stats) / max(1, blocks),
+    }
 
 
 def _fault_injection(rank: int, variable: str = "AGILERL_PROBE_KILL") -> str | None:

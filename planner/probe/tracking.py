@@ -202,8 +202,10 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
                 if isinstance(module, FSDPModule):
                     group = module._get_fsdp_state()._fsdp_param_group
                     if group is not None:
-                        self._agilerl_groups[id(group)] = (group, {k: group.__dict__.get(k)
-                                                                   for k in ("pre_backward", "post_backward")})
+                        self._agilerl_groups[id(group)] = (
+                            group,
+                            {k: group.__dict__.get(k) for k in ("pre_backward", "post_backward")},
+                        )
             entered = super().__enter__()
             # Gradients accumulated by earlier micro-batches (defer_grad_sync) predate this
             # tracker; register them, or its post-backward bookkeeping cannot find them.
@@ -233,8 +235,10 @@ def _accumulated_gradients(group) -> list[torch.Tensor]:
     out = []
     for fsdp_param in group.fsdp_params:
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        for grad in (getattr(unsharded, "grad", None) if unsharded is not None else None,
-                     getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+        for grad in (
+            getattr(unsharded, "grad", None) if unsharded is not None else None,
+            getattr(fsdp_param, "unsharded_accumulated_grad", None),
+        ):
             if grad is not None:
                 out.append(grad)
     return out
@@ -312,8 +316,15 @@ class PhaseRecorder:
 
         layout = fsdp_layout(self.model)
         self.fsdp_categories = self.sharded and (layout is None or layout.config.wrap_every_n_blocks == 1)
-        self.replicated_lora = sum(_local(p).numel() * p.element_size() for n, p in self.model.named_parameters()
-                                   if ".lora_" in n and not isinstance(p, DTensor)) if self.sharded else 0
+        self.replicated_lora = (
+            sum(
+                _local(p).numel() * p.element_size()
+                for n, p in self.model.named_parameters()
+                if ".lora_" in n and not isinstance(p, DTensor)
+            )
+            if self.sharded
+            else 0
+        )
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -346,9 +357,16 @@ class PhaseRecorder:
         masters = self._device_masters()
         self._master_bytes = sum(_local(t).numel() * t.element_size() for t in masters)
         inner = getattr(self.optimizer, "inner", None)
-        self._inner_state_bytes = sum(v.numel() * v.element_size() for state in inner.state.values()
-                                      for v in state.values() if isinstance(v, torch.Tensor)
-                                      and v.device.type == self.device.type) if masters and inner is not None else 0
+        self._inner_state_bytes = (
+            sum(
+                v.numel() * v.element_size()
+                for state in inner.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.device.type == self.device.type
+            )
+            if masters and inner is not None
+            else 0
+        )
         try:
             with tracker:
                 yield
@@ -373,8 +391,9 @@ class PhaseRecorder:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.optimizer is not None:
-            tensors += [v for state in self.optimizer.state.values() for v in state.values()
-                        if isinstance(v, torch.Tensor)]
+            tensors += [
+                v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            ]
             # an offloading optimizer's host state is reported apart (host_optimizer_state); the fp32
             # masters of one on the device are resident tensors like any other (moved to optimizer_state
             # in the record)
@@ -397,8 +416,20 @@ class PhaseRecorder:
             if torch.device(dev).type == self.device.type:
                 device_snap = {getattr(k, "value", k): int(v) for k, v in values.items()}
         record = dict.fromkeys(
-            ["weights", "weights_gathered", "weights_replicated", "lora", "reference_weights", "gradients",
-             "optimizer_state", "activations", "logits", "comm_buffers"], 0)
+            [
+                "weights",
+                "weights_gathered",
+                "weights_replicated",
+                "lora",
+                "reference_weights",
+                "gradients",
+                "optimizer_state",
+                "activations",
+                "logits",
+                "comm_buffers",
+            ],
+            0,
+        )
         record.update(self.static)
         tracked_params = 0
         for category, nbytes in device_snap.items():

@@ -48,16 +48,19 @@ class CalibrationReport(BaseModel):
         if self.error_before is None:
             return f"calibration: {self.note}"
         where = "in-sample" if self.in_sample else f"on {self.num_held_out} held-out trial(s)"
-        return (f"calibration: peak error {where}: before {self.error_before:.1%} (max {self.max_error_before:.1%}), "
-                f"after {self.error_after:.1%} (max {self.max_error_after:.1%}); fitted on {self.num_fit}. "
-                f"{self.note}")
+        return (
+            f"calibration: peak error {where}: before {self.error_before:.1%} (max {self.max_error_before:.1%}), "
+            f"after {self.error_after:.1%} (max {self.max_error_after:.1%}); fitted on {self.num_fit}. "
+            f"{self.note}"
+        )
 
 
 def _samples(trials: list[Any], spec: ModelSpec, cluster: Cluster) -> list[Sample]:
     # The probe's per-phase "total" counts tensors only: compare it with the estimate without the
     # GPU-only terms (context, allocator slack, NCCL), which these samples cannot fit.
-    tracked = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"kind": "cpu",
-                                                                              "cuda_context_bytes": 0})})
+    tracked = cluster.model_copy(
+        update={"gpu": cluster.gpu.model_copy(update={"kind": "cpu", "cuda_context_bytes": 0})}
+    )
     out = []
     for t in sorted(trials, key=lambda t: t.number):
         measured = {ph: v for ph, v in (t.user_attrs.get("measured_phases") or {}).items() if v > 0}
@@ -74,23 +77,27 @@ def _errors(samples: list[Sample], coefficients: Coefficients) -> tuple[float, f
     return sum(errs) / len(errs), max(errs)
 
 
-def calibrate(trials: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficients: Coefficients | None,
-              save: bool = True) -> CalibrationReport:
+def calibrate(
+    trials: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficients: Coefficients | None, save: bool = True
+) -> CalibrationReport:
     """Fit, judge and (when no worse) save the coefficients for ``cluster.gpu`` from launched trials."""
     current = coefficients or Coefficients()
     samples = _samples(trials, spec, cluster)
     n = len(samples)
     if n == 0:
-        return CalibrationReport(num_samples=0, num_fit=0, num_held_out=0, in_sample=True,
-                                 note="no measured trials to calibrate from")
+        return CalibrationReport(
+            num_samples=0, num_fit=0, num_held_out=0, in_sample=True, note="no measured trials to calibrate from"
+        )
     if n >= MIN_FOR_HOLDOUT:
         held = [s for i, s in enumerate(samples) if i % 3 == 2]
         fit_on = [s for i, s in enumerate(samples) if i % 3 != 2]
         judged, in_sample, note = held, False, ""
     else:
         fit_on, judged, in_sample = samples, samples, True
-        note = (f"only {n} measured trial(s), fewer than {MIN_FOR_HOLDOUT}: none held out, so these errors "
-                "flatter the fit; ")
+        note = (
+            f"only {n} measured trial(s), fewer than {MIN_FOR_HOLDOUT}: none held out, so these errors "
+            "flatter the fit; "
+        )
     fitted = fit_coefficients(fit_on, start=current)
     before, max_before = _errors(judged, current)
     after, max_after = _errors(judged, fitted)
@@ -104,7 +111,15 @@ def calibrate(trials: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficie
         note += "not saved (calibration off)."
     else:
         note += "not saved: the fit is worse than the coefficients in use on the judged trials."
-    return CalibrationReport(num_samples=n, num_fit=len(fit_on), num_held_out=0 if in_sample else len(judged),
-                             in_sample=in_sample, error_before=before, error_after=after,
-                             max_error_before=max_before, max_error_after=max_after, saved_path=saved,
-                             note=note.strip())
+    return CalibrationReport(
+        num_samples=n,
+        num_fit=len(fit_on),
+        num_held_out=0 if in_sample else len(judged),
+        in_sample=in_sample,
+        error_before=before,
+        error_after=after,
+        max_error_before=max_before,
+        max_error_after=max_after,
+        saved_path=saved,
+        note=note.strip(),
+    )

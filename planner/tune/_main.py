@@ -58,8 +58,11 @@ def tune_main(
 
         have = torch.cuda.device_count()
         if have < request.cluster.num_gpus:
-            print(f"error: --gpus {request.cluster.num_gpus} but this machine has {have} GPU(s): every trial runs on "
-                  "this machine", file=sys.stderr)
+            print(
+                f"error: --gpus {request.cluster.num_gpus} but this machine has {have} GPU(s): every trial runs on "
+                "this machine",
+                file=sys.stderr,
+            )
             return 2
     fmt = getattr(args, "format", "table")
 
@@ -68,16 +71,30 @@ def tune_main(
 
     try:
         result = tune(
-            spec=spec, model=model, request=request, coefficients=coefficients_for(request.cluster.gpu),
-            device=device, max_trials=args.trials, timeout_s=args.timeout, storage=args.storage,
-            study_name=args.study_name, trial_timeout_s=args.trial_timeout, timed_steps=args.timed_steps,
-            generate=False if args.skip_rollout else None, seed=args.seed,
-            heartbeat_interval_s=args.heartbeat_interval, calibration=not args.no_calibration,
-            confirm=args.confirm, probe=probe,
-            progress=say)
+            spec=spec,
+            model=model,
+            request=request,
+            coefficients=coefficients_for(request.cluster.gpu),
+            device=device,
+            max_trials=args.trials,
+            timeout_s=args.timeout,
+            storage=args.storage,
+            study_name=args.study_name,
+            trial_timeout_s=args.trial_timeout,
+            timed_steps=args.timed_steps,
+            generate=False if args.skip_rollout else None,
+            seed=args.seed,
+            heartbeat_interval_s=args.heartbeat_interval,
+            calibration=not args.no_calibration,
+            confirm=args.confirm,
+            probe=probe,
+            progress=say,
+        )
     except KeyboardInterrupt:
-        say("interrupted: the running trial is marked FAIL and its processes are gone; "
-            "run the same command again to resume")
+        say(
+            "interrupted: the running trial is marked FAIL and its processes are gone; "
+            "run the same command again to resume"
+        )
         return 130
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -91,23 +108,31 @@ def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
 
     best_number = result.best.number if result.best is not None else None
     table = trials_table(result.trials, best_numbers=tuple(t.number for t in result.best_runs))
-    summary = (f"study {result.study_name!r} ({result.storage}): {result.num_launched} trial(s) launched, "
-               f"{len(result.trials)} in all; stopped: {result.stop_reason}")
+    summary = (
+        f"study {result.study_name!r} ({result.storage}): {result.num_launched} trial(s) launched, "
+        f"{len(result.trials)} in all; stopped: {result.stop_reason}"
+    )
     if output and result.best_plan is not None:
         Path(output).write_text(emit.manifest_yaml(result.best_plan))
     if fmt == "json":
-        print(json.dumps({
-            "study_name": result.study_name,
-            "storage": result.storage,
-            "stop_reason": result.stop_reason,
-            "num_launched": result.num_launched,
-            "trials": [trial_json(t) for t in result.trials],
-            "best_trial": best_number,
-            "best_trials": [t.number for t in result.best_runs],
-            "best_tokens_per_second": result.best_tokens_per_second,
-            "best": emit.plan_json(result.best_plan) if result.best_plan is not None else None,
-            "calibration": result.calibration.model_dump() if result.calibration else None,
-        }, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "study_name": result.study_name,
+                    "storage": result.storage,
+                    "stop_reason": result.stop_reason,
+                    "num_launched": result.num_launched,
+                    "trials": [trial_json(t) for t in result.trials],
+                    "best_trial": best_number,
+                    "best_trials": [t.number for t in result.best_runs],
+                    "best_tokens_per_second": result.best_tokens_per_second,
+                    "best": emit.plan_json(result.best_plan) if result.best_plan is not None else None,
+                    "calibration": result.calibration.model_dump() if result.calibration else None,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         return
     if fmt in ("yaml", "python"):
         # stdout carries only the artefact; the account of the trials goes to stderr.

@@ -43,7 +43,6 @@ INFEASIBLE_FAILURE = 1.0
 STATUSES = ("fits", "over_budget", "rejected", "oom", "crashed", "repeat", "interrupted")
 
 
-
 def set_constraint(trial: Any, value: float) -> None:
     """Record the memory constraint where the sampler reads it (and as a user attribute for tables).
 
@@ -90,9 +89,15 @@ class Objective:
         confirming = "confirm_of" in trial.user_attrs  # a queued second run of a measured candidate
         candidate = suggest_candidate(trial, self.space)
         est = estimate(self.spec, candidate.workload, self.cluster, candidate.fsdp, coefficients=self.coefficients)
-        for key, value in {"key": candidate.key, "knobs": candidate.knobs(), "estimated_peak_bytes": est.peak_bytes,
-                           "estimated_peak_phase": est.peak_phase, "budget_bytes": self.budget_bytes,
-                           "limit_bytes": self.limit_bytes, "launched": False}.items():
+        for key, value in {
+            "key": candidate.key,
+            "knobs": candidate.knobs(),
+            "estimated_peak_bytes": est.peak_bytes,
+            "estimated_peak_phase": est.peak_phase,
+            "budget_bytes": self.budget_bytes,
+            "limit_bytes": self.limit_bytes,
+            "launched": False,
+        }.items():
             trial.set_user_attr(key, value)
         earlier = self.previous(candidate.key) if self.previous and not confirming else None
         if earlier is None and self.claim is not None and not confirming:
@@ -108,8 +113,11 @@ class Objective:
             return self._repeat(trial, earlier)
         if est.peak_bytes > self.budget_bytes:  # the gate of admits()
             trial.set_user_attr("status", "rejected")
-            trial.set_user_attr("why", f"estimated peak {fmt_bytes(est.peak_bytes)} in {est.peak_phase} over the "
-                                       f"{fmt_bytes(self.budget_bytes)} budget: not launched")
+            trial.set_user_attr(
+                "why",
+                f"estimated peak {fmt_bytes(est.peak_bytes)} in {est.peak_phase} over the "
+                f"{fmt_bytes(self.budget_bytes)} budget: not launched",
+            )
             set_constraint(trial, (est.peak_bytes - self.limit_bytes) / self.budget_bytes)
             return 0.0
         request = self.request.model_copy(update={"workload": candidate.workload, "fsdp": candidate.fsdp})
@@ -117,8 +125,14 @@ class Objective:
         return self._record(trial, self.probe(request))
 
     def _repeat(self, trial: Any, earlier: dict[str, Any]) -> float:
-        for key in ("peak_bytes", "peak_phase", "step_seconds_median", "step_seconds_spread", "tokens_per_second",
-                    "why"):
+        for key in (
+            "peak_bytes",
+            "peak_phase",
+            "step_seconds_median",
+            "step_seconds_spread",
+            "tokens_per_second",
+            "why",
+        ):
             if key in earlier:
                 trial.set_user_attr(key, earlier[key])
         trial.set_user_attr("status", "repeat")
@@ -139,16 +153,24 @@ class Objective:
             return 0.0
         phases = sorted({ph for r in m.ranks for ph in r.phases})
         tokens = m.tokens_per_second or 0.0
-        for key, value in {"peak_bytes": m.peak_bytes, "peak_phase": m.peak_phase,
-                           "step_seconds_median": m.step_seconds_median, "step_seconds_spread": m.step_seconds_spread,
-                           "tokens_per_second": tokens, "step_seconds": m.step_seconds,
-                           "measured_phases": {ph: m.phase_total(ph) for ph in phases}}.items():
+        for key, value in {
+            "peak_bytes": m.peak_bytes,
+            "peak_phase": m.peak_phase,
+            "step_seconds_median": m.step_seconds_median,
+            "step_seconds_spread": m.step_seconds_spread,
+            "tokens_per_second": tokens,
+            "step_seconds": m.step_seconds,
+            "measured_phases": {ph: m.phase_total(ph) for ph in phases},
+        }.items():
             trial.set_user_attr(key, value)
         violation = (m.peak_bytes - self.limit_bytes) / self.budget_bytes
         if violation > 0:
             trial.set_user_attr("status", "over_budget")
-            trial.set_user_attr("why", f"measured peak {fmt_bytes(m.peak_bytes)} in {m.peak_phase} over the "
-                                       f"{fmt_bytes(self.limit_bytes)} limit (budget less the margin)")
+            trial.set_user_attr(
+                "why",
+                f"measured peak {fmt_bytes(m.peak_bytes)} in {m.peak_phase} over the "
+                f"{fmt_bytes(self.limit_bytes)} limit (budget less the margin)",
+            )
         else:
             trial.set_user_attr("status", "fits")
         set_constraint(trial, violation)

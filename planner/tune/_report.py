@@ -74,8 +74,7 @@ def trials_table(trials: list[Any], *, best_numbers: tuple[int, ...] = ()) -> st
         for k, v in knobs.items():
             all_knobs.setdefault(k, set()).add(repr(v))
     # A knob is "the same in every trial" only where every trial has it (FSDP knobs are absent unsharded).
-    same = {k: next(iter(v)) for k, v in all_knobs.items()
-            if len(v) == 1 and all(k in knobs for knobs in with_knobs)}
+    same = {k: next(iter(v)) for k, v in all_knobs.items() if len(v) == 1 and all(k in knobs for knobs in with_knobs)}
     varying = [k for k in all_knobs if k not in same]
     fixed = same
     rows = [("#", "params", "state", "est. peak", "peak", "step s", "tokens/s", "why infeasible")]
@@ -89,10 +88,18 @@ def trials_table(trials: list[Any], *, best_numbers: tuple[int, ...] = ()) -> st
         mark = "*" if t.number in best_numbers else ""
         step = a.get("step_seconds_median")
         tokens = a.get("tokens_per_second")
-        rows.append((f"{t.number}{mark}", _knobs(t, varying), status, fmt_bytes(a.get("estimated_peak_bytes")),
-                     fmt_bytes(a.get("peak_bytes")), f"{step:.3f}" if step is not None else "-",
-                     f"{tokens:,.0f}" if tokens else "-",
-                     "" if a.get("status") in ("fits", "repeat") else (a.get("why") or "")[:90]))
+        rows.append(
+            (
+                f"{t.number}{mark}",
+                _knobs(t, varying),
+                status,
+                fmt_bytes(a.get("estimated_peak_bytes")),
+                fmt_bytes(a.get("peak_bytes")),
+                f"{step:.3f}" if step is not None else "-",
+                f"{tokens:,.0f}" if tokens else "-",
+                "" if a.get("status") in ("fits", "repeat") else (a.get("why") or "")[:90],
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     if fixed:

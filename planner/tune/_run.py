@@ -139,12 +139,22 @@ def _candidate(trial: Any) -> Candidate:
     from agilerl.distributed import FSDPConfig
 
     key = json.loads(trial.user_attrs["key"])
-    return Candidate(fsdp=FSDPConfig.model_validate(key["fsdp"]) if key["fsdp"] is not None else None,
-                     workload=Workload.model_validate(key["workload"]))
+    return Candidate(
+        fsdp=FSDPConfig.model_validate(key["fsdp"]) if key["fsdp"] is not None else None,
+        workload=Workload.model_validate(key["workload"]),
+    )
 
 
-def tuned_plan(runs: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficients: Coefficients | None,
-               margin_fraction: float, num_launched: int, planner_runs: list[Any] | None = None) -> Plan:
+def tuned_plan(
+    runs: list[Any],
+    *,
+    spec: ModelSpec,
+    cluster: Cluster,
+    coefficients: Coefficients | None,
+    margin_fraction: float,
+    num_launched: int,
+    planner_runs: list[Any] | None = None,
+) -> Plan:
     """A :class:`Plan` for a measured candidate (its trials, ``runs``), so the planner's emitters
     (table, JSON, manifest) work unchanged.
 
@@ -153,8 +163,15 @@ def tuned_plan(runs: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficien
     trial = runs[0]
     c = _candidate(trial)
     fixed = c.fsdp.model_dump() if c.fsdp is not None else {}
-    base = plan(spec, c.workload, cluster, fixed=fixed, sharding="fsdp" if c.fsdp else "none",
-                coefficients=coefficients, margin_fraction=margin_fraction)
+    base = plan(
+        spec,
+        c.workload,
+        cluster,
+        fixed=fixed,
+        sharding="fsdp" if c.fsdp else "none",
+        coefficients=coefficients,
+        margin_fraction=margin_fraction,
+    )
     a = trial.user_attrs
     tokens = median_tokens(runs)
     numbers = ", ".join(f"#{t.number}" for t in runs)
@@ -163,14 +180,26 @@ def tuned_plan(runs: list[Any], *, spec: ModelSpec, cluster: Cluster, coefficien
     if planner_runs and all(t.user_attrs["status"] == "fits" for t in planner_runs):
         ref = median_tokens(planner_runs)
         gain = tokens / ref - 1 if ref else 0.0
-        decisions.append(Decision(field="tuner", value=f"{gain:+.1%}", reason=(
-            f"the planner's own pick (trial #{planner_runs[0].number}) measured {ref:,.0f} tokens/s")))
+        decisions.append(
+            Decision(
+                field="tuner",
+                value=f"{gain:+.1%}",
+                reason=(f"the planner's own pick (trial #{planner_runs[0].number}) measured {ref:,.0f} tokens/s"),
+            )
+        )
     peak = max(runs, key=lambda t: t.user_attrs["peak_bytes"]).user_attrs
     many = f" (median of {len(runs)} runs)" if len(runs) > 1 else ""
-    decisions.append(Decision(field="fits", value=True, reason=(
-        f"measured peak {fmt_bytes(peak['peak_bytes'])} per rank in phase {peak['peak_phase']}, within the "
-        f"{fmt_bytes(a['limit_bytes'])} limit ({fmt_bytes(a['budget_bytes'])} less the {margin_fraction:.0%} "
-        f"margin); {tokens:,.0f} tokens/s{many}")))
+    decisions.append(
+        Decision(
+            field="fits",
+            value=True,
+            reason=(
+                f"measured peak {fmt_bytes(peak['peak_bytes'])} per rank in phase {peak['peak_phase']}, within the "
+                f"{fmt_bytes(a['limit_bytes'])} limit ({fmt_bytes(a['budget_bytes'])} less the {margin_fraction:.0%} "
+                f"margin); {tokens:,.0f} tokens/s{many}"
+            ),
+        )
+    )
     return base.model_copy(update={"fits": True, "decisions": tuple(decisions), "suggestions": ()})
 
 
@@ -216,32 +245,44 @@ def tune(
     killed = kill_orphans()
     if killed:
         say(f"killed {len(killed)} process(es) left behind by a tuner that died: {killed}")
-    store = open_storage("memory" if storage is None else storage, heartbeat_interval_s=heartbeat_interval_s)
-    parts = {"model": model, "cluster": cluster.model_dump(mode="json"), "workload": workload.model_dump(mode="json"),
-             "fixed": fixed, "sharding": sharding, "device": device, "margin": margin_fraction, "generate": generate}
-    if study_name is not None and not study_name.strip():
-        raise ValueError("--study-name is empty: give a name, or leave it out for one derived from the run")
-    name = study_name or default_study_name(model, parts)
-    study = create_study(storage=store, study_name=name, seed=seed,
-                         n_startup_trials=max(1, min(10, max_trials // 3)))
-    spec_digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
-    check_fingerprint(study, {**parts, "spec": spec_digest, "timed_steps": timed_steps})
-    stale = [t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") is None
-             and t.state.name == "FAIL"]
-    url = storage_url("memory" if storage is None else storage)
-    where = "memory" if url is None else redact(url)
-    say(f"study {name!r} in {where}: {len(launched_trials(study))} trial(s) measured before"
-        + (f"; trial(s) {stale} lost their tuner mid-run and are FAIL" if stale else ""))
+    store, study, name = _open_study(
+        spec,
+        model,
+        request,
+        device=device,
+        generate=generate,
+        storage=storage,
+        study_name=study_name,
+        seed=seed,
+        max_trials=max_trials,
+        timed_steps=timed_steps,
+        heartbeat_interval_s=heartbeat_interval_s,
+        say=say,
+    )
 
-    picked = plan(spec, workload, cluster, fixed=fixed, sharding=sharding, coefficients=coefficients,
-                  margin_fraction=margin_fraction)
+    picked = plan(
+        spec,
+        workload,
+        cluster,
+        fixed=fixed,
+        sharding=sharding,
+        coefficients=coefficients,
+        margin_fraction=margin_fraction,
+    )
     if enqueue_planner_pick(study, plan_params(space, picked) if picked.fits else None):
         say("the planner's pick is the first trial")
     # A cluster of several nodes is emulated on this host: one torchrun agent per node, c10d rendezvous.
-    probe_request = ProbeRequest(model=probe_model(model), workload=workload, nproc=cluster.num_gpus,
-                                 nnodes=cluster.num_nodes, device=device,
-                                 generate=generate, memory_budget_bytes=cluster.gpu.memory_bytes,
-                                 timeout_s=trial_timeout_s, timed_steps=timed_steps)
+    probe_request = ProbeRequest(
+        model=probe_model(model),
+        workload=workload,
+        nproc=cluster.num_gpus,
+        nnodes=cluster.num_nodes,
+        device=device,
+        generate=generate,
+        memory_budget_bytes=cluster.gpu.memory_bytes,
+        timeout_s=trial_timeout_s,
+        timed_steps=timed_steps,
+    )
     if probe is None:
         from ..probe import run_probe
 
@@ -251,20 +292,35 @@ def tune(
 
     def launch(req: ProbeRequest) -> Measurement:
         knobs = " ".join(f"{k}={v}" for k, v in Candidate(fsdp=req.fsdp, workload=req.workload).knobs().items())
-        say(f"trial {_num_launched(finished(study)) + 1}/{max_trials}: launching {req.nproc} rank(s) on "
-            f"{req.device}: {knobs}")
+        say(
+            f"trial {_num_launched(finished(study)) + 1}/{max_trials}: launching {req.nproc} rank(s) on "
+            f"{req.device}: {knobs}"
+        )
         return run(req)
 
-    objective = Objective(space=space, spec=spec, cluster=cluster, coefficients=coefficients,
-                          margin_fraction=margin_fraction, request=probe_request, probe=launch,
-                          previous=earlier_result(study),
-                          claim=launch_claim(study, store, max_launches=max_trials - max(0, min(confirm, max_trials // 4))))
+    objective = Objective(
+        space=space,
+        spec=spec,
+        cluster=cluster,
+        coefficients=coefficients,
+        margin_fraction=margin_fraction,
+        request=probe_request,
+        probe=launch,
+        previous=earlier_result(study),
+        claim=launch_claim(study, store, max_launches=max_trials - max(0, min(confirm, max_trials // 4))),
+    )
 
     def on_trial(frozen: Any) -> None:
         done = finished(study)
         best = _best(done)
-        say(progress_line(frozen, launched=_num_launched(done), max_launches=max_trials,
-                          best=(best[0], median_tokens(best), len(best)) if best else None))
+        say(
+            progress_line(
+                frozen,
+                launched=_num_launched(done),
+                max_launches=max_trials,
+                best=(best[0], median_tokens(best), len(best)) if best else None,
+            )
+        )
 
     points = grid(space)
     admissible = None
@@ -281,6 +337,83 @@ def tune(
             say(f"measuring the {queued} fastest fitting candidate(s) once more (the pick is by median)")
         reason = run_trials(study, objective, max_launches=max_trials, timeout_s=left, **common)
     say(f"stopped: {reason}")
+    return _result(
+        study,
+        name,
+        storage,
+        spec=spec,
+        request=request,
+        coefficients=coefficients,
+        calibration=calibration,
+        reason=reason,
+    )
+
+
+def _open_study(
+    spec: ModelSpec,
+    model: str,
+    request: PlanRequest,
+    *,
+    device: str,
+    generate: bool,
+    storage: str | None,
+    study_name: str | None,
+    seed: int | None,
+    max_trials: int,
+    timed_steps: int,
+    heartbeat_interval_s: int,
+    say: Callable[[str], None],
+) -> tuple[Any, Any, str]:
+    """Create or resume the study for this run (refusing one built for another run); say what it holds."""
+    workload, cluster = request.workload, request.cluster
+    store = open_storage("memory" if storage is None else storage, heartbeat_interval_s=heartbeat_interval_s)
+    parts = {
+        "model": model,
+        "cluster": cluster.model_dump(mode="json"),
+        "workload": workload.model_dump(mode="json"),
+        "fixed": dict(request.fixed),
+        "sharding": request.sharding,
+        "device": device,
+        "margin": request.margin_fraction,
+        "generate": generate,
+    }
+    if study_name is not None and not study_name.strip():
+        raise ValueError("--study-name is empty: give a name, or leave it out for one derived from the run")
+    name = study_name or default_study_name(model, parts)
+    study = create_study(storage=store, study_name=name, seed=seed, n_startup_trials=max(1, min(10, max_trials // 3)))
+    spec_digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
+    check_fingerprint(study, {**parts, "spec": spec_digest, "timed_steps": timed_steps})
+    stale = [
+        t.number
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("status") is None and t.state.name == "FAIL"
+    ]
+    say(
+        f"study {name!r} in {_where(storage)}: {len(launched_trials(study))} trial(s) measured before"
+        + (f"; trial(s) {stale} lost their tuner mid-run and are FAIL" if stale else "")
+    )
+    return store, study, name
+
+
+def _where(storage: str | None) -> str:
+    """The study's storage as it may be printed (a password redacted)."""
+    url = storage_url("memory" if storage is None else storage)
+    return "memory" if url is None else redact(url)
+
+
+def _result(
+    study: Any,
+    name: str,
+    storage: str | None,
+    *,
+    spec: ModelSpec,
+    request: PlanRequest,
+    coefficients: Coefficients | None,
+    calibration: bool,
+    reason: str,
+) -> TuneResult:
+    """The finished study: the best measured config as a plan, the planner's own trial, the calibration."""
+    cluster = request.cluster
     trials = study.get_trials(deepcopy=False)
     best = _best(trials)
     planner_trial = next((t for t in finished(study) if t.user_attrs.get("source") == "planner"), None)
@@ -290,9 +423,24 @@ def tune(
         report = calibrate(launched_trials(study), spec=spec, cluster=cluster, coefficients=coefficients)
     best_plan = None
     if best is not None:
-        best_plan = tuned_plan(best, spec=spec, cluster=cluster, coefficients=coefficients,
-                               margin_fraction=margin_fraction, num_launched=_num_launched(trials),
-                               planner_runs=planner_runs)
-    return TuneResult(study_name=name, storage=where, cluster=cluster, trials=trials,
-                      best=best[0] if best else None, best_runs=best or [], best_plan=best_plan,
-                      planner_trial=planner_trial, calibration=report, stop_reason=reason)
+        best_plan = tuned_plan(
+            best,
+            spec=spec,
+            cluster=cluster,
+            coefficients=coefficients,
+            margin_fraction=request.margin_fraction,
+            num_launched=_num_launched(trials),
+            planner_runs=planner_runs,
+        )
+    return TuneResult(
+        study_name=name,
+        storage=_where(storage),
+        cluster=cluster,
+        trials=trials,
+        best=best[0] if best else None,
+        best_runs=best or [],
+        best_plan=best_plan,
+        planner_trial=planner_trial,
+        calibration=report,
+        stop_reason=reason,
+    )

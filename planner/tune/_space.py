@@ -22,13 +22,32 @@ from ..memory import DTYPE_BYTES, expert_parallel_degrees, row_wise_experts, ten
 from ..spec import ModelSpec
 from ..workload import OFFLINE_SEQUENCES, Workload
 
-__all__ = ["Candidate", "Space", "FSDP_KNOBS", "TUNED_FSDP", "WORKLOAD_KNOBS", "search_space", "suggest_candidate", "grid",
-           "plan_params"]
+__all__ = [
+    "Candidate",
+    "Space",
+    "FSDP_KNOBS",
+    "TUNED_FSDP",
+    "WORKLOAD_KNOBS",
+    "search_space",
+    "suggest_candidate",
+    "grid",
+    "plan_params",
+]
 
 #: FSDPConfig fields the planner fills, in the order it relaxes them (cpu_offload and defer_grad_sync are
 #: searched for full fine-tuning only, the last two for MoE models only).
-FSDP_KNOBS = ("cpu_offload", "optim_cpu_offload", "defer_grad_sync", "shard_group_size", "reshard_after_forward",
-              "wrap_every_n_blocks", "prefetch_units", "backward_prefetch_units", "ep", "routed_expert_chunk_mib")
+FSDP_KNOBS = (
+    "cpu_offload",
+    "optim_cpu_offload",
+    "defer_grad_sync",
+    "shard_group_size",
+    "reshard_after_forward",
+    "wrap_every_n_blocks",
+    "prefetch_units",
+    "backward_prefetch_units",
+    "ep",
+    "routed_expert_chunk_mib",
+)
 #: FSDPConfig fields the tuner sets: the planner's, and tp (searched for MoE models only).
 TUNED_FSDP = (*FSDP_KNOBS, "tp")
 #: Knobs shown in tables only when searched or not at their default (dense models never have them).
@@ -52,15 +71,25 @@ class Candidate(BaseModel):
     @property
     def key(self) -> str:
         """Identity of the configuration (equal keys measure the same run)."""
-        return json.dumps({"fsdp": self.fsdp.model_dump(mode="json") if self.fsdp else None,
-                           "workload": self.workload.model_dump(mode="json")}, sort_keys=True)
+        return json.dumps(
+            {
+                "fsdp": self.fsdp.model_dump(mode="json") if self.fsdp else None,
+                "workload": self.workload.model_dump(mode="json"),
+            },
+            sort_keys=True,
+        )
 
     def knobs(self) -> dict[str, Any]:
         """The tuned fields and their values, for tables."""
         out: dict[str, Any] = {"sharding": "fsdp" if self.fsdp else "none"}
         if self.fsdp:
-            out.update({k: getattr(self.fsdp, k) for k in TUNED_FSDP
-                        if k not in _MOE_KNOBS or getattr(self.fsdp, k) != FSDPConfig.model_fields[k].default})
+            out.update(
+                {
+                    k: getattr(self.fsdp, k)
+                    for k in TUNED_FSDP
+                    if k not in _MOE_KNOBS or getattr(self.fsdp, k) != FSDPConfig.model_fields[k].default
+                }
+            )
         out.update({k: getattr(self.workload, k) for k in WORKLOAD_KNOBS})
         return out
 
@@ -112,8 +141,14 @@ def _chunks(max_rows: int) -> tuple[int, ...]:
 def _expert_chunks(spec: ModelSpec, workload: Workload, max_micro: int, param_dtype: str) -> tuple[int, ...]:
     """EXPERT_CHUNKS_MIB up to the first that holds a micro-batch's routed rows at once."""
     moe = [b.mlp for b in spec.block_types.values() if b.mlp.kind == "moe"]
-    need = max(max_micro * workload.sequence_tokens * m.experts_per_token
-               * max(2 * m.intermediate_size, spec.hidden_size) * DTYPE_BYTES[param_dtype] for m in moe)
+    need = max(
+        max_micro
+        * workload.sequence_tokens
+        * m.experts_per_token
+        * max(2 * m.intermediate_size, spec.hidden_size)
+        * DTYPE_BYTES[param_dtype]
+        for m in moe
+    )
     out = []
     for chunk in EXPERT_CHUNKS_MIB:
         out.append(chunk)
@@ -133,8 +168,9 @@ def _ep_degrees(spec: ModelSpec, cluster: Cluster) -> tuple[int, ...]:
     return tuple(d for d in expert_parallel_degrees(spec, cluster.num_gpus) if d <= cluster.per_node)
 
 
-def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any],
-                 sharding: str) -> Space:
+def search_space(
+    spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any], sharding: str
+) -> Space:
     """What ``plan(spec, workload, cluster, fixed=fixed, sharding=sharding)`` would choose, as choices.
 
     ``sharding``: "auto" searches sharded and unsharded (data parallel) on more than one GPU;
@@ -168,14 +204,14 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
     full = workload.full_finetune
     offloadable = workload.generation == "vllm" or workload.algorithm in OFFLINE_SEQUENCES
     choices["cpu_offload"] = one_or("cpu_offload", (False, True) if full and offloadable else (False,))
-    choices["optim_cpu_offload"] = ((False,) if fixed.get("cpu_offload")
-                                    else one_or("optim_cpu_offload", (False, True)))
+    choices["optim_cpu_offload"] = (False,) if fixed.get("cpu_offload") else one_or("optim_cpu_offload", (False, True))
     choices["defer_grad_sync"] = one_or("defer_grad_sync", (False, True) if full else (True,))
     per_node = cluster.per_node
     choices["shard_group_size"] = one_or("shard_group_size", (None, per_node) if cluster.num_nodes > 1 else (None,))
     choices["reshard_after_forward"] = one_or("reshard_after_forward", (True, False))
-    choices["wrap_every_n_blocks"] = one_or("wrap_every_n_blocks",
-                                            tuple(w for w in (1, 2, 4) if w <= max(1, spec.num_layers)))
+    choices["wrap_every_n_blocks"] = one_or(
+        "wrap_every_n_blocks", tuple(w for w in (1, 2, 4) if w <= max(1, spec.num_layers))
+    )
     choices["prefetch_units"] = one_or("prefetch_units", (1, 2))
     choices["backward_prefetch_units"] = one_or("backward_prefetch_units", (1, 2))
 
@@ -188,12 +224,14 @@ def search_space(spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed
     if row_wise_experts(spec) and "fsdp" in options:
         hsdp_fixed = fixed.get("shard_group_size") is not None
         choices["ep"] = one_or("ep", (1,) if tp > 1 or hsdp_fixed else _ep_degrees(spec, cluster))
-        choices["tp"] = one_or("tp", (1,) if hsdp_fixed or "ep" in fixed and fixed["ep"] > 1
-                               else _tp_degrees(spec, workload, cluster))
+        choices["tp"] = one_or(
+            "tp", (1,) if hsdp_fixed or "ep" in fixed and fixed["ep"] > 1 else _tp_degrees(spec, workload, cluster)
+        )
         dtype = fixed.get("param_dtype", FSDPConfig.model_fields["param_dtype"].default)
         dtype = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         choices["routed_expert_chunk_mib"] = one_or(
-            "routed_expert_chunk_mib", _expert_chunks(spec, workload, max(choices["micro_batch_size_per_gpu"]), dtype))
+            "routed_expert_chunk_mib", _expert_chunks(spec, workload, max(choices["micro_batch_size_per_gpu"]), dtype)
+        )
     else:
         choices["ep"] = one_or("ep", (1,))
         choices["tp"] = (tp,)
@@ -213,6 +251,7 @@ def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
 
     FSDP knobs are only suggested for sharded candidates (a conditional space).
     """
+
     def pick(name: str) -> Any:
         values = space.choices[name]
         return values[0] if len(values) == 1 else trial.suggest_categorical(name, values)
@@ -223,9 +262,15 @@ def suggest_candidate(trial: SuggestsCategorical, space: Space) -> Candidate:
         params["ep"] = pick("ep") if params["tp"] == 1 else 1
         alone = params["ep"] > 1 or params["tp"] > 1  # neither is combined with HSDP
         params["cpu_offload"] = pick("cpu_offload")
-        params.update({name: pick(name) for name in FSDP_KNOBS
-                       if name not in ("ep", "cpu_offload") and not (name == "shard_group_size" and alone)
-                       and not (name == "optim_cpu_offload" and params["cpu_offload"])})
+        params.update(
+            {
+                name: pick(name)
+                for name in FSDP_KNOBS
+                if name not in ("ep", "cpu_offload")
+                and not (name == "shard_group_size" and alone)
+                and not (name == "optim_cpu_offload" and params["cpu_offload"])
+            }
+        )
     params.update({name: pick(name) for name in WORKLOAD_KNOBS})
     return space.candidate(params)
 
@@ -270,8 +315,9 @@ def plan_params(space: Space, plan: Plan) -> dict[str, Any] | None:
     if value["logprob_chunk_size"] > chunks[-1]:
         value["logprob_chunk_size"] = chunks[-1]  # every chunk past the last runs all rows at once
     if plan.fsdp is None:
-        value.update(ep=1, tp=space.choices["tp"][0],
-                     routed_expert_chunk_mib=space.choices["routed_expert_chunk_mib"][0])
+        value.update(
+            ep=1, tp=space.choices["tp"][0], routed_expert_chunk_mib=space.choices["routed_expert_chunk_mib"][0]
+        )
     chunks_mib = space.choices["routed_expert_chunk_mib"]
     if value["routed_expert_chunk_mib"] is not None and chunks_mib[-1] is not None:
         value["routed_expert_chunk_mib"] = min(value["routed_expert_chunk_mib"], chunks_mib[-1])

@@ -25,8 +25,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_STORAGE", "OWNER_ENV", "storage_url", "open_storage", "default_study_name", "heartbeat",
-           "owner_tag", "kill_orphans", "redact"]
+__all__ = [
+    "DEFAULT_STORAGE",
+    "OWNER_ENV",
+    "storage_url",
+    "open_storage",
+    "default_study_name",
+    "heartbeat",
+    "owner_tag",
+    "kill_orphans",
+    "redact",
+]
 
 DEFAULT_STORAGE = "agilerl-tune.db"
 OWNER_ENV = "AGILERL_TUNE_OWNER"
@@ -40,8 +49,10 @@ def storage_url(text: str | None) -> str | None:
     a SQLAlchemy URL. Raises ValueError saying which forms are accepted.
     """
     text = (text if text is not None else DEFAULT_STORAGE).strip()
-    accepted = ("expected a SQLite file path (default ./agilerl-tune.db), 'memory', or a SQLAlchemy URL "
-                "such as sqlite:///tune.db or postgresql://user:password@host/db")
+    accepted = (
+        "expected a SQLite file path (default ./agilerl-tune.db), 'memory', or a SQLAlchemy URL "
+        "such as sqlite:///tune.db or postgresql://user:password@host/db"
+    )
     if not text:
         raise ValueError(f"--storage is empty: {accepted}")
     if text.lower() in _MEMORY:
@@ -67,8 +78,9 @@ def storage_url(text: str | None) -> str | None:
     try:
         dialect = url.get_dialect()
     except NoSuchModuleError:
-        raise ValueError(f"--storage {redact(text)!r}: no database dialect {url.drivername!r} in SQLAlchemy: "
-                         f"{accepted}") from None
+        raise ValueError(
+            f"--storage {redact(text)!r}: no database dialect {url.drivername!r} in SQLAlchemy: {accepted}"
+        ) from None
     try:
         dialect.import_dbapi()
     except ImportError as err:
@@ -100,7 +112,9 @@ def open_storage(text: str | None, *, heartbeat_interval_s: int = 10, grace_peri
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.storages.RDBStorage(
-                url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval_s,
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval_s,
                 grace_period=grace_period_s or 3 * heartbeat_interval_s,
             )
     except ImportError as err:
@@ -180,7 +194,7 @@ def kill_orphans() -> list[int]:
         for var in environ.split(b"\0"):
             if not var.startswith(marker):
                 continue
-            owner_host, _, owner_pid = var[len(marker):].decode(errors="replace").rpartition(":")
+            owner_host, _, owner_pid = var[len(marker) :].decode(errors="replace").rpartition(":")
             if owner_host == host and owner_pid.isdigit() and not _alive(int(owner_pid)):
                 try:
                     os.kill(int(entry.name), signal.SIGKILL)

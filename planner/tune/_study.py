@@ -27,8 +27,21 @@ from agilerl.utils.lifetime import identity, is_gone
 from ._objective import CONSTRAINT_KEY, Objective
 from ._storage import heartbeat
 
-__all__ = ["create_study", "FINGERPRINT_KEY", "OWNER_KEY", "check_fingerprint", "fail_orphaned_trials", "launch_claim", "enqueue_planner_pick", "enqueue_confirmations", "run_trials", "launched_trials",
-           "finished", "measured_by_key", "StopReason"]
+__all__ = [
+    "create_study",
+    "FINGERPRINT_KEY",
+    "OWNER_KEY",
+    "check_fingerprint",
+    "fail_orphaned_trials",
+    "launch_claim",
+    "enqueue_planner_pick",
+    "enqueue_confirmations",
+    "run_trials",
+    "launched_trials",
+    "finished",
+    "measured_by_key",
+    "StopReason",
+]
 
 StopReason = str
 
@@ -61,16 +74,20 @@ def check_fingerprint(study: Any, fingerprint: dict[str, Any]) -> None:
     recorded = study.user_attrs.get(FINGERPRINT_KEY)
     if recorded is None:
         if study.get_trials(deepcopy=False):
-            raise ValueError(f"study {study.study_name!r} has trials but no record of the run they measured "
-                             "(made by an older version): give a new --study-name")
+            raise ValueError(
+                f"study {study.study_name!r} has trials but no record of the run they measured "
+                "(made by an older version): give a new --study-name"
+            )
         study.set_user_attr(FINGERPRINT_KEY, wanted)
         return
     diff = _differences(recorded, wanted)
     if diff:
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-        raise ValueError(f"study {study.study_name!r} was built for another run, so its measurements do not "
-                         f"apply here: {shown}. Give a new --study-name, or leave it out for one derived from "
-                         "the run")
+        raise ValueError(
+            f"study {study.study_name!r} was built for another run, so its measurements do not "
+            f"apply here: {shown}. Give a new --study-name, or leave it out for one derived from "
+            "the run"
+        )
 
 
 def fail_orphaned_trials(study: Any, storage: Any) -> list[int]:
@@ -108,8 +125,11 @@ def launch_claim(study: Any, storage: Any, *, max_launches: int, poll_s: float =
 
     def claim(trial: Any, key: str) -> bool:
         while True:
-            ahead = [t for t in study.get_trials(deepcopy=False, states=running)
-                     if t.number < trial.number and t.user_attrs.get("key") == key]
+            ahead = [
+                t
+                for t in study.get_trials(deepcopy=False, states=running)
+                if t.number < trial.number and t.user_attrs.get("key") == key
+            ]
             if not ahead:
                 break
             with warnings.catch_warnings():
@@ -118,9 +138,15 @@ def launch_claim(study: Any, storage: Any, *, max_launches: int, poll_s: float =
             fail_orphaned_trials(study, storage)
             time.sleep(poll_s)
         trials = study.get_trials(deepcopy=False)
-        launched = sum(1 for t in trials if t.user_attrs.get("launched") and (
-            t.state == optuna.trial.TrialState.COMPLETE
-            or (t.state == optuna.trial.TrialState.RUNNING and t.number < trial.number)))
+        launched = sum(
+            1
+            for t in trials
+            if t.user_attrs.get("launched")
+            and (
+                t.state == optuna.trial.TrialState.COMPLETE
+                or (t.state == optuna.trial.TrialState.RUNNING and t.number < trial.number)
+            )
+        )
         return launched < max_launches
 
     return claim
@@ -139,11 +165,12 @@ def create_study(*, storage: Any, study_name: str, seed: int | None, n_startup_t
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # group=True: the FSDP knobs exist only for sharded candidates (a conditional space), which
         # multivariate TPE models per group instead of falling back to independent sampling.
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True,
-                                             group=True, constant_liar=True,
-                                             **kwargs)
-    study = optuna.create_study(storage=storage, study_name=study_name, direction="maximize", sampler=sampler,
-                                load_if_exists=True)
+        sampler = optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=n_startup_trials, multivariate=True, group=True, constant_liar=True, **kwargs
+        )
+    study = optuna.create_study(
+        storage=storage, study_name=study_name, direction="maximize", sampler=sampler, load_if_exists=True
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
@@ -179,8 +206,11 @@ def measured_by_key(trials: list[Any]) -> dict[str, list[Any]]:
     """Launched, finished trials that measured a step time, grouped by candidate (first run first)."""
     out: dict[str, list[Any]] = {}
     for t in sorted(trials, key=lambda t: t.number):
-        if t.state.name == "COMPLETE" and t.user_attrs.get("launched") \
-                and t.user_attrs.get("status") in ("fits", "over_budget"):
+        if (
+            t.state.name == "COMPLETE"
+            and t.user_attrs.get("launched")
+            and t.user_attrs.get("status") in ("fits", "over_budget")
+        ):
             out.setdefault(t.user_attrs["key"], []).append(t)
     return out
 
@@ -200,8 +230,11 @@ def enqueue_confirmations(study: Any, count: int) -> int:
     if count <= 0:
         return 0
     states = (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE)
-    confirmed = {t.user_attrs.get("key") or t.user_attrs.get("confirm_key")
-                 for t in study.get_trials(deepcopy=False, states=states) if "confirm_of" in t.user_attrs}
+    confirmed = {
+        t.user_attrs.get("key") or t.user_attrs.get("confirm_key")
+        for t in study.get_trials(deepcopy=False, states=states)
+        if "confirm_of" in t.user_attrs
+    }
     groups = measured_by_key(finished(study))
     fitting = [k for k, runs in groups.items() if all(t.user_attrs["status"] == "fits" for t in runs)]
     fitting.sort(key=lambda k: -median_tokens(groups[k]))
@@ -210,14 +243,16 @@ def enqueue_confirmations(study: Any, count: int) -> int:
         if key in confirmed or len(groups[key]) > 1:
             continue
         first = groups[key][0]
-        study.enqueue_trial(first.params, user_attrs={"confirm_of": first.number, "confirm_key": key},
-                            skip_if_exists=False)
+        study.enqueue_trial(
+            first.params, user_attrs={"confirm_of": first.number, "confirm_key": key}, skip_if_exists=False
+        )
         queued += 1
     return queued
 
 
 def earlier_result(study: Any) -> Callable[[str], dict[str, Any] | None]:
     """``previous(key)`` for the objective: the first finished, non-repeat trial of a candidate."""
+
     def previous(key: str) -> dict[str, Any] | None:
         for t in finished(study):
             if t.user_attrs.get("key") == key and t.user_attrs.get("status") not in (None, "repeat"):

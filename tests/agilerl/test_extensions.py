@@ -37,16 +37,23 @@ def test_a_broken_torchaudio_breaks_transformers_without_the_guard(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_import_agilerl_first_hides_it_and_models_import(tmp_path):
-    run = _run(tmp_path, "import agilerl, agilerl._extensions as e\n" + MODEL_IMPORT + "\nprint(sorted(e.HIDDEN))\n"
-               "import importlib.util; print(importlib.util.find_spec('torchaudio'))")
+    run = _run(
+        tmp_path,
+        "import agilerl, agilerl._extensions as e\n" + MODEL_IMPORT + "\nprint(sorted(e.HIDDEN))\n"
+        "import importlib.util; print(importlib.util.find_spec('torchaudio'))",
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["imported", "['torchaudio']", "None"]
 
 
 @pytest.mark.timeout(180)
 def test_a_working_package_is_left_alone(tmp_path):
-    run = _run(tmp_path, "import agilerl, agilerl._extensions as e, transformers, sys\n"
-               "print(sorted(e.HIDDEN), sys.modules['torchaudio'].__version__)", torchaudio=WORKING)
+    run = _run(
+        tmp_path,
+        "import agilerl, agilerl._extensions as e, transformers, sys\n"
+        "print(sorted(e.HIDDEN), sys.modules['torchaudio'].__version__)",
+        torchaudio=WORKING,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["[]", "0.0.1+cpu"]
 
@@ -56,9 +63,12 @@ def test_the_guarded_command_runs_a_module_with_the_guard(tmp_path):
     # vLLM's model-inspection subprocess is started with this command line.
     (tmp_path / "site").mkdir(parents=True, exist_ok=True)
     (tmp_path / "site" / "probe_main.py").write_text(
-        "import sys, importlib.util\nprint(__name__, importlib.util.find_spec('torchaudio'))\n")
-    code = ("import agilerl._extensions as e, subprocess, sys\n"
-            "sys.exit(subprocess.run(e.guarded_command('probe_main')).returncode)")
+        "import sys, importlib.util\nprint(__name__, importlib.util.find_spec('torchaudio'))\n"
+    )
+    code = (
+        "import agilerl._extensions as e, subprocess, sys\n"
+        "sys.exit(subprocess.run(e.guarded_command('probe_main')).returncode)"
+    )
     run = _run(tmp_path, code)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["__main__", "None"]

@@ -72,8 +72,9 @@ def engines_on_ranks_of_their_own_get_the_trainers_weights(ctx):
             source = resolve_model_source(TINY)
         finally:
             use_rank_group(None)
-        served = serve_rollout_engine(HFGenerateEngine(source, dtype="float32", pad_token_id=TOKENIZER.pad_token_id),
-                                      ranks)
+        served = serve_rollout_engine(
+            HFGenerateEngine(source, dtype="float32", pad_token_id=TOKENIZER.pad_token_id), ranks
+        )
         assert served == 2
         return
     use_rank_group([trainer])
@@ -86,13 +87,20 @@ def engines_on_ranks_of_their_own_get_the_trainers_weights(ctx):
         assert math.isfinite(metrics["loss"])
         agent.sync_engine_weights()
         prompt = TOKENIZER(PROMPTS[:2], add_special_tokens=False)["input_ids"]
-        remote = agent.engine.generate(prompt, max_tokens=4, temperature=0.0, stop_token_ids=sorted(agent.eos_token_ids()))
+        remote = agent.engine.generate(
+            prompt, max_tokens=4, temperature=0.0, stop_token_ids=sorted(agent.eos_token_ids())
+        )
         local = []
         with torch.no_grad(), use_adapter(agent.model, ACTOR):
             for p in prompt:
-                out = agent.model.generate(input_ids=torch.tensor([p]), max_new_tokens=4, do_sample=False,
-                                           pad_token_id=agent.pad_token_id, eos_token_id=agent.eos_token_id)
-                row = out[0, len(p):].tolist()
+                out = agent.model.generate(
+                    input_ids=torch.tensor([p]),
+                    max_new_tokens=4,
+                    do_sample=False,
+                    pad_token_id=agent.pad_token_id,
+                    eos_token_id=agent.eos_token_id,
+                )
+                row = out[0, len(p) :].tolist()
                 cut = next((i + 1 for i, t in enumerate(row) if t in agent.eos_token_ids()), len(row))
                 local.append(row[:cut])
         assert remote == local, (remote, local)
@@ -108,13 +116,28 @@ def the_seeds_manifest_trains_members_with_their_own_engines(ctx):
     from agilerl.train import train
     from tests.agilerl.algorithms._common import TINY
 
-    manifest = load_manifest({
-        "algorithm": {"name": "GRPO", "model_name": TINY, "group_size": 2, "max_output_tokens": 2, "dtype": "float32",
-                      "gradient_checkpointing": False, "logprob_chunk_size": None},
-        "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 1, "rollout_engines_per_agent": 1,
-                     "population_size": 2, "max_steps": 2, "checkpoint_dir": str(ctx.shared_dir / "pop")},
-        "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
-    })
+    manifest = load_manifest(
+        {
+            "algorithm": {
+                "name": "GRPO",
+                "model_name": TINY,
+                "group_size": 2,
+                "max_output_tokens": 2,
+                "dtype": "float32",
+                "gradient_checkpointing": False,
+                "logprob_chunk_size": None,
+            },
+            "training": {
+                "rollout_batch_size": 2,
+                "training_gpus_per_agent": 1,
+                "rollout_engines_per_agent": 1,
+                "population_size": 2,
+                "max_steps": 2,
+                "checkpoint_dir": str(ctx.shared_dir / "pop"),
+            },
+            "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
+        }
+    )
     histories = train(manifest, device="cpu")
     if ctx.rank % 2:  # an engine rank
         assert histories == []

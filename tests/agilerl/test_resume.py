@@ -28,10 +28,26 @@ MODEL = "tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=2"
 
 def _manifest(checkpoint_dir: Path, *, max_steps: int, interval: int = 2, fsdp=False, gpus: int = 1) -> dict:
     return {
-        "algorithm": {"name": "GRPO", "model_name": MODEL, "group_size": 2, "max_output_tokens": 3, "lr": 0.01,
-                      "dtype": "float32", "gradient_checkpointing": False, "logprob_chunk_size": 16, "fsdp": fsdp},
-        "training": {"rollout_batch_size": 2, "training_gpus_per_agent": gpus, "max_steps": max_steps, "seed": 3,
-                     "log_every": 1, "checkpoint_dir": str(checkpoint_dir), "checkpoint_interval": interval},
+        "algorithm": {
+            "name": "GRPO",
+            "model_name": MODEL,
+            "group_size": 2,
+            "max_output_tokens": 3,
+            "lr": 0.01,
+            "dtype": "float32",
+            "gradient_checkpointing": False,
+            "logprob_chunk_size": 16,
+            "fsdp": fsdp,
+        },
+        "training": {
+            "rollout_batch_size": 2,
+            "training_gpus_per_agent": gpus,
+            "max_steps": max_steps,
+            "seed": 3,
+            "log_every": 1,
+            "checkpoint_dir": str(checkpoint_dir),
+            "checkpoint_interval": interval,
+        },
         "lora": {"r": 4, "alpha": 8, "dropout": 0.1},  # dropout: the RNG must come back too
     }
 
@@ -108,8 +124,18 @@ def _marked(mark: str) -> list[int]:
 
 def _torchrun(manifest: Path, log: Path, mark: str = "") -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "AGILERL_TEST_MARK": mark}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "agilerl.train", str(manifest), "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "agilerl.train",
+        str(manifest),
+        "--device",
+        "cpu",
+    ]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -26,7 +26,13 @@ def test_the_public_rows_are_rebuilt_and_estimated():
 
 
 def test_the_gpu_probe_plans_its_configurations_offline():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_probe", "--dry-run", "--limit", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_probe", "--dry-run", "--limit", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Qwen2.5-0.5B" in out.stdout and "learn" in out.stdout and "torch " in out.stdout

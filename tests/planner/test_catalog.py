@@ -16,61 +16,123 @@ from planner.catalog.build import main as build_main
 NAMES = catalog.names()
 
 REQUIRED = [
-    "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-3B", "Qwen/Qwen2.5-7B",
-    "Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-72B",
-    "Qwen/Qwen3-0.6B-Base", "Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-4B-Base", "Qwen/Qwen3-8B-Base",
-    "Qwen/Qwen3-14B-Base", "Qwen/Qwen3-32B",
-    "Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-235B-A22B",
-    "meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.1-8B",
-    "meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.3-70B-Instruct",
-    "mistralai/Mistral-7B-v0.3", "mistralai/Mixtral-8x7B-v0.1",
-    "google/gemma-2-2b", "google/gemma-2-9b", "google/gemma-2-27b",
-    "google/gemma-3-1b-pt", "google/gemma-3-4b-pt", "google/gemma-3-12b-pt",
+    "Qwen/Qwen2.5-0.5B",
+    "Qwen/Qwen2.5-1.5B",
+    "Qwen/Qwen2.5-3B",
+    "Qwen/Qwen2.5-7B",
+    "Qwen/Qwen2.5-14B",
+    "Qwen/Qwen2.5-32B",
+    "Qwen/Qwen2.5-72B",
+    "Qwen/Qwen3-0.6B-Base",
+    "Qwen/Qwen3-1.7B-Base",
+    "Qwen/Qwen3-4B-Base",
+    "Qwen/Qwen3-8B-Base",
+    "Qwen/Qwen3-14B-Base",
+    "Qwen/Qwen3-32B",
+    "Qwen/Qwen3-30B-A3B-Base",
+    "Qwen/Qwen3-235B-A22B",
+    "meta-llama/Llama-3.2-1B",
+    "meta-llama/Llama-3.2-3B",
+    "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-70B",
+    "meta-llama/Llama-3.3-70B-Instruct",
+    "mistralai/Mistral-7B-v0.3",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "google/gemma-2-2b",
+    "google/gemma-2-9b",
+    "google/gemma-2-27b",
+    "google/gemma-3-1b-pt",
+    "google/gemma-3-4b-pt",
+    "google/gemma-3-12b-pt",
     "google/gemma-3-27b-pt",
-    "microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3-medium-4k-instruct",
-    "microsoft/phi-4", "microsoft/Phi-4-mini-instruct",
-    "deepseek-ai/DeepSeek-V2-Lite", "allenai/OLMoE-1B-7B-0924",
+    "microsoft/Phi-3-mini-4k-instruct",
+    "microsoft/Phi-3-medium-4k-instruct",
+    "microsoft/phi-4",
+    "microsoft/Phi-4-mini-instruct",
+    "deepseek-ai/DeepSeek-V2-Lite",
+    "allenai/OLMoE-1B-7B-0924",
 ]
 # The first names a GRPO user types: post-trained, instruct and distilled checkpoints.
 FIRST_TYPED = [
-    "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-8B", "Qwen/Qwen3-30B-A3B", "meta-llama/Llama-3.1-8B-Instruct",
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", "google/gemma-3-4b-it", "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "Qwen/Qwen2.5-7B-Instruct",
+    "Qwen/Qwen3-8B",
+    "Qwen/Qwen3-30B-A3B",
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "google/gemma-3-4b-it",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
     "openai/gpt-oss-20b",
 ]
 # One of each family RL users run, post-trained where there is a post-trained release.
 FAMILIES = {
-    "Qwen3": ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-4B", "Qwen/Qwen3-8B", "Qwen/Qwen3-14B",
-              "Qwen/Qwen3-32B", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-4B-Instruct-2507"],
+    "Qwen3": [
+        "Qwen/Qwen3-0.6B",
+        "Qwen/Qwen3-1.7B",
+        "Qwen/Qwen3-4B",
+        "Qwen/Qwen3-8B",
+        "Qwen/Qwen3-14B",
+        "Qwen/Qwen3-32B",
+        "Qwen/Qwen3-30B-A3B",
+        "Qwen/Qwen3-235B-A22B",
+        "Qwen/Qwen3-4B-Instruct-2507",
+    ],
     "Qwen2.5": ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-Math-7B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct"],
-    "DeepSeek-R1-Distill": ["deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-                            "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
-                            "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "deepseek-ai/DeepSeek-R1-Distill-Llama-70B"],
-    "Llama": ["meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct",
-              "meta-llama/Llama-3.3-70B-Instruct"],
+    "DeepSeek-R1-Distill": [
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+        "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+        "deepseek-ai/DeepSeek-R1-Distill-Llama-70B",
+    ],
+    "Llama": [
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "meta-llama/Llama-3.2-1B-Instruct",
+        "meta-llama/Llama-3.3-70B-Instruct",
+    ],
     "Gemma 3": ["google/gemma-3-1b-it", "google/gemma-3-27b-it"],
     "SmolLM": ["HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM3-3B"],
     "OLMo 2": ["allenai/OLMo-2-1124-7B-Instruct", "allenai/OLMo-2-0325-32B-Instruct"],
-    "Mistral": ["mistralai/Mistral-7B-Instruct-v0.1", "mistralai/Mistral-7B-Instruct-v0.2",
-                "mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-Small-24B-Instruct-2501",
-                "mistralai/Mistral-Small-3.1-24B-Instruct-2503"],
+    "Mistral": [
+        "mistralai/Mistral-7B-Instruct-v0.1",
+        "mistralai/Mistral-7B-Instruct-v0.2",
+        "mistralai/Mistral-7B-Instruct-v0.3",
+        "mistralai/Mistral-Small-24B-Instruct-2501",
+        "mistralai/Mistral-Small-3.1-24B-Instruct-2503",
+    ],
     "Phi-4": ["microsoft/phi-4", "microsoft/Phi-4-reasoning", "microsoft/Phi-4-mini-reasoning"],
     "gpt-oss": ["openai/gpt-oss-20b", "openai/gpt-oss-120b"],
 }
-MOE = ["Qwen/Qwen3-30B-A3B-Base", "Qwen/Qwen3-235B-A22B", "mistralai/Mixtral-8x7B-v0.1",
-       "deepseek-ai/DeepSeek-V2-Lite", "allenai/OLMoE-1B-7B-0924", "Qwen/Qwen3-30B-A3B", "openai/gpt-oss-20b",
-       "openai/gpt-oss-120b"]
+MOE = [
+    "Qwen/Qwen3-30B-A3B-Base",
+    "Qwen/Qwen3-235B-A22B",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "deepseek-ai/DeepSeek-V2-Lite",
+    "allenai/OLMoE-1B-7B-0924",
+    "Qwen/Qwen3-30B-A3B",
+    "openai/gpt-oss-20b",
+    "openai/gpt-oss-120b",
+]
 
 
 @cache
 def _fresh(config_json: str, multimodal: str | None):
     """A meta-device build of one config; variants with their base's config share it."""
 
-    e = catalog.CatalogEntry(name="x", family="x", config=json.loads(config_json), multimodal=multimodal,
-                             source="x", published_params=1, published_source="x")
+    e = catalog.CatalogEntry(
+        name="x",
+        family="x",
+        config=json.loads(config_json),
+        multimodal=multimodal,
+        source="x",
+        published_params=1,
+        published_source="x",
+    )
     return build_entry(e)
 
 
 # -- the shipped specs ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_spec_equals_a_fresh_build(name):
@@ -79,13 +141,15 @@ def test_shipped_spec_equals_a_fresh_build(name):
     fresh = _fresh(json.dumps(e.config, sort_keys=True), e.multimodal).model_copy(update={"name": name})
     a, b = shipped.model_dump(exclude=VERSION_FIELDS), fresh.model_dump(exclude=VERSION_FIELDS)
     differ = sorted(k for k in a if a[k] != b[k])
-    assert not differ, (f"{name}: shipped spec differs in {differ}; "
-                        f"rebuild with `python -m planner.catalog.build {name}`")
+    assert not differ, (
+        f"{name}: shipped spec differs in {differ}; rebuild with `python -m planner.catalog.build {name}`"
+    )
 
 
 def test_spec_files_are_exactly_the_entries():
-    shipped = {p.name for p in catalog.SPECS_DIR.glob("*.json")
-               if p not in (catalog.INDEX_PATH, catalog.ENTRIES_JSON_PATH)}
+    shipped = {
+        p.name for p in catalog.SPECS_DIR.glob("*.json") if p not in (catalog.INDEX_PATH, catalog.ENTRIES_JSON_PATH)
+    }
     assert shipped == {catalog.entry(n).spec_path.name for n in NAMES}
 
 
@@ -94,8 +158,9 @@ def test_total_params_match_the_published_figure(name):
     e, spec = catalog.entry(name), catalog.load_spec(name)
     diff = abs(spec.total_params - e.published_params)
     relative = relative_difference(spec.total_params, e.published_params)
-    message = (f"{name}: built {spec.total_params:,} vs published {e.published_params:,} "
-               f"({relative:+.2%}); fix the config")
+    message = (
+        f"{name}: built {spec.total_params:,} vs published {e.published_params:,} ({relative:+.2%}); fix the config"
+    )
     if e.published_precision is None:
         assert diff <= 0.01 * e.published_params, message
     else:
@@ -158,6 +223,7 @@ def test_build_check_mode_compares_without_writing(capsys):
 
 # -- lookup -----------------------------------------------------------------------------------
 
+
 def test_resolve_hub_ids_any_case_and_aliases():
     assert catalog.resolve("Qwen/Qwen2.5-7B") == "Qwen/Qwen2.5-7B"
     assert catalog.resolve("qwen/qwen2.5-7b") == "Qwen/Qwen2.5-7B"
@@ -181,18 +247,21 @@ def test_every_alias_and_id_resolves_to_its_entry():
             assert catalog.resolve(alias) == name
 
 
-@pytest.mark.parametrize("typo, expected", [
-    ("qwen2.5-7", "Qwen/Qwen2.5-7B"),
-    ("Qwen2-7B", "Qwen/Qwen2.5-7B"),
-    ("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"),
-    ("lama-3.1-8b", "meta-llama/Llama-3.1-8B"),
-    ("mixtral-8x7", "mistralai/Mixtral-8x7B-v0.1"),
-    ("gemma2-9b-it", "google/gemma-2-9b-it"),
-    ("Qwen/Qwen2.5-7B-Instruct-AWQ", "Qwen/Qwen2.5-7B-Instruct"),
-    ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B-GGUF", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
-    ("openai/gpt-oss-20", "openai/gpt-oss-20b"),
-    ("deepseek-v2-light", "deepseek-ai/DeepSeek-V2-Lite"),
-])
+@pytest.mark.parametrize(
+    "typo, expected",
+    [
+        ("qwen2.5-7", "Qwen/Qwen2.5-7B"),
+        ("Qwen2-7B", "Qwen/Qwen2.5-7B"),
+        ("Qwen/Qwen2-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"),
+        ("lama-3.1-8b", "meta-llama/Llama-3.1-8B"),
+        ("mixtral-8x7", "mistralai/Mixtral-8x7B-v0.1"),
+        ("gemma2-9b-it", "google/gemma-2-9b-it"),
+        ("Qwen/Qwen2.5-7B-Instruct-AWQ", "Qwen/Qwen2.5-7B-Instruct"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B-GGUF", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+        ("openai/gpt-oss-20", "openai/gpt-oss-20b"),
+        ("deepseek-v2-light", "deepseek-ai/DeepSeek-V2-Lite"),
+    ],
+)
 def test_suggest_finds_the_intended_model(typo, expected):
     close = catalog.suggest(typo)
     assert expected in close[:3], close
@@ -235,9 +304,17 @@ def test_a_variant_is_its_base_config_with_its_own_fields(name):
     differ = {k for k in variant.config if variant.config[k] != base.config.get(k)}
     assert set(variant.config) == set(base.config), "a variant only changes fields of its base"
     assert catalog.root(name) == catalog.root(variant.extends)
-    assert differ <= {"max_position_embeddings", "original_max_position_embeddings", "rope_theta",
-                      "sliding_window", "max_window_layers", "tie_word_embeddings", "num_hidden_layers",
-                      "num_local_experts", "layer_types"}, differ
+    assert differ <= {
+        "max_position_embeddings",
+        "original_max_position_embeddings",
+        "rope_theta",
+        "sliding_window",
+        "max_window_layers",
+        "tie_word_embeddings",
+        "num_hidden_layers",
+        "num_local_experts",
+        "layer_types",
+    }, differ
 
 
 def test_variants_differ_from_their_base_where_their_config_does():
@@ -263,8 +340,10 @@ def test_suggestions_rank_the_same_models_variants_first():
 
 def test_extends_must_name_an_earlier_entry(tmp_path, monkeypatch):
     bad = tmp_path / "entries.yaml"
-    bad.write_text("- name: a/B-Instruct\n  extends: a/B\n  aliases: [b-instruct]\n  source: x\n"
-                   "  published_params: 1\n  published_source: x\n")
+    bad.write_text(
+        "- name: a/B-Instruct\n  extends: a/B\n  aliases: [b-instruct]\n  source: x\n"
+        "  published_params: 1\n  published_source: x\n"
+    )
     monkeypatch.setattr(catalog, "ENTRIES_PATH", bad)
     catalog._catalog.cache_clear()
     try:
@@ -277,15 +356,27 @@ def test_extends_must_name_an_earlier_entry(tmp_path, monkeypatch):
 
 # -- a config.json with an entry's content uses the shipped spec --------------------------------
 
+
 def _hub_style(name: str) -> dict:
     """An entry's config as a hub config.json spells it: checkpoint fields added, floats as ints."""
     e = catalog.entry(name)
     config = {k: (int(v) if isinstance(v, float) and v.is_integer() else v) for k, v in e.config.items()}
-    config.update(architectures=["XForCausalLM"], bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
-                  transformers_version="4.51.0", use_cache=True, initializer_range=0.02)
+    config.update(
+        architectures=["XForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        transformers_version="4.51.0",
+        use_cache=True,
+        initializer_range=0.02,
+    )
     if e.multimodal:
-        config = {"model_type": "gemma3", "architectures": [e.multimodal], "text_config": config,
-                  "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+        config = {
+            "model_type": "gemma3",
+            "architectures": [e.multimodal],
+            "text_config": config,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+        }
     return config
 
 
@@ -298,8 +389,16 @@ def _transformers_saved(name: str, folder) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-30B-A3B", "google/gemma-3-4b-it",
-                                  "openai/gpt-oss-20b", "meta-llama/Llama-3.1-8B-Instruct"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Qwen/Qwen2.5-7B-Instruct",
+        "Qwen/Qwen3-30B-A3B",
+        "google/gemma-3-4b-it",
+        "openai/gpt-oss-20b",
+        "meta-llama/Llama-3.1-8B-Instruct",
+    ],
+)
 def test_a_config_json_with_an_entrys_content_finds_its_shipped_spec(name, tmp_path):
     hub = _hub_style(name)
     if name == "openai/gpt-oss-20b":  # the released checkpoint's MXFP4 note changes nothing planned
@@ -318,12 +417,14 @@ def test_a_config_json_with_an_entrys_content_finds_its_shipped_spec(name, tmp_p
 
 def test_planning_a_catalog_config_json_imports_no_torch(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_hub_style("Qwen/Qwen2.5-7B-Instruct")))
-    code = ("import sys\n"
-            "from planner.models import load_model_spec\n"
-            f"spec = load_model_spec({str(tmp_path)!r})\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"
-            "print(spec.name, spec.total_params, heavy)\n"
-            "sys.exit(1 if heavy else 0)\n")
+    code = (
+        "import sys\n"
+        "from planner.models import load_model_spec\n"
+        f"spec = load_model_spec({str(tmp_path)!r})\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"
+        "print(spec.name, spec.total_params, heavy)\n"
+        "sys.exit(1 if heavy else 0)\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.split()[:2] == [str(tmp_path), str(catalog.load_spec("Qwen/Qwen2.5-7B-Instruct").total_params)]

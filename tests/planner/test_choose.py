@@ -14,8 +14,15 @@ from planner.workload import Workload
 TINY = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096"
 MIB = 2**20
 # Weight-dominated (no rollout measured, short sequences) so that sharding decides what fits.
-WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=16, completion_tokens=16, lora_rank=8,
-              weights_dtype="float32", generation="none")
+WL = Workload(
+    prompts_per_step=2,
+    group_size=8,
+    prompt_tokens=16,
+    completion_tokens=16,
+    lora_rank=8,
+    weights_dtype="float32",
+    generation="none",
+)
 # Tiny models' tensors are under the default persistence threshold: shard everything, as the
 # multi-rank tests do, so that sharding changes what fits.
 ALL = {"param_persistence_threshold": 0}
@@ -40,8 +47,9 @@ def test_roomy_multi_gpu_picks_data_parallel_and_the_fastest_knobs(spec):
 
 
 def test_tight_memory_shards_and_every_choice_has_a_reason(spec):
-    frugal = WL.model_copy(update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
-                                   "gradient_checkpointing": True})
+    frugal = WL.model_copy(
+        update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256, "gradient_checkpointing": True}
+    )
     four = Cluster(gpu=_gpu(4096), num_gpus=4)
     unsharded = estimate(spec, frugal, four, None).peak_bytes
     sharded = estimate(spec, frugal, four, FSDPConfig(**ALL, optim_cpu_offload=True)).peak_bytes
@@ -50,9 +58,19 @@ def test_tight_memory_shards_and_every_choice_has_a_reason(spec):
     p = plan(spec, WL, Cluster(gpu=gpu, num_gpus=4), fixed=ALL)
     assert p.fits and p.fsdp is not None
     assert p.estimate.peak_bytes <= gpu.memory_bytes - p.margin_bytes
-    for field in ("sharding", "optim_cpu_offload", "micro_batch_size_per_gpu", "gradient_checkpointing",
-                  "reshard_after_forward", "logprob_chunk_size", "wrap_every_n_blocks", "prefetch_units",
-                  "backward_prefetch_units", "shard_group_size", "fits"):
+    for field in (
+        "sharding",
+        "optim_cpu_offload",
+        "micro_batch_size_per_gpu",
+        "gradient_checkpointing",
+        "reshard_after_forward",
+        "logprob_chunk_size",
+        "wrap_every_n_blocks",
+        "prefetch_units",
+        "backward_prefetch_units",
+        "shard_group_size",
+        "fits",
+    ):
         assert p.reasons()[field], field
     # Choices are the estimate's: relaxing any chosen knob one step further would not fit.
     if p.fsdp.reshard_after_forward:
@@ -61,8 +79,14 @@ def test_tight_memory_shards_and_every_choice_has_a_reason(spec):
 
 
 def test_optimizer_offload_when_only_the_host_can_hold_adam(spec):
-    base = WL.model_copy(update={"lora_rank": 64, "micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
-                                 "gradient_checkpointing": True})
+    base = WL.model_copy(
+        update={
+            "lora_rank": 64,
+            "micro_batch_size_per_gpu": 1,
+            "logprob_chunk_size": 256,
+            "gradient_checkpointing": True,
+        }
+    )
     cluster = Cluster(gpu=_gpu(4096), num_gpus=2)
     on = estimate(spec, base, cluster, FSDPConfig(**ALL, optim_cpu_offload=False)).peak_bytes
     off = estimate(spec, base, cluster, FSDPConfig(**ALL, optim_cpu_offload=True)).peak_bytes
@@ -74,9 +98,13 @@ def test_optimizer_offload_when_only_the_host_can_hold_adam(spec):
 
 
 def test_user_fixed_fields_are_kept(spec):
-    p = plan(spec, WL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": True}),
-             Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": True, "wrap_every_n_blocks": 1},
-             sharding="fsdp")
+    p = plan(
+        spec,
+        WL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": True}),
+        Cluster(gpu=_gpu(4096), num_gpus=2),
+        fixed={"reshard_after_forward": True, "wrap_every_n_blocks": 1},
+        sharding="fsdp",
+    )
     assert p.fsdp.reshard_after_forward is True and p.fsdp.wrap_every_n_blocks == 1
     assert p.workload.micro_batch_size_per_gpu == 2 and p.workload.gradient_checkpointing is True
     assert "reshard_after_forward" not in p.reasons()
@@ -92,8 +120,9 @@ def test_hsdp_across_nodes_when_a_node_can_hold_the_shards(spec):
 
 
 def test_cpu_offload_only_as_a_last_resort_with_vllm(spec):
-    wl = WL.model_copy(update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
-                               "gradient_checkpointing": True})
+    wl = WL.model_copy(
+        update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256, "gradient_checkpointing": True}
+    )
     cluster = Cluster(gpu=_gpu(4096), num_gpus=2)
     frugal = FSDPConfig(**ALL, optim_cpu_offload=True)
     need = estimate(spec, wl, cluster, frugal).peak_bytes
@@ -108,9 +137,14 @@ def test_cpu_offload_only_as_a_last_resort_with_vllm(spec):
 
 
 def test_nothing_fits_names_the_smallest_change(spec):
-    need = estimate(spec, WL.model_copy(update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256,
-                                                "gradient_checkpointing": True}),
-                    Cluster(gpu=_gpu(4096), num_gpus=2), FSDPConfig(**ALL, optim_cpu_offload=True)).peak_bytes
+    need = estimate(
+        spec,
+        WL.model_copy(
+            update={"micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256, "gradient_checkpointing": True}
+        ),
+        Cluster(gpu=_gpu(4096), num_gpus=2),
+        FSDPConfig(**ALL, optim_cpu_offload=True),
+    ).peak_bytes
     p = plan(spec, WL, Cluster(gpu=_gpu(need * 0.8 / MIB), num_gpus=2), fixed=ALL)
     assert not p.fits
     assert "over the" in p.reasons()["fits"]
@@ -125,14 +159,27 @@ def test_single_device_needs_no_sharding(spec):
 # -- mixture of experts ---------------------------------------------------------------------------
 # Long sequences, so that a micro-batch routes more than 512 MiB of expert rows: every
 # candidate chunk (64 to 512 MiB) binds.
-MOE = ("tiny:qwen3_moe?hidden_size=512&moe_intermediate_size=1024&num_experts=8&num_experts_per_tok=2"
-       "&num_layers=2&num_heads=8&num_kv_heads=2&vocab_size=4096&max_position_embeddings=8192")
-MOE_WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=4096, completion_tokens=4096, lora_rank=8,
-                  micro_batch_size_per_gpu=8, gradient_checkpointing=True, logprob_chunk_size=256,
-                  weights_dtype="bfloat16", generation="none")
+MOE = (
+    "tiny:qwen3_moe?hidden_size=512&moe_intermediate_size=1024&num_experts=8&num_experts_per_tok=2"
+    "&num_layers=2&num_heads=8&num_kv_heads=2&vocab_size=4096&max_position_embeddings=8192"
+)
+MOE_WL = Workload(
+    prompts_per_step=2,
+    group_size=8,
+    prompt_tokens=4096,
+    completion_tokens=4096,
+    lora_rank=8,
+    micro_batch_size_per_gpu=8,
+    gradient_checkpointing=True,
+    logprob_chunk_size=256,
+    weights_dtype="bfloat16",
+    generation="none",
+)
 # Experts dominate the weights (64 per layer, 1 GiB in bf16): expert parallel decides what fits.
-WIDE = ("tiny:qwen3_moe?hidden_size=1024&moe_intermediate_size=512&num_experts=64&num_experts_per_tok=2"
-        "&num_layers=4&num_heads=8&num_kv_heads=2&vocab_size=4096")
+WIDE = (
+    "tiny:qwen3_moe?hidden_size=1024&moe_intermediate_size=512&num_experts=64&num_experts_per_tok=2"
+    "&num_layers=4&num_heads=8&num_kv_heads=2&vocab_size=4096"
+)
 
 
 @pytest.fixture(scope="module")
@@ -145,17 +192,36 @@ def test_moe_expert_chunk_is_the_largest_that_fits(moe_spec):
     assert roomy.fits and roomy.fsdp.routed_expert_chunk_mib == 512
     assert "largest of 64/128/256/512" in roomy.reasons()["routed_expert_chunk_mib"]
     cluster = Cluster(gpu=_gpu(256 * 1024), num_gpus=2)
-    peaks = {c: estimate(moe_spec, MOE_WL, cluster, roomy.fsdp.model_copy(update={"routed_expert_chunk_mib": c}))
-             .peak_bytes for c in (64, 128, 256, 512)}
+    peaks = {
+        c: estimate(moe_spec, MOE_WL, cluster, roomy.fsdp.model_copy(update={"routed_expert_chunk_mib": c})).peak_bytes
+        for c in (64, 128, 256, 512)
+    }
     assert peaks[64] < peaks[128] < peaks[256] < peaks[512]  # every chunk binds here
     # Room for the 128 MiB chunk and not the 256 MiB one (the plan keeps a 5% margin).
     gpu = _gpu((peaks[128] + peaks[256]) / 2 / 0.95 / MIB)
-    tight = plan(moe_spec, MOE_WL, Cluster(gpu=gpu, num_gpus=2), fixed={**ALL, **{
-        k: getattr(roomy.fsdp, k) for k in ("reshard_after_forward", "wrap_every_n_blocks", "prefetch_units",
-                                            "backward_prefetch_units", "optim_cpu_offload", "ep")}})
+    tight = plan(
+        moe_spec,
+        MOE_WL,
+        Cluster(gpu=gpu, num_gpus=2),
+        fixed={
+            **ALL,
+            **{
+                k: getattr(roomy.fsdp, k)
+                for k in (
+                    "reshard_after_forward",
+                    "wrap_every_n_blocks",
+                    "prefetch_units",
+                    "backward_prefetch_units",
+                    "optim_cpu_offload",
+                    "ep",
+                )
+            },
+        },
+    )
     assert tight.fits and tight.fsdp.routed_expert_chunk_mib == 128
-    fixed = plan(moe_spec, MOE_WL, Cluster(gpu=_gpu(256 * 1024), num_gpus=2),
-                 fixed={**ALL, "routed_expert_chunk_mib": 64})
+    fixed = plan(
+        moe_spec, MOE_WL, Cluster(gpu=_gpu(256 * 1024), num_gpus=2), fixed={**ALL, "routed_expert_chunk_mib": 64}
+    )
     assert fixed.fsdp.routed_expert_chunk_mib == 64 and "routed_expert_chunk_mib" not in fixed.reasons()
 
 
@@ -222,8 +288,12 @@ def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cach
     assert roomy.workload.gather_weights_for_rollout is True
     assert roomy.reasons()["gather_weights_for_rollout"].startswith("every unit gathered at once fits")
     assert manifest_dict(roomy)["algorithm"]["gather_weights_for_rollout"] is True
-    per_unit = plan(spec, wl.model_copy(update={"gather_weights_for_rollout": False}),
-                    Cluster(gpu=_gpu(4096), num_gpus=2), fixed={"reshard_after_forward": True})
+    per_unit = plan(
+        spec,
+        wl.model_copy(update={"gather_weights_for_rollout": False}),
+        Cluster(gpu=_gpu(4096), num_gpus=2),
+        fixed={"reshard_after_forward": True},
+    )
     assert "gather_weights_for_rollout" not in per_unit.reasons()  # the user's choice is kept
     assert per_unit.workload.gather_weights_for_rollout is False
     assert manifest_dict(per_unit)["algorithm"]["gather_weights_for_rollout"] is False  # kept: the trainer would decide
@@ -233,7 +303,6 @@ def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cach
     assert kept.fsdp.reshard_after_forward is False
     assert kept.workload.gather_weights_for_rollout is True
     assert kept.reasons()["gather_weights_for_rollout"].startswith("every unit gathered at once fits")
-
 
 
 # -- the colocated vLLM engine's settings --------------------------------------------------------
@@ -281,12 +350,23 @@ def test_the_fraction_never_starves_the_engine_of_its_own_weights():
     assert result.workload.vllm_gpu_memory_utilization >= floor
 
 
-@pytest.mark.parametrize("device, expected", [
-    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100 80GB PCIe", "A100-80GB"),
-    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA H100 PCIe", "H100-80GB"), ("NVIDIA H200", "H200"),
-    ("NVIDIA GeForce RTX 4090", "RTX-4090"), ("NVIDIA L4", "L4"), ("AMD Instinct MI300X", "MI300X"),
-    ("NVIDIA RTX A6000", None), ("NVIDIA L40S", None), ("NVIDIA A100-SXM4", None), ("NVIDIA GeForce RTX 3090", None),
-])
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+        ("NVIDIA H100 PCIe", "H100-80GB"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+        ("NVIDIA L4", "L4"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA RTX A6000", None),
+        ("NVIDIA L40S", None),
+        ("NVIDIA A100-SXM4", None),
+        ("NVIDIA GeForce RTX 3090", None),
+    ],
+)
 def test_a_device_name_finds_its_catalog_gpu_and_no_other(device, expected):
     from planner.hardware import gpu_for_device
 
@@ -304,8 +384,10 @@ def test_cispo_and_gspo_plan_without_a_reference_pass_and_emit_their_own_manifes
         assert wl.beta == 0.0  # the papers' recipe: no KL term
         same = Workload(micro_batch_size_per_gpu=4, beta=0.0)
         assert estimate(spec, wl, cluster, None).phases == estimate(spec, same, cluster, None).phases
-        assert estimate(spec, wl, cluster, None).phases != estimate(
-            spec, same.model_copy(update={"beta": 0.04}), cluster, None).phases  # the reference pass costs
+        assert (
+            estimate(spec, wl, cluster, None).phases
+            != estimate(spec, same.model_copy(update={"beta": 0.04}), cluster, None).phases
+        )  # the reference pass costs
         p = plan(spec, wl, cluster)
         manifest = manifest_dict(p)
         assert manifest["algorithm"]["name"] == name and manifest["algorithm"]["beta"] == 0.0
@@ -322,14 +404,21 @@ def _cuda(mib: float) -> GPU:
 
 
 def test_full_finetuning_defers_the_gradient_sync_only_where_it_fits(spec):
-    wl = WL.model_copy(update={"full_finetune": True, "micro_batch_size_per_gpu": 2, "logprob_chunk_size": 256,
-                               "gradient_checkpointing": True})
+    wl = WL.model_copy(
+        update={
+            "full_finetune": True,
+            "micro_batch_size_per_gpu": 2,
+            "logprob_chunk_size": 256,
+            "gradient_checkpointing": True,
+        }
+    )
     roomy = plan(spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2), sharding="fsdp", fixed=ALL)
     assert roomy.fits and roomy.fsdp.defer_grad_sync is True
     frugal = FSDPConfig(**ALL)
     held = estimate(spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2), frugal).peak_bytes
-    each = estimate(spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2),
-                    frugal.model_copy(update={"defer_grad_sync": False})).peak_bytes
+    each = estimate(
+        spec, wl, Cluster(gpu=_cuda(4096), num_gpus=2), frugal.model_copy(update={"defer_grad_sync": False})
+    ).peak_bytes
     assert each < held  # every unsharded fp32 gradient held between micro-batches
     tight = plan(spec, wl, Cluster(gpu=_cuda((held + each) / 2 / 0.95 / MIB), num_gpus=2), sharding="fsdp", fixed=ALL)
     assert tight.fits and tight.fsdp.defer_grad_sync is False
@@ -338,17 +427,30 @@ def test_full_finetuning_defers_the_gradient_sync_only_where_it_fits(spec):
 
 def test_parameter_offload_is_a_last_resort_where_generate_does_not_run(spec):
     # SFT and DPO have no rollout: cpu_offload may go as the last resort without a vLLM engine.
-    wl = Workload(algorithm="sft", prompts_per_step=16, prompt_tokens=16, completion_tokens=16, full_finetune=True,
-                  weights_dtype="float32", micro_batch_size_per_gpu=1, logprob_chunk_size=256,
-                  gradient_checkpointing=True)
+    wl = Workload(
+        algorithm="sft",
+        prompts_per_step=16,
+        prompt_tokens=16,
+        completion_tokens=16,
+        full_finetune=True,
+        weights_dtype="float32",
+        micro_batch_size_per_gpu=1,
+        logprob_chunk_size=256,
+        gradient_checkpointing=True,
+    )
     cluster = Cluster(gpu=_cuda(4096), num_gpus=2)
     need = estimate(spec, wl, cluster, FSDPConfig(**ALL, optim_cpu_offload=True, defer_grad_sync=False)).peak_bytes
     offloaded = estimate(spec, wl, cluster, FSDPConfig(**ALL, cpu_offload=True, defer_grad_sync=False)).peak_bytes
     assert offloaded < need
     p = plan(spec, wl, Cluster(gpu=_cuda((need + offloaded) / 2 / 0.95 / MIB), num_gpus=2), sharding="fsdp", fixed=ALL)
     assert p.fits and p.fsdp.cpu_offload is True
-    grpo = plan(spec, wl.model_copy(update={"algorithm": "grpo", "group_size": 8, "generation": "hf"}),
-                Cluster(gpu=_cuda((need + offloaded) / 2 / 0.95 / MIB), num_gpus=2), sharding="fsdp", fixed=ALL)
+    grpo = plan(
+        spec,
+        wl.model_copy(update={"algorithm": "grpo", "group_size": 8, "generation": "hf"}),
+        Cluster(gpu=_cuda((need + offloaded) / 2 / 0.95 / MIB), num_gpus=2),
+        sharding="fsdp",
+        fixed=ALL,
+    )
     assert not grpo.fsdp.cpu_offload  # Hugging Face generate runs on the trainer's weights
 
 

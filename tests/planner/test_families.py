@@ -17,12 +17,22 @@ from planner.memory import estimate, expert_parallel_degrees, row_wise_experts
 from planner.models import load_model_spec
 from planner.workload import Workload
 
-GPT_OSS = ("tiny:gpt_oss?hidden_size=64&intermediate_size=96&num_layers=4&num_heads=4&num_kv_heads=2"
-           "&vocab_size=512&num_local_experts=8&num_experts_per_tok=2")
+GPT_OSS = (
+    "tiny:gpt_oss?hidden_size=64&intermediate_size=96&num_layers=4&num_heads=4&num_kv_heads=2"
+    "&vocab_size=512&num_local_experts=8&num_experts_per_tok=2"
+)
 OLMO2 = "tiny:olmo2?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4&num_kv_heads=4&vocab_size=512"
 SMOLLM3 = "tiny:smollm3?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
-WL = Workload(prompts_per_step=2, group_size=4, prompt_tokens=32, completion_tokens=32, micro_batch_size_per_gpu=2,
-              lora_rank=8, weights_dtype="bfloat16", generation="none")
+WL = Workload(
+    prompts_per_step=2,
+    group_size=4,
+    prompt_tokens=32,
+    completion_tokens=32,
+    micro_batch_size_per_gpu=2,
+    lora_rank=8,
+    weights_dtype="bfloat16",
+    generation="none",
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +61,9 @@ def test_gpt_oss_experts_run_in_hugging_faces_loop(gpt_oss):
     # routed_expert_chunk_mib=None is not resolved to a chunk: there is none to pick.
     cluster, fsdp = Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=2), FSDPConfig(param_persistence_threshold=0)
     assert not any("routed_expert_chunk_mib" in n for n in estimate(gpt_oss, WL, cluster, fsdp).notes)
-    tiny_qwen3_moe = load_model_spec(GPT_OSS.replace("gpt_oss", "qwen3_moe").replace("num_local_experts", "num_experts"))
+    tiny_qwen3_moe = load_model_spec(
+        GPT_OSS.replace("gpt_oss", "qwen3_moe").replace("num_local_experts", "num_experts")
+    )
     assert any("routed_expert_chunk_mib" in n for n in estimate(tiny_qwen3_moe, WL, cluster, fsdp).notes)
 
 
@@ -89,10 +101,20 @@ def test_a_multimodal_config_json_plans_the_same_text_model_as_its_catalog_entry
     import json
 
     e = catalog.entry("mistralai/Mistral-Small-3.1-24B-Instruct-2503")
-    config = {"model_type": "mistral3", "architectures": [e.multimodal], "text_config": e.config,
-              "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "num_hidden_layers": 24,
-                                "num_attention_heads": 16, "intermediate_size": 4096, "image_size": 1540,
-                                "patch_size": 14}}
+    config = {
+        "model_type": "mistral3",
+        "architectures": [e.multimodal],
+        "text_config": e.config,
+        "vision_config": {
+            "model_type": "pixtral",
+            "hidden_size": 1024,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "intermediate_size": 4096,
+            "image_size": 1540,
+            "patch_size": 14,
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec, shipped = load_model_spec(str(tmp_path)), catalog.load_spec(e.name)
     assert spec.text_model_of == shipped.text_model_of == "Mistral3ForConditionalGeneration"
@@ -100,8 +122,9 @@ def test_a_multimodal_config_json_plans_the_same_text_model_as_its_catalog_entry
 
 
 def test_gemma4_spec_reads_each_layers_own_head_width_and_the_per_layer_table():
-    spec = load_model_spec("tiny:gemma4?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4"
-                           "&num_kv_heads=2&vocab_size=512")
+    spec = load_model_spec(
+        "tiny:gemma4?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
+    )
     widths = [(b.attention.head_dim, b.attention.q_dim, b.attention.kv_dim) for b in spec.blocks]
     assert widths == [(16, 64, 32)] * 3 + [(32, 128, 64)]  # the global layer: per_layer_config head_dim 32
     assert [b.attention.sliding_window for b in spec.blocks] == [1024, 1024, 1024, None]

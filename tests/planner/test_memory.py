@@ -14,8 +14,17 @@ from planner.names import COMPONENTS, PHASES
 from planner.workload import Workload
 
 TINY = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096"
-WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=64, completion_tokens=64, micro_batch_size_per_gpu=2,
-              logprob_chunk_size=128, gradient_checkpointing=True, lora_rank=8, weights_dtype="bfloat16")
+WL = Workload(
+    prompts_per_step=2,
+    group_size=8,
+    prompt_tokens=64,
+    completion_tokens=64,
+    micro_batch_size_per_gpu=2,
+    logprob_chunk_size=128,
+    gradient_checkpointing=True,
+    lora_rank=8,
+    weights_dtype="bfloat16",
+)
 SHARD_ALL = FSDPConfig(param_persistence_threshold=0)
 
 
@@ -93,7 +102,9 @@ def test_directions(spec):
     c2 = _cluster(2)
     base = estimate(spec, WL, c2, SHARD_ALL)
     no_reshard = estimate(spec, WL, c2, SHARD_ALL.model_copy(update={"reshard_after_forward": False}))
-    assert no_reshard.phases["learn"].components["weights_gathered"] > base.phases["learn"].components["weights_gathered"]
+    assert (
+        no_reshard.phases["learn"].components["weights_gathered"] > base.phases["learn"].components["weights_gathered"]
+    )
     no_gc = estimate(spec, WL.model_copy(update={"gradient_checkpointing": False}), c2, SHARD_ALL)
     assert no_gc.phases["learn"].components["activations"] > base.phases["learn"].components["activations"]
     big_chunk = estimate(spec, WL.model_copy(update={"logprob_chunk_size": 4096}), c2, SHARD_ALL)
@@ -124,8 +135,9 @@ def test_vllm_terms_are_labelled(spec):
     est = estimate(spec, wl, _cluster(2, GPUS["H100-80GB"]), SHARD_ALL)
     k = Coefficients()
     profiled = 8192 * (3 * 512 + 128) * 2  # 256 seqs x 128 tokens = 32768, capped at 8192 tokens
-    assert est.phases["rollout"].components["vllm"] == (int(0.4 * GPUS["H100-80GB"].memory_bytes) - profiled
-                                                        + k.vllm_outside_budget_bytes)
+    assert est.phases["rollout"].components["vllm"] == (
+        int(0.4 * GPUS["H100-80GB"].memory_bytes) - profiled + k.vllm_outside_budget_bytes
+    )
     assert "kv_cache" not in est.phases["rollout"].components
     assert any("not yet measured" in n for n in est.notes)
     assert est.phases["learn"].host["host_vllm_weights"] == spec.total_params * 2
@@ -200,7 +212,6 @@ def test_tensor_parallel_weights_are_exact(spec):
         estimate(spec, WL.model_copy(update={"prompts_per_step": 4}), _cluster(4), FSDPConfig(tp=4))
 
 
-
 def test_unsharded_lm_head_is_not_gathered_again_for_the_chunked_head(spec):
     """reshard_after_forward=False leaves the lm_head unit unsharded after the forward, so the
     chunked log-prob head uses that weight; with True it gathers one vocab x hidden copy."""
@@ -218,8 +229,14 @@ def test_unsharded_lm_head_is_not_gathered_again_for_the_chunked_head(spec):
 def test_generation_peaks_at_prefill_or_at_the_last_decode_step(spec, prompt, completion):
     """The KV cache at the rollout peak: the prompt's cache at prefill (long prompts), or the
     whole cache, grown by concatenation (one layer's worth extra), at the end of decoding."""
-    workload = WL.model_copy(update={"generation": "hf", "prompt_tokens": prompt, "completion_tokens": completion,
-                                     "share_prompt_prefix": False})
+    workload = WL.model_copy(
+        update={
+            "generation": "hf",
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "share_prompt_prefix": False,
+        }
+    )
     est = estimate(spec, workload, _cluster(1), None)
     n = workload.completions_per_step
     per_token = sum(2 * b.attention.kv_dim * 2 for b in spec.blocks)  # K and V, bf16, every layer
@@ -229,8 +246,9 @@ def test_generation_peaks_at_prefill_or_at_the_last_decode_step(spec, prompt, co
         # Each of the 2 prompts prefilled once (all columns but the last), then copied to its 8 rows:
         # the decode's full cache is the peak.
         shared = estimate(spec, workload.model_copy(update={"share_prompt_prefix": True}), _cluster(1), None)
-        assert shared.phases["rollout"].components["kv_cache"] == int(n * (prompt + completion) * per_token
-                                                                        * (1 + 1 / spec.num_layers))
+        assert shared.phases["rollout"].components["kv_cache"] == int(
+            n * (prompt + completion) * per_token * (1 + 1 / spec.num_layers)
+        )
     else:
         full = n * (prompt + completion) * per_token
         # A deliberate pin of the modelled growth (one layer's cache more while the last layer
@@ -239,11 +257,22 @@ def test_generation_peaks_at_prefill_or_at_the_last_decode_step(spec, prompt, co
         assert kv == int(full * (1 + 1 / spec.num_layers))
         assert est.phases["rollout"].components["logits"] == n * spec.vocab_size * 4 * 3  # sampling copies
 
+
 # -- mixture of experts ---------------------------------------------------------------------------
-MOE = ("tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
-       "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024")
-MOE_WL = WL.model_copy(update={"prompts_per_step": 4, "group_size": 4, "prompt_tokens": 256, "completion_tokens": 256,
-                               "micro_batch_size_per_gpu": 4, "weights_dtype": "float32"})
+MOE = (
+    "tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
+    "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024"
+)
+MOE_WL = WL.model_copy(
+    update={
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "prompt_tokens": 256,
+        "completion_tokens": 256,
+        "micro_batch_size_per_gpu": 4,
+        "weights_dtype": "float32",
+    }
+)
 FP32 = dict(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
 
 
@@ -262,7 +291,9 @@ def test_expert_weights_split_by_ep_then_sharded_over_the_rest(moe_spec, world, 
     """Rank 0 keeps experts [0, E/ep) of each packed tensor, FSDP-sharded over world/ep ranks;
     everything else shards over all ranks (agilerl.distributed's expert mesh)."""
     est = estimate(moe_spec, MOE_WL, _cluster(world), FSDPConfig(**FP32, ep=ep))
-    shapes = [("embed", moe_spec.embed_shape)] + ([("lm_head", moe_spec.lm_head_shape)] if moe_spec.lm_head_shape else [])
+    shapes = [("embed", moe_spec.embed_shape)] + (
+        [("lm_head", moe_spec.lm_head_shape)] if moe_spec.lm_head_shape else []
+    )
     shapes += list(moe_spec.root_tensors) + [t for b in moe_spec.blocks for t in b.tensors]
     expected = 0
     for name, shape in shapes:
@@ -273,7 +304,6 @@ def test_expert_weights_split_by_ep_then_sharded_over_the_rest(moe_spec, world, 
         else:
             expected += math.ceil(shape[0] / world) * math.prod(shape[1:]) * 4
     assert est.phases["learn"].components["weights"] == expected
-
 
 
 def test_tensor_parallel_moe_splits_attention_only(moe_spec):
@@ -297,10 +327,15 @@ def test_tensor_parallel_moe_splits_attention_only(moe_spec):
     with pytest.raises(ValueError, match="with tp > 1"):
         estimate(moe_spec, wl, _cluster(4), FSDPConfig(**FP32, tp=2, ep=2))
 
+
 def test_expert_parallel_gathers_a_fraction_of_the_experts(moe_spec):
     """A unit all-gathers E/ep experts over world/ep ranks: the gathered stack shrinks by ep."""
-    no_grad = {ep: estimate(moe_spec, MOE_WL, _cluster(4), FSDPConfig(**FP32, ep=ep, routed_expert_chunk_mib=1))
-               .phases["reference"].components["weights_gathered"] for ep in (1, 2, 4)}
+    no_grad = {
+        ep: estimate(moe_spec, MOE_WL, _cluster(4), FSDPConfig(**FP32, ep=ep, routed_expert_chunk_mib=1))
+        .phases["reference"]
+        .components["weights_gathered"]
+        for ep in (1, 2, 4)
+    }
     assert no_grad[1] > no_grad[2] > no_grad[4]
     stack = sum(math.prod(s) for _, s in moe_spec.block(0).tensors if _is_expert(_))
     # Same prefetch window and buffer in each: the difference is the experts no longer gathered.
@@ -315,8 +350,12 @@ def test_expert_chunk_slope_comes_from_the_chunk_rows(moe_spec):
     k = Coefficients()
     wl = MOE_WL.model_copy(update={"micro_batch_size_per_gpu": 8})  # 8,192 routed rows, 1,024 per expert
     chunks = (3, 4, 8, 16)
-    peaks = {c: estimate(moe_spec, wl, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c), coefficients=k)
-             .phases["learn"].total for c in chunks}
+    peaks = {
+        c: estimate(moe_spec, wl, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c), coefficients=k)
+        .phases["learn"]
+        .total
+        for c in chunks
+    }
     mlp = moe_spec.block(0).mlp
     width, hidden = mlp.intermediate_size, moe_spec.hidden_size
     row_bytes = max(2 * width, hidden) * 4
@@ -331,20 +370,30 @@ def test_expert_chunk_slope_comes_from_the_chunk_rows(moe_spec):
     # A chunk past every routed row of a micro-batch computes them all at once: no further growth.
     routed = MOE_WL.micro_batch_size_per_gpu * MOE_WL.sequence_tokens * mlp.experts_per_token * row_bytes
     big = [c for c in (64, 128) if c * 2**20 >= routed]
-    at = [estimate(moe_spec, MOE_WL, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c)).peak_bytes for c in big]
+    at = [
+        estimate(moe_spec, MOE_WL, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c)).peak_bytes for c in big
+    ]
     assert len(set(at)) == 1
 
 
 def test_chunk_none_is_resolved_as_the_trainer_does(moe_spec):
     """FSDPConfig.routed_expert_chunk_mib=None: the largest of 64/128/256/512 MiB that fits."""
-    big = MOE_WL.model_copy(update={"prompt_tokens": 8192, "completion_tokens": 8192, "prompts_per_step": 2,
-                                    "group_size": 4, "micro_batch_size_per_gpu": 4})  # 512 MiB routed
+    big = MOE_WL.model_copy(
+        update={
+            "prompt_tokens": 8192,
+            "completion_tokens": 8192,
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "micro_batch_size_per_gpu": 4,
+        }
+    )  # 512 MiB routed
     roomy = _cluster(2, gpu=CPU_DEVICE.model_copy(update={"memory_bytes": 2**40}))
     none = estimate(moe_spec, big, roomy, FSDPConfig(**FP32))
     assert none.peak_bytes == estimate(moe_spec, big, roomy, FSDPConfig(**FP32, routed_expert_chunk_mib=512)).peak_bytes
     assert "picks 512 MiB" in none.notes[-1]
-    peaks = {c: estimate(moe_spec, big, roomy, FSDPConfig(**FP32, routed_expert_chunk_mib=c)).peak_bytes
-             for c in (64, 128)}
+    peaks = {
+        c: estimate(moe_spec, big, roomy, FSDPConfig(**FP32, routed_expert_chunk_mib=c)).peak_bytes for c in (64, 128)
+    }
     assert peaks[64] < peaks[128]
     tight = _cluster(2, gpu=CPU_DEVICE.model_copy(update={"memory_bytes": int((peaks[64] + peaks[128]) / 2 / 0.95)}))
     assert estimate(moe_spec, big, tight, FSDPConfig(**FP32)).peak_bytes == peaks[64]
@@ -359,7 +408,6 @@ def test_unsharded_moe_keeps_peft_merged_expert_stacks(moe_spec):
     assert single.phases["learn"].components["activations"] > moe_spec.num_layers * stack
 
 
-
 def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
     """The reference pass runs the base model with adapters disabled, so PEFT builds no merged
     expert stacks; a separate reference adapter (or the old-policy pass) does: three copies
@@ -367,8 +415,11 @@ def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
     stack = sum(math.prod(s) for _, s in moe_spec.block(0).tensors if _is_expert(_))
     wl = MOE_WL.model_copy(update={"prompts_per_step": 1, "logprob_chunk_size": 16})
     base = estimate(moe_spec, wl, _cluster(1), None).phases["reference"].components
-    adapter = estimate(moe_spec, wl.model_copy(update={"use_separate_reference_adapter": True}), _cluster(1),
-                       None).phases["reference"].components
+    adapter = (
+        estimate(moe_spec, wl.model_copy(update={"use_separate_reference_adapter": True}), _cluster(1), None)
+        .phases["reference"]
+        .components
+    )
     # 8/3 is a deliberate pin of the counted merge (three gate_up copies, two down copies, counted
     # on a no-grad forward with transformers 5): benchmarks/moe_memory.py measures it, not this test.
     assert adapter["activations"] - base["activations"] == int(8 / 3 * stack * 4)
@@ -382,14 +433,20 @@ def test_lora_off_the_expert_stacks_merges_none(moe_spec):
     spec = load_model_spec(MOE, lora_targets=targets)
     wl = MOE_WL.model_copy(update={"prompts_per_step": 1, "logprob_chunk_size": 16, "lora_targets": targets})
     base = estimate(spec, wl, _cluster(1), None).phases["reference"].components
-    adapter = estimate(spec, wl.model_copy(update={"use_separate_reference_adapter": True}), _cluster(1),
-                       None).phases["reference"].components
+    adapter = (
+        estimate(spec, wl.model_copy(update={"use_separate_reference_adapter": True}), _cluster(1), None)
+        .phases["reference"]
+        .components
+    )
     assert adapter["activations"] == base["activations"]
     stack = sum(math.prod(s) for _, s in spec.block(0).tensors if _is_expert(_)) * 4
     nogc = wl.model_copy(update={"gradient_checkpointing": False})
     attention_only = estimate(spec, nogc, _cluster(1), None).phases["learn"].components["activations"]
-    everything = estimate(moe_spec, nogc.model_copy(update={"lora_targets": "all-linear"}), _cluster(1),
-                          None).phases["learn"].components["activations"]
+    everything = (
+        estimate(moe_spec, nogc.model_copy(update={"lora_targets": "all-linear"}), _cluster(1), None)
+        .phases["learn"]
+        .components["activations"]
+    )
     # Every layer saves its merged stack for backward; at the activation product's moment the
     # running layer's merged down stack (a third of the stack) is already freed.
     assert everything - attention_only >= spec.num_layers * stack - stack // 3
@@ -409,10 +466,14 @@ def test_expert_units_are_gathered_inside_their_block(moe_spec):
     def lora(entries, experts):
         return r * sum(ar * ac + br * bc for n, ar, ac, br, bc in entries if ("experts" in n) == experts)
 
-    outer = [sum(math.prod(s) for n, s in b.tensors if not _is_expert(n)) + lora(b.lora["all-linear"], False)
-             for b in moe_spec.blocks]
-    experts = [sum(math.prod(s) for n, s in b.tensors if _is_expert(n)) + lora(b.lora["all-linear"], True)
-               for b in moe_spec.blocks]
+    outer = [
+        sum(math.prod(s) for n, s in b.tensors if not _is_expert(n)) + lora(b.lora["all-linear"], False)
+        for b in moe_spec.blocks
+    ]
+    experts = [
+        sum(math.prod(s) for n, s in b.tensors if _is_expert(n)) + lora(b.lora["all-linear"], True)
+        for b in moe_spec.blocks
+    ]
     embed, head = math.prod(moe_spec.embed_shape), math.prod(moe_spec.lm_head_shape)
     root = sum(math.prod(s) for _, s in moe_spec.root_tensors)
     assert moe_spec.num_layers == 2 and not moe_spec.tie_word_embeddings
@@ -426,12 +487,24 @@ def test_expert_units_are_gathered_inside_their_block(moe_spec):
     # Forward order: embed, outer0, experts0, outer1, experts1, lm_head.
     local = [e // 2 for e in experts]
     # A unit prefetches the next outer unit (blocks, head), never a nested expert unit.
-    held = [2 * embed + outer[0], 2 * outer[0] + outer[1], outer[0] + local[0] + outer[1],
-            2 * outer[1] + head, outer[1] + local[1] + head, 2 * head]
+    held = [
+        2 * embed + outer[0],
+        2 * outer[0] + outer[1],
+        outer[0] + local[0] + outer[1],
+        2 * outer[1] + head,
+        outer[1] + local[1] + head,
+        2 * head,
+    ]
     assert gathered(2) == (max(held) + root) * 4
     assert max(held) < outer[0] + local[0] + outer[1] + local[1]
-    held = [2 * embed + outer[0] + outer[1], 2 * outer[0] + outer[1] + head, outer[0] + local[0] + outer[1] + head,
-            2 * outer[1] + head, outer[1] + local[1] + head, 2 * head]
+    held = [
+        2 * embed + outer[0] + outer[1],
+        2 * outer[0] + outer[1] + head,
+        outer[0] + local[0] + outer[1] + head,
+        2 * outer[1] + head,
+        outer[1] + local[1] + head,
+        2 * head,
+    ]
     assert gathered(2, prefetch=2) == (max(held) + root) * 4
     # ep=1: embed, block0, block1, lm_head with the experts inside each block.
     blocks = [o + e for o, e in zip(outer, experts)]
@@ -450,8 +523,10 @@ def test_invalid_expert_parallel_degrees_say_what_is_allowed(moe_spec, spec):
 
 # -- per-layer embeddings (Gemma-3n) ------------------------------------------------------------
 # A large per-layer table (4096 x 4 layers x 16) so its unit is the largest one.
-PLE = ("tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
-       "&vocab_size_per_layer_input=4096&hidden_size_per_layer_input=16")
+PLE = (
+    "tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
+    "&vocab_size_per_layer_input=4096&hidden_size_per_layer_input=16"
+)
 
 
 @pytest.fixture(scope="module")
@@ -489,9 +564,11 @@ def test_per_layer_embeddings_are_gathered_as_their_own_unit(ple_spec):
     table = math.prod(dict(ple_spec.root_tensors)[ple_name])
     root = math.prod(ple_spec.embed_shape) + sum(math.prod(s) for n, s in ple_spec.root_tensors if n != ple_name)
     root += WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in ple_spec.lora_outside_blocks["all-linear"])
-    blocks = [sum(math.prod(s) for _, s in b.tensors)
-              + WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in b.lora["all-linear"])
-              for b in ple_spec.blocks]
+    blocks = [
+        sum(math.prod(s) for _, s in b.tensors)
+        + WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in b.lora["all-linear"])
+        for b in ple_spec.blocks
+    ]
     assert table > max(blocks)
     assert est.phases["reference"].components["weights_gathered"] == (2 * table + blocks[0] + root) * 4
 
@@ -510,8 +587,11 @@ def test_gathering_every_unit_for_generation_holds_what_reshard_off_holds(spec):
     hf = WL.model_copy(update={"generation": "hf"})
     resharding = FSDPConfig(param_persistence_threshold=0)
     per_unit = estimate(spec, hf, _cluster(2), resharding).phases["rollout"].components["weights_gathered"]
-    once = estimate(spec, hf.model_copy(update={"gather_weights_for_rollout": True}), _cluster(2),
-                    resharding).phases["rollout"].components["weights_gathered"]
+    once = (
+        estimate(spec, hf.model_copy(update={"gather_weights_for_rollout": True}), _cluster(2), resharding)
+        .phases["rollout"]
+        .components["weights_gathered"]
+    )
     kept = estimate(spec, hf, _cluster(2), resharding.model_copy(update={"reshard_after_forward": False}))
     # Every unit unsharded, and the all-gather output of the unit being gathered beside its copy.
     largest = max(math.prod(s) for i in range(spec.num_layers) for _, s in spec.block(i).tensors)

@@ -27,5 +27,4 @@ def test_a_plan_through_the_package_namespace():
     spec = planner.load_model_spec("Qwen/Qwen2.5-0.5B")
     result = planner.plan(spec, planner.Workload(), planner.Cluster(gpu=planner.gpu_by_name("H100-80GB"), num_gpus=2))
     assert isinstance(result, planner.Plan) and result.fits
-    assert result.estimate.peak_bytes == planner.estimate(spec, result.workload, result.cluster,
-                                                          result.fsdp).peak_bytes
+    assert result.estimate.peak_bytes == planner.estimate(spec, result.workload, result.cluster, result.fsdp).peak_bytes

@@ -27,22 +27,40 @@ def _problems(**kwargs) -> dict[str, str]:
 def test_each_bad_field_is_named_by_its_key():
     eight = Cluster(gpu=H100, num_gpus=8)
     assert "tp=3 must divide" in _problems(cluster=eight, workload=Workload(), fixed={"tp": 3})["fsdp.tp"]
-    assert "cannot both be set" in _problems(cluster=eight, workload=Workload(),
-                                             fixed={"cpu_offload": True, "optim_cpu_offload": True})["fsdp"]
-    assert "would be ignored" in _problems(cluster=eight, workload=Workload(), fixed={"tp": 2},
-                                           sharding="none")["plan.sharding"]
-    assert "'auto', 'fsdp' or 'none'" in _problems(cluster=eight, workload=Workload(),
-                                                   sharding="zero3")["plan.sharding"]
+    assert (
+        "cannot both be set"
+        in _problems(cluster=eight, workload=Workload(), fixed={"cpu_offload": True, "optim_cpu_offload": True})["fsdp"]
+    )
+    assert (
+        "would be ignored"
+        in _problems(cluster=eight, workload=Workload(), fixed={"tp": 2}, sharding="none")["plan.sharding"]
+    )
+    assert (
+        "'auto', 'fsdp' or 'none'" in _problems(cluster=eight, workload=Workload(), sharding="zero3")["plan.sharding"]
+    )
     for margin in (1.0, -0.1, float("nan")):
         assert "[0, 1)" in _problems(cluster=eight, workload=Workload(), margin_fraction=margin)["plan.margin_fraction"]
-    assert "do not split over 16 ranks" in _problems(cluster=Cluster(gpu=H100, num_gpus=16),
-                                                     workload=Workload(prompts_per_step=1, group_size=2),
-                                                     )["workload.prompts_per_step"]
-    assert "does not divide the 8" in _problems(cluster=eight, workload=Workload(micro_batch_size_per_gpu=3),
-                                                )["workload.micro_batch_size_per_gpu"]
+    assert (
+        "do not split over 16 ranks"
+        in _problems(
+            cluster=Cluster(gpu=H100, num_gpus=16),
+            workload=Workload(prompts_per_step=1, group_size=2),
+        )["workload.prompts_per_step"]
+    )
+    assert (
+        "does not divide the 8"
+        in _problems(
+            cluster=eight,
+            workload=Workload(micro_batch_size_per_gpu=3),
+        )["workload.micro_batch_size_per_gpu"]
+    )
     # Several problems at once: every one is reported, each under its own key.
-    several = _problems(cluster=eight, workload=Workload(micro_batch_size_per_gpu=3, load_in_4bit=True),
-                        fixed={"cpu_offload": True}, margin_fraction=2.0)
+    several = _problems(
+        cluster=eight,
+        workload=Workload(micro_batch_size_per_gpu=3, load_in_4bit=True),
+        fixed={"cpu_offload": True},
+        margin_fraction=2.0,
+    )
     assert set(several) >= {"plan.margin_fraction", "fsdp.cpu_offload", "workload.micro_batch_size_per_gpu"}
 
 
@@ -86,14 +104,26 @@ def test_check_inputs_raises_the_requests_own_problems():
 
 def test_plan_request_is_plan_with_the_requests_margin_and_decisions():
     spec = load_model_spec("Qwen/Qwen2.5-0.5B")
-    request = PlanRequest.build(Cluster(gpu=GPUS["A100-40GB"], num_gpus=3), Workload(), {"reshard_after_forward": True},
-                                sharding="fsdp", margin_fraction=0.2)
+    request = PlanRequest.build(
+        Cluster(gpu=GPUS["A100-40GB"], num_gpus=3),
+        Workload(),
+        {"reshard_after_forward": True},
+        sharding="fsdp",
+        margin_fraction=0.2,
+    )
     result = plan_request(spec, request)
     assert result.margin_bytes == int(GPUS["A100-40GB"].memory_bytes * 0.2) == request.margin_bytes
     assert result.fsdp is not None and result.fsdp.reshard_after_forward is True
     assert result.decisions[-1] == request.decisions[0]
-    control = plan(spec, request.workload, request.cluster, fixed={"reshard_after_forward": True}, sharding="fsdp",
-                   coefficients=None, margin_fraction=0.2)
+    control = plan(
+        spec,
+        request.workload,
+        request.cluster,
+        fixed={"reshard_after_forward": True},
+        sharding="fsdp",
+        coefficients=None,
+        margin_fraction=0.2,
+    )
     assert control.margin_bytes == result.margin_bytes
 
 
@@ -106,14 +136,41 @@ def test_the_command_line_and_the_explorer_make_the_same_request(capsys, tmp_pat
 
     monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
     model = "Qwen/Qwen2.5-1.5B"
-    code = main([model, "--gpus", "4", "--gpu", "H100-80GB", "--gpu-memory", "40", "--margin", "0.1",
-                 "--prompts-per-step", "8", "--generation", "vllm", "--vllm-max-num-seqs", "16", "--tp", "2",
-                 "--format", "json"])
+    code = main(
+        [
+            model,
+            "--gpus",
+            "4",
+            "--gpu",
+            "H100-80GB",
+            "--gpu-memory",
+            "40",
+            "--margin",
+            "0.1",
+            "--prompts-per-step",
+            "8",
+            "--generation",
+            "vllm",
+            "--vllm-max-num-seqs",
+            "16",
+            "--tp",
+            "2",
+            "--format",
+            "json",
+        ]
+    )
     assert code in (0, 3)
     from_flags = json.loads(capsys.readouterr().out)
     values = initial_values(num_gpus=4, gpu="H100-80GB", gpu_memory_gib=40)
-    values.update({"plan.margin_fraction": "0.1", "workload.prompts_per_step": "8", "workload.generation": "vllm",
-                   "workload.vllm_max_num_seqs": "16", "fsdp.tp": "2"})
+    values.update(
+        {
+            "plan.margin_fraction": "0.1",
+            "workload.prompts_per_step": "8",
+            "workload.generation": "vllm",
+            "workload.vllm_max_num_seqs": "16",
+            "fsdp.tp": "2",
+        }
+    )
     request = build_request(values)
     from_knobs = emit.plan_json(compute(load_model_spec(model), request))
     assert from_knobs == from_flags

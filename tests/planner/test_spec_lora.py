@@ -75,11 +75,13 @@ def test_a_dense_config_json_is_planned_without_importing_peft(tmp_path):
     config = dict(catalog.entry("Qwen/Qwen2.5-0.5B").config)
     config["num_hidden_layers"] = 3  # no catalog entry has this content: the spec is built
     (tmp_path / "config.json").write_text(json.dumps(config))
-    code = ("import sys, os\n"
-            f"os.environ['AGILERL_CACHE'] = {str(tmp_path / 'cache')!r}\n"
-            "from planner.models import load_model_spec\n"
-            f"spec = load_model_spec({str(tmp_path)!r})\n"
-            "print(spec.num_layers, len(spec.lora_shapes('all-linear')), 'peft' in sys.modules)\n")
+    code = (
+        "import sys, os\n"
+        f"os.environ['AGILERL_CACHE'] = {str(tmp_path / 'cache')!r}\n"
+        "from planner.models import load_model_spec\n"
+        f"spec = load_model_spec({str(tmp_path)!r})\n"
+        "print(spec.num_layers, len(spec.lora_shapes('all-linear')), 'peft' in sys.modules)\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["3", str(3 * 7), "False"]

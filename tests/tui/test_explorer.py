@@ -43,11 +43,7 @@ async def test_starts_with_the_plan_of_the_given_cluster(size):
         screen = await settle(pilot)
         plan = screen.plan
         assert plan is not None and plan.fits
-        assert (
-            plan.model == MODEL
-            and plan.cluster.num_gpus == 8
-            and plan.cluster.gpu.name == "H100-80GB"
-        )
+        assert plan.model == MODEL and plan.cluster.num_gpus == 8 and plan.cluster.gpu.name == "H100-80GB"
         assert "FITS" in _verdict(screen)
         assert screen.query_one(PhaseBars).estimate is plan.estimate
         assert screen.has_class("-narrow") == (size == SMALL)
@@ -69,8 +65,7 @@ async def test_up_doubles_the_gpus_and_the_plan_follows(size):
         assert control(pilot, "cluster.num_gpus").value == "16"
         assert after.cluster.num_gpus == 16
         assert (
-            after.estimate.phases["step"].components["weights"]
-            < before.estimate.phases["step"].components["weights"]
+            after.estimate.phases["step"].components["weights"] < before.estimate.phases["step"].components["weights"]
         )
         assert screen.last_recompute_seconds is not None
 
@@ -104,10 +99,7 @@ async def test_an_fsdp_override_is_kept_and_marked_as_yours():
         screen = await set_knob(pilot, "fsdp.reshard_after_forward", "false")
         assert screen.plan.fsdp.reshard_after_forward is False
         screen = await set_knob(pilot, "fsdp.reshard_after_forward", "auto")
-        assert (
-            screen.plan.fsdp.reshard_after_forward is True
-            and "reshard_after_forward" not in screen.request.fixed
-        )
+        assert screen.plan.fsdp.reshard_after_forward is True and "reshard_after_forward" not in screen.request.fixed
 
 
 @pytest.mark.parametrize("size", [WIDE, SMALL])
@@ -205,9 +197,7 @@ async def test_save_writes_a_manifest_that_validates_and_matches_the_plan(size, 
 
 @pilot_test
 async def test_a_plan_whose_manifest_would_not_validate_is_flagged_and_not_saved(tmp_path):
-    app = ExplorerApp(
-        BIG_MODEL, gpus=16, gpus_per_node=8
-    )  # 8 prompts do not split over 16 trainer GPUs
+    app = ExplorerApp(BIG_MODEL, gpus=16, gpus_per_node=8)  # 8 prompts do not split over 16 trainer GPUs
     target = tmp_path / "run.yaml"
     async with app.run_test(size=SMALL) as pilot:
         screen = await settle(pilot)
@@ -242,12 +232,8 @@ async def test_the_snippet_screen_shows_the_plan_as_python_and_yaml():
         await pilot.press("ctrl+p")
         await pilot.pause()
         assert isinstance(app.screen, ExportScreen)
-        assert app.screen.query_one("#python-text", TextArea).text == emit.python_snippet(
-            screen.plan
-        )
-        assert app.screen.query_one("#manifest-text", TextArea).text == emit.manifest_yaml(
-            screen.plan
-        )
+        assert app.screen.query_one("#python-text", TextArea).text == emit.python_snippet(screen.plan)
+        assert app.screen.query_one("#manifest-text", TextArea).text == emit.manifest_yaml(screen.plan)
         assert "FSDPConfig(" in emit.python_snippet(screen.plan)
         await pilot.press("c")
         assert app.clipboard == emit.python_snippet(screen.plan)
@@ -302,9 +288,7 @@ async def test_an_unknown_model_is_an_error_and_the_plan_stays():
         screen = await settle(pilot)
         assert "unknown model" in screen.model_error and "unknown model" in _verdict(screen)
         assert screen.plan is good and screen.model_name == MODEL
-        screen = await set_knob(
-            pilot, "workload.group_size", "4"
-        )  # the plan goes on with the last model
+        screen = await set_knob(pilot, "workload.group_size", "4")  # the plan goes on with the last model
         assert screen.plan.model == MODEL and screen.plan.workload.group_size == 4
 
 
@@ -327,9 +311,7 @@ async def test_a_model_that_takes_time_to_build_shows_a_loading_indicator(monkey
         await pilot.press("enter")
         await pilot.pause()
         screen = app.explorer
-        assert (
-            screen.busy and screen.query_one("#memory-row").loading
-        )  # covered by a LoadingIndicator
+        assert screen.busy and screen.query_one("#memory-row").loading  # covered by a LoadingIndicator
         assert "loading tiny:qwen2?num_layers=2" in _verdict(screen)
         release.set()
         screen = await settle(pilot)
@@ -408,9 +390,7 @@ async def test_choices_work_from_the_keyboard_and_the_hint_shows_the_fields_desc
         select.focus()
         await pilot.pause()
         hint = str(screen.query_one("#hint").render())
-        assert FSDPConfig.model_fields["optim_cpu_offload"].description[:40] in hint.replace(
-            "\n", " "
-        )
+        assert FSDPConfig.model_fields["optim_cpu_offload"].description[:40] in hint.replace("\n", " ")
         await pilot.press("enter", "down", "enter")  # auto -> true
         screen = await settle(pilot)
         assert select.value == "true"

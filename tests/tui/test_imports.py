@@ -12,9 +12,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _python(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=80
-    )
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=80)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -98,10 +98,7 @@ def test_overrides_parse_to_the_fields_types():
     assert request.workload.vllm_sleep_level == 2
     assert request.workload.gradient_checkpointing is True
     assert request.workload.micro_batch_size_per_gpu == 4
-    assert (
-        request.cluster.gpu.memory_bytes == 40 * 2**30
-        and request.cluster.gpu.name == "H100-80GB"
-    )
+    assert request.cluster.gpu.memory_bytes == 40 * 2**30 and request.cluster.gpu.name == "H100-80GB"
 
 
 def test_a_gpu_given_other_memory_keeps_the_users_calibration(tmp_path, monkeypatch):
@@ -124,26 +121,19 @@ def test_invalid_knobs_are_reported_by_key():
     assert "at least 2" in _errors(workload__group_size="1")["workload.group_size"]
     assert "not a whole number" in _errors(cluster__num_gpus="eight")["cluster.num_gpus"]
     assert _errors(cluster__num_gpus="")["cluster.num_gpus"] == "required"
-    assert (
-        "not a multiple"
-        in _errors(cluster__num_gpus="12", cluster__gpus_per_node="8")["cluster.gpus_per_node"]
-    )
+    assert "not a multiple" in _errors(cluster__num_gpus="12", cluster__gpus_per_node="8")["cluster.gpus_per_node"]
     assert (
         "do not split over 16 ranks"
-        in _errors(cluster__num_gpus="16", workload__prompts_per_step="1")[
-            "workload.prompts_per_step"
-        ]
+        in _errors(cluster__num_gpus="16", workload__prompts_per_step="1")["workload.prompts_per_step"]
     )
     assert (
-        "does not divide the 8"
-        in _errors(workload__micro_batch_size_per_gpu="3")["workload.micro_batch_size_per_gpu"]
+        "does not divide the 8" in _errors(workload__micro_batch_size_per_gpu="3")["workload.micro_batch_size_per_gpu"]
     )
-    assert "needs generation='vllm'" in _errors(workload__offload_weights_during_rollout=True)[
-        "workload.offload_weights_during_rollout"]  # a combination's error sits under the knob it names first
     assert (
-        "cannot both be set"
-        in _errors(fsdp__cpu_offload="true", fsdp__optim_cpu_offload="true")[""]
-    )
+        "needs generation='vllm'"
+        in _errors(workload__offload_weights_during_rollout=True)["workload.offload_weights_during_rollout"]
+    )  # a combination's error sits under the knob it names first
+    assert "cannot both be set" in _errors(fsdp__cpu_offload="true", fsdp__optim_cpu_offload="true")[""]
     assert "must be more than 0" in _errors(cluster__gpu_memory_gib="0")["cluster.gpu_memory_gib"]
     several = _errors(workload__group_size="1", fsdp__tp="x")
     assert set(several) == {"workload.group_size", "fsdp.tp"}
@@ -175,8 +165,10 @@ def test_every_component_has_its_own_colour():
 
 
 def test_model_search_matches_words_then_falls_back_to_close_names():
-    assert matching_models("qwen2.5 72") == (["Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-Math-72B",
-                                              "Qwen/Qwen2.5-Math-72B-Instruct"], True)
+    assert matching_models("qwen2.5 72") == (
+        ["Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-Math-72B", "Qwen/Qwen2.5-Math-72B-Instruct"],
+        True,
+    )
     assert matching_models("qwen2.5-72b-instruct") == (["Qwen/Qwen2.5-72B-Instruct"], True)
     found, matched = matching_models("lama-3.1-70")
     assert matched and "meta-llama/Llama-3.1-70B" in found

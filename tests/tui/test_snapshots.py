@@ -45,9 +45,7 @@ def test_fits_80x24(snap_compare):
 
 
 def test_does_not_fit_80x24(snap_compare):
-    assert snap_compare(
-        ExplorerApp("Qwen/Qwen2.5-14B", gpu="L4"), terminal_size=SMALL, run_before=_ready
-    )
+    assert snap_compare(ExplorerApp("Qwen/Qwen2.5-14B", gpu="L4"), terminal_size=SMALL, run_before=_ready)
 
 
 def test_fsdp_decisions_wide(snap_compare):

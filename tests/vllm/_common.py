@@ -9,7 +9,9 @@ from agilerl.utils.algo_utils import VLLMConfig
 from tests.agilerl.algorithms._common import make_agent
 
 # vLLM's CPU attention takes head sizes that are multiples of 32: 2 heads of 32 (one KV head).
-VLLM_TINY = "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=2&num_kv_heads=1&initializer_range=0.2"
+VLLM_TINY = (
+    "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=2&num_kv_heads=1&initializer_range=0.2"
+)
 # A 32 MiB KV cache: on CPU vLLM would otherwise reserve gpu_memory_utilization of the host's memory.
 ENGINE = VLLMConfig(kv_cache_memory_bytes=32 << 20, max_num_seqs=16, enforce_eager=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -17,8 +19,9 @@ NEW_TOKENS = 6
 
 
 def vllm_agent(**overrides):
-    kwargs = dict(model_name=VLLM_TINY, vllm_config=ENGINE, max_model_len=64, max_output_tokens=NEW_TOKENS,
-                  lr=5e-2, beta=0.0)
+    kwargs = dict(
+        model_name=VLLM_TINY, vllm_config=ENGINE, max_model_len=64, max_output_tokens=NEW_TOKENS, lr=5e-2, beta=0.0
+    )
     kwargs.update(overrides)
     return make_agent(**kwargs)
 
@@ -26,8 +29,9 @@ def vllm_agent(**overrides):
 def engine_greedy(agent, prompts=PROMPTS) -> list[list[int]]:
     """Sync the actor's weights into the engine, then its greedy completions."""
     agent.sync_engine_weights()
-    return agent.engine.generate(prompts, max_tokens=NEW_TOKENS, temperature=0.0,
-                                 stop_token_ids=sorted(agent.eos_token_ids()))
+    return agent.engine.generate(
+        prompts, max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=sorted(agent.eos_token_ids())
+    )
 
 
 @torch.no_grad()
@@ -43,10 +47,16 @@ def hf_greedy(agent, prompts=PROMPTS) -> list[list[int]]:
         with use_adapter(agent.model, ACTOR):
             for prompt in prompts:
                 ids = torch.tensor([prompt])
-                full = agent.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                            max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=agent.pad_token_id,
-                                            eos_token_id=eos, synced_gpus=agent.sharded and agent.world_size > 1)
-                out.append(full[0, len(prompt):].tolist())
+                full = agent.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    pad_token_id=agent.pad_token_id,
+                    eos_token_id=eos,
+                    synced_gpus=agent.sharded and agent.world_size > 1,
+                )
+                out.append(full[0, len(prompt) :].tolist())
     finally:
         agent.model.train(was_training)
     # Hugging Face pads a finished row; the engine returns it ragged, its stop token included.

@@ -80,10 +80,22 @@ def test_a_population_shares_one_engine_per_rank():
     from tests.agilerl.algorithms._common import TOKENIZER
     from tests.vllm._common import VLLM_TINY
 
-    population = GRPO.population(2, model_name=VLLM_TINY, pad_token_id=TOKENIZER.pad_token_id,
-                                 pad_token=TOKENIZER.pad_token, tokenizer=TOKENIZER, vllm_config=ENGINE,
-                                 max_model_len=64, max_output_tokens=6, dtype="float32", device="cpu",
-                                 gradient_checkpointing=False, batch_size=2, group_size=4, seed=0)
+    population = GRPO.population(
+        2,
+        model_name=VLLM_TINY,
+        pad_token_id=TOKENIZER.pad_token_id,
+        pad_token=TOKENIZER.pad_token,
+        tokenizer=TOKENIZER,
+        vllm_config=ENGINE,
+        max_model_len=64,
+        max_output_tokens=6,
+        dtype="float32",
+        device="cpu",
+        gradient_checkpointing=False,
+        batch_size=2,
+        group_size=4,
+        seed=0,
+    )
     a, b = population
     assert a.engine is b.engine
     # Different adapters (seeds 0 and 1): each agent's rollout runs its own weights.
@@ -117,9 +129,16 @@ def test_a_max_model_len_over_the_models_is_refused_before_start(agent):
 def test_too_little_memory_for_the_kv_cache_names_the_knob(agent):
     from agilerl.utils.engine import EngineError, VLLMEngine
 
-    with pytest.raises(EngineError, match="too little memory for its KV cache; raise vllm_config.kv_cache_memory_bytes") as err:
-        VLLMEngine(agent.model_source, VLLMConfig(kv_cache_memory_bytes=4096, enforce_eager=True), dtype="float32",
-                   seed=0, max_model_len=64)
+    with pytest.raises(
+        EngineError, match="too little memory for its KV cache; raise vllm_config.kv_cache_memory_bytes"
+    ) as err:
+        VLLMEngine(
+            agent.model_source,
+            VLLMConfig(kv_cache_memory_bytes=4096, enforce_eager=True),
+            dtype="float32",
+            seed=0,
+            max_model_len=64,
+        )
     assert "\n" not in str(err.value)
 
 

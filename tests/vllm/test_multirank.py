@@ -29,6 +29,7 @@ def all_gather_object(value):
     torch.distributed.all_gather_object(out, value)
     return out
 
+
 FP32_SHARDED = dict(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0)
 
 
@@ -64,10 +65,13 @@ def fsdp2_sync_gathers_one_module_at_a_time(ctx):
     def counting(weights):
         def watched():
             for name, tensor in weights:
-                full_now = sum(1 for n, p in agent.model.named_parameters() if n in sharded and not isinstance(p, DTensor))
+                full_now = sum(
+                    1 for n, p in agent.model.named_parameters() if n in sharded and not isinstance(p, DTensor)
+                )
                 seen["most"] = max(seen["most"], full_now)
                 seen["tensors"] += 1
                 yield name, tensor
+
         load(watched())
 
     engine.load_weights = counting
@@ -89,7 +93,8 @@ test_dist = cases.pytest_test()
 @pytest.mark.timeout(420)
 def test_a_manifest_with_vllm_trains_under_torchrun_with_fsdp2(tmp_path):
     manifest = tmp_path / "vllm.yaml"
-    manifest.write_text(textwrap.dedent(f"""\
+    manifest.write_text(
+        textwrap.dedent(f"""\
         algorithm:
           model_name: "{VLLM_TINY}"
           group_size: 4
@@ -100,10 +105,25 @@ def test_a_manifest_with_vllm_trains_under_torchrun_with_fsdp2(tmp_path):
           vllm: {{kv_cache_memory_bytes: 33554432, max_num_seqs: 16, enforce_eager: true}}
         lora: {{r: 4, alpha: 8}}
         training: {{max_steps: 2, rollout_batch_size: 2, training_gpus_per_agent: 2, population_size: 2}}
-        """))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
-                          "agilerl.train", str(manifest), "--device", "cpu"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+        """)
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "agilerl.train",
+            str(manifest),
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "built 2 GRPO agent(s) on 2 rank(s)" in run.stdout
     for agent in (0, 1):

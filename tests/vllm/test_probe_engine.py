@@ -20,12 +20,26 @@ def test_a_probe_rollout_runs_the_engine_and_reports_its_kv_cache():
     from planner.probe import ProbeRequest, run_probe
     from planner.workload import Workload
 
-    workload = Workload(prompts_per_step=2, group_size=2, prompt_tokens=16, completion_tokens=8,
-                        micro_batch_size_per_gpu=4, logprob_chunk_size=64, gradient_checkpointing=False, lora_rank=4,
-                        lora_alpha=8, weights_dtype="bfloat16", generation="vllm", vllm_max_num_seqs=8,
-                        vllm_kv_cache_memory_bytes=KV_BYTES, vllm_enforce_eager=True, padded_batches=False)
-    measurement = run_probe(ProbeRequest(model=VLLM_TINY, workload=workload, device="cpu", generate=True,
-                                         timed_steps=1, timeout_s=500))
+    workload = Workload(
+        prompts_per_step=2,
+        group_size=2,
+        prompt_tokens=16,
+        completion_tokens=8,
+        micro_batch_size_per_gpu=4,
+        logprob_chunk_size=64,
+        gradient_checkpointing=False,
+        lora_rank=4,
+        lora_alpha=8,
+        weights_dtype="bfloat16",
+        generation="vllm",
+        vllm_max_num_seqs=8,
+        vllm_kv_cache_memory_bytes=KV_BYTES,
+        vllm_enforce_eager=True,
+        padded_batches=False,
+    )
+    measurement = run_probe(
+        ProbeRequest(model=VLLM_TINY, workload=workload, device="cpu", generate=True, timed_steps=1, timeout_s=500)
+    )
     assert measurement.ok, measurement.failure
     rank = measurement.ranks[0]
     assert {"rollout", "sync", "learn"} <= set(rank.phases)

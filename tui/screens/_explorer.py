@@ -59,9 +59,7 @@ class ExplorerScreen(Screen):
             "Model",
             tooltip="Pick a model: catalog search, a path, or a tiny: name",
         ),
-        Binding(
-            "ctrl+s", "save", "Save", tooltip="Save the plan's manifest YAML (asks for the path)"
-        ),
+        Binding("ctrl+s", "save", "Save", tooltip="Save the plan's manifest YAML (asks for the path)"),
         Binding(
             "ctrl+p",
             "export",
@@ -199,9 +197,7 @@ class ExplorerScreen(Screen):
             exit_on_error=False,
         )
 
-    def _plan_done(
-        self, result: tuple[Plan, str | None] | None, error: BaseException | None
-    ) -> None:
+    def _plan_done(self, result: tuple[Plan, str | None] | None, error: BaseException | None) -> None:
         done, self._plan_running = self._plan_running, None
         if done is not self._plan_wanted:  # the knobs moved on while it ran
             self._start_plan()
@@ -254,9 +250,7 @@ class ExplorerScreen(Screen):
         elif self._plan_running is not None:
             status = "planning ..."
         errors = {"model": self.model_error, **self.errors} if self.model_error else self.errors
-        self.query_one(Verdict).show(
-            self.plan, errors=errors, status=status, warnings=self.warnings()
-        )
+        self.query_one(Verdict).show(self.plan, errors=errors, status=status, warnings=self.warnings())
 
     def warnings(self) -> list[str]:
         """What is off about the current plan itself (not about the inputs)."""
@@ -296,9 +290,7 @@ class ExplorerScreen(Screen):
             hint.update(Text(tooltip if isinstance(tooltip, str) else GENERAL_HINT))
             return
         knob = row.knob
-        extra = (
-            " Empty or 'auto': the planner chooses." if knob.auto and knob.kind != "choice" else ""
-        )
+        extra = " Empty or 'auto': the planner chooses." if knob.auto and knob.kind != "choice" else ""
         hint.update(Text.assemble((knob.field, "bold"), f": {knob.help}{extra}"))
 
     # -- actions ---------------------------------------------------------------------------------
@@ -346,18 +338,12 @@ class ExplorerScreen(Screen):
             self.notify("no plan yet", severity="warning")
             return
         self.app.push_screen(
-            ExportScreen(
-                python=emit.python_snippet(self.plan), manifest=emit.manifest_yaml(self.plan)
-            )
+            ExportScreen(python=emit.python_snippet(self.plan), manifest=emit.manifest_yaml(self.plan))
         )
 
     def action_reset_knob(self) -> None:
         focused = self.focused
-        row = (
-            next((a for a in focused.ancestors_with_self if isinstance(a, KnobRow)), None)
-            if focused
-            else None
-        )
+        row = next((a for a in focused.ancestors_with_self if isinstance(a, KnobRow)), None) if focused else None
         if row is None:
             self.notify("focus a knob to reset it", severity="warning")
             return
@@ -365,7 +351,5 @@ class ExplorerScreen(Screen):
 
     def action_show_tab(self, tab: str) -> None:
         self.query_one("#tabs", TabbedContent).active = tab
-        target = (
-            self.query_one(PhaseBars) if tab == "memory" else self.query_one("#decisions-scroll")
-        )
+        target = self.query_one(PhaseBars) if tab == "memory" else self.query_one("#decisions-scroll")
         target.focus()

@@ -36,9 +36,7 @@ class ComponentTable(Static):
         table.add_column("GiB", justify="right", no_wrap=True)
         table.add_column("%", justify="right", no_wrap=True)
         total = ph.total or 1
-        order = [c for c in COMPONENTS if c in ph.components] + [
-            c for c in ph.components if c not in COMPONENTS
-        ]
+        order = [c for c in COMPONENTS if c in ph.components] + [c for c in ph.components if c not in COMPONENTS]
         for name in order:
             value = ph.components[name]
             if value:
@@ -51,9 +49,7 @@ class ComponentTable(Static):
         capacity = estimate.capacity_bytes
         headroom = capacity - ph.total
         table.add_section()
-        table.add_row(
-            "", Text("total", style="bold"), Text(f"{ph.total / GIB:.2f}", style="bold"), ""
-        )
+        table.add_row("", Text("total", style="bold"), Text(f"{ph.total / GIB:.2f}", style="bold"), "")
         table.add_row("", "capacity", f"{capacity / GIB:.2f}", "")
         table.add_row(
             "",

@@ -29,9 +29,7 @@ def _line(out: Text, field: str, value: Any, source: str, reason: str | None) ->
 class DecisionView(Static):
     """Every FSDPConfig field of a plan, and the workload knobs the planner resolved."""
 
-    def show(
-        self, plan: Plan, *, fixed: Mapping[str, Any], workload_set: Mapping[str, Any]
-    ) -> None:
+    def show(self, plan: Plan, *, fixed: Mapping[str, Any], workload_set: Mapping[str, Any]) -> None:
         """``fixed``: FSDPConfig fields the user overrode; ``workload_set``: workload fields set."""
         reasons = plan.reasons()
         out = Text()
@@ -52,13 +50,7 @@ class DecisionView(Static):
                 _line(out, field, getattr(plan.fsdp, field), source, reasons.get(field))
         out.append("\nWorkload\n", style="bold underline")
         for field in _WORKLOAD_DECISIONS:
-            source = (
-                "you"
-                if workload_set.get(field) is not None
-                else "planner"
-                if field in reasons
-                else "default"
-            )
+            source = "you" if workload_set.get(field) is not None else "planner" if field in reasons else "default"
             _line(out, field, getattr(plan.workload, field), source, reasons.get(field))
         out.append("\nNotes\n", style="bold underline")
         out.append(f"  coefficients: {plan.coefficients_source}\n", style="italic")

@@ -40,9 +40,7 @@ class StepInput(Input):
             current = float(self.value) if self.value.strip() not in ("", AUTO) else None
         except ValueError:
             return
-        self.value = _stepped(
-            current, direction, integer=self.number == "int", can_be_auto=self.can_be_auto
-        )
+        self.value = _stepped(current, direction, integer=self.number == "int", can_be_auto=self.can_be_auto)
         self.cursor_position = len(self.value)
 
 
@@ -89,9 +87,7 @@ class KnobRow(Vertical):
         cid = control_id(knob.key)
         match knob.kind:
             case "flag":
-                return Checkbox(
-                    _flag_label(bool(value)), bool(value), id=cid, tooltip=knob.help, compact=True
-                )
+                return Checkbox(_flag_label(bool(value)), bool(value), id=cid, tooltip=knob.help, compact=True)
             case "choice":
                 return Select(
                     [(c, c) for c in knob.choices],

@@ -26,9 +26,7 @@ _TOTAL_WIDTH = 7
 def bar_cells(components: dict[str, int], *, scale_bytes: int, width: int) -> list[str | None]:
     """The component in each of ``width`` cells when ``scale_bytes`` spans them (None: empty)."""
     cells: list[str | None] = [None] * width
-    order = [c for c in COMPONENTS if c in components] + [
-        c for c in components if c not in COMPONENTS
-    ]
+    order = [c for c in COMPONENTS if c in components] + [c for c in components if c not in COMPONENTS]
     done = 0
     start = 0
     for name in order:
@@ -69,9 +67,7 @@ class PhaseBars(Widget, can_focus=True):
     def phases(self) -> list[str]:
         if self.estimate is None:
             return []
-        return [p for p in PHASES if p in self.estimate.phases] + [
-            p for p in self.estimate.phases if p not in PHASES
-        ]
+        return [p for p in PHASES if p in self.estimate.phases] + [p for p in self.estimate.phases if p not in PHASES]
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return len(self.phases()) + 1
@@ -109,9 +105,7 @@ class PhaseBars(Widget, can_focus=True):
                 f"{name:<{_NAME_WIDTH - 2}} ",
                 style="reverse" if chosen and self.has_focus else "bold" if chosen else "",
             )
-            for i, component in enumerate(
-                bar_cells(phase.components, scale_bytes=scale, width=width)
-            ):
+            for i, component in enumerate(bar_cells(phase.components, scale_bytes=scale, width=width)):
                 if component is not None:
                     out.append("█", style=OVER_COLOR if i >= capacity_cell else color_of(component))
                 elif i < limit_cell:
@@ -121,13 +115,7 @@ class PhaseBars(Widget, can_focus=True):
                 else:
                     out.append(" ")
             total = phase.total
-            style = (
-                f"bold {OVER_COLOR}"
-                if total > capacity
-                else "yellow"
-                if total > self.limit_bytes
-                else ""
-            )
+            style = f"bold {OVER_COLOR}" if total > capacity else "yellow" if total > self.limit_bytes else ""
             if name == est.peak_phase:
                 style += " underline"
             out.append(f"{total / GIB:>{_TOTAL_WIDTH}.1f}", style=style.strip())

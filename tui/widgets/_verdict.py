@@ -44,8 +44,7 @@ class Verdict(Static):
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
                 limit = est.capacity_bytes - plan.margin_bytes
                 out.append(
-                    f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}"
-                    f" > {limit / GIB:.2f} usable",
+                    f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase} > {limit / GIB:.2f} usable",
                     style=f"bold {OVER_COLOR}",
                 )
                 for fix in plan.suggestions:

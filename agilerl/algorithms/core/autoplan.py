@@ -36,9 +36,12 @@ def visible_cluster(world_size: int):
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         name = props.name
         match = gpu_for_device(name)
-        gpu = GPU(name=name, memory_bytes=int(props.total_memory),
-                  cuda_context_bytes=match.cuda_context_bytes if match else GPU.model_fields["cuda_context_bytes"].default,
-                  source="visible device")
+        gpu = GPU(
+            name=name,
+            memory_bytes=int(props.total_memory),
+            cuda_context_bytes=match.cuda_context_bytes if match else GPU.model_fields["cuda_context_bytes"].default,
+            source="visible device",
+        )
     else:
         gpu = CPU_DEVICE.model_copy(update={"memory_bytes": _host_available_bytes() // max(1, per_node)})
     return Cluster(gpu=gpu, num_gpus=world_size, gpus_per_node=min(per_node, world_size))
@@ -72,12 +75,19 @@ def _workload_for(agent, micro: int | None):
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]
     fields, prompt = agent.workload_fields()
     return Workload(
-        algorithm=algorithm, full_finetune=agent.full_finetune, micro_batch_size_per_gpu=micro,
+        algorithm=algorithm,
+        full_finetune=agent.full_finetune,
+        micro_batch_size_per_gpu=micro,
         logprob_chunk_size=None if "logprob_chunk_size" in agent.auto_knobs else agent.logprob_chunk_size,
         gradient_checkpointing=None if "gradient_checkpointing" in agent.auto_knobs else agent.gradient_checkpointing,
-        lora_rank=rank, lora_alpha=alpha, lora_targets=_lora_targets(agent),
-        use_separate_reference_adapter=agent.use_separate_reference_adapter, weights_dtype=dtype,
-        load_in_4bit=agent.load_in_4bit, share_prompt_prefix=agent.share_prompt_prefix, **fields,
+        lora_rank=rank,
+        lora_alpha=alpha,
+        lora_targets=_lora_targets(agent),
+        use_separate_reference_adapter=agent.use_separate_reference_adapter,
+        weights_dtype=dtype,
+        load_in_4bit=agent.load_in_4bit,
+        share_prompt_prefix=agent.share_prompt_prefix,
+        **fields,
     ), prompt
 
 
@@ -89,9 +99,14 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
     spec = _spec_for(agent, actor_network)
     workload, prompt = _workload_for(agent, micro)
     cluster = visible_cluster(agent.world_size)
-    result = plan(spec, workload, cluster, coefficients=coefficients_for(cluster.gpu),
-                  coefficients_source=coefficients_source(cluster.gpu),
-                  sharding="auto")
+    result = plan(
+        spec,
+        workload,
+        cluster,
+        coefficients=coefficients_for(cluster.gpu),
+        coefficients_source=coefficients_source(cluster.gpu),
+        sharding="auto",
+    )
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
     if prompt is not None:
         summary += f"\n{prompt} (set max_model_len to plan for your real length)"
@@ -119,9 +134,16 @@ def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[
     workload, _ = _workload_for(agent, micro)
     cluster = visible_cluster(agent.world_size)
     fsdp = agent.fsdp_config
-    result = plan(spec, workload, cluster, coefficients=coefficients_for(cluster.gpu),
-                  coefficients_source=coefficients_source(cluster.gpu), suggest=False,
-                  sharding="none" if fsdp is None else "fsdp", fixed=None if fsdp is None else fsdp.model_dump())
+    result = plan(
+        spec,
+        workload,
+        cluster,
+        coefficients=coefficients_for(cluster.gpu),
+        coefficients_source=coefficients_source(cluster.gpu),
+        suggest=False,
+        sharding="none" if fsdp is None else "fsdp",
+        fixed=None if fsdp is None else fsdp.model_dump(),
+    )
     est = result.estimate
 
     def size(n: int) -> str:
@@ -134,14 +156,22 @@ def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[
         chosen.append(f"logprob_chunk_size={result.workload.logprob_chunk_size}")
     if "gather_weights_for_rollout" in agent.auto_knobs:
         chosen.append(f"gather_weights_for_rollout={bool(result.workload.gather_weights_for_rollout)}")
-    where = "one device" if agent.world_size == 1 else (
-        "data parallel" if fsdp is None else "the given FSDPConfig") + f" on {agent.world_size} ranks"
-    summary = (f"[agilerl] 'auto' resolved by the memory estimate ({where}): {', '.join(chosen)} "
-               f"(peak {size(est.peak_bytes)} of {size(cluster.gpu.memory_bytes)} per device"
-               f"{'' if result.fits else ', does not fit'})")
-    return {"logprob_chunk_size": result.workload.logprob_chunk_size,
-            "gradient_checkpointing": bool(result.workload.gradient_checkpointing),
-            "gather_weights_for_rollout": bool(result.workload.gather_weights_for_rollout), "summary": summary}
+    where = (
+        "one device"
+        if agent.world_size == 1
+        else ("data parallel" if fsdp is None else "the given FSDPConfig") + f" on {agent.world_size} ranks"
+    )
+    summary = (
+        f"[agilerl] 'auto' resolved by the memory estimate ({where}): {', '.join(chosen)} "
+        f"(peak {size(est.peak_bytes)} of {size(cluster.gpu.memory_bytes)} per device"
+        f"{'' if result.fits else ', does not fit'})"
+    )
+    return {
+        "logprob_chunk_size": result.workload.logprob_chunk_size,
+        "gradient_checkpointing": bool(result.workload.gradient_checkpointing),
+        "gather_weights_for_rollout": bool(result.workload.gather_weights_for_rollout),
+        "summary": summary,
+    }
 
 
 def config_is_moe(config: Any) -> bool:
@@ -158,19 +188,29 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
 
     spec = _spec_for(agent, actor_network)
     if spec.expert_layout_problem:  # gpt-oss: Hugging Face's expert loop, no chunk to pick
-        return {"routed_expert_chunk_mib": None,
-                "summary": "[agilerl] routed_expert_chunk_mib stays unset: this model's experts run in "
-                           "Hugging Face's own expert loop (their layout has no chunked experts)"}
+        return {
+            "routed_expert_chunk_mib": None,
+            "summary": "[agilerl] routed_expert_chunk_mib stays unset: this model's experts run in "
+            "Hugging Face's own expert loop (their layout has no chunked experts)",
+        }
     workload, _ = _workload_for(agent, micro)
-    workload = workload.model_copy(update={"logprob_chunk_size": agent.logprob_chunk_size,
-                                           "gradient_checkpointing": bool(agent.gradient_checkpointing)})
+    workload = workload.model_copy(
+        update={
+            "logprob_chunk_size": agent.logprob_chunk_size,
+            "gradient_checkpointing": bool(agent.gradient_checkpointing),
+        }
+    )
     cluster = visible_cluster(agent.world_size)
-    chosen, peaks = resolve_expert_chunk(spec, workload, cluster, agent.fsdp_config,
-                                         coefficients=coefficients_for(cluster.gpu))
+    chosen, peaks = resolve_expert_chunk(
+        spec, workload, cluster, agent.fsdp_config, coefficients=coefficients_for(cluster.gpu)
+    )
     gib = 2**30
     fits = peaks[chosen] <= cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
-    why = (f"the largest of {'/'.join(map(str, EXPERT_CHUNKS_MIB))} MiB the memory estimate fits "
-           f"(peak {peaks[chosen] / gib:.2f} GiB of {cluster.gpu.memory_bytes / gib:.2f} GiB per GPU)" if fits else
-           f"none fits the estimate ({peaks[chosen] / gib:.2f} GiB at the smallest, of "
-           f"{cluster.gpu.memory_bytes / gib:.2f} GiB): the smallest chunk")
+    why = (
+        f"the largest of {'/'.join(map(str, EXPERT_CHUNKS_MIB))} MiB the memory estimate fits "
+        f"(peak {peaks[chosen] / gib:.2f} GiB of {cluster.gpu.memory_bytes / gib:.2f} GiB per GPU)"
+        if fits
+        else f"none fits the estimate ({peaks[chosen] / gib:.2f} GiB at the smallest, of "
+        f"{cluster.gpu.memory_bytes / gib:.2f} GiB): the smallest chunk"
+    )
     return {"routed_expert_chunk_mib": chosen, "summary": f"[agilerl] routed_expert_chunk_mib={chosen}: {why}"}

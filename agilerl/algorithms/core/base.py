@@ -154,8 +154,12 @@ class LLMAlgorithm:
                 "pad_token_id and pad_token are required (for example tokenizer.pad_token_id and "
                 "tokenizer.pad_token; set tokenizer.pad_token = tokenizer.eos_token if it has none)"
             )
-        if logprob_chunk_size not in (None, "auto") and (not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1):
-            raise ValueError(f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}")
+        if logprob_chunk_size not in (None, "auto") and (
+            not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1
+        ):
+            raise ValueError(
+                f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}"
+            )
         if gradient_checkpointing not in (True, False, "auto"):
             raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
         if not lr > 0:
@@ -165,11 +169,15 @@ class LLMAlgorithm:
         lora_config = resolve_lora_config(lora_config)
         self.full_finetune = lora_config is None
         if self.full_finetune and use_separate_reference_adapter:
-            raise ValueError("use_separate_reference_adapter needs LoRA adapters; full fine-tuning (lora_config=None) "
-                             "keeps the reference policy as a frozen copy of the model")
+            raise ValueError(
+                "use_separate_reference_adapter needs LoRA adapters; full fine-tuning (lora_config=None) "
+                "keeps the reference policy as a frozen copy of the model"
+            )
         if self.full_finetune and load_in_4bit:
-            raise ValueError("load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: give a lora_config, "
-                             "or load_in_4bit=False to fine-tune every parameter")
+            raise ValueError(
+                "load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: give a lora_config, "
+                "or load_in_4bit=False to fine-tune every parameter"
+            )
         self.fsdp_config = normalise_fsdp_config(fsdp_config)
         self.distributed = init_distributed()
         if isinstance(self.fsdp_config, FSDPConfig) and not is_distributed():
@@ -206,12 +214,18 @@ class LLMAlgorithm:
         self.max_model_len = max_model_len
         # The knobs given as "auto", which the memory estimate sets. With a vLLM engine Hugging
         # Face generate does not run: there is no rollout gather to choose.
-        gather_auto = (self.generates and gather_weights_for_rollout == "auto" and vllm_config is None
-                       and rollout_engine is None)
+        gather_auto = (
+            self.generates and gather_weights_for_rollout == "auto" and vllm_config is None and rollout_engine is None
+        )
         self.auto_knobs: frozenset[str] = frozenset(
-            name for name, auto in (("logprob_chunk_size", logprob_chunk_size == "auto"),
-                                    ("gradient_checkpointing", gradient_checkpointing == "auto"),
-                                    ("gather_weights_for_rollout", gather_auto)) if auto)
+            name
+            for name, auto in (
+                ("logprob_chunk_size", logprob_chunk_size == "auto"),
+                ("gradient_checkpointing", gradient_checkpointing == "auto"),
+                ("gather_weights_for_rollout", gather_auto),
+            )
+            if auto
+        )
         # Until the estimate says otherwise "auto" is off: it costs memory, unit-by-unit never does.
         self.gather_weights_for_rollout = gather_weights_for_rollout is True
         self.logprob_chunk_size = 1024 if logprob_chunk_size == "auto" else logprob_chunk_size
@@ -269,10 +283,15 @@ class LLMAlgorithm:
         planned as half prompt, half completion."""
         total = self.max_model_len or 1024
         completion = max(1, total // 2)
-        fields = dict(prompts_per_step=self.batch_size, group_size=self.group_size, prompt_tokens=max(1, total - completion),
-                      completion_tokens=completion, beta=getattr(self, "beta", 0.0), generation="none")
-        note = None if self.max_model_len else (f"assumed sequences of {total} tokens, half prompt and half "
-                                                "completion")
+        fields = dict(
+            prompts_per_step=self.batch_size,
+            group_size=self.group_size,
+            prompt_tokens=max(1, total - completion),
+            completion_tokens=completion,
+            beta=getattr(self, "beta", 0.0),
+            generation="none",
+        )
+        note = None if self.max_model_len else (f"assumed sequences of {total} tokens, half prompt and half completion")
         return fields, note
 
     def local_examples(self, num_examples: int) -> slice:
@@ -311,8 +330,10 @@ class LLMAlgorithm:
 
         if not self.distributed:
             self.fsdp_config = None
-            logger.info("[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
-                        "training unsharded")
+            logger.info(
+                "[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
+                "training unsharded"
+            )
             return micro
         result = on_rank0(plan_for_agent, self, actor_network, micro)
         if "error" in result:
@@ -321,7 +342,9 @@ class LLMAlgorithm:
         self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
         self._take_auto_knobs(result)
         if not result["fits"]:
-            raise RuntimeError(f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}")
+            raise RuntimeError(
+                f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}"
+            )
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
 
     def _resolve_auto_knobs(self, actor_network: nn.Module | None) -> None:
@@ -334,9 +357,12 @@ class LLMAlgorithm:
         result = on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
             if is_main_process():
-                logger.warning("[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, "
-                               "logprob_chunk_size=1024, gather_weights_for_rollout=False): "
-                               "the memory estimate failed (%s)", result["error"])
+                logger.warning(
+                    "[agilerl] 'auto' kept its defaults (gradient_checkpointing=True, "
+                    "logprob_chunk_size=1024, gather_weights_for_rollout=False): "
+                    "the memory estimate failed (%s)",
+                    result["error"],
+                )
             return
         self._take_auto_knobs(result)
 
@@ -363,10 +389,13 @@ class LLMAlgorithm:
             return
         result = on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
-            raise RuntimeError("routed_expert_chunk_mib=None: the memory estimate failed "
-                               f"({result['error']}); set routed_expert_chunk_mib explicitly")
+            raise RuntimeError(
+                "routed_expert_chunk_mib=None: the memory estimate failed "
+                f"({result['error']}); set routed_expert_chunk_mib explicitly"
+            )
         self.fsdp_config = self.fsdp_config.model_copy(
-            update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]})
+            update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]}
+        )
         if is_main_process():
             logger.info("%s", result["summary"])
 
@@ -425,11 +454,19 @@ class LLMAlgorithm:
         torch.manual_seed(self.seed + 1_000_003 * self.data_parallel_rank)
 
     def _build_kwargs(self, actor_network: nn.Module | None, source: str | None) -> dict[str, Any]:
-        return dict(source=source, actor_network=actor_network, lora_config=self.lora_config,
-                    use_reference_adapter=self.use_separate_reference_adapter,
-                    fsdp_config=self.fsdp_config if self.sharded else None,
-                    gradient_checkpointing=self.gradient_checkpointing, device=self.device, dtype=self.dtype,
-                    attn_implementation=self.attn_implementation, load_in_4bit=self.load_in_4bit, seed=self.seed)
+        return dict(
+            source=source,
+            actor_network=actor_network,
+            lora_config=self.lora_config,
+            use_reference_adapter=self.use_separate_reference_adapter,
+            fsdp_config=self.fsdp_config if self.sharded else None,
+            gradient_checkpointing=self.gradient_checkpointing,
+            device=self.device,
+            dtype=self.dtype,
+            attn_implementation=self.attn_implementation,
+            load_in_4bit=self.load_in_4bit,
+            seed=self.seed,
+        )
 
     def _eos_token_id(self) -> int | list[int] | None:
         lm = causal_lm(self.model)
@@ -452,8 +489,9 @@ class LLMAlgorithm:
             return prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
         if self.tokenizer is None:
             raise ValueError("string prompts need a tokenizer: pass tokenizer=... or tokenized prompts")
-        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
-                             add_special_tokens=False)
+        enc = self.tokenizer(
+            list(prompts), return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        )
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
     def add_head(self, name: str, module: nn.Module, *, lr: float) -> nn.Module:
@@ -477,16 +515,19 @@ class LLMAlgorithm:
             self._reference_updated = True
             return
         if not self.use_separate_reference_adapter:
-            raise ValueError("update_reference needs use_separate_reference_adapter=True (LoRA) or, with full "
-                             "fine-tuning, an objective that keeps a reference")
+            raise ValueError(
+                "update_reference needs use_separate_reference_adapter=True (LoRA) or, with full "
+                "fine-tuning, an objective that keeps a reference"
+            )
         copy_adapter_(self.model, ACTOR, REFERENCE)
 
     @torch.no_grad()
     def _copy_actor_into_reference(self) -> None:
         """The frozen reference copy (full fine-tuning) takes the actor's weights, shard by shard
         (both are sharded alike), cast to its dtype."""
-        for (_, ref), (_, actor) in zip(self.reference_model.named_parameters(), self.model.named_parameters(),
-                                           strict=True):
+        for (_, ref), (_, actor) in zip(
+            self.reference_model.named_parameters(), self.model.named_parameters(), strict=True
+        ):
             dst = ref.to_local() if hasattr(ref, "to_local") else ref
             src = actor.to_local() if hasattr(actor, "to_local") else actor
             dst.copy_(src)
@@ -549,8 +590,12 @@ class LLMAlgorithm:
         model.eval()
         try:
             with use_adapter(model, adapter):
-                return torch.cat([self.token_logprobs(ids[s], attention[s], first, model=model)
-                                  for s in self._micro_batches(ids.shape[0])])
+                return torch.cat(
+                    [
+                        self.token_logprobs(ids[s], attention[s], first, model=model)
+                        for s in self._micro_batches(ids.shape[0])
+                    ]
+                )
         finally:
             model.train(was_training)
             if model is self.reference_model and self.sharded:
@@ -562,8 +607,15 @@ class LLMAlgorithm:
                     if isinstance(unit, FSDPModule):
                         unit.reshard()
 
-    def token_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0, *,
-                       model: nn.Module | None = None, hidden: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def token_logprobs(
+        self,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        first: int = 0,
+        *,
+        model: nn.Module | None = None,
+        hidden: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """log p(ids[:, t+1] | ids[:, :t+1]) for every position, ``[n, T - 1]`` fp32 (chunked).
 
         ``first``: positions before it skip the head and read 0 (the prompt's, which no loss
@@ -584,8 +636,7 @@ class LLMAlgorithm:
             out = model(
                 input_ids=ids,
                 # a padded batch: one additive mask shared by every layer, not a float copy per layer
-                attention_mask=shared_attention_mask(causal_lm(model).config, attention_mask,
-                                                     self._activation_dtype()),
+                attention_mask=shared_attention_mask(causal_lm(model).config, attention_mask, self._activation_dtype()),
                 position_ids=position_ids_from_mask(attention_mask),
                 use_cache=False,
                 logits_to_keep=1,
@@ -605,8 +656,9 @@ class LLMAlgorithm:
             logp = logp + 0.0 * out.logits.sum()
         return logp
 
-    def _prefix_groups(self, ids: torch.Tensor, attention_mask: torch.Tensor, split: int,
-                       model: nn.Module | None = None):
+    def _prefix_groups(
+        self, ids: torch.Tensor, attention_mask: torch.Tensor, split: int, model: nn.Module | None = None
+    ):
         """The distinct ``[:, :split]`` prompts of a batch when the shared-prefix forward applies
         (:func:`agilerl.utils.shared_prefix.shared_prefix_problem`), else None."""
         if not self.share_prompt_prefix:
@@ -615,8 +667,11 @@ class LLMAlgorithm:
         if length not in self._prefix_problems:
             config = causal_lm(self.model if model is None else model).config
             self._prefix_problems[length] = shared_prefix_problem(
-                getattr(config, "model_type", None), getattr(config, "_attn_implementation", None),
-                full_causal=full_causal(config, length), tp=self.fsdp_config.tp if self.sharded else 1)
+                getattr(config, "model_type", None),
+                getattr(config, "_attn_implementation", None),
+                full_causal=full_causal(config, length),
+                tp=self.fsdp_config.tp if self.sharded else 1,
+            )
         if self._prefix_problems[length] is not None:
             return None
         from agilerl.utils.prefix_cache import prompt_groups
@@ -631,8 +686,15 @@ class LLMAlgorithm:
                 return None
         return groups
 
-    def _shared_prefix_logprobs(self, ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
-                                groups, model: nn.Module, hidden: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def _shared_prefix_logprobs(
+        self,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        first: int,
+        groups,
+        model: nn.Module,
+        hidden: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
         """:meth:`token_logprobs` by the two-pass forward: the distinct prompts' columns
         ``[0, first)`` once, then every row's ``[first, T)`` over its prompt's recorded keys and
         values. Positions before ``first`` read 0, as in the one-pass forward."""
@@ -652,26 +714,36 @@ class LLMAlgorithm:
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
         try:
-            prefix = model(input_ids=ids[rows, :first],
-                           attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
-                           position_ids=positions[rows, :first], use_cache=True, logits_to_keep=1,
-                           **{kv: recorded})
-            suffix = model(input_ids=ids[:, first:], attention_mask=suffix_attention_mask(attention_mask, first, dtype),
-                           position_ids=positions[:, first:], use_cache=True, logits_to_keep=1,
-                           **{kv: PrefixedCache(recorded, groups.inverse, first)})
+            prefix = model(
+                input_ids=ids[rows, :first],
+                attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
+                position_ids=positions[rows, :first],
+                use_cache=True,
+                logits_to_keep=1,
+                **{kv: recorded},
+            )
+            suffix = model(
+                input_ids=ids[:, first:],
+                attention_mask=suffix_attention_mask(attention_mask, first, dtype),
+                position_ids=positions[:, first:],
+                use_cache=True,
+                logits_to_keep=1,
+                **{kv: PrefixedCache(recorded, groups.inverse, first)},
+            )
         finally:
             handle.remove()
         if hidden is not None:
             hidden["h"], hidden["offset"] = captured["h"], first
-        targets = torch.nn.functional.pad(ids[:, first + 1:], (0, 1))
+        targets = torch.nn.functional.pad(ids[:, first + 1 :], (0, 1))
         logp = torch.nn.functional.pad(self._head_logprobs(captured["h"], targets, 0, model)[:, :-1], (first, 0))
         if torch.is_grad_enabled():
             # as in the one-pass forward: every lm_head forward keeps an output in the graph (FSDP2)
             logp = logp + 0.0 * (prefix.logits.sum() + suffix.logits.sum())
         return logp
 
-    def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int = 0,
-                       model: nn.Module | None = None) -> torch.Tensor:
+    def _head_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, first: int = 0, model: nn.Module | None = None
+    ) -> torch.Tensor:
         model = self.model if model is None else model
         head = output_head(model)
         softcap = getattr(causal_lm(model).config, "final_logit_softcapping", None)
@@ -680,10 +752,19 @@ class LLMAlgorithm:
             # Cast before gathering: a sharded fp32 head (full fine-tuning) gathers in the compute dtype.
             bias = head.bias.to(hidden.dtype) if head.bias is not None else None
             with materialize_dtensors(weight.to(hidden.dtype), bias) as (w, b):
-                return linear_token_logprobs(hidden, targets, w, b, chunk_size=self.logprob_chunk_size,
-                                             temperature=self.temperature, softcap=softcap, first=first)
-        return chunked_token_logprobs(hidden, targets, head, chunk_size=self.logprob_chunk_size,
-                                      temperature=self.temperature, softcap=softcap)
+                return linear_token_logprobs(
+                    hidden,
+                    targets,
+                    w,
+                    b,
+                    chunk_size=self.logprob_chunk_size,
+                    temperature=self.temperature,
+                    softcap=softcap,
+                    first=first,
+                )
+        return chunked_token_logprobs(
+            hidden, targets, head, chunk_size=self.logprob_chunk_size, temperature=self.temperature, softcap=softcap
+        )
 
     def _dp_sum(self, local: float) -> float:
         """A per-rank value summed over the data-parallel ranks (the ranks of a tensor-parallel group
@@ -735,15 +816,26 @@ class LLMAlgorithm:
 
     # -- checkpoints -------------------------------------------------------------------
     #: Hyperparameters every algorithm saves.
-    shared_hyperparameters: tuple[str, ...] = ("batch_size", "lr", "max_grad_norm", "micro_batch_size_per_gpu",
-                                               "logprob_chunk_size")
+    shared_hyperparameters: tuple[str, ...] = (
+        "batch_size",
+        "lr",
+        "max_grad_norm",
+        "micro_batch_size_per_gpu",
+        "logprob_chunk_size",
+    )
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"algo": self.algo_name, "steps": self.steps, "scores": list(self.scores), "index": self.index,
-                "full_finetune": self.full_finetune,
-                "hyperparameters": {k: getattr(self, k) for k in (*self.shared_hyperparameters,
-                                                                  *self.algorithm_hyperparameters,
-                                                                  *self.extra_hyperparameters)}}
+        return {
+            "algo": self.algo_name,
+            "steps": self.steps,
+            "scores": list(self.scores),
+            "index": self.index,
+            "full_finetune": self.full_finetune,
+            "hyperparameters": {
+                k: getattr(self, k)
+                for k in (*self.shared_hyperparameters, *self.algorithm_hyperparameters, *self.extra_hyperparameters)
+            },
+        }
 
     def _trained_weights(self) -> dict[str, dict[str, torch.Tensor]]:
         """What a checkpoint stores of the model, by name: the LoRA adapters (never the frozen
@@ -752,7 +844,9 @@ class LLMAlgorithm:
             weights = {"model": dict(self.model.named_parameters())}
             if self._reference_updated:
                 weights["reference"] = dict(self.reference_model.named_parameters())
-            return {k: {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in v.items()} for k, v in weights.items()}
+            return {
+                k: {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in v.items()} for k, v in weights.items()
+            }
         adapters = [ACTOR] + ([REFERENCE] if self.use_separate_reference_adapter else [])
         return {name: adapter_state_dict(self.model, name) for name in adapters}
 
@@ -772,18 +866,31 @@ class LLMAlgorithm:
         with self._phase("save"):
             keep = is_main_process()
             # Gathered one tensor at a time, never the whole model at once.
-            weights = {name: full_tensors(self.model if name != "reference" or not self.full_finetune
-                                          else self.reference_model, tensors, keep=keep)
-                       for name, tensors in self._trained_weights().items()}
+            weights = {
+                name: full_tensors(
+                    self.model if name != "reference" or not self.full_finetune else self.reference_model,
+                    tensors,
+                    keep=keep,
+                )
+                for name, tensors in self._trained_weights().items()
+            }
             optim = full_optimizer_state_dict(self.model, self.optimizer, keep=keep)
         if keep:
             path.mkdir(parents=True, exist_ok=True)
             key = "weights" if self.full_finetune else "adapters"
-            payload = {**self.checkpoint_state(), key: weights, "optimizer": optim, "rng": rng,
-                       "world_size": self.world_size, "extra": dict(extra or {})}
+            payload = {
+                **self.checkpoint_state(),
+                key: weights,
+                "optimizer": optim,
+                "rng": rng,
+                "world_size": self.world_size,
+                "extra": dict(extra or {}),
+            }
             if self.heads:
-                payload["heads"] = {name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-                                    for name, m in self.heads.items()}
+                payload["heads"] = {
+                    name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+                    for name, m in self.heads.items()
+                }
                 payload["head_optimizer"] = self.head_optimizer.state_dict()
             atomic_save(payload, path / CHECKPOINT_FILE)
         barrier()
@@ -806,15 +913,16 @@ class LLMAlgorithm:
             raise ValueError(f"{file} is a {payload.get('algo')} checkpoint, not {self.algo_name}")
         if bool(payload.get("full_finetune", False)) != self.full_finetune:
             saved = "full fine-tuning" if payload.get("full_finetune") else "LoRA"
-            raise ValueError(f"{file} is a {saved} checkpoint; this agent trains "
-                             f"{'every parameter' if self.full_finetune else 'LoRA adapters'}")
+            raise ValueError(
+                f"{file} is a {saved} checkpoint; this agent trains "
+                f"{'every parameter' if self.full_finetune else 'LoRA adapters'}"
+            )
         if self.full_finetune:
             weights = payload["weights"]
             names = {n.replace("_checkpoint_wrapped_module.", "") for n, _ in self.model.named_parameters()}
             if set(weights["model"]) != names:
                 missing, extra = sorted(names - set(weights["model"])), sorted(set(weights["model"]) - names)
-                raise ValueError(f"{file} holds another model's weights: missing {missing[:5]}, unexpected "
-                                 f"{extra[:5]}")
+                raise ValueError(f"{file} holds another model's weights: missing {missing[:5]}, unexpected {extra[:5]}")
             set_full_model_state_dict(self.model, weights["model"], strict=False)
             if "reference" in weights and self.reference_model is not None:
                 set_full_model_state_dict(self.reference_model, weights["reference"], strict=False)
@@ -824,8 +932,12 @@ class LLMAlgorithm:
                 if name == REFERENCE and not self.use_separate_reference_adapter:
                     continue
                 set_full_model_state_dict(self.model, weights, strict=False)
-        load_full_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"],
-                                       master_weights=payload["weights"]["model"] if self.full_finetune else None)
+        load_full_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            payload["optimizer"],
+            master_weights=payload["weights"]["model"] if self.full_finetune else None,
+        )
         for name, module in self.heads.items():
             module.load_state_dict(payload["heads"][name])
         if self.heads:

@@ -6,8 +6,8 @@ lazily read checkpoint: host memory per rank stays near one tensor, and device
 memory never holds a full replica. QLoRA too: the linears are 4-bit modules
 on the meta device with the packed NF4 shape, sharded like any tensor; each
 full-precision weight is read and quantised one at a time, every rank keeps its
-slice of the packed bytes, and the module keeps the whole quantisation state. Without FSDP (one device, or data parallel)
-each rank loads the whole model, as data parallelism requires.
+slice of the packed bytes, and the module keeps the whole quantisation state. Without FSDP
+(one device, or data parallel) each rank loads the whole model, as data parallelism requires.
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ from agilerl.utils.sources import TINY_PREFIX, check_trainable, parse_tiny
 
 from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
 
-__all__ = ["default_lora_config", "resolve_lora_config", "DEFAULT_LORA", "resolve_model_source", "build_actor",
-           "load_tokenizer", "TINY_PREFIX"]
+__all__ = [
+    "default_lora_config",
+    "resolve_lora_config",
+    "DEFAULT_LORA",
+    "resolve_model_source",
+    "build_actor",
+    "load_tokenizer",
+    "TINY_PREFIX",
+]
 
 #: The algorithms' ``lora_config`` default: :func:`default_lora_config`. ``None`` fine-tunes every parameter.
 DEFAULT_LORA = "default"
@@ -56,8 +63,10 @@ def resolve_lora_config(value):
         return None
     if isinstance(value, str):
         if value != DEFAULT_LORA:
-            raise ValueError(f"lora_config must be a peft LoraConfig, {DEFAULT_LORA!r} (r=16, alpha=32 on every "
-                             f"linear) or None (full fine-tuning), got {value!r}")
+            raise ValueError(
+                f"lora_config must be a peft LoraConfig, {DEFAULT_LORA!r} (r=16, alpha=32 on every "
+                f"linear) or None (full fine-tuning), got {value!r}"
+            )
         return default_lora_config()
     return value
 
@@ -116,8 +125,9 @@ def _saved_tokenizer_class(source: str) -> str | None:
     from transformers.utils import cached_file
 
     try:
-        path = cached_file(source, "tokenizer_config.json", local_files_only=True,
-                           _raise_exceptions_for_missing_entries=False)
+        path = cached_file(
+            source, "tokenizer_config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False
+        )
     except OSError:
         return None
     if path is None:
@@ -270,8 +280,12 @@ def build_actor(
             if four_bit:
                 from agilerl.utils.checkpoint_io import QuantisedView
 
-                state = ChainedState(QuantisedView({}, four_bit, dtype=dtype, device=device,
-                                                   fallback=lambda key, m: _random_weight(key, m, std)), lora_state)
+                state = ChainedState(
+                    QuantisedView(
+                        {}, four_bit, dtype=dtype, device=device, fallback=lambda key, m: _random_weight(key, m, std)
+                    ),
+                    lora_state,
+                )
             materialize_fsdp2_from_cpu_state(peft_model, state, device, strict=False)
             _randomise_base(peft_model, std)
         if load_in_4bit:
@@ -293,7 +307,9 @@ def build_actor(
         elif load_in_4bit:
             model = _random_four_bit_model(config, dtype, attn, device)
         else:
-            model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation")})
+            model = AutoModelForCausalLM.from_config(
+                config, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation")}
+            )
     if full:
         peft_model = model
     else:
@@ -347,8 +363,13 @@ def _say_full_precision_experts(model: nn.Module, dtype: torch.dtype) -> None:
     packed = [p for n, p in model.named_parameters() if p.dim() == 3 and ".lora_" not in n]
     if packed and is_main_process():
         size = sum(p.numel() for p in packed) * torch.empty((), dtype=dtype).element_size() / 2**30
-        logger.warning("[agilerl] QLoRA: the %d packed routed-expert tensors (%.2f GiB) stay in %s: bitsandbytes "
-                       "quantises nn.Linear layers only", len(packed), size, str(dtype).removeprefix("torch."))
+        logger.warning(
+            "[agilerl] QLoRA: the %d packed routed-expert tensors (%.2f GiB) stay in %s: bitsandbytes "
+            "quantises nn.Linear layers only",
+            len(packed),
+            size,
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:
@@ -364,14 +385,28 @@ def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child is output:
                 continue
-            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=dtype, quant_type="nf4", quant_storage=torch.uint8, device="meta")
+            layer = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=dtype,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+                device="meta",
+            )
             packed = torch.empty(child.in_features * child.out_features // 2, 1, dtype=torch.uint8, device="meta")
-            layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_type="nf4", quant_storage=torch.uint8,
-                                             bnb_quantized=True, module=layer)
+            layer.weight = bnb.nn.Params4bit(
+                packed,
+                requires_grad=False,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+                bnb_quantized=True,
+                module=layer,
+            )
             if child.bias is not None:
-                layer.bias = nn.Parameter(torch.empty(child.out_features, dtype=dtype, device="meta"),
-                                          requires_grad=False)
+                layer.bias = nn.Parameter(
+                    torch.empty(child.out_features, dtype=dtype, device="meta"), requires_grad=False
+                )
             setattr(parent, name, layer)
             swapped.append(f"{parent_name}.{name}" if parent_name else name)
     return swapped
@@ -381,8 +416,11 @@ def _four_bit_modules(model: nn.Module) -> dict[str, nn.Module]:
     """State-dict key of each 4-bit weight -> its ``Linear4bit`` (checkpoint-wrapper prefixes dropped)."""
     import bitsandbytes as bnb
 
-    return {f"{name}.weight".replace("_checkpoint_wrapped_module.", ""): m for name, m in model.named_modules()
-            if isinstance(m, bnb.nn.Linear4bit)}
+    return {
+        f"{name}.weight".replace("_checkpoint_wrapped_module.", ""): m
+        for name, m in model.named_modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    }
 
 
 def _random_four_bit_model(config, dtype: torch.dtype, attn: dict[str, Any], device: str) -> nn.Module:
@@ -400,13 +438,23 @@ def _random_four_bit_model(config, dtype: torch.dtype, attn: dict[str, Any], dev
     std = getattr(config, "initializer_range", 0.02)
     _randomise_base(model, std)
     four_bit = _four_bit_modules(model)
-    set_full_model_state_dict(model, QuantisedView({}, four_bit, dtype=dtype, device=device,
-                                                   fallback=lambda key, m: _random_weight(key, m, std)), strict=False)
+    set_full_model_state_dict(
+        model,
+        QuantisedView({}, four_bit, dtype=dtype, device=device, fallback=lambda key, m: _random_weight(key, m, std)),
+        strict=False,
+    )
     import bitsandbytes as bnb
 
     for layer in four_bit.values():  # unsharded: the weight carries its state, as from_pretrained leaves it
-        layer.weight = bnb.nn.Params4bit(layer.weight.data, requires_grad=False, quant_state=layer.quant_state,
-                                         quant_type="nf4", quant_storage=torch.uint8, bnb_quantized=True, module=layer)
+        layer.weight = bnb.nn.Params4bit(
+            layer.weight.data,
+            requires_grad=False,
+            quant_state=layer.quant_state,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+            bnb_quantized=True,
+            module=layer,
+        )
     return model
 
 
@@ -424,7 +472,11 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 def has_weights(directory: str | Path) -> bool:
     d = Path(directory)
-    return any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")) or (d / "model.safetensors.index.json").exists()
+    return (
+        any(d.glob("*.safetensors"))
+        or any(d.glob("pytorch_model*.bin"))
+        or (d / "model.safetensors.index.json").exists()
+    )
 
 
 @torch.no_grad()

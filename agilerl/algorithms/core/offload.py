@@ -59,8 +59,10 @@ class WeightOffload:
         if self.offloaded:
             return
         if self._host is None:
-            self._host = [torch.empty(size, dtype=torch.uint8, pin_memory=s.device.type == "cuda")
-                          for s, size in zip(self._storages, self._sizes)]
+            self._host = [
+                torch.empty(size, dtype=torch.uint8, pin_memory=s.device.type == "cuda")
+                for s, size in zip(self._storages, self._sizes)
+            ]
         for storage, host in zip(self._storages, self._host):
             host.copy_(self._bytes_view(storage), non_blocking=True)
         if any(s.device.type == "cuda" for s in self._storages):

@@ -21,8 +21,9 @@ class BatchError(ValueError):
     """A batch without the fields an objective needs, or with fields of the wrong shape."""
 
 
-def encode_pairs(tokenizer, prompts: Sequence[str], completions: Sequence[str], *, eos_token_id: int | None,
-                 pad_token_id: int) -> dict[str, torch.Tensor]:
+def encode_pairs(
+    tokenizer, prompts: Sequence[str], completions: Sequence[str], *, eos_token_id: int | None, pad_token_id: int
+) -> dict[str, torch.Tensor]:
     """Tokenize prompt-completion pairs into the trainer's layout: ``input_ids``, ``attention_mask``
     and ``completion_mask`` (the completion and the end-of-sequence token appended to it)."""
     if len(prompts) != len(completions):
@@ -30,8 +31,10 @@ def encode_pairs(tokenizer, prompts: Sequence[str], completions: Sequence[str], 
     if tokenizer is None:
         raise BatchError("text pairs need a tokenizer: pass tokenizer=... or tokenized batches")
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    completion_ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + ([eos_token_id] if eos_token_id is not None
-                                                                              else []) for c in completions]
+    completion_ids = [
+        tokenizer(c, add_special_tokens=False)["input_ids"] + ([eos_token_id] if eos_token_id is not None else [])
+        for c in completions
+    ]
     if any(not c for c in completion_ids):
         raise BatchError("a completion encodes to no token (and there is no end-of-sequence token to learn)")
     width_p = max(len(p) for p in prompt_ids)
@@ -43,14 +46,15 @@ def encode_pairs(tokenizer, prompts: Sequence[str], completions: Sequence[str], 
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         start = width_p - len(p)
         ids[i, start:width_p] = torch.tensor(p, dtype=torch.long)
-        ids[i, width_p:width_p + len(c)] = torch.tensor(c, dtype=torch.long)
-        attention[i, start:width_p + len(c)] = 1
-        completion[i, width_p:width_p + len(c)] = 1
+        ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
+        attention[i, start : width_p + len(c)] = 1
+        completion[i, width_p : width_p + len(c)] = 1
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
 
 
-def completion_batch(batch: Mapping[str, torch.Tensor], *, prefix: str = "", who: str) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
+def completion_batch(
+    batch: Mapping[str, torch.Tensor], *, prefix: str = "", who: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, completion_mask)`` of a batch in either layout (module doc).
 
     ``prefix`` reads the fields of one side of a preference pair (``chosen_``, ``rejected_``).
@@ -76,8 +80,10 @@ def completion_batch(batch: Mapping[str, torch.Tensor], *, prefix: str = "", who
             raise BatchError(f"{who}: {lengths.shape[0]} prompt_lengths for {ids.shape[0]} sequences")
         completion = (torch.arange(ids.shape[1]).unsqueeze(0) >= lengths).to(attention.dtype) * attention
     else:
-        raise BatchError(f"{who}: the batch needs {mask_key!r} (1 on the completion's tokens) or 'prompt_lengths' "
-                         "(where each row's completion starts); it has neither")
+        raise BatchError(
+            f"{who}: the batch needs {mask_key!r} (1 on the completion's tokens) or 'prompt_lengths' "
+            "(where each row's completion starts); it has neither"
+        )
     for name, t in ((f"{prefix}attention_mask", attention), (mask_key, completion)):
         if t.shape != ids.shape:
             raise BatchError(f"{who}: {name!r} has shape {tuple(t.shape)}, {key!r} {tuple(ids.shape)}")

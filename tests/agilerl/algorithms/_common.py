@@ -40,8 +40,9 @@ def make_agent(**overrides):
     return algorithm(model_name, **kwargs)
 
 
-def synthetic_experiences(agent, num_prompts: int = 2, prompt_len: int = 5, completion_len: int = 6, seed: int = 0,
-                          grouped: bool = False):
+def synthetic_experiences(
+    agent, num_prompts: int = 2, prompt_len: int = 5, completion_len: int = 6, seed: int = 0, grouped: bool = False
+):
     """Global experiences of fixed shape; returns this rank's slice and all rewards.
 
     ``grouped``: as real rollouts, the rows of a group share their prompt, left-padded to

@@ -36,8 +36,9 @@ def data_parallel_and_fsdp_give_the_same_update(ctx):
     variants = {
         "fsdp": FSDPConfig(**FP32_SHARDED),
         "fsdp_offload_no_defer": FSDPConfig(**FP32_SHARDED, optim_cpu_offload=True, defer_grad_sync=False),
-        "fsdp_mixed_replicated": FSDPConfig(param_dtype="float32", reduce_dtype="float32",
-                                            param_persistence_threshold=100, reshard_after_forward=False),
+        "fsdp_mixed_replicated": FSDPConfig(
+            param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=100, reshard_after_forward=False
+        ),
     }
     start = lora_state(dp)
     dp_metrics = _learn(dp)
@@ -49,7 +50,11 @@ def data_parallel_and_fsdp_give_the_same_update(ctx):
         for k, v in lora_state(agent).items():  # same initial adapters through the meta-device path
             assert torch.equal(v, start[k]), (name, k)
         metrics = _learn(agent)
-        assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7), (name, metrics, dp_metrics)
+        assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7), (
+            name,
+            metrics,
+            dp_metrics,
+        )
         assert math.isclose(metrics["kl"], dp_metrics["kl"], rel_tol=1e-4, abs_tol=1e-7), name
         for k, v in lora_state(agent).items():
             torch.testing.assert_close(v, dp_after[k], atol=1e-6, rtol=1e-5, msg=lambda m, n=name, k=k: f"{n} {k}: {m}")
@@ -67,7 +72,9 @@ def the_shared_prompt_prefix_gives_the_one_pass_update_under_dp_and_fsdp(ctx):
         for share in (False, True):
             agent = make_agent(fsdp_config=config, share_prompt_prefix=share, **common)
             rows = []
-            hook = agent.model.get_input_embeddings().register_forward_hook(lambda m, i, o, rows=rows: rows.append(i[0].shape[0]))
+            hook = agent.model.get_input_embeddings().register_forward_hook(
+                lambda m, i, o, rows=rows: rows.append(i[0].shape[0])
+            )
             metrics = agent.learn(synthetic_experiences(agent, num_prompts=2, grouped=True, seed=4)[:3])
             hook.remove()
             results.append((metrics, lora_state(agent), rows))
@@ -114,8 +121,11 @@ def bf16_fsdp_with_partly_replicated_lora_layers(ctx):
     # whole unit, in checkpoint recompute too.
     reference = make_agent()  # fp32, unsharded: the yardstick
     for reshard in (True, False):
-        agent = make_agent(fsdp_config=FSDPConfig(param_persistence_threshold=150, reshard_after_forward=reshard),
-                           gradient_checkpointing=True, use_separate_reference_adapter=True)
+        agent = make_agent(
+            fsdp_config=FSDPConfig(param_persistence_threshold=150, reshard_after_forward=reshard),
+            gradient_checkpointing=True,
+            use_separate_reference_adapter=True,
+        )
         replicated = [n for n, p in agent.model.named_parameters() if ".lora_" in n and not isinstance(p, DTensor)]
         sharded = [n for n, p in agent.model.named_parameters() if ".lora_" in n and isinstance(p, DTensor)]
         assert replicated and sharded
@@ -156,8 +166,9 @@ def tensor_parallel_gives_the_same_update_as_data_parallel(ctx):
 @cases.case
 def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
     moe = "tiny:qwen3_moe?hidden_size=32&intermediate_size=64&num_layers=2&initializer_range=0.1"
-    common = dict(model_name=moe, micro_batch_size_per_gpu=2, use_separate_reference_adapter=True,
-                  gradient_checkpointing=True)
+    common = dict(
+        model_name=moe, micro_batch_size_per_gpu=2, use_separate_reference_adapter=True, gradient_checkpointing=True
+    )
     dp = make_agent(**common)
     dp_metrics = _learn(dp)
     ep = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED, ep=2, routed_expert_chunk_mib=1), **common)
@@ -240,8 +251,9 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
 
     results = {}
     for once in (False, True):
-        agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once,
-                           max_output_tokens=6, seed=3)
+        agent = make_agent(
+            fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once, max_output_tokens=6, seed=3
+        )
         before = {n: p.to_local().clone() for n, p in agent.model.named_parameters()}
         torch.manual_seed(11)
         with count_calls(dist, "all_gather_single") as gathers:
@@ -259,8 +271,9 @@ def fsdp_generation_can_gather_each_unit_once_and_leaves_the_shards_as_they_were
     # micro-batches (and passes) it runs.
     reference = {}
     for once in (False, True):
-        agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once,
-                           micro_batch_size_per_gpu=2, seed=3)
+        agent = make_agent(
+            fsdp_config=FSDPConfig(**FP32_SHARDED), gather_weights_for_rollout=once, micro_batch_size_per_gpu=2, seed=3
+        )
         counted = {}
         with count_calls(dist, "all_gather_single") as gathers:
 
@@ -286,19 +299,22 @@ def fsdp_gather_once_generates_with_lora_merged_and_leaves_the_shards_as_they_we
     # (32 x 32 and smaller, below a threshold of 1100: merged copies) beside the MLP's sharded ones;
     # and with reshard_after_forward=False, where the unmerged forward below leaves every unit gathered.
     for threshold, reshard in ((0, True), (1100, True), (0, False)):
-        config = FSDPConfig(**{**FP32_SHARDED, "param_persistence_threshold": threshold,
-                               "reshard_after_forward": reshard})
+        config = FSDPConfig(
+            **{**FP32_SHARDED, "param_persistence_threshold": threshold, "reshard_after_forward": reshard}
+        )
         agent = make_agent(fsdp_config=config, gather_weights_for_rollout=True, max_output_tokens=6)
         _learn(agent)  # a non-zero adapter to fold in
         params = dict(agent.model.named_parameters())
         before = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
         replicated = {n for n, p in params.items() if ".base_layer.weight" in n and not isinstance(p, DTensor)}
-        assert bool(replicated) == (threshold == 1100) and (not replicated or len(replicated) < sum(
-            ".base_layer.weight" in n for n in params)), (threshold, replicated)
+        assert bool(replicated) == (threshold == 1100) and (
+            not replicated or len(replicated) < sum(".base_layer.weight" in n for n in params)
+        ), (threshold, replicated)
         ids = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(0))
         agent.model.eval()
         copied = []  # the layers generating on merged copies: only the replicated ones, the rest fold in place
         copies = agent._merged_copies_for_rollout
+
         def recording(layers=None, copied=copied, copies=copies):
             copied.extend(layers or [])
             return copies(layers)
@@ -346,8 +362,9 @@ def fsdp_meta_loading_matches_the_checkpoint(ctx):
     ids, masks, _, _ = synthetic_experiences(dp)
     attention = dp._attention_mask(ids, masks)
     with torch.no_grad():
-        torch.testing.assert_close(fsdp.token_logprobs(ids, attention), dp.token_logprobs(ids, attention),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            fsdp.token_logprobs(ids, attention), dp.token_logprobs(ids, attention), atol=1e-5, rtol=1e-5
+        )
 
 
 @cases.case
@@ -383,8 +400,9 @@ def generation_where_ranks_finish_at_different_lengths(ctx):
 
 @cases.case
 def fsdp_checkpoint_loads_into_data_parallel(ctx):
-    fsdp = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED, optim_cpu_offload=True),
-                      use_separate_reference_adapter=True)
+    fsdp = make_agent(
+        fsdp_config=FSDPConfig(**FP32_SHARDED, optim_cpu_offload=True), use_separate_reference_adapter=True
+    )
     _learn(fsdp, seed=3)
     path = fsdp.save_checkpoint(ctx.shared_dir / "grpo_ckpt")
     saved = torch.load(path, weights_only=False)
@@ -412,12 +430,21 @@ def train_cli_short_runs_data_parallel_and_fsdp(ctx):
     from tests.agilerl.algorithms._common import TINY
 
     for fsdp in (False, {"param_dtype": "float32", "param_persistence_threshold": 0}):
-        manifest = load_manifest({
-            "algorithm": {"model_name": TINY, "fsdp": fsdp, "group_size": 4, "max_output_tokens": 2,
-                          "dtype": "float32", "lr": 0.01, "micro_batch_size_per_gpu": 2},
-            "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 2},
-            "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
-        })
+        manifest = load_manifest(
+            {
+                "algorithm": {
+                    "model_name": TINY,
+                    "fsdp": fsdp,
+                    "group_size": 4,
+                    "max_output_tokens": 2,
+                    "dtype": "float32",
+                    "lr": 0.01,
+                    "micro_batch_size_per_gpu": 2,
+                },
+                "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 2},
+                "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
+            }
+        )
         history = train(manifest, device="cpu")
         assert len(history) == 1 and len(history[0]) == 2
         assert all(math.isfinite(m["loss"]) for m in history[0])
@@ -442,8 +469,9 @@ def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
     library.addHandler(kept)
     library.setLevel(logging.INFO)
     try:
-        agent = make_agent(fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto",
-                           max_model_len=16)
+        agent = make_agent(
+            fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto", max_model_len=16
+        )
     finally:
         library.removeHandler(kept)
         library.setLevel(level)
@@ -465,12 +493,20 @@ def train_cli_with_fsdp_auto(ctx):
     from agilerl.train import train
     from tests.agilerl.algorithms._common import TINY
 
-    manifest = load_manifest({
-        "algorithm": {"model_name": TINY, "fsdp": "auto", "group_size": 4, "max_output_tokens": 2,
-                      "dtype": "float32", "max_model_len": 8},
-        "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 1},
-        "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
-    })
+    manifest = load_manifest(
+        {
+            "algorithm": {
+                "model_name": TINY,
+                "fsdp": "auto",
+                "group_size": 4,
+                "max_output_tokens": 2,
+                "dtype": "float32",
+                "max_model_len": 8,
+            },
+            "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 1},
+            "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
+        }
+    )
     history = train(manifest, device="cpu")
     assert len(history[0]) == 1
 

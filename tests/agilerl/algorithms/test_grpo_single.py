@@ -62,8 +62,9 @@ def test_cpu_offload_without_vllm_and_qlora_with_cpu_offload_are_refused(monkeyp
     with pytest.raises(ValueError, match="cpu_offload=True\\) needs a colocated vLLM engine"):
         make_agent(model_name=MISSING, fsdp_config=FSDPConfig(cpu_offload=True))
     with pytest.raises(ValueError, match=r"QLoRA \(load_in_4bit=True\) with FSDPConfig\(cpu_offload=True\)"):
-        make_agent(model_name=MISSING, fsdp_config=FSDPConfig(cpu_offload=True), load_in_4bit=True,
-                   vllm_config=VLLMConfig())
+        make_agent(
+            model_name=MISSING, fsdp_config=FSDPConfig(cpu_offload=True), load_in_4bit=True, vllm_config=VLLMConfig()
+        )
 
 
 def test_qlora_without_bitsandbytes_is_a_clear_error(monkeypatch):
@@ -147,8 +148,9 @@ def test_chunked_logprobs_equal_unchunked_values_and_gradients():
 
     def run(chunk):
         hidden.grad = weight.grad = None
-        out = chunked_token_logprobs(hidden, targets, lambda h: h @ weight.T, chunk_size=chunk,
-                                     temperature=0.8, softcap=30.0)
+        out = chunked_token_logprobs(
+            hidden, targets, lambda h: h @ weight.T, chunk_size=chunk, temperature=0.8, softcap=30.0
+        )
         (out * torch.linspace(0, 1, out.numel()).view_as(out)).sum().backward()
         return out.detach(), hidden.grad.clone(), weight.grad.clone()
 
@@ -160,8 +162,9 @@ def test_chunked_logprobs_equal_unchunked_values_and_gradients():
     torch.testing.assert_close(full[0], ref.squeeze(-1).detach(), atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # the in-place rescaling of the no-grad path
         for chunk in (None, 5):
-            out = chunked_token_logprobs(hidden, targets, lambda h: h @ weight.T, chunk_size=chunk,
-                                         temperature=0.8, softcap=30.0)
+            out = chunked_token_logprobs(
+                hidden, targets, lambda h: h @ weight.T, chunk_size=chunk, temperature=0.8, softcap=30.0
+            )
             torch.testing.assert_close(out, full[0], atol=1e-5, rtol=1e-5)
 
 
@@ -204,16 +207,28 @@ def test_linear_logprobs_equal_the_checkpointed_head(dtype, temperature, softcap
         (out * torch.linspace(0, 1, out.numel()).view_as(out)).sum().backward()
         return out.detach(), hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()
 
-    expected = run(lambda: chunked_token_logprobs(hidden, targets, lambda h: nn.functional.linear(h, weight, bias),
-                                                  chunk_size=None, temperature=temperature, softcap=softcap))
+    expected = run(
+        lambda: chunked_token_logprobs(
+            hidden,
+            targets,
+            lambda h: nn.functional.linear(h, weight, bias),
+            chunk_size=None,
+            temperature=temperature,
+            softcap=softcap,
+        )
+    )
     for chunk in (None, 1, 5, 32, 33):
-        got = run(lambda chunk=chunk: linear_token_logprobs(hidden, targets, weight, bias, chunk_size=chunk,
-                                                temperature=temperature, softcap=softcap))
+        got = run(
+            lambda chunk=chunk: linear_token_logprobs(
+                hidden, targets, weight, bias, chunk_size=chunk, temperature=temperature, softcap=softcap
+            )
+        )
         for a, b in zip(got, expected):
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
     with torch.no_grad():
-        out = linear_token_logprobs(hidden, targets, weight, bias, chunk_size=5, temperature=temperature,
-                                    softcap=softcap)
+        out = linear_token_logprobs(
+            hidden, targets, weight, bias, chunk_size=5, temperature=temperature, softcap=softcap
+        )
     torch.testing.assert_close(out, expected[0], atol=tol, rtol=tol)
 
 
@@ -285,7 +300,8 @@ def test_linear_logprob_workspace_is_one_fp32_and_one_compute_dtype_tile():
     chunk, vocab = 128, 4000
     fused = _head_workspace(lambda h, w, t: linear_token_logprobs(h, t, w, chunk_size=chunk), torch.bfloat16)
     checkpointed = _head_workspace(
-        lambda h, w, t: chunked_token_logprobs(h, t, lambda x: x @ w.T, chunk_size=chunk), torch.bfloat16)
+        lambda h, w, t: chunked_token_logprobs(h, t, lambda x: x @ w.T, chunk_size=chunk), torch.bfloat16
+    )
     tile = chunk * vocab
     assert fused <= tile * (4 + 2) * 1.05  # one fp32 tile and its bf16 matmul output (and a few rows)
     assert checkpointed >= tile * 4 * 3  # the path it replaces keeps about four fp32 tiles
@@ -293,10 +309,19 @@ def test_linear_logprob_workspace_is_one_fp32_and_one_compute_dtype_tile():
 
 def test_token_logprobs_match_generation_scores():
     agent = make_agent()
-    enc = TOKENIZER(["3+4=", "12+3="], return_tensors="pt", padding=True, padding_side="left",
-                    add_special_tokens=False)
-    out = agent.model.generate(**enc, max_new_tokens=4, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                               output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=-1)
+    enc = TOKENIZER(["3+4=", "12+3="], return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    out = agent.model.generate(
+        **enc,
+        max_new_tokens=4,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=-1,
+    )
     seq, p = out.sequences, enc.input_ids.shape[1]
     from_scores = torch.stack(
         [torch.log_softmax(s, -1).gather(-1, seq[:, p + i, None]).squeeze(-1) for i, s in enumerate(out.scores)], 1
@@ -319,10 +344,10 @@ def test_get_action_shapes_and_masks():
         completion = row[mask.bool()].tolist()
         assert 1 <= len(completion) <= 5
         assert 2 not in completion[:-1]  # nothing after the first end-of-sequence token
-        assert torch.all(row[prompt_len + len(completion):] == agent.pad_token_id)
+        assert torch.all(row[prompt_len + len(completion) :] == agent.pad_token_id)
     # Each prompt repeated group_size times, in order.
     first = TOKENIZER("1+2=", add_special_tokens=False).input_ids
-    assert ids[0, prompt_len - len(first):prompt_len].tolist() == first
+    assert ids[0, prompt_len - len(first) : prompt_len].tolist() == first
 
 
 def test_learn_updates_actor_only_and_reference_stays_frozen():
@@ -334,7 +359,15 @@ def test_learn_updates_actor_only_and_reference_stays_frozen():
     trainable = {n for n, p in agent.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n and ".actor." in n for n in trainable)
     metrics = agent.learn(synthetic_experiences(agent)[:3])
-    assert set(metrics) == {"loss", "kl", "clip_fraction", "grad_norm", "mean_reward", "reward_std", "completion_length"}
+    assert set(metrics) == {
+        "loss",
+        "kl",
+        "clip_fraction",
+        "grad_norm",
+        "mean_reward",
+        "reward_std",
+        "completion_length",
+    }
     for k, v in lora_state(agent, "reference").items():
         assert torch.equal(v, ref_before[k]), k
     assert any(not torch.equal(v, actor_before[k]) for k, v in lora_state(agent, "actor").items())
@@ -370,8 +403,12 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path):
     assert file.name == "attributes.pt"
     payload = torch.load(file, weights_only=False)
     assert payload["algo"] == "GRPO" and set(payload["adapters"]) == {"actor", "reference"}
-    assert payload["optimizer"] and all(not hasattr(v, "to_local") for s in payload["optimizer"].values()
-                                         for v in s.values() if isinstance(v, torch.Tensor))
+    assert payload["optimizer"] and all(
+        not hasattr(v, "to_local")
+        for s in payload["optimizer"].values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
     resumed = make_agent(use_separate_reference_adapter=True, seed=123)  # different LoRA init
     resumed.load_checkpoint(tmp_path / "ckpt")
@@ -398,8 +435,12 @@ def test_load_rejects_missing_or_foreign_checkpoints(tmp_path):
 def test_population_and_create_population():
     from agilerl.utils.utils import create_population
 
-    pop = create_population("GRPO", {"ALGO": "GRPO", "BATCH_SIZE": 2, "GROUP_SIZE": 4, "BETA": 0.0, "LR": 1e-3},
-                            population_size=2, algo_kwargs=_agent_kwargs())
+    pop = create_population(
+        "GRPO",
+        {"ALGO": "GRPO", "BATCH_SIZE": 2, "GROUP_SIZE": 4, "BETA": 0.0, "LR": 1e-3},
+        population_size=2,
+        algo_kwargs=_agent_kwargs(),
+    )
     assert [a.index for a in pop] == [0, 1] and [a.seed for a in pop] == [0, 1]
     assert pop[0].beta == 0.0 and pop[0].batch_size == 2
     assert not torch.equal(next(iter(lora_state(pop[0]).values())), next(iter(lora_state(pop[1]).values())))
@@ -418,9 +459,18 @@ def _agent_kwargs():
 
     from tests.agilerl.algorithms._common import TINY
 
-    return dict(model_name=TINY, pad_token_id=0, pad_token="<pad>", tokenizer=TOKENIZER, dtype="float32",
-                device="cpu", max_output_tokens=2, gradient_checkpointing=False, seed=0,
-                lora_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    return dict(
+        model_name=TINY,
+        pad_token_id=0,
+        pad_token="<pad>",
+        tokenizer=TOKENIZER,
+        dtype="float32",
+        device="cpu",
+        max_output_tokens=2,
+        gradient_checkpointing=False,
+        seed=0,
+        lora_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
 
 
 # -- rollout engine protocol -----------------------------------------------------------------------
@@ -484,8 +534,14 @@ class OffloadCheckingEngine(FakeEngine):
         params = list(self.agent.model.named_parameters())
         self.held = sum(stored(p) for n, p in params if not p.requires_grad and ".lora_" not in n)
         self.lora_held = sum(stored(p) for n, p in params if ".lora_" in n)
-        return super().generate(prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+        return super().generate(
+            prompts,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+        )
 
 
 def test_offload_weights_during_rollout_frees_the_weights_and_restores_them_bit_for_bit():
@@ -493,8 +549,11 @@ def test_offload_weights_during_rollout_frees_the_weights_and_restores_them_bit_
 
     agent = make_agent(max_output_tokens=3)
     before = {n: p.detach().clone() for n, p in agent.model.named_parameters()}
-    base_bytes = sum(p.numel() * p.element_size() for n, p in agent.model.named_parameters()
-                     if not p.requires_grad and ".lora_" not in n)
+    base_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in agent.model.named_parameters()
+        if not p.requires_grad and ".lora_" not in n
+    )
     agent.engine = engine = OffloadCheckingEngine(agent)
     agent._weight_offload = WeightOffload(agent.model)  # what offload_weights_during_rollout=True builds
     lora_bytes = sum(p.numel() * p.element_size() for n, p in agent.model.named_parameters() if ".lora_" in n)
@@ -529,8 +588,11 @@ def test_offload_weights_during_rollout_needs_a_rollout_engine():
 
 def _logged(caplog, level: int = logging.INFO) -> str:
     """What the library logged at ``level`` (its loggers are ``agilerl`` and its children)."""
-    return "\n".join(r.getMessage() for r in caplog.records
-                     if r.levelno == level and (r.name == "agilerl" or r.name.startswith("agilerl.")))
+    return "\n".join(
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == level and (r.name == "agilerl" or r.name.startswith("agilerl."))
+    )
 
 
 def test_auto_fsdp_on_one_device_trains_unsharded(caplog, capsys):
@@ -581,8 +643,12 @@ def test_gather_once_on_one_device_generates_on_merged_copies_and_leaves_the_wei
         agent.learn(synthetic_experiences(agent)[:3])  # a non-zero adapter to fold in
         before = {n: (p, p.detach().clone()) for n, p in agent.model.named_parameters()}
         calls = {"lora_A": 0}
-        hooks = [layer.lora_A[ACTOR].register_forward_pre_hook(lambda *_, calls=calls: calls.__setitem__("lora_A", calls["lora_A"] + 1))
-                 for layer in tuner_layers(agent.model)]
+        hooks = [
+            layer.lora_A[ACTOR].register_forward_pre_hook(
+                lambda *_, calls=calls: calls.__setitem__("lora_A", calls["lora_A"] + 1)
+            )
+            for layer in tuner_layers(agent.model)
+        ]
         agent.generation_kwargs["do_sample"] = False  # greedy: the two must pick the same tokens
         ids, masks = agent.get_action(["1+2=", "3+4="])
         for h in hooks:

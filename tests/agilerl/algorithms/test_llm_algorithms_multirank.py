@@ -24,7 +24,7 @@ FP32_SHARDED = dict(param_dtype="float32", reduce_dtype="float32", param_persist
 
 def _rank_share(batch, rank, world=2):
     n = next(iter(batch.values())).shape[0] // world
-    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
 def _weights(agent):
@@ -40,13 +40,17 @@ def _close(a, b, what):
 def sft_and_dpo_under_fsdp_give_data_parallels_update(ctx):
     from agilerl.algorithms import DPO, SFT
 
-    for algorithm, batch_size, make in ((SFT, 4, lambda a: a.encode(PROMPTS, ANSWERS)),
-                                        (DPO, 4, lambda a: a.encode(PROMPTS, ANSWERS, WRONG))):
+    for algorithm, batch_size, make in (
+        (SFT, 4, lambda a: a.encode(PROMPTS, ANSWERS)),
+        (DPO, 4, lambda a: a.encode(PROMPTS, ANSWERS, WRONG)),
+    ):
         for full in (False, True):
             extra = {"lora_config": None} if full else {}
             results = []
             for fsdp in (None, FSDPConfig(**FP32_SHARDED)):
-                agent = _offline(algorithm, batch_size=batch_size, micro_batch_size_per_gpu=2, fsdp_config=fsdp, **extra)
+                agent = _offline(
+                    algorithm, batch_size=batch_size, micro_batch_size_per_gpu=2, fsdp_config=fsdp, **extra
+                )
                 batch = _rank_share(make(agent), ctx.rank)
                 first = agent.learn(batch)
                 second = agent.learn(batch)
@@ -103,8 +107,9 @@ def ppo_under_fsdp_gives_data_parallels_update_with_one_value_head(ctx):
 
     results = []
     for fsdp in (None, FSDPConfig(**FP32_SHARDED)):
-        agent = make_agent(algorithm=LLMPPO, group_size=1, batch_size=4, micro_batch_size_per_gpu=1, update_epochs=2,
-                           fsdp_config=fsdp)
+        agent = make_agent(
+            algorithm=LLMPPO, group_size=1, batch_size=4, micro_batch_size_per_gpu=1, update_epochs=2, fsdp_config=fsdp
+        )
         ids, masks, rewards, _ = synthetic_experiences(agent, num_prompts=4, seed=3)
         metrics = agent.learn((ids, masks, rewards))
         heads = gather_objects([agent.value_head.weight.detach().tolist()])
@@ -128,8 +133,9 @@ def full_finetuning_grpo_under_fsdp_with_offloads_gives_data_parallels_update(ct
         "fsdp": FSDPConfig(**FP32_SHARDED),
         "offload_no_defer": FSDPConfig(**FP32_SHARDED, optim_cpu_offload=True, defer_grad_sync=False),
         # a threshold that keeps the norms and biases replicated beside sharded matrices
-        "replicated": FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=100,
-                                 reshard_after_forward=False),
+        "replicated": FSDPConfig(
+            param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=100, reshard_after_forward=False
+        ),
     }
     for name, config in variants.items():
         agent = make_agent(fsdp_config=config, **common)
@@ -141,7 +147,11 @@ def full_finetuning_grpo_under_fsdp_with_offloads_gives_data_parallels_update(ct
         if name == "replicated":
             assert any(not isinstance(p, DTensor) for p in trainable) and any(isinstance(p, DTensor) for p in trainable)
         metrics = _learn(agent)
-        assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7), (name, metrics, dp_metrics)
+        assert math.isclose(metrics["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7), (
+            name,
+            metrics,
+            dp_metrics,
+        )
         assert math.isclose(metrics["kl"], dp_metrics["kl"], rel_tol=1e-4, abs_tol=1e-8), name
         _close(_weights(agent), dp_after, name)
 
@@ -155,16 +165,28 @@ def every_algorithm_asks_the_planner_with_fsdp_config_auto(ctx):
     from agilerl.algorithms import DPO, LLMPPO, SFT
     from agilerl.distributed import gather_objects
 
-    for algorithm, extra in ((SFT, {"batch_size": 4}), (DPO, {"batch_size": 2}),
-                             (LLMPPO, {"batch_size": 2, "max_output_tokens": 4})):
+    for algorithm, extra in (
+        (SFT, {"batch_size": 4}),
+        (DPO, {"batch_size": 2}),
+        (LLMPPO, {"batch_size": 2, "max_output_tokens": 4}),
+    ):
         for full in (False, True):
-            agent = _offline(algorithm, fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto",
-                             max_model_len=16, **({"lora_config": None} if full else {}), **extra)
+            agent = _offline(
+                algorithm,
+                fsdp_config="auto",
+                logprob_chunk_size="auto",
+                gradient_checkpointing="auto",
+                max_model_len=16,
+                **({"lora_config": None} if full else {}),
+                **extra,
+            )
             assert agent.plan is not None, algorithm.algo_name
             plans = gather_objects([agent.plan["summary"]])
             assert plans[0] == plans[1]  # rank 0 planned, every rank applied the same plan
             assert (agent.plan["algorithm"], agent.plan["full_finetune"]) == (
-                {"SFT": "sft", "DPO": "dpo", "LLMPPO": "ppo"}[algorithm.algo_name], full)
+                {"SFT": "sft", "DPO": "dpo", "LLMPPO": "ppo"}[algorithm.algo_name],
+                full,
+            )
             assert agent.micro_batch_size_per_gpu == agent.plan["micro_batch_size_per_gpu"]
 
 
@@ -200,8 +222,9 @@ def full_finetuning_checkpoints_move_between_bf16_unsharded_and_fp32_shards(ctx)
     plain.learn(batch)
     masters = {n: m.clone() for (n, _), (_, m) in zip(plain.model.named_parameters(), plain.optimizer.masters)}
     path = plain.save_checkpoint(ctx.shared_dir / "bf16_plain")
-    sharded = _offline(SFT, **common, fsdp_config=FSDPConfig(reduce_dtype="float32", param_persistence_threshold=0),
-                       seed=7)
+    sharded = _offline(
+        SFT, **common, fsdp_config=FSDPConfig(reduce_dtype="float32", param_persistence_threshold=0), seed=7
+    )
     sharded.load_checkpoint(path)
     fp32 = _weights(sharded)
     for name, master in masters.items():

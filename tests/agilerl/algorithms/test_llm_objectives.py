@@ -19,7 +19,7 @@ from tests.agilerl.algorithms._common import make_agent, synthetic_experiences
 def _inputs(seed=0, n=4, T=5):
     g = torch.Generator().manual_seed(seed)
     logp = (-torch.rand(n, T, generator=g) * 3).requires_grad_()
-    old = (logp.detach() + torch.randn(n, T, generator=g) * 0.8)  # off-policy: ratios far from 1
+    old = logp.detach() + torch.randn(n, T, generator=g) * 0.8  # off-policy: ratios far from 1
     ref = logp.detach() + torch.randn(n, T, generator=g) * 0.3
     adv = torch.randn(n, generator=g)
     mask = torch.ones(n, T)
@@ -40,8 +40,11 @@ def _cispo_loop(logp, old, ref, adv, mask, high, beta):
             if mask[i][t]:
                 r = math.exp(float(logp[i][t].detach()) - float(old[i][t]))
                 w = min(r, 1.0 + high)  # a number: the stop-gradient
-                total = total - w * float(adv[i]) * logp[i][t] + beta * (
-                    torch.exp(ref[i][t] - logp[i][t]) - (ref[i][t] - logp[i][t]) - 1.0)
+                total = (
+                    total
+                    - w * float(adv[i]) * logp[i][t]
+                    + beta * (torch.exp(ref[i][t] - logp[i][t]) - (ref[i][t] - logp[i][t]) - 1.0)
+                )
                 count += 1
     return total / count
 
@@ -89,18 +92,22 @@ def test_cispo_loss_is_its_formula_and_stops_the_weights_gradient(beta):
     _, stats = cispo_loss(logp, old, ref, adv, mask, clip_coef_high=0.5, beta=beta)
     assert 0 < stats["clip_fraction"] < 1  # some weights truncated, so the cap is exercised
     # Control: a weight that kept its gradient (no stop-gradient) gives another gradient.
-    through = _value_and_grad(lambda: (-(torch.clamp(torch.exp(logp - old), max=1.5) * adv[:, None] * logp) * mask)
-                              .sum() / mask.sum(), logp)
-    assert not torch.allclose(through[1], _value_and_grad(
-        lambda: cispo_loss(logp, old, None, adv, mask, clip_coef_high=0.5, beta=0.0)[0], logp)[1])
+    through = _value_and_grad(
+        lambda: (-(torch.clamp(torch.exp(logp - old), max=1.5) * adv[:, None] * logp) * mask).sum() / mask.sum(), logp
+    )
+    assert not torch.allclose(
+        through[1],
+        _value_and_grad(lambda: cispo_loss(logp, old, None, adv, mask, clip_coef_high=0.5, beta=0.0)[0], logp)[1],
+    )
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_gspo_loss_is_its_formula(beta):
     logp, old, ref, adv, mask = _inputs(seed=1)
     old = logp.detach() + (old - logp.detach()) * 0.15  # sequence ratios straddling a clip range of 0.03/0.04
-    ours = _value_and_grad(lambda: gspo_loss(logp, old, ref, adv, mask, clip_coef=0.03, clip_coef_high=0.04,
-                                             beta=beta)[0], logp)
+    ours = _value_and_grad(
+        lambda: gspo_loss(logp, old, ref, adv, mask, clip_coef=0.03, clip_coef_high=0.04, beta=beta)[0], logp
+    )
     loop = _value_and_grad(lambda: _gspo_loop(logp, old, ref, adv, mask, 0.03, 0.04, beta), logp)
     torch.testing.assert_close(ours, loop)
     _, stats = gspo_loss(logp, old, ref, adv, mask, clip_coef=0.03, clip_coef_high=0.04, beta=beta)
@@ -163,11 +170,24 @@ def test_a_manifest_trains_cispo_with_its_own_defaults():
     from agilerl.train import train
     from tests.agilerl.algorithms._common import TINY
 
-    section = {"name": "CISPO", "model_name": TINY, "group_size": 2, "max_output_tokens": 2, "dtype": "float32",
-               "max_model_len": 8, "gradient_checkpointing": False, "logprob_chunk_size": None,
-               "gather_weights_for_rollout": False}
-    manifest = load_manifest({"algorithm": section, "training": {"rollout_batch_size": 2, "max_steps": 1},
-                              "lora": {"r": 2, "alpha": 4, "dropout": 0.0}})
+    section = {
+        "name": "CISPO",
+        "model_name": TINY,
+        "group_size": 2,
+        "max_output_tokens": 2,
+        "dtype": "float32",
+        "max_model_len": 8,
+        "gradient_checkpointing": False,
+        "logprob_chunk_size": None,
+        "gather_weights_for_rollout": False,
+    }
+    manifest = load_manifest(
+        {
+            "algorithm": section,
+            "training": {"rollout_batch_size": 2, "max_steps": 1},
+            "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
+        }
+    )
     assert manifest.algorithm.algorithm_kwargs() == {"group_size": 2}  # CISPO's own beta and cap
     history = train(manifest, device="cpu")
     assert len(history[0]) == 1 and history[0][0]["kl"] == 0.0  # beta 0: no KL term

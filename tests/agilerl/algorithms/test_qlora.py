@@ -31,7 +31,6 @@ from tests.agilerl.algorithms._qlora import QLORA, four_bit_layers, pair
 pytestmark = pytest.mark.qlora
 
 
-
 def test_base_weights_are_nf4_and_differ_from_the_full_precision_ones():
     from transformers import AutoModelForCausalLM
 
@@ -64,7 +63,7 @@ def test_learn_steps_match_lora_on_the_dequantised_base_and_a_python_loop():
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
 
     def logprobs(model, adapters: bool):
-        with torch.no_grad(), (contextlib.nullcontext() if adapters else model.disable_adapter()):
+        with torch.no_grad(), contextlib.nullcontext() if adapters else model.disable_adapter():
             logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
         return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
@@ -114,7 +113,7 @@ def test_checkpoint_holds_only_the_adapters_and_reloads(tmp_path):
 def test_qlora_generates():
     agent = make_agent(**QLORA)
     ids, masks = agent.get_action(["1+2=", "3+4="])
-    assert ids.shape[0] == 2 * agent.group_size and masks[:, -agent.max_output_tokens:].sum() > 0
+    assert ids.shape[0] == 2 * agent.group_size and masks[:, -agent.max_output_tokens :].sum() > 0
 
 
 def test_a_config_without_weights_is_quantised_random_not_left_in_full_precision(tmp_path):
@@ -159,10 +158,14 @@ def test_a_rollout_engine_gets_the_dequantised_base_with_the_adapter_merged():
 def test_a_moe_says_its_packed_experts_stay_in_the_compute_dtype(caplog):
     # transformers packs each layer's routed experts into two 3-D tensors (gate_up_proj, down_proj),
     # which bitsandbytes does not quantise: 2 layers x 2 tensors here.
-    agent = make_agent(**QLORA, model_name="tiny:qwen3_moe?hidden_size=32&intermediate_size=64&num_layers=2"
-                                           "&num_heads=2&num_kv_heads=1")
-    warned = [r.getMessage() for r in caplog.records
-              if r.name == "agilerl.algorithms.core.loading" and r.levelno == logging.WARNING]
+    agent = make_agent(
+        **QLORA, model_name="tiny:qwen3_moe?hidden_size=32&intermediate_size=64&num_layers=2&num_heads=2&num_kv_heads=1"
+    )
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "agilerl.algorithms.core.loading" and r.levelno == logging.WARNING
+    ]
     assert len(warned) == 1
     assert "QLoRA: the 4 packed routed-expert tensors" in warned[0] and "stay in bfloat16" in warned[0]
     assert agent.model is not None

@@ -20,7 +20,9 @@ def fsdp2_qlora_trains_on_four_ranks(ctx):
     from tests.agilerl.algorithms._common import make_agent
     from tests.agilerl.algorithms._qlora import QLORA, four_bit_layers
 
-    agent = make_agent(**QLORA, batch_size=4, fsdp_config=FSDPConfig(param_dtype="bfloat16", param_persistence_threshold=0))
+    agent = make_agent(
+        **QLORA, batch_size=4, fsdp_config=FSDPConfig(param_dtype="bfloat16", param_persistence_threshold=0)
+    )
     for layer in four_bit_layers(agent.model).values():
         assert layer.weight.to_local().shape[0] * 4 == layer.weight.shape[0]
     for seed in (1, 2):

@@ -70,13 +70,15 @@ def fsdp2_qlora_shards_the_packed_weights_and_matches_the_unsharded_model(ctx):
         with gather_params(sharded.model, [w]) as [full]:
             assert torch.equal(full, dp_layers[name].weight.data)  # the gathered bytes are the packed weight
             dequantised = bnb.functional.dequantize_4bit(full, state)
-        assert torch.equal(dequantised, bnb.functional.dequantize_4bit(dp_layers[name].weight.data,
-                                                                        dp_layers[name].weight.quant_state))
+        assert torch.equal(
+            dequantised, bnb.functional.dequantize_4bit(dp_layers[name].weight.data, dp_layers[name].weight.quant_state)
+        )
     ids, masks, _, _ = synthetic_experiences(dp, seed=4)
     attention = dp._attention_mask(ids, masks)
     with torch.no_grad(), dp.model.disable_adapter(), sharded.model.disable_adapter():
-        torch.testing.assert_close(sharded.token_logprobs(ids, attention), dp.token_logprobs(ids, attention),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            sharded.token_logprobs(ids, attention), dp.token_logprobs(ids, attention), atol=0, rtol=0
+        )
     start = lora_state(dp)
     for k, v in lora_state(sharded).items():
         assert torch.equal(v, start[k]), k
@@ -136,8 +138,9 @@ def fsdp2_qlora_from_a_config_without_weights_is_quantised_random(ctx):
     barrier()
     agent = make_agent(**QLORA, model_name=str(folder), fsdp_config=FSDPConfig(**BF16))
     layers = four_bit_layers(agent.model)
-    assert layers and all(layer.quant_state is not None and layer.quant_state.absmax.abs().sum() > 0
-                          for layer in layers.values())
+    assert layers and all(
+        layer.quant_state is not None and layer.quant_state.absmax.abs().sum() > 0 for layer in layers.values()
+    )
     metrics = agent.learn(synthetic_experiences(agent, seed=1)[:3])
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 

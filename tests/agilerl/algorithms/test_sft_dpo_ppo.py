@@ -25,10 +25,18 @@ WRONG = ["5", "1", "9", "3"]
 def _offline(algorithm, **overrides):
     from peft import LoraConfig
 
-    kwargs = dict(pad_token_id=TOKENIZER.pad_token_id, pad_token=TOKENIZER.pad_token, tokenizer=TOKENIZER,
-                  lora_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
-                                         task_type="CAUSAL_LM"),
-                  dtype="float32", device="cpu", gradient_checkpointing=False, lr=1e-2, logprob_chunk_size=7, seed=0)
+    kwargs = dict(
+        pad_token_id=TOKENIZER.pad_token_id,
+        pad_token=TOKENIZER.pad_token,
+        tokenizer=TOKENIZER,
+        lora_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"),
+        dtype="float32",
+        device="cpu",
+        gradient_checkpointing=False,
+        lr=1e-2,
+        logprob_chunk_size=7,
+        seed=0,
+    )
     kwargs.update(overrides)
     return algorithm(kwargs.pop("model_name", TINY), **kwargs)
 
@@ -96,7 +104,9 @@ def test_token_rewards_and_gae_are_their_formulas():
     per_token, kl = token_rewards(old, ref, rewards, mask, beta=0.05)
     for i, last in enumerate((4, 5, 2)):
         for t in range(6):
-            want = (-0.05 * float(old[i, t] - ref[i, t]) + (float(rewards[i]) if t == last else 0.0)) * float(mask[i, t])
+            want = (-0.05 * float(old[i, t] - ref[i, t]) + (float(rewards[i]) if t == last else 0.0)) * float(
+                mask[i, t]
+            )
             assert math.isclose(float(per_token[i, t]), want, rel_tol=1e-6, abs_tol=1e-7), (i, t)
     values = torch.randn(3, 6, generator=g)
     for gamma, lam in ((1.0, 0.95), (0.9, 0.5)):
@@ -105,8 +115,10 @@ def test_token_rewards_and_gae_are_their_formulas():
         torch.testing.assert_close(adv * mask, loop)
         torch.testing.assert_close(returns * mask, (loop + values) * mask)
     # Control: lambda = 1 (Monte-Carlo returns less V) is another estimate.
-    assert not torch.allclose(gae_advantages(per_token, values, mask, gamma=1.0, lam=1.0)[0] * mask,
-                              _gae_loop(per_token, values, mask, 1.0, 0.95))
+    assert not torch.allclose(
+        gae_advantages(per_token, values, mask, gamma=1.0, lam=1.0)[0] * mask,
+        _gae_loop(per_token, values, mask, 1.0, 0.95),
+    )
     whitened = masked_whiten(adv, mask)
     picked = whitened[mask.bool()]
     assert abs(float(picked.mean())) < 1e-5 and math.isclose(float(picked.std()), 1.0, rel_tol=1e-4)
@@ -122,8 +134,9 @@ def test_ppo_loss_is_its_formula():
     values = torch.randn(n, length, generator=g).requires_grad_()
     old_values = values.detach() + torch.randn(n, length, generator=g) * 0.5
     returns = torch.randn(n, length, generator=g)
-    loss, stats = ppo_loss(logp, old, adv, values, old_values, returns, mask, clip_coef=0.2, clip_coef_value=0.2,
-                           vf_coef=0.1)
+    loss, stats = ppo_loss(
+        logp, old, adv, values, old_values, returns, mask, clip_coef=0.2, clip_coef_value=0.2, vf_coef=0.1
+    )
     pg_terms, vf_terms = [], []
     for i in range(n):
         for t in range(length):
@@ -139,8 +152,9 @@ def test_ppo_loss_is_its_formula():
         torch.testing.assert_close(ours, theirs)
     assert 0 < float(stats["clip_fraction"]) < 1 and 0 < float(stats["value_clip_fraction"]) < 1
     # Control: without the value clip the value loss differs.
-    unclipped, _ = ppo_loss(logp, old, adv, values, old_values, returns, mask, clip_coef=0.2, clip_coef_value=100.0,
-                            vf_coef=0.1)
+    unclipped, _ = ppo_loss(
+        logp, old, adv, values, old_values, returns, mask, clip_coef=0.2, clip_coef_value=100.0, vf_coef=0.1
+    )
     assert not torch.allclose(unclipped, loss)
 
 
@@ -176,16 +190,15 @@ def _right_padded(ids, attention, completion):
     out_ids, out_att, lengths = torch.full_like(ids, TOKENIZER.pad_token_id), torch.zeros_like(attention), []
     for i in range(ids.shape[0]):
         real = ids[i][attention[i].bool()]
-        out_ids[i, :real.numel()] = real
-        out_att[i, :real.numel()] = 1
+        out_ids[i, : real.numel()] = real
+        out_att[i, : real.numel()] = 1
         lengths.append(int((attention[i].bool() & ~completion[i].bool()).sum()))
     return {"input_ids": out_ids, "attention_mask": out_att, "prompt_lengths": torch.tensor(lengths)}
 
 
 @pytest.mark.parametrize("full", [False, True])
 def test_dpo_learns_against_its_reference_as_a_plain_forward_says(full):
-    agent = _offline(DPO, batch_size=2, micro_batch_size_per_gpu=2, beta=0.5,
-                     **({"lora_config": None} if full else {}))
+    agent = _offline(DPO, batch_size=2, micro_batch_size_per_gpu=2, beta=0.5, **({"lora_config": None} if full else {}))
     assert (agent.reference_model is not None) == full
     batch = agent.encode(PROMPTS[:2], ANSWERS[:2], WRONG[:2])
     with torch.no_grad():
@@ -200,8 +213,13 @@ def test_dpo_learns_against_its_reference_as_a_plain_forward_says(full):
     assert second["loss"] < math.log(2) and second["reward_margin"] > 0 and second["reward_accuracy"] == 1.0
     # The implicit rewards are beta times the change of each sequence's summed log-prob.
     with torch.no_grad():
-        now = {side: (_hf_token_logprobs(agent.model, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
-                      * batch[f"{side}_completion_mask"][:, 1:]).sum(dim=1) for side in ("chosen", "rejected")}
+        now = {
+            side: (
+                _hf_token_logprobs(agent.model, batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"])
+                * batch[f"{side}_completion_mask"][:, 1:]
+            ).sum(dim=1)
+            for side in ("chosen", "rejected")
+        }
     third = agent.learn(batch)
     want = float(0.5 * (now["chosen"] - seqs["chosen"]).mean())
     assert math.isclose(third["chosen_reward"], want, rel_tol=1e-4), (third, want)
@@ -225,8 +243,9 @@ def test_ppo_learns_with_a_value_head_and_checkpoints_it(tmp_path):
     a = agent.learn((ids, masks, torch.ones(4)))
     torch.manual_seed(5)
     b = again.learn((ids, masks, torch.ones(4)))
-    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6) and torch.equal(again.value_head.weight,
-                                                                            agent.value_head.weight)
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6) and torch.equal(
+        again.value_head.weight, agent.value_head.weight
+    )
 
 
 def test_ppo_values_read_the_final_hidden_state_at_each_scored_position():
@@ -295,8 +314,10 @@ def test_full_finetuning_checkpoints_every_weight_and_the_fp32_masters(tmp_path)
         _offline(DPO, batch_size=2).load_checkpoint(tmp_path / "full")
     agent.update_reference()
     agent.save_checkpoint(tmp_path / "moved")
-    assert set(torch.load(tmp_path / "moved" / "attributes.pt", weights_only=False)["weights"]) == {"model",
-                                                                                                    "reference"}
+    assert set(torch.load(tmp_path / "moved" / "attributes.pt", weights_only=False)["weights"]) == {
+        "model",
+        "reference",
+    }
 
 
 def test_full_finetuning_grpo_refers_to_a_frozen_copy_of_the_initial_model():
@@ -315,9 +336,19 @@ def test_full_finetuning_grpo_refers_to_a_frozen_copy_of_the_initial_model():
 
 # -- populations and bad input -------------------------------------------------------------------
 def test_populations_of_the_offline_algorithms_differ_by_seed():
-    pop = SFT.population(2, model_name=TINY, pad_token_id=TOKENIZER.pad_token_id, pad_token=TOKENIZER.pad_token,
-                         tokenizer=TOKENIZER, dtype="float32", device="cpu", batch_size=4, seed=3,
-                         gradient_checkpointing=False, logprob_chunk_size=None)
+    pop = SFT.population(
+        2,
+        model_name=TINY,
+        pad_token_id=TOKENIZER.pad_token_id,
+        pad_token=TOKENIZER.pad_token,
+        tokenizer=TOKENIZER,
+        dtype="float32",
+        device="cpu",
+        batch_size=4,
+        seed=3,
+        gradient_checkpointing=False,
+        logprob_chunk_size=None,
+    )
     assert [a.index for a in pop] == [0, 1] and [a.seed for a in pop] == [3, 4]
     batch = pop[0].encode(PROMPTS, ANSWERS)
     a, b = (agent.learn(batch) for agent in pop)
@@ -360,8 +391,13 @@ def test_manifests_train_sft_dpo_and_ppo_and_full_finetuning():
     section = {"model_name": TINY, "dtype": "float32", "gradient_checkpointing": False, "logprob_chunk_size": None}
     for name, lora in (("SFT", None), ("DPO", {"r": 2, "alpha": 4, "dropout": 0.0}), ("LLMPPO", None)):
         extra = {"max_output_tokens": 2, "gather_weights_for_rollout": False} if name == "LLMPPO" else {}
-        manifest = load_manifest({"algorithm": {"name": name, **section, **extra},
-                                  "training": {"rollout_batch_size": 2, "max_steps": 2}, "lora": lora})
+        manifest = load_manifest(
+            {
+                "algorithm": {"name": name, **section, **extra},
+                "training": {"rollout_batch_size": 2, "max_steps": 2},
+                "lora": lora,
+            }
+        )
         assert (manifest.lora is None) == (lora is None)
         history = train(manifest, device="cpu")[0]
         assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history), name
@@ -372,8 +408,12 @@ def test_manifests_train_sft_dpo_and_ppo_and_full_finetuning():
     with pytest.raises(ManifestError, match="vf_coef: DPO takes beta, nll_alpha"):
         load_manifest({"algorithm": {"name": "DPO", "model_name": "x", "vf_coef": 0.5}})
     with pytest.raises(ManifestError, match="DPO runs a pair's chosen and rejected"):
-        load_manifest({"algorithm": {"name": "DPO", "model_name": "x", "micro_batch_size_per_gpu": 1},
-                       "training": {"rollout_batch_size": 2}})
+        load_manifest(
+            {
+                "algorithm": {"name": "DPO", "model_name": "x", "micro_batch_size_per_gpu": 1},
+                "training": {"rollout_batch_size": 2},
+            }
+        )
     with pytest.raises(ManifestError, match="4-bit weights do not train"):
         load_manifest({"algorithm": {"name": "SFT", "model_name": "x", "load_in_4bit": True}, "lora": None})
     with pytest.raises(ManifestError, match="DPO's beta scales its implicit reward"):
@@ -383,14 +423,20 @@ def test_manifests_train_sft_dpo_and_ppo_and_full_finetuning():
     with pytest.raises(ManifestError, match="a vLLM engine there is not supported yet"):
         load_manifest({"algorithm": {"model_name": "x", "vllm": {}}, "training": {"rollout_engines_per_agent": 1}})
     with pytest.raises(ManifestError, match="tensor-parallel group"):
-        load_manifest({"algorithm": {"model_name": "x", "fsdp": {"tp": 2}}, "training": {"rollout_engines_per_agent": 1}})
+        load_manifest(
+            {"algorithm": {"model_name": "x", "fsdp": {"tp": 2}}, "training": {"rollout_engines_per_agent": 1}}
+        )
 
 
 def test_a_full_finetuning_checkpoint_of_another_model_is_refused(tmp_path):
     agent = _offline(SFT, lora_config=None, batch_size=4)
     agent.save_checkpoint(tmp_path / "small")
-    other = _offline(SFT, lora_config=None, batch_size=4,
-                     model_name="tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=3&initializer_range=0.1")
+    other = _offline(
+        SFT,
+        lora_config=None,
+        batch_size=4,
+        model_name="tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=3&initializer_range=0.1",
+    )
     with pytest.raises(ValueError, match="another model's weights: missing .*layers.2"):
         other.load_checkpoint(tmp_path / "small")
 

@@ -15,8 +15,15 @@ TEXTS = ["what is 12 + 30?", "hello world", "a  b"]
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):
     # A qwen2 directory whose tokenizer is not Qwen2's: what a user's own tokenizer looks like.
-    return save_tiny_model(tmp_path_factory.mktemp("tok") / "m", "qwen2", hidden_size=32, intermediate_size=64,
-                           num_layers=1, num_heads=2, num_kv_heads=1)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tok") / "m",
+        "qwen2",
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+    )
 
 
 def test_saved_generic_tokenizer_keeps_its_pre_tokenizer(qwen2_dir):
@@ -50,5 +57,14 @@ def test_agent_without_a_tokenizer_loads_the_saved_one(qwen2_dir):
     # GRPO(model_name=...) and agilerl.train both come through load_tokenizer.
     from agilerl.algorithms import GRPO
 
-    agent = GRPO(str(qwen2_dir), pad_token_id=0, pad_token="<pad>", batch_size=1, group_size=2, max_output_tokens=2, dtype="float32", device="cpu")
+    agent = GRPO(
+        str(qwen2_dir),
+        pad_token_id=0,
+        pad_token="<pad>",
+        batch_size=1,
+        group_size=2,
+        max_output_tokens=2,
+        dtype="float32",
+        device="cpu",
+    )
     assert agent.tokenizer("hello world")["input_ids"] == char_tokenizer()("hello world")["input_ids"]

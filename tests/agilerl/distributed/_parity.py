@@ -48,8 +48,14 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def reference_run(model: torch.nn.Module, data: list[torch.Tensor], *, gradient_checkpointing: bool = False,
-                  config: FSDPConfig | None = None, max_norm: float | None = None):
+def reference_run(
+    model: torch.nn.Module,
+    data: list[torch.Tensor],
+    *,
+    gradient_checkpointing: bool = False,
+    config: FSDPConfig | None = None,
+    max_norm: float | None = None,
+):
     model = copy.deepcopy(model)
     if gradient_checkpointing:
         apply_activation_checkpointing(model, config or FSDPConfig())
@@ -66,9 +72,18 @@ def reference_run(model: torch.nn.Module, data: list[torch.Tensor], *, gradient_
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def sharded_run(model: torch.nn.Module, data: list[torch.Tensor], config: FSDPConfig, *,
-                micro_batches: int = 1, gradient_checkpointing: bool = False, max_norm: float | None = None,
-                mesh=None, data_ranks: int | None = None, data_rank: int | None = None):
+def sharded_run(
+    model: torch.nn.Module,
+    data: list[torch.Tensor],
+    config: FSDPConfig,
+    *,
+    micro_batches: int = 1,
+    gradient_checkpointing: bool = False,
+    max_norm: float | None = None,
+    mesh=None,
+    data_ranks: int | None = None,
+    data_rank: int | None = None,
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     data_ranks = data_ranks or world
     data_rank = rank if data_rank is None else data_rank
@@ -78,7 +93,7 @@ def sharded_run(model: torch.nn.Module, data: list[torch.Tensor], config: FSDPCo
     losses = []
     for ids in data:
         rows = ids.shape[0] // data_ranks
-        mine = ids[data_rank * rows:(data_rank + 1) * rows]
+        mine = ids[data_rank * rows : (data_rank + 1) * rows]
         chunks = mine.chunk(micro_batches)
         opt.zero_grad()
         total = 0.0
@@ -98,14 +113,28 @@ def sharded_run(model: torch.nn.Module, data: list[torch.Tensor], config: FSDPCo
     return model, opt, losses, full_model_state_dict(model)
 
 
-def assert_parity(arch: str, config: FSDPConfig, *, micro_batches: int = 1, gradient_checkpointing: bool = False,
-                  max_norm: float | None = None, **model_kwargs) -> torch.nn.Module:
+def assert_parity(
+    arch: str,
+    config: FSDPConfig,
+    *,
+    micro_batches: int = 1,
+    gradient_checkpointing: bool = False,
+    max_norm: float | None = None,
+    **model_kwargs,
+) -> torch.nn.Module:
     model = tiny_model(arch, **model_kwargs)
     data = batches(model.config.vocab_size)
-    ref_losses, ref_state = reference_run(model, data, gradient_checkpointing=gradient_checkpointing,
-                                          config=config, max_norm=max_norm)
-    sharded, _, losses, state = sharded_run(model, data, config, micro_batches=micro_batches,
-                                            gradient_checkpointing=gradient_checkpointing, max_norm=max_norm)
+    ref_losses, ref_state = reference_run(
+        model, data, gradient_checkpointing=gradient_checkpointing, config=config, max_norm=max_norm
+    )
+    sharded, _, losses, state = sharded_run(
+        model,
+        data,
+        config,
+        micro_batches=micro_batches,
+        gradient_checkpointing=gradient_checkpointing,
+        max_norm=max_norm,
+    )
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
     assert set(state) == set(ref_state), set(state) ^ set(ref_state)
     for key, value in ref_state.items():

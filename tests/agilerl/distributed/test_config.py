@@ -51,7 +51,8 @@ def test_descriptions_are_the_reference_text():
 
 
 @pytest.mark.parametrize(
-    "value,stored", [(torch.bfloat16, "bfloat16"), ("torch.float16", "float16"), ("bf16", "bfloat16"), (torch.float32, "float32")]
+    "value,stored",
+    [(torch.bfloat16, "bfloat16"), ("torch.float16", "float16"), ("bf16", "bfloat16"), (torch.float32, "float32")],
 )
 def test_dtype_fields_accept_dtype_or_name(value, stored):
     assert FSDPConfig(param_dtype=value, reduce_dtype=value).param_dtype == stored
@@ -63,8 +64,18 @@ def test_dtype_error_names_field_and_allowed_values():
 
 
 @pytest.mark.parametrize(
-    "field", ["prefetch_units", "backward_prefetch_units", "checkpoint_every_n_blocks", "wrap_every_n_blocks",
-              "ep", "ep_token_blocks", "tp", "shard_group_size", "routed_expert_chunk_mib"]
+    "field",
+    [
+        "prefetch_units",
+        "backward_prefetch_units",
+        "checkpoint_every_n_blocks",
+        "wrap_every_n_blocks",
+        "ep",
+        "ep_token_blocks",
+        "tp",
+        "shard_group_size",
+        "routed_expert_chunk_mib",
+    ],
 )
 def test_ge_one_constraints(field):
     with pytest.raises(ValidationError, match=field):
@@ -93,9 +104,14 @@ def test_unknown_field_is_rejected():
 
 def _custom() -> FSDPConfig:
     return FSDPConfig(
-        reshard_after_forward=False, optim_cpu_offload=True, param_dtype=torch.float16,
-        checkpoint_skip_layer_types=["moe", "linear_attention"], wrap_every_n_blocks=2,
-        routed_expert_chunk_mib=128, shard_group_size=8, param_persistence_threshold=0,
+        reshard_after_forward=False,
+        optim_cpu_offload=True,
+        param_dtype=torch.float16,
+        checkpoint_skip_layer_types=["moe", "linear_attention"],
+        wrap_every_n_blocks=2,
+        routed_expert_chunk_mib=128,
+        shard_group_size=8,
+        param_persistence_threshold=0,
     )
 
 

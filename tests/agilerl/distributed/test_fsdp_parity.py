@@ -64,9 +64,18 @@ def _parity_cases(arch: str) -> None:
     def clipping(ctx):
         assert_parity(arch, FSDPConfig(**FP32), max_norm=0.5)
 
-    for fn in (default, reshard_off, wrap_two_blocks, checkpointing, defer_grad_sync_two_micro_batches,
-               eager_grad_sync_two_micro_batches, optim_cpu_offload, optim_on_device,
-               mixed_sharded_and_replicated, clipping):
+    for fn in (
+        default,
+        reshard_off,
+        wrap_two_blocks,
+        checkpointing,
+        defer_grad_sync_two_micro_batches,
+        eager_grad_sync_two_micro_batches,
+        optim_cpu_offload,
+        optim_on_device,
+        mixed_sharded_and_replicated,
+        clipping,
+    ):
         fn.__name__ = f"{arch}_{fn.__name__}"
         cases.case(fn)
 

@@ -37,7 +37,12 @@ def _sharded(config: FSDPConfig, arch: str = "qwen2", gradient_checkpointing: bo
 def unit_count_and_names(ctx):
     layout = fsdp_layout(_sharded(FSDPConfig(**FP32), num_layers=4))
     assert layout.unit_names == [
-        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3", "lm_head",
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.layers.3",
+        "lm_head",
     ]
     layout = fsdp_layout(_sharded(FSDPConfig(**FP32, wrap_every_n_blocks=3), num_layers=4))
     assert layout.unit_names == ["model.embed_tokens", "model.layers.0", "model.layers.3", "lm_head"]
@@ -171,8 +176,9 @@ def checkpoint_block_selection(ctx):
     for i, kind in enumerate(["linear_attention", "linear_attention", "linear_attention", "full_attention"]):
         model.model.layers[i].layer_type = kind
     assert [block_kind(b) for b in model.model.layers] == ["linear_attention"] * 3 + ["full_attention"]
-    chosen = apply_activation_checkpointing(model, FSDPConfig(checkpoint_skip_layer_types=("full_attention",),
-                                                              checkpoint_every_n_blocks=2))
+    chosen = apply_activation_checkpointing(
+        model, FSDPConfig(checkpoint_skip_layer_types=("full_attention",), checkpoint_every_n_blocks=2)
+    )
     assert chosen == [0, 2]
     model = tiny_model("qwen2", num_layers=4)
     with pytest.raises(ValueError, match="Qwen2DecoderLayer"):

@@ -171,8 +171,9 @@ def clip_grad_norm_mixed_dtensor_and_plain(ctx):
     expected = math.sqrt(total_elems * 1.0 + 3 * 4.0)
     norm = ad.clip_grad_norm_(list(model.parameters()) + [plain], max_norm=1.0)
     assert math.isclose(float(norm), expected, rel_tol=1e-5)
-    after = math.sqrt(sum(float(p.grad.full_tensor().pow(2).sum()) for p in model.parameters())
-                      + float(plain.grad.pow(2).sum()))
+    after = math.sqrt(
+        sum(float(p.grad.full_tensor().pow(2).sum()) for p in model.parameters()) + float(plain.grad.pow(2).sum())
+    )
     assert math.isclose(after, 1.0, rel_tol=1e-4)
 
 

@@ -125,11 +125,29 @@ def test_check_world_names_the_field_and_what_divides():
 
 def test_lazy_names_cover_the_documented_api():
     documented = {
-        "init_distributed", "is_distributed", "get_rank", "get_local_rank", "get_world_size",
-        "is_main_process", "barrier", "broadcast_object_list", "gather_tensor", "gather_objects",
-        "allreduce_minmax_int", "aggregate_metrics_across_gpus", "aggregate_metrics_dict", "sync_grads",
-        "materialize_dtensors", "gather_params", "full_shape_views", "resolve_device", "FSDPConfig",
-        "apply_fsdp2", "all_reduce_grads", "materialize_fsdp2_from_cpu_state", "set_full_model_state_dict",
+        "init_distributed",
+        "is_distributed",
+        "get_rank",
+        "get_local_rank",
+        "get_world_size",
+        "is_main_process",
+        "barrier",
+        "broadcast_object_list",
+        "gather_tensor",
+        "gather_objects",
+        "allreduce_minmax_int",
+        "aggregate_metrics_across_gpus",
+        "aggregate_metrics_dict",
+        "sync_grads",
+        "materialize_dtensors",
+        "gather_params",
+        "full_shape_views",
+        "resolve_device",
+        "FSDPConfig",
+        "apply_fsdp2",
+        "all_reduce_grads",
+        "materialize_fsdp2_from_cpu_state",
+        "set_full_model_state_dict",
     }
     assert documented <= set(ad.__all__)
     for name in documented:

@@ -13,8 +13,9 @@ cases = DistCases(__name__, nproc=4)
 
 @cases.case
 def hsdp_2x2_parity_and_layout(ctx):
-    config = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0,
-                        shard_group_size=2)
+    config = FSDPConfig(
+        param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=0, shard_group_size=2
+    )
     model = assert_parity("qwen2", config)
     mesh = fsdp_layout(model).mesh
     assert mesh.shape == (2, 2) and mesh.mesh_dim_names == ("replicate", "shard")
@@ -25,8 +26,9 @@ def hsdp_2x2_parity_and_layout(ctx):
 
 @cases.case
 def hsdp_2x2_with_replicated_params_and_micro_batches(ctx):
-    config = FSDPConfig(param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=100,
-                        shard_group_size=2)
+    config = FSDPConfig(
+        param_dtype="float32", reduce_dtype="float32", param_persistence_threshold=100, shard_group_size=2
+    )
     assert_parity("llama", config, micro_batches=1, max_norm=0.5)
 
 

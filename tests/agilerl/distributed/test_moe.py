@@ -59,21 +59,47 @@ NUM_EXPERTS = 8
 EXPERT_INTERMEDIATE = 16
 _CKPT = "_checkpoint_wrapped_module."
 
-_COMMON = dict(vocab_size=64, hidden_size=HIDDEN, num_attention_heads=4, num_experts_per_tok=2,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4,
-            v_head_dim=8, num_key_value_heads=4, intermediate_size=48)
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=HIDDEN,
+    num_attention_heads=4,
+    num_experts_per_tok=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_MLA = dict(
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    num_key_value_heads=4,
+    intermediate_size=48,
+)
 FAMILIES = {
-    "qwen3_moe": dict(num_experts=NUM_EXPERTS, moe_intermediate_size=EXPERT_INTERMEDIATE,
-                      norm_topk_prob=True, num_key_value_heads=2, head_dim=8),
-    "olmoe": dict(num_experts=NUM_EXPERTS, intermediate_size=EXPERT_INTERMEDIATE,
-                  num_key_value_heads=2),
-    "mixtral": dict(num_local_experts=NUM_EXPERTS, intermediate_size=EXPERT_INTERMEDIATE,
-                    num_key_value_heads=2, head_dim=8),
+    "qwen3_moe": dict(
+        num_experts=NUM_EXPERTS,
+        moe_intermediate_size=EXPERT_INTERMEDIATE,
+        norm_topk_prob=True,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
+    "olmoe": dict(num_experts=NUM_EXPERTS, intermediate_size=EXPERT_INTERMEDIATE, num_key_value_heads=2),
+    "mixtral": dict(
+        num_local_experts=NUM_EXPERTS, intermediate_size=EXPERT_INTERMEDIATE, num_key_value_heads=2, head_dim=8
+    ),
     # MLA attention, a dense first layer and a shared expert beside the routed ones.
-    "deepseek_v2": dict(n_routed_experts=NUM_EXPERTS, moe_intermediate_size=EXPERT_INTERMEDIATE,
-                        n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy",
-                        n_group=1, topk_group=1, **_MLA),
+    "deepseek_v2": dict(
+        n_routed_experts=NUM_EXPERTS,
+        moe_intermediate_size=EXPERT_INTERMEDIATE,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        **_MLA,
+    ),
 }
 
 
@@ -95,14 +121,11 @@ def tiny_moe(family: str, *, lora: bool = False, num_layers: int = 2):
 
     dense_first = 1 if family == "deepseek_v2" else 0
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        tiny_config(family, num_hidden_layers=num_layers + dense_first)
-    )
+    model = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=num_layers + dense_first))
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", lora_dropout=0.0,
-                            init_lora_weights=False)
+        config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
         model = get_peft_model(model, config)
     return model
 
@@ -120,13 +143,11 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
 
 
 def _routing_counts(layout) -> list[tuple[int, int]]:
-    return [(r._agilerl_router_stats.selections, r._agilerl_router_stats.replays)
-            for r in layout.routers]
+    return [(r._agilerl_router_stats.selections, r._agilerl_router_stats.replays) for r in layout.routers]
 
 
 # -- single process -------------------------------------------------------------------------
@@ -135,16 +156,34 @@ ROUTER_CASES = {
     "qwen3_moe": ("qwen3_moe", {}),
     "olmoe": ("olmoe", {}),
     "mixtral": ("mixtral", {}),
-    "qwen2_moe": ("qwen2_moe", dict(num_experts=NUM_EXPERTS, moe_intermediate_size=16,
-                                    shared_expert_intermediate_size=16, num_key_value_heads=2,
-                                    norm_topk_prob=True)),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=NUM_EXPERTS,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_key_value_heads=2,
+            norm_topk_prob=True,
+        ),
+    ),
     "deepseek_v2_greedy": ("deepseek_v2", dict(first_k_dense_replace=0)),
-    "deepseek_v2_group_limited": ("deepseek_v2", dict(first_k_dense_replace=0, n_group=4,
-                                                      topk_group=2,
-                                                      topk_method="group_limited_greedy")),
-    "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=NUM_EXPERTS, moe_intermediate_size=16,
-                                        n_group=4, topk_group=2, first_k_dense_replace=0,
-                                        norm_topk_prob=True, routed_scaling_factor=2.5, **_MLA)),
+    "deepseek_v2_group_limited": (
+        "deepseek_v2",
+        dict(first_k_dense_replace=0, n_group=4, topk_group=2, topk_method="group_limited_greedy"),
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(
+            n_routed_experts=NUM_EXPERTS,
+            moe_intermediate_size=16,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=0,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            **_MLA,
+        ),
+    ),
 }
 
 
@@ -219,8 +258,7 @@ def test_local_experts_match_transformers_and_peft(family):
     expected.loss.backward()
     for blocks, chunk_mib in ((1, None), (3, 1 / 1024)):
         sharded = copy.deepcopy(model)
-        layout = apply_expert_parallel(sharded, None, ep_token_blocks=blocks,
-                                       routed_expert_chunk_mib=chunk_mib)
+        layout = apply_expert_parallel(sharded, None, ep_token_blocks=blocks, routed_expert_chunk_mib=chunk_mib)
         out = _loss(sharded, ids)
         out.loss.backward()
         _close(out.logits, expected.logits, "logits")
@@ -278,8 +316,10 @@ def test_expert_slices_match_peft_per_expert_deltas():
     experts = find_moe_layers(model)[0].experts
     wrappers = [experts, experts.base_layer]  # down_proj, then gate_up_proj
     full_delta = {w.parameter_name: w.get_delta_weight("default").detach() for w in wrappers}
-    full_ab = {w.parameter_name: (w.lora_A["default"].weight.detach().clone(),
-                                  w.lora_B["default"].weight.detach().clone()) for w in wrappers}
+    full_ab = {
+        w.parameter_name: (w.lora_A["default"].weight.detach().clone(), w.lora_B["default"].weight.detach().clone())
+        for w in wrappers
+    }
     _slice_experts(experts, 2, 4)
     for w in wrappers:
         name = w.parameter_name
@@ -327,15 +367,17 @@ def shard_with_ep(model, *, ep, token_blocks=1, chunk_mib=None, checkpointing=Fa
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = build_expert_mesh(ep=ep)
-    layout = apply_expert_parallel(model, mesh[EP_AXIS], ep_token_blocks=token_blocks,
-                                   routed_expert_chunk_mib=chunk_mib)
+    layout = apply_expert_parallel(
+        model, mesh[EP_AXIS], ep_token_blocks=token_blocks, routed_expert_chunk_mib=chunk_mib
+    )
     if checkpointing:
         container, blocks = find_transformer_blocks(model)
         for i, block in enumerate(blocks):
             container[i] = checkpoint_moe_block(block)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    fully_shard_experts(model, expert_mesh=mesh[EXPERT_SHARD_AXIS], mp_policy=fp32,
-                        gradient_divide_factor=dist.get_world_size())
+    fully_shard_experts(
+        model, expert_mesh=mesh[EXPERT_SHARD_AXIS], mp_policy=fp32, gradient_divide_factor=dist.get_world_size()
+    )
     apply_fsdp2(model, FSDPConfig(**FP32), gradient_checkpointing=checkpointing)
     return mesh, layout
 
@@ -440,8 +482,7 @@ def empty_token_blocks(ctx):
 
 @two.case
 def qwen3_moe_lora_checkpointing_routes_once(ctx):
-    _, _, layout = ep_parity("qwen3_moe", ep=2, lora=True, token_blocks=2, chunk_mib=1 / 1024,
-                             checkpointing=True)
+    _, _, layout = ep_parity("qwen3_moe", ep=2, lora=True, token_blocks=2, chunk_mib=1 / 1024, checkpointing=True)
     assert _routing_counts(layout) == [(1, 1)] * 2
 
 
@@ -457,8 +498,7 @@ def experts_zero_rows_on_one_rank(ctx):
     rank = dist.get_rank()
     model = tiny_moe("qwen3_moe", lora=True, num_layers=1)
     reference = copy.deepcopy(find_moe_layers(model)[0].experts)
-    layout = apply_expert_parallel(model, build_expert_mesh(ep=2)[EP_AXIS],
-                                   routed_expert_chunk_mib=1 / 4096)
+    layout = apply_expert_parallel(model, build_expert_mesh(ep=2)[EP_AXIS], routed_expert_chunk_mib=1 / 4096)
     experts = layout.layers[0].experts
     prefix = {id(m): n for n, m in model.named_modules()}[id(experts)]
     g = torch.Generator().manual_seed(7)
@@ -489,12 +529,11 @@ def experts_zero_rows_on_one_rank(ctx):
 def chunk_count_follows_chunk_mib(ctx):
     """Structure only (no timing or memory): chunks = ceil(rows received / rows per chunk)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ids = token_ids(2 * world)[rank * 2:(rank + 1) * 2]
+    ids = token_ids(2 * world)[rank * 2 : (rank + 1) * 2]
     previous = first_logits = None
     for chunk_mib in (None, 1 / 256, 1 / 1024, 1 / 4096):
         model = tiny_moe("qwen3_moe", lora=True)
-        layout = apply_expert_parallel(model, build_expert_mesh(ep=2)[EP_AXIS],
-                                       routed_expert_chunk_mib=chunk_mib)
+        layout = apply_expert_parallel(model, build_expert_mesh(ep=2)[EP_AXIS], routed_expert_chunk_mib=chunk_mib)
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
         if first_logits is None:
@@ -545,12 +584,14 @@ def via_apply_fsdp2(model, *, ep, checkpointing=False, **fields):
 
 @two.case
 def qwen3_lora_ep2_via_apply_fsdp2(ctx):
-    model, mesh, _ = ep_parity("qwen3_moe", ep=2, lora=True, shard=via_apply_fsdp2, ep_token_blocks=2,
-                               routed_expert_chunk_mib=1)
+    model, mesh, _ = ep_parity(
+        "qwen3_moe", ep=2, lora=True, shard=via_apply_fsdp2, ep_token_blocks=2, routed_expert_chunk_mib=1
+    )
     assert len(fsdp_layout(model).expert_units) == 2
     for layer in find_moe_layers(model):
-        assert all(isinstance(p, DTensor) and p.device_mesh == mesh[EXPERT_SHARD_AXIS]
-                   for p in layer.experts.parameters())
+        assert all(
+            isinstance(p, DTensor) and p.device_mesh == mesh[EXPERT_SHARD_AXIS] for p in layer.experts.parameters()
+        )
 
 
 @two.case
@@ -575,7 +616,7 @@ def ep1_checkpointing_routes_once_via_apply_fsdp2(ctx):
     ref = copy.deepcopy(model)
     _loss(ref, ids).loss.backward()
     apply_fsdp2(model, FSDPConfig(**FP32), gradient_checkpointing=True)
-    _loss(model, ids[rank * 2:(rank + 1) * 2]).loss.backward()
+    _loss(model, ids[rank * 2 : (rank + 1) * 2]).loss.backward()
     assert fsdp_layout(model).moe is None
     expected = _grads(ref)
     for n, p in model.named_parameters():
@@ -595,7 +636,7 @@ def clipping_under_ep_uses_the_global_norm(ctx):
     _loss(reference, ids).loss.backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
     via_apply_fsdp2(model, ep=2)
-    _loss(model, ids[ctx.rank * 2:(ctx.rank + 1) * 2]).loss.backward()
+    _loss(model, ids[ctx.rank * 2 : (ctx.rank + 1) * 2]).loss.backward()
     norm = clip_grad_norm_(list(model.parameters()), max_norm=1e9, model=model)
     _close(norm, expected, "total norm")
     assert len(set(gather_objects([round(float(norm), 6)]))) == 1  # every rank agrees

@@ -23,8 +23,10 @@ from agilerl.distributed import (
 
 
 def test_the_rules_import_no_torch():
-    code = ("import sys; from agilerl.distributed import ParallelDims, fsdp_units, tp_split_problem; "
-            "ParallelDims(8, tp=2); assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from agilerl.distributed import ParallelDims, fsdp_units, tp_split_problem; "
+        "ParallelDims(8, tp=2); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -54,7 +56,10 @@ def test_groups_and_meshes(dims, dp, shard, replicate, expert_shard, mesh):
         (dict(world=8, tp=0), "tp=0 must be positive"),
         (dict(world=8, tp=3), r"tp=3 must divide the 8 ranks \(allowed: 1, 2, 4, 8\)"),
         (dict(world=6, ep=4), r"ep=4 must divide the 6 ranks \(allowed: 1, 2, 3, 6\)"),
-        (dict(world=12, shard_group_size=5), r"shard_group_size=5 must divide the 12 ranks \(allowed: 1, 2, 3, 4, 6, 12\)"),
+        (
+            dict(world=12, shard_group_size=5),
+            r"shard_group_size=5 must divide the 12 ranks \(allowed: 1, 2, 3, 4, 6, 12\)",
+        ),
         (dict(world=8, tp=2, shard_group_size=2), "HSDP.*not supported yet"),
         (dict(world=8, ep=2, tp=2), "ep=2 with tp > 1"),
         (dict(world=8, ep=2, shard_group_size=4), "ep=2 with tp > 1 or shard_group_size"),
@@ -120,6 +125,10 @@ def test_fsdp_unit_order():
     assert names == ["embed", "blocks.0", "blocks.3", "lm_head"]
     units = fsdp_units(5, 2, separate_embedding=False, per_layer_embeddings=1, separate_head=False)
     assert [(u.kind, u.start, u.stop) for u in units] == [
-        ("per_layer_embed", 0, 1), ("blocks", 0, 2), ("blocks", 2, 4), ("blocks", 4, 5)]
+        ("per_layer_embed", 0, 1),
+        ("blocks", 0, 2),
+        ("blocks", 2, 4),
+        ("blocks", 4, 5),
+    ]
     with pytest.raises(ValueError, match="wrap_every_n_blocks=0"):
         fsdp_units(4, 0)

@@ -55,8 +55,6 @@ def checkpoint_sharded_to_unsharded_and_back(ctx):
     torch.testing.assert_close(_logits(resharded), _logits(reference), atol=1e-6, rtol=1e-6)
 
 
-
-
 def _materialize_case(arch: str):
     def materialize_from_meta(ctx):
         reference = tiny_model(arch, seed=5)
@@ -104,7 +102,7 @@ def meta_materialised_model_with_replicated_params_trains_like_unsharded(ctx):
     assert replicated and all(id(p) in live for p in replicated)
     opt = build_optimizer(model.parameters(), fsdp_config=CONFIG, lr=1e-3)
     for ids in data:
-        rows = ids[ctx.rank * 2:(ctx.rank + 1) * 2]
+        rows = ids[ctx.rank * 2 : (ctx.rank + 1) * 2]
         model(input_ids=rows, labels=rows).loss.backward()
         opt.step()
         opt.zero_grad()

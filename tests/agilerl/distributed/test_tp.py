@@ -94,8 +94,9 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
 
     from agilerl.algorithms.core.adapters import ACTOR, REFERENCE, mark_trainable
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
-                        init_lora_weights=False, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM"
+    )
     model = get_peft_model(model, config, adapter_name=ACTOR)
     model.add_adapter(REFERENCE, config)
     mark_trainable(model, ACTOR)
@@ -133,7 +134,7 @@ def _average_over_dp(params: list[torch.nn.Parameter], dp_group) -> None:
 def _my_rows(ids: torch.Tensor, mesh) -> torch.Tensor:
     ranks = parallel_ranks(mesh)
     n = ids.shape[0] // ranks.num_dp_ranks
-    return ids[ranks.dp_rank * n:(ranks.dp_rank + 1) * n]
+    return ids[ranks.dp_rank * n : (ranks.dp_rank + 1) * n]
 
 
 def _loss(model, ids):
@@ -143,8 +144,7 @@ def _loss(model, ids):
 def _sharded_train(model, data, mesh, *, micro_batches=1, replicated=(), max_norm=None):
     """Train on this dp rank's rows; return losses averaged over the dp group and the full state."""
     ranks = parallel_ranks(mesh)
-    opt = build_optimizer(model.parameters(), fsdp_config=FSDPConfig(**FP32), lr=LR,
-                          weight_decay=0.01)
+    opt = build_optimizer(model.parameters(), fsdp_config=FSDPConfig(**FP32), lr=LR, weight_decay=0.01)
     losses = []
     for ids in data:
         chunks = _my_rows(ids, mesh).chunk(micro_batches)
@@ -165,12 +165,10 @@ def _sharded_train(model, data, mesh, *, micro_batches=1, replicated=(), max_nor
 
 
 def _assert_trained_like(model0, ref_losses, ref_state, losses, state, *, atol=ATOL):
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
-                               rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
     assert set(state) == set(ref_state), set(state) ^ set(ref_state)
     for key, value in ref_state.items():
-        torch.testing.assert_close(state[key], value, atol=atol, rtol=0,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(state[key], value, atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     start = model0.state_dict()
     moved = max((ref_state[k] - start[k]).abs().max().item() for k in start)
     assert moved > 10 * ATOL, f"weights barely moved ({moved}); the comparison would be vacuous"
@@ -184,15 +182,15 @@ def _assert_grads_like(model, ref, ids, mesh):
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert set(grads) == set(ref_grads) and all(g is not None for g in grads.values())
     for name, g in grads.items():
-        torch.testing.assert_close(_full(g), ref_grads[name], atol=GRAD_ATOL, rtol=1e-4,
-                                   msg=lambda m, k=name: f"{k}: {m}")
+        torch.testing.assert_close(
+            _full(g), ref_grads[name], atol=GRAD_ATOL, rtol=1e-4, msg=lambda m, k=name: f"{k}: {m}"
+        )
     assert max(g.abs().max().item() for g in ref_grads.values()) > 100 * GRAD_ATOL
 
 
 def _assert_logits_like(model, ref, ids):
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=0)
 
 
 # -- pure helpers (no process group) ---------------------------------------------------------
@@ -228,25 +226,31 @@ def structure_qwen2(ctx):
     assert len(layout.colwise) == 4 * 5 and len(layout.rowwise) == 4 * 2
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     expect = {  # name: (local shape, placement)
-        "q_proj.weight": ((16, 32), Shard(0)), "q_proj.bias": ((16,), Shard(0)),
-        "k_proj.weight": ((8, 32), Shard(0)), "k_proj.bias": ((8,), Shard(0)),
-        "v_proj.weight": ((8, 32), Shard(0)), "v_proj.bias": ((8,), Shard(0)),
+        "q_proj.weight": ((16, 32), Shard(0)),
+        "q_proj.bias": ((16,), Shard(0)),
+        "k_proj.weight": ((8, 32), Shard(0)),
+        "k_proj.bias": ((8,), Shard(0)),
+        "v_proj.weight": ((8, 32), Shard(0)),
+        "v_proj.bias": ((8,), Shard(0)),
         "o_proj.weight": ((32, 16), Shard(1)),
     }
     for name, (shape, placement) in expect.items():
         p = attn.get_parameter(name)
         assert isinstance(p, DTensor) and p.placements == (placement,), name
         assert tuple(p.to_local().shape) == shape, (name, p.to_local().shape)
-    mlp_expect = (("gate_proj", (32, 32), Shard(0)), ("up_proj", (32, 32), Shard(0)),
-                  ("down_proj", (32, 32), Shard(1)))
+    mlp_expect = (("gate_proj", (32, 32), Shard(0)), ("up_proj", (32, 32), Shard(0)), ("down_proj", (32, 32), Shard(1)))
     for name, shape, placement in mlp_expect:
         w = getattr(mlp, name).weight
         assert w.placements == (placement,) and tuple(w.to_local().shape) == shape, name
     # q rows of rank r are heads 2r, 2r+1 of the full weight
     full_q = attn.q_proj.weight.full_tensor()
-    assert torch.equal(attn.q_proj.weight.to_local(), full_q[16 * ctx.rank:16 * (ctx.rank + 1)])
-    whole = [model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight,
-             model.model.layers[0].input_layernorm.weight]
+    assert torch.equal(attn.q_proj.weight.to_local(), full_q[16 * ctx.rank : 16 * (ctx.rank + 1)])
+    whole = [
+        model.model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.model.norm.weight,
+        model.model.layers[0].input_layernorm.weight,
+    ]
     assert not any(isinstance(p, DTensor) for p in whole), "embeddings, norms, lm_head stay whole"
     assert layout.head_norms == []
 
@@ -255,9 +259,7 @@ def structure_qwen2(ctx):
 def structure_qwen3_head_norms(ctx):
     model = tiny_model("qwen3")
     layout = apply_tensor_parallel(model, _mesh()["tp"])
-    assert layout.head_norms == [
-        f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("q_norm", "k_norm")
-    ]
+    assert layout.head_norms == [f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("q_norm", "k_norm")]
     w = model.model.layers[0].self_attn.q_norm.weight
     assert isinstance(w, DTensor) and w.placements == (Replicate(),) and w.requires_grad
     # Each rank's gradient covers its own heads (Partial); the hook makes it whole, so
@@ -267,8 +269,9 @@ def structure_qwen3_head_norms(ctx):
     assert w.grad.placements == (Replicate(),)
     ref = tiny_model("qwen3")
     _loss(ref, ids).backward()
-    torch.testing.assert_close(w.grad.to_local(), ref.model.layers[0].self_attn.q_norm.weight.grad,
-                               atol=GRAD_ATOL, rtol=1e-4)
+    torch.testing.assert_close(
+        w.grad.to_local(), ref.model.layers[0].self_attn.q_norm.weight.grad, atol=GRAD_ATOL, rtol=1e-4
+    )
 
 
 @_case(two_ranks)
@@ -326,8 +329,7 @@ def _train_parity(arch: str, *, micro_batches: int = 1, checkpointing: bool = Fa
     return run
 
 
-for _arch, _kw in (("qwen2", {}), ("llama", {}), ("qwen3", {"micro_batches": 2}),
-                   ("llama", {"checkpointing": True})):
+for _arch, _kw in (("qwen2", {}), ("llama", {}), ("qwen3", {"micro_batches": 2}), ("llama", {"checkpointing": True})):
     _fn = _train_parity(_arch, **_kw)
     _fn.__name__ = f"tp2_train_{_arch}" + "".join(f"_{k}" for k in _kw)
     _case(two_ranks)(_fn)
@@ -348,8 +350,14 @@ def _grad_parity(arch: str, attn: str = "eager"):
 
 # Gemma: softcapping; Gemma 3: q/k norms; SDPA: the kernel transformers picks by default;
 # MoE: attention split, router and packed experts whole.
-for _arch, _attn in (("mistral", "eager"), ("gemma2", "eager"), ("gemma3", "eager"),
-                     ("qwen2", "sdpa"), ("qwen3_moe", "eager"), ("mixtral", "eager")):
+for _arch, _attn in (
+    ("mistral", "eager"),
+    ("gemma2", "eager"),
+    ("gemma3", "eager"),
+    ("qwen2", "sdpa"),
+    ("qwen3_moe", "eager"),
+    ("mixtral", "eager"),
+):
     _fn = _grad_parity(_arch, _attn)
     _fn.__name__ = f"tp2_logits_and_grads_{_arch}_{_attn}"
     _case(two_ranks)(_fn)
@@ -389,12 +397,10 @@ def tp_ranks_sample_identical_tokens(ctx):
     apply_tensor_parallel(model, tp_mesh)
     prompt = batches(model0.config.vocab_size, steps=1, rows=2, seq=4)[0]
     greedy = model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(greedy, model0.generate(input_ids=prompt, max_new_tokens=6, do_sample=False,
-                                               pad_token_id=0))
+    assert torch.equal(greedy, model0.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
     torch.manual_seed(100 + ctx.rank)  # deliberately different streams ...
     sync_tp_rng(tp_mesh)  # ... made equal within the TP group
-    sampled = model.generate(input_ids=prompt, max_new_tokens=6, do_sample=True, top_k=0,
-                             pad_token_id=0)
+    sampled = model.generate(input_ids=prompt, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0)
     gathered = [torch.empty_like(sampled) for _ in range(2)]
     dist.all_gather(gathered, sampled, group=tp_mesh.get_group())
     assert torch.equal(gathered[0], gathered[1])
@@ -486,7 +492,8 @@ def dp2_tp2_fsdp_lora_adapters_replicated_over_dp(ctx):
     apply_tensor_parallel(model, mesh["tp"])
     replicated = _shard_dp(model, mesh["dp"], threshold=300)
     assert {n for n, p in model.named_parameters() if p.requires_grad} <= {
-        n for n, p in model.named_parameters() if any(p is r for r in replicated)}
+        n for n, p in model.named_parameters() if any(p is r for r in replicated)
+    }
     losses, state = _sharded_train(model, data, mesh, replicated=replicated)
     _assert_trained_like(model0, ref_losses, ref_state, losses, state, atol=LORA_ATOL)
 

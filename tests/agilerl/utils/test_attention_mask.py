@@ -18,8 +18,16 @@ B, T, LAYERS = 3, 24, 3
 
 
 def _model(impl: str, dtype=torch.float32, **overrides):
-    config = tiny_config("qwen2", hidden_size=32, intermediate_size=64, num_layers=LAYERS, num_heads=2,
-                         num_kv_heads=1, initializer_range=0.2, **overrides)
+    config = tiny_config(
+        "qwen2",
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=LAYERS,
+        num_heads=2,
+        num_kv_heads=1,
+        initializer_range=0.2,
+        **overrides,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(dtype)
 
@@ -46,8 +54,9 @@ def _run(model, ids, mask, shared: bool):
 
     attn = shared_attention_mask(model.config, mask, next(model.parameters()).dtype) if shared else mask
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(mask),
-                       use_cache=False).logits
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(mask), use_cache=False
+        ).logits
     (logits.float() * mask[..., None]).square().sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return logits.detach(), grads, len(saved)

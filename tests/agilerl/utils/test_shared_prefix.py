@@ -73,8 +73,9 @@ def _two_ways(agent, ids, attention, first):
 @pytest.mark.parametrize("arch", sorted(SHARED_PREFIX_MODEL_TYPES))
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_shared_prefix_logprobs_and_gradients_equal_the_one_pass_forward(arch, checkpointing):
-    agent = make_agent(model_name=f"tiny:{arch}?{SMALL}{ARCH_EXTRA.get(arch, '')}", group_size=4,
-                       gradient_checkpointing=checkpointing)
+    agent = make_agent(
+        model_name=f"tiny:{arch}?{SMALL}{ARCH_EXTRA.get(arch, '')}", group_size=4, gradient_checkpointing=checkpointing
+    )
     agent.learn(synthetic_experiences(agent, grouped=True)[:3])  # non-zero adapters
     ids, masks, _, _ = synthetic_experiences(agent, grouped=True, seed=1)
     attention = agent._attention_mask(ids, masks)

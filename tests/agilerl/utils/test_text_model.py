@@ -20,13 +20,25 @@ def multimodal(tmp_path_factory):
     """A tiny random Gemma 3 vision-language checkpoint (SigLIP tower + Gemma 3 text model)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, vocab_size=len(TOKENIZER) + 8, sliding_window=16)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=len(TOKENIZER) + 8,
+        sliding_window=16,
+    )
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                                        image_token_index=len(TOKENIZER) + 7))
+    model = Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=len(TOKENIZER) + 7
+        )
+    )
     path = tmp_path_factory.mktemp("gemma3-vlm")
     model.save_pretrained(path)
     TOKENIZER.save_pretrained(path)
@@ -73,16 +85,23 @@ def test_the_trainer_refuses_a_multimodal_checkpoint_and_trains_its_export(multi
     from tests.agilerl.algorithms._common import make_agent
 
     path, _ = multimodal
-    with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration is a multimodal model \(vision_config "
-                                         r"beside its text_config\).*python -m agilerl.utils.text_model"):
+    with pytest.raises(
+        ValueError,
+        match=r"Gemma3ForConditionalGeneration is a multimodal model \(vision_config "
+        r"beside its text_config\).*python -m agilerl.utils.text_model",
+    ):
         make_agent(model_name=str(path))
     agent = make_agent(model_name=str(exported))
     assert type(agent.model.get_base_model()).__name__ == "Gemma3ForCausalLM"
 
 
 def test_exporting_a_text_checkpoint_is_refused_in_one_line(exported, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "agilerl.utils.text_model", str(exported), str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "agilerl.utils.text_model", str(exported), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a multimodal checkpoint" in lines[0], run.stderr

@@ -40,8 +40,22 @@ def test_json_has_the_shared_names_and_a_valid_manifest(capsys):
 
 def test_yaml_and_output_file_are_loadable_manifests(tmp_path, capsys):
     path = tmp_path / "plan.yaml"
-    code, out, _ = run(["Qwen/Qwen2.5-72B", "--gpus", "16", "--gpus-per-node", "8", "--format", "yaml",
-                        "--output", str(path), "--completion-tokens", "512"], capsys)
+    code, out, _ = run(
+        [
+            "Qwen/Qwen2.5-72B",
+            "--gpus",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--format",
+            "yaml",
+            "--output",
+            str(path),
+            "--completion-tokens",
+            "512",
+        ],
+        capsys,
+    )
     assert code == 0
     assert path.read_text() == out
     assert out.startswith("# agilerl-plan: Qwen/Qwen2.5-72B on 16 x H100-80GB")
@@ -78,16 +92,32 @@ def test_a_config_json_plans_and_is_cached(tmp_path, capsys):
     code, out, _ = run([str(tmp_path), "--gpus", "1", "--format", "json"], capsys)
     assert code == 0 and json.loads(out)["model"] == str(tmp_path)
     # Second run: the cached spec, without importing torch.
-    code = ("import sys; from planner.cli import main; rc = main([sys.argv[1], '--format', 'json']); "
-            "print('torch' in sys.modules); raise SystemExit(rc)")
+    code = (
+        "import sys; from planner.cli import main; rc = main([sys.argv[1], '--format', 'json']); "
+        "print('torch' in sys.modules); raise SystemExit(rc)"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_fixed_fields_are_respected(capsys):
-    code, out, _ = run(["llama-3.1-70b", "--gpus", "8", "--format", "json", "--reshard-after-forward", "true",
-                        "--wrap-every-n-blocks", "1", "--micro-batch-size-per-gpu", "2"], capsys)
+    code, out, _ = run(
+        [
+            "llama-3.1-70b",
+            "--gpus",
+            "8",
+            "--format",
+            "json",
+            "--reshard-after-forward",
+            "true",
+            "--wrap-every-n-blocks",
+            "1",
+            "--micro-batch-size-per-gpu",
+            "2",
+        ],
+        capsys,
+    )
     data = json.loads(out)
     assert data["fsdp_config"]["reshard_after_forward"] is True
     assert data["fsdp_config"]["wrap_every_n_blocks"] == 1
@@ -112,8 +142,9 @@ def test_every_algorithm_and_full_finetuning_plan_to_a_manifest_the_trainer_read
 
     for algorithm, cls in ALGORITHM_CLASSES.items():
         for full in ([], ["--full-finetune"]):
-            code, out, err = run(["Qwen/Qwen2.5-1.5B", "--gpus", "4", "--algorithm", algorithm, *full,
-                                  "--format", "json"], capsys)
+            code, out, err = run(
+                ["Qwen/Qwen2.5-1.5B", "--gpus", "4", "--algorithm", algorithm, *full, "--format", "json"], capsys
+            )
             assert code == 0, (algorithm, full, err)
             data = json.loads(out)
             manifest = load_manifest(data["manifest"])
@@ -132,8 +163,10 @@ def test_every_algorithm_and_full_finetuning_plan_to_a_manifest_the_trainer_read
             params = set(inspect.signature(getattr(agilerl.algorithms, cls)).parameters)
             params |= set(inspect.signature(agilerl.algorithms.GRPO).parameters) if cls not in ("SFT", "DPO") else set()
             assert section <= params | {"dtype"}, (cls, section - params)
-    code, out, _ = run(["Qwen/Qwen2.5-1.5B", "--gpus", "4", "--algorithm", "dpo", "--full-finetune", "false",
-                        "--format", "json"], capsys)
+    code, out, _ = run(
+        ["Qwen/Qwen2.5-1.5B", "--gpus", "4", "--algorithm", "dpo", "--full-finetune", "false", "--format", "json"],
+        capsys,
+    )
     assert code == 0 and load_manifest(json.loads(out)["manifest"]).lora is not None
     # 8 pairs over 16 GPUs would split pairs: one line, exit 2
     code, out, err = run(["Qwen/Qwen2.5-1.5B", "--gpus", "16", "--algorithm", "dpo", "--prompts-per-step", "8"], capsys)

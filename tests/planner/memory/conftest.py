@@ -12,15 +12,28 @@ from planner.models import load_model_spec
 from planner.workload import Workload
 
 DENSE = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=4096"
-MOE = ("tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
-       "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024")
+MOE = (
+    "tiny:qwen3_moe?hidden_size=128&moe_intermediate_size=512&num_experts=8&num_experts_per_tok=2"
+    "&num_layers=2&num_heads=4&num_kv_heads=2&vocab_size=1024"
+)
 # Three sliding-window layers and one global one; tied embeddings; AltUp's 4 streams.
-PLE = ("tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
-       "&vocab_size_per_layer_input=4096&hidden_size_per_layer_input=16")
-WL = Workload(prompts_per_step=2, group_size=8, prompt_tokens=64, completion_tokens=64, micro_batch_size_per_gpu=2,
-              logprob_chunk_size=128, gradient_checkpointing=True, lora_rank=8, weights_dtype="bfloat16",
-              padded_batches=False,  # rows of one length; the padded-batch mask has tests of its own
-              share_prompt_prefix=False)  # every row whole; the shared-prefix forward has tests of its own
+PLE = (
+    "tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
+    "&vocab_size_per_layer_input=4096&hidden_size_per_layer_input=16"
+)
+WL = Workload(
+    prompts_per_step=2,
+    group_size=8,
+    prompt_tokens=64,
+    completion_tokens=64,
+    micro_batch_size_per_gpu=2,
+    logprob_chunk_size=128,
+    gradient_checkpointing=True,
+    lora_rank=8,
+    weights_dtype="bfloat16",
+    padded_batches=False,  # rows of one length; the padded-batch mask has tests of its own
+    share_prompt_prefix=False,
+)  # every row whole; the shared-prefix forward has tests of its own
 
 
 @pytest.fixture(scope="package")
@@ -38,9 +51,18 @@ def ple_spec():
     return load_model_spec(PLE)
 
 
-def make_context(spec, workload: Workload = WL, *, gpus: int = 2, fsdp: FSDPConfig | None = None, gpu=CPU_DEVICE,
-                 coefficients: Coefficients | None = None, **workload_update) -> Context:
+def make_context(
+    spec,
+    workload: Workload = WL,
+    *,
+    gpus: int = 2,
+    fsdp: FSDPConfig | None = None,
+    gpu=CPU_DEVICE,
+    coefficients: Coefficients | None = None,
+    **workload_update,
+) -> Context:
     if workload_update:
         workload = workload.model_copy(update=workload_update)
-    return build_context(spec, workload, Cluster(gpu=gpu, num_gpus=gpus), fsdp,
-                         coefficients=coefficients or Coefficients())
+    return build_context(
+        spec, workload, Cluster(gpu=gpu, num_gpus=gpus), fsdp, coefficients=coefficients or Coefficients()
+    )

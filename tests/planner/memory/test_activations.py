@@ -38,8 +38,9 @@ def test_eager_attention_saves_its_softmax_in_fp32_and_its_cast(dense_spec):
     scores = 2 * dense_spec.block(0).attention.num_heads * WL.sequence_tokens**2  # batch x heads x T x T
     assert attention_scores_bytes(eager, 2, WL.sequence_tokens, 0, "saved") == scores * (4 + 2)  # fp32 and bf16
     assert attention_scores_bytes(sdpa, 2, WL.sequence_tokens, 0, "saved") == 0
-    assert (block_activations(eager, build_layout(eager), 0).saved
-            - block_activations(sdpa, build_layout(sdpa), 0).saved) == scores * (4 + 2)
+    assert (
+        block_activations(eager, build_layout(eager), 0).saved - block_activations(sdpa, build_layout(sdpa), 0).saved
+    ) == scores * (4 + 2)
 
 
 def test_checkpointed_blocks_keep_exactly_their_input(dense_spec):
@@ -74,8 +75,10 @@ def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
     blocks = activations_by_type(none, build_layout(none))
     b = blocks[0]
     forward = b.forward + TOKENS * hidden * 2  # its input, held by the caller
-    assert learn_block_moments(none, blocks) == ((3 * b.saved + forward, 0),
-                                                 (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0))
+    assert learn_block_moments(none, blocks) == (
+        (3 * b.saved + forward, 0),
+        (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0),
+    )
     # Gradients made so far in the backward (one micro-batch): the moment at the block where the
     # two together are largest, which for growing gradients is a later one.
     grown = tuple(1000 * (3 - j) for j in range(4))
@@ -117,8 +120,12 @@ def test_a_padded_batch_adds_one_shared_mask_to_learn_and_reference(dense_spec, 
     m, T = WL.micro_batch_size_per_gpu, WL.prompt_tokens + WL.completion_tokens
     one_mask = m * T * T * 2  # one bf16 additive mask for the micro-batch, whatever the layer count
     cluster = Cluster(gpu=CPU_DEVICE, num_gpus=2)
-    learn = {p: estimate(dense_spec, WL.model_copy(update=dict(padded_batches=p, gradient_checkpointing=gc)), cluster,
-                         None).phases["learn"].total for p in (False, True)}
+    learn = {
+        p: estimate(dense_spec, WL.model_copy(update=dict(padded_batches=p, gradient_checkpointing=gc)), cluster, None)
+        .phases["learn"]
+        .total
+        for p in (False, True)
+    }
     # Given a mask, SDPA gets K and V repeated from 2 to 4 heads (Hugging Face's repeat_kv) and saves
     # those: 2 x (128 - 64) more bf16 values per token, in every layer without checkpointing, in the
     # block being recomputed with it.
@@ -133,13 +140,20 @@ def test_a_padded_batch_adds_one_shared_mask_to_learn_and_reference(dense_spec, 
 def test_generate_keeps_hugging_faces_boolean_mask_and_one_float_copy(dense_spec):
     fixed, padded = make_context(dense_spec), make_context(dense_spec, padded_batches=True)
     layout, n, P = build_layout(fixed), 16, WL.prompt_tokens
-    extra = (nograd_forward_bytes(padded, layout, n, P, forward="generate")
-             - nograd_forward_bytes(fixed, layout, n, P, forward="generate"))
+    extra = nograd_forward_bytes(padded, layout, n, P, forward="generate") - nograd_forward_bytes(
+        fixed, layout, n, P, forward="generate"
+    )
     assert extra == n * P * P * (1 + 2)
 
 
-@pytest.mark.parametrize("update", [dict(micro_batch_size_per_gpu=1), dict(attn_implementation="eager"),
-                                    dict(attn_implementation="flash_attention_2")])
+@pytest.mark.parametrize(
+    "update",
+    [
+        dict(micro_batch_size_per_gpu=1),
+        dict(attn_implementation="eager"),
+        dict(attn_implementation="flash_attention_2"),
+    ],
+)
 def test_no_mask_term_for_one_row_eager_or_flash_attention(dense_spec, update):
     from planner.memory._activations import attention_mask_bytes
 

@@ -6,10 +6,25 @@ import planner.memory as memory
 
 
 def test_public_names_are_pinned():
-    assert sorted(memory.__all__) == sorted([
-        "Coefficients", "Estimate", "PhaseEstimate", "estimate", "DTYPE_BYTES", "resolve_workload",
-        "expert_parallel_degrees", "tensor_parallel_degrees", "resolve_expert_chunk", "EXPERT_CHUNKS_MIB",
-        "MARGIN_FRACTION", "check_ep", "tp_problem", "row_wise_experts", "vllm_floor"])
+    assert sorted(memory.__all__) == sorted(
+        [
+            "Coefficients",
+            "Estimate",
+            "PhaseEstimate",
+            "estimate",
+            "DTYPE_BYTES",
+            "resolve_workload",
+            "expert_parallel_degrees",
+            "tensor_parallel_degrees",
+            "resolve_expert_chunk",
+            "EXPERT_CHUNKS_MIB",
+            "MARGIN_FRACTION",
+            "check_ep",
+            "tp_problem",
+            "row_wise_experts",
+            "vllm_floor",
+        ]
+    )
     assert all(hasattr(memory, name) for name in memory.__all__)
     assert memory.EXPERT_CHUNKS_MIB == (64, 128, 256, 512)
     assert memory.DTYPE_BYTES == {"float32": 4, "bfloat16": 2, "float16": 2}

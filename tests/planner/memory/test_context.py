@@ -54,8 +54,9 @@ def test_checkpointed_layers(ple_spec):
 
 
 def test_resolve_workload_fills_the_trainers_defaults():
-    wl = resolve_workload(WL.model_copy(update={"micro_batch_size_per_gpu": None, "gradient_checkpointing": None}),
-                          data_parallel_ranks=4)
+    wl = resolve_workload(
+        WL.model_copy(update={"micro_batch_size_per_gpu": None, "gradient_checkpointing": None}), data_parallel_ranks=4
+    )
     assert wl.micro_batch_size_per_gpu == 2 * 8 // 4
     assert wl.gradient_checkpointing is True
 
@@ -89,8 +90,7 @@ def test_the_shared_prefix_forward_runs_each_distinct_prompt_once(dense_spec):
     # Where the trainer runs every row whole, so does the estimate.
     assert make_context(dense_spec, share_prompt_prefix=True, micro_batch_size_per_gpu=1).prefix_split == 0
     assert make_context(dense_spec, share_prompt_prefix=True, attn_implementation="flash_attention_2").prefix_split == 0
-    assert make_context(dense_spec, share_prompt_prefix=True, gpus=2,
-                        fsdp=FSDPConfig(tp=2)).prefix_split == 0
+    assert make_context(dense_spec, share_prompt_prefix=True, gpus=2, fsdp=FSDPConfig(tp=2)).prefix_split == 0
     # Slices of consecutive completions: whole groups, inside one, or across a boundary.
     assert [distinct_prompts(rows, 4) for rows in (1, 2, 4, 8, 6)] == [1, 1, 1, 2, 3]
 
@@ -98,9 +98,13 @@ def test_the_shared_prefix_forward_runs_each_distinct_prompt_once(dense_spec):
 def test_a_sliding_window_shorter_than_the_row_runs_it_whole():
     from planner.models import load_model_spec
 
-    short = load_model_spec("tiny:mistral?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4"
-                            "&num_kv_heads=2&vocab_size=512&sliding_window=32")
+    short = load_model_spec(
+        "tiny:mistral?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4"
+        "&num_kv_heads=2&vocab_size=512&sliding_window=32"
+    )
     assert make_context(short, share_prompt_prefix=True).prefix_split == 0
-    wide = load_model_spec("tiny:mistral?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4"
-                           "&num_kv_heads=2&vocab_size=512&sliding_window=4096")
+    wide = load_model_spec(
+        "tiny:mistral?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=4"
+        "&num_kv_heads=2&vocab_size=512&sliding_window=4096"
+    )
     assert make_context(wide, share_prompt_prefix=True).prefix_split == 63

@@ -15,13 +15,20 @@ from .conftest import make_context
 
 # embed 10, block 0 (own 20, experts 5), block 1 (own 20, experts 5), head 30; root 1, buffer 7.
 ORDER = ((10, None, 10), (20, None, 20), (5, 1, 5), (20, None, 20), (5, 3, 5), (30, None, 30))
-GATHERED = Gathered(unit_bytes=(10, 25, 25, 30), root_bytes=1, all_bytes=91, order=ORDER, largest_bytes=30,
-                    buffer_bytes=7)
+GATHERED = Gathered(
+    unit_bytes=(10, 25, 25, 30), root_bytes=1, all_bytes=91, order=ORDER, largest_bytes=30, buffer_bytes=7
+)
 
 
 def test_backward_order_puts_each_block_ahead_of_its_experts():
-    assert reversed_with_parents(ORDER) == [(30, None, 30), (20, None, 20), (5, 1, 5), (20, None, 20), (5, 3, 5),
-                                            (10, None, 10)]
+    assert reversed_with_parents(ORDER) == [
+        (30, None, 30),
+        (20, None, 20),
+        (5, 1, 5),
+        (20, None, 20),
+        (5, 3, 5),
+        (10, None, 10),
+    ]
 
 
 def test_forward_window_holds_the_running_unit_twice_and_the_next_outer_unit(dense_spec):
@@ -29,8 +36,10 @@ def test_forward_window_holds_the_running_unit_twice_and_the_next_outer_unit(den
     # Block 1's own parameters twice and the head prefetched: 20 + 20 + 30, beside the root.
     assert in_flight(ctx, GATHERED, 1, forward=True) == 70 + 1
     # Two prefetched: block 0's experts (5) in block 0 (20), its own copy-out (5), block 1 and the head.
-    assert in_flight(ctx, GATHERED, 2, forward=True) == max(10 + 10 + 20 + 20, 20 + 20 + 20 + 30,
-                                                            5 + 20 + 5 + 20 + 30, 20 + 20 + 30) + 1
+    assert (
+        in_flight(ctx, GATHERED, 2, forward=True)
+        == max(10 + 10 + 20 + 20, 20 + 20 + 20 + 30, 5 + 20 + 5 + 20 + 30, 20 + 20 + 30) + 1
+    )
     assert nograd_gathered_bytes(ctx, GATHERED) == 71
 
 

@@ -24,8 +24,6 @@ def test_kv_cache_caps_sliding_window_layers(ple_spec):
     assert kv_cache_bytes(ctx, 100) == 2 * 8 * kv_dim * 2 * 4 * 100
 
 
-
-
 def test_vllm_awake_asleep_and_offloaded(dense_spec):
     gpu = GPUS["H100-80GB"]
     ctx = make_context(dense_spec, gpu=gpu, generation="vllm", vllm_gpu_memory_utilization=0.4, vllm_max_num_seqs=8)
@@ -71,12 +69,31 @@ def test_folding_lora_into_gathered_weights_builds_one_delta_at_a_time(dense_spe
     # Nothing is folded unit by unit, under tp or with 4-bit base weights; replicated weights are
     # folded into merged copies, one delta at a time too.
     assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=sharded)) == 0
-    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=0, tp=2),
-                                        gather_weights_for_rollout=True)) == 0
-    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=sharded, gather_weights_for_rollout=True,
-                                        load_in_4bit=True)) == 0
-    assert lora_fold_bytes(make_context(dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=10**6),
-                                        gather_weights_for_rollout=True)) == widest * 2 * 2
+    assert (
+        lora_fold_bytes(
+            make_context(
+                dense_spec,
+                gpu=gpu,
+                fsdp=FSDPConfig(param_persistence_threshold=0, tp=2),
+                gather_weights_for_rollout=True,
+            )
+        )
+        == 0
+    )
+    assert (
+        lora_fold_bytes(
+            make_context(dense_spec, gpu=gpu, fsdp=sharded, gather_weights_for_rollout=True, load_in_4bit=True)
+        )
+        == 0
+    )
+    assert (
+        lora_fold_bytes(
+            make_context(
+                dense_spec, gpu=gpu, fsdp=FSDPConfig(param_persistence_threshold=10**6), gather_weights_for_rollout=True
+            )
+        )
+        == widest * 2 * 2
+    )
 
 
 def test_unsharded_gather_once_holds_a_merged_copy_of_every_adapted_linear(dense_spec):
@@ -127,13 +144,28 @@ def test_fsdp_gather_once_holds_merged_copies_of_the_replicated_adapted_linears_
     sizes = sorted({m.get_base_layer().weight.numel() for m in model.modules() if isinstance(m, LoraLinear)})
     assert len(sizes) > 1
     threshold = sizes[-1]  # every adapted weight but the widest stays replicated
-    replicated = sum(m.get_base_layer().weight.numel() for m in model.modules()
-                     if isinstance(m, LoraLinear) and m.get_base_layer().weight.numel() < threshold)
+    replicated = sum(
+        m.get_base_layer().weight.numel()
+        for m in model.modules()
+        if isinstance(m, LoraLinear) and m.get_base_layer().weight.numel() < threshold
+    )
     assert replicated > 0
     split = FSDPConfig(param_persistence_threshold=threshold)  # bf16 base
     assert merged_copy_bytes(make_context(dense_spec, fsdp=split, gather_weights_for_rollout=True)) == replicated * 2
-    assert merged_copy_bytes(make_context(dense_spec, fsdp=FSDPConfig(param_persistence_threshold=0),
-                                          gather_weights_for_rollout=True)) == 0
+    assert (
+        merged_copy_bytes(
+            make_context(dense_spec, fsdp=FSDPConfig(param_persistence_threshold=0), gather_weights_for_rollout=True)
+        )
+        == 0
+    )
     assert merged_copy_bytes(make_context(dense_spec, fsdp=split)) == 0  # unit by unit: nothing merged
-    assert merged_copy_bytes(make_context(dense_spec, fsdp=FSDPConfig(param_persistence_threshold=threshold, tp=2),
-                                          gather_weights_for_rollout=True)) == 0
+    assert (
+        merged_copy_bytes(
+            make_context(
+                dense_spec,
+                fsdp=FSDPConfig(param_persistence_threshold=threshold, tp=2),
+                gather_weights_for_rollout=True,
+            )
+        )
+        == 0
+    )

@@ -22,8 +22,12 @@ def test_a_phase_drops_empty_components_and_adds_the_gpu_terms(dense_spec):
     terms = shared_terms(ctx, build_layout(ctx))
     phase = make_phase(ctx, terms, {"weights": 1000.9, "logits": 0, "activations": 2000, "allocator_slack": 5})
     slack = int(2000 * Coefficients().allocator_slack_fraction)
-    assert phase.components == {"weights": 1000, "activations": 2000, "allocator_slack": 5 + slack,
-                                "cuda_context": gpu.cuda_context_bytes}
+    assert phase.components == {
+        "weights": 1000,
+        "activations": 2000,
+        "allocator_slack": 5 + slack,
+        "cuda_context": gpu.cuda_context_bytes,
+    }
     assert phase.host == {"host_process": Coefficients().host_process_bytes}
 
 

@@ -16,7 +16,9 @@ SHARD_ALL = FSDPConfig(param_persistence_threshold=0)
 def _lora_local(spec, rank: int, shards: int) -> tuple[int, int]:
     """(elements on rank 0, adapter tensors): A (r a_rows, a_cols) and B (b_rows, r b_cols), ceil(d0 / S) rows."""
     entries = [e for b in spec.blocks for e in b.lora["all-linear"]]
-    local = sum(math.ceil(rank * ar / shards) * ac + math.ceil(br / shards) * rank * bc for _, ar, ac, br, bc in entries)
+    local = sum(
+        math.ceil(rank * ar / shards) * ac + math.ceil(br / shards) * rank * bc for _, ar, ac, br, bc in entries
+    )
     return local, 2 * len(entries)
 
 

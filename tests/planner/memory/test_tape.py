@@ -67,8 +67,10 @@ def _measure_layer(decoder, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
 def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
-    spec = load_model_spec(f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4"
-                           f"&num_kv_heads=2", lora_targets=targets)
+    spec = load_model_spec(
+        f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
+        lora_targets=targets,
+    )
     from planner.spec import ModelSpec
 
     key = ModelSpec.target_key(targets)
@@ -85,7 +87,9 @@ def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
 
 
 def test_adapters_on_a_bf16_base_cost_an_fp32_input_copy_each():
-    spec = load_model_spec(f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2")
+    spec = load_model_spec(
+        f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2"
+    )
     block = spec.block(0)
     adapted = frozenset(e[0] for e in block.lora["all-linear"])
     bf16 = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=2)
@@ -116,8 +120,9 @@ def test_the_full_finetuning_tape_counts_what_a_real_block_keeps(arch, dtype):
     decoder, _ = _full_block(arch, dtype)
     assert all(p.requires_grad for p in decoder.layers[0].parameters())
     saved, grad_peak, _ = _measure_layer(decoder, dtype)
-    spec = load_model_spec(f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4"
-                           f"&num_kv_heads=2")
+    spec = load_model_spec(
+        f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2"
+    )
     p = 2 if dtype == torch.bfloat16 else 4
     tape = block_tape(spec.block(0), hidden=H, adapted=frozenset(), rank=RANK, compute_bytes=p, full=True)
     assert tape.saved == pytest.approx(saved, rel=0.01)

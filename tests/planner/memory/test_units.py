@@ -70,8 +70,11 @@ def test_a_reused_layout_gives_the_estimate_a_fresh_one_gives_on_every_catalog_m
 
     cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8, gpus_per_node=8)
     # the gathered sizes are kept per compute dtype, their windows per prefetch depth: vary both
-    configs = (None, FSDPConfig(wrap_every_n_blocks=2),
-               FSDPConfig(wrap_every_n_blocks=2, param_dtype="float32", prefetch_units=2, backward_prefetch_units=3))
+    configs = (
+        None,
+        FSDPConfig(wrap_every_n_blocks=2),
+        FSDPConfig(wrap_every_n_blocks=2, param_dtype="float32", prefetch_units=2, backward_prefetch_units=3),
+    )
     workloads = [Workload(), Workload(micro_batch_size_per_gpu=1, gradient_checkpointing=False, lora_rank=64)]
     combos = [(fsdp, wl) for fsdp in configs for wl in workloads]
     seen = set()

@@ -14,9 +14,19 @@ from planner.workload import Workload
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 MODEL = "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2"
-SMALL = Workload(prompts_per_step=2, group_size=2, prompt_tokens=8, completion_tokens=8, micro_batch_size_per_gpu=1,
-                 logprob_chunk_size=16, gradient_checkpointing=True, lora_rank=4, lora_alpha=8,
-                 weights_dtype="float32", attn_implementation="eager")
+SMALL = Workload(
+    prompts_per_step=2,
+    group_size=2,
+    prompt_tokens=8,
+    completion_tokens=8,
+    micro_batch_size_per_gpu=1,
+    logprob_chunk_size=16,
+    gradient_checkpointing=True,
+    lora_rank=4,
+    lora_alpha=8,
+    weights_dtype="float32",
+    attn_implementation="eager",
+)
 SHARD_ALL = dict(param_dtype="float32", param_persistence_threshold=0)
 
 
@@ -35,8 +45,11 @@ def _expected_local_bytes(world: int) -> dict[int, dict[str, int]]:
     kw.setdefault("vocab_size", len(char_tokenizer()))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw))
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
-                               adapter_name="actor")
+        model = get_peft_model(
+            model,
+            LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+            adapter_name="actor",
+        )
     out = {}
     num_lora = sum(1 for n, _ in model.named_parameters() if ".lora_" in n)
     for rank in range(world):
@@ -79,8 +92,16 @@ def test_two_rank_probe_measures_exact_parameter_bytes_and_judges_the_budget():
 
     # A budget below the measured peak is reported as not fitting.
     budget = m.peak_bytes // 2
-    tight = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2, timed_steps=1,
-                                   memory_budget_bytes=budget))
+    tight = run_probe(
+        ProbeRequest(
+            model=MODEL,
+            workload=SMALL,
+            fsdp=FSDPConfig(**SHARD_ALL),
+            nproc=2,
+            timed_steps=1,
+            memory_budget_bytes=budget,
+        )
+    )
     assert tight.ok and not tight.fits
     assert tight.over_budget_phases and all(v > budget for v in tight.over_budget_phases.values())
     assert "does NOT fit" in tight.table()
@@ -91,8 +112,15 @@ def test_reshard_off_measures_a_higher_peak_on_a_parameter_dominated_workload():
     workload = SMALL.model_copy(update={"prompt_tokens": 4, "completion_tokens": 4})
     peaks = {}
     for reshard in (True, False):
-        m = run_probe(ProbeRequest(model=wide, workload=workload, timed_steps=1, nproc=2,
-                                   fsdp=FSDPConfig(**SHARD_ALL, reshard_after_forward=reshard)))
+        m = run_probe(
+            ProbeRequest(
+                model=wide,
+                workload=workload,
+                timed_steps=1,
+                nproc=2,
+                fsdp=FSDPConfig(**SHARD_ALL, reshard_after_forward=reshard),
+            )
+        )
         assert m.ok, m.failure
         peaks[reshard] = (m.phase_total("learn"), m.phase_total("learn", key="weights_gathered"))
     assert peaks[False][1] > 1.5 * peaks[True][1], peaks
@@ -106,8 +134,11 @@ def _leftover(marker: str) -> list[str]:
 
 def test_a_killed_rank_is_reported_without_hanging_or_orphans():
     start = time.monotonic()
-    m = run_probe(ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2,
-                               collective_timeout_s=30), env={"AGILERL_PROBE_KILL": "1:learn"}, failure_grace_s=5)
+    m = run_probe(
+        ProbeRequest(model=MODEL, workload=SMALL, fsdp=FSDPConfig(**SHARD_ALL), nproc=2, collective_timeout_s=30),
+        env={"AGILERL_PROBE_KILL": "1:learn"},
+        failure_grace_s=5,
+    )
     assert not m.ok and m.failure
     assert time.monotonic() - start < 120
     assert not _leftover(m.work_dir)
@@ -126,9 +157,33 @@ def test_cli_probe_json_and_exit_codes(capsys):
 
     from planner.cli import main
 
-    args = ["probe", MODEL, "--gpus", "1", "--device", "cpu", "--no-fsdp", "--format", "json", "--timed-steps", "1",
-            "--prompts-per-step", "2", "--group-size", "2", "--prompt-tokens", "8", "--completion-tokens", "8",
-            "--weights-dtype", "float32", "--lora-rank", "4", "--gradient-checkpointing", "false"]
+    args = [
+        "probe",
+        MODEL,
+        "--gpus",
+        "1",
+        "--device",
+        "cpu",
+        "--no-fsdp",
+        "--format",
+        "json",
+        "--timed-steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--completion-tokens",
+        "8",
+        "--weights-dtype",
+        "float32",
+        "--lora-rank",
+        "4",
+        "--gradient-checkpointing",
+        "false",
+    ]
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["summary"]["fits"] and data["ranks"][0]["phases"]["learn"]["lora"] > 0
@@ -141,8 +196,16 @@ def test_grouped_units_deferred_micro_batches_and_generation_are_measured():
     # wrap_every_n_blocks=2 makes FSDP2 group hooks (tracked with the generic tracker);
     # micro-batches of 1 accumulate deferred gradients across tracked phases.
     workload = SMALL.model_copy(update={"generation": "hf"})
-    m = run_probe(ProbeRequest(model=MODEL, workload=workload, nproc=2, generate=True, timed_steps=1,
-                               fsdp=FSDPConfig(**SHARD_ALL, wrap_every_n_blocks=2)))
+    m = run_probe(
+        ProbeRequest(
+            model=MODEL,
+            workload=workload,
+            nproc=2,
+            generate=True,
+            timed_steps=1,
+            fsdp=FSDPConfig(**SHARD_ALL, wrap_every_n_blocks=2),
+        )
+    )
     assert m.ok, m.failure
     for r in m.ranks:
         assert {"rollout", "reference", "learn", "step"} <= set(r.phases)
@@ -154,11 +217,14 @@ def test_expert_parallel_probe_reports_routed_rows_and_load_imbalance():
     """ep=2 on 2 ranks: every token's k rows are computed on some rank, so the ranks' mean rows
     per token block sum to world x micro-batch x sequence x k; the busiest block is at least
     the mean (1.0 is balanced routing)."""
-    model = ("tiny:qwen3_moe?hidden_size=32&moe_intermediate_size=32&num_experts=4&num_experts_per_tok=2"
-             "&num_layers=2&num_heads=4&num_kv_heads=2")
+    model = (
+        "tiny:qwen3_moe?hidden_size=32&moe_intermediate_size=32&num_experts=4&num_experts_per_tok=2"
+        "&num_layers=2&num_heads=4&num_kv_heads=2"
+    )
     # rows that share no prompt: one forward per micro-batch (a shared prefix would split it in two)
-    workload = SMALL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False,
-                                        "share_prompt_prefix": False})
+    workload = SMALL.model_copy(
+        update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False, "share_prompt_prefix": False}
+    )
     fsdp = FSDPConfig(**SHARD_ALL, ep=2, routed_expert_chunk_mib=1)
     m = run_probe(ProbeRequest(model=model, workload=workload, fsdp=fsdp, nproc=2, timed_steps=1))
     assert m.ok, m.failure
@@ -198,11 +264,39 @@ def test_kill_9_of_the_probe_command_leaves_no_process_within_2_s():
     from pathlib import Path
 
     mark = uuid.uuid4().hex
-    env = {**os.environ, "AGILERL_TEST_MARK": mark, "AGILERL_PROBE_STALL": "0:learn",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    cmd = [sys.executable, "-m", "planner.cli", "probe", MODEL, "--gpus", "2", "--device", "cpu", "--timed-steps", "1",
-           "--prompts-per-step", "2", "--group-size", "2", "--prompt-tokens", "8", "--completion-tokens", "8",
-           "--weights-dtype", "float32", "--lora-rank", "4", "--param-dtype", "float32"]
+    env = {
+        **os.environ,
+        "AGILERL_TEST_MARK": mark,
+        "AGILERL_PROBE_STALL": "0:learn",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "planner.cli",
+        "probe",
+        MODEL,
+        "--gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--timed-steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--completion-tokens",
+        "8",
+        "--weights-dtype",
+        "float32",
+        "--lora-rank",
+        "4",
+        "--param-dtype",
+        "float32",
+    ]
     cli = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 150
@@ -237,8 +331,10 @@ def test_two_nodes_of_two_ranks_shard_within_a_node_and_report_host_memory_per_n
     for r in m.ranks:
         assert r.param_bytes["weights"] == expected[r.rank % 2]["weights"]
         assert r.param_bytes["lora"] == expected[r.rank % 2]["lora"]
-    host = {node: sum(max(rec.get("host_peak", 0) for rec in r.phases.values()) for r in m.ranks if r.node == node)
-            for node in (0, 1)}
+    host = {
+        node: sum(max(rec.get("host_peak", 0) for rec in r.phases.values()) for r in m.ranks if r.node == node)
+        for node in (0, 1)
+    }
     assert all(v > 0 for v in host.values())
     assert m.host_per_node_bytes == max(host.values()) > m.host_peak_bytes
     with pytest.raises(ValueError, match="do not split evenly"):

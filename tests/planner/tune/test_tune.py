@@ -38,8 +38,17 @@ from planner.tune import (
 from planner.workload import Workload
 
 MODEL = "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2"
-SMALL = Workload(prompts_per_step=2, group_size=2, prompt_tokens=8, completion_tokens=8, lora_rank=4, lora_alpha=8,
-                 weights_dtype="float32", attn_implementation="eager", generation="none")
+SMALL = Workload(
+    prompts_per_step=2,
+    group_size=2,
+    prompt_tokens=8,
+    completion_tokens=8,
+    lora_rank=4,
+    lora_alpha=8,
+    weights_dtype="float32",
+    attn_implementation="eager",
+    generation="none",
+)
 SHARD_ALL = {"param_dtype": "float32", "param_persistence_threshold": 0}
 KIB = 2**10
 MIB = 2**20
@@ -51,8 +60,9 @@ def spec():
 
 
 def cpu_cluster(budget_bytes: int, num_gpus: int = 2, gpus_per_node: int | None = None) -> Cluster:
-    return Cluster(gpu=CPU_DEVICE.model_copy(update={"memory_bytes": budget_bytes}), num_gpus=num_gpus,
-                   gpus_per_node=gpus_per_node)
+    return Cluster(
+        gpu=CPU_DEVICE.model_copy(update={"memory_bytes": budget_bytes}), num_gpus=num_gpus, gpus_per_node=gpus_per_node
+    )
 
 
 class FakeProbe:
@@ -65,46 +75,80 @@ class FakeProbe:
     def __call__(self, request: ProbeRequest) -> Measurement:
         self.requests.append(request)
         if self.failure or self.oom:
-            ranks = [RankMeasurement(rank=0, error="torch.OutOfMemoryError" if self.oom else "boom", oom=self.oom,
-                                     oom_phase="learn" if self.oom else None)]
-            return Measurement(request=request, ok=False, failure=self.failure or "rank 0: out of memory",
-                               oom=self.oom, oom_phase="learn" if self.oom else None, ranks=ranks)
+            ranks = [
+                RankMeasurement(
+                    rank=0,
+                    error="torch.OutOfMemoryError" if self.oom else "boom",
+                    oom=self.oom,
+                    oom_phase="learn" if self.oom else None,
+                )
+            ]
+            return Measurement(
+                request=request,
+                ok=False,
+                failure=self.failure or "rank 0: out of memory",
+                oom=self.oom,
+                oom_phase="learn" if self.oom else None,
+                ranks=ranks,
+            )
         est = estimate(self.spec, request.workload, self.cluster, request.fsdp)
         w = request.workload
         step = 0.1 / w.micro_batch_size_per_gpu + (0.05 if w.gradient_checkpointing else 0.0)
-        phases = {ph: {"total": int(p.total * self.scale)} for ph, p in est.phases.items()
-                  if ph in ("load", "reference", "learn", "step")}
+        phases = {
+            ph: {"total": int(p.total * self.scale)}
+            for ph, p in est.phases.items()
+            if ph in ("load", "reference", "learn", "step")
+        }
         ranks = [RankMeasurement(rank=r, phases=phases, step_seconds=[step, step, step]) for r in range(2)]
         return Measurement(request=request, ok=True, ranks=ranks)
 
 
 def objective_for(spec, cluster, probe, *, fixed=None, sharding="auto", workload=SMALL, margin=0.05):
     space = search_space(spec, workload, cluster, fixed=dict(fixed or {}), sharding=sharding)
-    request = ProbeRequest(model=MODEL, workload=workload, nproc=cluster.num_gpus, device="cpu",
-                           memory_budget_bytes=cluster.gpu.memory_bytes)
-    return Objective(space=space, spec=spec, cluster=cluster, coefficients=None, margin_fraction=margin,
-                     request=request, probe=probe)
+    request = ProbeRequest(
+        model=MODEL,
+        workload=workload,
+        nproc=cluster.num_gpus,
+        device="cpu",
+        memory_budget_bytes=cluster.gpu.memory_bytes,
+    )
+    return Objective(
+        space=space, spec=spec, cluster=cluster, coefficients=None, margin_fraction=margin, request=request, probe=probe
+    )
 
 
 # -- search space ----------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_search_space_is_what_the_planner_chooses_less_what_the_user_fixed(spec):
     one_node = search_space(spec, SMALL, cpu_cluster(MIB), fixed={}, sharding="auto")
-    assert set(one_node.searched) == {"sharding", "optim_cpu_offload", "reshard_after_forward",
-                                      "wrap_every_n_blocks", "prefetch_units", "backward_prefetch_units",
-                                      "micro_batch_size_per_gpu", "gradient_checkpointing"}
+    assert set(one_node.searched) == {
+        "sharding",
+        "optim_cpu_offload",
+        "reshard_after_forward",
+        "wrap_every_n_blocks",
+        "prefetch_units",
+        "backward_prefetch_units",
+        "micro_batch_size_per_gpu",
+        "gradient_checkpointing",
+    }
     assert one_node.choices["wrap_every_n_blocks"] == (1, 2)  # 2 layers: no 4-block units
     assert one_node.choices["micro_batch_size_per_gpu"] == (1, 2)  # 4 completions over 2 GPUs
     assert one_node.choices["shard_group_size"] == (None,)
     # 16 tokens a row, at most 2 rows a micro-batch: every chunk from 256 up runs all rows at once.
     assert one_node.choices["logprob_chunk_size"] == (256,)
 
-    two_nodes = search_space(spec, SMALL.model_copy(update={"prompts_per_step": 4}), cpu_cluster(MIB, 4, 2),
-                             fixed={}, sharding="auto")
+    two_nodes = search_space(
+        spec, SMALL.model_copy(update={"prompts_per_step": 4}), cpu_cluster(MIB, 4, 2), fixed={}, sharding="auto"
+    )
     assert two_nodes.choices["shard_group_size"] == (None, 2)
 
-    fixed = search_space(spec, SMALL.model_copy(update={"micro_batch_size_per_gpu": 1}), cpu_cluster(MIB),
-                         fixed={"reshard_after_forward": False, **SHARD_ALL}, sharding="fsdp")
+    fixed = search_space(
+        spec,
+        SMALL.model_copy(update={"micro_batch_size_per_gpu": 1}),
+        cpu_cluster(MIB),
+        fixed={"reshard_after_forward": False, **SHARD_ALL},
+        sharding="fsdp",
+    )
     assert "reshard_after_forward" not in fixed.searched and "micro_batch_size_per_gpu" not in fixed.searched
     assert "sharding" not in fixed.searched
     candidate = fixed.candidate({"wrap_every_n_blocks": 2})
@@ -123,8 +167,16 @@ def test_full_finetuning_also_searches_parameter_offload_and_the_gradient_sync(s
     assert space.choices["defer_grad_sync"] == (False, True)
     # GRPO's Hugging Face generate runs on the trainer's weights: no parameter offload
     assert space.choices["cpu_offload"] == (False,)
-    sft = Workload.model_validate({**full.model_dump(), "algorithm": "sft", "group_size": None, "beta": None,
-                                   "generation": None, "update_epochs": 1})
+    sft = Workload.model_validate(
+        {
+            **full.model_dump(),
+            "algorithm": "sft",
+            "group_size": None,
+            "beta": None,
+            "generation": None,
+            "update_epochs": 1,
+        }
+    )
     space = search_space(spec, sft, cpu_cluster(MIB), fixed={}, sharding="fsdp")
     assert space.choices["cpu_offload"] == (False, True) and "cpu_offload" in space.searched
     offloaded = space.candidate({"cpu_offload": True, "optim_cpu_offload": True})
@@ -151,7 +203,8 @@ def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
     assert one_node.choices["routed_expert_chunk_mib"] == (64,)
     long = wl.model_copy(update={"prompt_tokens": 8192, "completion_tokens": 8192})  # 128 MiB routed
     assert search_space(moe, long, cpu_cluster(MIB, 4), fixed={}, sharding="fsdp").choices[
-        "routed_expert_chunk_mib"] == (64, 128)
+        "routed_expert_chunk_mib"
+    ] == (64, 128)
     dense = search_space(load_model_spec(MODEL), SMALL, cpu_cluster(MIB), fixed={}, sharding="fsdp")
     assert "ep" not in dense.searched and dense.choices["routed_expert_chunk_mib"] == (None,)
     assert "ep" not in dense.candidate({}).knobs()  # dense tables keep their columns
@@ -169,8 +222,7 @@ def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
     c = suggest_candidate(Trial(), two_nodes)
     assert c.fsdp.ep == 2 and c.fsdp.shard_group_size is None
     assert c.knobs()["ep"] == 2
-    fixed = search_space(moe, wl, cpu_cluster(MIB, 4), fixed={"ep": 2, "routed_expert_chunk_mib": 8},
-                         sharding="fsdp")
+    fixed = search_space(moe, wl, cpu_cluster(MIB, 4), fixed={"ep": 2, "routed_expert_chunk_mib": 8}, sharding="fsdp")
     assert "ep" not in fixed.searched and fixed.candidate({}).fsdp.routed_expert_chunk_mib == 8
     assert fixed.choices["tp"] == (1,)  # expert parallel is not combined with tensor parallel
 
@@ -208,9 +260,16 @@ def test_objective_measures_a_candidate_and_reports_tokens_per_second(spec):
     cluster = cpu_cluster(64 * MIB)
     probe = FakeProbe(spec, cluster)
     objective = objective_for(spec, cluster, probe, fixed=SHARD_ALL)
-    params = {"sharding": "fsdp", "optim_cpu_offload": False, "reshard_after_forward": False,
-              "wrap_every_n_blocks": 2, "prefetch_units": 2, "backward_prefetch_units": 1,
-              "micro_batch_size_per_gpu": 2, "gradient_checkpointing": False}
+    params = {
+        "sharding": "fsdp",
+        "optim_cpu_offload": False,
+        "reshard_after_forward": False,
+        "wrap_every_n_blocks": 2,
+        "prefetch_units": 2,
+        "backward_prefetch_units": 1,
+        "micro_batch_size_per_gpu": 2,
+        "gradient_checkpointing": False,
+    }
     trial = optuna.trial.FixedTrial(params)
     value = objective(trial)
     [request] = probe.requests
@@ -225,8 +284,14 @@ def test_objective_measures_a_candidate_and_reports_tokens_per_second(spec):
 @pytest.mark.timeout(60)
 def test_a_candidate_the_estimate_rejects_is_never_launched(spec):
     params = {"sharding": "none", "micro_batch_size_per_gpu": 2, "gradient_checkpointing": False}
-    peak = estimate(spec, SMALL.model_copy(update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False,
-                                                   "logprob_chunk_size": 256}), cpu_cluster(MIB), None).peak_bytes
+    peak = estimate(
+        spec,
+        SMALL.model_copy(
+            update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False, "logprob_chunk_size": 256}
+        ),
+        cpu_cluster(MIB),
+        None,
+    ).peak_bytes
     cluster = cpu_cluster(peak - 1)
     probe = FakeProbe(spec, cluster)
     trial = optuna.trial.FixedTrial(params)
@@ -240,11 +305,12 @@ def test_a_candidate_the_estimate_rejects_is_never_launched(spec):
 @pytest.mark.parametrize("kind", ["oom", "crashed", "over_budget"])
 def test_an_oom_crash_or_overrun_is_an_infeasible_trial_not_an_error(spec, kind):
     cluster = cpu_cluster(64 * MIB)
-    probe = {"oom": FakeProbe(spec, cluster, oom=True),
-             "crashed": FakeProbe(spec, cluster, failure="rank 1: killed (signal 9)"),
-             "over_budget": FakeProbe(spec, cluster, scale=200.0)}[kind]
-    trial = optuna.trial.FixedTrial({"sharding": "none", "micro_batch_size_per_gpu": 1,
-                                     "gradient_checkpointing": True})
+    probe = {
+        "oom": FakeProbe(spec, cluster, oom=True),
+        "crashed": FakeProbe(spec, cluster, failure="rank 1: killed (signal 9)"),
+        "over_budget": FakeProbe(spec, cluster, scale=200.0),
+    }[kind]
+    trial = optuna.trial.FixedTrial({"sharding": "none", "micro_batch_size_per_gpu": 1, "gradient_checkpointing": True})
     value = objective_for(spec, cluster, probe)(trial)
     assert len(probe.requests) == 1 and trial.user_attrs["launched"]
     assert trial.user_attrs["status"] == kind and trial.user_attrs["constraint"] > 0
@@ -263,16 +329,20 @@ def test_storage_urls(tmp_path):
     assert storage_url(str(tmp_path / "t.db")) == f"sqlite:///{tmp_path / 't.db'}"
     assert storage_url(None).startswith("sqlite:///") and storage_url(None).endswith("/agilerl-tune.db")
     assert storage_url("memory") is None and storage_url(":memory:") is None
-    assert storage_url("postgresql://tuner:secret@db.internal:5432/studies") == \
-        "postgresql://tuner:secret@db.internal:5432/studies"
+    assert (
+        storage_url("postgresql://tuner:secret@db.internal:5432/studies")
+        == "postgresql://tuner:secret@db.internal:5432/studies"
+    )
     assert isinstance(open_storage("memory"), optuna.storages.InMemoryStorage)
     rdb = open_storage(str(tmp_path / "t.db"), heartbeat_interval_s=2)
     assert isinstance(rdb, optuna.storages.RDBStorage) and rdb.heartbeat_interval == 2 and rdb.grace_period == 6
-    for bad, message in [("postgresql:/tuner@host/db", "looks like a URL"),
-                         ("://nothing", "not a valid SQLAlchemy URL"),
-                         (str(tmp_path / "missing" / "t.db"), "does not exist"),
-                         (str(tmp_path), "is a directory"),
-                         ("", "is empty")]:
+    for bad, message in [
+        ("postgresql:/tuner@host/db", "looks like a URL"),
+        ("://nothing", "not a valid SQLAlchemy URL"),
+        (str(tmp_path / "missing" / "t.db"), "does not exist"),
+        (str(tmp_path), "is a directory"),
+        ("", "is empty"),
+    ]:
         with pytest.raises(ValueError, match=message) as err:
             storage_url(bad)
         assert str(err.value).startswith("--storage")
@@ -289,8 +359,9 @@ def test_orphans_of_a_dead_tuner_are_killed_and_live_ones_kept():
     dead = subprocess.Popen(["true"])
     dead.wait()
     host = socket.gethostname()
-    orphan = subprocess.Popen(["sleep", "60"], env={**os.environ, OWNER_ENV: f"{host}:{dead.pid}"},
-                              start_new_session=True)
+    orphan = subprocess.Popen(
+        ["sleep", "60"], env={**os.environ, OWNER_ENV: f"{host}:{dead.pid}"}, start_new_session=True
+    )
     kept = subprocess.Popen(["sleep", "60"], env={**os.environ, OWNER_ENV: f"{host}:{os.getpid()}"})
     try:
         time.sleep(0.2)
@@ -311,12 +382,23 @@ def test_study_seeds_the_planner_pick_prunes_by_estimate_and_keeps_the_constrain
     # A budget between the smallest and the largest estimates: some candidates cannot be launched.
     cluster = cpu_cluster(64 * MIB)
     space = search_space(spec, SMALL, cluster, fixed=SHARD_ALL, sharding="auto")
-    peaks = sorted(estimate(spec, space.candidate(p).workload, cluster, space.candidate(p).fsdp).peak_bytes
-                   for p in grid(space))
+    peaks = sorted(
+        estimate(spec, space.candidate(p).workload, cluster, space.candidate(p).fsdp).peak_bytes for p in grid(space)
+    )
     cluster = cpu_cluster(peaks[len(peaks) // 2])
     probe = FakeProbe(spec, cluster)
-    result = tune(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL), coefficients=None,
-                  storage="memory", max_trials=6, probe=probe, seed=3, calibration=False, confirm=0)
+    result = tune(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, SMALL, SHARD_ALL),
+        coefficients=None,
+        storage="memory",
+        max_trials=6,
+        probe=probe,
+        seed=3,
+        calibration=False,
+        confirm=0,
+    )
     trials = result.trials
     picked = plan(spec, SMALL, cluster, fixed=SHARD_ALL)
     first = trials[0]
@@ -330,25 +412,45 @@ def test_study_seeds_the_planner_pick_prunes_by_estimate_and_keeps_the_constrain
     for t in rejected:
         assert t.user_attrs["estimated_peak_bytes"] > cluster.gpu.memory_bytes
         assert t.constraints["memory"] > 0 and t.state == optuna.trial.TrialState.COMPLETE
-    launched_keys = {json.dumps({"fsdp": r.fsdp.model_dump(mode="json") if r.fsdp else None,
-                                 "workload": r.workload.model_dump(mode="json")}, sort_keys=True)
-                     for r in probe.requests}
+    launched_keys = {
+        json.dumps(
+            {
+                "fsdp": r.fsdp.model_dump(mode="json") if r.fsdp else None,
+                "workload": r.workload.model_dump(mode="json"),
+            },
+            sort_keys=True,
+        )
+        for r in probe.requests
+    }
     assert launched_keys.isdisjoint({t.user_attrs["key"] for t in rejected})
     assert len(launched_keys) == len(probe.requests)  # nothing measured twice
     best = result.best
     assert best is not None and best.user_attrs["status"] == "fits"
-    assert best.user_attrs["tokens_per_second"] == max(t.user_attrs["tokens_per_second"] for t in launched
-                                                       if t.user_attrs["status"] == "fits")
-    assert result.best_plan.fits and result.best_plan.workload.micro_batch_size_per_gpu == \
-        best.user_attrs["knobs"]["micro_batch_size_per_gpu"]
+    assert best.user_attrs["tokens_per_second"] == max(
+        t.user_attrs["tokens_per_second"] for t in launched if t.user_attrs["status"] == "fits"
+    )
+    assert (
+        result.best_plan.fits
+        and result.best_plan.workload.micro_batch_size_per_gpu == best.user_attrs["knobs"]["micro_batch_size_per_gpu"]
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spec, tmp_path):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
-    common = dict(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL), coefficients=None,
-                  storage=storage, study_name="resume", seed=0, calibration=False, heartbeat_interval_s=1, confirm=0)
+    common = dict(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, SMALL, SHARD_ALL),
+        coefficients=None,
+        storage=storage,
+        study_name="resume",
+        seed=0,
+        calibration=False,
+        heartbeat_interval_s=1,
+        confirm=0,
+    )
     first = FakeProbe(spec, cluster)
     tune(**common, max_trials=2, probe=first)
     assert len(first.requests) == 2
@@ -363,9 +465,16 @@ def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spe
     second = FakeProbe(spec, cluster)
     result = tune(**common, max_trials=4, probe=second)
     assert len(second.requests) == 2  # only the two trials still missing
-    seen = {json.dumps({"fsdp": r.fsdp.model_dump(mode="json") if r.fsdp else None,
-                        "workload": r.workload.model_dump(mode="json")}, sort_keys=True)
-            for r in first.requests + second.requests}
+    seen = {
+        json.dumps(
+            {
+                "fsdp": r.fsdp.model_dump(mode="json") if r.fsdp else None,
+                "workload": r.workload.model_dump(mode="json"),
+            },
+            sort_keys=True,
+        )
+        for r in first.requests + second.requests
+    }
     assert len(seen) == 4
     states = {t.number: t.state for t in result.trials}
     assert states[dead.number] == optuna.trial.TrialState.FAIL
@@ -375,8 +484,16 @@ def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spe
 def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
-    common = dict(spec=spec, model=MODEL, coefficients=None, storage=storage, study_name="named", seed=0,
-                  calibration=False, confirm=0)
+    common = dict(
+        spec=spec,
+        model=MODEL,
+        coefficients=None,
+        storage=storage,
+        study_name="named",
+        seed=0,
+        calibration=False,
+        confirm=0,
+    )
     request = PlanRequest(cluster, SMALL, SHARD_ALL)
     first = FakeProbe(spec, cluster)
     tune(**common, request=request, max_trials=1, probe=first)
@@ -395,6 +512,7 @@ def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
     with pytest.raises(ValueError, match="--storage is empty"):
         tune(**{**common, "storage": ""}, request=request, max_trials=1, probe=other)
 
+
 @pytest.mark.timeout(120)
 def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(spec):
     cluster = cpu_cluster(64 * MIB, num_gpus=1)  # unsharded only: 3 micro-batches x checkpointing on/off
@@ -411,13 +529,25 @@ def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(
         ranks = [RankMeasurement(rank=0, phases={"learn": {"total": MIB}}, step_seconds=[step] * 3)]
         return Measurement(request=request, ok=True, ranks=ranks)
 
-    result = tune(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL), coefficients=None,
-                  storage="memory", max_trials=8, probe=probe, seed=0, calibration=False, confirm=2)
+    result = tune(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, SMALL),
+        coefficients=None,
+        storage="memory",
+        max_trials=8,
+        probe=probe,
+        seed=0,
+        calibration=False,
+        confirm=2,
+    )
     seconds = [t for t in result.trials if "confirm_of" in t.user_attrs]
     assert len(seconds) == 2 and all(t.user_attrs["launched"] for t in seconds)
     by_number = {t.number: t for t in result.trials}
-    assert {by_number[t.user_attrs["confirm_of"]].user_attrs["knobs"]["micro_batch_size_per_gpu"]
-            for t in seconds} == {4, 2}
+    assert {by_number[t.user_attrs["confirm_of"]].user_attrs["knobs"]["micro_batch_size_per_gpu"] for t in seconds} == {
+        4,
+        2,
+    }
     assert calls[(4, False)] == 2 and calls[(2, False)] == 2
     assert result.best.user_attrs["knobs"]["micro_batch_size_per_gpu"] == 2
     assert len(result.best_runs) == 2 and "median of 2 runs" in result.best_plan.reasons()["fits"]
@@ -441,13 +571,19 @@ def test_calibration_fits_on_some_trials_judges_on_the_others_and_saves(spec, tm
             est = estimate(spec, workload, cluster, fsdp, coefficients=truth)
             measured = {ph: p.total for ph, p in est.phases.items() if ph in ("load", "reference", "learn", "step")}
             self.number = number
-            self.user_attrs = {"status": "fits", "measured_phases": measured, "key": json.dumps(
-                {"fsdp": fsdp.model_dump(mode="json"), "workload": workload.model_dump(mode="json")})}
+            self.user_attrs = {
+                "status": "fits",
+                "measured_phases": measured,
+                "key": json.dumps({"fsdp": fsdp.model_dump(mode="json"), "workload": workload.model_dump(mode="json")}),
+            }
 
-    base = SMALL.model_copy(update={"prompt_tokens": 32, "completion_tokens": 32, "logprob_chunk_size": 256,
-                                    "prompts_per_step": 4})
-    trials = [Trial(i, base.model_copy(update={"micro_batch_size_per_gpu": mb, "gradient_checkpointing": gc}))
-              for i, (mb, gc) in enumerate((m, g) for m in (1, 2, 4) for g in (True, False))]
+    base = SMALL.model_copy(
+        update={"prompt_tokens": 32, "completion_tokens": 32, "logprob_chunk_size": 256, "prompts_per_step": 4}
+    )
+    trials = [
+        Trial(i, base.model_copy(update={"micro_batch_size_per_gpu": mb, "gradient_checkpointing": gc}))
+        for i, (mb, gc) in enumerate((m, g) for m in (1, 2, 4) for g in (True, False))
+    ]
     report = calibrate(trials, spec=spec, cluster=cluster, coefficients=Coefficients())
     assert (report.num_fit, report.num_held_out, report.in_sample) == (4, 2, False)
     assert report.error_after < report.error_before
@@ -490,16 +626,19 @@ def test_tune_main_prints_the_trials_and_emits_the_best_config(spec, tmp_path, c
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["best"]["fits"] and data["num_launched"] == 3
     assert data["trials"][data["best_trial"]]["status"] == "fits"
-    assert data["best"]["manifest"]["algorithm"]["micro_batch_size_per_gpu"] == \
-        data["trials"][data["best_trial"]]["knobs"]["micro_batch_size_per_gpu"]
+    assert (
+        data["best"]["manifest"]["algorithm"]["micro_batch_size_per_gpu"]
+        == data["trials"][data["best_trial"]]["knobs"]["micro_batch_size_per_gpu"]
+    )
 
     code = tune_main(_args(argv + ["--format", "yaml"]), probe=FakeProbe(spec, cluster), **common)
     captured = capsys.readouterr()
     assert code == 0 and captured.out.startswith("# agilerl-plan:") and "why infeasible" in captured.err
 
     # Everything measured over the budget: exit 3, and no config is emitted.
-    code = tune_main(_args(argv + ["--output", str(tmp_path / "none.yaml")]),
-                     probe=FakeProbe(spec, cluster, scale=500.0), **common)
+    code = tune_main(
+        _args(argv + ["--output", str(tmp_path / "none.yaml")]), probe=FakeProbe(spec, cluster, scale=500.0), **common
+    )
     assert code == 3 and not (tmp_path / "none.yaml").exists()
     assert "no trial measured a config that fits" in capsys.readouterr().out
 
@@ -565,8 +704,26 @@ def _owned_by(pid: int) -> list[int]:
 @pytest.mark.timeout(420)
 def test_a_tuner_killed_mid_trial_resumes_without_rerunning_or_orphans(tmp_path):
     db = tmp_path / "tune.db"
-    cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "3", "--storage", str(db), "--study-name", "s",
-           "--device", "cpu", "--timed-steps", "1", "--seed", "0", "--no-calibration"]
+    cmd = [
+        sys.executable,
+        "-c",
+        TUNER,
+        MODEL,
+        "--tune",
+        "--trials",
+        "3",
+        "--storage",
+        str(db),
+        "--study-name",
+        "s",
+        "--device",
+        "cpu",
+        "--timed-steps",
+        "1",
+        "--seed",
+        "0",
+        "--no-calibration",
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     log = tmp_path / "first.log"
     with log.open("w") as out:
@@ -617,14 +774,36 @@ def test_a_tuner_killed_mid_trial_resumes_without_rerunning_or_orphans(tmp_path)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_kills_the_probe_and_fails_the_trial(tmp_path, signum):
     db = tmp_path / "tune.db"
-    cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "2", "--storage", str(db), "--study-name", "s",
-           "--device", "cpu", "--seed", "0", "--no-calibration"]
+    cmd = [
+        sys.executable,
+        "-c",
+        TUNER,
+        MODEL,
+        "--tune",
+        "--trials",
+        "2",
+        "--storage",
+        str(db),
+        "--study-name",
+        "s",
+        "--device",
+        "cpu",
+        "--seed",
+        "0",
+        "--no-calibration",
+    ]
     # The first probe stalls in learn, so it is still running when the signal arrives.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "AGILERL_PROBE_STALL": "0:learn"}
     # A shell that runs the suite in the background ignores SIGINT, and Python keeps an ignored
     # SIGINT ignored: give the tuner the default disposition a terminal would.
-    tuner = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    tuner = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while not _owned_by(tuner.pid):  # its first probe is running
         assert time.monotonic() < deadline and tuner.poll() is None
@@ -644,9 +823,19 @@ def test_a_crashed_rank_is_an_infeasible_trial_and_the_study_goes_on(spec, monke
     monkeypatch.setenv("AGILERL_PROBE_KILL", "1:learn")
     cluster = cpu_cluster(64 * MIB)
     seen: list[str] = []
-    result = tune(spec=spec, model=MODEL, request=PlanRequest(cluster, SMALL, SHARD_ALL, sharding="fsdp"),
-                  coefficients=None, storage="memory", max_trials=2, seed=0, timed_steps=1, trial_timeout_s=120,
-                  calibration=False, progress=seen.append)
+    result = tune(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, SMALL, SHARD_ALL, sharding="fsdp"),
+        coefficients=None,
+        storage="memory",
+        max_trials=2,
+        seed=0,
+        timed_steps=1,
+        trial_timeout_s=120,
+        calibration=False,
+        progress=seen.append,
+    )
     launched = [t for t in result.trials if t.user_attrs["launched"]]
     assert len(launched) == 2  # the first crash did not end the study
     for t in launched:
@@ -667,8 +856,26 @@ def postgres_url():
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_two_workers_share_a_postgres_study_and_one_killed_leaves_the_other_to_finish(postgres_url, tmp_path):
-    cmd = [sys.executable, "-c", TUNER, MODEL, "--tune", "--trials", "4", "--storage", postgres_url,
-           "--study-name", "shared", "--device", "cpu", "--timed-steps", "1", "--no-calibration", "--format", "json"]
+    cmd = [
+        sys.executable,
+        "-c",
+        TUNER,
+        MODEL,
+        "--tune",
+        "--trials",
+        "4",
+        "--storage",
+        postgres_url,
+        "--study-name",
+        "shared",
+        "--device",
+        "cpu",
+        "--timed-steps",
+        "1",
+        "--no-calibration",
+        "--format",
+        "json",
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     a = subprocess.Popen(cmd + ["--seed", "0"], env=env, stdout=subprocess.PIPE, stderr=logs[0].open("w"), text=True)
@@ -677,11 +884,17 @@ def test_two_workers_share_a_postgres_study_and_one_killed_leaves_the_other_to_f
     deadline = time.monotonic() + 240
     try:
         while not _owned_by(b.pid):  # worker b's probe is running
-            assert time.monotonic() < deadline and b.poll() is None and a.poll() is None, \
+            assert time.monotonic() < deadline and b.poll() is None and a.poll() is None, (
                 logs[0].read_text()[-2000:] + logs[1].read_text()[-2000:]
+            )
             time.sleep(0.2)
-        running_b = [t.number for t in optuna.load_study(study_name="shared", storage=storage).get_trials(
-            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)) if t.user_attrs.get("owner", {}).get("pid") == b.pid]
+        running_b = [
+            t.number
+            for t in optuna.load_study(study_name="shared", storage=storage).get_trials(
+                deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)
+            )
+            if t.user_attrs.get("owner", {}).get("pid") == b.pid
+        ]
     finally:
         b.kill()
         b.wait()
@@ -720,8 +933,18 @@ def test_a_trial_on_two_nodes_runs_as_two_torchrun_agents(spec):
     # Four prompts: the manifest gives each of the 4 GPUs whole prompts.
     workload = SMALL.model_copy(update={"prompts_per_step": 4})
     request = PlanRequest(cluster, workload, {**SHARD_ALL, "shard_group_size": 2})
-    result = tune(spec=spec, model=MODEL, request=request, coefficients=None, storage=None, seed=0, calibration=False, max_trials=1,
-                  timed_steps=1, probe=probe)
+    result = tune(
+        spec=spec,
+        model=MODEL,
+        request=request,
+        coefficients=None,
+        storage=None,
+        seed=0,
+        calibration=False,
+        max_trials=1,
+        timed_steps=1,
+        probe=probe,
+    )
     [request] = seen
     assert (request.nproc, request.nnodes, request.fsdp.shard_group_size) == (4, 2, 2)
     [trial] = [t for t in result.trials if t.user_attrs.get("launched")]
