@@ -47,7 +47,7 @@ from .memory import (
 )
 from .request import Decision, PlanRequest, RequestError, request_problems
 from .spec import ModelSpec
-from .workload import OFFLINE_SEQUENCES, Workload
+from .workload import OFFLINE_SEQUENCES, Workload, resolved
 
 __all__ = [
     "Decision",
@@ -165,7 +165,7 @@ def check_inputs(
     if fsdp.tp > 1 and (problem := tp_problem(spec, fsdp.tp)):
         raise ValueError(problem)
     if fsdp.ep > 1:
-        check_ep(spec, fsdp.ep, cluster.num_gpus, fsdp)
+        check_ep(spec, fsdp.ep, cluster.num_gpus)
     if fsdp.routed_expert_chunk_mib is not None and spec.expert_layout_problem:
         raise ValueError(f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g}: {spec.expert_layout_problem}")
     if fsdp.wrap_every_n_blocks > spec.num_layers:
@@ -377,7 +377,7 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
     spec, fixed, workload, frugal = search.spec, search.fixed, search.workload, draft.workload
     # Full fine-tuning holds every unsharded gradient between micro-batches under defer_grad_sync:
     # reduce-scatter each micro-batch instead until the deferral is known to fit.
-    base = dict(
+    base: dict[str, Any] = dict(
         reshard_after_forward=True,
         wrap_every_n_blocks=1,
         prefetch_units=1,
@@ -481,7 +481,7 @@ def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> N
             draft.note("shard_group_size", None, f"sharding only within a node of {per_node} GPUs does not fit")
     elif "shard_group_size" not in fixed:
         draft.note("shard_group_size", None, "one node: sharding across all its GPUs")
-    micro_batches = completions // current.micro_batch_size_per_gpu
+    micro_batches = completions // resolved(current.micro_batch_size_per_gpu, "micro_batch_size_per_gpu")
     if "defer_grad_sync" not in fixed and micro_batches == 1:
         fsdp = fsdp.model_copy(update={"defer_grad_sync": True})  # one micro-batch: nothing to defer (the default)
     elif "defer_grad_sync" not in fixed:
@@ -626,12 +626,12 @@ def _choose_vllm_utilization(search: _Search, draft: _Draft) -> None:
         or workload.vllm_kv_cache_memory_bytes is not None
     ):
         return
-    floor = draft.workload.vllm_gpu_memory_utilization
+    floor = resolved(draft.workload.vllm_gpu_memory_utilization, "vllm_gpu_memory_utilization")
     for util in VLLM_UTILIZATIONS:
         if util > floor and search.fits(draft.trying(vllm_gpu_memory_utilization=util), draft.fsdp):
             draft.workload = draft.trying(vllm_gpu_memory_utilization=util)
             break
-    chosen = draft.workload.vllm_gpu_memory_utilization
+    chosen = resolved(draft.workload.vllm_gpu_memory_utilization, "vllm_gpu_memory_utilization")
     draft.note(
         "vllm_gpu_memory_utilization",
         chosen,

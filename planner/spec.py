@@ -426,8 +426,8 @@ def build_spec(
         adapted = _plain_linear_lora(base, targets)
         if adapted is None:
             adapted, base = _peft_lora(base, targets), None
-        per_block = [[] for _ in blocks]
-        outside = []
+        per_block: list[list[LoraShape]] = [[] for _ in blocks]
+        outside: list[LoraShape] = []
         for mname, label, shapes in adapted:
             index = in_block(mname + ".")
             if index is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -13,7 +13,20 @@ __all__ = [
     "OFFLINE_SEQUENCES",
     "VLLM_DEFAULT_UTILIZATION",
     "VLLM_DEFAULT_MAX_NUM_SEQS",
+    "resolved",
 ]
+
+T = TypeVar("T")
+
+
+def resolved(value: T | None, name: str) -> T:
+    """A workload field left to the planner (None) once it has been resolved: the estimate
+    resolves micro-batch and engine settings first (planner.memory.resolve_workload), the plan
+    its own choices. ValueError names the field should an unresolved one reach here."""
+    if value is None:
+        raise ValueError(f"{name} is unresolved here: the planner sets it before it is read")
+    return value
+
 
 #: agilerl.utils.algo_utils.VLLMConfig's defaults, read where the planner is not asked to choose.
 VLLM_DEFAULT_UTILIZATION = 0.3

@@ -40,6 +40,14 @@ def test_the_code_is_formatted():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
+@pytest.mark.timeout(600)
+def test_the_planner_and_the_runtime_type_check():
+    """mypy over ``[tool.mypy] files`` (planner/, agilerl/distributed/): no errors."""
+    done = subprocess.run([_tool("mypy"), "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Success: no issues found" in done.stdout
+
+
 def test_the_commit_hooks_run_the_same_checks():
     """.pre-commit-config.yaml runs what this module runs, on the same installed tools."""
     import yaml
@@ -52,6 +60,7 @@ def test_the_commit_hooks_run_the_same_checks():
     assert entries["ruff-format"]["entry"].split()[:2] == ["ruff", "format"]
     assert entries["import-contracts"]["entry"].split()[0] == "lint-imports"
     assert entries["import-contracts"]["pass_filenames"] is False  # the contracts are over the whole project
+    assert entries["mypy"]["entry"].split()[0] == "mypy" and entries["mypy"]["pass_filenames"] is False
 
 
 def test_no_function_longer_than_150_lines():

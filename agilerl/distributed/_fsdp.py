@@ -27,7 +27,7 @@ its own (see :class:`_ReplicatedCast`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -174,6 +174,7 @@ class FSDPLayout:
     num_replicated_grad_syncs: int = 0  # explicit all-reduces of replicated grads so far
     root_cast: Any = None  # the root unit's replicated-parameter casts (see register_forward_method)
     dp_group: Any = None  # with tp > 1: the data-parallel group replicated gradients are averaged over
+    grad_sync_handles: list[Any] = field(default_factory=list)  # the replicated gradients' hooks
 
 
 def fsdp_layout(model: nn.Module) -> FSDPLayout | None:
@@ -185,10 +186,9 @@ def expert_parallel(model: nn.Module):
     """(MoE layout, EP process group) when ``model``'s experts are split by expert parallelism,
     else (None, None): what the state dicts, the optimizer's clipping and the trainer read."""
     layout = fsdp_layout(model)
-    moe = getattr(layout, "moe", None) if layout is not None else None
-    if moe is None or moe.ep == 1 or layout.expert_mesh is None:
+    if layout is None or layout.moe is None or layout.moe.ep == 1 or layout.expert_mesh is None:
         return None, None
-    return moe, layout.expert_mesh["ep"].get_group()
+    return layout.moe, layout.expert_mesh["ep"].get_group()
 
 
 def _grad_sync_enabled(layout: FSDPLayout) -> bool:
@@ -233,9 +233,9 @@ def _rank_group_pg():
 
 
 def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
-    for handle in getattr(layout, "_grad_sync_handles", []):
+    for handle in layout.grad_sync_handles:
         handle.remove()
-    layout._grad_sync_handles = []
+    layout.grad_sync_handles = []
     trainable = [p for p in layout.replicated_params if p.requires_grad]
     # Replicated across tensor-parallel ranks, a parameter already has the same gradient on
     # every rank of a TP group: average over the data-parallel ranks only.
@@ -256,7 +256,7 @@ def _install_replicated_grad_sync(layout: FSDPLayout) -> None:
             torch.autograd.Variable._execution_engine.queue_callback(_average)
 
     for p in trainable:
-        layout._grad_sync_handles.append(p.register_post_accumulate_grad_hook(_hook))
+        layout.grad_sync_handles.append(p.register_post_accumulate_grad_hook(_hook))
 
 
 class _ReplicatedCast:
@@ -478,7 +478,7 @@ def apply_fsdp2(
             layout.replicated_names.append(name)
     ignored = set(replicated)
     layout.replicated_params = replicated
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=shard_mesh,
         reshard_after_forward=config.reshard_after_forward,
         mp_policy=mp_policy,
@@ -517,11 +517,13 @@ def apply_fsdp2(
         group = by_kind[part.kind](part)
         if not _has_shardable(group):
             continue
-        fully_shard(group if len(group) > 1 else group[0], **kwargs)
-        layout.units.append(group[0])
+        if len(group) > 1:
+            fully_shard(group, **kwargs)  # one unit of several modules, led by the first
+        else:
+            fully_shard(group[0], **kwargs)
+        layout.units.append(cast(FSDPModule, group[0]))  # fully_shard made it an FSDPModule
         layout.unit_names.append(named.get(id(group[0]), part.name))
-    fully_shard(model, **kwargs)
-    layout.root = model
+    layout.root = fully_shard(model, **kwargs)
 
     units = layout.units
     for i, unit in enumerate(units):
@@ -543,5 +545,5 @@ def apply_fsdp2(
         _install_replicated_casts(model, layout, ignored, param_dtype, containers)
         _install_replicated_grad_sync(layout)
 
-    model._agilerl_fsdp_layout = layout
+    setattr(model, "_agilerl_fsdp_layout", layout)  # noqa: B010 (nn.Module's typing has no such attribute)
     return model

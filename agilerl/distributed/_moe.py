@@ -50,8 +50,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from ..typing import HFModule
 from ._plan import (
     EP_AXIS,
     EXPERT_SHARD_AXIS,
@@ -111,7 +113,7 @@ def _base(module: nn.Module) -> nn.Module:
 
 def _is_packed_experts(module: nn.Module) -> bool:
     params = module._parameters
-    return all(params.get(name) is not None and params[name].dim() == 3 for name in ("gate_up_proj", "down_proj"))
+    return all((p := params.get(name)) is not None and p.dim() == 3 for name in ("gate_up_proj", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -120,11 +122,11 @@ class MoELayer:
 
     name: str  # qualified name of the block, e.g. "model.layers.3.mlp"
     block: nn.Module
-    experts: nn.Module  # outermost (PEFT ParamWrappers included): the unit to shard and patch
-    router: nn.Module | None  # innermost router module (under any PEFT wrapper)
+    experts: HFModule  # outermost (PEFT ParamWrappers included): the unit to shard and patch
+    router: HFModule | None  # innermost router module (under any PEFT wrapper)
 
     @property
-    def base_experts(self) -> nn.Module:
+    def base_experts(self) -> HFModule:
         return _base(self.experts)
 
 
@@ -158,7 +160,7 @@ def is_moe_block(block: nn.Module) -> bool:
 _Routed = tuple[Tensor, Tensor, Tensor]  # logits [T, E], weights [T, k], indices [T, k]
 #: A router forward: (router, hidden, indices or None) -> (logits, weights, indices).
 #: Given indices, it skips the top-k selection and recomputes only the weights.
-RouteFn = Callable[[nn.Module, Tensor, "Tensor | None"], _Routed]
+RouteFn = Callable[[HFModule, Tensor, "Tensor | None"], _Routed]
 
 
 def _qualname(cls: type) -> str:
@@ -166,7 +168,7 @@ def _qualname(cls: type) -> str:
 
 
 def _softmax_topk(
-    router: nn.Module, hidden: Tensor, indices: Tensor | None, *, renormalize: bool, cast_back: bool
+    router: HFModule, hidden: Tensor, indices: Tensor | None, *, renormalize: bool, cast_back: bool
 ) -> _Routed:
     """Qwen2/Qwen3-MoE, OLMoE, Mixtral: softmax, top-k, optional renormalisation.
 
@@ -188,7 +190,7 @@ def _softmax_topk(
     return logits, weights.to(logits.dtype) if cast_back else weights, indices
 
 
-def _deepseek_v2(router: nn.Module, hidden: Tensor, indices: Tensor | None) -> _Routed:
+def _deepseek_v2(router: HFModule, hidden: Tensor, indices: Tensor | None) -> _Routed:
     """DeepSeek-V2: fp32 softmax, greedy or group-limited greedy top-k, scaled weights."""
     hidden = hidden.view(-1, router.hidden_dim)
     logits = F.linear(hidden.float(), router.weight.float())
@@ -208,7 +210,7 @@ def _deepseek_v2(router: nn.Module, hidden: Tensor, indices: Tensor | None) -> _
     return logits, scores.gather(1, indices) * router.routed_scaling_factor, indices
 
 
-def _deepseek_v3(router: nn.Module, hidden: Tensor, indices: Tensor | None) -> _Routed:
+def _deepseek_v3(router: HFModule, hidden: Tensor, indices: Tensor | None) -> _Routed:
     """DeepSeek-V3: sigmoid scores, bias-corrected group-limited choice, renormalised, scaled."""
     hidden = hidden.view(-1, router.hidden_dim)
     logits = F.linear(hidden.float(), router.weight.float())
@@ -228,7 +230,7 @@ def _deepseek_v3(router: nn.Module, hidden: Tensor, indices: Tensor | None) -> _
     return logits, weights * router.routed_scaling_factor, indices
 
 
-def _softmax_topk_norm_flag(router: nn.Module, hidden: Tensor, indices: Tensor | None) -> _Routed:
+def _softmax_topk_norm_flag(router: HFModule, hidden: Tensor, indices: Tensor | None) -> _Routed:
     return _softmax_topk(router, hidden, indices, renormalize=router.norm_topk_prob, cast_back=True)
 
 
@@ -262,7 +264,7 @@ class _RoutingTape:
         self.cursor = 0
         self.replaying = False
 
-    def next(self, router: nn.Module) -> Tensor:
+    def next(self, router: HFModule) -> Tensor:
         if self.cursor >= len(self.records) or self.records[self.cursor][0] != id(router):
             raise RuntimeError(
                 "MoE routing replay is out of step: the recompute called the routers in a "
@@ -292,7 +294,7 @@ def routing_replay_contexts() -> tuple[Any, Any]:
     return _tape_active(tape, replay=False), _tape_active(tape, replay=True)
 
 
-def _routed_forward(router: nn.Module, route: RouteFn, hidden_states: Tensor) -> _Routed:
+def _routed_forward(router: HFModule, route: RouteFn, hidden_states: Tensor) -> _Routed:
     tape: _RoutingTape | None = getattr(_ACTIVE, "tape", None)
     stats: RouterStats = router._agilerl_router_stats
     if tape is not None and tape.replaying:
@@ -370,7 +372,7 @@ def _is_param_wrapper(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("parameter_name", "lora_A", "lora_B", "base_layer"))
 
 
-def _expert_weights(experts: nn.Module) -> _ExpertWeights:
+def _expert_weights(experts: HFModule) -> _ExpertWeights:
     """The packed weights and the active LoRA factors, read past PEFT's ParamWrappers.
 
     The wrappers' own forward would fold ``W + s B A`` into a copy of the whole
@@ -403,7 +405,7 @@ def _expert_weights(experts: nn.Module) -> _ExpertWeights:
     )
 
 
-def experts_problem(experts: nn.Module) -> str | None:
+def experts_problem(experts: HFModule) -> str | None:
     """Why the row-wise experts (expert parallel, ``routed_expert_chunk_mib``) cannot run a
     packed experts module (PEFT wrappers included), or None when they can.
 
@@ -660,12 +662,12 @@ def _experts_forward(
     return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(hidden_states.dtype)
 
 
-def _slice_experts(experts: nn.Module, first: int, num_local: int) -> None:
+def _slice_experts(experts: HFModule, first: int, num_local: int) -> None:
     """Keep experts [first, first + num_local) of the packed weights and their LoRA factors."""
 
     def _replace(owner: nn.Module, name: str, value: Tensor) -> None:
         old = owner._parameters[name]
-        owner._parameters[name] = nn.Parameter(value.clone(), requires_grad=old.requires_grad)
+        owner._parameters[name] = nn.Parameter(value.clone(), requires_grad=old is None or old.requires_grad)
 
     module = experts
     while _is_param_wrapper(module):
@@ -746,7 +748,7 @@ def apply_expert_parallel(
         raise ValueError(f"ep_token_blocks must be >= 1, got {ep_token_blocks}")
     ep = 1 if ep_mesh is None else ep_mesh.size()
     ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
-    group = None if ep == 1 else ep_mesh.get_group()
+    group = None if ep_mesh is None or ep == 1 else ep_mesh.get_group()
     layers = find_moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no packed MoE experts to split")
@@ -784,7 +786,7 @@ def apply_expert_parallel(
             shard = ExpertShard(kind=kind, num_experts=num_experts)
             layout.expert_shards[f"{prefix}.{name}"] = shard
     layout.routers = install_router_forwards(model)
-    model._agilerl_moe_layout = layout
+    setattr(model, "_agilerl_moe_layout", layout)  # noqa: B010 (nn.Module's typing has no such attribute)
     return layout
 
 
@@ -826,27 +828,27 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 def fully_shard_experts(
     model: nn.Module, *, expert_mesh: DeviceMesh, gradient_divide_factor: float, **fully_shard_kwargs: Any
-) -> list[nn.Module]:
+) -> list[FSDPModule]:
     """``fully_shard`` each experts module on ``expert_mesh``; call before sharding the blocks.
 
     ``gradient_divide_factor`` must be the number of data-parallel batch
     shards (the world size without TP): a rank's experts already hold the sum
     over its EP group, and the reduce-scatter sums over the expert mesh.
     """
-    from torch.distributed.fsdp import fully_shard
-
     units = expert_modules(model)
     # A custom factor reduces with PREMUL_SUM, which only NCCL has; elsewhere (gloo)
     # FSDP must sum and scale separately. Not on a 1-rank mesh: torch 2.13 then
     # divides twice (its no-collective branch and the post-divide both apply it).
     group = expert_mesh.get_group()
     sum_only = dist.get_backend(group) != "nccl" and dist.get_world_size(group) > 1
+    out: list[FSDPModule] = []
     for unit in units:
-        fully_shard(unit, mesh=expert_mesh, **fully_shard_kwargs)
-        unit.set_gradient_divide_factor(float(gradient_divide_factor))
+        sharded = fully_shard(unit, mesh=expert_mesh, **fully_shard_kwargs)
+        out.append(sharded)
+        sharded.set_gradient_divide_factor(float(gradient_divide_factor))
         if sum_only:
-            unit.set_force_sum_reduction_for_comms(True)
-    return units
+            sharded.set_force_sum_reduction_for_comms(True)
+    return out
 
 
 def expert_slice(full: Tensor, *, shard: ExpertShard, first: int, num_local: int) -> Tensor:

@@ -105,6 +105,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     @staticmethod
     def _accumulator(master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
+            if p.grad is None:  # a post-accumulate hook always has one
+                return
             grad = _local(p.grad)
             if master.grad is None:
                 master.grad = grad.to(torch.float32, copy=True)
@@ -122,7 +124,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():

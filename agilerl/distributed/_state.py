@@ -7,6 +7,7 @@ model (no FSDP or checkpoint-wrapper prefixes) and tensors are full.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,7 +147,8 @@ def reinit_non_persistent_buffers(model: nn.Module) -> list[str]:
         return None
 
     done: list[str] = []
-    params = list(model.parameters())
+    # Hugging Face's own flag, set on parameters and buffers (not part of torch's typing).
+    params: list[Any] = list(model.parameters())
     flags = [getattr(p, "_is_hf_initialized", None) for p in params]
     for p in params:
         p._is_hf_initialized = True
@@ -170,7 +172,7 @@ def reinit_non_persistent_buffers(model: nn.Module) -> list[str]:
                     module.original_inv_freq.copy_(inv_freq)
             else:
                 for n in names:
-                    module._buffers[n]._is_hf_initialized = False
+                    setattr(module._buffers[n], "_is_hf_initialized", False)  # noqa: B010
                 init_owner._init_weights(module)
             done.extend(_clean(f"{module_name}.{n}" if module_name else n) for n in names)
     finally:
@@ -308,17 +310,18 @@ def load_full_optimizer_state_dict(
     Full fine-tuning moves between layouts: a saved ``master_weight`` sets an fp32 parameter where
     there is no master optimizer, and ``master_weights`` (the checkpoint's full weights) seed a
     master optimizer's fp32 masters where they were saved in fp32 and nothing else says more."""
-    with_masters = isinstance(optimizer, MasterWeightAdamW)
-    inner = optimizer.inner if with_masters else optimizer
+    masters = optimizer if isinstance(optimizer, MasterWeightAdamW) else None
+    with_masters = masters is not None
+    inner = masters.inner if masters is not None else optimizer
     steps_on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
     moe, _ = expert_parallel(model)
-    master_of = {id(p): m for p, m in optimizer.masters} if with_masters else {}
-    if with_masters:
+    master_of = {id(p): m for p, m in masters.masters} if masters is not None else {}
+    if masters is not None:
         # the weights just loaded; a saved fp32 master overrides below, and so do fp32 weights given
         # (a checkpoint written with fp32 parameters, FSDP2's shards, loaded beside bf16 ones)
-        optimizer.refresh_from_params()
+        masters.refresh_from_params()
         names = {id(p): _clean(n) for n, p in model.named_parameters()}
-        for p, master in optimizer.masters:
+        for p, master in masters.masters:
             full = (master_weights or {}).get(names[id(p)])
             if full is not None and full.dtype == torch.float32 and p.dtype != torch.float32:
                 local = _local_experts(moe, names[id(p)], full)

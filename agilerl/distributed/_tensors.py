@@ -14,7 +14,7 @@ __all__ = ["materialize_dtensors", "gather_params", "full_shape_views", "owners_
 
 
 @overload
-def materialize_dtensors(
+def materialize_dtensors(  # type: ignore[overload-overlap]  # two tensors: a pair to unpack
     t0: torch.Tensor, t1: torch.Tensor | None, /
 ) -> AbstractContextManager[tuple[torch.Tensor, torch.Tensor | None]]: ...
 
@@ -61,9 +61,9 @@ def owners_of(root: nn.Module, params: Sequence[torch.Tensor | None]) -> dict[in
     return owners
 
 
-def _install(owners: list[tuple[nn.Module, str]], value: nn.Parameter) -> None:
+def _install(owners: list[tuple[nn.Module, str]], value: torch.Tensor) -> None:
     for module, name in owners:
-        module._parameters[name] = value
+        module._parameters[name] = value  # type: ignore[assignment]  # a dense stand-in, restored on exit
 
 
 @contextmanager
@@ -130,4 +130,4 @@ def full_shape_views(root: nn.Module, params: Sequence[torch.Tensor | None]) -> 
     finally:
         for module, name, param_view, original in installed:
             if module._parameters.get(name) is param_view:
-                module._parameters[name] = original
+                module._parameters[name] = original  # type: ignore[assignment]  # the DTensor parameter it was

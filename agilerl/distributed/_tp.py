@@ -72,6 +72,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..typing import HFModule
 from ._blocks import find_transformer_blocks
 from ._moe import is_moe_block
 from ._plan import BLOCK_PLAN, HEAD_NORMS, ParallelDims, tp_split_problem
@@ -156,7 +157,7 @@ def _is_lora(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and isinstance(adapters, nn.ModuleDict)
 
 
-def _check_linear(module: nn.Module | None, name: str) -> None:
+def _check_linear(module: HFModule | None, name: str) -> None:
     if module is None:
         raise ValueError(
             f"{name} is missing: tensor parallelism supports dense blocks with separate {sorted(BLOCK_PLAN)}"
@@ -176,7 +177,7 @@ def _style(kind: str) -> ParallelStyle:
     return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
 
-def _split_linear(module: nn.Module, mesh: DeviceMesh, kind: str) -> bool:
+def _split_linear(module: HFModule, mesh: DeviceMesh, kind: str) -> bool:
     """Split one linear (or PEFT LoRA linear) ``kind``-wise; True if it carried LoRA."""
     if not _is_lora(module):
         parallelize_module(module, mesh, _style(kind))
@@ -208,7 +209,7 @@ def _local_out(_module: nn.Module, output: DTensor, _mesh: DeviceMesh) -> torch.
 def _reduce_partial_grad(param: torch.Tensor) -> None:
     # The weight gradient of a replicated norm over local heads is Partial (see module doc).
     grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(placements=param.placements)
 
 
@@ -221,7 +222,8 @@ def _split_head_norm(norm: nn.Module, mesh: DeviceMesh) -> None:
     gradients themselves; there the hook is never reached (FSDP swaps the
     parameter). A weight frozen now (under LoRA) gets no hook.
     """
-    distribute_module(norm, mesh, _replicate_params, _local_heads_in, _local_out)
+    # torch types the input and output functions as returning None; they return the new input/output.
+    distribute_module(norm, mesh, _replicate_params, _local_heads_in, _local_out)  # type: ignore[arg-type]
     for p in norm.parameters():
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(_reduce_partial_grad)
@@ -280,7 +282,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TPLayout:
             if norm is not None:
                 _split_head_norm(norm, tp_mesh)
                 layout.head_norms.append(f"{prefix}.{path}")
-    model._agilerl_tp_layout = layout
+    setattr(model, "_agilerl_tp_layout", layout)  # noqa: B010 (nn.Module's typing has no such attribute)
     return layout
 
 
@@ -302,11 +304,12 @@ def parallel_ranks(mesh: DeviceMesh) -> ParallelRanks:
     Ranks with the same ``dp_rank`` form a TP group and must get the same rows:
     ``rows[dp_rank * n:(dp_rank + 1) * n]`` for ``n = total // num_dp_ranks``.
     """
+    names = mesh.mesh_dim_names or ()
     return ParallelRanks(
         dp_rank=mesh.get_local_rank("dp"),
-        num_dp_ranks=mesh.size(mesh.mesh_dim_names.index("dp")),
+        num_dp_ranks=mesh.size(names.index("dp")),
         tp_rank=mesh.get_local_rank("tp"),
-        tp=mesh.size(mesh.mesh_dim_names.index("tp")),
+        tp=mesh.size(names.index("tp")),
         dp_group=mesh.get_group("dp"),
         tp_group=mesh.get_group("tp"),
     )

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from agilerl.typing import HFModule
 from agilerl.utils.shared_prefix import ADDITIVE_MASK_ATTENTION
 
 __all__ = [
@@ -248,7 +249,7 @@ def linear_token_logprobs(
     return out.view(shape)
 
 
-def causal_lm(model: nn.Module) -> nn.Module:
+def causal_lm(model: nn.Module) -> HFModule:
     """The Hugging Face causal LM inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model

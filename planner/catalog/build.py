@@ -76,7 +76,7 @@ def build_index(todo: list[CatalogEntry]) -> dict:
 
 def same_model(a: ModelSpec, b: ModelSpec) -> bool:
     """Whether two specs describe the same model, whatever library versions built them."""
-    return a.model_dump(exclude=VERSION_FIELDS) == b.model_dump(exclude=VERSION_FIELDS)
+    return a.model_dump(exclude=set(VERSION_FIELDS)) == b.model_dump(exclude=set(VERSION_FIELDS))
 
 
 def relative_difference(built: int, published: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -27,6 +28,11 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _parse_targets(text: str) -> str | tuple[str, ...]:
+    """LoRA targets: ``all-linear`` or comma-separated module names."""
+    return text if text == "all-linear" else tuple(t for t in text.split(",") if t)
+
+
 def _members(annotation: Any) -> list[Any]:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -34,15 +40,16 @@ def _members(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _converter(annotation: Any):
+def _converter(annotation: Any) -> tuple[Callable[[str], Any], list[str] | None, bool]:
     members = [m for m in _members(annotation) if m is not type(None)]
     optional = len(members) < len(_members(annotation))
     choices = None
+    convert: Callable[[str], Any]
     if len(members) == 1 and typing.get_origin(members[0]) is Literal:
         choices = [str(c) for c in typing.get_args(members[0])]
         values = {str(c): c for c in typing.get_args(members[0])}
 
-        def convert(text: str, values=values, choices=choices):
+        def convert(text: str, values: dict[str, Any] = values, choices: list[str] = choices) -> Any:
             if text not in values:
                 raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (got {text!r})")
             return values[text]
@@ -53,11 +60,11 @@ def _converter(annotation: Any):
     elif float in members:
         convert = float
     elif any(typing.get_origin(m) is tuple for m in members):
-        convert = lambda text: text if text == "all-linear" else tuple(t for t in text.split(",") if t)  # noqa: E731
+        convert = _parse_targets
     else:
         convert = str
 
-    def parse(text: str):
+    def parse(text: str) -> Any:
         if optional and text.lower() in (_AUTO, "none"):
             return None
         return convert(text)
@@ -82,7 +89,7 @@ def add_fields(
         metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
         extra = " ('auto' lets the planner choose)" if optional else ""
         # A flag that is off by default also turns on bare (--full-finetune), or takes true/false.
-        bare = dict(nargs="?", const=True) if field.annotation is bool and default is False else {}
+        bare: dict[str, Any] = dict(nargs="?", const=True) if field.annotation is bool and default is False else {}
         if bare:
             metavar = "true|false"
         target.add_argument(

@@ -73,21 +73,12 @@ def _probe_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_device() -> str:
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:  # pragma: no cover
-        return "cpu"
-
-
 def probe_main(argv: list[str]) -> int:
     from pydantic import ValidationError
 
     from agilerl.utils.sources import check_model_source
 
-    from ..probe import ProbeRequest, run_probe
+    from ..probe import Device, ProbeRequest, default_device, run_probe
 
     parser = _probe_parser()
     args = parser.parse_args(argv)
@@ -107,7 +98,7 @@ def probe_main(argv: list[str]) -> int:
         fsdp = None if args.no_fsdp else FSDPConfig(**fixed)
         if fsdp is not None:
             fsdp.check_world(args.gpus)
-        device = args.device or _default_device()
+        device: Device = args.device or default_device()
         here = args.gpus if args.rdzv_endpoint is None else args.gpus // args.nnodes
         if device == "cuda" and _cuda_count() < here:
             raise ValueError(f"--device cuda needs {here} GPU(s) on this machine, which has {_cuda_count()}")

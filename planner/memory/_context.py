@@ -163,12 +163,12 @@ def build_context(
     workload = resolve_workload(workload, data_parallel_ranks=data_parallel_ranks)
     weight_bytes = DTYPE_BYTES[workload.weights_dtype]
     completions = workload.completions_per_rank(data_parallel_ranks)
-    micro_batch = workload.micro_batch_size_per_gpu
+    micro_batch = workload.micro_batch_size_per_gpu or completions  # as resolve_workload resolved it
     lora = _lora_by_type(spec, workload)
     if tp > 1 and (problem := tp_problem(spec, tp)):
         raise ValueError(problem)
     if ep > 1:
-        check_ep(spec, ep, num_gpus, fsdp)
+        check_ep(spec, ep, num_gpus)
     # Which expert code runs (agilerl.distributed._moe): PEFT's merged expert stack in the
     # Hugging Face loop, or the project's row-wise experts (expert parallel or a chunk size).
     chunk_mib = fsdp.routed_expert_chunk_mib if fsdp else None

@@ -135,7 +135,7 @@ def in_flight(ctx: Context, gathered: Gathered, prefetch: int, *, forward: bool)
     from its forward to its backward, and after a no-grad forward until the next
     backward (FSDP2 reshards in post-backward only).
     """
-    if not ctx.sharded:
+    if ctx.fsdp is None:
         return 0
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes + gathered.buffer_bytes
@@ -167,7 +167,7 @@ def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
 def nograd_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
     """A no-grad forward's window (generation, the reference pass) with ``prefetch_units``
     prefetched; everything with reshard_after_forward=False."""
-    if not ctx.sharded:
+    if ctx.fsdp is None:
         return 0
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes
@@ -176,7 +176,7 @@ def nograd_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
 
 def after_forward_bytes(ctx: Context, gathered: Gathered) -> int:
     """Gathered after a forward: the root stays gathered; with reshard_after_forward=False every unit."""
-    if not ctx.sharded:
+    if ctx.fsdp is None:
         return 0
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from agilerl.utils.algo_utils import vllm_batched_tokens
 
+from ..workload import resolved
 from ._activations import nograd_forward_bytes
 from ._context import Context
 from ._units import Layout
@@ -69,7 +70,7 @@ def masked_decode_bytes(ctx: Context) -> int:
 def _batched_tokens(ctx: Context) -> int:
     workload = ctx.workload
     return vllm_batched_tokens(
-        max_num_seqs=workload.vllm_max_num_seqs,
+        max_num_seqs=resolved(workload.vllm_max_num_seqs, "vllm_max_num_seqs"),
         max_model_len=workload.vllm_model_len,
         max_num_batched_tokens=workload.vllm_max_num_batched_tokens,
     )
@@ -114,7 +115,8 @@ def vllm_awake_bytes(ctx: Context) -> int:
         return 0
     if workload.vllm_kv_cache_memory_bytes is not None:
         return vllm_weight_bytes(ctx) + workload.vllm_kv_cache_memory_bytes
-    budget = int(workload.vllm_gpu_memory_utilization * ctx.cluster.gpu.memory_bytes)
+    utilization = resolved(workload.vllm_gpu_memory_utilization, "vllm_gpu_memory_utilization")
+    budget = int(utilization * ctx.cluster.gpu.memory_bytes)
     return max(0, budget - vllm_profile_bytes(ctx)) if ctx.on_gpu else budget
 
 

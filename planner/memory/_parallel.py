@@ -6,7 +6,6 @@ from __future__ import annotations
 from agilerl.distributed import (
     COLWISE,
     ROWWISE,
-    FSDPConfig,
     expert_parallel_problem,
     tp_dim,
     tp_split_problem,
@@ -95,7 +94,7 @@ def tensor_parallel_degrees(spec: ModelSpec, world: int) -> list[int]:
     return [d for d in range(1, world + 1) if world % d == 0 and (d == 1 or tp_problem(spec, d) is None)]
 
 
-def check_ep(spec: ModelSpec, ep: int, world: int, fsdp: FSDPConfig) -> None:
+def check_ep(spec: ModelSpec, ep: int, world: int) -> None:
     """The EP degree agilerl.distributed accepts: packed experts, dividing the world and every expert count."""
     if not _expert_counts(spec) or not row_wise_experts(spec):
         if spec.expert_layout_problem:

@@ -215,11 +215,12 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     embed = 0
     if ctx.full_finetune:
         embed = layout.embed.numel * p
-        if ctx.sharded:
+        if ctx.fsdp is not None:
             embed += layout.embed.numel * DTYPE_BYTES[ctx.fsdp.reduce_dtype] if layout.embed.sharded else 0
         elif ctx.stored_bytes == 4:
             embed = 0  # fp32 weights: autograd accumulates into their own gradient
-    if not ctx.sharded:
+    fsdp = ctx.fsdp
+    if fsdp is None:
         prior = memory.trainable_elements * 4 if not one else 0
         return GradientTerms(
             prior=prior, reducing=0, reduce_buffer=0, final=memory.trainable_elements * 4, embed=embed, **growth
@@ -232,8 +233,8 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
                 else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters
             )
         trainable_full = layout.sums["trained_full"]
-        accumulated = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
-        prior = trainable_full * accumulated if ctx.fsdp.defer_grad_sync else memory.gradients_sharded
+        accumulated = DTYPE_BYTES[fsdp.reduce_dtype]
+        prior = trainable_full * accumulated if fsdp.defer_grad_sync else memory.gradients_sharded
     else:
         prior = 0
     # A trained untied lm_head (full fine-tuning): its unit's backward, reduce-scatter included, runs
@@ -242,11 +243,11 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     return GradientTerms(
         prior=prior,
         reducing=largest_unit * p,
-        reduce_buffer=largest_unit * DTYPE_BYTES[ctx.fsdp.reduce_dtype],
+        reduce_buffer=largest_unit * DTYPE_BYTES[fsdp.reduce_dtype],
         final=memory.gradients_sharded,
         embed=embed,
         head_reducing=head_full * p,
-        head_buffer=head_full * DTYPE_BYTES[ctx.fsdp.reduce_dtype],
+        head_buffer=head_full * DTYPE_BYTES[fsdp.reduce_dtype],
         **growth,
     )
 

@@ -120,8 +120,8 @@ def block_linears(
         if role is None:
             continue
         split = tp if role.startswith("attn") else mlp_tp
-        d_in, d_out = (d_in, d_out / split) if role.endswith("_in") else (d_in / split, d_out)
-        out[role].append(Linear(path, d_in, d_out, path in adapted))
+        width_in, width_out = (d_in, d_out / split) if role.endswith("_in") else (d_in / split, d_out)
+        out[role].append(Linear(path, width_in, width_out, path in adapted))
     return out
 
 
@@ -282,7 +282,8 @@ def block_tape(
         norm_saved=norm_saved,
     )
     attention_live = normed + attention_locals
-    stream = held_stream = H * p  # the residual stream after attention, alive until the block returns
+    stream: float = H * p  # the residual stream after attention, alive until the block returns
+    held_stream = stream
     # -- MLP ------------------------------------------------------------------------------------
     saved += (hidden_norms - 1 - after_mlp) * norm_saved  # the pre-MLP (and Gemma's post-attention) norms
     if p == 4:

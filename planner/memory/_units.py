@@ -117,7 +117,10 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
     them (built once per block type)."""
     threshold, tp, ep, r = ctx.persistence_threshold, ctx.tp, ctx.ep, ctx.lora_rank
     packed, group = ctx.packed[index], ctx.expert_group
-    base, lora, expert_base, expert_lora = [], [], [], []
+    base: list[Tensor] = []
+    lora: list[Tensor] = []
+    expert_base: list[Tensor] = []
+    expert_lora: list[Tensor] = []
     expert_down = 0
     for name, shape in ctx.spec.block(index).tensors:
         if packed and is_packed_expert(name, shape):  # [E, ., .]: split by ep, FSDP over world / ep
@@ -142,10 +145,10 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
         else:
             # colwise base: B split on its output; rowwise: A on its input
             module = name.rsplit(".", 1)[-1]
-            split = tp if not packed or name.startswith("self_attn.") else 1
+            lora_tp = tp if not packed or name.startswith("self_attn.") else 1
             pair = (
-                make_tensor((r * a_rows, a_cols), threshold, tp=split, tp_dim=1 if module in ROWWISE else None),
-                make_tensor((b_rows, r * b_cols), threshold, tp=split, tp_dim=0 if module in COLWISE else None),
+                make_tensor((r * a_rows, a_cols), threshold, tp=lora_tp, tp_dim=1 if module in ROWWISE else None),
+                make_tensor((b_rows, r * b_cols), threshold, tp=lora_tp, tp_dim=0 if module in COLWISE else None),
             )
         lora.extend(pair * ctx.num_adapters)
     return LayerTensors(tuple(base), tuple(lora), tuple(expert_base), tuple(expert_lora), expert_down)

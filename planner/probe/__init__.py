@@ -6,6 +6,15 @@ parent imports no torch. ``planner.probe.tracking`` holds the torch-side tracker
 records each phase with (importing it imports torch).
 """
 
-from ._launch import COMPONENTS, PHASES, Measurement, ProbeRequest, RankMeasurement, run_probe
+from ._launch import COMPONENTS, PHASES, Device, Measurement, ProbeRequest, RankMeasurement, default_device, run_probe
 
-__all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
+__all__ = [
+    "ProbeRequest",
+    "Measurement",
+    "RankMeasurement",
+    "run_probe",
+    "Device",
+    "default_device",
+    "PHASES",
+    "COMPONENTS",
+]

@@ -32,6 +32,18 @@ from ..workload import Workload
 __all__ = ["ProbeRequest", "Measurement", "RankMeasurement", "run_probe", "PHASES", "COMPONENTS"]
 
 
+Device = Literal["cpu", "cuda"]
+
+
+def default_device() -> Device:
+    """Where probes run unless told: ``cuda`` when this machine has a GPU torch can use."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class ProbeRequest(BaseModel):
     """What to measure."""
 
@@ -58,7 +70,7 @@ class ProbeRequest(BaseModel):
             "on every node with the same endpoint; each node reports its own ranks."
         ),
     ] = None
-    device: Annotated[Literal["cpu", "cuda"], Field(description="Where the ranks compute.")] = "cpu"
+    device: Annotated[Device, Field(description="Where the ranks compute.")] = "cpu"
     generate: Annotated[
         bool,
         Field(
@@ -426,7 +438,7 @@ def run_probe(
         failure += f"\n--- worker output (tail) ---\n{tail}"
     elif failure is not None:
         failure += f"\n--- worker output (tail) ---\n{tail}"
-    over = {}
+    over: dict[str, int] = {}
     for r in ranks:
         for phase, rec in r.phases.items():
             value = rec.get("cuda_max_allocated", rec.get("total", 0))

@@ -247,7 +247,7 @@ def _load(algorithm: type, model: str, kwargs: dict, result: dict):
 def _vocab_size(agent) -> int:
     from agilerl.utils.logprobs import causal_lm
 
-    return causal_lm(agent.model).config.vocab_size
+    return int(causal_lm(agent.model).config.vocab_size)
 
 
 def _synthetic_batches(agent, workload, gen):

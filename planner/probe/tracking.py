@@ -71,7 +71,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, exclude: set[int] | None = None) -> None:
         super().__init__()
-        self.exclude, self.live, self.total, self.peak = set(exclude or ()), {}, 0, 0
+        self.exclude: set[int] = set(exclude or ())
+        self.live: dict[int, int] = {}
+        self.total, self.peak = 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

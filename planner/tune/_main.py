@@ -10,22 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..hardware import CPU_DEVICE
-from ..probe import Measurement, ProbeRequest
+from ..probe import Device, Measurement, ProbeRequest, default_device
 from ..request import PlanRequest
 from ..spec import ModelSpec
 from ._report import trial_json, trials_table
 from ._run import TuneResult, tune
 
 __all__ = ["tune_main"]
-
-
-def _default_device() -> str:
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:  # pragma: no cover
-        return "cpu"
 
 
 def tune_main(
@@ -47,7 +38,7 @@ def tune_main(
         print("error: --tune needs Optuna: pip install 'agilerl-fsdp-planner[tune]'", file=sys.stderr)
         return 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress lines say what happens
-    device = getattr(args, "device", None) or _default_device()
+    device: Device = getattr(args, "device", None) or default_device()
     if device == "cpu":
         # CPU probes: a CPU "device" (no GPU-only terms) whose memory is the per-rank budget.
         cluster = request.cluster

@@ -15,7 +15,7 @@ from typing import Any
 from ..choose import Decision, Plan, plan
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients
-from ..probe import Measurement, ProbeRequest
+from ..probe import Device, Measurement, ProbeRequest
 from ..request import PlanRequest
 from ..spec import ModelSpec
 from ..workload import Workload
@@ -209,7 +209,7 @@ def tune(
     model: str,
     request: PlanRequest,
     coefficients: Coefficients | None,
-    device: str = "cpu",
+    device: Device = "cpu",
     max_trials: int = 20,
     timeout_s: float | None = None,
     storage: str | None = DEFAULT_STORAGE,
@@ -354,7 +354,7 @@ def _open_study(
     model: str,
     request: PlanRequest,
     *,
-    device: str,
+    device: Device,
     generate: bool,
     storage: str | None,
     study_name: str | None,
