@@ -27,18 +27,32 @@ def kv_cache_bytes(ctx: Context, tokens: int, rows: int | None = None) -> int:
     return out
 
 
+def layer_keys_bytes(ctx: Context, tokens: int) -> int:
+    """The largest layer's keys (as many bytes as its values) at ``tokens``: what a cache grown by
+    concatenation holds twice while it grows them."""
+    n, tp, p = ctx.completions_per_rank, ctx.tp, ctx.compute_bytes
+    out = 0
+    for i, _ in ctx.layer_counts:
+        att = ctx.spec.block(i).attention
+        length = min(tokens, att.sliding_window) if att.sliding_window else tokens
+        out = max(out, n * length * att.kv_dim // tp * p)
+    return out
+
+
 def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
     """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
     forward over n x prompt tokens beside the prompt's cache; logits of the last position
-    only), and the last decode steps (the whole cache, grown by concatenation, so one
-    layer's worth extra, and sampling's three logits copies).
+    only), and the last decode steps: the whole cache, and one layer's keys more (DynamicCache
+    concatenates a layer's keys, then its values, so the old and the new of one of them are
+    alive at once), and sampling's three logits copies. Measured against a real ``generate``
+    with a live-tensor tracker (tests/planner/memory/test_generation.py: within 1%).
 
     With the shared-prefix forward (GRPO._shared_prefill) the prefill runs each distinct prompt
     once, over all its columns but the last, and the cache is then copied to the group's rows;
     generate's first step runs the last column of every row."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
-    decode = {"kv_cache": int(full_kv * (1 + 1 / max(1, ctx.spec.num_layers))), "logits": n * V * 4 * 3}
+    decode = {"kv_cache": full_kv + layer_keys_bytes(ctx, ctx.sequence_tokens), "logits": n * V * 4 * 3}
     if repeated := masked_decode_bytes(ctx):
         decode["activations"] = repeated
     rows = ctx.rollout_prefix_rows

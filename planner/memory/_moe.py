@@ -141,9 +141,8 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
 
     Hugging Face's grouped-GEMM experts run every routed row at once: the gathered rows,
     gate_up's output (2 x width), the activation and the product (width each); with the
-    adapter on the stacks, PEFT's merged stacks beside them (three copies of gate_up's,
-    two of down's, about 8/3 of the stack; counted on a no-grad forward with
-    transformers 5).
+    adapter on the stacks, PEFT's merged stacks beside them (:func:`merged_stack_copies`
+    of the stack).
     """
     moe = routed_experts(ctx, index)
     if moe is None:
@@ -153,7 +152,8 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     rows = batch * length * top_k
     merged = adapters_on and ctx.expert_lora[index]
     if not ctx.expert_rowwise:
-        return (rows * (4 * expert_width + H) + (8 / 3 * layout.expert_stack[index] if merged else 0)) * p
+        stacks = ctx.merged_stack_copies * layout.expert_stack[index] if merged else 0
+        return (rows * (4 * expert_width + H) + stacks) * p
     chunk_rows = expert_chunk_rows(ctx, rows, expert_width)
     per_expert = min(chunk_rows, rows / max(1, ctx.spec.block(index).mlp.num_experts // ctx.ep))
     gate_up = (3 if merged else 1) * 2 * expert_width

@@ -72,10 +72,10 @@ def test_tight_memory_shards_and_every_choice_has_a_reason(spec):
         "fits",
     ):
         assert p.reasons()[field], field
-    # Choices are the estimate's: relaxing any chosen knob one step further would not fit.
-    if p.fsdp.reshard_after_forward:
-        relaxed = p.fsdp.model_copy(update={"reshard_after_forward": False})
-        assert estimate(spec, p.workload, p.cluster, relaxed).peak_bytes > gpu.memory_bytes - p.margin_bytes
+    # Choices are the estimate's: tight, it keeps resharding, and not resharding would not fit.
+    assert p.fsdp.reshard_after_forward
+    relaxed = p.fsdp.model_copy(update={"reshard_after_forward": False})
+    assert estimate(spec, p.workload, p.cluster, relaxed).peak_bytes > gpu.memory_bytes - p.margin_bytes
 
 
 def test_optimizer_offload_when_only_the_host_can_hold_adam(spec):
@@ -255,8 +255,9 @@ def test_a_colocated_engine_that_breaks_the_fit_gets_a_lower_fraction_suggested(
     assert plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction}), h100).fits
     assert not plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction + 0.05}), h100).fits
     assert any(s.startswith("set offload_weights_during_rollout=True") for s in p.suggestions)
-    if any("QLoRA" in s for s in p.suggestions):  # QLoRA with a colocated engine: a suggestion that fits
-        assert plan(spec7b, workload.model_copy(update={"load_in_4bit": True}), h100).fits
+    # QLoRA with a colocated engine is suggested, and it fits.
+    assert any("QLoRA" in s for s in p.suggestions), p.suggestions
+    assert plan(spec7b, workload.model_copy(update={"load_in_4bit": True}), h100).fits
 
 
 def test_fsdpconfig_fields_given_on_one_gpu_are_kept_not_dropped(spec):

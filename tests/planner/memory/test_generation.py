@@ -169,3 +169,42 @@ def test_fsdp_gather_once_holds_merged_copies_of_the_replicated_adapted_linears_
         )
         == 0
     )
+
+
+def test_the_decode_peak_is_measured_on_hugging_face_generate():
+    """Measured, not pinned: the live tensors of a real ``generate`` (greedy, bf16, the KV cache
+    dominating: wide K/V heads, a 32-token vocabulary) against the estimate's decode moment (its
+    KV cache and sampling's logits). The cache grows by concatenation, one layer's keys (then its
+    values) at a time."""
+    import torch
+    import transformers
+
+    from agilerl.utils.tiny import tiny_config
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.memory import estimate
+    from planner.models import load_model_spec
+    from planner.probe.tracking import LiveBytes
+    from planner.workload import Workload
+
+    sizes = dict(hidden_size=256, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, vocab_size=32)
+    config = tiny_config("qwen2", **sizes)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    prompts, group, prompt, completion = 4, 2, 8, 120
+    ids = torch.randint(1, 32, (prompts * group, prompt))
+    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    live = LiveBytes(params)
+    with torch.no_grad(), live:
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=completion, min_new_tokens=completion,
+            do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    spec = load_model_spec("tiny:qwen2?" + "&".join(f"{k}={v}" for k, v in sizes.items()))
+    workload = Workload(
+        prompts_per_step=prompts, group_size=group, prompt_tokens=prompt, completion_tokens=completion,
+        generation="hf", share_prompt_prefix=False, weights_dtype="bfloat16",
+    )  # fmt: skip
+    rollout = estimate(spec, workload, Cluster(gpu=CPU_DEVICE), None).phases["rollout"].components
+    estimated = rollout["kv_cache"] + rollout["logits"]
+    assert abs(estimated - live.peak) <= 0.02 * live.peak, (estimated, live.peak)
