@@ -110,6 +110,7 @@ class _Search:
         fixed: dict[str, Any],
     ):
         self.spec, self.cluster, self.coefficients, self.margin = spec, cluster, coefficients, margin
+        self.row_wise = row_wise_experts(spec)  # the project's row-wise experts can run this model's
         self.workload, self.fixed = workload, fixed  # as the user gave them
         self.limit = cluster.gpu.memory_bytes - margin
 
@@ -388,7 +389,7 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
         defer_grad_sync=not workload.full_finetune,
     )
     # the row-wise experts in chunks: far below PEFT's merged expert stacks
-    row_wise = row_wise_experts(spec)
+    row_wise = search.row_wise
     if row_wise:
         base["routed_expert_chunk_mib"] = EXPERT_CHUNKS_MIB[0]
     base.update(fixed)
@@ -592,7 +593,7 @@ def _choose_experts(search: _Search, draft: _Draft) -> None:
     and why ep is what it is."""
     spec, fixed, fsdp = search.spec, search.fixed, draft.fsdp
     assert fsdp is not None
-    row_wise = row_wise_experts(spec)
+    row_wise = search.row_wise
     if row_wise and "routed_expert_chunk_mib" not in fixed:
         best = EXPERT_CHUNKS_MIB[0]
         for chunk in EXPERT_CHUNKS_MIB[1:]:
