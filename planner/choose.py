@@ -136,6 +136,21 @@ class _Draft:
         """The current workload with ``update`` applied."""
         return self.workload.model_copy(update=update)
 
+    def plan(self, search: _Search, est: Estimate, *, fits: bool, source: str, suggestions: list[str]) -> Plan:
+        """The plan of what was chosen, judged by ``est``."""
+        return Plan(
+            model=search.spec.name,
+            cluster=search.cluster,
+            fsdp=self.fsdp,
+            workload=self.workload,
+            estimate=est,
+            decisions=tuple(self.decisions),
+            fits=fits,
+            margin_bytes=search.margin,
+            suggestions=tuple(suggestions),
+            coefficients_source=source,
+        )
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -260,18 +275,7 @@ def plan(
             f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase "
             f"{est.peak_phase}, over the {_gib(search.limit)} available",
         )
-        return Plan(
-            model=spec.name,
-            cluster=cluster,
-            fsdp=draft.fsdp,
-            workload=draft.workload,
-            estimate=est,
-            decisions=tuple(draft.decisions),
-            fits=False,
-            margin_bytes=margin,
-            suggestions=tuple(suggestions),
-            coefficients_source=source,
-        )
+        return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
 
     # 2. relax, in order of throughput value
     _note_optimizer_offload(search, draft)
@@ -295,17 +299,7 @@ def plan(
         f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
         f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}",
     )
-    return Plan(
-        model=spec.name,
-        cluster=cluster,
-        fsdp=draft.fsdp,
-        workload=draft.workload,
-        estimate=est,
-        decisions=tuple(draft.decisions),
-        fits=True,
-        margin_bytes=margin,
-        coefficients_source=source,
-    )
+    return draft.plan(search, est, fits=True, source=source, suggestions=[])
 
 
 def plan_request(

@@ -68,18 +68,22 @@ class RequestError(ValueError):
         super().__init__("; ".join(self.problems.values()) or "invalid plan request")
 
 
-def fixed_problems(fixed: Mapping[str, Any]) -> dict[str, str]:
-    """What is wrong with the FSDPConfig fields the user fixed, by key (FSDPConfig's own errors)."""
+def _fixed_config(fixed: Mapping[str, Any]) -> tuple[FSDPConfig | None, dict[str, str]]:
+    """The FSDPConfig of the fields the user fixed, or None and FSDPConfig's own errors by key."""
     try:
-        FSDPConfig(**fixed)
+        return FSDPConfig(**fixed), {}
     except ValidationError as err:
         out: dict[str, str] = {}
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"])
             msg = e["msg"].removeprefix("Value error, ")
             out.setdefault(f"fsdp.{loc}" if loc else "fsdp", f"{loc}: {msg}" if loc else msg)
-        return out
-    return {}
+        return None, out
+
+
+def fixed_problems(fixed: Mapping[str, Any]) -> dict[str, str]:
+    """What is wrong with the FSDPConfig fields the user fixed, by key (FSDPConfig's own errors)."""
+    return _fixed_config(fixed)[1]
 
 
 def _layout_key(message: str) -> str:
@@ -101,10 +105,9 @@ def request_problems(
     problems: dict[str, str] = {}
     if sharding not in SHARDINGS:
         problems["plan.sharding"] = f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}"
-    bad_fixed = fixed_problems(fixed)
-    if bad_fixed:
+    fsdp, bad_fixed = _fixed_config(fixed)
+    if fsdp is None:
         return {**problems, **bad_fixed}
-    fsdp = FSDPConfig(**fixed)
     if fixed and sharding == "none":
         problems["plan.sharding"] = (
             f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "

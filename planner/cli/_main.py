@@ -252,17 +252,16 @@ def plan_main(argv: list[str]) -> int:
         spec = load_model_spec(
             args.model, lora_targets=request.workload.lora_targets, allow_download=args.allow_download
         )
-        check_inputs(spec, request.workload, request.cluster, dict(request.fixed), request.sharding)
+        if args.tune:  # refused before the study opens (plan_request checks the same itself)
+            check_inputs(spec, request.workload, request.cluster, dict(request.fixed), request.sharding)
+        else:
+            result = plan_request(spec, request)
     except (ModelNotFound, ValueError) as err:
         return _bad_input(err)
     if args.tune:
         from ..tune import tune_main
 
         return tune_main(args, spec=spec, model=args.model, request=request)
-    try:
-        result = plan_request(spec, request)
-    except ValueError as err:
-        return _bad_input(err)
     if args.format == "json":
         print(json.dumps(emit.plan_json(result), indent=2))
     elif args.format == "yaml":

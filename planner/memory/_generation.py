@@ -15,28 +15,25 @@ VLLM_NOTE = (
 )
 
 
+def _layer_kv_bytes(ctx: Context, index: int, tokens: int, rows: int) -> int:
+    """K and V of layer ``index``: 2 x rows x length x kv_dim / tp x p, a sliding-window layer's
+    length capped at its window."""
+    att = ctx.spec.block(index).attention
+    length = min(tokens, att.sliding_window) if att.sliding_window else tokens
+    return 2 * rows * length * att.kv_dim // ctx.tp * ctx.compute_bytes
+
+
 def kv_cache_bytes(ctx: Context, tokens: int, rows: int | None = None) -> int:
-    """K and V of every layer: 2 x n x length x kv_dim / tp x p, a sliding-window layer's
-    length capped at its window (``rows``: other than the rank's n completions)."""
-    n, tp, p = ctx.completions_per_rank if rows is None else rows, ctx.tp, ctx.compute_bytes
-    out = 0
-    for i, layers in ctx.layer_counts:  # the layers of a block type alike
-        att = ctx.spec.block(i).attention
-        length = min(tokens, att.sliding_window) if att.sliding_window else tokens
-        out += layers * (2 * n * length * att.kv_dim // tp * p)
-    return out
+    """K and V of every layer (``rows``: other than the rank's n completions)."""
+    n = ctx.completions_per_rank if rows is None else rows
+    # the layers of a block type alike
+    return sum(layers * _layer_kv_bytes(ctx, i, tokens, n) for i, layers in ctx.layer_counts)
 
 
 def layer_keys_bytes(ctx: Context, tokens: int) -> int:
     """The largest layer's keys (as many bytes as its values) at ``tokens``: what a cache grown by
     concatenation holds twice while it grows them."""
-    n, tp, p = ctx.completions_per_rank, ctx.tp, ctx.compute_bytes
-    out = 0
-    for i, _ in ctx.layer_counts:
-        att = ctx.spec.block(i).attention
-        length = min(tokens, att.sliding_window) if att.sliding_window else tokens
-        out = max(out, n * length * att.kv_dim // tp * p)
-    return out
+    return max(_layer_kv_bytes(ctx, i, tokens, ctx.completions_per_rank) for i, _ in ctx.layer_counts) // 2
 
 
 def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
