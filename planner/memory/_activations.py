@@ -21,7 +21,7 @@ from ._moe import (
     routed_experts,
     router_saved_per_token,
 )
-from ._tape import BlockTape, block_tape
+from ._tape import AltUpTape, BlockTape, altup_tape, block_tape
 from ._units import Layout
 
 #: Per token outside the blocks with grad, besides the final norm and the hidden states:
@@ -115,6 +115,21 @@ def tape_of(ctx: Context, index: int) -> BlockTape:
     return tape
 
 
+def altup_of(ctx: Context, index: int) -> AltUpTape | None:
+    """Gemma-3n's AltUp layer beyond the tape (:func:`._tape.altup_tape`), or None without AltUp."""
+    if not ctx.extra_streams:
+        return None
+    return altup_tape(
+        ctx.spec.block(index),
+        hidden=ctx.hidden_size,
+        streams=ctx.extra_streams + 1,
+        adapted=frozenset(n.split(":", 1)[0] for n in ctx.lora_names[index]),
+        rank=ctx.lora_rank,
+        compute_bytes=ctx.compute_bytes,
+        adapter_bytes=ctx.adapter_compute_bytes,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class BlockActivations:
     """One block type over one micro-batch, in bytes (see :class:`._tape.BlockTape`)."""
@@ -137,18 +152,21 @@ def _moe_saved_per_token(ctx: Context, index: int) -> float:
 
 def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | None = None) -> BlockActivations:
     """Scale the tape of layer ``index`` to one micro-batch's pass (the one-pass forward by
-    default) and add the experts, AltUp's streams, eager attention's scores and, in a suffix
-    pass, the rows' copies of the prefix K and V its attention saves.
+    default) and add the experts, Gemma-3n's AltUp layer (:func:`._tape.altup_tape`), eager
+    attention's scores and, in a suffix pass, the rows' copies of the prefix K and V its
+    attention saves.
 
-    AltUp's predict / correct over every stream and its router save about 7.5
-    hidden-sized tensors per token per extra stream (counted on Gemma-3n's forward
-    with LoRA).
+    An AltUp layer saves its input streams (counted in ``saved``, which the next block's
+    moments need, but not in the moments, which are beyond the block's input), and peaks at
+    its end, where it still holds its predictions, its output and its named intermediates, or
+    at the start of its backward.
     """
     tape = tape_of(ctx, index)
     pass_ = pass_ or one_pass(ctx)
-    N, H, p = pass_.tokens, ctx.hidden_size, ctx.compute_bytes
+    N = pass_.tokens
     moe = _moe_saved_per_token(ctx, index)
-    altup = 7.5 * ctx.extra_streams * H * p
+    alt = altup_of(ctx, index)
+    altup = alt.saved if alt else 0.0
     # a masked SDPA under GQA saves K and V repeated to every head: the whole row's, in a suffix pass
     repeated = tape.masked_kv_saved * (pass_.rows * pass_.keys) if pass_.masked else 0
     extra_saved = (
@@ -161,11 +179,19 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
     scores = attention_scores_bytes(ctx, pass_.rows, pass_.queries, index, "saved", pass_.keys)
     saved = int(N * tape.saved + extra_saved) + scores
     transient = backward_transient_bytes(ctx, layout, ctx.micro_batch, index)  # a MoE block's experts
+    forward = int(N * tape.grad_peak + extra_saved) + scores
+    recompute = int(N * tape.recompute_peak + extra_saved) + scores + transient
+    backward = max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient)
+    if alt:
+        beyond_input = saved - N * ctx.carried_hidden * ctx.compute_bytes
+        forward = max(forward, beyond_input + int(N * alt.forward_end))
+        recompute = max(recompute, beyond_input + int(N * alt.recompute_end) + transient)
+        backward = max(backward, beyond_input + int(N * alt.backward_start) + transient)
     return BlockActivations(
         saved=saved,
-        forward=int(N * tape.grad_peak + extra_saved) + scores,
-        recompute=int(N * tape.recompute_peak + extra_saved) + scores + transient,
-        backward=max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient),
+        forward=forward,
+        recompute=recompute,
+        backward=backward,
         nograd_per_token=tape.nograd_peak,
         nograd_base_per_token=tape.nograd_peak_base,
         attention_live_per_token=tape.attention_live,
@@ -245,28 +271,64 @@ def rotary_bytes(ctx: Context, tokens: int | None = None) -> int:
 
 
 def boundary_bytes(ctx: Context, tokens: int | None = None) -> int:
-    """Kept outside the blocks after a forward with grad: the final RMSNorm's fp32 input
-    (4 H + 4), the final hidden states the log-prob head saves (H x p), the rotary
-    tables, HEAD_ROW_BYTES per token; Gemma-3n's per-layer inputs (p each), and its
-    AltUp rescaling at the embeddings and the unembedding, about 5 x (streams - 1) + 3
-    hidden-sized tensors per token (counted on its forward). With full fine-tuning the final
+    """Kept outside the blocks after a forward with grad: the head side, freed once the head and
+    the final norm have run backward (the final RMSNorm's fp32 input, 4 H + 4; the final hidden
+    states the log-prob head saves, H x p; the rotary tables; HEAD_ROW_BYTES per token;
+    Gemma-3n's AltUp unembedding, 3 x (streams - 1) + 1 hidden states in the compute dtype, and
+    its adapted projections), and :func:`embedding_kept_bytes`. With full fine-tuning the final
     norm's weight trains, and its product saves the normalised input (H x p)."""
     N = ctx.micro_batch_tokens if tokens is None else tokens
     H, p, extra = ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
-    altup = (5 * extra + 3) * N * H * p if extra else 0
-    per_token = (
-        4 * H + 4 + H * p + HEAD_ROW_BYTES + ctx.spec.per_layer_input_width * p + (H * p if ctx.full_finetune else 0)
-    )
-    return int(N * per_token) + rotary_bytes(ctx, N) + altup
+    unembed = (3 * extra + 1) * H * p if extra else 0
+    per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + (H * p if ctx.full_finetune else 0)
+    per_token += unembed + outside_saved_bytes(ctx, "head")
+    return int(N * per_token) + rotary_bytes(ctx, N) + embedding_kept_bytes(ctx, N)
+
+
+def embedding_kept_bytes(ctx: Context, tokens: int | None = None) -> int:
+    """Kept from before the first block to the embeddings' backward, the last (0 for most
+    models): per-layer inputs (Gemma-3n, Gemma 4: L x P per token in the compute dtype, which
+    every layer's gate multiplies by, and the fp32 input and reciprocal RMS of their projection's
+    norm, 4 L P + 8 L), AltUp's streams made from the embeddings (two hidden states per extra
+    stream, what its magnitude rescaling saves) and the adapted linears reading the embeddings
+    (:func:`outside_saved_bytes`).
+
+    Counted with saved-tensor hooks on Gemma-3n's forward, split at its first and after its
+    last layer, with the adapters in the compute dtype and in fp32: both sides within 1.4%
+    (tests/planner/memory/test_altup.py)."""
+    N = ctx.micro_batch_tokens if tokens is None else tokens
+    H, p, width = ctx.hidden_size, ctx.compute_bytes, ctx.spec.per_layer_input_width
+    per_layer = width * (p + 4) + 8 * ctx.spec.num_layers if width else 0
+    streams = 2 * ctx.extra_streams * H * p
+    return int(N * (per_layer + streams + outside_saved_bytes(ctx, "embed")))
+
+
+def outside_saved_bytes(ctx: Context, side: str) -> float:
+    """Per token, what the adapted linears outside the blocks save on one ``side``: ``"embed"``
+    (Gemma-3n's AltUp projections and per-layer model projection, which read the embeddings) or
+    ``"head"`` (its AltUp unembedding projections, which read the last layer's streams). Each
+    saves its a x r output and its input: when PEFT casts it to the adapters' dtype, a copy of
+    its own (a x in); otherwise the tensor itself, which the embedding side's share (H x p once)
+    and the unembedding side's are views of the streams already counted."""
+    if ctx.full_finetune:
+        return 0.0
+    p, a, r = ctx.compute_bytes, ctx.adapter_compute_bytes, ctx.lora_rank
+    adapted = [e for e in ctx.spec.lora_outside_blocks.get(ctx.lora_key, ()) if ("unembed" in e[0]) == (side == "head")]
+    if not adapted:
+        return 0.0
+    if a != p:
+        return sum(a * a_cols + a * r for _, _, a_cols, _, _ in adapted)
+    return (ctx.hidden_size * p if side == "embed" else 0) + len(adapted) * p * r
 
 
 def gradients_in_flight(ctx: Context, *, recompute: bool, tokens: int | None = None) -> int:
     """Gradients flowing into a block's backward: the block output's and the residual's
-    (2 x H x p per token of the pass), and during the last block's recompute also the final
-    norm's fp32 input gradient (4 H), all seen with the tracker at the peak."""
+    (2 x H x p per token of the pass; every stream's under Gemma-3n's AltUp, whose block
+    carries S hidden states), and during the last block's recompute also the final norm's fp32
+    input gradient (4 H), all seen with the tracker at the peak."""
     N = ctx.micro_batch_tokens if tokens is None else tokens
     H, p = ctx.hidden_size, ctx.compute_bytes
-    return N * (2 * H * p + (4 * H if recompute else 0))
+    return N * (2 * ctx.carried_hidden * p + (4 * H if recompute else 0))
 
 
 def learn_block_moments(
@@ -314,6 +376,7 @@ class LearnActivations:
     running: int  # the most while a block runs forward or recomputes
     backward: int  # the most while a block runs backward
     head_rows: int  # tokens whose final hidden states reach the head (its input gradient's)
+    embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in running/backward
     running_grads: int = 0  # this micro-batch's gradients made by the running moment
     backward_grads: int = 0  # ... by the backward moment
 
@@ -330,12 +393,14 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
         blocks = activations_by_type(ctx, layout)
         (running, g_run), (backward, g_back) = learn_block_moments(ctx, blocks, grown=grown)
         blocks_kept = sum(kept_bytes(ctx, blocks))
+        embedding = embedding_kept_bytes(ctx)
         return LearnActivations(
             kept=blocks_kept + boundary_bytes(ctx),
             blocks_kept=blocks_kept,
-            running=running,
-            backward=backward,
+            running=running + embedding,
+            backward=backward + embedding,
             head_rows=ctx.micro_batch_tokens,
+            embedding_kept=embedding,
             running_grads=g_run,
             backward_grads=g_back,
         )
@@ -344,12 +409,14 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
     suffix_blocks = activations_by_type(ctx, layout, suffix)
     (running, g_run), (backward, g_back) = learn_block_moments(ctx, suffix_blocks, suffix, grown=grown)
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
+    embedding = embedding_kept_bytes(ctx, prefix.tokens + suffix.tokens)
     return LearnActivations(
         kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
         blocks_kept=blocks_kept,
-        running=prefix_kept + running,
-        backward=prefix_kept + backward + recorded_prefix_bytes(ctx),
+        running=prefix_kept + running + embedding,
+        backward=prefix_kept + backward + recorded_prefix_bytes(ctx) + embedding,
         head_rows=suffix.tokens,
+        embedding_kept=embedding,
         running_grads=g_run,
         backward_grads=g_back,
     )

@@ -318,14 +318,14 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                 {
                     "weights_gathered": window,
                     "gradients": grads.prior + acts.backward_grads + grads.reducing,
-                    "activations": acts.blocks_kept + flowing_in + beside,
+                    "activations": acts.blocks_kept + acts.embedding_kept + flowing_in + beside,
                     "comm_buffers": grads.reduce_buffer,
                 },
                 # the end of the backward: every gradient of the step made, the embeddings' as it is made
                 {
                     "weights_gathered": window,
                     "gradients": max(grads.prior, grads.final) + grads.embed,
-                    "activations": flowing_in + beside,
+                    "activations": acts.embedding_kept + flowing_in + beside,
                 },
             ),
         },

@@ -88,16 +88,6 @@ def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
     assert learn_block_moments(none, blocks, grown=huge)[1] == (b.backward + TOKENS * 2 * hidden * 2, 3 * 10**9)
 
 
-def test_altup_streams_add_to_the_boundary(ple_spec):
-    ctx = make_context(ple_spec)
-    dense = make_context(ple_spec)
-    hidden, width = ple_spec.hidden_size, ple_spec.per_layer_input_width
-    head_dim = ple_spec.block(0).attention.head_dim
-    plain = TOKENS * (4 * hidden + 4 + 2 * hidden + 20 + 2 * width) + 2 * head_dim * 2 * TOKENS
-    assert boundary_bytes(dense) == plain + (5 * 3 + 3) * TOKENS * hidden * 2
-    assert boundary_bytes(ctx) == boundary_bytes(dense)
-
-
 def test_a_no_grad_forward_holds_the_embeddings_and_the_block_input(dense_spec):
     ctx = make_context(dense_spec)
     tape = tape_of(ctx, 0)
