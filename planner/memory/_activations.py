@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec import BlockSpec
 from ._context import Context
 from ._moe import (
     backward_transient_bytes,
+    expert_forward_grad_transient,
     expert_forward_temps,
     experts_saved_per_token,
     merged_stack_saved_bytes,
@@ -76,22 +78,41 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
 
     - ``saved``: the soft cap's tanh output (p, Gemma 2), the fp32 softmax and its cast
       to the compute dtype (4 + p; the cast is a no-op in fp32);
-    - ``nograd``: the softmax's input, its fp32 output and the cast (p + 4 + p).
+    - ``nograd``: the softmax's input, its fp32 output and the cast (p + 4 + p);
+    - ``returned``: the weights the attention returns (p): the decoder layer binds them to
+      ``_`` (``hidden_states, _ = self.self_attn(...)``), so a forward without grad holds
+      them until the layer returns, through its MLP.
+
+    With attention sinks (gpt-oss: a learned logit per head joins every row's softmax) the
+    scores gain a column, the softmax runs in the compute dtype after subtracting the row's
+    max: it saves its output (p) and the max's indices (8 bytes a row), and without grad holds
+    the masked scores, the concatenation with the sinks and the shifted copy at once (3 p).
 
     A padded batch's mask is :func:`attention_mask_bytes`.
     """
     if not ctx.scores_materialised:
         return 0
-    att = ctx.spec.block(index).attention
+    block = ctx.spec.block(index)
+    att = block.attention
     p = ctx.compute_bytes
-    cast = p if p != 4 else 0
-    per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast}[moment]
-    # Eager attention repeats grouped K and V to every query head (repeat_kv), alive with the scores.
     t_k = t_q if t_k is None else t_k
+    rows = batch * att.num_heads // ctx.tp * t_q
+    # Eager attention repeats grouped K and V to every query head (repeat_kv), alive with the scores.
     repeated = (
         2 * att.q_dim * p * batch * t_k // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
     )
-    return int(per_score * batch * att.num_heads // ctx.tp * t_q * t_k) + repeated
+    if _has_sinks(block):
+        per_score = {"saved": p, "nograd": 3 * p, "returned": p}[moment]
+        per_row = 8 if moment == "saved" else 0
+        return int(per_score * rows * (t_k + 1) + per_row * rows) + repeated
+    cast = p if p != 4 else 0
+    per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast, "returned": p}[moment]
+    return int(per_score * rows * t_k) + repeated
+
+
+def _has_sinks(block: BlockSpec) -> bool:
+    """The layer's attention has learned sinks (``self_attn.sinks``, gpt-oss)."""
+    return any(name.endswith("attn.sinks") for name, _ in block.tensors)
 
 
 def tape_of(ctx: Context, index: int) -> BlockTape:
@@ -111,6 +132,7 @@ def tape_of(ctx: Context, index: int) -> BlockTape:
         mlp_tp=1 if ctx.packed[index] else ctx.tp,
         include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe",
         full=ctx.full_finetune,
+        eager=ctx.scores_materialised,
     )
     return tape
 
@@ -182,6 +204,9 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
     forward = int(N * tape.grad_peak + extra_saved) + scores
     recompute = int(N * tape.recompute_peak + extra_saved) + scores + transient
     backward = max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient)
+    # the experts' own moment: the block's saved tensors so far, the residual and the gate's temporaries
+    at_experts = saved + N * ctx.hidden_size * ctx.compute_bytes + expert_forward_grad_transient(ctx, N, index)
+    forward, recompute = max(forward, at_experts), max(recompute, at_experts)
     if alt:
         beyond_input = saved - N * ctx.carried_hidden * ctx.compute_bytes
         forward = max(forward, beyond_input + int(N * alt.forward_end))
@@ -280,7 +305,7 @@ def boundary_bytes(ctx: Context, tokens: int | None = None) -> int:
     N = ctx.micro_batch_tokens if tokens is None else tokens
     H, p, extra = ctx.hidden_size, ctx.compute_bytes, ctx.extra_streams
     unembed = (3 * extra + 1) * H * p if extra else 0
-    per_token = 4 * H + 4 + H * p + HEAD_ROW_BYTES + (H * p if ctx.full_finetune else 0)
+    per_token: float = 4 * H + 4 + H * p + HEAD_ROW_BYTES + (H * p if ctx.full_finetune else 0)
     per_token += unembed + outside_saved_bytes(ctx, "head")
     return int(N * per_token) + rotary_bytes(ctx, N) + embedding_kept_bytes(ctx, N)
 
@@ -295,7 +320,7 @@ def embedding_kept_bytes(ctx: Context, tokens: int | None = None) -> int:
 
     Counted with saved-tensor hooks on Gemma-3n's forward, split at its first and after its
     last layer, with the adapters in the compute dtype and in fp32: both sides within 1.4%
-    (tests/planner/memory/test_altup.py)."""
+    (tests/planner/memory/test_gemma_layers.py)."""
     N = ctx.micro_batch_tokens if tokens is None else tokens
     H, p, width = ctx.hidden_size, ctx.compute_bytes, ctx.spec.per_layer_input_width
     per_layer = width * (p + 4) + 8 * ctx.spec.num_layers if width else 0
@@ -468,6 +493,8 @@ def nograd_block_bytes(
         peak = max(peak, 2 * tokens * H * p + expert_forward_temps(ctx, layout, batch, length, index, adapters_on))
     if ctx.extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
         peak += (4 * ctx.extra_streams + 2) * tokens * H * p
+    # eager attention's returned weights stay alive until the layer returns
+    peak += attention_scores_bytes(ctx, batch, length, index, "returned")
     scores = attention_scores_bytes(ctx, batch, length, index, "nograd")  # at the attention's own moment
     return int(max(peak, tokens * acts.attention_live_per_token + scores + repeated))
 

@@ -7,7 +7,8 @@ PEFT's merged expert stacks (unsharded, or FSDP with ep=1 and no chunk size), or
 project's row-wise experts (expert parallel or a chunk size), which dispatch the routed
 (token, expert) rows and run each chunk of them checkpointed. Every term was located with
 a tensor-level tracker on the tiny Qwen3-MoE and Mixtral (2 and 4 gloo ranks for the
-row-wise experts); benchmarks/moe_memory.py reports the measured error.
+row-wise experts), gpt-oss's gate and biases on its tiny layer; benchmarks/moe_memory.py and
+benchmarks/family_memory.py report the measured error.
 """
 
 from __future__ import annotations
@@ -20,6 +21,40 @@ from ._units import Layout
 
 #: Widths a gated MLP saves per row: the gate's output, the activation's and up's (planner.memory._tape).
 GATED_MLP_SAVED = 3
+
+#: Layers whose experts gate with gpt-oss's clamped SwiGLU (``GptOssExperts._apply_gate``): gate
+#: and up are clamped, the gate goes through a scaled sigmoid and up is shifted by one.
+_CLAMPED_SWIGLU = ("GptOssDecoderLayer",)
+
+
+def _gate_widths(ctx: Context, index: int) -> tuple[int, int]:
+    """(saved, held without grad) widths per routed row from gate_up's output through the gate,
+    gate_up's output (2 x width) included. Counted with saved-tensor hooks and a live-tensor
+    tracker on the tiny Qwen3-MoE and gpt-oss (tests/planner/memory/test_moe_layers.py):
+
+    - a SiLU gate keeps gate_up's output and the activation (3) and holds them with the
+      product (4);
+    - gpt-oss's clamped gate keeps gate_up's output (both clamps read its views), the clamped
+      gate, the sigmoid, their product and up + 1 (6), and at once holds gate_up's output, both
+      clamps, the product, up + 1 and the gated output (7).
+    """
+    if ctx.spec.block(index).kind in _CLAMPED_SWIGLU:
+        return 6, 7
+    return GATED_MLP_SAVED, 4
+
+
+def _bias_width(ctx: Context, index: int) -> int:
+    """Widths per routed row of the gate_up biases Hugging Face's grouped experts gather for
+    every row (``gate_up_proj_bias[expert_ids]``: 2 x width, gpt-oss), alive through gate_up
+    and the gate; 0 without biases."""
+    names = {name for name, _ in ctx.spec.block(index).tensors}
+    return 2 if any(n.endswith("experts.gate_up_proj_bias") for n in names) else 0
+
+
+def _stacks_train(ctx: Context, index: int) -> bool:
+    """The expert stacks take gradients (LoRA on them, or full fine-tuning): their grouped
+    GEMMs then save their inputs."""
+    return ctx.expert_lora[index] or ctx.full_finetune
 
 
 def routed_experts(ctx: Context, index: int) -> tuple[int, int] | None:
@@ -56,7 +91,13 @@ def experts_saved_per_token(ctx: Context, index: int) -> float:
     activation's and up's outputs: 3 x width x top-k).
     Row-wise experts with a chunk size: each chunk is checkpointed, so only the
     dispatched rows and the combine's inputs stay (moe_rows_saved x H per row).
-    Otherwise every routed row saves 3 x width + moe_rows_hf x H.
+    Otherwise (Hugging Face's grouped experts) every routed row saves its gate's widths
+    (:func:`_gate_widths`) and moe_rows_hf x H.
+
+    (With LoRA on the stacks the tiny Qwen3-MoE's layer saves 4 x width + 2 H a row: down's
+    input too, because the merged stack takes a gradient. Counting it alone reads the
+    checkpointed one-device probes 7% high: the backward's transient, located against the
+    count without it, has to be recounted with it.)
     """
     k, p, mlp = ctx.coefficients, ctx.compute_bytes, ctx.spec.block(index).mlp
     moe = routed_experts(ctx, index)
@@ -65,7 +106,24 @@ def experts_saved_per_token(ctx: Context, index: int) -> float:
     top_k, expert_width = moe
     if ctx.expert_rowwise and ctx.expert_chunk_mib is not None:
         return k.moe_rows_saved * top_k * ctx.hidden_size * p
-    return (GATED_MLP_SAVED * expert_width + k.moe_rows_hf * ctx.hidden_size) * top_k * p
+    gate, _ = _gate_widths(ctx, index)
+    return (gate * expert_width + k.moe_rows_hf * ctx.hidden_size) * top_k * p
+
+
+def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
+    """What Hugging Face's grouped experts hold beyond their saved tensors at the end of the
+    gate in a forward with grad over ``tokens`` tokens (0 for row-wise or no packed experts):
+    what the gate holds (:func:`_gate_widths`) less what it saves, the product when the stacks
+    are frozen (down does not save it), the gathered biases, and the gathered rows, which
+    gate_up saves only when the stacks train."""
+    moe = routed_experts(ctx, index)
+    if moe is None or ctx.expert_rowwise:
+        return 0
+    top_k, expert_width = moe
+    saved, held = _gate_widths(ctx, index)
+    inputs = _stacks_train(ctx, index)
+    widths = held - saved - inputs + _bias_width(ctx, index)
+    return int(tokens * top_k * (widths * expert_width + (not inputs) * ctx.hidden_size) * ctx.compute_bytes)
 
 
 def merged_stack_saved_bytes(ctx: Context, layout: Layout, index: int) -> int:
@@ -139,8 +197,9 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     adapter on the stacks), or the gate's activation and product (width each) beside it;
     and the block's normed input, which the experts' caller holds until they return.
 
-    Hugging Face's grouped-GEMM experts run every routed row at once: the gathered rows,
-    gate_up's output (2 x width), the activation and the product (width each); with the
+    Hugging Face's grouped-GEMM experts run every routed row at once: the gathered rows (H)
+    and what the gate holds (:func:`_gate_widths`: gate_up's output, the activation and the
+    product for a SiLU gate), with the gathered gate_up biases (:func:`_bias_width`); with the
     adapter on the stacks, PEFT's merged stacks beside them (:func:`merged_stack_copies`
     of the stack).
     """
@@ -153,7 +212,8 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     merged = adapters_on and ctx.expert_lora[index]
     if not ctx.expert_rowwise:
         stacks = ctx.merged_stack_copies * layout.expert_stack[index] if merged else 0
-        return (rows * (4 * expert_width + H) + stacks) * p
+        _, held = _gate_widths(ctx, index)
+        return (rows * ((held + _bias_width(ctx, index)) * expert_width + H) + stacks) * p
     chunk_rows = expert_chunk_rows(ctx, rows, expert_width)
     per_expert = min(chunk_rows, rows / max(1, ctx.spec.block(index).mlp.num_experts // ctx.ep))
     gate_up = (3 if merged else 1) * 2 * expert_width

@@ -125,6 +125,11 @@ def block_linears(
     return out
 
 
+#: Decoder layers whose attention also normalises v per head, with a norm that has no weight
+#: (``v_norm``, ``with_scale=False``), so the block's tensors do not show it.
+_WEIGHTLESS_VALUE_NORM = ("Gemma3nTextDecoderLayer", "Gemma4TextDecoderLayer")
+
+
 def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float]:
     """(RMSNorms over the hidden stream, those after the MLP (Gemma's post_feedforward),
     widths of the head norms' inputs)."""
@@ -172,6 +177,8 @@ def _attention_moments(
     heads: float,
     head_width: float,
     norm_saved: float,
+    eager: bool,
+    value_norm: float,
 ) -> tuple[float, float, float, float]:
     """The attention half of :func:`block_tape`: appends its moments to ``grad``, ``nograd`` and
     ``nograd_base``; returns what it saved, the normed input, that input as held in a forward with
@@ -197,8 +204,11 @@ def _attention_moments(
         saved += p * H  # lora_A of q, k and v save the one normed input
         held_normed = 0.0  # which is then counted as saved
     saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
-    # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
-    saved += 2 * q * p + 2 * kv * p + 4 * heads
+    saved += 4 * value_norm  # a weightless v norm: its fp32 upcast (its reciprocal RMS is in the heads' term)
+    if eager:  # q, and K and V repeated to every query head (repeat_kv): its two matmuls' inputs
+        saved += 3 * q * p
+    else:  # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
+        saved += 2 * q * p + 2 * kv * p + 4 * heads
     # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
     # as does its argument, the normed input.
     attention_locals = (2 * q + 2 * kv) * p
@@ -206,9 +216,58 @@ def _attention_moments(
         grad.append(saved + held_normed + cast_copy(x, q) + transient(x, True))
         nograd.append(normed + attention_locals + cast_copy(x, q) + transient(x, True))
         nograd_base.append(normed + attention_locals + transient(x, False))
-        # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new
-        saved += cast_copy(x, q) + (rank_bytes if x.adapted else 0)
+        # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new; eager
+        # attention's output is transposed into a new tensor, which it then saves
+        own_copy = p * q if eager and x.adapted and not cast else 0.0
+        saved += cast_copy(x, q) + (rank_bytes if x.adapted else 0) + own_copy
     return saved, normed, held_normed, attention_locals
+
+
+def _input_saved(block: BlockSpec, path: str, adapted: frozenset[str], *, rank: int, p: int, a: int) -> float:
+    """What an adapted (or trained) linear of ``block`` outside the attention and the MLP saves
+    per token: its input, a PEFT cast copy when the adapters' dtype differs (a x in) or the
+    tensor itself (p x in), and its lora_A output (a x r); nothing when it is frozen."""
+    widths = {name: d_in for name, d_in, _ in block.linears}
+    if path not in adapted or path not in widths:
+        return 0.0
+    return (a if a != p else p) * widths[path] + a * rank
+
+
+def _per_layer_tail(block: BlockSpec, adapted: frozenset[str], *, rank: int, p: int, a: int) -> float:
+    """Per token, what the per-layer-input tail of Gemma-3n's and Gemma 4's decoder layers saves
+    (0 for other blocks): ``per_layer_input_gate`` and ``per_layer_projection`` their inputs,
+    the activation its input and the product its other factor, both P wide (the per-layer input
+    it multiplies by is a view of the model's, counted there). Its norm is one of the block's
+    hidden norms. Counted with saved-tensor hooks on Gemma 4's and Gemma-3n's layers."""
+    width = next((d_out for name, _, d_out in block.linears if name == "per_layer_input_gate"), 0)
+    if not width:
+        return 0.0
+    saved = _input_saved(block, "per_layer_input_gate", adapted, rank=rank, p=p, a=a)
+    return saved + _input_saved(block, "per_layer_projection", adapted, rank=rank, p=p, a=a) + 2 * width * p
+
+
+def _without_mlp(
+    saved: float,
+    grad: list[float],
+    nograd: list[float],
+    nograd_base: list[float],
+    stream: float,
+    attention_live: float,
+    masked: dict[str, float],
+) -> BlockTape:
+    """The tape of a block whose MLP is counted elsewhere (a MoE block's experts): its moments so
+    far, the stream beside the no-grad ones, and a backward that starts from its saved tensors
+    and one hidden state's gradient."""
+    return BlockTape(
+        saved=saved,
+        grad_peak=max(grad),
+        recompute_peak=max(grad),
+        backward_peak=saved + stream,
+        nograd_peak=max(nograd) + stream,
+        nograd_peak_base=max(nograd_base) + stream,
+        attention_live=attention_live,
+        **masked,
+    )
 
 
 def block_tape(
@@ -223,6 +282,7 @@ def block_tape(
     mlp_tp: int = 1,
     include_mlp: bool = True,
     full: bool = False,
+    eager: bool = False,
 ) -> BlockTape:
     """Walk one block's ops (see the module docstring) and return its :class:`BlockTape`.
 
@@ -280,6 +340,8 @@ def block_tape(
         heads=heads,
         head_width=head_width,
         norm_saved=norm_saved,
+        eager=eager,
+        value_norm=kv if block.kind in _WEIGHTLESS_VALUE_NORM else 0.0,
     )
     attention_live = normed + attention_locals
     stream: float = H * p  # the residual stream after attention, alive until the block returns
@@ -290,16 +352,8 @@ def block_tape(
         held_stream = 0.0  # with grad an fp32 norm saves the stream itself rather than an upcast copy
     if not include_mlp or not lin["mlp_in"]:
         saved += after_mlp * norm_saved
-        grad.append(saved + held_stream + H * p)
-        return BlockTape(
-            saved=saved,
-            grad_peak=max(grad),
-            recompute_peak=max(grad),
-            backward_peak=saved + H * p,
-            nograd_peak=max(nograd) + stream,
-            nograd_peak_base=max(nograd_base) + stream,
-            attention_live=attention_live,
-            **masked,
+        return _without_mlp(
+            saved, grad + [saved + held_stream + H * p], nograd, nograd_base, stream, attention_live, masked
         )
     gated = any(x.name.rsplit(".", 1)[-1] in _GATES for x in lin["mlp_in"])
     width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
@@ -342,6 +396,10 @@ def block_tape(
     # when the linears have no adapter transient, full fine-tuning's).
     grad.append(saved + held_stream + 2 * H * p)
     saved += after_mlp * norm_saved  # Gemma's post-MLP norm
+    tail = _per_layer_tail(block, adapted, rank=rank, p=p, a=a)
+    if tail:  # at its norm: the stream, the projection's output, the norm's fp32 normed and weighted copies
+        saved += tail
+        grad.append(saved + 2 * H * p + 8 * H)
     # Backward, at down: its input's gradient through the adapter (width x a, beside the saved
     # cast it consumes) or through the base alone (width x p); then at the product: its
     # output's gradient and its two input gradients, once the input down's lora_A saved is
@@ -349,12 +407,14 @@ def block_tape(
     down_adapted = any(x.adapted for x in lin["mlp_out"])
     at_down = saved + (width * a if down_adapted else width * p)
     at_product = saved - down_input_saved + 3 * width * p
-    backward = max(at_down, at_product)
+    # a per-layer tail's backward starts at its norm, in fp32: five hidden-wide tensors and the
+    # gradient of its input, while everything the block saved is alive
+    at_tail = saved + 20 * H + H * p if tail else 0.0
     return BlockTape(
         saved=saved,
         grad_peak=max(grad),
         recompute_peak=max(recompute),
-        backward_peak=backward,
+        backward_peak=max(at_down, at_product, at_tail),
         nograd_peak=max(nograd),
         nograd_peak_base=max(nograd_base),
         attention_live=attention_live,
@@ -399,11 +459,9 @@ def altup_tape(
       the tape counts one), and an adapted ``modality_router`` saves its input each time (a H
       when PEFT casts it, else the distinct p H router input), and a r;
     - Laurel's ``linear_left`` takes the attention's normed input: a H when cast, nothing new
-      when the attention's adapters already save that tensor; ``per_layer_input_gate`` saves its
-      input (a H or p H); the per-layer input's gate, activation and product (P wide) save
-      their inputs; the small coefficient linears and ``linear_right`` their rank-wide inputs;
-    - the attention normalises v without a weight (``v_norm``): an fp32 upcast of v and its
-      reciprocal RMS per head, a tensor the block's spec does not list;
+      when the attention's adapters already save that tensor; the small coefficient linears and
+      ``linear_right`` save their rank-wide inputs (the per-layer tail and the weightless
+      ``v_norm`` are the tape's);
     - the layer names every intermediate it makes, and Python keeps them until it returns: at
       its end the predictions and the corrected streams (2 S H p), seven hidden-wide locals
       (the Laurel output, the attention's and its sums, the MLP's and its sums: 7 H p), the
@@ -415,23 +473,16 @@ def altup_tape(
     Counted with saved-tensor hooks and a live-tensor tracker on a tiny Gemma-3n layer with
     LoRA on every linear, adapters in bf16 (FSDP2's param_dtype) and in fp32 (PEFT unsharded):
     at hidden sizes 64 and 128, saved within 2.1%, the forward's peak within 4.2% and the
-    backward's within 2.7%, all low (tests/planner/memory/test_altup.py).
+    backward's within 2.7%, all low (tests/planner/memory/test_gemma_layers.py).
     """
     p, a, H, S = compute_bytes, adapter_bytes, hidden, streams
-    cast = a != p
-    widths = {path: (d_in, d_out) for path, d_in, d_out in block.linears}
 
-    def saves_input(path: str, *, shared: bool = False) -> float:
-        """An adapted linear's lora_A input (a cast copy, or the input itself unless it is
-        already saved) and its rank-wide output."""
-        if path not in adapted or path not in widths:
-            return 0.0
-        width = widths[path][0]
-        return (a * width if cast else (0.0 if shared else p * width)) + a * rank
+    def saves_input(path: str) -> float:
+        return _input_saved(block, path, adapted, rank=rank, p=p, a=a)
 
-    attention_adapted = any(_role(path) == "attn_in" and path in adapted for path in widths)
-    per_layer = widths.get("per_layer_input_gate", (H, 0))[1]
-    att = block.attention
+    # with equal dtypes Laurel's lora_A saves the normed input the attention's adapters save
+    shared = a == p and any(_role(path) == "attn_in" and path in adapted for path, _, _ in block.linears)
+    laurel = saves_input("laurel.linear_left") - (p * H if shared and "laurel.linear_left" in adapted else 0)
     saved = (
         2 * S * H * p  # the input streams (predict), the repeated innovation (correct)
         + 4 * H
@@ -439,13 +490,8 @@ def altup_tape(
         + 2 * saves_input("altup.modality_router")
         + saves_input("altup.prediction_coefs")
         + saves_input("altup.correction_coefs")
-        + saves_input("laurel.linear_left", shared=attention_adapted)
+        + laurel
         + saves_input("laurel.linear_right")
-        + saves_input("per_layer_input_gate")
-        + saves_input("per_layer_projection")
-        + 2 * per_layer * p  # the per-layer gate's output (the activation's input), the activation's
-        + 4 * att.kv_dim
-        + 4 * att.num_kv_heads  # v_norm
     )
     end = 2 * S * H * p + 7 * H * p + H * p + 8 * H
     return AltUpTape(saved=saved, forward_end=end, recompute_end=end - 4 * H, backward_start=S * H * p + 20 * H)

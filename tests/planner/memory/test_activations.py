@@ -38,9 +38,14 @@ def test_eager_attention_saves_its_softmax_in_fp32_and_its_cast(dense_spec):
     scores = 2 * dense_spec.block(0).attention.num_heads * WL.sequence_tokens**2  # batch x heads x T x T
     assert attention_scores_bytes(eager, 2, WL.sequence_tokens, 0, "saved") == scores * (4 + 2)  # fp32 and bf16
     assert attention_scores_bytes(sdpa, 2, WL.sequence_tokens, 0, "saved") == 0
+    # beside the scores, eager saves q and K and V repeated to every query head (3 q), where SDPA
+    # saves q, K, V, its output and a log-sum-exp per head; the adapters are fp32 (unsharded), so
+    # o's cast copy is its input either way
+    att = dense_spec.block(0).attention
+    per_token = 3 * att.q_dim * 2 - (2 * att.q_dim * 2 + 2 * att.kv_dim * 2 + 4 * att.num_heads)
     assert (
         block_activations(eager, build_layout(eager), 0).saved - block_activations(sdpa, build_layout(sdpa), 0).saved
-    ) == scores * (4 + 2)
+    ) == scores * (4 + 2) + TOKENS * per_token
 
 
 def test_checkpointed_blocks_keep_exactly_their_input(dense_spec):

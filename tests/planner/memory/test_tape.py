@@ -14,22 +14,22 @@ from planner.probe.tracking import LiveBytes
 H, WIDTH, RANK, TOKENS = 64, 160, 4, 2 * 96
 
 
-def _peft_block(arch: str, dtype: torch.dtype, targets):
+def _peft_block(arch: str, dtype: torch.dtype, targets, attn: str = "sdpa"):
     import transformers
     from peft import LoraConfig, get_peft_model
 
     from agilerl.utils.tiny import tiny_config
 
     config = tiny_config(arch, hidden_size=H, intermediate_size=WIDTH, num_layers=1, num_heads=4, num_kv_heads=2)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     return model.get_base_model().model, config
 
 
-def _measure(arch, dtype, targets):
+def _measure(arch, dtype, targets, attn: str = "sdpa"):
     """(saved bytes, forward-with-grad peak, no-grad peak) of one block, per token, beyond its input."""
-    decoder, _ = _peft_block(arch, dtype, targets)
+    decoder, _ = _peft_block(arch, dtype, targets, attn)
     return _measure_layer(decoder, dtype)
 
 
@@ -84,6 +84,32 @@ def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
     # saves the block's input itself, which the tracker, started after it, does not see).
     assert tape.grad_peak - (4 * H if p == 4 else 0) == pytest.approx(grad_peak, rel=0.03)
     assert tape.nograd_peak == pytest.approx(nograd_peak, rel=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("adapter_dtype", ["fp32", "compute"])
+def test_eager_attention_saves_q_and_k_and_v_repeated_and_a_copy_of_its_output(dtype, adapter_dtype):
+    # Hugging Face's eager attention repeats grouped K and V to every query head before its two
+    # matmuls, which save them (and q), and transposes its output into a new tensor, which o's
+    # lora_A then saves when PEFT does not cast it; its scores are counted apart (the fp32
+    # softmax and its cast, planner.memory._activations.attention_scores_bytes).
+    spec = load_model_spec(
+        f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2"
+    )
+    block = spec.block(0)
+    adapted = frozenset(e[0] for e in block.lora["all-linear"])
+    p = 2 if dtype == torch.bfloat16 else 4
+    a = 4 if adapter_dtype == "fp32" else p
+    tape = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p, adapter_bytes=a, eager=True)
+    decoder, _ = _peft_block("qwen2", dtype, "all-linear", "eager")
+    if adapter_dtype == "compute":  # as FSDP2's param_dtype leaves them
+        for name, param in decoder.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(dtype)
+    saved, _, _ = _measure_layer(decoder, dtype)
+    length = TOKENS // 2
+    scores = block.attention.num_heads * length * (4 + (p if p != 4 else 0))  # per token
+    assert tape.saved + scores == pytest.approx(saved, rel=0.01)
 
 
 def test_adapters_on_a_bf16_base_cost_an_fp32_input_copy_each():

@@ -379,13 +379,19 @@ def test_orphans_of_a_dead_tuner_are_killed_and_live_ones_kept():
 # -- the study, with a fake probe ------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_study_seeds_the_planner_pick_prunes_by_estimate_and_keeps_the_constraint(spec):
-    # A budget between the smallest and the largest estimates: some candidates cannot be launched.
+    # The smallest budget, among the candidates' estimates, at which the planner still has a pick:
+    # every candidate estimated above it cannot be launched, and the sampler meets some of them.
     cluster = cpu_cluster(64 * MIB)
     space = search_space(spec, SMALL, cluster, fixed=SHARD_ALL, sharding="auto")
     peaks = sorted(
-        estimate(spec, space.candidate(p).workload, cluster, space.candidate(p).fsdp).peak_bytes for p in grid(space)
+        {estimate(spec, space.candidate(p).workload, cluster, space.candidate(p).fsdp).peak_bytes for p in grid(space)}
     )
-    cluster = cpu_cluster(peaks[len(peaks) // 2])
+    low, high = 0, len(peaks) - 1
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if plan(spec, SMALL, cpu_cluster(peaks[mid]), fixed=SHARD_ALL).fits else (mid + 1, high)
+    assert low < len(peaks) // 2, "the planner should have a pick below the median estimate"
+    cluster = cpu_cluster(peaks[low])
     probe = FakeProbe(spec, cluster)
     result = tune(
         spec=spec,
