@@ -29,7 +29,7 @@ def coefficients_path(device: str) -> Path:
 def saved_coefficients(device: str) -> Coefficients:
     """The planner's fitted coefficients for ``device`` (its defaults before any fit)."""
     path = coefficients_path(device)
-    return Coefficients.model_validate_json(path.read_text()) if path.exists() else Coefficients()
+    return Coefficients.from_json(path.read_text()) if path.exists() else Coefficients()
 
 
 def estimate_request(req: ProbeRequest, coefficients: Coefficients) -> Estimate:

@@ -52,7 +52,7 @@ ARCHS = {
     "&num_layers=3&num_heads=4&num_kv_heads=2&vocab_size=768",
 }
 PHASES = ("reference", "learn", "step")
-MOE_COEFFICIENTS = ("moe_rows_saved", "moe_rows_hf", "moe_chunk", "moe_dispatch", "moe_stack_grad")
+MOE_COEFFICIENTS = ("moe_rows_saved", "moe_chunk", "moe_dispatch", "moe_stack_grad")
 SLOPE_CHUNKS = (1, 2, 4, 8)
 
 

@@ -202,7 +202,7 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
     saved = int(N * tape.saved + extra_saved) + scores
     transient = backward_transient_bytes(ctx, layout, ctx.micro_batch, index)  # a MoE block's experts
     forward = int(N * tape.grad_peak + extra_saved) + scores
-    recompute = int(N * tape.recompute_peak + extra_saved) + scores + transient
+    recompute = int(N * tape.recompute_peak + extra_saved) + scores
     backward = max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient)
     # the experts' own moment: the block's saved tensors so far, the residual and the gate's temporaries
     at_experts = saved + N * ctx.hidden_size * ctx.compute_bytes + expert_forward_grad_transient(ctx, N, index)
@@ -490,7 +490,11 @@ def nograd_block_bytes(
     per_token = acts.nograd_per_token if adapters_on else acts.nograd_base_per_token
     peak = tokens * per_token
     if routed_experts(ctx, index) is not None:
-        peak = max(peak, 2 * tokens * H * p + expert_forward_temps(ctx, layout, batch, length, index, adapters_on))
+        # beside the experts' temporaries the stream, and for Hugging Face's experts one more hidden
+        # state (located on the tiny Qwen3-MoE); the row-wise experts' peak, their combine, has the stream only
+        streams = 1 if ctx.expert_rowwise else 2
+        experts = expert_forward_temps(ctx, layout, batch, length, index, adapters_on)
+        peak = max(peak, streams * tokens * H * p + experts)
     if ctx.extra_streams:  # AltUp: input, predictions, the correction and its result, every stream
         peak += (4 * ctx.extra_streams + 2) * tokens * H * p
     # eager attention's returned weights stay alive until the layer returns

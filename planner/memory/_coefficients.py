@@ -36,13 +36,6 @@ class Coefficients(BaseModel):
     moe_rows_saved: Annotated[
         float, Field(description="chunked / expert-parallel experts: saved per routed row, x hidden_size")
     ] = 2.0
-    moe_rows_hf: Annotated[
-        float,
-        Field(
-            description="Hugging Face experts loop: saved per routed row, x hidden_size "
-            "(besides the 3 x width a gated MLP saves)"
-        ),
-    ] = 2.0
     moe_chunk: Annotated[
         float, Field(description="one expert chunk's recompute in backward, x its counted tensors")
     ] = 1.0

@@ -5,10 +5,11 @@ temporaries.
 Two expert codes run (agilerl.distributed._moe): Hugging Face's grouped-GEMM experts over
 PEFT's merged expert stacks (unsharded, or FSDP with ep=1 and no chunk size), or the
 project's row-wise experts (expert parallel or a chunk size), which dispatch the routed
-(token, expert) rows and run each chunk of them checkpointed. Every term was located with
-a tensor-level tracker on the tiny Qwen3-MoE and Mixtral (2 and 4 gloo ranks for the
-row-wise experts), gpt-oss's gate and biases on its tiny layer; benchmarks/moe_memory.py and
-benchmarks/family_memory.py report the measured error.
+(token, expert) rows and run each chunk of them checkpointed. Every term is counted op by op
+and checked against real tiny layers (tests/planner/memory/test_moe_layers.py: Qwen3-MoE with
+either code, gpt-oss's gate and biases), with FSDP2's tracker on 2 and 4 gloo ranks for the
+row-wise experts' dispatch; benchmarks/moe_memory.py and benchmarks/family_memory.py report
+the measured error.
 """
 
 from __future__ import annotations
@@ -27,20 +28,22 @@ GATED_MLP_SAVED = 3
 _CLAMPED_SWIGLU = ("GptOssDecoderLayer",)
 
 
-def _gate_widths(ctx: Context, index: int) -> tuple[int, int]:
-    """(saved, held without grad) widths per routed row from gate_up's output through the gate,
-    gate_up's output (2 x width) included. Counted with saved-tensor hooks and a live-tensor
-    tracker on the tiny Qwen3-MoE and gpt-oss (tests/planner/memory/test_moe_layers.py):
+def _gate_widths(ctx: Context, index: int) -> tuple[int, int, int]:
+    """(saved, held with grad, held without grad) widths per routed row from gate_up's output
+    through the gate, gate_up's output (2 x width) included. Counted with saved-tensor hooks
+    and a live-tensor tracker on the tiny Qwen3-MoE and gpt-oss
+    (tests/planner/memory/test_moe_layers.py):
 
     - a SiLU gate keeps gate_up's output and the activation (3) and holds them with the
       product (4);
     - gpt-oss's clamped gate keeps gate_up's output (both clamps read its views), the clamped
-      gate, the sigmoid, their product and up + 1 (6), and at once holds gate_up's output, both
-      clamps, the product, up + 1 and the gated output (7).
+      gate, the sigmoid, their product and up + 1 (6); as the gated output is made it holds
+      those, the clamped up (still bound to a name) and the output (8), and without grad the
+      same less the sigmoid, freed once used (7).
     """
     if ctx.spec.block(index).kind in _CLAMPED_SWIGLU:
-        return 6, 7
-    return GATED_MLP_SAVED, 4
+        return 6, 8, 7
+    return GATED_MLP_SAVED, 4, 4
 
 
 def _bias_width(ctx: Context, index: int) -> int:
@@ -92,12 +95,10 @@ def experts_saved_per_token(ctx: Context, index: int) -> float:
     Row-wise experts with a chunk size: each chunk is checkpointed, so only the
     dispatched rows and the combine's inputs stay (moe_rows_saved x H per row).
     Otherwise (Hugging Face's grouped experts) every routed row saves its gate's widths
-    (:func:`_gate_widths`) and moe_rows_hf x H.
-
-    (With LoRA on the stacks the tiny Qwen3-MoE's layer saves 4 x width + 2 H a row: down's
-    input too, because the merged stack takes a gradient. Counting it alone reads the
-    checkpointed one-device probes 7% high: the backward's transient, located against the
-    count without it, has to be recounted with it.)
+    (:func:`_gate_widths`) and the weighted output's input (H), and when the stacks take a
+    gradient (LoRA on them, merged by PEFT into copies, or full fine-tuning) gate_up's input
+    (the gathered row, H) and down's (its input, width) too: 4 x width + 2 H a row with a
+    SiLU gate (saved-tensor hooks on the tiny Qwen3-MoE, tests/planner/memory/test_moe_layers.py).
     """
     k, p, mlp = ctx.coefficients, ctx.compute_bytes, ctx.spec.block(index).mlp
     moe = routed_experts(ctx, index)
@@ -106,32 +107,70 @@ def experts_saved_per_token(ctx: Context, index: int) -> float:
     top_k, expert_width = moe
     if ctx.expert_rowwise and ctx.expert_chunk_mib is not None:
         return k.moe_rows_saved * top_k * ctx.hidden_size * p
-    gate, _ = _gate_widths(ctx, index)
-    return (gate * expert_width + k.moe_rows_hf * ctx.hidden_size) * top_k * p
+    gate, _, _ = _gate_widths(ctx, index)
+    train = _stacks_train(ctx, index)
+    return ((gate + train) * expert_width + (1 + train) * ctx.hidden_size) * top_k * p
 
 
 def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
-    """What Hugging Face's grouped experts hold beyond their saved tensors at the end of the
-    gate in a forward with grad over ``tokens`` tokens (0 for row-wise or no packed experts):
-    what the gate holds (:func:`_gate_widths`) less what it saves, the product when the stacks
-    are frozen (down does not save it), the gathered biases, and the gathered rows, which
-    gate_up saves only when the stacks train."""
+    """What a block's routed experts hold beyond its saved tensors at their peak in a forward with
+    grad over ``tokens`` tokens (0 without packed experts).
+
+    Hugging Face's grouped experts, at the end of the gate: the gathered rows and biases and
+    what the gate holds (:func:`_gate_widths`), less what the experts save
+    (:func:`experts_saved_per_token`), which counts the weighted output (H) not made yet and,
+    when the stacks train, the product down saves.
+
+    Row-wise experts (agilerl.distributed._moe), in a token block's last chunk: the chunks'
+    checkpoints keep nothing of their forward, so beside the dispatched rows (saved) the block
+    holds the earlier chunks' outputs ((rows - chunk) x H) and the chunk's own forward
+    (:func:`_chunk_forward`), and the combine's input, which the saved count includes, is not
+    made yet (rows x H): in all the chunk's forward less chunk x H; or the combine
+    (:func:`_combine_forward`). Located with a live-tensor tracker on the tiny Qwen3-MoE
+    (tests/planner/memory/test_moe_layers.py).
+    """
     moe = routed_experts(ctx, index)
-    if moe is None or ctx.expert_rowwise:
+    if moe is None:
         return 0
     top_k, expert_width = moe
-    saved, held = _gate_widths(ctx, index)
-    inputs = _stacks_train(ctx, index)
-    widths = held - saved - inputs + _bias_width(ctx, index)
-    return int(tokens * top_k * (widths * expert_width + (not inputs) * ctx.hidden_size) * ctx.compute_bytes)
+    if ctx.expert_rowwise:
+        rows = int(tokens * top_k / (ctx.fsdp.ep_token_blocks if ctx.fsdp else 1))
+        chunk, in_chunk = _chunk_forward(ctx, rows, expert_width, index, merged=ctx.expert_lora[index])
+        in_chunks = (in_chunk - chunk * ctx.hidden_size) * ctx.compute_bytes
+        return int(max(in_chunks, _combine_forward(ctx, rows, top_k)))
+    saved, held, _ = _gate_widths(ctx, index)
+    train = _stacks_train(ctx, index)
+    widths = held - saved - train + _bias_width(ctx, index)
+    return int(tokens * top_k * (widths * expert_width - train * ctx.hidden_size) * ctx.compute_bytes)
+
+
+def _chunk_forward(ctx: Context, rows: int, expert_width: int, index: int, *, merged: bool) -> tuple[int, float]:
+    """(rows of one chunk, the most its forward holds, in elements) for the row-wise experts over
+    ``rows`` dispatched rows: the outputs of the chunk's experts so far (then their
+    concatenation) beside one expert's intermediates, gate_up's output (three 2 x width
+    products with an active adapter on the stacks: the base's, the adapter's and its scaled
+    copy) beside the previous expert's product (width), or the gate's activation and product
+    (width each) beside it."""
+    H = ctx.hidden_size
+    chunk_rows = expert_chunk_rows(ctx, rows, expert_width)
+    per_expert = min(chunk_rows, rows / max(1, ctx.spec.block(index).mlp.num_experts // ctx.ep))
+    # gate_up's output is made while the previous expert's product is still bound (and alive)
+    previous = expert_width if chunk_rows > per_expert else 0
+    gate_up = (3 if merged else 1) * 2 * expert_width + previous
+    one_expert = per_expert * (max(gate_up, 4 * expert_width) + H)
+    return chunk_rows, max(2 * chunk_rows * H, (chunk_rows - per_expert) * H + one_expert)
 
 
 def merged_stack_saved_bytes(ctx: Context, layout: Layout, index: int) -> int:
     """PEFT folds LoRA into a copy of the expert stack in the Hugging Face experts, and
-    the expert linears save it: the layer's stack in the compute dtype (else 0)."""
+    the expert linears save it: the layer's stack in the compute dtype (else 0). The fold's
+    batched product saves the adapters' factors cast to the stack's dtype: copies when the
+    adapters are in another (PEFT's fp32 on a bf16 base)."""
     if routed_experts(ctx, index) is None or ctx.expert_rowwise or not ctx.expert_lora[index]:
         return 0
-    return layout.expert_stack[index] * ctx.compute_bytes
+    cast = ctx.adapter_compute_bytes != ctx.compute_bytes
+    factors = layout.expert_adapters[index] / ctx.num_adapters if cast else 0
+    return int((layout.expert_stack[index] + factors) * ctx.compute_bytes)
 
 
 def _hf_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width: int, index: int) -> int:
@@ -141,37 +180,96 @@ def _hf_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width
     - down's: its input's gradient (rows x width) and, with LoRA on the stacks, the
       gradient of PEFT's merged down stack;
     - the activation product's: its output gradient and its two input gradients
-      (3 x rows x width), once down's saved input (rows x width) and its merged
-      stack are freed.
+      (3 x rows x width), once the weighted output's input (rows x H), down's saved input
+      (rows x width, saved when the stacks train) and its merged stack are freed.
     """
     merged_down = layout.expert_down[index] if ctx.expert_lora[index] else 0  # the saved merged copy
     down = rows * expert_width + ctx.coefficients.moe_stack_grad * merged_down
-    product = 2 * rows * expert_width - merged_down
+    product = (3 - _stacks_train(ctx, index)) * rows * expert_width - rows * ctx.hidden_size - merged_down
     return int(max(down, product) * ctx.compute_bytes)
 
 
-def _rowwise_backward_transient(ctx: Context, rows: int, expert_width: int, index: int) -> int:
-    """Row-wise experts (agilerl.distributed._moe): per token block, the backward peaks at one
-    of two moments (each located with a tracker on 2 and 4 gloo ranks):
+def _combine_parts(ctx: Context, tokens: float, top_k: int) -> tuple[float, bool]:
+    """(rows of one part, whether there are several) of a token block's combine: parts of at
+    most ``routed_expert_chunk_mib`` MiB of fp32 rows (agilerl.distributed._moe._token_block)."""
+    part_tokens = chunk_rows(chunk_mib=ctx.expert_chunk_mib, row_bytes=top_k * ctx.hidden_size * 4)
+    part = min(tokens, part_tokens or tokens)
+    return part * top_k, part < tokens
 
-    - the dispatch: row gradients of the combine, the un-permute (or the all-to-all's
-      receive buffer), the regrouping, and the concatenation of the chunks' gradients;
-    - a chunk's recompute: the experts of the chunk run one after another, each keeping
-      its intermediates for backward (gate_up's output, the activation, the product:
-      4 x width per row, and down's output, hidden) while the last one's gate_up is
-      made: the base product, the LoRA product and its scaled copy (2 x width each),
-      beside the block's row gradient and the chunk's input.
+
+def _combine_forward(ctx: Context, block_rows: float, top_k: int) -> float:
+    """Bytes beyond a token block's saved tensors (its rows, saved by the combine) while the
+    combine runs in a forward with grad: a part's rows in fp32 (a copy unless the compute
+    dtype is fp32) beside the fp32 outputs (tokens x H x 4; twice while the parts are
+    concatenated), then the fp32 output beside its cast to the compute dtype."""
+    H, p = ctx.hidden_size, ctx.compute_bytes
+    tokens = block_rows / top_k
+    part_rows, several = _combine_parts(ctx, tokens, top_k)
+    upcast = part_rows * H * 4 if p != 4 else 0
+    outputs = tokens * H * 4 * (2 if several else 1)
+    return max(upcast + tokens * H * 4, outputs, tokens * H * (4 + p))
+
+
+def _combine_backward(ctx: Context, block_rows: float, top_k: int) -> float:
+    """Bytes beyond a token block's saved tensors while its rows' gradients are made
+    (agilerl.distributed._moe._WeightedCombine, in fp32, in parts of at most
+    ``routed_expert_chunk_mib`` MiB of fp32 rows): the output's fp32 gradient (tokens x H x 4),
+    the parts' row gradients made so far, and the last part's fp32 product beside its cast
+    to the compute dtype; then, once the combine's input is freed, two row-sized buffers at
+    each step back to the chunks (the un-permute's, the all-to-all's, the split's concatenation)."""
+    H, p = ctx.hidden_size, ctx.compute_bytes
+    tokens = block_rows / top_k
+    part_rows, _ = _combine_parts(ctx, tokens, top_k)
+    cast = p if p != 4 else 0  # the product's cast to the compute dtype (none in fp32)
+    last_part = tokens * H * 4 + (block_rows - part_rows) * H * p + part_rows * H * (4 + cast)
+    return max(last_part, 2 * block_rows * H * p)
+
+
+def _rowwise_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width: int, index: int) -> int:
+    """Row-wise experts (agilerl.distributed._moe): beyond the block's saved tensors, per token
+    block, the backward peaks at one of three moments (located with a live-tensor tracker on the
+    tiny Qwen3-MoE, one rank, and with FSDP2's tracker on 2 and 4 gloo ranks):
+
+    - the dispatch (:func:`_combine_backward`);
+    - a chunk's recompute: the experts of the chunk run one after another, each keeping its
+      intermediates for backward (gate_up's output, the activation, the product: 4 x width
+      per row, and down's output, hidden) while the last one's gate_up is made (its base
+      product, the adapter's and its scaled copy: 2 x width each), beside the later chunks'
+      input gradients ((rows - chunk) x H) and the gradients of the experts' adapters, which
+      each expert's backward adds to (the whole stack of each factor). The rows' gradient
+      from the combine (rows x H) has taken the place of the combine's saved input, freed by
+      its backward;
+    - an expert's backward at its adapters' factors, read as slices of the stacks: a factor's
+      gradient is a zero-filled stack added to the sum so far into a new one (two of the
+      largest factor), beside the earlier experts' intermediates, the expert's gate_up
+      gradient (2 x width per row) and the later chunks' input gradients.
+
+    The chunk's count takes the experts' rows as balanced (rows / local experts each); a
+    router that sends one expert more than a chunk's share holds more (a tiny random router:
+    up to 8% of the learn peak, benchmarks/moe_memory.py).
     """
-    k, H = ctx.coefficients, ctx.hidden_size
+    k, H, p = ctx.coefficients, ctx.hidden_size, ctx.compute_bytes
     block_rows = rows / (ctx.fsdp.ep_token_blocks if ctx.fsdp else 1)
-    dispatch = (4 + k.moe_dispatch) * block_rows * H
-    chunk_rows = expert_chunk_rows(ctx, int(block_rows), expert_width)
-    per_expert = min(chunk_rows, block_rows / (ctx.spec.block(index).mlp.num_experts // ctx.ep))
+    top_k = max(1, ctx.spec.block(index).mlp.experts_per_token)
+    dispatch = _combine_backward(ctx, block_rows, top_k) + k.moe_dispatch * block_rows * H * p
+    chunk = expert_chunk_rows(ctx, int(block_rows), expert_width)
+    per_expert = min(chunk, block_rows / (ctx.spec.block(index).mlp.num_experts // ctx.ep))
     gate_up_copies = 3 if ctx.expert_lora[index] else 1
-    recompute = 2 * block_rows * H + k.moe_chunk * (
-        (chunk_rows - per_expert) * (4 * expert_width + H) + gate_up_copies * per_expert * 2 * expert_width
+    # the adapters' gradients, summed over the experts' backward: whole once a chunk's backward is done
+    adapter_grads = layout.expert_adapters[index] / ctx.num_adapters if ctx.expert_lora[index] else 0
+    later = (block_rows - chunk) * H
+    recompute = (
+        later
+        + (adapter_grads if chunk < block_rows else 0)
+        + k.moe_chunk * ((chunk - per_expert) * (4 * expert_width + H) + gate_up_copies * per_expert * 2 * expert_width)
     )
-    return int(max(dispatch, recompute) * ctx.compute_bytes)
+    # an expert's backward reaches its adapters' factors: each is a slice of the stack, so its gradient is
+    # a zero-filled stack, added to the sum so far into a new one, beside the intermediates the chunk's
+    # earlier experts still keep (once there is a sum: after an earlier chunk, else from the second expert)
+    factor = 2 * layout.expert_adapter_factor[index] if ctx.expert_lora[index] else 0
+    earlier = chunk - per_expert if chunk < block_rows else max(0.0, chunk - 2 * per_expert)
+    reaching = later + adapter_grads + factor + earlier * 4 * expert_width + per_expert * 2 * expert_width
+    return int(max(dispatch, max(recompute, reaching) * p))
 
 
 def backward_transient_bytes(ctx: Context, layout: Layout, batch: int, index: int) -> int:
@@ -184,18 +282,17 @@ def backward_transient_bytes(ctx: Context, layout: Layout, batch: int, index: in
     rows = batch * ctx.sequence_tokens * top_k
     if not ctx.expert_rowwise:
         return _hf_backward_transient(ctx, layout, rows, expert_width, index)
-    return _rowwise_backward_transient(ctx, rows, expert_width, index)
+    return _rowwise_backward_transient(ctx, layout, rows, expert_width, index)
 
 
 def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, index: int, adapters_on: bool) -> float:
     """Peak temporaries of a block's routed experts in a forward without grad over ``batch`` x
     ``length`` tokens (0 for a block without packed experts).
 
-    agilerl.distributed._moe without grad: the dispatched rows and the output buffer, and
-    inside a chunk the outputs of its experts so far (then their concatenation) beside one
-    expert's intermediates: gate_up's output (three 2 x width products with an active
-    adapter on the stacks), or the gate's activation and product (width each) beside it;
-    and the block's normed input, which the experts' caller holds until they return.
+    agilerl.distributed._moe without grad: the dispatched rows, the output buffer when there
+    are several chunks, and one chunk's forward (:func:`_chunk_forward`); or the combine
+    (:func:`_combine_forward`) beside the un-permuted rows, once the dispatched ones are
+    freed; and the block's normed input, which the experts' caller holds until they return.
 
     Hugging Face's grouped-GEMM experts run every routed row at once: the gathered rows (H)
     and what the gate holds (:func:`_gate_widths`: gate_up's output, the activation and the
@@ -212,11 +309,10 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     merged = adapters_on and ctx.expert_lora[index]
     if not ctx.expert_rowwise:
         stacks = ctx.merged_stack_copies * layout.expert_stack[index] if merged else 0
-        _, held = _gate_widths(ctx, index)
+        _, _, held = _gate_widths(ctx, index)
         return (rows * ((held + _bias_width(ctx, index)) * expert_width + H) + stacks) * p
-    chunk_rows = expert_chunk_rows(ctx, rows, expert_width)
-    per_expert = min(chunk_rows, rows / max(1, ctx.spec.block(index).mlp.num_experts // ctx.ep))
-    gate_up = (3 if merged else 1) * 2 * expert_width
-    one_expert = per_expert * (max(gate_up, 4 * expert_width) + H)
-    in_chunk = max(2 * chunk_rows * H, (chunk_rows - per_expert) * H + one_expert)
-    return (2 * rows * H + in_chunk + batch * length * H) * p
+    chunk, in_chunk = _chunk_forward(ctx, rows, expert_width, index, merged=merged)
+    buffers = 2 if chunk < rows else 1  # one chunk's output is the experts' output, else a buffer takes the chunks'
+    chunks = (buffers * rows * H + in_chunk) * p
+    combine = rows * H * p + _combine_forward(ctx, rows, top_k)  # the un-permuted rows, the dispatched ones freed
+    return max(chunks, combine) + batch * length * H * p

@@ -108,6 +108,8 @@ class Layout:
     block_units: tuple[Unit, ...]
     expert_stack: tuple[int, ...]  # per layer: elements of its routed experts on one EP rank
     expert_down: tuple[int, ...]  # per layer: elements of its down_proj stack on one EP rank
+    expert_adapters: tuple[int, ...]  # per layer: elements of its experts' adapters on one EP rank
+    expert_adapter_factor: tuple[int, ...]  # per layer: elements of the largest of those factors
     # sums over its tensors, by what they depend on (planner.memory._static): made once per layout
     sums: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -264,4 +266,6 @@ def _build_layout(ctx: Context) -> Layout:
         block_units=tuple(u for u in units if u.name.startswith("blocks.")),
         expert_stack=tuple(sum(t.numel for t in layer.expert_base) for layer in layers),
         expert_down=tuple(layer.expert_down for layer in layers),
+        expert_adapters=tuple(sum(t.numel for t in layer.expert_lora) for layer in layers),
+        expert_adapter_factor=tuple(max((t.numel for t in layer.expert_lora), default=0) for layer in layers),
     )

@@ -343,14 +343,15 @@ def test_expert_parallel_gathers_a_fraction_of_the_experts(moe_spec):
 
 def test_expert_chunk_slope_comes_from_the_chunk_rows(moe_spec):
     """Between two chunk sizes that both bind, the learn peak moves by the chunk's extra rows times
-    what a row costs in the chunk's recompute: inside one expert's rows, gate_up's three
-    products (base, LoRA, scaled LoRA: 2 x expert width each); across experts, what each
-    finished expert keeps for backward (4 x expert width + hidden)."""
+    what a row costs in the chunk's recompute, less the hidden-sized input gradient of a later
+    chunk it no longer is: inside one expert's rows, gate_up's three products (base, LoRA,
+    scaled LoRA: 2 x expert width each); across experts, what each finished expert keeps for
+    backward (4 x expert width + hidden)."""
     k = Coefficients()
-    wl = MOE_WL.model_copy(update={"micro_batch_size_per_gpu": 8})  # 8,192 routed rows, 1,024 per expert
-    chunks = (3, 4, 8, 16)
+    wl = MOE_WL.model_copy(update={"micro_batch_size_per_gpu": 8})  # 8,192 routed rows, 2,048 per local expert
+    chunks = (6, 8, 12, 16)  # each below the 8,192 rows: several chunks, the adapters' gradients summed
     peaks = {
-        c: estimate(moe_spec, wl, _cluster(2), FSDPConfig(**FP32, routed_expert_chunk_mib=c), coefficients=k)
+        c: estimate(moe_spec, wl, _cluster(2), FSDPConfig(**FP32, ep=2, routed_expert_chunk_mib=c), coefficients=k)
         .phases["learn"]
         .total
         for c in chunks
@@ -359,13 +360,13 @@ def test_expert_chunk_slope_comes_from_the_chunk_rows(moe_spec):
     width, hidden = mlp.intermediate_size, moe_spec.hidden_size
     row_bytes = max(2 * width, hidden) * 4
     rows = {c: int(c * 2**20) // row_bytes for c in chunks}
-    per_expert = wl.micro_batch_size_per_gpu * wl.sequence_tokens * mlp.experts_per_token // mlp.num_experts
-    assert rows[3] < per_expert == rows[4] < rows[8]
-    inside = k.moe_chunk * 3 * 2 * width * 4
-    assert peaks[4] - peaks[3] == pytest.approx((rows[4] - rows[3]) * inside, rel=1e-6, abs=8)
-    across = k.moe_chunk * (4 * width + hidden) * 4
-    assert peaks[8] - peaks[4] == pytest.approx((rows[8] - rows[4]) * across, rel=1e-6, abs=8)
-    assert peaks[16] - peaks[8] == pytest.approx((rows[16] - rows[8]) * across, rel=1e-6, abs=8)
+    per_expert = wl.micro_batch_size_per_gpu * wl.sequence_tokens * mlp.experts_per_token // (mlp.num_experts // 2)
+    assert rows[6] < per_expert == rows[8] < rows[12] < rows[16]
+    inside = (k.moe_chunk * 3 * 2 * width - hidden) * 4
+    assert peaks[8] - peaks[6] == pytest.approx((rows[8] - rows[6]) * inside, rel=1e-6, abs=8)
+    across = (k.moe_chunk * (4 * width + hidden) - hidden) * 4
+    assert peaks[12] - peaks[8] == pytest.approx((rows[12] - rows[8]) * across, rel=1e-6, abs=8)
+    assert peaks[16] - peaks[12] == pytest.approx((rows[16] - rows[12]) * across, rel=1e-6, abs=8)
     # A chunk past every routed row of a micro-batch computes them all at once: no further growth.
     routed = MOE_WL.micro_batch_size_per_gpu * MOE_WL.sequence_tokens * mlp.experts_per_token * row_bytes
     big = [c for c in (64, 128) if c * 2**20 >= routed]

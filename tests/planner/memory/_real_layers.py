@@ -6,6 +6,7 @@ casts them) or in fp32 (PEFT's own, unsharded)."""
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -21,7 +22,9 @@ TOKENS = BATCH * LENGTH
 GEMMA4 = "tiny:gemma4?hidden_size=64&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
 
 
-def _model(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa"):
+def _model(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", chunk_mib: float | None = None):
+    """The tiny model with LoRA; with ``chunk_mib`` its experts are agilerl.distributed's row-wise
+    ones (one rank, chunks of that size) and every router sends each expert the same rows."""
     from peft import LoraConfig, get_peft_model
 
     from agilerl.utils.tiny import tiny_model
@@ -34,14 +37,31 @@ def _model(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa"):
     for name, param in model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(adapter_dtype)
+    if chunk_mib is not None:
+        from agilerl.distributed._moe import apply_expert_parallel
+
+        for router in apply_expert_parallel(model, None, routed_expert_chunk_mib=chunk_mib).routers:
+            router.forward = functools.partial(_balanced_routing, router, router.forward)
     base = model.get_base_model().model
     return getattr(base, "language_model", base), model
 
 
-def _saved_by_region(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa") -> dict[str, int]:
+def _balanced_routing(router, route, hidden):
+    """The router's own forward, with its choice replaced: token t goes to experts t, t + 1, ...
+    (mod E), so every expert gets the same rows (a random tiny router does not, and the row-wise
+    count takes them as balanced)."""
+    logits, weights, chosen = route(hidden)
+    offsets = torch.arange(chosen.shape[1], device=chosen.device)
+    balanced = (torch.arange(chosen.shape[0], device=chosen.device).unsqueeze(1) + offsets) % logits.shape[-1]
+    return logits, weights, balanced.to(chosen.dtype)
+
+
+def _saved_by_region(
+    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", *, chunk_mib: float | None = None
+) -> dict[str, int]:
     """Bytes autograd keeps from one forward, by where each storage is first saved: before the
     first layer, in each layer, after the last."""
-    decoder, model = _model(adapter_dtype, name, attn)
+    decoder, model = _model(adapter_dtype, name, attn, chunk_mib)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     region = ["embed"]
     saved: dict[int, int] = {}
@@ -63,10 +83,12 @@ def _saved_by_region(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "s
     return dict(by_region)
 
 
-def _layer_moments(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1):
+def _layer_moments(
+    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, *, chunk_mib: float | None = None
+):
     """(forward peak, backward peak) of layer ``index`` run alone, beyond its input and the
     gradient given to its output."""
-    decoder, model = _model(adapter_dtype, name, attn)
+    decoder, model = _model(adapter_dtype, name, attn, chunk_mib)
     layer = decoder.layers[index]
     args, kwargs = _captured_inputs(decoder, index)
     args[0].requires_grad_(True)
@@ -88,12 +110,17 @@ def _layer_moments(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdp
     return forward, backward
 
 
-def _context(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa"):
+def _context(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", *, chunk_mib: float | None = None):
     from planner.models import load_model_spec
 
     spec = load_model_spec(name)
     if adapter_dtype == torch.bfloat16:  # FSDP2's mixed precision casts the adapters to bf16
-        fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
+        fsdp = FSDPConfig(
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            param_persistence_threshold=0,
+            routed_expert_chunk_mib=chunk_mib,
+        )
         return make_context(spec, gradient_checkpointing=False, fsdp=fsdp, attn_implementation=attn)
     return make_context(spec, gpus=1, gradient_checkpointing=False, attn_implementation=attn)
 
@@ -114,9 +141,11 @@ def _captured_inputs(decoder, index: int):
     )
 
 
-def _nograd_moment(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1) -> int:
+def _nograd_moment(
+    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, *, chunk_mib: float | None = None
+) -> int:
     """The most layer ``index`` holds beyond its input in a forward without grad."""
-    decoder, model = _model(adapter_dtype, name, attn)
+    decoder, model = _model(adapter_dtype, name, attn, chunk_mib)
     args, kwargs = _captured_inputs(decoder, index)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     skip |= {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
