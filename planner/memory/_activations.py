@@ -392,6 +392,27 @@ def learn_block_moments(
     return running, backward
 
 
+def checkpointed_forward_bytes(
+    ctx: Context, layout: Layout, blocks: dict[int, BlockActivations], pass_: Pass | None = None
+) -> int:
+    """The most alive while a checkpointed block runs its forward with grad (0 when no block is
+    checkpointed): the earlier blocks' keep, its own input, and its forward, which under the
+    checkpoint saves nothing and so holds what a forward without grad holds
+    (:func:`nograd_block_bytes`, adapters on). Its moment has the forward's gathered window,
+    wider than the backward's (planner.memory._gathered.in_flight)."""
+    pass_ = pass_ or one_pass(ctx)
+    kept = kept_bytes(ctx, blocks, pass_)
+    most, before = 0, 0
+    for j in range(ctx.spec.num_layers):
+        if j in ctx.checkpointed:
+            inner = nograd_block_bytes(
+                ctx, layout, pass_.rows, pass_.queries, ctx.representative[j], keys=pass_.keys, masked=pass_.masked
+            )
+            most = max(most, before + kept[j] + inner)
+        before += kept[j]
+    return most
+
+
 @dataclass(frozen=True, slots=True)
 class LearnActivations:
     """A learn micro-batch's activations at its moments (see planner.memory._phases.learn_phase)."""
@@ -404,6 +425,7 @@ class LearnActivations:
     embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in running/backward
     running_grads: int = 0  # this micro-batch's gradients made by the running moment
     backward_grads: int = 0  # ... by the backward moment
+    checkpointed_forward: int = 0  # the most while a checkpointed block runs forward (checkpointed_forward_bytes)
 
 
 def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ()) -> LearnActivations:
@@ -428,9 +450,11 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
             embedding_kept=embedding,
             running_grads=g_run,
             backward_grads=g_back,
+            checkpointed_forward=checkpointed_forward_bytes(ctx, layout, blocks) + embedding,
         )
     prefix, suffix = passes
-    prefix_kept = sum(kept_bytes(ctx, activations_by_type(ctx, layout, prefix), prefix, recorded=True))
+    prefix_blocks = activations_by_type(ctx, layout, prefix)
+    prefix_kept = sum(kept_bytes(ctx, prefix_blocks, prefix, recorded=True))
     suffix_blocks = activations_by_type(ctx, layout, suffix)
     (running, g_run), (backward, g_back) = learn_block_moments(ctx, suffix_blocks, suffix, grown=grown)
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
@@ -444,6 +468,11 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
         embedding_kept=embedding,
         running_grads=g_run,
         backward_grads=g_back,
+        checkpointed_forward=embedding
+        + max(
+            checkpointed_forward_bytes(ctx, layout, prefix_blocks, prefix),
+            prefix_kept + checkpointed_forward_bytes(ctx, layout, suffix_blocks, suffix),
+        ),
     )
 
 

@@ -271,9 +271,10 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
     Components peak at different moments of a micro-batch, so the learn phase is the
-    largest of five: the head's backward (every activation still kept, the logits
+    largest of six: the head's backward (every activation still kept, the logits
     workspace at its largest, a trained head's weight gradient), a block's forward or
-    recompute (what the earlier blocks keep beside it), a block's backward, a unit's
+    recompute (what the earlier blocks keep beside it), a checkpointed block's forward
+    (under the forward's gathered window), a block's backward, a unit's
     post-backward (its unsharded gradients being reduce-scattered, which FSDP2 does once the
     unit's backward is done), and the backward's end (every gradient made, the embeddings'
     last).
@@ -307,6 +308,12 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     "weights_gathered": window,
                     "gradients": grads.prior + acts.running_grads,
                     "activations": running + beside + value,
+                },
+                # a checkpointed block's forward with grad, under the forward's gathered window
+                {
+                    "weights_gathered": terms.nograd_gathered if acts.checkpointed_forward else 0,
+                    "gradients": grads.prior,
+                    "activations": acts.checkpointed_forward + beside if acts.checkpointed_forward else 0,
                 },
                 {
                     "weights_gathered": window,

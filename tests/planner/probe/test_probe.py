@@ -127,6 +127,43 @@ def test_reshard_off_measures_a_higher_peak_on_a_parameter_dominated_workload():
     assert peaks[False][0] > 1.2 * peaks[True][0], peaks
 
 
+def test_a_checkpointed_forward_peaks_under_the_forward_window_and_the_estimate_counts_it():
+    # Parameters dominate and checkpointing keeps almost nothing: the learn peak is a block's forward,
+    # where FSDP2 holds the running unit twice (its all-gather output until the next copy-out) and
+    # the prefetched next one: three units, where the backward holds two.
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    wide = "tiny:qwen2?hidden_size=256&intermediate_size=1024&num_layers=4&num_heads=4"
+    workload = SMALL.model_copy(update={"prompt_tokens": 4, "completion_tokens": 4, "weights_dtype": "bfloat16"})
+    request = ProbeRequest(
+        model=wide,
+        workload=workload,
+        timed_steps=1,
+        nproc=2,
+        fsdp=FSDPConfig(param_dtype="bfloat16", param_persistence_threshold=0),
+    )
+    m = run_probe(request)
+    assert m.ok, m.failure
+    gathered = m.phase_total("learn", key="weights_gathered")
+    unit = _block_bytes(wide, lora_rank=workload.lora_rank)
+    assert 3 * unit <= gathered < 3.1 * unit, gathered / unit
+    learn = estimate_request(request, saved_coefficients("cpu")).phases["learn"]
+    assert learn.total == pytest.approx(m.phase_total("learn"), rel=0.03)
+    assert learn.components["weights_gathered"] == pytest.approx(gathered, rel=0.03)
+
+
+def _block_bytes(name: str, *, lora_rank: int) -> int:
+    """One block's parameters with LoRA on every linear, in bf16: what FSDP2 gathers for it."""
+    from peft import LoraConfig, get_peft_model
+
+    from agilerl.utils.tiny import tiny_model
+
+    arch, query = name.split(":", 1)[1].split("?", 1)
+    model = tiny_model(arch, **{k: int(v) for k, v in (kv.split("=") for kv in query.split("&"))})
+    model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
+    return 2 * sum(p.numel() for p in model.get_base_model().model.layers[0].parameters())
+
+
 def _leftover(marker: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
