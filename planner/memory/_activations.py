@@ -402,13 +402,16 @@ def checkpointed_forward_bytes(
     wider than the backward's (planner.memory._gathered.in_flight)."""
     pass_ = pass_ or one_pass(ctx)
     kept = kept_bytes(ctx, blocks, pass_)
+    inner: dict[int, int] = {}  # per block type
     most, before = 0, 0
     for j in range(ctx.spec.num_layers):
         if j in ctx.checkpointed:
-            inner = nograd_block_bytes(
-                ctx, layout, pass_.rows, pass_.queries, ctx.representative[j], keys=pass_.keys, masked=pass_.masked
-            )
-            most = max(most, before + kept[j] + inner)
+            r = ctx.representative[j]
+            if r not in inner:
+                inner[r] = nograd_block_bytes(
+                    ctx, layout, pass_.rows, pass_.queries, r, keys=pass_.keys, masked=pass_.masked
+                )
+            most = max(most, before + kept[j] + inner[r])
         before += kept[j]
     return most
 
