@@ -48,6 +48,19 @@ def test_the_silu_experts_without_grad():
     assert nograd == pytest.approx(_nograd_moment(torch.float32, QWEN3_MOE, "sdpa", 1), rel=0.03)
 
 
+def test_the_count_matches_real_hugging_face_experts_with_lora_on_the_stacks():
+    # one device, PEFT's fp32 adapters on the bf16 base: the grouped experts over PEFT's merged
+    # stacks save the gathered rows and down's input too, and the fold saves the factors' casts
+    ctx = _context(torch.float32, QWEN3_MOE, "sdpa")
+    assert not ctx.expert_rowwise and ctx.expert_lora[1]
+    counted = block_activations(ctx, build_layout(ctx), 1)
+    assert counted.saved == pytest.approx(_saved_by_region(torch.float32, QWEN3_MOE, "sdpa")["layer1"], rel=0.03)
+    forward, backward = _layer_moments(torch.float32, QWEN3_MOE, "sdpa", 1)
+    assert counted.forward == pytest.approx(forward, rel=0.04)
+    flowing_beyond_given = H * ctx.compute_bytes * TOKENS
+    assert counted.backward + flowing_beyond_given == pytest.approx(backward, rel=0.03)
+
+
 def test_sinks_and_the_clamped_gate_are_what_the_gpt_oss_count_adds():
     # the same layer counted as if it had neither (a SiLU gate, no sinks, no biases) misses most
     # of what the real layer keeps and holds: the rules are doing the work, not a margin
