@@ -84,6 +84,17 @@ class BlockSpec(_Frozen):
     lora: dict[str, tuple[LoraShape, ...]]  # target spec -> the adapters it adds
 
     @property
+    def has_attention_sinks(self) -> bool:
+        """The attention has learned sinks (``self_attn.sinks``, gpt-oss): a logit per head that
+        joins every row's softmax."""
+        return any(name.endswith("attn.sinks") for name, _ in self.tensors)
+
+    @property
+    def has_expert_biases(self) -> bool:
+        """The packed experts have gate_up biases (``experts.gate_up_proj_bias``, gpt-oss)."""
+        return any(name.endswith("experts.gate_up_proj_bias") for name, _ in self.tensors)
+
+    @property
     def numel(self) -> int:
         total = 0
         for _, shape in self.tensors:

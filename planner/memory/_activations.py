@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec import BlockSpec
 from ._context import Context
 from ._moe import (
     backward_transient_bytes,
@@ -92,8 +91,7 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
     """
     if not ctx.scores_materialised:
         return 0
-    block = ctx.spec.block(index)
-    att = block.attention
+    att = ctx.spec.block(index).attention
     p = ctx.compute_bytes
     t_k = t_q if t_k is None else t_k
     rows = batch * att.num_heads // ctx.tp * t_q
@@ -101,18 +99,13 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
     repeated = (
         2 * att.q_dim * p * batch * t_k // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
     )
-    if _has_sinks(block):
+    if ctx.attention_sinks[index]:
         per_score = {"saved": p, "nograd": 3 * p, "returned": p}[moment]
         per_row = 8 if moment == "saved" else 0
         return int(per_score * rows * (t_k + 1) + per_row * rows) + repeated
     cast = p if p != 4 else 0
     per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast, "returned": p}[moment]
     return int(per_score * rows * t_k) + repeated
-
-
-def _has_sinks(block: BlockSpec) -> bool:
-    """The layer's attention has learned sinks (``self_attn.sinks``, gpt-oss)."""
-    return any(name.endswith("attn.sinks") for name, _ in block.tensors)
 
 
 def tape_of(ctx: Context, index: int) -> BlockTape:
@@ -393,17 +386,24 @@ def learn_block_moments(
 
 
 def checkpointed_forward_bytes(
-    ctx: Context, layout: Layout, blocks: dict[int, BlockActivations], pass_: Pass | None = None
+    ctx: Context,
+    layout: Layout,
+    blocks: dict[int, BlockActivations],
+    pass_: Pass | None = None,
+    *,
+    embedding: int = 0,
 ) -> int:
     """The most alive while a checkpointed block runs its forward with grad (0 when no block is
-    checkpointed): the earlier blocks' keep, its own input, and its forward, which under the
-    checkpoint saves nothing and so holds what a forward without grad holds
-    (:func:`nograd_block_bytes`, adapters on). Its moment has the forward's gathered window,
-    wider than the backward's (planner.memory._gathered.in_flight)."""
+    checkpointed): ``embedding`` (what stays from before the blocks), the earlier blocks' keep,
+    its own input, and its forward, which under the checkpoint saves nothing and so holds what
+    a forward without grad holds (:func:`nograd_block_bytes`, adapters on). Its moment has the
+    forward's gathered window, wider than the backward's (planner.memory._gathered.in_flight)."""
+    if not ctx.checkpointed:
+        return 0
     pass_ = pass_ or one_pass(ctx)
     kept = kept_bytes(ctx, blocks, pass_)
     inner: dict[int, int] = {}  # per block type
-    most, before = 0, 0
+    most, before = 0, embedding
     for j in range(ctx.spec.num_layers):
         if j in ctx.checkpointed:
             r = ctx.representative[j]
@@ -453,7 +453,7 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
             embedding_kept=embedding,
             running_grads=g_run,
             backward_grads=g_back,
-            checkpointed_forward=checkpointed_forward_bytes(ctx, layout, blocks) + embedding,
+            checkpointed_forward=checkpointed_forward_bytes(ctx, layout, blocks, embedding=embedding),
         )
     prefix, suffix = passes
     prefix_blocks = activations_by_type(ctx, layout, prefix)
@@ -471,10 +471,9 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
         embedding_kept=embedding,
         running_grads=g_run,
         backward_grads=g_back,
-        checkpointed_forward=embedding
-        + max(
-            checkpointed_forward_bytes(ctx, layout, prefix_blocks, prefix),
-            prefix_kept + checkpointed_forward_bytes(ctx, layout, suffix_blocks, suffix),
+        checkpointed_forward=max(
+            checkpointed_forward_bytes(ctx, layout, prefix_blocks, prefix, embedding=embedding),
+            checkpointed_forward_bytes(ctx, layout, suffix_blocks, suffix, embedding=embedding + prefix_kept),
         ),
     )
 

@@ -72,6 +72,8 @@ class Context:
     lora_shapes: tuple[tuple[LoraShape, ...], ...]  # per layer
     packed: tuple[bool, ...]  # per layer: routed experts packed per layer
     expert_lora: tuple[bool, ...]  # per layer: LoRA on the expert stacks
+    attention_sinks: tuple[bool, ...]  # per layer: BlockSpec.has_attention_sinks
+    expert_biases: tuple[bool, ...]  # per layer: BlockSpec.has_expert_biases
     expert_chunk_mib: int | None
     expert_rowwise: bool  # the project's row-wise experts rather than the Hugging Face loop
     expert_group: int | None  # ranks an expert shard spans under EP
@@ -201,6 +203,8 @@ def build_context(
     if prefix_rows >= micro_batch:  # a micro-batch of distinct prompts runs in one pass
         split, prefix_rows = 0, micro_batch
     expert_lora = {kind: any(is_packed_expert(n) for n in names) for kind, (names, _) in lora.items()}
+    sinks = {kind: b.has_attention_sinks for kind, b in spec.block_types.items()}
+    biases = {kind: b.has_expert_biases for kind, b in spec.block_types.items()}
     return Context(
         spec=spec,
         workload=workload,
@@ -242,6 +246,8 @@ def build_context(
         lora_shapes=tuple(lora[kind][1] for kind in spec.layers),
         packed=tuple(packed[kind] for kind in spec.layers),
         expert_lora=tuple(expert_lora[kind] for kind in spec.layers),
+        attention_sinks=tuple(sinks[kind] for kind in spec.layers),
+        expert_biases=tuple(biases[kind] for kind in spec.layers),
         expert_chunk_mib=chunk_mib,
         expert_rowwise=ep > 1 or chunk_mib is not None,
         expert_group=dims.expert_shard if ep > 1 else None,

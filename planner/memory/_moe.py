@@ -50,8 +50,7 @@ def _bias_width(ctx: Context, index: int) -> int:
     """Widths per routed row of the gate_up biases Hugging Face's grouped experts gather for
     every row (``gate_up_proj_bias[expert_ids]``: 2 x width, gpt-oss), alive through gate_up
     and the gate; 0 without biases."""
-    names = {name for name, _ in ctx.spec.block(index).tensors}
-    return 2 if any(n.endswith("experts.gate_up_proj_bias") for n in names) else 0
+    return 2 if ctx.expert_biases[index] else 0
 
 
 def _stacks_train(ctx: Context, index: int) -> bool:
@@ -144,6 +143,12 @@ def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
     return int(tokens * top_k * (widths * expert_width - train * ctx.hidden_size) * ctx.compute_bytes)
 
 
+def _rows_per_expert(ctx: Context, rows: float, chunk: int, index: int) -> float:
+    """Rows one expert computes in a chunk: the rank's rows shared evenly by its local experts
+    (the count takes routing as balanced), at most a chunk."""
+    return min(chunk, rows / max(1, ctx.spec.block(index).mlp.num_experts // ctx.ep))
+
+
 def _chunk_forward(ctx: Context, rows: int, expert_width: int, index: int, *, merged: bool) -> tuple[int, float]:
     """(rows of one chunk, the most its forward holds, in elements) for the row-wise experts over
     ``rows`` dispatched rows: the outputs of the chunk's experts so far (then their
@@ -153,7 +158,7 @@ def _chunk_forward(ctx: Context, rows: int, expert_width: int, index: int, *, me
     (width each) beside it."""
     H = ctx.hidden_size
     chunk_rows = expert_chunk_rows(ctx, rows, expert_width)
-    per_expert = min(chunk_rows, rows / max(1, ctx.spec.block(index).mlp.num_experts // ctx.ep))
+    per_expert = _rows_per_expert(ctx, rows, chunk_rows, index)
     # gate_up's output is made while the previous expert's product is still bound (and alive)
     previous = expert_width if chunk_rows > per_expert else 0
     gate_up = (3 if merged else 1) * 2 * expert_width + previous
@@ -253,7 +258,7 @@ def _rowwise_backward_transient(ctx: Context, layout: Layout, rows: int, expert_
     top_k = max(1, ctx.spec.block(index).mlp.experts_per_token)
     dispatch = _combine_backward(ctx, block_rows, top_k) + k.moe_dispatch * block_rows * H * p
     chunk = expert_chunk_rows(ctx, int(block_rows), expert_width)
-    per_expert = min(chunk, block_rows / (ctx.spec.block(index).mlp.num_experts // ctx.ep))
+    per_expert = _rows_per_expert(ctx, block_rows, chunk, index)
     gate_up_copies = 3 if ctx.expert_lora[index] else 1
     # the adapters' gradients, summed over the experts' backward: whole once a chunk's backward is done
     adapter_grads = layout.expert_adapters[index] / ctx.num_adapters if ctx.expert_lora[index] else 0

@@ -310,11 +310,17 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     "activations": running + beside + value,
                 },
                 # a checkpointed block's forward with grad, under the forward's gathered window
-                {
-                    "weights_gathered": terms.nograd_gathered if acts.checkpointed_forward else 0,
-                    "gradients": grads.prior,
-                    "activations": acts.checkpointed_forward + beside if acts.checkpointed_forward else 0,
-                },
+                *(
+                    [
+                        {
+                            "weights_gathered": terms.nograd_gathered,
+                            "gradients": grads.prior,
+                            "activations": acts.checkpointed_forward + beside,
+                        }
+                    ]
+                    if acts.checkpointed_forward
+                    else []
+                ),
                 {
                     "weights_gathered": window,
                     "gradients": grads.prior + acts.backward_grads,
