@@ -31,8 +31,9 @@ and without those adjustments:
   all of them;
 - upstream steps with torch's foreach AdamW, whose step allocates one fp32 copy of the
   moments (``exp_avg_sq.sqrt()``); this trainer's fused AdamW allocates none;
-- upstream runs the actor's and the reference's no-grad log-probs in one forward over
-  twice the micro-batch's rows, this trainer the reference's alone;
+- upstream scores the actor's and the reference's no-grad log-probs in one pass over the
+  rows stacked twice, but in forwards of a micro-batch's rows (its ``_fused_model_pass``),
+  so each forward is as wide as this trainer's reference forward: nothing to adjust;
 - upstream's engine profiles ``min(seqs x len, max(len, seqs x 8192))`` batched tokens
   (its ``resolve_max_num_batched_tokens``); the row sets it explicitly.
 
@@ -72,7 +73,7 @@ SPEC_OF = {
 }
 UPSTREAM = (
     "first update, a step per micro-batch: no AdamW moments before the first step; foreach AdamW: "
-    "one fp32 moment-sized temporary in the step; no-grad actor and reference rows in one forward"
+    "one fp32 moment-sized temporary in the step"
 )
 
 
@@ -195,15 +196,6 @@ def window(row: Row, est: Estimate, *, upstream: bool) -> tuple[int, dict[str, i
 
 def estimated(row: Row, coefficients: Coefficients, *, upstream: bool = True) -> tuple[int, dict[str, int]]:
     est = estimate(spec_of(row), row.workload, row.cluster, None, coefficients=coefficients)
-    if upstream and row.phase == "training":
-        # Upstream runs the actor's and the reference's no-grad rows in one forward: the
-        # reference phase over twice the micro-batch's rows.
-        w = row.workload
-        fused = w.model_copy(
-            update={"group_size": 2 * w.group_size, "micro_batch_size_per_gpu": 2 * w.micro_batch_size_per_gpu}
-        )
-        wide = estimate(spec_of(row), fused, row.cluster, None, coefficients=coefficients)
-        est = est.model_copy(update={"phases": {**est.phases, "reference": wide.phases["reference"]}})
     return window(row, est, upstream=upstream)
 
 

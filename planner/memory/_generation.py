@@ -117,6 +117,19 @@ def vllm_moe_workspace_bytes(ctx: Context) -> int:
     return _batched_tokens(ctx) * per_token * ctx.weight_bytes if ctx.workload.generation == "vllm" else 0
 
 
+def vllm_runner_buffer_bytes(ctx: Context) -> int:
+    """The model runner's persistent input buffers, sized for the batched tokens at start-up
+    and kept for the engine's life, asleep too: per token the input embeddings (H x p), the
+    token ids (int32), positions, request indices and query positions (int64 each) and two
+    bool masks, so batched tokens x (H x p + 30) (vLLM's GPUModelRunner; read off a real
+    engine's runner in tests/vllm/test_engine.py; 0 without a vLLM engine). On the public
+    A100 rows, 16 sequences of 4,096 tokens sit 0.15-0.39 GiB above 4 of them where this
+    counts 0.08-0.19 GiB (the rest grows with the CUDA graphs captured for more sequences)."""
+    if ctx.workload.generation != "vllm":
+        return 0
+    return _batched_tokens(ctx) * (ctx.spec.hidden_size * ctx.weight_bytes + 30)
+
+
 def vllm_awake_bytes(ctx: Context) -> int:
     """A colocated vLLM engine awake: vllm_gpu_memory_utilization of the GPU, less the
     profiled activations it never holds again (on a GPU); with an explicit KV cache size
@@ -154,11 +167,11 @@ def vllm_outside_budget_bytes(ctx: Context) -> int:
 
 
 def vllm_asleep_bytes(ctx: Context) -> int:
-    """A sleeping vLLM engine's residue on a GPU: vllm_sleep_residual_bytes and, for MoE
-    models, its fused-MoE workspace."""
+    """A sleeping vLLM engine's residue on a GPU: vllm_sleep_residual_bytes, the model
+    runner's input buffers and, for MoE models, its fused-MoE workspace."""
     if ctx.workload.generation != "vllm" or not ctx.on_gpu:
         return 0
-    return ctx.coefficients.vllm_sleep_residual_bytes + vllm_moe_workspace_bytes(ctx)
+    return ctx.coefficients.vllm_sleep_residual_bytes + vllm_runner_buffer_bytes(ctx) + vllm_moe_workspace_bytes(ctx)
 
 
 def host_vllm_weight_bytes(ctx: Context) -> int:

@@ -192,3 +192,41 @@ def test_offloaded_weights_come_back_bit_for_bit_around_a_real_engine_rollout():
         assert torch.equal(p, before[name]), name
     learn_steps(agent)
     assert engine_greedy(agent) == hf_greedy(agent)
+
+
+def test_the_engines_per_token_input_buffers_are_what_the_planner_counts(agent):
+    """What a sleeping engine keeps beyond its pools: the model runner's buffers sized for the
+    batched tokens (planner.memory._generation.vllm_runner_buffer_bytes), read off the real
+    runner: every tensor it holds whose first dimension is its token capacity."""
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.memory._coefficients import Coefficients
+    from planner.memory._context import build_context
+    from planner.memory._generation import vllm_runner_buffer_bytes
+    from planner.models import load_model_spec
+    from planner.workload import Workload
+    from tests.vllm._common import VLLM_TINY
+
+    def per_token_buffers(worker) -> tuple[int, int]:
+        runner = worker.model_runner
+        tokens, total = runner.max_num_tokens, 0
+        for value in vars(runner).values():
+            tensor = getattr(value, "gpu", value)
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[0] == tokens:
+                total += tensor.numel() * tensor.element_size()
+        return tokens, total
+
+    [(tokens, measured)] = agent.engine.llm.collective_rpc(per_token_buffers)
+    workload = Workload(
+        prompt_tokens=8,
+        completion_tokens=8,
+        group_size=2,
+        generation="vllm",
+        vllm_max_num_seqs=ENGINE.max_num_seqs,
+        vllm_max_model_len=64,  # vllm_agent's max_model_len
+        weights_dtype="float32",
+    )
+    ctx = build_context(
+        load_model_spec(VLLM_TINY), workload, Cluster(gpu=CPU_DEVICE, num_gpus=1), None, coefficients=Coefficients()
+    )
+    assert tokens == 1024  # min(16 seqs x 64, max(64, 8192))
+    assert vllm_runner_buffer_bytes(ctx) == measured

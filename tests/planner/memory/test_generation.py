@@ -31,7 +31,9 @@ def test_vllm_awake_asleep_and_offloaded(dense_spec):
     assert vllm_profile_bytes(ctx) == 1024 * (3 * 512 + 128) * 2
     assert vllm_awake_bytes(ctx) == int(0.4 * gpu.memory_bytes) - 1024 * (3 * 512 + 128) * 2
     assert vllm_weight_bytes(ctx) == dense_spec.total_params * 2
-    assert vllm_asleep_bytes(ctx) == Coefficients().vllm_sleep_residual_bytes
+    # asleep: the residue, and the runner's input buffers for the 1,024 batched tokens (the
+    # embeddings, H = 128 in bf16, and 30 bytes of ids, positions and masks a token)
+    assert vllm_asleep_bytes(ctx) == Coefficients().vllm_sleep_residual_bytes + 1024 * (128 * 2 + 30)
     assert host_vllm_weight_bytes(ctx) == dense_spec.total_params * 2
     assert vllm_asleep_bytes(make_context(dense_spec, generation="vllm")) == 0  # no residue on a CPU run
     hf = make_context(dense_spec, gpu=gpu)
