@@ -31,6 +31,9 @@ and without those adjustments:
   all of them;
 - upstream steps with torch's foreach AdamW, whose step allocates one fp32 copy of the
   moments (``exp_avg_sq.sqrt()``); this trainer's fused AdamW allocates none;
+- upstream runs its forwards under bf16 autocast when it has no Accelerator (its
+  ``_amp_ctx``), so each adapted linear saves a bf16 copy of its input where this
+  trainer's saves an fp32 one (``Workload.autocast_forward``);
 - upstream scores the actor's and the reference's no-grad log-probs in one pass over the
   rows stacked twice, but in forwards of a micro-batch's rows (its ``_fused_model_pass``),
   so each forward is as wide as this trainer's reference forward: nothing to adjust;
@@ -73,7 +76,7 @@ SPEC_OF = {
 }
 UPSTREAM = (
     "first update, a step per micro-batch: no AdamW moments before the first step; foreach AdamW: "
-    "one fp32 moment-sized temporary in the step"
+    "one fp32 moment-sized temporary in the step; forwards under bf16 autocast: LoRA saves bf16 copies of its inputs"
 )
 
 
@@ -128,6 +131,7 @@ def load_rows() -> list[Row]:
             offload_weights_during_rollout=r["trainer_offload_during_rollout"] == "True",
             attn_implementation=r["attn_implementation"],
             logprob_rows="all",  # upstream AgileRL's fused head scores every position
+            autocast_forward=True,  # upstream's forwards run under bf16 autocast without an Accelerator
         )
         gpu = GPUS["A100-40GB"].model_copy(update={"memory_bytes": int(float(r["gpu_memory_gib"]) * GIB)})
         config = (r["model"], r["seq_len"], r["group_size"], r["micro_batch"], r["lora_rank"])
@@ -195,7 +199,8 @@ def window(row: Row, est: Estimate, *, upstream: bool) -> tuple[int, dict[str, i
 
 
 def estimated(row: Row, coefficients: Coefficients, *, upstream: bool = True) -> tuple[int, dict[str, int]]:
-    est = estimate(spec_of(row), row.workload, row.cluster, None, coefficients=coefficients)
+    workload = row.workload if upstream else row.workload.model_copy(update={"autocast_forward": False})
+    est = estimate(spec_of(row), workload, row.cluster, None, coefficients=coefficients)
     return window(row, est, upstream=upstream)
 
 

@@ -126,6 +126,7 @@ def tape_of(ctx: Context, index: int) -> BlockTape:
         include_mlp=routed_experts(ctx, index) is None and block.mlp.kind != "moe",
         full=ctx.full_finetune,
         eager=ctx.scores_materialised,
+        autocast=ctx.workload.autocast_forward,
     )
     return tape
 

@@ -20,6 +20,11 @@ What the code keeps, with ``p`` the compute dtype's bytes and ``a`` the adapters
   saves that copy (``a x in``: one copy per adapted linear, q, k and v each make
   their own); with equal dtypes lora_A saves the input itself, once per input;
   lora_A's output (``a x r``) is saved by lora_B; the frozen base saves nothing;
+- under torch.autocast (``autocast``, a trainer other than this one) lora_A casts that
+  fp32 copy back to the compute dtype and saves the cast (``p x in``; the fp32 copy
+  lives only while the linear runs), its output and lora_B's are in the compute dtype,
+  and it saves compute-dtype copies of the adapter weights (per layer, not per token,
+  so not on this tape);
 - the LoRA forward's peak: the base output, lora_B's output and its scaled copy
   (``out x (p + 2a)``), which the sum with the base output promotes to fp32;
 - SDPA saves the rotated q and k, v, its output and a log-sum-exp per head; its
@@ -163,6 +168,7 @@ def _attention_moments(
     lin: dict[str, list[Linear]],
     transient: Callable[[Linear, bool], float],
     cast_copy: Callable[[Linear, float], float],
+    cast_live: Callable[[Linear, float], float],
     grad: list[float],
     nograd: list[float],
     nograd_base: list[float],
@@ -195,8 +201,8 @@ def _attention_moments(
     held_normed = normed  # the same in a forward with grad, unless it is saved
     outputs = 0.0
     for x in lin["attn_in"]:
-        grad.append(saved + normed + outputs + cast_copy(x, H) + transient(x, True))
-        nograd.append(normed + outputs + cast_copy(x, H) + transient(x, True))
+        grad.append(saved + normed + outputs + cast_live(x, H) + transient(x, True))
+        nograd.append(normed + outputs + cast_live(x, H) + transient(x, True))
         nograd_base.append(normed + outputs + transient(x, False))
         saved += cast_copy(x, H) + (rank_bytes if x.adapted else 0)
         outputs += x.out_features * p
@@ -213,8 +219,8 @@ def _attention_moments(
     # as does its argument, the normed input.
     attention_locals = (2 * q + 2 * kv) * p
     for x in lin["attn_out"]:
-        grad.append(saved + held_normed + cast_copy(x, q) + transient(x, True))
-        nograd.append(normed + attention_locals + cast_copy(x, q) + transient(x, True))
+        grad.append(saved + held_normed + cast_live(x, q) + transient(x, True))
+        nograd.append(normed + attention_locals + cast_live(x, q) + transient(x, True))
         nograd_base.append(normed + attention_locals + transient(x, False))
         # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new; eager
         # attention's output is transposed into a new tensor, which it then saves
@@ -270,6 +276,26 @@ def _without_mlp(
     )
 
 
+def _adapter_terms(p: int, a: int, *, full: bool, autocast: bool):
+    """Per linear: its transient beyond its input (:func:`_lora_transient`), the cast copy of
+    its input that lora_A saves (the adapters' dtype; the compute dtype under autocast) and
+    the cast copies alive while it runs (under autocast the fp32 copy beside the saved one)."""
+    cast = a != p
+    autocast = autocast and cast and not full
+    s = p if autocast else a
+
+    def transient(x: Linear, adapters_on: bool) -> float:
+        return _lora_transient(x, p, s, adapters_on, full)
+
+    def cast_copy(x: Linear, input_width: float) -> float:
+        return s * input_width if cast and x.adapted else 0.0
+
+    def cast_live(x: Linear, input_width: float) -> float:
+        return cast_copy(x, input_width) + (a * input_width if autocast and x.adapted else 0.0)
+
+    return transient, cast_copy, cast_live
+
+
 def block_tape(
     block: BlockSpec,
     *,
@@ -283,6 +309,7 @@ def block_tape(
     include_mlp: bool = True,
     full: bool = False,
     eager: bool = False,
+    autocast: bool = False,
 ) -> BlockTape:
     """Walk one block's ops (see the module docstring) and return its :class:`BlockTape`.
 
@@ -305,6 +332,8 @@ def block_tape(
         adapted, rank, adapter_bytes = frozenset(path for path, _, _ in block.linears), 0, compute_bytes
     p, a, H = compute_bytes, adapter_bytes, hidden
     cast = a != p
+    autocast = autocast and cast and not full
+    s = p if autocast else a  # a saved cast copy's and lora_A's output's bytes per element
     att = block.attention
     q, kv = att.q_dim / tp, att.kv_dim / tp
     heads = att.num_heads / tp
@@ -314,11 +343,7 @@ def block_tape(
     hidden_norms, after_mlp, head_width = _norms(block, hidden)
     norm_saved = 4 * H + 4 + (H * p if full else 0)
 
-    def transient(x: Linear, adapters_on: bool) -> float:
-        return _lora_transient(x, p, a, adapters_on, full)
-
-    def cast_copy(x: Linear, input_width: float) -> float:
-        return a * input_width if cast and x.adapted else 0.0
+    transient, cast_copy, cast_live = _adapter_terms(p, a, full=full, autocast=autocast)
 
     grad: list[float] = []  # forward-with-grad moments
     nograd: list[float] = []
@@ -327,12 +352,13 @@ def block_tape(
         lin,
         transient,
         cast_copy,
+        cast_live,
         grad,
         nograd,
         nograd_base,
         p=p,
         H=H,
-        rank_bytes=a * rank,
+        rank_bytes=s * rank,
         cast=cast,
         full=full,
         q=q,
@@ -360,10 +386,10 @@ def block_tape(
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
     activated = 0.0  # the activation's output, alive while up runs
     for x in lin["mlp_in"]:
-        grad.append(saved + held_stream + held_normed + activated + cast_copy(x, H) + transient(x, True))
-        nograd.append(stream + normed + activated + cast_copy(x, H) + transient(x, True))
+        grad.append(saved + held_stream + held_normed + activated + cast_live(x, H) + transient(x, True))
+        nograd.append(stream + normed + activated + cast_live(x, H) + transient(x, True))
         nograd_base.append(stream + normed + activated + transient(x, False))
-        saved += cast_copy(x, H) + (a * rank if x.adapted else 0)
+        saved += cast_copy(x, H) + (s * rank if x.adapted else 0)
         if gated and not activated and len(lin["mlp_in"]) > 1:
             saved += width * p  # the gate's output, saved by the activation
             activated = width * p  # which makes its own output
@@ -384,19 +410,19 @@ def block_tape(
     recompute = list(grad)
     down_input_saved = 0.0
     for x in lin["mlp_out"]:
-        held = saved + held_stream + held_normed + product + cast_copy(x, width)
+        held = saved + held_stream + held_normed + product + cast_live(x, width)
         grad.append(held + transient(x, True))
         if x.adapted and not full:  # the recompute runs down's base and lora_A, then stops
-            recompute.append(held + x.out_features * p + a * rank)
-        nograd.append(stream + normed + product + cast_copy(x, width) + transient(x, True))
+            recompute.append(held + x.out_features * p + s * rank)
+        nograd.append(stream + normed + product + cast_live(x, width) + transient(x, True))
         nograd_base.append(stream + normed + product + transient(x, False))
         down_input_saved = cast_copy(x, width) if cast else (p * width if x.adapted else 0)
-        saved += down_input_saved + (a * rank if x.adapted else 0)
+        saved += down_input_saved + (s * rank if x.adapted else 0)
     # The residual sum that ends the block: the stream, the MLP's output and the sum (what peaks last
     # when the linears have no adapter transient, full fine-tuning's).
     grad.append(saved + held_stream + 2 * H * p)
     saved += after_mlp * norm_saved  # Gemma's post-MLP norm
-    tail = _per_layer_tail(block, adapted, rank=rank, p=p, a=a)
+    tail = _per_layer_tail(block, adapted, rank=rank, p=p, a=s)
     if tail:  # at its norm: the stream, the projection's output, the norm's fp32 normed and weighted copies
         saved += tail
         grad.append(saved + 2 * H * p + 8 * H)

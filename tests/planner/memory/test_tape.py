@@ -126,6 +126,31 @@ def test_adapters_on_a_bf16_base_cost_an_fp32_input_copy_each():
     assert bf16.saved - frozen.saved == 4 * (5 * H + q + WIDTH) + 7 * 4 * RANK
 
 
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
+def test_under_autocast_the_adapters_save_bf16_copies_of_their_inputs(targets):
+    # A trainer running its forward under torch.autocast (upstream AgileRL's GRPO on one GPU):
+    # lora_A casts PEFT's fp32 input copy back to bf16 and saves that, and its output is bf16.
+    spec = load_model_spec(
+        f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
+        lora_targets=targets,
+    )
+    from planner.spec import ModelSpec
+
+    block = spec.block(0)
+    adapted = frozenset(e[0] for e in block.lora[ModelSpec.target_key(targets)])
+    tape = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=2, autocast=True)
+    plain = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=2)
+    decoder, _ = _peft_block("qwen2", torch.bfloat16, targets if isinstance(targets, str) else list(targets))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved, grad_peak, nograd_peak = _measure_layer(decoder, torch.bfloat16)
+    # autocast also saves bf16 copies of the adapter weights: per layer, not per token (off the tape)
+    weights = sum(p.numel() for name, p in decoder.named_parameters() if "lora_" in name) * 2 / TOKENS
+    assert tape.saved + weights == pytest.approx(saved, rel=0.01)
+    assert tape.grad_peak + weights == pytest.approx(grad_peak, rel=0.03)
+    assert tape.nograd_peak == pytest.approx(nograd_peak, rel=0.06)
+    assert plain.saved > 1.2 * tape.saved  # the fp32 copies the count without autocast keeps
+
+
 def _full_block(arch: str, dtype: torch.dtype):
     """A real block with every weight trained (full fine-tuning: no PEFT)."""
     import transformers
