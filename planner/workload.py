@@ -233,8 +233,8 @@ class Workload(BaseModel):
         Field(
             description="The trainer runs its forwards under torch.autocast to the compute dtype: PEFT's fp32 "
             "adapters on a bf16 base then save a bf16 copy of each adapted linear's input rather than an fp32 "
-            "one. Not this project's trainer (it casts to the adapters' dtype); upstream AgileRL's GRPO "
-            "without an Accelerator does, as does any trainer with bf16 autocast."
+            "one (no effect with full fine-tuning or adapters in the compute dtype). Not this project's "
+            "trainer (it casts to the adapters' dtype); upstream AgileRL's GRPO without an Accelerator does."
         ),
     ] = False
 

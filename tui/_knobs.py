@@ -59,6 +59,7 @@ WORKLOAD_FIELDS = (
     "logprob_rows",
     "padded_batches",
     "share_prompt_prefix",
+    "autocast_forward",
 )
 
 
