@@ -101,14 +101,17 @@ def vllm_profile_bytes(ctx: Context) -> int:
 
 
 def vllm_moe_workspace_bytes(ctx: Context) -> int:
-    """Fused MoE's intermediate caches, sized for the batched tokens at start-up and kept for
-    the engine's life, asleep too: top-k x (3 x expert width + H) x p per token. Measured on
-    the public A100 rows: the sleeping OLMoE engine's floor grows 70 KB per batched token;
-    counted: 82 KB (0 for a dense model)."""
+    """Fused MoE's workspace, which vLLM's workspace manager sizes for the batched tokens at
+    start-up and keeps for the engine's life, asleep too: per token and routed expert the
+    gemm output buffer (shared with the activation's input and the output, max(width, H))
+    and the activation's (max(2 x width, H)), x p (vLLM 0.23's and 0.32's TritonExperts
+    workspace shapes). Measured on the public A100 rows: the sleeping OLMoE engine's floor
+    grows 64-74 KB per batched token; counted: 64 KB and the runner's 4 KB of input
+    buffers (0 for a dense model)."""
     H = ctx.spec.hidden_size
     per_token = max(
         (
-            max(1, b.mlp.experts_per_token) * (3 * b.mlp.intermediate_size + H)
+            max(1, b.mlp.experts_per_token) * (max(b.mlp.intermediate_size, H) + max(2 * b.mlp.intermediate_size, H))
             for b in ctx.spec.block_types.values()
             if b.mlp.kind == "moe"
         ),
