@@ -127,7 +127,7 @@ def vllm_runner_buffer_bytes(ctx: Context) -> int:
     bool masks, so batched tokens x (H x p + 30) (vLLM's GPUModelRunner; read off a real
     engine's runner in tests/vllm/test_engine.py; 0 without a vLLM engine). On the public
     A100 rows, 16 sequences of 4,096 tokens sit 0.15-0.39 GiB above 4 of them where this
-    counts 0.08-0.19 GiB (the rest grows with the CUDA graphs captured for more sequences)."""
+    counts 0.08-0.19 GiB; with it the training rows' error shows no trend with the sequences."""
     if ctx.workload.generation != "vllm":
         return 0
     return _batched_tokens(ctx) * (ctx.spec.hidden_size * ctx.weight_bytes + 30)

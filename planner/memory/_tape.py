@@ -276,13 +276,12 @@ def _without_mlp(
     )
 
 
-def _adapter_terms(p: int, a: int, *, full: bool, autocast: bool):
+def _adapter_terms(p: int, a: int, s: int, *, full: bool):
     """Per linear: its transient beyond its input (:func:`_lora_transient`), the cast copy of
-    its input that lora_A saves (the adapters' dtype; the compute dtype under autocast) and
-    the cast copies alive while it runs (under autocast the fp32 copy beside the saved one)."""
+    its input that lora_A saves (``s`` bytes an element: the adapters' dtype, the compute
+    dtype under autocast) and the cast copies alive while it runs (under autocast, ``s != a``,
+    the fp32 copy beside the saved one)."""
     cast = a != p
-    autocast = autocast and cast and not full
-    s = p if autocast else a
 
     def transient(x: Linear, adapters_on: bool) -> float:
         return _lora_transient(x, p, s, adapters_on, full)
@@ -291,7 +290,7 @@ def _adapter_terms(p: int, a: int, *, full: bool, autocast: bool):
         return s * input_width if cast and x.adapted else 0.0
 
     def cast_live(x: Linear, input_width: float) -> float:
-        return cast_copy(x, input_width) + (a * input_width if autocast and x.adapted else 0.0)
+        return cast_copy(x, input_width) + (a * input_width if s != a and x.adapted else 0.0)
 
     return transient, cast_copy, cast_live
 
@@ -332,8 +331,7 @@ def block_tape(
         adapted, rank, adapter_bytes = frozenset(path for path, _, _ in block.linears), 0, compute_bytes
     p, a, H = compute_bytes, adapter_bytes, hidden
     cast = a != p
-    autocast = autocast and cast and not full
-    s = p if autocast else a  # a saved cast copy's and lora_A's output's bytes per element
+    s = p if autocast and cast and not full else a  # a saved cast copy's and lora_A's output's bytes an element
     att = block.attention
     q, kv = att.q_dim / tp, att.kv_dim / tp
     heads = att.num_heads / tp
@@ -343,7 +341,7 @@ def block_tape(
     hidden_norms, after_mlp, head_width = _norms(block, hidden)
     norm_saved = 4 * H + 4 + (H * p if full else 0)
 
-    transient, cast_copy, cast_live = _adapter_terms(p, a, full=full, autocast=autocast)
+    transient, cast_copy, cast_live = _adapter_terms(p, a, s, full=full)
 
     grad: list[float] = []  # forward-with-grad moments
     nograd: list[float] = []
