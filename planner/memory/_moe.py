@@ -53,6 +53,25 @@ def _bias_width(ctx: Context, index: int) -> int:
     return 2 if ctx.expert_biases[index] else 0
 
 
+def _down_bias_width(ctx: Context, index: int) -> int:
+    """Hidden widths per routed row of the down biases Hugging Face's grouped experts gather
+    (``down_proj_bias[expert_ids]``: H, gpt-oss), bound by name through the combine; 0 without."""
+    return 1 if ctx.expert_biases[index] else 0
+
+
+def _routing_bytes(ctx: Context, tokens: float, index: int, *, grad: bool) -> float:
+    """What the routing of Hugging Face's grouped experts holds through their combine over
+    ``tokens`` tokens, beyond what it saves: per token the router's logits (E x p, bound by the
+    block until it returns); per routed row the sorted expert ids and the inverse permutation
+    (int64) and the top-k weight (p), and without grad, where nothing is saved, also the top-k
+    choice and the permutation (int64) and the weight's sorted copy (p). Counted on the tiny
+    OLMoE (tests/planner/memory/test_moe_layers.py); a fraction of a percent of the combine on
+    real widths."""
+    p, mlp = ctx.compute_bytes, ctx.spec.block(index).mlp
+    per_row = 2 * 8 + p + (0 if grad else 2 * 8 + p)
+    return tokens * (mlp.num_experts * p + max(1, mlp.experts_per_token) * per_row)
+
+
 def _stacks_train(ctx: Context, index: int) -> bool:
     """The expert stacks take gradients (LoRA on them, or full fine-tuning): their grouped
     GEMMs then save their inputs."""
@@ -115,10 +134,20 @@ def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
     """What a block's routed experts hold beyond its saved tensors at their peak in a forward with
     grad over ``tokens`` tokens (0 without packed experts).
 
-    Hugging Face's grouped experts, at the end of the gate: the gathered rows and biases and
-    what the gate holds (:func:`_gate_widths`), less what the experts save
-    (:func:`experts_saved_per_token`), which counts the weighted output (H) not made yet and,
-    when the stacks train, the product down saves.
+    Hugging Face's grouped experts peak at one of two moments, beside their routing
+    (:func:`_routing_bytes`):
+
+    - the end of the gate: the gathered rows and biases and what the gate holds
+      (:func:`_gate_widths`), less what the experts save (:func:`experts_saved_per_token`),
+      which counts the weighted output (H) not made yet and, when the stacks train, the
+      product down saves;
+    - the combine's un-permute: the weighted output and its un-permuted copy (H each, the
+      first freed only once the second is bound to its name) beside the gathered rows, which
+      the experts' function keeps bound until it returns (H, saved when the stacks train),
+      and gpt-oss's gathered down biases (H): 3 H a row beyond the saved tensors with frozen
+      stacks. With an expert width under 2 H (OLMoE: 1,024 for H = 2,048) this is the larger,
+      by 80 KB a token on OLMoE; located with a live-tensor tracker on the tiny OLMoE
+      (tests/planner/memory/test_moe_layers.py).
 
     Row-wise experts (agilerl.distributed._moe), in a token block's last chunk: the chunks'
     checkpoints keep nothing of their forward, so beside the dispatched rows (saved) the block
@@ -139,8 +168,10 @@ def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
         return int(max(in_chunks, _combine_forward(ctx, rows, top_k)))
     saved, held, _ = _gate_widths(ctx, index)
     train = _stacks_train(ctx, index)
-    widths = held - saved - train + _bias_width(ctx, index)
-    return int(tokens * top_k * (widths * expert_width - train * ctx.hidden_size) * ctx.compute_bytes)
+    gate = (held - saved - train + _bias_width(ctx, index)) * expert_width - train * ctx.hidden_size
+    combine = (3 - train + _down_bias_width(ctx, index)) * ctx.hidden_size
+    rows = tokens * top_k * max(gate, combine) * ctx.compute_bytes
+    return int(rows + _routing_bytes(ctx, tokens, index, grad=True))
 
 
 def _rows_per_expert(ctx: Context, rows: float, chunk: int, index: int) -> float:
@@ -179,9 +210,11 @@ def merged_stack_saved_bytes(ctx: Context, layout: Layout, index: int) -> int:
 
 
 def _hf_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width: int, index: int) -> int:
-    """Hugging Face's grouped GEMMs peak at one of two moments of the backward (located
-    with a tracker on the tiny Qwen3-MoE and Mixtral):
+    """Hugging Face's grouped experts peak at one of three moments of the backward (located
+    with a tracker on the tiny Qwen3-MoE, Mixtral and OLMoE):
 
+    - the un-permute's: the weighted output's gradient (the sum's, made contiguous), and the
+      zero-filled rows and their copy the index's backward accumulates into (3 x rows x H);
     - down's: its input's gradient (rows x width) and, with LoRA on the stacks, the
       gradient of PEFT's merged down stack;
     - the activation product's: its output gradient and its two input gradients
@@ -191,7 +224,8 @@ def _hf_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width
     merged_down = layout.expert_down[index] if ctx.expert_lora[index] else 0  # the saved merged copy
     down = rows * expert_width + ctx.coefficients.moe_stack_grad * merged_down
     product = (3 - _stacks_train(ctx, index)) * rows * expert_width - rows * ctx.hidden_size - merged_down
-    return int(max(down, product) * ctx.compute_bytes)
+    combine = 3 * rows * ctx.hidden_size
+    return int(max(down, product, combine) * ctx.compute_bytes)
 
 
 def _combine_parts(ctx: Context, tokens: float, top_k: int) -> tuple[float, bool]:
@@ -299,11 +333,13 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     (:func:`_combine_forward`) beside the un-permuted rows, once the dispatched ones are
     freed; and the block's normed input, which the experts' caller holds until they return.
 
-    Hugging Face's grouped-GEMM experts run every routed row at once: the gathered rows (H)
-    and what the gate holds (:func:`_gate_widths`: gate_up's output, the activation and the
-    product for a SiLU gate), with the gathered gate_up biases (:func:`_bias_width`); with the
-    adapter on the stacks, PEFT's merged stacks beside them (:func:`merged_stack_copies`
-    of the stack).
+    Hugging Face's grouped-GEMM experts run every routed row at once, and hold the most at
+    the end of the gate: the gathered rows (H) and what the gate holds (:func:`_gate_widths`:
+    gate_up's output, the activation and the product for a SiLU gate), with the gathered
+    gate_up biases (:func:`_bias_width`); or at the combine's un-permute: the gathered rows,
+    down's output, the weighted output and its un-permuted copy (4 H a row, and gpt-oss's
+    gathered down biases); with the adapter on the stacks, PEFT's merged stacks beside them
+    (:func:`merged_stack_copies` of the stack), and the routing (:func:`_routing_bytes`).
     """
     moe = routed_experts(ctx, index)
     if moe is None:
@@ -315,7 +351,8 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     if not ctx.expert_rowwise:
         stacks = ctx.merged_stack_copies * layout.expert_stack[index] if merged else 0
         _, _, held = _gate_widths(ctx, index)
-        return (rows * ((held + _bias_width(ctx, index)) * expert_width + H) + stacks) * p
+        widths = max((held + _bias_width(ctx, index)) * expert_width + H, (4 + _down_bias_width(ctx, index)) * H)
+        return (rows * widths + stacks) * p + _routing_bytes(ctx, batch * length, index, grad=False)
     chunk, in_chunk = _chunk_forward(ctx, rows, expert_width, index, merged=merged)
     buffers = 2 if chunk < rows else 1  # one chunk's output is the experts' output, else a buffer takes the chunks'
     chunks = (buffers * rows * H + in_chunk) * p

@@ -22,9 +22,15 @@ TOKENS = BATCH * LENGTH
 GEMMA4 = "tiny:gemma4?hidden_size=64&intermediate_size=256&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=512"
 
 
-def _model(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", chunk_mib: float | None = None):
-    """The tiny model with LoRA; with ``chunk_mib`` its experts are agilerl.distributed's row-wise
-    ones (one rank, chunks of that size) and every router sends each expert the same rows."""
+def _model(
+    adapter_dtype: torch.dtype,
+    name: str = PLE,
+    attn: str = "sdpa",
+    chunk_mib: float | None = None,
+    targets: str | tuple[str, ...] = "all-linear",
+):
+    """The tiny model with LoRA on ``targets``; with ``chunk_mib`` its experts are agilerl.distributed's
+    row-wise ones (one rank, chunks of that size) and every router sends each expert the same rows."""
     from peft import LoraConfig, get_peft_model
 
     from agilerl.utils.tiny import tiny_model
@@ -33,7 +39,15 @@ def _model(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", chun
     kwargs = {k: int(v) for k, v in (kv.split("=") for kv in query.split("&"))}
     model = tiny_model(arch, **kwargs).to(torch.bfloat16)
     model.config._attn_implementation = attn
-    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=RANK,
+            lora_alpha=16,
+            target_modules=targets if isinstance(targets, str) else list(targets),
+            lora_dropout=0.0,
+        ),
+    )
     for name, param in model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(adapter_dtype)
@@ -57,11 +71,16 @@ def _balanced_routing(router, route, hidden):
 
 
 def _saved_by_region(
-    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", *, chunk_mib: float | None = None
+    adapter_dtype: torch.dtype,
+    name: str = PLE,
+    attn: str = "sdpa",
+    *,
+    chunk_mib: float | None = None,
+    targets: str | tuple[str, ...] = "all-linear",
 ) -> dict[str, int]:
     """Bytes autograd keeps from one forward, by where each storage is first saved: before the
     first layer, in each layer, after the last."""
-    decoder, model = _model(adapter_dtype, name, attn, chunk_mib)
+    decoder, model = _model(adapter_dtype, name, attn, chunk_mib, targets)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     region = ["embed"]
     saved: dict[int, int] = {}
@@ -84,11 +103,17 @@ def _saved_by_region(
 
 
 def _layer_moments(
-    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, *, chunk_mib: float | None = None
+    adapter_dtype: torch.dtype,
+    name: str = PLE,
+    attn: str = "sdpa",
+    index: int = 1,
+    *,
+    chunk_mib: float | None = None,
+    targets: str | tuple[str, ...] = "all-linear",
 ):
     """(forward peak, backward peak) of layer ``index`` run alone, beyond its input and the
     gradient given to its output."""
-    decoder, model = _model(adapter_dtype, name, attn, chunk_mib)
+    decoder, model = _model(adapter_dtype, name, attn, chunk_mib, targets)
     layer = decoder.layers[index]
     args, kwargs = _captured_inputs(decoder, index)
     args[0].requires_grad_(True)
@@ -110,10 +135,17 @@ def _layer_moments(
     return forward, backward
 
 
-def _context(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", *, chunk_mib: float | None = None):
+def _context(
+    adapter_dtype: torch.dtype,
+    name: str = PLE,
+    attn: str = "sdpa",
+    *,
+    chunk_mib: float | None = None,
+    targets: str | tuple[str, ...] = "all-linear",
+):
     from planner.models import load_model_spec
 
-    spec = load_model_spec(name)
+    spec = load_model_spec(name, lora_targets=targets)
     if adapter_dtype == torch.bfloat16:  # FSDP2's mixed precision casts the adapters to bf16
         fsdp = FSDPConfig(
             param_dtype="bfloat16",
@@ -121,8 +153,10 @@ def _context(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", *,
             param_persistence_threshold=0,
             routed_expert_chunk_mib=chunk_mib,
         )
-        return make_context(spec, gradient_checkpointing=False, fsdp=fsdp, attn_implementation=attn)
-    return make_context(spec, gpus=1, gradient_checkpointing=False, attn_implementation=attn)
+        return make_context(
+            spec, gradient_checkpointing=False, fsdp=fsdp, attn_implementation=attn, lora_targets=targets
+        )
+    return make_context(spec, gpus=1, gradient_checkpointing=False, attn_implementation=attn, lora_targets=targets)
 
 
 def _captured_inputs(decoder, index: int):
@@ -142,10 +176,16 @@ def _captured_inputs(decoder, index: int):
 
 
 def _nograd_moment(
-    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, *, chunk_mib: float | None = None
+    adapter_dtype: torch.dtype,
+    name: str = PLE,
+    attn: str = "sdpa",
+    index: int = 1,
+    *,
+    chunk_mib: float | None = None,
+    targets: str | tuple[str, ...] = "all-linear",
 ) -> int:
     """The most layer ``index`` holds beyond its input in a forward without grad."""
-    decoder, model = _model(adapter_dtype, name, attn, chunk_mib)
+    decoder, model = _model(adapter_dtype, name, attn, chunk_mib, targets)
     args, kwargs = _captured_inputs(decoder, index)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     skip |= {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}

@@ -50,7 +50,10 @@ def test_hugging_face_experts_forward_merges_the_stacks_only_with_an_active_adap
     layout = build_layout(ctx)
     rows = 3 * 5 * 2
     base = expert_forward_temps(ctx, layout, 3, 5, 0, adapters_on=False)
-    assert base == rows * (4 * 512 + 128) * 4
+    # gate_up's output, the activation and the product (4 x width) and the gathered row (H) a row;
+    # the routing: 8 fp32 logits a token, and a row's top-k choice, sorted id, permutation and
+    # inverse (int64) and its weight and the weight's sorted copy (fp32)
+    assert base == rows * (4 * 512 + 128) * 4 + 15 * 8 * 4 + rows * (4 * 8 + 2 * 4)
     # The merged stacks are the same whatever the rows (their size is measured below).
     merged = expert_forward_temps(ctx, layout, 3, 5, 0, adapters_on=True) - base
     assert merged > 0

@@ -25,6 +25,34 @@ QWEN3_MOE = (
     "&num_kv_heads=2&vocab_size=512&num_experts=8&num_experts_per_tok=2"
 )
 
+# OLMoE's shape: the expert width is half the hidden size, so the combine, not the gate, is where
+# the experts hold the most; LoRA on the attention only, as OLMoE is fine-tuned (the stacks frozen)
+OLMOE = (
+    "tiny:olmoe?hidden_size=64&intermediate_size=32&num_layers=2&num_heads=4&num_kv_heads=4"
+    "&vocab_size=512&num_experts=16&num_experts_per_tok=4"
+)
+ATTENTION = ("k_proj", "o_proj", "q_proj", "v_proj")
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32])
+def test_the_count_matches_real_frozen_experts_that_peak_at_their_combine(adapter_dtype):
+    ctx = _context(adapter_dtype, OLMOE, targets=ATTENTION)
+    assert not ctx.expert_lora[1] and not ctx.expert_rowwise  # Hugging Face's experts, frozen
+    layout = build_layout(ctx)
+    counted = block_activations(ctx, layout, 1)
+    saved = _saved_by_region(adapter_dtype, OLMOE, targets=ATTENTION)["layer1"]
+    assert counted.saved == pytest.approx(saved, rel=0.03)
+    forward, backward = _layer_moments(adapter_dtype, OLMOE, targets=ATTENTION)
+    # the gate's end (the saved tensors, the residual and the product: 4 rows of width 32 a token)
+    # is a fifth short of the forward: the un-permuted weighted rows beside the gathered ones are its peak
+    p = ctx.compute_bytes
+    assert counted.saved + TOKENS * H * p + TOKENS * 4 * 32 * p < 0.85 * forward
+    assert counted.forward == pytest.approx(forward, rel=0.03)
+    flowing_beyond_given = H * ctx.compute_bytes * TOKENS
+    assert counted.backward + flowing_beyond_given == pytest.approx(backward, rel=0.03)
+    nograd = nograd_block_bytes(ctx, layout, BATCH, LENGTH, 1)
+    assert nograd == pytest.approx(_nograd_moment(adapter_dtype, OLMOE, targets=ATTENTION), rel=0.03)
+
 
 @pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32])
 def test_the_count_matches_a_real_gpt_oss_layer(adapter_dtype):
