@@ -197,6 +197,13 @@ def _chunk_forward(ctx: Context, rows: int, expert_width: int, index: int, *, me
     return chunk_rows, max(2 * chunk_rows * H, (chunk_rows - per_expert) * H + one_expert)
 
 
+def _factor_casts(ctx: Context, layout: Layout, index: int) -> float:
+    """Elements of the active adapter's expert factors cast to the stacks' dtype for PEFT's fold
+    (held by its parametrization while the experts run; 0 when the adapters are in that dtype)."""
+    cast = ctx.adapter_compute_bytes != ctx.compute_bytes
+    return layout.expert_adapters[index] / ctx.num_adapters if cast else 0
+
+
 def merged_stack_saved_bytes(ctx: Context, layout: Layout, index: int) -> int:
     """PEFT folds LoRA into a copy of the expert stack in the Hugging Face experts, and
     the expert linears save it: the layer's stack in the compute dtype (else 0). The fold's
@@ -204,9 +211,7 @@ def merged_stack_saved_bytes(ctx: Context, layout: Layout, index: int) -> int:
     adapters are in another (PEFT's fp32 on a bf16 base)."""
     if routed_experts(ctx, index) is None or ctx.expert_rowwise or not ctx.expert_lora[index]:
         return 0
-    cast = ctx.adapter_compute_bytes != ctx.compute_bytes
-    factors = layout.expert_adapters[index] / ctx.num_adapters if cast else 0
-    return int((layout.expert_stack[index] + factors) * ctx.compute_bytes)
+    return int((layout.expert_stack[index] + _factor_casts(ctx, layout, index)) * ctx.compute_bytes)
 
 
 def _hf_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width: int, index: int) -> int:
@@ -338,8 +343,12 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     gate_up's output, the activation and the product for a SiLU gate), with the gathered
     gate_up biases (:func:`_bias_width`); or at the combine's un-permute: the gathered rows,
     down's output, the weighted output and its un-permuted copy (4 H a row, and gpt-oss's
-    gathered down biases); with the adapter on the stacks, PEFT's merged stacks beside them
-    (:func:`merged_stack_copies` of the stack), and the routing (:func:`_routing_bytes`).
+    gathered down biases); and the routing (:func:`_routing_bytes`). With the adapter on the
+    stacks PEFT folds it into merged stacks as each is first read (gate_up's at the gate, down's
+    at down) and torch's parametrization cache keeps them until the experts return, beside the
+    factors' casts (:func:`_factor_casts`): gate_up's merged stack at the gate's end, the whole
+    stack at the combine (:func:`merged_stack_copies` of it). Located with a live-tensor
+    tracker on the tiny OLMoE and Qwen3-MoE (tests/planner/memory/test_moe_layers.py).
     """
     moe = routed_experts(ctx, index)
     if moe is None:
@@ -349,10 +358,14 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
     rows = batch * length * top_k
     merged = adapters_on and ctx.expert_lora[index]
     if not ctx.expert_rowwise:
-        stacks = ctx.merged_stack_copies * layout.expert_stack[index] if merged else 0
         _, _, held = _gate_widths(ctx, index)
-        widths = max((held + _bias_width(ctx, index)) * expert_width + H, (4 + _down_bias_width(ctx, index)) * H)
-        return (rows * widths + stacks) * p + _routing_bytes(ctx, batch * length, index, grad=False)
+        gate: float = rows * ((held + _bias_width(ctx, index)) * expert_width + H)
+        combine: float = rows * (4 + _down_bias_width(ctx, index)) * H
+        if merged:  # gate_up's merged stack from the gate on, down's from down on (parametrize's cache keeps both)
+            casts = _factor_casts(ctx, layout, index)
+            gate += ctx.merged_stack_copies * (layout.expert_stack[index] - layout.expert_down[index]) + casts
+            combine += ctx.merged_stack_copies * layout.expert_stack[index] + casts
+        return max(gate, combine) * p + _routing_bytes(ctx, batch * length, index, grad=False)
     chunk, in_chunk = _chunk_forward(ctx, rows, expert_width, index, merged=merged)
     buffers = 2 if chunk < rows else 1  # one chunk's output is the experts' output, else a buffer takes the chunks'
     chunks = (buffers * rows * H + in_chunk) * p

@@ -54,14 +54,12 @@ def test_hugging_face_experts_forward_merges_the_stacks_only_with_an_active_adap
     # the routing: 8 fp32 logits a token, and a row's top-k choice, sorted id, permutation and
     # inverse (int64) and its weight and the weight's sorted copy (fp32)
     assert base == rows * (4 * 512 + 128) * 4 + 15 * 8 * 4 + rows * (4 * 8 + 2 * 4)
-    # The merged stacks are the same whatever the rows (their size is measured below).
-    merged = expert_forward_temps(ctx, layout, 3, 5, 0, adapters_on=True) - base
-    assert merged > 0
-    assert (
-        expert_forward_temps(ctx, layout, 1, 1, 0, adapters_on=True)
-        - expert_forward_temps(ctx, layout, 1, 1, 0, adapters_on=False)
-        == merged
-    )
+    # With the adapter PEFT merges gate_up's stack at the gate and down's at down, and both stay
+    # (parametrize's cache) to the combine: at one token (2 rows) the combine beside the whole
+    # merged stack, 8 experts x (1024 x 128 + 128 x 512), is the most (their size is measured below)
+    one_token = expert_forward_temps(ctx, layout, 1, 1, 0, adapters_on=True)
+    assert one_token == (2 * 4 * 128 + 8 * (1024 * 128 + 128 * 512)) * 4 + 8 * 4 + 2 * (4 * 8 + 2 * 4)
+    assert expert_forward_temps(ctx, layout, 1, 1, 0, adapters_on=False) < one_token / 50
 
 
 def test_row_wise_experts_save_no_merged_stack(moe_spec):
