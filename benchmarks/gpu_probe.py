@@ -10,8 +10,11 @@ stops starting new ones once ``--budget-s`` seconds are spent. It first prints w
 machine has (python, torch, CUDA, transformers, peft, the GPU), then per
 configuration and phase the measured device peak, ``max_memory_reserved`` plus the
 CUDA context (measured once here: device memory in use beyond PyTorch's reservation
-after CUDA initialises), beside the estimate with the shipped CUDA coefficients.
-The table is written to ``benchmarks/results/gpu_<kind>.txt``.
+after CUDA initialises), beside the estimate with the shipped CUDA coefficients. Then
+per model what the caching allocator's segments hold beyond its bf16 weights once they
+are placed a tensor at a time, measured in a fresh process, beside the count
+(planner.memory._overheads.weight_segment_bytes). The table is written to
+``benchmarks/results/gpu_<kind>.txt``.
 
 ``--dry-run`` prints the configurations and their estimates without a GPU.
 """
@@ -77,6 +80,32 @@ def cuda_context_bytes() -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+_SEGMENTS = """
+import sys
+import torch
+import transformers
+
+config = transformers.AutoConfig.from_pretrained(sys.argv[1])
+with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+placed = [torch.empty_like(p, device="cuda") for p in model.parameters()]  # each tied weight once
+torch.cuda.synchronize()
+print(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), torch.cuda.memory_allocated())
+"""
+
+
+def weight_segments_measured(model_dir: str) -> tuple[int, int]:
+    """(reserved beyond allocated, allocated) after a fresh CUDA process places the model's
+    bf16 weights on the device a tensor at a time in the model's order (from the meta device,
+    as loading them or moving them back from the host allocates them): what the
+    caching allocator's segments hold beyond the weights (planner.memory._overheads)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SEGMENTS, model_dir], capture_output=True, text=True, timeout=300, check=True
+    )
+    slack, allocated = out.stdout.strip().splitlines()[-1].split()
+    return int(slack), int(allocated)
+
+
 def gpu_of(torch_name: str, total_bytes: int, context: int):
     """The catalog GPU whose name matches the device's (its memory and context as measured)."""
     from planner.hardware import GPU, GPUS
@@ -136,6 +165,10 @@ def main() -> None:
     from planner.calibration import coefficients_for
     from planner.hardware import GPUS, Cluster
     from planner.memory import estimate
+    from planner.memory._context import build_context
+    from planner.memory._overheads import weight_segment_bytes
+    from planner.memory._units import build_layout
+    from planner.workload import Workload
 
     lines = machine()
     for line in lines:
@@ -194,6 +227,21 @@ def main() -> None:
                 errors.append((e - measured) / measured)
                 rows.append(f"{label} {ph:>9} {measured / GIB:>13.2f} {e / GIB:>13.2f} {100 * errors[-1]:>+6.1f}%")
                 print(rows[-1], flush=True)
+        rows.append("\nthe weights' segments: reserved beyond allocated once the bf16 weights are placed")
+        print(rows[-1], flush=True)
+        for name in dict.fromkeys(c[0] for c in CONFIGS[: args.limit]):
+            spec = catalog.load_spec(name)
+            ctx = build_context(spec, Workload(), Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
+            counted = weight_segment_bytes(ctx, build_layout(ctx))
+            if args.dry_run:
+                rows.append(f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB")
+            else:
+                measured, allocated = weight_segments_measured(write_config(name, Path(tmp) / catalog.slug(name)))
+                rows.append(
+                    f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB, "
+                    f"measured {measured / 2**20:>8.1f} MiB beside {allocated / GIB:.2f} GiB of weights"
+                )
+            print(rows[-1], flush=True)
     if errors:
         rows.append(
             f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "

@@ -113,7 +113,7 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
 def make_phase(ctx: Context, terms: Terms, components: Components, host: Components | None = None) -> PhaseEstimate:
     """A phase's non-zero components (as ints) with the GPU overheads on what they allocate."""
     merged = {name: int(v) for name, v in components.items() if v}
-    for name, v in gpu_overheads(ctx, merged).items():
+    for name, v in gpu_overheads(ctx, merged, terms.layout).items():
         merged[name] = merged.get(name, 0) + v
     return PhaseEstimate(components=merged, host={**terms.host, **(host or {})})
 

@@ -410,9 +410,10 @@ def test_unsharded_moe_keeps_peft_merged_expert_stacks(moe_spec):
 
 def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
     """The reference pass runs the base model with adapters disabled, so PEFT builds no merged
-    expert stacks; a separate reference adapter (or the old-policy pass) does: three copies
-    of gate_up's stack and two of down's, 8/3 of the stack per layer."""
-    stack = sum(math.prod(s) for _, s in moe_spec.block(0).tensors if _is_expert(_))
+    expert stacks; a separate reference adapter (or the old-policy pass) does, each stack as
+    the experts first read it: these wide experts peak at the end of their gate, beside
+    gate_up's merged stack."""
+    gate_up = sum(math.prod(s) for n, s in moe_spec.block(0).tensors if _is_expert(n) and "gate_up" in n)
     wl = MOE_WL.model_copy(update={"prompts_per_step": 1, "logprob_chunk_size": 16})
     base = estimate(moe_spec, wl, _cluster(1), None).phases["reference"].components
     adapter = (
@@ -420,9 +421,10 @@ def test_reference_pass_on_the_base_merges_no_expert_stacks(moe_spec):
         .phases["reference"]
         .components
     )
-    # At least the merged stacks themselves (their exact size is measured in
-    # tests/planner/memory/test_moe.py against PEFT's real forward).
-    assert adapter["activations"] - base["activations"] >= stack * 4
+    # At least gate_up's merged stack (what PEFT builds is measured in
+    # tests/planner/memory/test_moe.py against its real forward).
+    assert gate_up > 0
+    assert adapter["activations"] - base["activations"] >= gate_up * 4
 
 
 def test_lora_off_the_expert_stacks_merges_none(moe_spec):

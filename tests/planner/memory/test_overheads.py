@@ -22,3 +22,40 @@ def test_gpu_terms_only_on_gpus(dense_spec):
     }
     single = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components)
     assert "comm_buffers" not in single  # no NCCL on one GPU
+
+
+def test_segments_follow_the_caching_allocators_rules():
+    from planner.memory._overheads import segment_bytes
+
+    mib = 2**20
+    # above 10 MiB a request takes a segment of its own, rounded up to 2 MiB: the 1 MiB left
+    # is not over 1 MiB, so it is not split off for anyone else (Qwen2.5-3B's 43 MiB MLP weights)
+    assert segment_bytes([2048 * 11008 * 2] * 3) == 3 * 44 * mib
+    # 1-10 MiB requests share 20 MiB segments: two 8 MiB projections fit one, a third opens another
+    assert segment_bytes([8 * mib] * 2) == 20 * mib
+    assert segment_bytes([8 * mib] * 3) == 40 * mib
+    # the 4 MiB left in a segment serves a later request that fits it
+    assert segment_bytes([8 * mib, 8 * mib, 3 * mib]) == 20 * mib
+    # up to 1 MiB requests pack into 2 MiB segments, rounded to 512 bytes
+    assert segment_bytes([mib, mib, 1]) == 4 * mib
+    assert segment_bytes([100] * 4096) == 2 * mib
+    assert segment_bytes([]) == 0
+
+
+def test_the_weights_segments_count_on_gpus_while_the_weights_are_on_the_device(dense_spec):
+    from planner.memory._overheads import weight_segment_bytes
+    from planner.memory._units import build_layout
+
+    gpu = GPUS["A100-80GB"]
+    cpu_ctx = make_context(dense_spec, gpus=1)
+    assert weight_segment_bytes(cpu_ctx, build_layout(cpu_ctx)) == 0
+    ctx = make_context(dense_spec, gpu=gpu, gpus=1)
+    layout = build_layout(ctx)
+    segments = weight_segment_bytes(ctx, layout)
+    weights = sum(t.numel * ctx.stored_bytes for t in layout.base_tensors)
+    assert 0 < segments < weights  # what the segments hold beyond the weights, not the weights again
+    components = {"weights": weights, "activations": 10**9}
+    slack = int(10**9 * Coefficients().allocator_slack_fraction)
+    assert gpu_overheads(ctx, components, layout)["allocator_slack"] == slack + segments
+    parked = {"weights": 0, "activations": 10**9}  # rollout with the weights on the host
+    assert gpu_overheads(ctx, parked, layout)["allocator_slack"] == slack

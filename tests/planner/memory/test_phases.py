@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planner.hardware import GPUS
 from planner.memory import Coefficients
+from planner.memory._overheads import weight_segment_bytes
 from planner.memory._phases import larger, make_phase, reference_phase, shared_terms
 from planner.memory._units import build_layout
 
@@ -19,16 +20,21 @@ def test_larger_takes_the_bigger_moment_first_on_a_tie():
 def test_a_phase_drops_empty_components_and_adds_the_gpu_terms(dense_spec):
     gpu = GPUS["A100-80GB"]
     ctx = make_context(dense_spec, gpu=gpu, gpus=1)
-    terms = shared_terms(ctx, build_layout(ctx))
+    layout = build_layout(ctx)
+    terms = shared_terms(ctx, layout)
     phase = make_phase(ctx, terms, {"weights": 1000.9, "logits": 0, "activations": 2000, "allocator_slack": 5})
     slack = int(2000 * Coefficients().allocator_slack_fraction)
+    segments = weight_segment_bytes(ctx, layout)  # the weights are on the device (test_overheads.py)
+    assert segments > 0
     assert phase.components == {
         "weights": 1000,
         "activations": 2000,
-        "allocator_slack": 5 + slack,
+        "allocator_slack": 5 + slack + segments,
         "cuda_context": gpu.cuda_context_bytes,
     }
     assert phase.host == {"host_process": Coefficients().host_process_bytes}
+    parked = make_phase(ctx, terms, {"weights": 0, "activations": 2000})  # the weights on the host
+    assert parked.components["allocator_slack"] == slack
 
 
 def test_no_reference_phase_without_kl_or_a_second_epoch(dense_spec):
