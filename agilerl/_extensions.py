@@ -4,7 +4,8 @@
 index serves builds of them made for the CUDA torch. Beside the CPU torch their
 compiled parts fail to load (``operator torchvision::nms does not exist``, or an
 ``OSError`` from torchaudio's library), and transformers imports them whenever
-they are installed: every model class import then fails. No package metadata
+they are installed: up to 5.24 with every model class, whose import then fails;
+from 5.25 with the modules that use them (audio feature extractors, pipelines). No package metadata
 can keep a dependency's dependencies out, so the project makes its own import
 path immune instead.
 

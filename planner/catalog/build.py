@@ -18,6 +18,7 @@ from planner.catalog import (
     ENTRIES_JSON_PATH,
     ENTRIES_PATH,
     INDEX_PATH,
+    NOT_ARCHITECTURE,
     SPECS_DIR,
     CatalogEntry,
     content_key,
@@ -38,12 +39,15 @@ def build_entry(e: CatalogEntry) -> ModelSpec:
 
 
 def model_type_defaults(model_type: str) -> dict:
-    """The config transformers builds for ``model_type`` with no fields given, as JSON values."""
+    """The config transformers builds for ``model_type`` with no fields given, as JSON values,
+    without the fields no content key reads (:data:`NOT_ARCHITECTURE`: the version of
+    transformers that built it among them, so the index does not go stale with each release)."""
     import json
 
     from transformers import AutoConfig
 
-    return json.loads(json.dumps(AutoConfig.for_model(model_type).to_dict(), default=str))
+    config = json.loads(json.dumps(AutoConfig.for_model(model_type).to_dict(), default=str))
+    return {k: v for k, v in config.items() if k not in NOT_ARCHITECTURE}
 
 
 def attribute_aliases(model_type: str) -> dict[str, str]:

@@ -26,12 +26,15 @@ def _run(tmp_path, code: str, torchaudio: str = BROKEN) -> subprocess.CompletedP
 
 
 MODEL_IMPORT = "from transformers import Qwen2ForCausalLM; print('imported')"
+# transformers up to 5.24 imports the installed extension packages with every model class; from
+# 5.25 only the modules that use them do, as this feature extractor does when torchaudio is installed
+AUDIO_IMPORT = "from transformers import ASTFeatureExtractor; print('imported')"
 
 
 @pytest.mark.timeout(180)
 def test_a_broken_torchaudio_breaks_transformers_without_the_guard(tmp_path):
-    # The control: the stand-in really breaks a model import, as the CUDA-built packages do.
-    run = _run(tmp_path, MODEL_IMPORT)
+    # The control: the stand-in really breaks a transformers import, as the CUDA-built packages do.
+    run = _run(tmp_path, AUDIO_IMPORT)
     assert run.returncode != 0 and "_torchaudio.so" in run.stderr
 
 
@@ -39,11 +42,18 @@ def test_a_broken_torchaudio_breaks_transformers_without_the_guard(tmp_path):
 def test_import_agilerl_first_hides_it_and_models_import(tmp_path):
     run = _run(
         tmp_path,
-        "import agilerl, agilerl._extensions as e\n" + MODEL_IMPORT + "\nprint(sorted(e.HIDDEN))\n"
-        "import importlib.util; print(importlib.util.find_spec('torchaudio'))",
+        "\n".join(
+            [
+                "import agilerl, agilerl._extensions as e",
+                AUDIO_IMPORT,
+                MODEL_IMPORT,
+                "print(sorted(e.HIDDEN))",
+                "import importlib.util; print(importlib.util.find_spec('torchaudio'))",
+            ]
+        ),
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["imported", "['torchaudio']", "None"]
+    assert run.stdout.split() == ["imported", "imported", "['torchaudio']", "None"]
 
 
 @pytest.mark.timeout(180)

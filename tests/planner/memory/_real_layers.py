@@ -70,17 +70,10 @@ def _balanced_routing(router, route, hidden):
     return logits, weights, balanced.to(chosen.dtype)
 
 
-def _saved_by_region(
-    adapter_dtype: torch.dtype,
-    name: str = PLE,
-    attn: str = "sdpa",
-    *,
-    chunk_mib: float | None = None,
-    targets: str | tuple[str, ...] = "all-linear",
-) -> dict[str, int]:
+def _saved_by_region(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", **options) -> dict[str, int]:
     """Bytes autograd keeps from one forward, by where each storage is first saved: before the
-    first layer, in each layer, after the last."""
-    decoder, model = _model(adapter_dtype, name, attn, chunk_mib, targets)
+    first layer, in each layer, after the last (``options``: :func:`_model`'s)."""
+    decoder, model = _model(adapter_dtype, name, attn, **options)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     region = ["embed"]
     saved: dict[int, int] = {}
@@ -102,18 +95,10 @@ def _saved_by_region(
     return dict(by_region)
 
 
-def _layer_moments(
-    adapter_dtype: torch.dtype,
-    name: str = PLE,
-    attn: str = "sdpa",
-    index: int = 1,
-    *,
-    chunk_mib: float | None = None,
-    targets: str | tuple[str, ...] = "all-linear",
-):
+def _layer_moments(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, **options):
     """(forward peak, backward peak) of layer ``index`` run alone, beyond its input and the
-    gradient given to its output."""
-    decoder, model = _model(adapter_dtype, name, attn, chunk_mib, targets)
+    gradient given to its output (``options``: :func:`_model`'s)."""
+    decoder, model = _model(adapter_dtype, name, attn, **options)
     layer = decoder.layers[index]
     args, kwargs = _captured_inputs(decoder, index)
     args[0].requires_grad_(True)
@@ -175,17 +160,10 @@ def _captured_inputs(decoder, index: int):
     )
 
 
-def _nograd_moment(
-    adapter_dtype: torch.dtype,
-    name: str = PLE,
-    attn: str = "sdpa",
-    index: int = 1,
-    *,
-    chunk_mib: float | None = None,
-    targets: str | tuple[str, ...] = "all-linear",
-) -> int:
-    """The most layer ``index`` holds beyond its input in a forward without grad."""
-    decoder, model = _model(adapter_dtype, name, attn, chunk_mib, targets)
+def _nograd_moment(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, **options) -> int:
+    """The most layer ``index`` holds beyond its input in a forward without grad (``options``:
+    :func:`_model`'s)."""
+    decoder, model = _model(adapter_dtype, name, attn, **options)
     args, kwargs = _captured_inputs(decoder, index)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     skip |= {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
