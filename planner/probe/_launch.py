@@ -335,8 +335,19 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the launch and everything it started: its process group and every descendant."""
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: it exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _kill_group(proc: subprocess.Popen, *, wait_s: float = 10.0) -> None:
+    """Kill the launch and everything it started: its process group and every descendant, and
+    wait (up to ``wait_s``) until they have exited: a rank SIGKILLed with gigabytes mapped takes
+    a moment to go, and a tuner stopped by Ctrl-C must not leave one behind it."""
     victims = _descendants(proc.pid) if Path("/proc").is_dir() else []
     for pid in victims:
         try:
@@ -347,6 +358,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    deadline = time.monotonic() + wait_s
+    while any(_alive(pid) for pid in victims) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def run_probe(

@@ -376,3 +376,28 @@ def test_two_nodes_of_two_ranks_shard_within_a_node_and_report_host_memory_per_n
     assert m.host_per_node_bytes == max(host.values()) > m.host_peak_bytes
     with pytest.raises(ValueError, match="do not split evenly"):
         ProbeRequest(model=MODEL, nproc=3, nnodes=2)
+
+
+@pytest.mark.timeout(60)
+def test_killing_a_launch_waits_until_its_descendants_are_gone():
+    # A launcher whose child runs in a new session (as torchrun's ranks do) and holds memory, so
+    # that a SIGKILL takes a moment to complete: when the kill returns, no descendant still runs.
+    import sys
+
+    from planner.probe._launch import _alive, _descendants, _kill_group
+
+    child = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'b = bytearray(400 * 2**20); import time; time.sleep(60)'], "
+        "start_new_session=True); time.sleep(60)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while len(_descendants(launcher.pid)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victims = _descendants(launcher.pid)
+    assert victims, "the launcher started no child"
+    time.sleep(1)  # the child has its memory
+    _kill_group(launcher)
+    launcher.wait()
+    assert not [pid for pid in victims if _alive(pid)]
