@@ -361,11 +361,12 @@ def expert_forward_temps(ctx: Context, layout: Layout, batch: int, length: int, 
         _, _, held = _gate_widths(ctx, index)
         gate: float = rows * ((held + _bias_width(ctx, index)) * expert_width + H)
         combine: float = rows * (4 + _down_bias_width(ctx, index)) * H
+        casts = 0.0
         if merged:  # gate_up's merged stack from the gate on, down's from down on (parametrize's cache keeps both)
             casts = _factor_casts(ctx, layout, index)
-            gate += ctx.merged_stack_copies * (layout.expert_stack[index] - layout.expert_down[index]) + casts
-            combine += ctx.merged_stack_copies * layout.expert_stack[index] + casts
-        return max(gate, combine) * p + _routing_bytes(ctx, batch * length, index, grad=False)
+            gate += ctx.merged_stack_copies * (layout.expert_stack[index] - layout.expert_down[index])
+            combine += ctx.merged_stack_copies * layout.expert_stack[index]
+        return (max(gate, combine) + casts) * p + _routing_bytes(ctx, batch * length, index, grad=False)
     chunk, in_chunk = _chunk_forward(ctx, rows, expert_width, index, merged=merged)
     buffers = 2 if chunk < rows else 1  # one chunk's output is the experts' output, else a buffer takes the chunks'
     chunks = (buffers * rows * H + in_chunk) * p

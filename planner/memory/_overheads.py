@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 
 from ._context import Context
+from ._static import stored_tensor_bytes
 from ._units import Layout
 
 #: Components the caching allocator hands out and takes back within a step, where its
@@ -20,14 +21,12 @@ MIB = 2**20
 #: is rounded up to 512 bytes; up to 1 MiB it is served from the small pool's 2 MiB segments, up
 #: to 10 MiB from 20 MiB segments, above that from a segment of its own rounded up to 2 MiB; a
 #: block is split when what remains is at least 512 bytes (small pool) or over 1 MiB (large).
-BLOCK_ROUND, SMALL_REQUEST, SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE_ALLOC, LARGE_ROUND = (
-    512,
-    MIB,
-    2 * MIB,
-    20 * MIB,
-    10 * MIB,
-    2 * MIB,
-)
+BLOCK_ROUND = 512
+SMALL_REQUEST = MIB
+SMALL_SEGMENT = 2 * MIB
+LARGE_SEGMENT = 20 * MIB
+MIN_LARGE_ALLOC = 10 * MIB
+LARGE_ROUND = 2 * MIB
 
 
 def segment_bytes(requests: Iterable[int]) -> int:
@@ -72,12 +71,8 @@ def weight_segment_bytes(ctx: Context, layout: Layout) -> int:
         return 0
     key = ("segments", ctx.stored_bytes, ctx.fsdp is None, ctx.shard_group)
     if key not in layout.sums:
-        requests = [
-            (t.local(ctx.shard_group) if ctx.fsdp is not None else t.numel) * (1 if t.four_bit else ctx.stored_bytes)
-            for t in layout.base_tensors
-        ]
-        reserved, total = segment_bytes(requests), sum(requests)
-        layout.sums[key] = max(0, reserved - total)
+        requests = stored_tensor_bytes(ctx, layout)
+        layout.sums[key] = max(0, segment_bytes(requests) - sum(requests))
     return layout.sums[key]
 
 
@@ -90,7 +85,7 @@ def gpu_overheads(ctx: Context, components: dict[str, int], layout: Layout | Non
         return {}
     k = ctx.coefficients
     churning = sum(v for name, v in components.items() if name in CHURNING)
-    resident = layout is not None and (components.get("weights", 0) or components.get("weights_replicated", 0))
+    resident = components.get("weights", 0) or components.get("weights_replicated", 0)
     segments = weight_segment_bytes(ctx, layout) if resident and layout is not None else 0
     return {
         "cuda_context": ctx.cluster.gpu.cuda_context_bytes,

@@ -45,6 +45,17 @@ class StaticMemory:
     host_reference: int = 0  # ... on the host (cpu_offload)
 
 
+def stored_tensor_bytes(ctx: Context, layout: Layout, element_bytes: int | None = None) -> list[int]:
+    """Each base tensor's bytes on rank 0 as stored, in the layout's order: rank 0's shard under
+    FSDP (the whole tensor when it is replicated or unsharded), at ``element_bytes`` per element
+    (default ``Context.stored_bytes``), QLoRA's packed NF4 weights at one byte per stored element."""
+    w = ctx.stored_bytes if element_bytes is None else element_bytes
+    return [
+        (t.local(ctx.shard_group) if ctx.fsdp is not None else t.numel) * (1 if t.four_bit else w)
+        for t in layout.base_tensors
+    ]
+
+
 def base_weight_bytes(ctx: Context, layout: Layout, element_bytes: int | None = None) -> tuple[int, int]:
     """(weights, weights_replicated) on rank 0 before any offload, at ``element_bytes`` per
     element (default: the actor's stored dtype, ``Context.stored_bytes``).
@@ -59,17 +70,14 @@ def base_weight_bytes(ctx: Context, layout: Layout, element_bytes: int | None = 
     key = ("base", w, ctx.fsdp is None, ctx.shard_group)
     if key in layout.sums:
         return layout.sums[key]
-
-    def nbytes(t, elements: int) -> int:
-        return elements * (1 if t.four_bit else w)
-
     constants = int(sum(2 * t.numel for t in layout.base_tensors if t.four_bit) * NF4_CONSTANT_BYTES)
+    stored = stored_tensor_bytes(ctx, layout, w)
     if ctx.fsdp is None:
-        result = sum(nbytes(t, t.numel) for t in layout.base_tensors) + constants, 0
+        result = sum(stored) + constants, 0
     else:
         result = (
-            sum(nbytes(t, t.local(ctx.shard_group)) for t in layout.base_tensors if t.sharded) + constants,
-            sum(nbytes(t, t.numel) for t in layout.base_tensors if not t.sharded),
+            sum(n for n, t in zip(stored, layout.base_tensors) if t.sharded) + constants,
+            sum(n for n, t in zip(stored, layout.base_tensors) if not t.sharded),
         )
     layout.sums[key] = result
     return result

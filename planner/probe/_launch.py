@@ -315,18 +315,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...); None once gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (from /proc; torchrun puts its ranks in new sessions)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):
@@ -337,11 +339,8 @@ def _descendants(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs: it exists and is not a zombie (dead, waiting to be reaped)."""
-    try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _kill_group(proc: subprocess.Popen, *, wait_s: float = 10.0) -> None:
