@@ -2,11 +2,16 @@
 
     python -m benchmarks.gpu_probe [--limit K] [--budget-s 480] [--dry-run]
 
-For Qwen2.5-0.5B/1.5B/3B/7B, built from the catalog's configs with random weights
-(nothing is downloaded: a directory with only a config.json is probed with random
-weights), it runs the probe (planner.probe: real learn() steps of GRPO + LoRA in bf16
-with fp32 adapters, one rank) over a fixed list of configurations, smallest first, and
-stops starting new ones once ``--budget-s`` seconds are spent. It first prints what the
+For Qwen2.5-0.5B/1.5B/3B/7B and OLMoE-1B-7B, built from the catalog's configs with
+random weights (nothing is downloaded: a directory with only a config.json is probed
+with random weights), it runs the probe (planner.probe: real learn() steps of GRPO +
+LoRA in bf16 with fp32 adapters, one rank) over a fixed list of configurations, smallest
+first, and stops starting new ones once ``--budget-s`` seconds are spent. One QLoRA
+configuration (bitsandbytes NF4 on CUDA) runs beside its LoRA twin, where bitsandbytes
+imports: what the estimate counts for the 4-bit base (its dequantised copies and
+workspaces) has only been measured on CPU. OLMoE runs with LoRA on its attention only,
+as the public rows do (benchmarks/gpu_public.py), so its experts run the kernels
+transformers picks on a GPU. It first prints what the
 machine has (python, torch, CUDA, transformers, peft, the GPU), then per
 configuration and phase the measured device peak, ``max_memory_reserved`` plus the
 CUDA context (measured once here: device memory in use beyond PyTorch's reservation
@@ -29,23 +34,55 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 PHASES = ("rollout", "reference", "learn", "step")
 
-#: (model, micro-batch, prompt tokens, completion tokens, checkpointing, LoRA rank, generate)
+OLMOE_ATTENTION = ("k_proj", "o_proj", "q_proj", "v_proj")
+
+
+class Config(NamedTuple):
+    model: str
+    micro: int
+    prompt: int
+    completion: int
+    gc: bool = True
+    rank: int = 16
+    generate: bool = False
+    targets: str | tuple[str, ...] = "all-linear"
+    four_bit: bool = False
+
+
 CONFIGS = (
-    ("Qwen/Qwen2.5-0.5B", 4, 256, 768, True, 16, False),
-    ("Qwen/Qwen2.5-0.5B", 8, 1024, 3072, True, 16, False),
-    ("Qwen/Qwen2.5-0.5B", 4, 128, 384, False, 64, False),
-    ("Qwen/Qwen2.5-0.5B", 8, 128, 128, True, 16, True),
-    ("Qwen/Qwen2.5-1.5B", 4, 512, 1536, True, 16, False),
-    ("Qwen/Qwen2.5-1.5B", 8, 1024, 3072, True, 64, False),
-    ("Qwen/Qwen2.5-3B", 4, 512, 1536, True, 16, False),
-    ("Qwen/Qwen2.5-3B", 2, 256, 256, False, 16, False),
-    ("Qwen/Qwen2.5-7B", 2, 512, 1536, True, 16, False),
+    Config("Qwen/Qwen2.5-0.5B", 4, 256, 768),
+    Config("Qwen/Qwen2.5-0.5B", 8, 1024, 3072),
+    Config("Qwen/Qwen2.5-0.5B", 4, 128, 384, gc=False, rank=64),
+    Config("Qwen/Qwen2.5-0.5B", 8, 128, 128, generate=True),
+    Config("Qwen/Qwen2.5-1.5B", 4, 512, 1536),
+    Config("Qwen/Qwen2.5-1.5B", 8, 1024, 3072, rank=64),
+    Config("Qwen/Qwen2.5-3B", 4, 512, 1536),
+    Config("Qwen/Qwen2.5-3B", 4, 512, 1536, four_bit=True),
+    Config("Qwen/Qwen2.5-3B", 2, 256, 256, gc=False),
+    Config("Qwen/Qwen2.5-7B", 2, 512, 1536),
+    Config("allenai/OLMoE-1B-7B-0924", 4, 256, 768, targets=OLMOE_ATTENTION),
 )
+
+
+def bitsandbytes_on_cuda() -> str | None:
+    """None where bitsandbytes runs NF4 on this CUDA device, else why not (one line)."""
+    try:
+        import bitsandbytes as bnb
+        import torch
+
+        weight = torch.randn(64, 64, dtype=torch.bfloat16, device="cuda")
+        packed, state = bnb.functional.quantize_4bit(weight, quant_type="nf4")
+        bnb.functional.dequantize_4bit(packed, state)
+        torch.cuda.synchronize()
+    except Exception as err:  # an import error, or a build without this GPU's kernels
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return None
 
 
 def machine() -> list[str]:
@@ -118,28 +155,29 @@ def gpu_of(torch_name: str, total_bytes: int, context: int):
     return GPU(name=torch_name, memory_bytes=total_bytes, cuda_context_bytes=context, source="measured here")
 
 
-def request(model_dir: str, c: tuple, device: str):
+def request(model_dir: str, c: Config, device: str):
     from planner.probe import ProbeRequest
     from planner.workload import Workload
 
-    _, micro, prompt, completion, gc, rank, generate = c
     workload = Workload(
         padded_batches=False,
         prompts_per_step=1,
-        group_size=max(2, micro),
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        micro_batch_size_per_gpu=micro,
+        group_size=max(2, c.micro),
+        prompt_tokens=c.prompt,
+        completion_tokens=c.completion,
+        micro_batch_size_per_gpu=c.micro,
         logprob_chunk_size=1024,
-        gradient_checkpointing=gc,
-        lora_rank=rank,
-        lora_alpha=2 * rank,
+        gradient_checkpointing=c.gc,
+        lora_rank=c.rank,
+        lora_alpha=2 * c.rank,
+        lora_targets=c.targets,
+        load_in_4bit=c.four_bit,
         weights_dtype="bfloat16",
         attn_implementation="sdpa",
-        generation="hf" if generate else "none",
+        generation="hf" if c.generate else "none",
     )
     return ProbeRequest(
-        model=model_dir, workload=workload, nproc=1, device=device, generate=generate, timed_steps=2, timeout_s=420
+        model=model_dir, workload=workload, nproc=1, device=device, generate=c.generate, timed_steps=2, timeout_s=420
     )
 
 
@@ -168,6 +206,7 @@ def main() -> None:
     from planner.memory._context import build_context
     from planner.memory._overheads import weight_segment_bytes
     from planner.memory._units import build_layout
+    from planner.models import load_model_spec
     from planner.workload import Workload
 
     lines = machine()
@@ -188,23 +227,30 @@ def main() -> None:
         print(lines[-1], flush=True)
     coefficients = coefficients_for(gpu)
     header = (
-        f"{'model':<18} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'phase':>9} {'measured GiB':>13}"
-        f" {'estimate GiB':>13} {'error':>7}  (measured: max_memory_reserved + CUDA context)"
+        f"{'model':<18} {'base':>4} {'lora':>4} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'phase':>9}"
+        f" {'measured GiB':>13} {'estimate GiB':>13} {'error':>7}  (measured: max_memory_reserved + CUDA context)"
     )
     rows, errors = [header], []
     print(header, flush=True)
+    no_four_bit = None if args.dry_run else bitsandbytes_on_cuda()
     with tempfile.TemporaryDirectory() as tmp:
         for c in CONFIGS[: args.limit]:
             if time.monotonic() - start > args.budget_s:
                 rows.append(f"stopped: {args.budget_s:.0f} s spent")
                 break
-            name = c[0]
-            model_dir = write_config(name, Path(tmp) / catalog.slug(name))
+            model_dir = write_config(c.model, Path(tmp) / catalog.slug(c.model))
             req = request(model_dir, c, "cuda")
-            est = estimate(
-                catalog.load_spec(name), req.workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients
+            spec = load_model_spec(c.model, lora_targets=c.targets)
+            est = estimate(spec, req.workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
+            label = (
+                f"{c.model.split('/')[-1]:<18} {'nf4' if c.four_bit else 'bf16':>4}"
+                f" {'all' if c.targets == 'all-linear' else 'attn':>4} {c.micro:>3} {c.prompt + c.completion:>6}"
+                f" {'on' if c.gc else 'off':>3} {c.rank:>3}"
             )
-            label = f"{name.split('/')[-1]:<18} {c[1]:>3} {c[2] + c[3]:>6} {'on' if c[4] else 'off':>3} {c[5]:>3}"
+            if c.four_bit and no_four_bit:
+                rows.append(f"{label} not run: bitsandbytes cannot run NF4 here ({no_four_bit})")
+                print(rows[-1], flush=True)
+                continue
             if args.dry_run:
                 for ph in PHASES:
                     if ph in est.phases:
@@ -229,7 +275,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
         rows.append("\nthe weights' segments: reserved beyond allocated once the bf16 weights are placed")
         print(rows[-1], flush=True)
-        for name in dict.fromkeys(c[0] for c in CONFIGS[: args.limit]):
+        for name in dict.fromkeys(c.model for c in CONFIGS[: args.limit]):
             spec = catalog.load_spec(name)
             ctx = build_context(spec, Workload(), Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
             counted = weight_segment_bytes(ctx, build_layout(ctx))

@@ -27,7 +27,7 @@ def test_the_public_rows_are_rebuilt_and_estimated():
 
 def test_the_gpu_probe_plans_its_configurations_offline():
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_probe", "--dry-run", "--limit", "2"],
+        [sys.executable, "-m", "benchmarks.gpu_probe", "--dry-run"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,3 +36,8 @@ def test_the_gpu_probe_plans_its_configurations_offline():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Qwen2.5-0.5B" in out.stdout and "learn" in out.stdout and "torch " in out.stdout
+    # every configuration is estimated, the QLoRA twin and OLMoE with LoRA on its attention among them
+    lines = out.stdout.splitlines()
+    assert any(" nf4 " in line and "learn" in line for line in lines)
+    assert any(line.startswith("OLMoE") and " attn " in line and "learn" in line for line in lines)
+    assert "counted" in lines[-1] and lines[-1].startswith("OLMoE")
