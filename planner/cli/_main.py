@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -315,9 +316,20 @@ def _clean(err: Exception) -> str:
     return " ".join(text.split())
 
 
+#: A reader that went away (``agilerl-plan ... | head -1``): the status a tool killed by SIGPIPE has.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    with show_logs("stderr", "planner", "agilerl"):  # stdout carries the plan, the manifest or the JSON
-        if argv and argv[0] == "probe":
-            return probe_main(argv[1:])
-        return plan_main(argv)
+    try:
+        with show_logs("stderr", "planner", "agilerl"):  # stdout carries the plan, the manifest or the JSON
+            if argv and argv[0] == "probe":
+                return probe_main(argv[1:])
+            return plan_main(argv)
+    except BrokenPipeError:
+        # what the reader took is all it wanted: no traceback, and stdout pointed at /dev/null so
+        # the interpreter's last flush at exit does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

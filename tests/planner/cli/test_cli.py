@@ -172,3 +172,13 @@ def test_every_algorithm_and_full_finetuning_plan_to_a_manifest_the_trainer_read
     code, out, err = run(["Qwen/Qwen2.5-1.5B", "--gpus", "16", "--algorithm", "dpo", "--prompts-per-step", "8"], capsys)
     assert code == 2 and "8 preference pairs do not split over 16 ranks" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """``agilerl-plan ... | head -1``: the pipe closes before the plan is printed."""
+    code = "import sys; from planner.cli import main; raise SystemExit(main(['Qwen/Qwen2.5-7B', '--gpus', '8']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the planner has written anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and err == "", err
