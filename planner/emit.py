@@ -7,7 +7,7 @@ from typing import Any
 from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
-from .hardware import GIB, MIB
+from .hardware import GIB, MIB, Cluster
 from .memory import Estimate
 from .names import COMPONENTS, PHASES
 from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
@@ -72,13 +72,22 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
+def launch_command(cluster: Cluster) -> str:
+    """The torchrun line that launches the manifest on ``cluster``: on more than one node, the
+    node count and a rendezvous every node's torchrun names (its host left to the user)."""
+    run = f"torchrun --nproc_per_node={cluster.per_node}"
+    if cluster.num_nodes > 1:
+        run += f" --nnodes={cluster.num_nodes} --rdzv-backend=c10d --rdzv-endpoint=<first node>:29500"
+    return f"{run} -m agilerl.train <this file>"
+
+
 def manifest_yaml(plan: Plan) -> str:
     est = plan.estimate
     header = [
         f"# agilerl-plan: {plan.model} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}",
         f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
         f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
-        f"# run: torchrun --nproc_per_node={plan.cluster.per_node} -m agilerl.train <this file>",
+        f"# run: {launch_command(plan.cluster)}",
     ]
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 

@@ -216,7 +216,7 @@ class Workload(BaseModel):
         Field(
             description="Rows of a micro-batch differ in length (real rollouts: prompts left-padded, completions "
             "ending early), so its forward holds an attention mask of micro-batch x length^2; False: "
-            "every row has the same length (the probes' synthetic batches)."
+            "every row has the same length (synthetic batches, as the accuracy benchmarks probe)."
         ),
     ] = True
     share_prompt_prefix: Annotated[

@@ -92,10 +92,11 @@ _LAZY = {
     "reinit_non_persistent_buffers": "_state",
     "full_optimizer_state_dict": "_state",
     "load_full_optimizer_state_dict": "_state",
-    # optimizers and clipping
     # mixture of experts
     "model_experts_problem": "_moe",
     "moe_layout": "_moe",
+    "build_expert_mesh": "_moe",
+    # optimizers and clipping
     "build_optimizer": "_optim",
     "CPUOffloadAdamW": "_optim",
     "MasterWeightAdamW": "_optim",

@@ -1,8 +1,10 @@
-"""The trainer describes its own run to the planner: fsdp_config="auto", and the expert chunk.
+"""The trainer describes its own run to the planner: fsdp_config="auto", the other "auto"
+knobs, and the expert chunk.
 
-Imported only when an algorithm meets fsdp_config="auto", or an FSDPConfig with
-routed_expert_chunk_mib=None on a MoE model (the planner is not on the trainer's
-import path otherwise).
+Imported only when an algorithm meets an "auto" to resolve: fsdp_config="auto", one of
+gradient_checkpointing, logprob_chunk_size and gather_weights_for_rollout left at its "auto"
+default, or an FSDPConfig with routed_expert_chunk_mib=None on a MoE model. Give those knobs
+values and the planner is not on the trainer's import path.
 """
 
 from __future__ import annotations

@@ -686,3 +686,21 @@ def test_auto_gather_comes_from_the_estimate_on_one_device(caplog):
     assert agent.gather_weights_for_rollout is True
     with pytest.raises(ValueError, match="gather_weights_for_rollout must be True, False or 'auto'"):
         make_agent(gather_weights_for_rollout="yes")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "imports_planner"),
+    [({}, False), ({"gradient_checkpointing": "auto", "logprob_chunk_size": "auto"}, True)],
+)
+def test_the_planner_is_imported_only_for_an_auto_knob(overrides, imports_planner):
+    """docs/runtime.md: knobs given values keep the planner off the trainer's import path."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tests.agilerl.algorithms._common import make_agent; "
+        f"make_agent(**{overrides!r}); print('planner' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(imports_planner)
