@@ -27,6 +27,8 @@ __all__ = [
     "fmt_bytes",
     "gpu_for_device",
     "with_memory",
+    "memory_bytes",
+    "MAX_MEMORY_GIB",
 ]
 
 #: Share of each GPU's memory a plan keeps free (the default of plan(), the CLI's --margin and the tuner).
@@ -133,15 +135,24 @@ def gpu_by_name(name: str) -> GPU:
     )
 
 
-def with_memory(gpu: GPU, gib: float) -> GPU:
+def with_memory(gpu: GPU, gib: float, what: str = "GPU memory") -> GPU:
     """``gpu`` with ``gib`` GiB of memory (``--gpu-memory``, the explorer's GPU memory field).
 
     The name stays, so the kind's shipped coefficients and the user's calibration for it
     (keyed by name) still apply; plan output shows the memory beside the name. ValueError
-    unless ``gib`` is more than 0."""
-    if not gib > 0:
-        raise ValueError(f"GPU memory must be more than 0 GiB, not {gib:g}")
-    return gpu.model_copy(update={"memory_bytes": int(gib * GIB)})
+    naming ``what`` unless ``gib`` is a device's size (:func:`memory_bytes`)."""
+    return gpu.model_copy(update={"memory_bytes": memory_bytes(gib, what)})
+
+
+#: The most device memory a GiB figure may give (1 PiB, far beyond any device): more is a typo.
+MAX_MEMORY_GIB = 2**20
+
+
+def memory_bytes(gib: float, what: str) -> int:
+    """``gib`` GiB in bytes; ValueError naming ``what`` unless it is from 1 MiB to MAX_MEMORY_GIB."""
+    if not MIB / GIB <= gib <= MAX_MEMORY_GIB:  # NaN fails both
+        raise ValueError(f"{what} must be from 1 MiB to {MAX_MEMORY_GIB:,} GiB, not {gib:g} GiB")
+    return int(gib * GIB)
 
 
 def gpu_for_device(device_name: str) -> GPU | None:

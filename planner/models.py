@@ -7,6 +7,7 @@ the transformers/peft versions; a cached spec loads without importing torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from agilerl.utils.sources import (
     cached_config,
     check_causal_lm_type,
     check_config,
+    check_model_source,
     looks_like_path,
     multimodal_architecture,
     multimodal_text_model,
@@ -67,8 +69,9 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str
         if all(shipped.has_lora_targets(t) for t in targets):
             return shipped.model_copy(update={"name": name})
     path = _cache_path(config_digest(config), targets)
-    if path.exists():
-        return ModelSpec.model_validate_json(path.read_text())
+    if (cached := _read_cached(path)) is not None:
+        # the spec of these contents, under the name asked for (a fine-tune shares its base's config)
+        return cached.model_copy(update={"name": name})
     from .spec import UnsupportedArchitecture, build_spec
 
     check_causal_lm_type(config, name)
@@ -81,13 +84,39 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str
         spec = build_spec(build_from, name=name, lora_targets=targets, text_model_of=multimodal)
     except UnsupportedArchitecture:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, IndexError) as err:
-        raise ValueError(f"transformers cannot build {name} from its config: {type(err).__name__}: {err}") from err
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(spec.model_dump_json())
-    tmp.replace(path)
+    except Exception as err:  # transformers' own checks (a strict dataclass's among them), or torch's
+        raise ValueError(f"transformers cannot build {name} from its config: {_first_line(err)}") from err
+    _write_cached(path, spec)
     return spec
+
+
+def _first_line(err: Exception) -> str:
+    """``Type: message``, the message cut at its first line (torch appends C++ frames)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _read_cached(path: Path) -> ModelSpec | None:
+    """The cached spec at ``path``; None when there is none or it cannot be read (it is rebuilt)."""
+    from pydantic import ValidationError
+
+    try:
+        return ModelSpec.model_validate_json(path.read_text())
+    except (OSError, ValueError, ValidationError):
+        return None
+
+
+def _write_cached(path: Path, spec: ModelSpec) -> None:
+    """Cache ``spec``; a cache folder that cannot be written (AGILERL_CACHE a file, read-only)
+    costs the next plan the rebuild, nothing else."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(spec.model_dump_json())
+        tmp.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def load_model_spec(
@@ -102,7 +131,10 @@ def load_model_spec(
     targets = tuple(dict.fromkeys([*DEFAULT_LORA_TARGETS, wanted]))
     want = ModelSpec.target_key(lora_targets)
 
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError as err:  # ~user with no such user
+        raise ModelNotFound(f"{model}: {err}") from None
     if path.is_dir() and (path / "config.json").exists():
         return _from_config_dict(read_config(path / "config.json"), name=str(path), targets=targets)
     if path.is_file() and path.suffix == ".json":
@@ -131,12 +163,22 @@ def load_model_spec(
     if cached is not None:
         return _from_config_dict(read_config(cached), name=model, targets=targets)
     if allow_download:
-        from huggingface_hub import hf_hub_download
-
-        return _from_config_dict(read_config(Path(hf_hub_download(model, "config.json"))), name=model, targets=targets)
+        return _from_config_dict(read_config(_download_config(model)), name=model, targets=targets)
     close = catalog.suggest(model)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     raise ModelNotFound(
         f"unknown model {model!r}: not a local directory or config.json, not in the local Hugging Face cache, "
         f"not in the built-in catalog.{hint} Pass --allow-download to fetch its config from the hub."
     )
+
+
+def _download_config(model: str) -> Path:
+    """``model``'s config.json from the hub (``--allow-download``); ModelNotFound in one line when
+    the hub cannot give it (offline, unreachable, no such repository, gated)."""
+    check_model_source(model, allow_download=True, for_training=False)  # offline or unreachable: in 3 s
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model, "config.json"))
+    except Exception as err:  # the hub client's errors share no base class short of Exception
+        raise ModelNotFound(f"{model}: could not fetch its config.json from the hub: {_first_line(err)}") from None

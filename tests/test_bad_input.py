@@ -92,6 +92,10 @@ CASES = [
     (plan(M, "--gpu-memory", "inf"), "--gpu-memory"),
     (plan(M, "--gpu-memory", "nan"), "--gpu-memory"),
     (plan(M, "--gpu-memory", "eighty"), "--gpu-memory"),
+    (plan(M, "--gpu-memory", "1e300"), "--gpu-memory"),
+    (plan(M, "--gpu-memory", "1e-10"), "--gpu-memory"),
+    (probe(TINY, "--device", "cpu", "--budget-gib", "1e300"), "--budget-gib"),
+    (plan("~no-such-user-here/model"), "home directory"),
     (plan(M, "--gpus", "0"), "--gpus"),
     (plan(M, "--algorithm", "ppo2"), "choose from grpo, cispo, gspo, reinforce, ppo, sft, dpo"),
     (plan(M, "--algorithm", "reinforce", "--update-epochs", "2"), "reinforce is on-policy"),
@@ -225,6 +229,10 @@ CASES = [
     (config({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}), "MambaForCausalLM"),
     (plan(M, "--output", "/no/such/dir/plan.yaml"), "--output"),
     (plan(M, "--output", "{tmp}"), "--output"),
+    (plan(M, "--output", "{tmp}/" + "x" * 300 + ".yaml"), "--output"),
+    (plan(M, "--output", "~no-such-user-here/plan.yaml"), "--output"),
+    (config({}, "--output", "{tmp}/config.json"), "own config.json"),
+    (config({"max_position_embeddings": "x"}), "max_position_embeddings"),
     # -- agilerl-plan --tune ----------------------------------------------------------------------
     (tune("--storage", ""), "--storage"),
     (tune("--storage", "   "), "--storage"),
@@ -403,6 +411,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(case, tmp_path, capsys, monkeypa
         code, out, err = _in_process(plan_main, (["probe"] if kind == "probe" else []) + argv, capsys)
     elif kind == "config":
         change, argv = payload
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
         code, out, err = _in_process(plan_main, [str(_write_config(tmp_path, change)), *argv], capsys)
     elif kind == "train-missing":
         code, out, err = _in_process(train_main, [str(tmp_path / "missing.yaml")], capsys)

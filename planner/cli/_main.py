@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from agilerl.distributed import FSDPConfig
 from agilerl.utils.cli import (
@@ -23,9 +22,9 @@ from agilerl.utils.cli import (
     show_logs,
 )
 
-from ..hardware import GIB
 from ..workload import Workload
 from ._fields import add_fields, collect_fields, flag_name
+from ._output import check_output, write_output
 
 __all__ = ["main"]
 
@@ -79,6 +78,7 @@ def probe_main(argv: list[str]) -> int:
 
     from agilerl.utils.sources import check_model_source
 
+    from ..hardware import memory_bytes
     from ..probe import Device, ProbeRequest, default_device, run_probe
 
     parser = _probe_parser()
@@ -121,7 +121,7 @@ def probe_main(argv: list[str]) -> int:
             save=args.save,
             timeout_s=args.timeout,
             timed_steps=args.timed_steps,
-            memory_budget_bytes=int(args.budget_gib * GIB) if args.budget_gib is not None else None,
+            memory_budget_bytes=memory_bytes(args.budget_gib, "--budget-gib") if args.budget_gib is not None else None,
             nnodes=args.nnodes,
             rdzv_endpoint=args.rdzv_endpoint,
         )
@@ -146,17 +146,6 @@ def _cuda_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:  # pragma: no cover
         return 0
-
-
-def _check_output(path: str | None) -> None:
-    """Refuse an --output that cannot be written before anything is planned (nothing is lost)."""
-    if path is None:
-        return
-    target = Path(path).expanduser()
-    if not path.strip() or target.is_dir():
-        raise ValueError(f"--output {path!r} is a directory: give a file path for the manifest, e.g. plan.yaml")
-    if not target.parent.is_dir():
-        raise ValueError(f"--output {path!r}: folder {target.parent} does not exist")
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -214,11 +203,11 @@ def plan_main(argv: list[str]) -> int:
     try:
         gpu = gpu_by_name(args.gpu)
         if args.gpu_memory is not None:
-            gpu = with_memory(gpu, args.gpu_memory)
+            gpu = with_memory(gpu, args.gpu_memory, "--gpu-memory")
         if args.gpus > MAX_GPUS:
             raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
-        _check_output(args.output)
+        check_output(args.output, args.model)
         if args.tui:
             try:
                 from tui.app import run
@@ -273,7 +262,7 @@ def plan_main(argv: list[str]) -> int:
         print(emit.table(result))
     if args.output:
         try:
-            _write_atomically(Path(args.output).expanduser(), emit.manifest_yaml(result))
+            write_output(args.output, emit.manifest_yaml(result))
         except OSError as err:
             print(f"agilerl-plan: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
             return 2
@@ -286,18 +275,6 @@ def _bad_input(err: Exception) -> int:
     """Bad input: one line on stderr, exit status 2."""
     print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
     return 2
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a reader never sees half a manifest."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _clean(err: Exception) -> str:

@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from ..hardware import CPU_DEVICE
 from ..probe import Device, Measurement, ProbeRequest, default_device
@@ -35,7 +34,7 @@ def tune_main(
     try:
         import optuna
     except ImportError:
-        print("error: --tune needs Optuna: pip install 'agilerl-fsdp-planner[tune]'", file=sys.stderr)
+        print("agilerl-plan: error: --tune needs Optuna: pip install 'agilerl-fsdp-planner[tune]'", file=sys.stderr)
         return 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress lines say what happens
     device: Device = getattr(args, "device", None) or default_device()
@@ -50,8 +49,8 @@ def tune_main(
         have = torch.cuda.device_count()
         if have < request.cluster.num_gpus:
             print(
-                f"error: --gpus {request.cluster.num_gpus} but this machine has {have} GPU(s): every trial runs on "
-                "this machine",
+                f"agilerl-plan: error: --gpus {request.cluster.num_gpus} but this machine has {have} GPU(s): "
+                "every trial runs on this machine",
                 file=sys.stderr,
             )
             return 2
@@ -88,14 +87,18 @@ def tune_main(
         )
         return 130
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"agilerl-plan: error: {err}", file=sys.stderr)
         return 2
-    _emit(result, fmt=fmt, output=getattr(args, "output", None))
+    if not _emit(result, fmt=fmt, output=getattr(args, "output", None)):
+        return 2
     return 0 if result.best_plan is not None else 3
 
 
-def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
+def _emit(result: TuneResult, *, fmt: str, output: str | None) -> bool:
+    """Print the result and write ``--output``; False (said in one line) when the manifest could
+    not be written: the study is kept in its storage, and rerunning the command writes it."""
     from .. import emit
+    from ..cli._output import write_output
 
     best_number = result.best.number if result.best is not None else None
     table = trials_table(result.trials, best_numbers=tuple(t.number for t in result.best_runs))
@@ -103,8 +106,18 @@ def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
         f"study {result.study_name!r} ({result.storage}): {result.num_launched} trial(s) launched, "
         f"{len(result.trials)} in all; stopped: {result.stop_reason}"
     )
+    written = True
     if output and result.best_plan is not None:
-        Path(output).write_text(emit.manifest_yaml(result.best_plan))
+        try:
+            write_output(output, emit.manifest_yaml(result.best_plan))
+        except (OSError, ValueError) as err:
+            written = False
+            reason = getattr(err, "strerror", None) or err
+            print(
+                f"agilerl-plan: error: --output {output}: {reason} (the study is kept in {result.storage}: "
+                "run the command again to write it)",
+                file=sys.stderr,
+            )
     if fmt == "json":
         print(
             json.dumps(
@@ -124,7 +137,7 @@ def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
                 default=str,
             )
         )
-        return
+        return written
     if fmt in ("yaml", "python"):
         # stdout carries only the artefact; the account of the trials goes to stderr.
         print(f"{summary}\n{table}", file=sys.stderr)
@@ -136,7 +149,7 @@ def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
             print(emit.manifest_yaml(result.best_plan), end="")
         else:
             print(emit.python_snippet(result.best_plan))
-        return
+        return written
     print(summary)
     print(table)
     if result.calibration:
@@ -146,5 +159,6 @@ def _emit(result: TuneResult, *, fmt: str, output: str | None) -> None:
         print("no trial measured a config that fits the budget less the margin: see 'why infeasible' above")
     else:
         print(emit.table(result.best_plan))
-        if output:
+        if output and written:
             print(f"\nmanifest written to {output}")
+    return written

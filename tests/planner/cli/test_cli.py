@@ -184,3 +184,61 @@ def test_a_reader_that_goes_away_gets_no_traceback():
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and err == "", err
+
+
+def _tiny_config_dir(path):
+    from agilerl.utils.tiny import tiny_config
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(tiny_config("llama", hidden_size=64, num_layers=2).to_dict()))
+    return path
+
+
+def test_a_config_shared_by_two_checkpoints_plans_each_under_its_own_name(tmp_path, capsys, monkeypatch):
+    """A fine-tune shares its base's config.json: the cached spec must not name the other one."""
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "cache"))
+    for name in ("base", "finetune"):
+        model = _tiny_config_dir(tmp_path / name)
+        code, out, _ = run([str(model), "--format", "yaml"], capsys)
+        assert code == 0
+        assert yaml.safe_load(out)["algorithm"]["model_name"] == str(model)
+        assert out.startswith(f"# agilerl-plan: {model} on")
+
+
+def test_the_spec_cache_is_only_a_cache(tmp_path, capsys, monkeypatch):
+    """A cache folder that cannot be written, or a corrupt entry, costs a rebuild, not the plan."""
+    model = _tiny_config_dir(tmp_path / "model")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "a-file"))
+    code, out, err = run([str(model), "--format", "json"], capsys)
+    assert code == 0 and json.loads(out)["model"] == str(model), err
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "cache"))
+    assert run([str(model), "--format", "json"], capsys)[0] == 0
+    (entry,) = (tmp_path / "cache" / "specs").glob("*.json")
+    entry.write_text("{not json")
+    code, out, err = run([str(model), "--format", "json"], capsys)
+    assert code == 0 and json.loads(out)["model"] == str(model), err
+
+
+def test_output_follows_a_symlink_and_writes_into_a_pipe(tmp_path, capsys):
+    import os
+    import threading
+
+    target = tmp_path / "real" / "plan.yaml"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(target)
+    code, out, _ = run(["Qwen/Qwen2.5-0.5B", "--output", str(link)], capsys)
+    assert code == 0 and link.is_symlink()  # the link stays; its target has the manifest
+    assert target.read_text().startswith("# agilerl-plan: Qwen/Qwen2.5-0.5B")
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    code, _, _ = run(["Qwen/Qwen2.5-0.5B", "--output", str(fifo)], capsys)
+    reader.join(timeout=60)
+    assert code == 0 and fifo.is_fifo()  # written into, not renamed over
+    assert got and got[0].startswith("# agilerl-plan: Qwen/Qwen2.5-0.5B")

@@ -1,0 +1,71 @@
+"""``--output``: checked before anything is planned, written so that nothing is lost.
+
+A regular file (or a new one) is replaced through a temporary file and a rename, so a
+reader never sees half a manifest; a symlink is followed, so the link stays and its target
+gets the manifest. Anything else that exists (``/dev/stdout``, a FIFO) is written into as
+it is: renaming over it would replace the device node or the pipe with a file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["check_output", "write_output"]
+
+
+def _target(path: str) -> Path:
+    """``path`` with ``~`` expanded and symlinks followed; ValueError where it cannot be."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (RuntimeError, OSError) as err:  # ~user without a home; a loop of links
+        raise ValueError(f"--output {path!r}: {getattr(err, 'strerror', None) or err}") from None
+
+
+def check_output(path: str | None, model: str | None = None) -> None:
+    """Refuse an ``--output`` that cannot be written, or that is the model's own config.json,
+    before anything is planned."""
+    if path is None:
+        return
+    if not path.strip():
+        raise ValueError("--output is empty: give a file path for the manifest, e.g. plan.yaml")
+    target = _target(path)
+    try:
+        if target.is_dir():
+            raise ValueError(f"--output {path!r} is a directory: give a file path for the manifest, e.g. plan.yaml")
+        if not target.parent.exists():
+            raise ValueError(f"--output {path!r}: folder {target.parent} does not exist")
+        if not target.parent.is_dir():
+            raise ValueError(f"--output {path!r}: {target.parent} is a file, not a folder")
+    except OSError as err:  # a name longer than the file system allows
+        raise ValueError(f"--output {path!r}: {err.strerror or err}") from None
+    if model is not None and target == _model_config(model):
+        raise ValueError(f"--output {path!r} is the model's own config.json: give another path for the manifest")
+
+
+def _model_config(model: str) -> Path | None:
+    """The config.json a local model argument reads (None for a hub id or a catalog name)."""
+    try:
+        source = Path(model).expanduser()
+        if source.is_dir():
+            return (source / "config.json").resolve()
+        if source.is_file():
+            return source.resolve()
+    except (RuntimeError, OSError):
+        return None
+    return None
+
+
+def write_output(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (see the module docstring); OSError when the system refuses."""
+    target = _target(path)
+    if target.exists() and not target.is_file():
+        with open(target, "w") as out:
+            out.write(text)
+        return
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
