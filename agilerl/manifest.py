@@ -33,7 +33,8 @@ class ManifestError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No knob of a manifest means anything at inf or nan (a learning rate, a temperature, a dropout).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 #: The objective fields each algorithm takes (null: the algorithm's own default); the others are
@@ -230,6 +231,16 @@ class AlgorithmSection(_Section):
             raise ValueError("use_separate_reference_adapter: SFT has no reference policy")
         if self.name == "LLMREINFORCE" and self.update_epochs not in (None, 1):
             raise ValueError(f"update_epochs: LLMREINFORCE is on-policy, so 1 (got {self.update_epochs})")
+        if not self.offline:
+            for field, value in (
+                ("max_model_len", self.max_model_len),
+                ("vllm.max_model_len", self.vllm.max_model_len if self.vllm is not None else None),
+            ):
+                if value is not None and value <= self.max_output_tokens:
+                    raise ValueError(
+                        f"{field}={value} leaves no room for a prompt: it bounds prompt + completion, so it "
+                        f"must be more than max_output_tokens={self.max_output_tokens}"
+                    )
         return self
 
     @field_validator("group_size")
@@ -295,7 +306,14 @@ class TrainingSection(_Section):
     ] = 0
     max_steps: Annotated[int, Field(ge=1, description="Training steps per population member.")] = 100
     population_size: Annotated[int, Field(ge=1, description="Independent agents trained side by side.")] = 1
-    seed: Annotated[int, Field(description="Seed of the environment and the agents.")] = 0
+    seed: Annotated[
+        int,
+        Field(
+            ge=-(2**63),
+            lt=2**63,
+            description="Seed of the environment and the agents (a 64-bit integer; member i takes seed + i).",
+        ),
+    ] = 0
     log_every: Annotated[int, Field(ge=1, description="Steps between metric lines.")] = 10
     checkpoint_dir: Annotated[
         str | None,
@@ -399,6 +417,14 @@ class LoraSection(_Section):
     target_modules: Annotated[str | list[str], Field(description="'all-linear' or module names to adapt.")] = (
         "all-linear"
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if not names or not all(name.strip() for name in names):
+            raise ValueError(f"must be 'all-linear' or at least one module name, none empty; got {value!r}")
+        return value
 
     def to_peft(self):
         from peft import LoraConfig
@@ -512,12 +538,18 @@ def load_manifest(source: str | Path | dict) -> Manifest:
     else:
         path = Path(source)
         name = str(path)
-        if not path.exists():
-            raise ManifestError(f"{path}: no such manifest")
         try:
-            data = yaml.safe_load(path.read_text())
+            if not path.exists():
+                raise ManifestError(f"{path}: no such manifest")
+            if path.is_dir():
+                raise ManifestError(f"{path}: is a directory; give the manifest's YAML file")
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             raise ManifestError(f"{path}: not valid YAML: {err}") from None
+        except UnicodeDecodeError as err:
+            raise ManifestError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+        except OSError as err:  # unreadable: permissions, a name too long, a special file
+            raise ManifestError(f"{path}: cannot read the manifest: {err.strerror or err}") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{name}: a manifest is a mapping with algorithm, training, environment and lora sections")
     try:

@@ -38,9 +38,11 @@ def check_launch(manifest, *, device: str | None = None) -> None:
     """Raise ValueError, before anything heavy runs, when this launch cannot train ``manifest``.
 
     The ranks launched must be ``training.training_gpus_per_agent``; FSDP2 needs
-    torchrun (a process group) and a layout the ranks can take; the model must
-    be loadable (a local directory, a valid tiny model, the local Hugging Face
-    cache, or a reachable hub); ``--device cuda`` needs a GPU.
+    torchrun (a process group) and a layout the ranks can take; the checkpoints
+    must have a directory to go to; the model must be loadable (a local
+    directory, a valid tiny model, the local Hugging Face cache, or a reachable
+    hub); members sharing the ranks must fit in memory together; ``--device
+    cuda`` needs a GPU.
     """
     import os
 
@@ -67,7 +69,13 @@ def check_launch(manifest, *, device: str | None = None) -> None:
             f"algorithm.micro_batch_size_per_gpu={micro} does not divide a trainer rank's {per_rank} "
             f"completions (rollout_batch_size x group_size over {data_parallel} data-parallel ranks)"
         )
-    check_model_source(algo.model_name, allow_download=True)
+    if training.checkpoint_dir:
+        _check_checkpoint_dir(Path(training.checkpoint_dir))
+    config = check_model_source(algo.model_name, allow_download=True)
+    if layout.shared and layout.members > 1 and config is not None:
+        _check_shared_population(
+            members=layout.members, config=config, dtype=algo.dtype, memory_bytes=_launch_memory_bytes(device, world)
+        )
     if algo.vllm is not None:
         from agilerl.utils.engine import EngineError, check_vllm_installed
 
@@ -80,6 +88,58 @@ def check_launch(manifest, *, device: str | None = None) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda, but no CUDA device is available here; use --device cpu")
+
+
+def _check_shared_population(*, members: int, config: dict, dtype: str, memory_bytes: int) -> None:
+    """Raise ValueError when ``members`` population members sharing the launched ranks cannot all
+    be built: they are, before the first step, each with its own copy of the model.
+
+    The bound is a floor, so it never refuses a population that fits: each member's token
+    embedding alone, ``vocab_size x hidden_size`` weights in ``dtype`` (the layers, the adapters,
+    the optimizer and the activations come on top), against ``memory_bytes``, all the memory the
+    launch has (:func:`_launch_memory_bytes`).
+    """
+    from agilerl.utils.sources import text_config
+
+    text = text_config(config)
+    per_member = text["vocab_size"] * text["hidden_size"] * (4 if dtype == "float32" else 2)
+    if members * per_member > memory_bytes:
+        raise ValueError(
+            f"training.population_size={members}: the members share the launched ranks, each with its own "
+            f"model, and their token embeddings alone take {members} x {per_member:,} bytes = "
+            f"{members * per_member / 2**30:,.1f} GiB, more than the {memory_bytes / 2**30:,.1f} GiB of memory "
+            "of this launch: lower population_size, or launch ranks for every member"
+        )
+
+
+def _launch_memory_bytes(device: str | None, world: int) -> int:
+    """All the memory the launched ranks could fill, counted generously (a bound it gives must
+    never refuse a launch that fits): each rank's host's, and its GPU's where it trains on CUDA."""
+    import os
+
+    per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            per_rank += max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return world * per_rank
+
+
+def _check_checkpoint_dir(folder: Path) -> None:
+    """Raise ValueError when no checkpoint could be written under ``folder``: it, or the nearest of
+    its parents that exists, is not a directory, or that directory is not writable."""
+    import os
+
+    try:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())  # the root, or '.', exists
+    except OSError as err:  # a name too long for a path, say
+        raise ValueError(f"training.checkpoint_dir: {folder} cannot be used: {err.strerror or err}") from None
+    if not existing.is_dir():
+        where = "is a file" if existing == folder else f"is under {existing}, which is a file"
+        raise ValueError(f"training.checkpoint_dir: {folder} {where}, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"training.checkpoint_dir: {existing} is not writable (checkpoints go under {folder})")
 
 
 def train(manifest, *, device: str | None = None, max_steps: int | None = None) -> list[list[dict[str, float]]]:

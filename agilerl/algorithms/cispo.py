@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .core.base import check_hyperparameters
 from .grpo import GRPO, k3_kl
 
 __all__ = ["CISPO", "cispo_loss"]
@@ -77,8 +78,7 @@ class CISPO(GRPO):
                 "CISPO bounds the importance weight from above only: set clip_coef_high "
                 "(the weight is capped at 1 + clip_coef_high), not clip_coef"
             )
-        if not clip_coef_high > 0:
-            raise ValueError(f"clip_coef_high must be > 0, got {clip_coef_high}")
+        check_hyperparameters(clip_coef_high=clip_coef_high)
         self.clip_coef_high = float(clip_coef_high)
         super().__init__(model_name, beta=beta, **kwargs)
 

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
-from .core.base import DEFAULT_LORA, LLMAlgorithm
+from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters
 from .core.pairs import BatchError, completion_batch, encode_pairs
 
 __all__ = ["DPO", "dpo_loss"]
@@ -99,10 +99,9 @@ class DPO(LLMAlgorithm):
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not beta > 0:
+        check_hyperparameters(beta=beta, nll_alpha=nll_alpha)
+        if beta == 0:
             raise ValueError(f"beta must be > 0 (the implicit reward's scale), got {beta}")
-        if nll_alpha < 0:
-            raise ValueError(f"nll_alpha must be >= 0, got {nll_alpha}")
         if micro_batch_size_per_gpu is not None and micro_batch_size_per_gpu % 2:
             raise ValueError(
                 f"micro_batch_size_per_gpu counts sequences, a pair's two in the same micro-batch: "

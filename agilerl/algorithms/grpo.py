@@ -49,7 +49,7 @@ from agilerl.utils.logprobs import (
 )
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
-from .core.base import DEFAULT_LORA, LLMAlgorithm
+from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters
 
 __all__ = ["GRPO", "grpo_loss", "group_advantages", "k3_kl"]
 
@@ -200,6 +200,16 @@ class GRPO(LLMAlgorithm):
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        check_hyperparameters(beta=beta, clip_coef=clip_coef)
+        for name, value in (
+            ("max_model_len", max_model_len),
+            ("vllm_config.max_model_len", vllm_config.max_model_len if vllm_config is not None else None),
+        ):
+            if value is not None and value <= max_output_tokens:
+                raise ValueError(
+                    f"{name}={value} leaves no room for a prompt: it bounds prompt + completion, so it must "
+                    f"be more than max_output_tokens={max_output_tokens}"
+                )
         if gather_weights_for_rollout not in (True, False, "auto"):
             raise ValueError(
                 f"gather_weights_for_rollout must be True, False or 'auto', got {gather_weights_for_rollout!r}"

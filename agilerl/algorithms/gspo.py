@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .core.base import check_hyperparameters
 from .grpo import GRPO, k3_kl
 
 __all__ = ["GSPO", "gspo_loss"]
@@ -74,9 +75,7 @@ class GSPO(GRPO):
         clip_coef_high: float = 4e-4,
         **kwargs,
     ) -> None:
-        for name, value in (("clip_coef", clip_coef), ("clip_coef_high", clip_coef_high)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        check_hyperparameters(clip_coef=clip_coef, clip_coef_high=clip_coef_high)
         self.clip_coef_high = float(clip_coef_high)
         super().__init__(model_name, beta=beta, clip_coef=clip_coef, **kwargs)
 

@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
+from .core.base import check_hyperparameters
 from .grpo import GRPO
 
 __all__ = ["LLMPPO", "gae_advantages", "ppo_loss", "token_rewards", "masked_whiten"]
@@ -142,12 +143,9 @@ class LLMPPO(GRPO):
         value_lr: float | None = None,
         **kwargs,
     ) -> None:
-        for name, value in (("vf_coef", vf_coef), ("clip_coef_value", clip_coef_value)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        for name, value in (("gamma", gamma), ("gae_lambda", gae_lambda)):
-            if not 0 <= value <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        check_hyperparameters(vf_coef=vf_coef, clip_coef_value=clip_coef_value, gamma=gamma, gae_lambda=gae_lambda)
+        if value_lr is not None:
+            check_hyperparameters(value_lr=value_lr)
         self.vf_coef = vf_coef
         self.clip_coef_value = clip_coef_value
         self.gamma = gamma

@@ -18,6 +18,8 @@ naming the field:
   vision or audio encoders beside its ``text_config``. The planner plans its text
   model (the encoders are not counted); the trainer refuses it in one line and
   names the command that exports the text model (``agilerl.utils.text_model``);
+- :func:`build_config`: the config as transformers builds it (its strict
+  field validation included; imports transformers, so the trainer's check only);
 - :func:`check_model_source`: a name the trainer can load without waiting on
   an unreachable hub.
 
@@ -38,6 +40,7 @@ __all__ = [
     "parse_tiny",
     "check_config",
     "check_causal_lm_type",
+    "build_config",
     "check_model_source",
     "looks_like_path",
     "text_config",
@@ -63,6 +66,19 @@ _POSITIVE_INT_FIELDS = (
     "head_dim",
 )
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+#: Sizes no model comes near (the largest released: ~130 layers, a 25k hidden size, a 262k
+#: vocabulary, 512 experts): a config beyond them is a typo, and building it would not end.
+_LARGEST = {
+    "num_hidden_layers": 10_000,
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "head_dim": 1 << 14,
+    "vocab_size": 1 << 24,
+    "num_experts": 1 << 16,
+    "num_local_experts": 1 << 16,
+}
 
 
 def parse_tiny(name: str) -> tuple[str, dict[str, Any]]:
@@ -177,6 +193,19 @@ def check_config(config: dict, name: str) -> None:
             raise ValueError(f"{name}: config field {key}={value!r} must be positive integers, one per layer")
         if value is not None and not _positive(value):
             raise ValueError(f"{name}: config field {key}={value!r} must be a positive integer")
+    for key, largest in _LARGEST.items():
+        values = text.get(key)
+        if any(isinstance(v, int) and v > largest for v in (values if isinstance(values, list) else [values])):
+            raise ValueError(f"{name}: config field {key}={values!r} is more than {largest:,}: a typo?")
+    positions = text.get("max_position_embeddings")
+    if positions is not None and not _positive(positions):
+        raise ValueError(f"{name}: config field max_position_embeddings={positions!r} must be a positive integer")
+    experts = text.get("num_local_experts") or text.get("num_experts")
+    top_k = text.get("num_experts_per_tok")
+    if _positive(experts) and _positive(top_k) and top_k > experts:
+        raise ValueError(
+            f"{name}: config field num_experts_per_tok={top_k} is more than the {experts} experts a layer has"
+        )
     heads, hidden = text["num_attention_heads"], text["hidden_size"]
     kv = text.get("num_key_value_heads") or heads
     if heads % kv:
@@ -213,6 +242,23 @@ def check_causal_lm_type(config: dict, name: str) -> None:
         )
 
 
+def build_config(config: dict, name: str):
+    """transformers' config object of ``config`` (offline, no weights), or a ValueError naming
+    ``name`` with what transformers refuses: a field of the wrong type under its strict validation
+    (``max_position_embeddings: "x"``, ``rope_scaling: "yes"``), a model type it does not know."""
+    import transformers
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING
+
+    kind = config["model_type"]
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(f"{name}: model_type {kind!r} is not a model type of transformers {transformers.__version__}")
+    try:
+        return CONFIG_MAPPING[kind].from_dict(config)
+    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError) as err:
+        raise ValueError(f"{name}: transformers refuses this config: {' '.join(str(err).split())}") from None
+
+
 def looks_like_path(name: str) -> bool:
     """A name meant as a local path: it starts with . / ~, ends in .json, or has more than one '/'."""
     return not name.startswith(TINY_PREFIX) and (
@@ -225,6 +271,8 @@ def read_config(path: Path) -> dict:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (a config.json is JSON in UTF-8)") from None
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
     if not isinstance(data, dict) or "model_type" not in data:
@@ -253,43 +301,47 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def check_model_source(name: str, *, allow_download: bool, for_training: bool = True) -> None:
-    """Raise ValueError, within a few seconds, when the trainer could not load ``name``.
+def check_model_source(name: str, *, allow_download: bool, for_training: bool = True) -> dict | None:
+    """Raise ValueError, within a few seconds, when the trainer could not load ``name``; return
+    its config's fields where they are at hand (a tiny model, a directory, the cache), else None.
 
-    ``for_training=False`` (the planner) accepts a multimodal checkpoint, whose text model it plans.
+    ``for_training=False`` (the planner) accepts a multimodal checkpoint, whose text model it plans,
+    and leaves out transformers' own validation of the config (it imports transformers).
 
     A tiny model must parse and build a valid config; a path must exist and hold
-    a valid ``config.json``; a hub id must be in the local Hugging Face cache, or
-    else downloads must be allowed, ``HF_HUB_OFFLINE`` unset and the hub
-    reachable (one TCP connect, 3 s at most, instead of the hub client's retries).
+    a valid ``config.json`` that transformers builds; a hub id must be in the local
+    Hugging Face cache, or else downloads must be allowed, ``HF_HUB_OFFLINE`` unset
+    and the hub reachable (one TCP connect, 3 s at most, instead of the hub client's retries).
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError("model name is empty: give a model directory, a hub id or 'tiny:<arch>'")
     if name.startswith(TINY_PREFIX):
+        from huggingface_hub.errors import StrictDataclassError
+
         from .tiny import tiny_config
 
         arch, kwargs = parse_tiny(name)
         kwargs.pop("seed", None)
-        tiny_config(arch, **kwargs)
-        return
-    path = Path(name).expanduser()
-    if path.is_dir():
+        try:
+            return tiny_config(arch, **kwargs).to_dict()
+        except StrictDataclassError as err:  # a config field of the wrong type, which tiny_config passes on
+            raise ValueError(f"{name}: transformers refuses this config: {' '.join(str(err).split())}") from None
+    try:
+        path = Path(name).expanduser()
+        is_dir, exists = path.is_dir(), path.exists()
+    except RuntimeError:  # ~user of a user without a home directory
+        raise ValueError(f"{name}: no home directory for {name.split('/')[0]!r} (no such user?)") from None
+    except OSError as err:  # a name too long for a path, say
+        raise ValueError(f"{name}: not a usable path: {err.strerror or err}") from None
+    if is_dir:
         if not (path / "config.json").exists():
             raise ValueError(f"{name}: directory has no config.json (expected a Hugging Face model directory)")
-        config = read_config(path / "config.json")
-        check_config(config, name)
-        if for_training:
-            check_trainable(config, name)
-        return
-    if looks_like_path(name) or path.exists():
+        return _checked_config(path / "config.json", name, for_training=for_training)
+    if looks_like_path(name) or exists:
         raise ValueError(f"{name}: no such file or directory (expected a Hugging Face model directory)")
     cached = cached_config(name)
     if cached is not None:
-        config = read_config(cached)
-        check_config(config, name)
-        if for_training:
-            check_trainable(config, name)
-        return
+        return _checked_config(cached, name, for_training=for_training)
     if not allow_download:
         raise ValueError(
             f"model {name!r} is not a local directory, not a built-in tiny model and not in the local "
@@ -303,3 +355,15 @@ def check_model_source(name: str, *, allow_download: bool, for_training: bool = 
             f"Hugging Face cache, and {why}: download it first (huggingface-cli download {name}) "
             "or give its local directory"
         )
+    return None
+
+
+def _checked_config(file: Path, name: str, *, for_training: bool) -> dict:
+    """``file``'s fields, refused (a ValueError naming ``name``, or the file where transformers
+    refuses it) when they cannot describe a model the planner plans or the trainer trains."""
+    config = read_config(file)
+    check_config(config, name)
+    if for_training:
+        check_trainable(config, name)
+        build_config(config, str(file))
+    return config

@@ -11,7 +11,7 @@ import yaml
 
 import agilerl
 from agilerl.distributed import FSDPConfig
-from agilerl.manifest import ManifestError, load_manifest
+from agilerl.manifest import ALGORITHM_FIELDS, ManifestError, load_manifest
 from agilerl.train import main
 
 SHIPPED = sorted((Path(agilerl.__file__).parent / "examples").glob("*.yaml"))
@@ -65,11 +65,64 @@ def test_shipped_manifest_validates_and_round_trips(path):
         ({**GOOD, "environment": {"operators": "/"}}, "unsupported operators"),
         ({**GOOD, "lora": {"r": 0}}, "lora.r"),
         ({"algorithm": {"model_name": "m", "offload_weights_during_rollout": True}}, "needs algorithm.vllm"),
+        # no knob means anything at inf or nan
+        *(
+            ({"algorithm": {"model_name": "m", "name": name, field: value}}, f"algorithm.{field}: .*finite")
+            for name, field in (
+                ("GRPO", "beta"),
+                ("GRPO", "lr"),
+                ("GRPO", "temperature"),
+                ("GRPO", "max_grad_norm"),
+                ("GRPO", "clip_coef"),
+                ("CISPO", "clip_coef_high"),
+                ("LLMPPO", "vf_coef"),
+                ("LLMPPO", "clip_coef_value"),
+                ("DPO", "nll_alpha"),
+            )
+            for value in (math.inf, math.nan)
+        ),
+        ({**GOOD, "lora": {"dropout": math.nan}}, "lora.dropout: .*finite"),
+        ({**GOOD, "training": {"seed": 2**64}}, "training.seed"),
+        # a prompt must fit beside the completion
+        ({"algorithm": {"model_name": "m", "max_model_len": 256}}, "max_model_len=256 leaves no room for a prompt"),
+        (
+            {"algorithm": {"model_name": "m", "max_output_tokens": 8, "vllm": {"max_model_len": 4}}},
+            "vllm.max_model_len=4 leaves no room for a prompt",
+        ),
+        ({**GOOD, "lora": {"target_modules": []}}, "lora.target_modules"),
+        ({**GOOD, "lora": {"target_modules": ""}}, "lora.target_modules"),
+        ({**GOOD, "lora": {"target_modules": ["q_proj", ""]}}, "lora.target_modules"),
     ],
 )
 def test_bad_manifests_name_the_field(data, match):
     with pytest.raises(ManifestError, match=match):
         load_manifest(data)
+
+
+def test_the_manifest_bounds_each_hyperparameter_as_the_algorithms_do():
+    """One rule: a value the manifest takes, the algorithm takes too, and the other way round
+    (check_hyperparameters beside lr in the algorithms' base; the manifest's fields' bounds)."""
+    from agilerl.algorithms.core.base import HYPERPARAMETER_RANGES, check_hyperparameters
+
+    takes = {"lr": "GRPO", "max_grad_norm": "GRPO", "temperature": "GRPO"}  # field -> an algorithm taking it
+    for name, fields in ALGORITHM_FIELDS.items():
+        for field in fields:
+            takes.setdefault(field, name)
+    in_manifest = [field for field in HYPERPARAMETER_RANGES if field in takes]
+    assert set(in_manifest) == set(HYPERPARAMETER_RANGES) - {"value_lr"}  # LLMPPO's value head: API only
+    for field in in_manifest:
+        for value in (-1.0, -1e-9, 0.0, 1e-9, 0.5, 1.0, 1.5, 1e9, math.inf, -math.inf, math.nan):
+            try:
+                check_hyperparameters(**{field: value})
+                api = True
+            except ValueError:
+                api = False
+            try:
+                load_manifest({"algorithm": {"model_name": "m", "name": takes[field], field: value}})
+                manifest = True
+            except ManifestError:
+                manifest = False
+            assert api == manifest, f"{field}={value}: the algorithms {'take' if api else 'refuse'} it"
 
 
 def test_weight_offload_with_an_engine_is_accepted():
@@ -95,6 +148,16 @@ def test_unreadable_files(tmp_path, capsys):
         load_manifest(bad)
     assert main([str(missing)]) == 2
     assert "no such manifest" in capsys.readouterr().err
+    with pytest.raises(ManifestError, match=f"{tmp_path}: is a directory"):
+        load_manifest(tmp_path)
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("algorithm:\n  model_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ManifestError, match=f"{latin}: not UTF-8 text"):
+        load_manifest(latin)
+    for path, what in ((tmp_path, "is a directory"), (latin, "not UTF-8"), (tmp_path / ("x" * 300), "too long")):
+        assert main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert what in err and str(path) in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
 def test_the_launched_ranks_split_into_members_trainers_and_engines():
@@ -143,3 +206,79 @@ def test_short_demo_run(tmp_path, capsys):
     assert (tmp_path / "ckpt" / "agent0" / "attributes.pt").exists()
     rewards = [float(line.split("reward ")[1].split()[0]) for line in out.splitlines() if " step " in line]
     assert len(rewards) == 3 and all(math.isfinite(r) for r in rewards)
+
+
+def _refused_in_one_line(tmp_path, capsys, data: dict) -> str:
+    """``python -m agilerl.train`` on ``data`` (a manifest): exit 2 and one line on stderr, returned."""
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main([str(path), "--device", "cpu"]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.err and "error:" in lines[0], out.err
+    return lines[0]
+
+
+TINY_RUN = {
+    "algorithm": {"model_name": "tiny:qwen2?hidden_size=32&num_layers=2", "group_size": 2, "max_output_tokens": 2},
+    "training": {"rollout_batch_size": 2, "max_steps": 1},
+}
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for folder in (tmp_path / "file", tmp_path / "file" / "under"):
+        data = {**TINY_RUN, "training": {**TINY_RUN["training"], "checkpoint_dir": str(folder)}}
+        line = _refused_in_one_line(tmp_path, capsys, data)
+        assert f"training.checkpoint_dir: {folder}" in line and "not a directory" in line
+
+
+def test_a_population_that_cannot_fit_is_refused_before_building_it(tmp_path, capsys):
+    from agilerl.train import _check_shared_population
+
+    data = {**TINY_RUN, "training": {**TINY_RUN["training"], "population_size": 10**9}}
+    assert "training.population_size=1000000000" in _refused_in_one_line(tmp_path, capsys, data)
+    # the floor: each member's token embedding, vocab_size x hidden_size weights in the dtype
+    config = {"vocab_size": 1000, "hidden_size": 10}
+    _check_shared_population(members=50, config=config, dtype="bfloat16", memory_bytes=50 * 20_000)
+    with pytest.raises(ValueError, match="50 x 40,000 bytes"):
+        _check_shared_population(members=50, config=config, dtype="float32", memory_bytes=50 * 20_000)
+
+
+def test_a_model_name_of_an_unknown_users_home_is_one_line(tmp_path, capsys):
+    data = {**TINY_RUN, "algorithm": {**TINY_RUN["algorithm"], "model_name": "~no_such_user_agilerl/model"}}
+    assert "~no_such_user_agilerl/model: no home directory" in _refused_in_one_line(tmp_path, capsys, data)
+
+
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        ({"rms_norm_eps": "x"}, "rms_norm_eps"),
+        ({"rope_scaling": "yes"}, "rope_parameters"),  # transformers' name for it now
+        ({"intermediate_size": [1, 2]}, "intermediate_size"),
+        ({"model_type": "no_such_model_type"}, "no_such_model_type"),
+    ],
+    ids=lambda value: next(iter(value)) if isinstance(value, dict) else "",
+)
+def test_a_config_transformers_refuses_is_one_line_naming_the_file(tmp_path, capsys, change, expect):
+    """check_config passes these; transformers' strict config validation would raise only once
+    loading starts."""
+    import json
+
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 512,
+    }
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    data = {**TINY_RUN, "algorithm": {**TINY_RUN["algorithm"], "model_name": str(model)}}
+    line = _refused_in_one_line(tmp_path, capsys, data)
+    assert f"{model / 'config.json'}: " in line and expect in line

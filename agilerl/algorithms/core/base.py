@@ -28,6 +28,7 @@ import contextlib
 import copy
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
@@ -70,11 +71,50 @@ from agilerl.utils.shared_prefix import shared_prefix_problem
 from .adapters import ACTOR, REFERENCE, adapter_state_dict, copy_adapter_, use_adapter
 from .loading import DEFAULT_LORA, resolve_lora_config
 
-__all__ = ["LLMAlgorithm", "normalise_fsdp_config", "on_rank0", "DEFAULT_LORA"]
+__all__ = ["LLMAlgorithm", "normalise_fsdp_config", "on_rank0", "check_hyperparameters", "DEFAULT_LORA"]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "attributes.pt"
+
+
+#: The range of every numeric hyperparameter of the algorithms, each also finite: (lowest, whether
+#: the lowest is allowed, highest or None). The manifest's fields keep the same bounds (a test
+#: holds the two together).
+HYPERPARAMETER_RANGES: dict[str, tuple[float, bool, float | None]] = {
+    "lr": (0.0, False, None),
+    "value_lr": (0.0, False, None),
+    "max_grad_norm": (0.0, False, None),
+    "temperature": (0.0, False, None),
+    "beta": (0.0, True, None),
+    "clip_coef": (0.0, False, None),
+    "clip_coef_high": (0.0, False, None),
+    "vf_coef": (0.0, False, None),
+    "clip_coef_value": (0.0, False, None),
+    "nll_alpha": (0.0, True, None),
+    "gamma": (0.0, True, 1.0),
+    "gae_lambda": (0.0, True, 1.0),
+}
+
+
+def check_hyperparameters(**values: Any) -> None:
+    """Raise ValueError naming the first of ``values`` (hyperparameters by name) that is not a
+    finite number in its range (HYPERPARAMETER_RANGES)."""
+    for name, value in values.items():
+        low, low_allowed, high = HYPERPARAMETER_RANGES[name]
+        if high is not None:
+            wanted = f"in [{low:g}, {high:g}]"
+        else:
+            wanted = f"a finite number {'>=' if low_allowed else '>'} {low:g}"
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if (
+            not number
+            or not math.isfinite(value)
+            or value < low
+            or (value == low and not low_allowed)
+            or (high is not None and value > high)
+        ):
+            raise ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
 def normalise_fsdp_config(value: Any) -> FSDPConfig | str | None:
@@ -162,10 +202,7 @@ class LLMAlgorithm:
             )
         if gradient_checkpointing not in (True, False, "auto"):
             raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        check_hyperparameters(lr=lr, max_grad_norm=max_grad_norm, temperature=temperature)
         lora_config = resolve_lora_config(lora_config)
         self.full_finetune = lora_config is None
         if self.full_finetune and use_separate_reference_adapter:

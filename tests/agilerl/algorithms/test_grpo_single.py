@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from agilerl.algorithms import CISPO, GSPO, LLMPPO
 from agilerl.algorithms.grpo import group_advantages, grpo_loss
 from agilerl.distributed import FSDPConfig
+from agilerl.utils.algo_utils import VLLMConfig
 from agilerl.utils.logprobs import chunked_token_logprobs, linear_token_logprobs
 from tests.agilerl.algorithms._common import (
     TOKENIZER,
@@ -46,6 +48,30 @@ MISSING = "/nonexistent/model/dir"
         (dict(fsdp_config={"reshard_after_forward": False}), RuntimeError, "torchrun"),
         (dict(fsdp_config=5), TypeError, "fsdp_config must be"),
         (dict(load_in_4bit=True, fsdp_config=FSDPConfig()), RuntimeError, "torchrun"),
+        # every numeric hyperparameter finite and in its range, as lr always was
+        (dict(beta=math.nan), ValueError, "beta must be a finite number >= 0, got nan"),
+        (dict(beta=math.inf), ValueError, "beta must be a finite number >= 0, got inf"),
+        (dict(beta=-0.1), ValueError, "beta must be a finite number >= 0"),
+        (dict(lr=math.nan), ValueError, "lr must be a finite number > 0"),
+        (dict(lr=math.inf), ValueError, "lr must be a finite number > 0, got inf"),
+        (dict(lr="1e-5"), ValueError, "lr must be a finite number > 0, got '1e-5'"),
+        (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+        (dict(temperature=math.inf), ValueError, "temperature must be a finite number > 0"),
+        (dict(temperature=math.nan), ValueError, "temperature must be a finite number > 0"),
+        (dict(max_grad_norm=math.inf), ValueError, "max_grad_norm must be a finite number > 0"),
+        (dict(clip_coef=math.nan), ValueError, "clip_coef must be a finite number > 0"),
+        (dict(algorithm=CISPO, clip_coef_high=math.inf), ValueError, "clip_coef_high must be a finite number > 0"),
+        (dict(algorithm=GSPO, clip_coef_high=math.nan), ValueError, "clip_coef_high must be a finite number > 0"),
+        (dict(algorithm=LLMPPO, vf_coef=math.inf), ValueError, "vf_coef must be a finite number > 0"),
+        (dict(algorithm=LLMPPO, gamma=math.nan), ValueError, r"gamma must be in \[0, 1\], got nan"),
+        (dict(algorithm=LLMPPO, value_lr=math.inf), ValueError, "value_lr must be a finite number > 0"),
+        # a prompt must fit beside the completion
+        (dict(max_model_len=4), ValueError, "max_model_len=4 leaves no room for a prompt"),
+        (
+            dict(vllm_config=VLLMConfig(max_model_len=3)),
+            ValueError,
+            "vllm_config.max_model_len=3 leaves no room for a prompt",
+        ),
     ],
 )
 def test_bad_input_fails_before_loading(kwargs, error, match):

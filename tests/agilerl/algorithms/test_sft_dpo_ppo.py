@@ -382,6 +382,12 @@ def test_a_batch_without_the_fields_an_objective_needs_is_one_clear_error():
         _offline(SFT, lora_config="all-linear")
     with pytest.raises(ValueError, match="gae_lambda must be in"):
         make_agent(algorithm=LLMPPO, gae_lambda=1.5)
+    with pytest.raises(ValueError, match="beta must be a finite number >= 0, got inf"):
+        _offline(DPO, beta=math.inf)
+    with pytest.raises(ValueError, match=r"beta must be > 0 \(the implicit reward's scale\)"):
+        _offline(DPO, beta=0.0)
+    with pytest.raises(ValueError, match="nll_alpha must be a finite number >= 0, got nan"):
+        _offline(DPO, nll_alpha=math.nan)
 
 
 def test_manifests_train_sft_dpo_and_ppo_and_full_finetuning():
