@@ -60,6 +60,8 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         algorithm["gather_weights_for_rollout"] = bool(w.gather_weights_for_rollout)
     if w.generation == "vllm":
         algorithm["vllm"] = w.vllm_settings()  # a colocated engine on every trainer rank
+        if w.offload_weights_during_rollout:
+            algorithm["offload_weights_during_rollout"] = True
     targets = w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)
     return {
         "algorithm": algorithm,
@@ -82,13 +84,7 @@ def launch_command(cluster: Cluster) -> str:
 
 
 def manifest_yaml(plan: Plan) -> str:
-    est = plan.estimate
-    header = [
-        f"# agilerl-plan: {plan.model} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}",
-        f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
-        f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
-        f"# run: {launch_command(plan.cluster)}",
-    ]
+    header = [*_verdict(plan), f"# run: {launch_command(plan.cluster)}"]
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 
     return "\n".join(header) + "\n" + yaml.safe_dump(manifest_dict(plan), sort_keys=False)
@@ -120,32 +116,106 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
+#: Manifest fields the algorithm's constructor takes under another name (agilerl/train.py passes
+#: them so); every other algorithm field keeps its name.
+_ARGUMENT_NAMES = {
+    "fsdp": "fsdp_config",
+    "vllm": "vllm_config",
+    "lora": "lora_config",
+    "rollout_batch_size": "batch_size",
+}
+#: The manifest's sections that the trainer builds an object from: the module and class, and the
+#: call a mapping becomes (LoRA through the manifest's own mapping onto peft's LoraConfig).
+_CONFIG_CLASSES = {
+    "fsdp": ("agilerl.distributed", "FSDPConfig", "FSDPConfig({})"),
+    "vllm": ("agilerl.utils.algo_utils", "VLLMConfig", "VLLMConfig({})"),
+    "lora": ("agilerl.manifest", "LoraSection", "LoraSection({}).to_peft()"),
+}
+#: What a config section's false or null means to the trainer.
+_WITHOUT = {"fsdp": "no sharding needed", "vllm": "Hugging Face generate", "lora": "full fine-tuning"}
+
+
+def _snippet_arguments(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest's fields split into the algorithm's constructor arguments, named as
+    agilerl.train passes them (the config sections still as the manifest holds them), and the
+    rest (how to launch it), named by section."""
+    arguments: dict[str, Any] = {}
+    launch: dict[str, Any] = {}
+    for section, fields in manifest.items():
+        if section == "lora":
+            arguments["lora"] = fields
+        elif section == "algorithm":
+            arguments.update((k, v) for k, v in fields.items() if k != "name")
+        else:
+            for k, v in fields.items():
+                if k in _ARGUMENT_NAMES:
+                    arguments[k] = v
+                else:
+                    launch[f"{section}.{k}"] = v
+    return arguments, launch
+
+
+def _config_expression(field: str, value: Any) -> tuple[str, str | None]:
+    """The Python a config section's value becomes, and the class it needs imported."""
+    module, cls, call = _CONFIG_CLASSES[field]
+    if value is None or value is False:
+        return f"None  # {_WITHOUT[field]}", None
+    fields = {} if value is True else value  # fsdp: true is FSDPConfig's defaults
+    return call.format(", ".join(f"{k}={v!r}" for k, v in fields.items())), f"from {module} import {cls}"
+
+
+def _verdict(plan: Plan) -> list[str]:
+    """The comment lines that head a manifest or a snippet: what was planned, and whether it fits
+    (with what would, when not). A model path's line breaks are escaped: a comment is one line."""
+    est = plan.estimate
+    model = plan.model.replace("\r", "\\r").replace("\n", "\\n")
+    lines = [
+        f"# agilerl-plan: {model} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}",
+        f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
+        f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
+    ]
+    if not plan.fits:
+        lines.extend(f"# what would fit: {s}" for s in plan.suggestions)
+    return lines
+
+
 def python_snippet(plan: Plan) -> str:
-    w = plan.workload
-    cls = ALGORITHM_CLASSES[w.algorithm]
-    lines = [f"from agilerl.algorithms import {cls}", "from agilerl.distributed import FSDPConfig", ""]
-    if plan.fsdp is not None:
-        fields = plan.fsdp.model_dump(exclude_defaults=True)
-        args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
-        lines.append(f"fsdp_config = FSDPConfig({args})")
-    else:
-        lines.append("fsdp_config = None  # no sharding needed")
-    offline = w.algorithm in OFFLINE_SEQUENCES
-    lines += [
+    """Python that builds the agent `python -m agilerl.train` builds from this plan's manifest
+    (manifest_dict): every field of it, as the constructor argument the trainer passes."""
+    manifest = manifest_dict(plan)
+    cls = manifest["algorithm"]["name"]
+    arguments, launch = _snippet_arguments(manifest)
+    imports = {
+        f"from agilerl.algorithms import {cls}",
+        "from agilerl.algorithms.core.loading import load_tokenizer, resolve_model_source",
+    }
+    configs, calls = [], []
+    for field, value in arguments.items():
+        name = _ARGUMENT_NAMES.get(field, field)
+        if field in _CONFIG_CLASSES:
+            expression, needs = _config_expression(field, value)
+            imports.update([needs] if needs else [])
+            configs.append(f"{name} = {expression}")
+            calls.append(f"    {name}={name},")
+        elif field != "model_name":
+            calls.append(f"    {name}={value!r},")
+    launch_fields = ", ".join(f"{k}={v!r}" for k, v in launch.items())
+    lines = [
+        *_verdict(plan),
+        f"# launch: {launch_fields}: each trainer rank runs this (under torchrun)",
+        *sorted(imports),
+        "",
+        f"model_name = {arguments['model_name']!r}",
+        "tokenizer = load_tokenizer(resolve_model_source(model_name))",
+        "if tokenizer.pad_token is None:",
+        "    tokenizer.pad_token = tokenizer.eos_token",
+        *configs,
         f"agent = {cls}(",
-        f"    model_name={plan.model!r},",
+        "    model_name=model_name,",
         "    pad_token_id=tokenizer.pad_token_id,",
         "    pad_token=tokenizer.pad_token,",
-        *(["    lora_config=None,  # full fine-tuning"] if w.full_finetune else []),
-        f"    batch_size={w.prompts_per_step},",
-        *([] if offline else [f"    group_size={w.group_size},"]),
-        *([] if w.algorithm == "sft" else [f"    beta={w.beta},"]),
-        *([] if offline else [f"    max_output_tokens={w.completion_tokens},"]),
-        *([f"    max_model_len={w.sequence_tokens},"] if offline else []),
-        f"    micro_batch_size_per_gpu={w.micro_batch_size_per_gpu},",
-        f"    logprob_chunk_size={w.logprob_chunk_size},",
-        f"    gradient_checkpointing={w.gradient_checkpointing},",
-        "    fsdp_config=fsdp_config,",
+        "    tokenizer=tokenizer,",
+        *calls,
         ")",
     ]
     return "\n".join(lines)

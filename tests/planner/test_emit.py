@@ -1,0 +1,166 @@
+"""planner.emit's Python snippet builds the agent `python -m agilerl.train` builds from the same
+plan's manifest: the snippet is run with the algorithm class swapped for one that records its
+arguments, and agilerl.train's own _train is run on the manifest up to the population it would
+create."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from agilerl.manifest import load_manifest
+from planner.cli import main
+
+#: One tokenizer object for both sides: the trainer and the snippet each load "the" tokenizer.
+TOKENIZER = SimpleNamespace(pad_token="<pad>", pad_token_id=0, eos_token="</s>")
+#: Constructor arguments of the trainer's that are not the plan's: the manifest's training.seed
+#: default (0) is a run's choice, which the snippet leaves to its user.
+NOT_PLANNED = {"seed"}
+
+PLANS = {
+    "qlora, rank 64 on two targets": [
+        "Qwen/Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--lora-rank",
+        "64",
+        "--lora-alpha",
+        "128",
+        "--lora-targets",
+        "q_proj,v_proj",
+        "--load-in-4bit",
+        "--update-epochs",
+        "2",
+        "--weights-dtype",
+        "float16",
+    ],
+    "vllm with a reference adapter": [
+        "Qwen/Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--generation",
+        "vllm",
+        "--use-separate-reference-adapter",
+        "true",
+    ],
+    "vllm, weights offloaded during rollouts": [
+        "Qwen/Qwen2.5-7B",
+        "--generation",
+        "vllm",
+        "--offload-weights-during-rollout",
+        "true",
+    ],
+    "full fine-tuning": ["Qwen/Qwen2.5-7B", "--gpus", "2", "--full-finetune"],
+    "fsdp on 8 gpus": ["llama-3.1-70b", "--gpus", "8"],
+    "two nodes": ["Qwen/Qwen2.5-72B", "--gpus", "16", "--gpus-per-node", "8"],
+    "dpo": ["Qwen/Qwen2.5-7B", "--gpus", "2", "--algorithm", "dpo"],
+    "sft": ["Qwen/Qwen2.5-7B", "--gpus", "2", "--algorithm", "sft"],
+    "ppo": ["Qwen/Qwen2.5-7B", "--gpus", "2", "--algorithm", "ppo"],
+    "does not fit": ["meta-llama/Llama-3.1-70B", "--gpus", "1", "--gpu", "L4"],
+}
+
+
+class _Built(Exception):
+    """Raised where the trainer would build its population: its arguments are recorded."""
+
+
+def _emit(args: list[str], fmt: str, capsys) -> tuple[int, str]:
+    code = main([*args, "--format", fmt])
+    return code, capsys.readouterr().out
+
+
+def _trainer_arguments(manifest, monkeypatch) -> tuple[str, dict]:
+    """The class and arguments agilerl.train._train builds its agents with, for ``manifest`` on
+    its training_gpus_per_agent ranks (the launch checks, the process group and the tokenizer
+    stubbed)."""
+    import agilerl.algorithms.core.loading as loading
+    import agilerl.distributed as distributed
+    import agilerl.train as train
+    import agilerl.utils.utils as utils
+
+    monkeypatch.setattr(train, "check_launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(distributed, "init_distributed", lambda *args, **kwargs: None)
+    monkeypatch.setattr(distributed, "get_world_size", lambda: manifest.training.training_gpus_per_agent)
+    monkeypatch.setattr(distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(loading, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda source: TOKENIZER)
+    built = {}
+
+    def create_population(algo, hp, population_size=1, *, algo_kwargs, device=None):
+        built.update(cls=algo, kwargs=algo_kwargs)
+        raise _Built
+
+    monkeypatch.setattr(utils, "create_population", create_population)
+    with pytest.raises(_Built):
+        train._train(manifest, device="cpu", max_steps=1)
+    return built["cls"], built["kwargs"]
+
+
+def _snippet_arguments(snippet: str, cls: str, monkeypatch) -> dict:
+    """Run ``snippet`` with ``agilerl.algorithms.<cls>`` recording its arguments (the tokenizer
+    loader stubbed as for the trainer)."""
+    import agilerl.algorithms
+    import agilerl.algorithms.core.loading as loading
+
+    monkeypatch.setattr(loading, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda source: TOKENIZER)
+    calls = []
+    monkeypatch.setattr(agilerl.algorithms, cls, lambda **kwargs: calls.append(kwargs))
+    exec(compile(snippet, "<snippet>", "exec"), {})
+    assert len(calls) == 1
+    return calls[0]
+
+
+def _default(cls: type, name: str):
+    """The default the class (or the base its ``**kwargs`` reach) gives argument ``name``."""
+    for klass in cls.__mro__:
+        parameter = inspect.signature(klass.__init__).parameters.get(name)
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            return parameter.default
+    raise AssertionError(f"{cls.__name__} takes no {name}")
+
+
+@pytest.mark.parametrize("args", PLANS.values(), ids=PLANS.keys())
+def test_the_snippet_builds_what_the_trainer_builds_from_the_manifest(args, capsys, monkeypatch):
+    import agilerl.algorithms
+
+    code, snippet = _emit(args, "python", capsys)
+    same_code, manifest_text = _emit(args, "yaml", capsys)
+    assert code == same_code
+    cls, trainer = _trainer_arguments(load_manifest(yaml.safe_load(manifest_text)), monkeypatch)
+    algorithm = getattr(agilerl.algorithms, cls)  # the real class, before the snippet's stand-in
+    ours = _snippet_arguments(snippet, cls, monkeypatch)
+    assert set(ours) <= set(trainer), f"the trainer passes no {sorted(set(ours) - set(trainer))}"
+    assert ours == {k: trainer[k] for k in ours}
+    left = {k: v for k, v in trainer.items() if k not in ours and k not in NOT_PLANNED}
+    assert left == {k: _default(algorithm, k) for k in left}, "the snippet leaves these to other defaults"
+
+
+def test_what_the_qlora_plan_spells_out(capsys, monkeypatch):
+    code, snippet = _emit(PLANS["qlora, rank 64 on two targets"], "python", capsys)
+    assert code == 0
+    ours = _snippet_arguments(snippet, "GRPO", monkeypatch)
+    lora = ours["lora_config"]
+    assert (lora.r, lora.lora_alpha, set(lora.target_modules)) == (64, 128, {"q_proj", "v_proj"})
+    assert ours["load_in_4bit"] is True and ours["dtype"] == "float16" and ours["update_epochs"] == 2
+
+
+@pytest.mark.parametrize("args", PLANS.values(), ids=PLANS.keys())
+def test_the_snippet_says_whether_it_fits_and_imports_only_what_it_uses(args, capsys):
+    code, snippet = _emit(args, "python", capsys)
+    assert ("DOES NOT FIT" in snippet) == (code == 3)
+    tree = ast.parse(snippet)
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert imported <= used, f"unused imports {sorted(imported - used)}"
+
+
+def test_the_manifest_keeps_what_the_plan_modelled(capsys):
+    """The rollout phase was planned with the trainer's weights on the host: the run must do so."""
+    code, text = _emit(PLANS["vllm, weights offloaded during rollouts"], "yaml", capsys)
+    assert code == 0
+    assert load_manifest(yaml.safe_load(text)).algorithm.offload_weights_during_rollout is True
