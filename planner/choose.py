@@ -43,6 +43,7 @@ from .memory import (
     expert_parallel_degrees,
     row_wise_experts,
     tp_problem,
+    vllm_budget_problem,
     vllm_floor,
 )
 from .request import Decision, PlanRequest, RequestError, request_problems
@@ -182,6 +183,15 @@ def check_inputs(
         raise ValueError(problem)
     if fsdp.ep > 1:
         check_ep(spec, fsdp.ep, cluster.num_gpus)
+    if fsdp.ep_token_blocks > 1 and fsdp.ep == 1:
+        raise ValueError(
+            f"ep_token_blocks={fsdp.ep_token_blocks} splits expert parallel's all-to-alls into blocks: it needs ep > 1"
+        )
+    if fsdp.routed_expert_chunk_mib is not None and not spec.is_moe:
+        raise ValueError(
+            f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g} sizes routed-expert chunks: "
+            f"{spec.name} has no routed experts"
+        )
     if fsdp.routed_expert_chunk_mib is not None and spec.expert_layout_problem:
         raise ValueError(f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g}: {spec.expert_layout_problem}")
     if fsdp.wrap_every_n_blocks > spec.num_layers:
@@ -194,6 +204,8 @@ def check_inputs(
             f"checkpoint_skip_layer_types names block kinds {spec.name} does not have: {unknown}; "
             f"its blocks are of kinds {spec.block_kinds}"
         )
+    if problem := vllm_budget_problem(spec, workload, cluster, fsdp if fsdp.tp > 1 else None):
+        raise ValueError(problem)
     if workload.sequence_tokens > spec.max_position_embeddings:
         raise ValueError(
             f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "

@@ -148,10 +148,12 @@ def with_memory(gpu: GPU, gib: float, what: str = "GPU memory") -> GPU:
 MAX_MEMORY_GIB = 2**20
 
 
-def memory_bytes(gib: float, what: str) -> int:
-    """``gib`` GiB in bytes; ValueError naming ``what`` unless it is from 1 MiB to MAX_MEMORY_GIB."""
-    if not MIB / GIB <= gib <= MAX_MEMORY_GIB:  # NaN fails both
-        raise ValueError(f"{what} must be from 1 MiB to {MAX_MEMORY_GIB:,} GiB, not {gib:g} GiB")
+def memory_bytes(gib: float, what: str, *, least: int = MIB) -> int:
+    """``gib`` GiB in bytes; ValueError naming ``what`` unless it is from ``least`` bytes (a device:
+    1 MiB) to MAX_MEMORY_GIB."""
+    if not least / GIB <= gib <= MAX_MEMORY_GIB:  # NaN fails both
+        floor = fmt_bytes(least) if least >= MIB else f"{least} byte{'s' if least > 1 else ''}"
+        raise ValueError(f"{what} must be from {floor} to {MAX_MEMORY_GIB:,} GiB, not {gib:g} GiB")
     return int(gib * GIB)
 
 

@@ -1,4 +1,5 @@
-"""``--output``: checked before anything is planned, written so that nothing is lost.
+"""``--output`` of agilerl-plan and its tuner: checked before anything is planned, and
+written so that nothing is lost.
 
 A regular file (or a new one) is replaced through a temporary file and a rename, so a
 reader never sees half a manifest; a symlink is followed, so the link stays and its target

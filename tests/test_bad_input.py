@@ -104,6 +104,13 @@ CASES = [
     (plan(M, "--algorithm", "dpo", "--micro-batch-size-per-gpu", "1"), "must be even"),
     (plan(M, "--full-finetune", "--load-in-4bit"), "4-bit weights do not train"),
     (plan(M, "--full-finetune", "maybe"), "--full-finetune"),
+    (plan(M, "--full-finetune", "--lora-rank", "8"), "--lora-rank"),
+    (probe(TINY, "--device", "cpu", "--full-finetune", "--lora-targets", "q_proj"), "--lora-targets"),
+    (plan(M, "--lora-targets", "all-linear,q_proj"), "all-linear stands alone"),
+    (plan(M, "--gpus", "2", "--routed-expert-chunk-mib", "4"), "no routed experts"),
+    (plan(MOE, "--gpus", "2", "--ep-token-blocks", "2"), "needs ep > 1"),
+    (probe(TINY, "--device", "cpu", "--generation", "none", "--generate"), "--generate"),
+    (probe(TINY, "--device", "cpu", "--gpus", "2", "--nnodes", "2", "--rdzv-endpoint", "host:port"), "HOST:PORT"),
     (plan(M, "--gpus", "2", "--cpu-offload", "true"), "cpu_offload=True with generation='hf'"),
     (plan(M, "--gpus", "-2"), "--gpus"),
     (plan(M, "--gpus", "two"), "--gpus"),
@@ -170,7 +177,7 @@ CASES = [
     (plan(M, "--lora-rank", "0"), "lora_rank"),
     (plan(M, "--lora-alpha", "0"), "lora_alpha"),
     (plan(M, "--lora-targets", "no_such_proj"), "no_such_proj"),
-    (plan(M, "--lora-targets", ","), "lora_targets"),
+    (plan(M, "--lora-targets", ","), "--lora-targets"),
     (plan(M, "--beta", "-0.1"), "beta"),
     (plan(M, "--beta", "nan"), "beta"),
     (plan(M, "--update-epochs", "0"), "update_epochs"),
@@ -178,6 +185,9 @@ CASES = [
     (plan(M, "--generation", "sglang"), "--generation"),
     (plan(M, "--generation", "vllm", "--vllm-gpu-memory-utilization", "0"), "vllm_gpu_memory_utilization"),
     (plan(M, "--generation", "vllm", "--vllm-gpu-memory-utilization", "1.2"), "vllm_gpu_memory_utilization"),
+    # a budget the engine cannot start with: what it needs, and the least that would do
+    (plan("Qwen/Qwen2.5-7B", "--generation", "vllm", "--vllm-gpu-memory-utilization", "0.1"), "at least 0.2"),
+    (plan(M, "--generation", "vllm", "--vllm-kv-cache-memory-bytes", "1"), "vllm_kv_cache_memory_bytes"),
     (plan(M, "--vllm-gpu-memory-utilization", "0.5"), "generation"),
     (plan(M, "--vllm-sleep-level", "3"), "--vllm-sleep-level"),
     (plan(M, "--generation", "vllm", "--vllm-max-num-seqs", "0"), "vllm_max_num_seqs"),
@@ -233,6 +243,12 @@ CASES = [
     (plan(M, "--output", "~no-such-user-here/plan.yaml"), "--output"),
     (config({}, "--output", "{tmp}/config.json"), "own config.json"),
     (config({"max_position_embeddings": "x"}), "max_position_embeddings"),
+    (config({"max_position_embeddings": 0}), "max_position_embeddings"),
+    (config('{"model_type": "llama", "name": "\xff"}'.encode("latin-1")), "not UTF-8"),
+    (plan(M, "--lora-targets", "no_such_proj", "--load-in-4bit"), "no_such_proj"),
+    (config({"num_hidden_layers": 1_000_000}), "num_hidden_layers"),
+    (config({"hidden_size": 10**30}), "hidden_size"),
+    (config({"num_local_experts": 2, "num_experts_per_tok": 8}), "num_experts_per_tok"),
     # -- agilerl-plan --tune ----------------------------------------------------------------------
     (tune("--storage", ""), "--storage"),
     (tune("--storage", "   "), "--storage"),
@@ -340,6 +356,9 @@ def _case_id(case) -> str:
 
 def _write_config(tmp: Path, change) -> Path:
     path = tmp / "config.json"
+    if isinstance(change, bytes):
+        path.write_bytes(change)
+        return path
     if isinstance(change, str):
         path.write_text(change)
         return path

@@ -79,8 +79,25 @@ def run(
     gpu: str = "H100-80GB",
     gpu_memory_gib: float | None = None,
 ) -> None:
-    """Run the explorer in this terminal until the user quits."""
+    """Run the explorer in this terminal until the user quits; ValueError, before anything is
+    drawn, when there is no terminal or the model cannot be found."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise ValueError(
+            "the explorer needs a terminal (stdin and stdout are not one here): "
+            "plan with agilerl-plan MODEL --format table|json|yaml|python instead"
+        )
+    check_model(model)
     ExplorerApp(model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib).run()
+
+
+def check_model(model: str) -> None:
+    """ValueError in one line when ``model`` names nothing the planner can read (offline)."""
+    from planner.models import ModelNotFound, load_model_spec
+
+    try:
+        load_model_spec(model)
+    except ModelNotFound as err:
+        raise ValueError(str(err)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as err:
         print(f"error: {str(err).strip(chr(39))}", file=sys.stderr)
         return 2
-    run(
-        args.model,
-        gpus=args.gpus,
-        gpus_per_node=args.gpus_per_node,
-        gpu=args.gpu,
-        gpu_memory_gib=args.gpu_memory,
-    )
+    try:
+        run(
+            args.model,
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu=args.gpu,
+            gpu_memory_gib=args.gpu_memory,
+        )
+    except ValueError as err:
+        print(f"agilerl-plan-tui: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -30,7 +30,14 @@ def _parse_bool(text: str) -> bool:
 
 def _parse_targets(text: str) -> str | tuple[str, ...]:
     """LoRA targets: ``all-linear`` or comma-separated module names."""
-    return text if text == "all-linear" else tuple(t for t in text.split(",") if t)
+    if text == "all-linear":
+        return text
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if "all-linear" in names:
+        raise argparse.ArgumentTypeError(f"all-linear stands alone: give it or module names, not both (got {text!r})")
+    if not names:
+        raise argparse.ArgumentTypeError(f"give all-linear or comma-separated module names (got {text!r})")
+    return names
 
 
 def _members(annotation: Any) -> list[Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -22,9 +23,9 @@ from agilerl.utils.cli import (
     show_logs,
 )
 
+from ..output import check_output, write_output
 from ..workload import Workload
 from ._fields import add_fields, collect_fields, flag_name
-from ._output import check_output, write_output
 
 __all__ = ["main"]
 
@@ -88,7 +89,13 @@ def probe_main(argv: list[str]) -> int:
             raise ValueError(f"--gpus {args.gpus} ranks do not split evenly over --nnodes {args.nnodes}")
         if args.rdzv_endpoint is not None and (args.nnodes == 1 or ":" not in args.rdzv_endpoint):
             raise ValueError("--rdzv-endpoint HOST:PORT is for a probe across nodes: give --nnodes > 1 too")
+        if args.rdzv_endpoint is not None and not _host_port(args.rdzv_endpoint):
+            raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: give HOST:PORT, a port from 1 to 65535")
+        if problem := _lora_flags_problem(parser, args):
+            raise ValueError(problem)
         workload = Workload(**collect_fields(args, Workload))
+        if args.generate and workload.generation == "none":
+            raise ValueError("--generate times the rollout: it needs --generation hf or vllm, not none")
         workload.completions_per_rank(args.gpus)
         fixed = collect_fields(args, FSDPConfig)
         if args.no_fsdp and fixed:
@@ -111,6 +118,7 @@ def probe_main(argv: list[str]) -> int:
                 check_vllm_installed()
             except EngineError as err:
                 raise ValueError(f"--generation vllm --generate: {err}") from None
+        budget = None if args.budget_gib is None else memory_bytes(args.budget_gib, "--budget-gib", least=1)
         request = ProbeRequest(
             model=args.model,
             workload=workload,
@@ -121,7 +129,7 @@ def probe_main(argv: list[str]) -> int:
             save=args.save,
             timeout_s=args.timeout,
             timed_steps=args.timed_steps,
-            memory_budget_bytes=memory_bytes(args.budget_gib, "--budget-gib") if args.budget_gib is not None else None,
+            memory_budget_bytes=budget,
             nnodes=args.nnodes,
             rdzv_endpoint=args.rdzv_endpoint,
         )
@@ -208,7 +216,14 @@ def plan_main(argv: list[str]) -> int:
             raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
         check_output(args.output, args.model)
+        if problem := _lora_flags_problem(parser, args):
+            raise ValueError(problem)
         if args.tui:
+            if extra := _flags_given(parser, args, keep=_TUI_FLAGS):
+                raise ValueError(
+                    f"--tui opens the explorer with MODEL, --gpus, --gpus-per-node, --gpu and --gpu-memory; "
+                    f"set {', '.join(extra)} in the explorer (or plan without --tui)"
+                )
             try:
                 from tui.app import run
             except ImportError as err:
@@ -271,6 +286,38 @@ def plan_main(argv: list[str]) -> int:
     return 0 if result.fits else 3
 
 
+#: What ``--tui`` takes from the command line; every other knob is set in the explorer.
+_TUI_FLAGS = ("model", "gpus", "gpus_per_node", "gpu", "gpu_memory", "tui", "allow_download")
+
+
+def _flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace, *, keep: tuple[str, ...]) -> list[str]:
+    """The flags ``args`` sets away from their defaults, other than those of ``keep``'s dests."""
+    return [
+        action.option_strings[0] if action.option_strings else action.dest
+        for action in parser._actions
+        if action.dest not in keep
+        and hasattr(args, action.dest)
+        and getattr(args, action.dest) != parser.get_default(action.dest)
+    ]
+
+
+def _host_port(endpoint: str) -> bool:
+    """``HOST:PORT`` with a host and a port torchrun's rendezvous can listen on."""
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+def _lora_flags_problem(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """LoRA flags beside --full-finetune, which trains no adapters (they would be ignored)."""
+    if not getattr(args, "Workload.full_finetune", None):
+        return None
+    lora = tuple(d for d in vars(args) if d.startswith("Workload.lora_"))
+    given = _flags_given(parser, args, keep=tuple(d for d in vars(args) if d not in lora))
+    if not given:
+        return None
+    return f"--full-finetune trains every parameter and no LoRA adapters: drop {', '.join(given)}"
+
+
 def _bad_input(err: Exception) -> int:
     """Bad input: one line on stderr, exit status 2."""
     print(f"agilerl-plan: error: {_clean(err)}", file=sys.stderr)
@@ -299,6 +346,9 @@ EXIT_BROKEN_PIPE = 128 + 13
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # bitsandbytes, imported with peft, warns on CPUs without its optional kernel package; a plan
+    # runs none of its kernels (a probe, in processes of its own, still shows it)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         with show_logs("stderr", "planner", "agilerl"):  # stdout carries the plan, the manifest or the JSON
             if argv and argv[0] == "probe":

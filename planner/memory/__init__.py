@@ -40,6 +40,7 @@ from ._estimate import (
     MARGIN_FRACTION,
     estimate,
     resolve_expert_chunk,
+    vllm_budget_problem,
     vllm_floor,
 )
 from ._parallel import (
@@ -67,4 +68,5 @@ __all__ = [
     "EXPERT_CHUNKS_MIB",
     "MARGIN_FRACTION",
     "vllm_floor",
+    "vllm_budget_problem",
 ]

@@ -67,3 +67,15 @@ def vllm_floor(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDP
     from ._generation import vllm_floor_bytes
 
     return vllm_floor_bytes(build_context(spec, workload, cluster, fsdp, coefficients=Coefficients()))
+
+
+def vllm_budget_problem(spec: ModelSpec, workload: Workload, cluster: Cluster, fsdp: FSDPConfig | None) -> str | None:
+    """Why the engine budget the workload gives cannot start a colocated vLLM engine, or None
+    (also when the workload leaves the budget to the planner, before the context resolves it to
+    a default): :func:`._generation.vllm_budget_problem`."""
+    from ._generation import vllm_budget_problem as problem
+
+    if workload.vllm_gpu_memory_utilization is None and workload.vllm_kv_cache_memory_bytes is None:
+        return None
+
+    return problem(build_context(spec, workload, cluster, fsdp, coefficients=Coefficients()))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from agilerl.utils.algo_utils import vllm_batched_tokens
 
+from ..hardware import fmt_bytes
 from ..workload import resolved
 from ._activations import nograd_forward_bytes
 from ._context import Context
@@ -161,6 +164,38 @@ def vllm_floor_bytes(ctx: Context) -> int:
         return 0
     one_sequence = kv_cache_bytes(ctx, ctx.workload.vllm_model_len) // max(1, ctx.completions_per_rank)
     return vllm_weight_bytes(ctx) + (vllm_profile_bytes(ctx) if ctx.on_gpu else 0) + one_sequence
+
+
+def vllm_budget_problem(ctx: Context) -> str | None:
+    """Why the engine budget the user gave cannot start a colocated engine (vLLM refuses to start
+    below :func:`vllm_floor_bytes`), with the least that can; None when it can, or when the
+    budget is left to the planner."""
+    workload = ctx.workload
+    if workload.generation != "vllm":
+        return None
+    floor = vllm_floor_bytes(ctx)
+    length = workload.vllm_model_len
+    if workload.vllm_kv_cache_memory_bytes is not None:
+        need = floor - vllm_weight_bytes(ctx) - (vllm_profile_bytes(ctx) if ctx.on_gpu else 0)
+        if workload.vllm_kv_cache_memory_bytes >= need:
+            return None
+        return (
+            f"vllm_kv_cache_memory_bytes={workload.vllm_kv_cache_memory_bytes} is less than the KV cache of one "
+            f"{length}-token sequence ({fmt_bytes(need)}), the least vLLM starts with: give at least {need}"
+        )
+    if workload.vllm_gpu_memory_utilization is None:
+        return None
+    memory = ctx.cluster.gpu.memory_bytes
+    budget = int(workload.vllm_gpu_memory_utilization * memory)
+    if budget >= floor:
+        return None
+    least = math.ceil(100 * floor / memory) / 100
+    return (
+        f"vllm_gpu_memory_utilization={workload.vllm_gpu_memory_utilization:g} gives the engine "
+        f"{fmt_bytes(budget)} of {fmt_bytes(memory)}, under the {fmt_bytes(floor)} it needs to start (its "
+        f"weights, the activations it profiles and one {length}-token sequence's KV cache)"
+        + (f": give at least {least:.2f}" if least <= 1 else ": its weights alone need more than this GPU")
+    )
 
 
 def vllm_outside_budget_bytes(ctx: Context) -> int:

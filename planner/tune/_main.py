@@ -98,7 +98,7 @@ def _emit(result: TuneResult, *, fmt: str, output: str | None) -> bool:
     """Print the result and write ``--output``; False (said in one line) when the manifest could
     not be written: the study is kept in its storage, and rerunning the command writes it."""
     from .. import emit
-    from ..cli._output import write_output
+    from ..output import write_output
 
     best_number = result.best.number if result.best is not None else None
     table = trials_table(result.trials, best_numbers=tuple(t.number for t in result.best_runs))

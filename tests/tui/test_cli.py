@@ -57,3 +57,34 @@ def test_an_unknown_gpu_kind_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.setattr(tui.app, "run", lambda *a, **kw: pytest.fail("must not start"))
     assert main(["--gpu", "H1OO"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
+
+
+def test_without_a_terminal_it_says_so_and_draws_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(tui.app.ExplorerApp, "run", lambda self: pytest.fail("must not start"))
+    assert main(["qwen2.5-0.5b"]) == 2  # pytest's stdin and stdout are not terminals
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a terminal" in err
+
+
+def test_an_unknown_model_is_a_usage_error_before_the_explorer_opens(monkeypatch, capsys):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal())
+    monkeypatch.setattr("sys.stdout", Terminal())
+    monkeypatch.setattr(tui.app.ExplorerApp, "run", lambda self: pytest.fail("must not start"))
+    assert main(["no-such-org/no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown model" in err
+
+
+def test_plan_flags_the_explorer_would_ignore_are_refused(monkeypatch, capsys):
+    from planner.cli import main as plan_main
+
+    monkeypatch.setattr(tui.app, "run", lambda *a, **kw: pytest.fail("must not start"))
+    assert plan_main(["qwen2.5-0.5b", "--tui", "--micro-batch-size-per-gpu", "4", "--format", "json"]) == 2
+    err = capsys.readouterr().err
+    assert "--micro-batch-size-per-gpu" in err and "--format" in err and err.count("\n") == 1

@@ -242,3 +242,12 @@ def test_output_follows_a_symlink_and_writes_into_a_pipe(tmp_path, capsys):
     reader.join(timeout=60)
     assert code == 0 and fifo.is_fifo()  # written into, not renamed over
     assert got and got[0].startswith("# agilerl-plan: Qwen/Qwen2.5-0.5B")
+
+
+def test_a_model_path_with_a_line_break_stays_in_its_comment(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "cache"))
+    model = _tiny_config_dir(tmp_path / "odd\nname")
+    code, out, _ = run([str(model), "--format", "yaml"], capsys)
+    assert code == 0
+    assert set(yaml.safe_load(out)) == {"algorithm", "training", "lora"}  # nothing injected
+    assert load_manifest(yaml.safe_load(out)).algorithm.model_name == str(model)

@@ -23,6 +23,7 @@ def test_public_names_are_pinned():
             "tp_problem",
             "row_wise_experts",
             "vllm_floor",
+            "vllm_budget_problem",
         ]
     )
     assert all(hasattr(memory, name) for name in memory.__all__)
