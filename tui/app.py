@@ -90,6 +90,11 @@ def run(
     ExplorerApp(model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib).run()
 
 
+def run_with(args: argparse.Namespace) -> None:
+    """:func:`run` with a command line's model, GPUs and GPU (agilerl-plan-tui, agilerl-plan --tui)."""
+    run(args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu, gpu_memory_gib=args.gpu_memory)
+
+
 def check_model(model: str) -> None:
     """ValueError in one line when ``model`` names nothing the planner can read (offline)."""
     from planner.models import ModelNotFound, load_model_spec
@@ -130,16 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gpu_by_name(args.gpu)
     except KeyError as err:
-        print(f"error: {str(err).strip(chr(39))}", file=sys.stderr)
+        print(f"agilerl-plan-tui: error: {str(err).strip(chr(39))}", file=sys.stderr)
         return 2
     try:
-        run(
-            args.model,
-            gpus=args.gpus,
-            gpus_per_node=args.gpus_per_node,
-            gpu=args.gpu,
-            gpu_memory_gib=args.gpu_memory,
-        )
+        run_with(args)
     except ValueError as err:
         print(f"agilerl-plan-tui: error: {err}", file=sys.stderr)
         return 2

@@ -225,18 +225,12 @@ def plan_main(argv: list[str]) -> int:
                     f"set {', '.join(extra)} in the explorer (or plan without --tui)"
                 )
             try:
-                from tui.app import run
+                from tui.app import run_with
             except ImportError as err:
                 raise ValueError(
                     f"--tui needs the explorer's extra: pip install 'agilerl-fsdp-planner[tui]' ({err})"
                 ) from None
-            run(
-                args.model,
-                gpus=args.gpus,
-                gpus_per_node=args.gpus_per_node,
-                gpu=args.gpu,
-                gpu_memory_gib=args.gpu_memory,
-            )
+            run_with(args)
             return 0
         request = PlanRequest.build(
             cluster,

@@ -88,3 +88,12 @@ def test_plan_flags_the_explorer_would_ignore_are_refused(monkeypatch, capsys):
     assert plan_main(["qwen2.5-0.5b", "--tui", "--micro-batch-size-per-gpu", "4", "--format", "json"]) == 2
     err = capsys.readouterr().err
     assert "--micro-batch-size-per-gpu" in err and "--format" in err and err.count("\n") == 1
+
+
+def test_plan_with_tui_opens_the_explorer_with_its_flags(monkeypatch):
+    from planner.cli import main as plan_main
+
+    calls = []
+    monkeypatch.setattr(tui.app, "run", lambda model, **kw: calls.append((model, kw)))
+    assert plan_main(["qwen2.5-0.5b", "--tui", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h200"]) == 0
+    assert calls == [("qwen2.5-0.5b", {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": None})]
