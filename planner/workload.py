@@ -59,7 +59,7 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
 class Workload(BaseModel):
     """One training step's shape (algorithm, global batch, lengths, LoRA, generation)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf and nan plan nothing
 
     algorithm: Annotated[
         Literal["grpo", "cispo", "gspo", "reinforce", "ppo", "sft", "dpo"],

@@ -76,6 +76,8 @@ def _converter(annotation: Any) -> tuple[Callable[[str], Any], list[str] | None,
             return None
         return convert(text)
 
+    # argparse says "invalid <name> value" when the conversion fails
+    parse.__name__ = "integer" if convert is int else "number" if convert is float else ""
     return parse, choices, optional
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from agilerl.distributed import FSDPConfig
 from agilerl.utils.cli import (
@@ -318,15 +319,19 @@ def _bad_input(err: Exception) -> int:
     return 2
 
 
+def _field_error(error: Any) -> str:
+    """One pydantic error: its field and message; a rule over several fields names them itself."""
+    message = error["msg"].removeprefix("Value error, ")
+    field = ".".join(str(part) for part in error["loc"])
+    return f"{field}: {message}" if field else message
+
+
 def _clean(err: Exception) -> str:
     """One line: a ValidationError's field errors joined, a KeyError without its quotes."""
     from pydantic import ValidationError
 
     if isinstance(err, ValidationError):
-        text = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in err.errors()
-        )
+        text = "; ".join(_field_error(e) for e in err.errors())
     elif isinstance(err, KeyError) and err.args:
         text = str(err.args[0])
     else:
