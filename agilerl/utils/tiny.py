@@ -135,10 +135,12 @@ def tiny_config(
             layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
         )
     kwargs.update(overrides)
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = cls(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"tiny:{arch}: {cls.__name__} refuses these values: {err}") from None
+    except (TypeError, ValueError, StrictDataclassError) as err:  # the last: a field of the wrong type
+        raise ValueError(f"tiny:{arch}: {cls.__name__} refuses these values: {' '.join(str(err).split())}") from None
     from .sources import check_config
 
     check_config(config.to_dict(), f"tiny:{arch}")
