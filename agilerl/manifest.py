@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agilerl.distributed import FSDPConfig
+from agilerl.typing import AttnImplementation
 from agilerl.utils.algo_utils import VLLMConfig
 
 __all__ = [
@@ -164,6 +165,13 @@ class AlgorithmSection(_Section):
     dtype: Annotated[
         Literal["bfloat16", "float16", "float32"], Field(description="Dtype the base weights are loaded in.")
     ] = "bfloat16"
+    attn_implementation: Annotated[
+        AttnImplementation | None,
+        Field(
+            description="Attention kernel (eager holds the batch x heads x length^2 scores, SDPA and "
+            "flash_attention_2 do not); null: transformers' choice for the model, SDPA where it has it."
+        ),
+    ] = None
     vllm: Annotated[VLLMConfig | None, Field(description="Colocated vLLM engine settings; omit for HF generate.")] = (
         None
     )

@@ -194,6 +194,7 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
         share_prompt_prefix=algo.share_prompt_prefix,
         fsdp_config=algo.fsdp_config(),
         dtype=algo.dtype,
+        attn_implementation=algo.attn_implementation,
         seed=training.seed,
     )
     if algo.name != "SFT":

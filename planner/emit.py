@@ -53,7 +53,7 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     )
     if w.algorithm != "sft":
         algorithm["use_separate_reference_adapter"] = w.use_separate_reference_adapter
-    algorithm.update(load_in_4bit=w.load_in_4bit, dtype=w.weights_dtype)
+    algorithm.update(load_in_4bit=w.load_in_4bit, dtype=w.weights_dtype, attn_implementation=w.attn_implementation)
     if not w.share_prompt_prefix:
         algorithm["share_prompt_prefix"] = False
     if w.generation == "hf" and w.gather_weights_for_rollout is not None:

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agilerl.typing import AttnImplementation
+
 __all__ = [
     "Workload",
     "ALGORITHM_CLASSES",
@@ -208,7 +210,7 @@ class Workload(BaseModel):
         ),
     ] = "completion"
     attn_implementation: Annotated[
-        Literal["sdpa", "eager", "flash_attention_2"],
+        AttnImplementation,
         Field(description="Attention kernel; eager materialises the batch x heads x length^2 scores."),
     ] = "sdpa"
     padded_batches: Annotated[

@@ -325,6 +325,7 @@ class GRPO(LLMAlgorithm):
                 vllm_max_model_len=vllm.max_model_len,
                 vllm_max_num_batched_tokens=vllm.max_num_batched_tokens,
                 vllm_kv_cache_memory_bytes=vllm.kv_cache_memory_bytes,
+                offload_weights_during_rollout=self.offload_weights_during_rollout,
             )
         note = None if self.max_model_len else f"assumed prompts of {prompt} tokens"
         return fields, note

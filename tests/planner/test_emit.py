@@ -55,6 +55,7 @@ PLANS = {
         "true",
     ],
     "full fine-tuning": ["Qwen/Qwen2.5-7B", "--gpus", "2", "--full-finetune"],
+    "eager attention": ["Qwen/Qwen2.5-7B", "--attn-implementation", "eager"],
     "fsdp on 8 gpus": ["llama-3.1-70b", "--gpus", "8"],
     "two nodes": ["Qwen/Qwen2.5-72B", "--gpus", "16", "--gpus-per-node", "8"],
     "dpo": ["Qwen/Qwen2.5-7B", "--gpus", "2", "--algorithm", "dpo"],
@@ -159,8 +160,21 @@ def test_the_snippet_says_whether_it_fits_and_imports_only_what_it_uses(args, ca
     assert imported <= used, f"unused imports {sorted(imported - used)}"
 
 
-def test_the_manifest_keeps_what_the_plan_modelled(capsys):
-    """The rollout phase was planned with the trainer's weights on the host: the run must do so."""
-    code, text = _emit(PLANS["vllm, weights offloaded during rollouts"], "yaml", capsys)
+@pytest.mark.parametrize(
+    "plan, field, value",
+    [
+        # the rollout phase was planned with the trainer's weights on the host
+        ("vllm, weights offloaded during rollouts", "offload_weights_during_rollout", True),
+        # the learn phase was planned holding eager attention's scores, and the default with SDPA's
+        ("eager attention", "attn_implementation", "eager"),
+        ("fsdp on 8 gpus", "attn_implementation", "sdpa"),
+    ],
+)
+def test_the_manifest_keeps_what_the_plan_modelled(plan, field, value, capsys, monkeypatch):
+    """The run must do what the estimate assumed: the manifest says it, and the trainer is built so."""
+    code, text = _emit(PLANS[plan], "yaml", capsys)
     assert code == 0
-    assert load_manifest(yaml.safe_load(text)).algorithm.offload_weights_during_rollout is True
+    manifest = load_manifest(yaml.safe_load(text))
+    assert getattr(manifest.algorithm, field) == value
+    _, trainer = _trainer_arguments(manifest, monkeypatch)
+    assert trainer[field] == value

@@ -20,6 +20,13 @@ def agent():
     return vllm_agent(dtype="float32")
 
 
+def test_the_planned_rollout_keeps_the_weights_on_the_device_by_default(agent):
+    from agilerl.algorithms.core.autoplan import _workload_for
+
+    workload = _workload_for(agent, None)[0]
+    assert workload.generation == "vllm" and workload.offload_weights_during_rollout is False
+
+
 def test_it_is_the_real_engine(agent):
     from agilerl.utils.engine import RolloutEngine, VLLMEngine
 
@@ -173,7 +180,11 @@ def test_a_dropped_engine_does_not_tear_down_the_process_group(agent):
 
 
 def test_offloaded_weights_come_back_bit_for_bit_around_a_real_engine_rollout():
+    from agilerl.algorithms.core.autoplan import _workload_for
+
     agent = vllm_agent(dtype="float32", offload_weights_during_rollout=True)
+    # what its 'auto' knobs are planned for: the rollout with the weights on the host
+    assert _workload_for(agent, None)[0].offload_weights_during_rollout is True
     before = {n: p.detach().clone() for n, p in agent.model.named_parameters()}
     held = {}
     generate = agent.engine.generate

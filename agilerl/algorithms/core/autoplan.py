@@ -67,6 +67,17 @@ def _lora_targets(agent) -> str | tuple[str, ...]:
     return tm if isinstance(tm, str) else tuple(sorted(tm))
 
 
+def _planned_attention(attn_implementation: str | None) -> str:
+    """The planner's attention kernel for the trainer's ``attn_implementation``: None is
+    transformers' default, SDPA; any FlashAttention is planned as flash_attention_2 (neither
+    keeps the scores); another fused kernel (flex, a hub kernel) as SDPA."""
+    if attn_implementation == "eager":
+        return "eager"
+    if attn_implementation is not None and attn_implementation.startswith("flash_attention"):
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def _workload_for(agent, micro: int | None):
     """The planner's description of this trainer's run, and the prompt length it assumed."""
     from planner.workload import ALGORITHM_CLASSES, Workload
@@ -89,6 +100,7 @@ def _workload_for(agent, micro: int | None):
         weights_dtype=dtype,
         load_in_4bit=agent.load_in_4bit,
         share_prompt_prefix=agent.share_prompt_prefix,
+        attn_implementation=_planned_attention(agent.attn_implementation),
         **fields,
     ), prompt
 

@@ -647,6 +647,27 @@ def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(caplo
     assert "resolved by the memory estimate" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    "attn, planned",
+    [(None, "sdpa"), ("sdpa", "sdpa"), ("eager", "eager")],
+)
+def test_the_estimate_behind_auto_is_asked_about_the_agents_attention(attn, planned):
+    """Eager attention holds a batch x heads x length^2 score tensor the others never make: the
+    'auto' knobs must be chosen for the kernel the agent runs (None: transformers' SDPA)."""
+    from agilerl.algorithms.core.autoplan import _workload_for
+
+    agent = make_agent(attn_implementation=attn)
+    assert agent.model.config._attn_implementation == (attn or "sdpa")  # what the agent runs
+    assert _workload_for(agent, None)[0].attn_implementation == planned
+
+
+def test_kernels_without_a_score_tensor_are_planned_as_one():
+    from agilerl.algorithms.core.autoplan import _planned_attention
+
+    assert _planned_attention("flash_attention_3") == "flash_attention_2"
+    assert _planned_attention("flex_attention") == "sdpa"
+
+
 def test_auto_knobs_keep_safe_defaults_when_the_estimate_fails(monkeypatch, caplog):
     import agilerl.algorithms.core.autoplan as autoplan
 
