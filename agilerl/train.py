@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from agilerl.utils.cli import ArgumentParser, positive_int, show_logs
+from agilerl.utils.cli import ArgumentParser, positive_int, quiet_bitsandbytes, show_logs
 
 __all__ = ["main", "train", "check_launch"]
 
@@ -426,6 +426,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as err:  # ManifestError included
         print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    if not manifest.algorithm.load_in_4bit:
+        quiet_bitsandbytes()
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from agilerl.utils.sources import (
+    LoraTargetError,
     cached_config,
     check_causal_lm_type,
     check_config,
@@ -82,7 +83,7 @@ def _from_config_dict(config: dict, *, name: str, targets: tuple[str | tuple[str
     build_from = multimodal_text_model(config) if multimodal else config
     try:
         spec = build_spec(build_from, name=name, lora_targets=targets, text_model_of=multimodal)
-    except UnsupportedArchitecture:
+    except (UnsupportedArchitecture, LoraTargetError):
         raise
     except Exception as err:  # transformers' own checks (a strict dataclass's among them), or torch's
         raise ValueError(f"transformers cannot build {name} from its config: {_first_line(err)}") from err

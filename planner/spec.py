@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -326,10 +325,9 @@ def _peft_lora(model, targets) -> list[tuple[str, str, tuple[int, int, int, int]
     import torch
     from peft import LoraConfig, get_peft_model
 
-    with torch.device("meta"), warnings.catch_warnings():
-        # PEFT asks transformers 5 for is_gradient_checkpointing, deprecated there: the
-        # FutureWarning is about PEFT's code, not the user's, so the planner keeps it quiet.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+    from agilerl.utils.peft_compat import quiet_peft
+
+    with torch.device("meta"), quiet_peft():
         pm = get_peft_model(model, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
     out = []
     for mname, module in pm.get_base_model().named_modules():
@@ -362,6 +360,7 @@ def build_spec(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from agilerl.distributed import block_kind, find_transformer_blocks, model_experts_problem
+    from agilerl.utils.sources import check_lora_targets
 
     if isinstance(config, dict):
         import copy
@@ -434,6 +433,7 @@ def build_spec(
         if base is None:
             with torch.device("meta"):
                 base = AutoModelForCausalLM.from_config(config)
+        check_lora_targets(base, targets, name)  # PEFT would skip a misspelt name beside a right one
         adapted = _plain_linear_lora(base, targets)
         if adapted is None:
             adapted, base = _peft_lora(base, targets), None

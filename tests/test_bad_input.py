@@ -181,6 +181,8 @@ CASES = [
     (plan(M, "--lora-alpha", "0"), "lora_alpha"),
     (plan(M, "--lora-targets", "no_such_proj"), "no_such_proj"),
     (plan(M, "--lora-targets", ","), "--lora-targets"),
+    # PEFT adapts v_proj alone and says nothing of the misspelt name beside it
+    (plan(M, "--lora-targets", "q_prj,v_proj"), "no module named q_prj; its linear layers are named q_proj, k_proj"),
     (plan(M, "--beta", "-0.1"), "beta"),
     (plan(M, "--beta", "nan"), "beta"),
     (plan(M, "--update-epochs", "0"), "update_epochs"),
@@ -317,6 +319,12 @@ CASES = [
     (manifest({"extra_section": {}}), "extra_section"),
     (manifest({"environment": {"operators": "/"}}), "operators"),
     (manifest({"lora": {"dropout": 1.0}}), "dropout"),
+    (manifest({"lora": {"target_modules": ["q_prj", "v_proj"]}}), "no module named q_prj"),
+    # said before the memory estimate behind 'auto' is asked (it logged its own failure first)
+    (
+        manifest({"lora": {"target_modules": "query_key_value"}, "algorithm": {"gradient_checkpointing": "auto"}}),
+        "no module matches the pattern query_key_value",
+    ),
     (manifest(None, "--max-steps", "0"), "--max-steps"),
     (manifest(None, "--device", "tpu"), "--device"),
     (manifest({"training": {"training_gpus_per_agent": 2}}, process=True), "torchrun"),

@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "margin_fraction", "show_logs"]
+__all__ = [
+    "ArgumentParser",
+    "positive_int",
+    "non_negative_int",
+    "positive_float",
+    "margin_fraction",
+    "show_logs",
+    "quiet_bitsandbytes",
+]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -108,3 +116,10 @@ def show_logs(stream: str, *names: str, level: int = logging.INFO) -> Iterator[N
         for logger, old in zip(loggers, saved):
             logger.removeHandler(handler)
             logger.setLevel(old)
+
+
+def quiet_bitsandbytes() -> None:
+    """Keep bitsandbytes' import-time warning about its optional CPU kernel package (``Failed to
+    load CPU gemm_4bit_forward from kernels-community``, printed wherever peft is imported) off a
+    command's output when the command runs no 4-bit kernel; its errors still show."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
@@ -50,6 +52,8 @@ __all__ = [
     "multimodal_text_model",
     "encoder_configs",
     "check_trainable",
+    "check_lora_targets",
+    "LoraTargetError",
 ]
 
 TINY_PREFIX = "tiny:"
@@ -362,3 +366,45 @@ def _checked_config(file: Path, name: str, *, for_training: bool) -> dict:
         check_trainable(config, name)
         build_config(config, str(file))
     return config
+
+
+class LoraTargetError(ValueError):
+    """A LoRA target that names no module of the model (one line, naming what it has)."""
+
+
+def _is_linear(module: Any, head: Any) -> bool:
+    """A linear layer by what it keeps (no torch import here): ``nn.Linear`` and its 4- and 8-bit
+    subclasses have in_features and out_features, transformers' Conv1D (GPT-2) nf and nx; the
+    output head is not one a LoRA target names."""
+    if module is head:
+        return False
+    return (hasattr(module, "in_features") and hasattr(module, "out_features")) or (
+        hasattr(module, "nf") and hasattr(module, "nx")
+    )
+
+
+def check_lora_targets(model: Any, target_modules: str | Iterable[str] | None, name: str) -> None:
+    """Raise LoraTargetError when a LoRA target names no module of ``model`` (which may be on the meta
+    device, before any weight loads), listing the names its linear layers have.
+
+    PEFT matches a module name ``t`` in a list to every module called ``t`` or ending in ``.t``,
+    and a string to the module names it fully matches as a regex; it fails only when nothing at
+    all matches, so a misspelt name beside a right one trained only the right one, silently.
+    Here every name must match. None (PEFT's defaults for the model type) and 'all-linear' pass.
+    """
+    if target_modules is None or (isinstance(target_modules, str) and target_modules.lower() == "all-linear"):
+        return
+    keys = [key for key, _ in model.named_modules() if key]
+    if isinstance(target_modules, str):
+        missing = [] if any(re.fullmatch(target_modules, key) for key in keys) else [target_modules]
+    else:
+        missing = [t for t in target_modules if not any(key == t or key.endswith("." + t) for key in keys)]
+    if not missing:
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = dict.fromkeys(key.rsplit(".", 1)[-1] for key, module in model.named_modules() if _is_linear(module, head))
+    what = "no module matches the pattern" if isinstance(target_modules, str) else "no module named"
+    raise LoraTargetError(
+        f"{name}: LoRA targets: {what} {' or '.join(missing)}; its linear layers are named "
+        f"{', '.join(linear) or '(none)'} (or give 'all-linear')"
+    )

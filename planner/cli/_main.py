@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from typing import Any
@@ -21,6 +20,7 @@ from agilerl.utils.cli import (
     margin_fraction,
     positive_float,
     positive_int,
+    quiet_bitsandbytes,
     show_logs,
 )
 
@@ -345,9 +345,7 @@ EXIT_BROKEN_PIPE = 128 + 13
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # bitsandbytes, imported with peft, warns on CPUs without its optional kernel package; a plan
-    # runs none of its kernels (a probe, in processes of its own, still shows it)
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    quiet_bitsandbytes()  # a plan runs no 4-bit kernel (a probe, in processes of its own, still warns)
     try:
         with show_logs("stderr", "planner", "agilerl"):  # stdout carries the plan, the manifest or the JSON
             if argv and argv[0] == "probe":

@@ -208,6 +208,28 @@ def test_short_demo_run(tmp_path, capsys):
     assert len(rewards) == 3 and all(math.isfinite(r) for r in rewards)
 
 
+@pytest.mark.timeout(300)
+def test_the_demo_prints_only_its_own_lines(tmp_path):
+    """As a user runs it, in a process of its own: no warning about a kernel package a LoRA run does
+    not use (bitsandbytes), nor about PEFT's use of transformers (a FutureWarning), on either stream."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    run = subprocess.run(
+        [sys.executable, "-m", "agilerl.train", str(SHIPPED[0]), "--device", "cpu", "--max-steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    assert "step    1" in run.stdout and "Warning" not in run.stdout and "kernels" not in run.stdout
+
+
 def _refused_in_one_line(tmp_path, capsys, data: dict) -> str:
     """``python -m agilerl.train`` on ``data`` (a manifest): exit 2 and one line on stderr, returned."""
     path = tmp_path / "m.yaml"

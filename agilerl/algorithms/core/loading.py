@@ -166,12 +166,15 @@ def _add_adapters(model: nn.Module, lora_config, use_reference: bool) -> nn.Modu
 
     from peft import get_peft_model
 
+    from agilerl.utils.peft_compat import quiet_peft
+
     # PEFT expands "all-linear" into the module names it found, in the config object: a copy keeps
     # the caller's config as written (it may build the next agent, of another model).
     lora_config = copy.deepcopy(lora_config)
-    peft_model = get_peft_model(model, lora_config, adapter_name=ACTOR)
-    if use_reference:
-        peft_model.add_adapter(REFERENCE, lora_config)
+    with quiet_peft():
+        peft_model = get_peft_model(model, lora_config, adapter_name=ACTOR)
+        if use_reference:
+            peft_model.add_adapter(REFERENCE, lora_config)
     return peft_model
 
 
@@ -206,6 +209,26 @@ def _init_adapters_on_cpu(peft_model: nn.Module, use_reference: bool, seed: int)
         for attr in layer.adapter_layer_names:
             getattr(layer, attr).to(device="meta")
     return state
+
+
+def check_adapter_targets(source: str | None, actor_network: nn.Module | None, lora_config, name: str) -> None:
+    """Raise ValueError (LoraTargetError) when ``lora_config`` targets a module the model does not
+    have: read off ``actor_network``, or off the model built from ``source``'s config on the meta
+    device, so that it is said before the memory estimate is asked and before any weight loads."""
+    from agilerl.utils.sources import check_lora_targets
+
+    if lora_config is None:
+        return
+    model = actor_network
+    if model is None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        _quiet_transformers()
+        config = AutoConfig.from_pretrained(source)
+        check_trainable(config.to_dict(), name)  # a multimodal checkpoint: its own line first
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    check_lora_targets(model, lora_config.target_modules, name)
 
 
 def build_actor(

@@ -661,6 +661,20 @@ def test_the_estimate_behind_auto_is_asked_about_the_agents_attention(attn, plan
     assert _workload_for(agent, None)[0].attn_implementation == planned
 
 
+def test_lora_targets_as_peft_reads_them_still_build():
+    """Every target must name a module (tests/test_bad_input.py), as PEFT matches them: a list entry
+    by a module name's last parts, a string as a regex over whole names."""
+    from peft import LoraConfig
+
+    for targets in (["q_proj", "self_attn.v_proj"], r".*\.(q_proj|v_proj)"):
+        config = LoraConfig(r=2, lora_alpha=4, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+        agent = make_agent(lora_config=config)
+        adapted = {
+            n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in agent.model.named_parameters() if ".lora_A." in n
+        }
+        assert adapted == {"q_proj", "v_proj"}, targets
+
+
 def test_kernels_without_a_score_tensor_are_planned_as_one():
     from agilerl.algorithms.core.autoplan import _planned_attention
 
