@@ -421,7 +421,14 @@ class EnvironmentSection(_Section):
 class LoraSection(_Section):
     r: Annotated[int, Field(ge=1, description="LoRA rank.")] = 16
     alpha: Annotated[int, Field(ge=1, description="LoRA alpha (scale = alpha / r).")] = 32
-    dropout: Annotated[float, Field(ge=0.0, lt=1.0, description="LoRA dropout.")] = 0.05
+    dropout: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            lt=1.0,
+            description="LoRA dropout of the learn forward (its masks cost memory; not with LoRA on MoE experts).",
+        ),
+    ] = 0.0
     target_modules: Annotated[str | list[str], Field(description="'all-linear' or module names to adapt.")] = (
         "all-linear"
     )

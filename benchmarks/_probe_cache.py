@@ -49,15 +49,17 @@ def cache_key(req: ProbeRequest) -> str:
     key names such a field only when it is True."""
     data = json.loads(req.model_dump_json(exclude_defaults=True))
     workload = data.setdefault("workload", {})
-    for field in LATER_MODES:
+    for field, older in LATER_MODES.items():
         workload.pop(field, None)
-        if getattr(req.workload, field):
-            workload[field] = True
+        if getattr(req.workload, field) != older:
+            workload[field] = getattr(req.workload, field)
     return json.dumps(data, separators=(",", ":"))
 
 
-#: Workload fields whose False is what every older measurement was (see cache_key).
-LATER_MODES = ("padded_batches", "share_prompt_prefix")
+#: Workload fields added after measurements were cached, with the value every older measurement
+#: ran with (see cache_key): fixed-length rows sharing nothing, and no LoRA dropout (the probe
+#: ran without it before the Workload had the field).
+LATER_MODES = {"padded_batches": False, "share_prompt_prefix": False, "lora_dropout": 0.0}
 
 
 def load_cache(cache: Path) -> dict[str, dict]:
@@ -68,8 +70,8 @@ def load_cache(cache: Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for key, record in json.loads(cache.read_text()).items():
         data = json.loads(key)
-        for field in LATER_MODES:
-            data.setdefault("workload", {}).setdefault(field, False)  # see cache_key
+        for field, older in LATER_MODES.items():
+            data.setdefault("workload", {}).setdefault(field, older)  # see cache_key
         out.setdefault(cache_key(ProbeRequest.model_validate(data)), record)
     return out
 
@@ -152,6 +154,9 @@ def print_peak_table(
         weights_e = est.phases["learn"].components.get("weights", 0)
         # a padded-batch probe, a probe whose groups share their prompt
         name = c["model"] + ("/pad" if c.get("padded") else "") + ("/sh" if c.get("shared") else "")
+        # unsharded, an fp32 base, LoRA dropout
+        name += ("/u" if c.get("unsharded") else "") + ("/f32" if c.get("dtype") == "float32" else "")
+        name += f"/d{c['dropout']:g}" if c.get("dropout") else ""
         row = (
             f"{name:8} {c['world']:>4} {'on' if c['gc'] else 'off':>4} {c['micro']:>3} "
             f"{c['prompt'] + c['completion']:>4} {rec['weights'] / mib:6.2f}/{weights_e / mib:<6.2f}"
@@ -203,7 +208,9 @@ def peak_benchmark_main(
 
 def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementation: str) -> ProbeRequest:
     """The probe of a per-rank peak benchmark row: GRPO + LoRA r=8 under FSDP2 (bf16 base, fp32
-    reduce, everything sharded), 2 prompts x 4 completions, no generation."""
+    reduce, everything sharded), 2 prompts x 4 completions, no generation. Optional keys:
+    ``padded``, ``shared``, ``dropout`` (LoRA's, default 0), ``dtype`` (the base's, default
+    bfloat16), ``unsharded`` (no FSDP2: fp32 adapters beside the base)."""
     from agilerl.distributed import FSDPConfig
     from planner.workload import Workload
 
@@ -219,11 +226,16 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
         gradient_checkpointing=c["gc"],
         lora_rank=8,
         lora_alpha=16,
-        weights_dtype="bfloat16",
+        lora_dropout=c.get("dropout", 0.0),
+        weights_dtype=c.get("dtype", "bfloat16"),
         attn_implementation=attn_implementation,
         generation="none",
     )
-    fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
+    fsdp = (
+        None
+        if c.get("unsharded")
+        else FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
+    )
     return ProbeRequest(
         model=model, workload=workload, fsdp=fsdp, nproc=c["world"], device=device, timed_steps=1, timeout_s=600
     )

@@ -88,6 +88,7 @@ def request_for(c: dict, device: str) -> ProbeRequest:
         gradient_checkpointing=c["gc"],
         lora_rank=c["rank"],
         lora_alpha=2 * c["rank"],
+        lora_dropout=0.0,  # the trainer's default (benchmarks/lora_dropout_memory.py probes dropout)
         weights_dtype="bfloat16",
         attn_implementation="sdpa",
         generation="hf" if c["generate"] else "none",

@@ -87,6 +87,7 @@ def request_for(c: dict, device: str) -> ProbeRequest:
         gradient_checkpointing=c["gc"],
         lora_rank=8,
         lora_alpha=16,
+        lora_dropout=0.0,
         weights_dtype="bfloat16",
         attn_implementation="sdpa",
         generation="none",

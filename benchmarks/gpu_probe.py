@@ -53,6 +53,7 @@ class Config(NamedTuple):
     generate: bool = False
     targets: str | tuple[str, ...] = "all-linear"
     four_bit: bool = False
+    dropout: float = 0.0  # LoRA's: above 0 its masks (one byte an element on a GPU) are planned
 
 
 CONFIGS = (
@@ -64,7 +65,7 @@ CONFIGS = (
     Config("Qwen/Qwen2.5-1.5B", 8, 1024, 3072, rank=64),
     Config("Qwen/Qwen2.5-3B", 4, 512, 1536),
     Config("Qwen/Qwen2.5-3B", 4, 512, 1536, four_bit=True),
-    Config("Qwen/Qwen2.5-3B", 2, 256, 256, gc=False),
+    Config("Qwen/Qwen2.5-3B", 2, 256, 256, gc=False, dropout=0.05),
     Config("Qwen/Qwen2.5-7B", 2, 512, 1536),
     Config("allenai/OLMoE-1B-7B-0924", 4, 256, 768, targets=OLMOE_ATTENTION),
 )
@@ -170,6 +171,7 @@ def request(model_dir: str, c: Config, device: str):
         gradient_checkpointing=c.gc,
         lora_rank=c.rank,
         lora_alpha=2 * c.rank,
+        lora_dropout=c.dropout,
         lora_targets=c.targets,
         load_in_4bit=c.four_bit,
         weights_dtype="bfloat16",
@@ -245,7 +247,7 @@ def main() -> None:
             label = (
                 f"{c.model.split('/')[-1]:<18} {'nf4' if c.four_bit else 'bf16':>4}"
                 f" {'all' if c.targets == 'all-linear' else 'attn':>4} {c.micro:>3} {c.prompt + c.completion:>6}"
-                f" {'on' if c.gc else 'off':>3} {c.rank:>3}"
+                f" {'on' if c.gc else 'off':>3} {c.rank:>3}" + (f" d{c.dropout:g}" if c.dropout else "")
             )
             if c.four_bit and no_four_bit:
                 rows.append(f"{label} not run: bitsandbytes cannot run NF4 here ({no_four_bit})")

@@ -117,6 +117,8 @@ def load_rows() -> list[Row]:
             gradient_checkpointing=r["gradient_checkpointing"] == "True",
             lora_rank=int(r["lora_rank"]),
             lora_alpha=int(r["lora_alpha"]),
+            # the rig's LoraConfig names r, alpha and the targets: PEFT's default dropout, 0
+            lora_dropout=0.0,
             lora_targets=targets,
             use_separate_reference_adapter=r["use_separate_reference_adapter"] == "True",
             beta=float(r["beta"]),

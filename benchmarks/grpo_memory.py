@@ -27,6 +27,7 @@ WORKLOAD = Workload(
     gradient_checkpointing=True,
     lora_rank=16,
     lora_alpha=32,
+    lora_dropout=0.0,
     weights_dtype="float32",
     attn_implementation="sdpa",
 )

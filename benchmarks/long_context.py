@@ -48,6 +48,7 @@ def request_for(c: dict) -> ProbeRequest:
         gradient_checkpointing=c["gc"],
         lora_rank=16,
         lora_alpha=32,
+        lora_dropout=0.0,
         weights_dtype="bfloat16",
         attn_implementation="sdpa",
         generation="none",

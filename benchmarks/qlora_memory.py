@@ -57,6 +57,7 @@ def main() -> None:
             gradient_checkpointing=gc,
             lora_rank=8,
             lora_alpha=16,
+            lora_dropout=0.0,
             weights_dtype="bfloat16",
             load_in_4bit=qlora,
             generation="none",

@@ -59,6 +59,7 @@ WORKLOAD = Workload(
     completion_tokens=32,
     lora_rank=8,
     lora_alpha=16,
+    lora_dropout=0.0,
     weights_dtype="float32",
     generation="none",
 )

@@ -101,6 +101,7 @@ def planned_fsdp_config(dtype: str, checkpointing: bool, world: int):
         gradient_checkpointing=checkpointing,
         lora_rank=RANK,
         lora_alpha=2 * RANK,
+        lora_dropout=0.0,  # as _lora_config
         lora_targets="all-linear",
         beta=BETA,
         weights_dtype=dtype,

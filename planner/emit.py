@@ -70,7 +70,9 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
             "training_gpus_per_agent": plan.cluster.num_gpus,
             "rollout_engines_per_agent": 0,
         },
-        "lora": None if w.full_finetune else {"r": w.lora_rank, "alpha": w.lora_alpha, "target_modules": targets},
+        "lora": None
+        if w.full_finetune
+        else {"r": w.lora_rank, "alpha": w.lora_alpha, "dropout": w.lora_dropout, "target_modules": targets},
     }
 
 

@@ -110,6 +110,16 @@ class Workload(BaseModel):
     ] = None
     lora_rank: Annotated[int, Field(ge=1, description="LoRA rank r.")] = 16
     lora_alpha: Annotated[int, Field(ge=1, description="LoRA alpha.")] = 32
+    lora_dropout: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            lt=1.0,
+            description="LoRA dropout (the trainer's default: 0): above 0, each adapted linear's learn "
+            "forward keeps its dropped input and a one-byte mask per element (PEFT refuses it where LoRA "
+            "adapts MoE expert parameters).",
+        ),
+    ] = 0.0
     lora_targets: Annotated[
         str | tuple[str, ...], Field(description="'all-linear' or the module names LoRA adapts.")
     ] = "all-linear"

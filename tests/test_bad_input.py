@@ -181,6 +181,9 @@ CASES = [
     (plan(M, "--lora-alpha", "0"), "lora_alpha"),
     (plan(M, "--lora-targets", "no_such_proj"), "no_such_proj"),
     (plan(M, "--lora-targets", ","), "--lora-targets"),
+    (plan(M, "--lora-dropout", "1"), "lora_dropout"),
+    # PEFT cannot drop out the inputs of expert parameters (all-linear adapts OLMoE's)
+    (plan(MOE, "--gpus", "8", "--lora-dropout", "0.05"), "expert parameters"),
     # PEFT adapts v_proj alone and says nothing of the misspelt name beside it
     (plan(M, "--lora-targets", "q_prj,v_proj"), "no module named q_prj; its linear layers are named q_proj, k_proj"),
     (plan(M, "--beta", "-0.1"), "beta"),
@@ -320,6 +323,15 @@ CASES = [
     (manifest({"environment": {"operators": "/"}}), "operators"),
     (manifest({"lora": {"dropout": 1.0}}), "dropout"),
     (manifest({"lora": {"target_modules": ["q_prj", "v_proj"]}}), "no module named q_prj"),
+    (
+        manifest(
+            {
+                "algorithm": {"model_name": "tiny:qwen3_moe?hidden_size=32&num_layers=2&num_experts=4"},
+                "lora": {"dropout": 0.05},
+            }
+        ),
+        "expert parameters",
+    ),
     # said before the memory estimate behind 'auto' is asked (it logged its own failure first)
     (
         manifest({"lora": {"target_modules": "query_key_value"}, "algorithm": {"gradient_checkpointing": "auto"}}),

@@ -40,6 +40,7 @@ WORKLOAD_FIELDS = (
     "logprob_chunk_size",
     "lora_rank",
     "lora_alpha",
+    "lora_dropout",
     "load_in_4bit",
     "generation",
     "vllm_gpu_memory_utilization",

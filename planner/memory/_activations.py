@@ -127,8 +127,19 @@ def tape_of(ctx: Context, index: int) -> BlockTape:
         full=ctx.full_finetune,
         eager=ctx.scores_materialised,
         autocast=ctx.workload.autocast_forward,
+        dropout_bytes=lora_dropout_bytes(ctx),
     )
     return tape
+
+
+def lora_dropout_bytes(ctx: Context) -> int:
+    """What LoRA dropout's backward keeps per element of an adapted linear's input (0 without
+    dropout): a one-byte mask on a GPU (``native_dropout``), the scaled noise tensor it multiplies
+    by on a CPU (``torch.dropout``'s CPU path), in the adapters' compute dtype. Read off saved-tensor
+    hooks on PEFT's LoRA linear (tests/planner/memory/test_tape.py)."""
+    if ctx.workload.lora_dropout == 0:
+        return 0
+    return 1 if ctx.on_gpu else ctx.adapter_compute_bytes
 
 
 def altup_of(ctx: Context, index: int) -> AltUpTape | None:

@@ -29,6 +29,13 @@ What the code keeps, with ``p`` the compute dtype's bytes and ``a`` the adapters
   (``out x (p + 2a)``), which the sum with the base output promotes to fp32;
 - SDPA saves the rotated q and k, v, its output and a log-sum-exp per head; its
   output is o_proj's input as a view, not a copy;
+- LoRA dropout above 0, in a forward with grad (the learn forward and its recompute; the
+  no-grad passes run in eval mode, without it): lora_A saves the dropped copy (``a x in``)
+  instead of the input or its cast, and dropout what its backward reads per element
+  (``dropout_bytes``): on CUDA a one-byte mask (``native_dropout``); on CPU, where
+  ``torch.dropout`` multiplies by a scaled noise tensor, that noise (``a x in``). Each adapted
+  linear makes its own, so with equal dtypes the one shared input is no longer what is saved,
+  and the cast copy stays alive while the linear runs (PEFT rebinds its input to it);
 - a gated MLP saves the gate's output (the activation's input), the activation's
   output and up's output (the product's inputs): 3 x width x p;
 - the block's input stays referenced by the caller while the block runs, and the
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..spec import BlockSpec
 
@@ -166,9 +174,7 @@ def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool, full: bool =
 
 def _attention_moments(
     lin: dict[str, list[Linear]],
-    transient: Callable[[Linear, bool], float],
-    cast_copy: Callable[[Linear, float], float],
-    cast_live: Callable[[Linear, float], float],
+    terms: AdapterTerms,
     grad: list[float],
     nograd: list[float],
     nograd_base: list[float],
@@ -184,12 +190,14 @@ def _attention_moments(
     head_width: float,
     norm_saved: float,
     eager: bool,
+    dropped: bool,
     value_norm: float,
 ) -> tuple[float, float, float, float]:
     """The attention half of :func:`block_tape`: appends its moments to ``grad``, ``nograd`` and
     ``nograd_base``; returns what it saved, the normed input, that input as held in a forward with
     grad (0 when saved), and the attention's locals alive without grad. ``rank_bytes``: one
     token's lora_A output (rank x the adapters' dtype)."""
+    transient, cast_copy, cast_live, grad_live = terms
     saved = 0.0
     # -- attention --------------------------------------------------------------------------
     # input norm: fp32 upcast (saved) and its square's temporary, the bf16 output
@@ -201,12 +209,12 @@ def _attention_moments(
     held_normed = normed  # the same in a forward with grad, unless it is saved
     outputs = 0.0
     for x in lin["attn_in"]:
-        grad.append(saved + normed + outputs + cast_live(x, H) + transient(x, True))
+        grad.append(saved + normed + outputs + grad_live(x, H) + transient(x, True))
         nograd.append(normed + outputs + cast_live(x, H) + transient(x, True))
         nograd_base.append(normed + outputs + transient(x, False))
         saved += cast_copy(x, H) + (rank_bytes if x.adapted else 0)
         outputs += x.out_features * p
-    if not cast and any(x.adapted for x in lin["attn_in"]):
+    if not cast and not dropped and any(x.adapted for x in lin["attn_in"]):
         saved += p * H  # lora_A of q, k and v save the one normed input
         held_normed = 0.0  # which is then counted as saved
     saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
@@ -219,27 +227,33 @@ def _attention_moments(
     # as does its argument, the normed input.
     attention_locals = (2 * q + 2 * kv) * p
     for x in lin["attn_out"]:
-        grad.append(saved + held_normed + cast_live(x, q) + transient(x, True))
+        grad.append(saved + held_normed + grad_live(x, q) + transient(x, True))
         nograd.append(normed + attention_locals + cast_live(x, q) + transient(x, True))
         nograd_base.append(normed + attention_locals + transient(x, False))
         # the SDPA output is o's input as a view: with equal dtypes lora_A saves nothing new; eager
         # attention's output is transposed into a new tensor, which it then saves
-        own_copy = p * q if eager and x.adapted and not cast else 0.0
+        own_copy = p * q if eager and x.adapted and not cast and not dropped else 0.0
         saved += cast_copy(x, q) + (rank_bytes if x.adapted else 0) + own_copy
     return saved, normed, held_normed, attention_locals
 
 
-def _input_saved(block: BlockSpec, path: str, adapted: frozenset[str], *, rank: int, p: int, a: int) -> float:
+def _input_saved(
+    block: BlockSpec, path: str, adapted: frozenset[str], *, rank: int, p: int, a: int, dropout: float = 0.0
+) -> float:
     """What an adapted (or trained) linear of ``block`` outside the attention and the MLP saves
     per token: its input, a PEFT cast copy when the adapters' dtype differs (a x in) or the
-    tensor itself (p x in), and its lora_A output (a x r); nothing when it is frozen."""
+    tensor itself (p x in), or with LoRA dropout the dropped copy and what dropout keeps
+    ((a + dropout) x in), and its lora_A output (a x r); nothing when it is frozen."""
     widths = {name: d_in for name, d_in, _ in block.linears}
     if path not in adapted or path not in widths:
         return 0.0
-    return (a if a != p else p) * widths[path] + a * rank
+    kept = a + dropout if dropout else (a if a != p else p)
+    return kept * widths[path] + a * rank
 
 
-def _per_layer_tail(block: BlockSpec, adapted: frozenset[str], *, rank: int, p: int, a: int) -> float:
+def _per_layer_tail(
+    block: BlockSpec, adapted: frozenset[str], *, rank: int, p: int, a: int, dropout: float = 0.0
+) -> float:
     """Per token, what the per-layer-input tail of Gemma-3n's and Gemma 4's decoder layers saves
     (0 for other blocks): ``per_layer_input_gate`` and ``per_layer_projection`` their inputs,
     the activation its input and the product its other factor, both P wide (the per-layer input
@@ -248,8 +262,9 @@ def _per_layer_tail(block: BlockSpec, adapted: frozenset[str], *, rank: int, p: 
     width = next((d_out for name, _, d_out in block.linears if name == "per_layer_input_gate"), 0)
     if not width:
         return 0.0
-    saved = _input_saved(block, "per_layer_input_gate", adapted, rank=rank, p=p, a=a)
-    return saved + _input_saved(block, "per_layer_projection", adapted, rank=rank, p=p, a=a) + 2 * width * p
+    saved = _input_saved(block, "per_layer_input_gate", adapted, rank=rank, p=p, a=a, dropout=dropout)
+    projection = _input_saved(block, "per_layer_projection", adapted, rank=rank, p=p, a=a, dropout=dropout)
+    return saved + projection + 2 * width * p
 
 
 def _without_mlp(
@@ -276,23 +291,45 @@ def _without_mlp(
     )
 
 
-def _adapter_terms(p: int, a: int, s: int, *, full: bool):
-    """Per linear: its transient beyond its input (:func:`_lora_transient`), the cast copy of
-    its input that lora_A saves (``s`` bytes an element: the adapters' dtype, the compute
-    dtype under autocast) and the cast copies alive while it runs (under autocast, ``s != a``,
-    the fp32 copy beside the saved one)."""
+class AdapterTerms(NamedTuple):
+    """What :func:`_adapter_terms` counts per linear (its docstring says what each is)."""
+
+    transient: Callable[[Linear, bool], float]
+    cast_copy: Callable[[Linear, float], float]
+    cast_live: Callable[[Linear, float], float]
+    grad_live: Callable[[Linear, float], float]
+
+
+def _adapter_terms(p: int, a: int, s: int, *, full: bool, dropout: float = 0.0) -> AdapterTerms:
+    """Per linear: its transient beyond its input (:func:`_lora_transient`), the copy of its
+    input that lora_A saves in a forward with grad (``s`` bytes an element: the adapters'
+    dtype, the compute dtype under autocast; with LoRA dropout the dropped copy and what
+    dropout keeps, ``a + dropout``, with or without a cast), the copies alive while it runs
+    without grad (under autocast, ``s != a``, the fp32 copy beside the saved one) and with
+    grad (with dropout: the cast copy too, beside what is saved)."""
     cast = a != p
 
     def transient(x: Linear, adapters_on: bool) -> float:
         return _lora_transient(x, p, s, adapters_on, full)
 
     def cast_copy(x: Linear, input_width: float) -> float:
-        return s * input_width if cast and x.adapted else 0.0
+        if not x.adapted:
+            return 0.0
+        if dropout:
+            return (a + dropout) * input_width
+        return s * input_width if cast else 0.0
 
-    def cast_live(x: Linear, input_width: float) -> float:
-        return cast_copy(x, input_width) + (a * input_width if s != a and x.adapted else 0.0)
+    def cast_live(x: Linear, input_width: float) -> float:  # eval mode: no dropout
+        if not x.adapted or not cast:
+            return 0.0
+        return s * input_width + (a * input_width if s != a else 0.0)
 
-    return transient, cast_copy, cast_live
+    def grad_live(x: Linear, input_width: float) -> float:
+        if not dropout:
+            return cast_live(x, input_width)
+        return cast_copy(x, input_width) + (a * input_width if cast and x.adapted else 0.0)
+
+    return AdapterTerms(transient, cast_copy, cast_live, grad_live)
 
 
 def block_tape(
@@ -309,6 +346,7 @@ def block_tape(
     full: bool = False,
     eager: bool = False,
     autocast: bool = False,
+    dropout_bytes: float = 0.0,
 ) -> BlockTape:
     """Walk one block's ops (see the module docstring) and return its :class:`BlockTape`.
 
@@ -319,13 +357,13 @@ def block_tape(
     ``include_mlp=False`` leaves the MLP out (a MoE block, whose experts
     planner.memory._moe counts); its two hidden-stream tensors and norms stay in.
 
-    ``full``: full fine-tuning, every weight trains and there is no adapter. A trained linear
-    saves its input for its weight's gradient as an adapted one with equal dtypes does (the
-    normed input once for q, k and v; the product for down; the attention's output is
-    already saved), with no adapter output or transient; a trained norm weight's product
-    saves its other factor, the normalised input cast to the compute dtype (H x p, over q
-    and k for the head norms). Counted with saved-tensor hooks on a tiny Qwen2 and Qwen3
-    without PEFT (tests/planner/memory/test_tape.py).
+    ``full``: full fine-tuning, no adapter. A trained linear saves its input as an adapted one
+    with equal dtypes does (the normed input once for q, k and v; the product for down), a
+    trained norm weight's product the normalised input in the compute dtype (H x p; over q
+    and k for head norms). Counted with saved-tensor hooks on a tiny Qwen2 and Qwen3.
+
+    ``dropout_bytes``: what LoRA dropout keeps an element of an adapted linear's input (module
+    docstring); ignored with full fine-tuning and under ``autocast``.
     """
     if full:
         adapted, rank, adapter_bytes = frozenset(path for path, _, _ in block.linears), 0, compute_bytes
@@ -340,17 +378,16 @@ def block_tape(
     masked = dict(masked_kv_saved=2 * (q - kv) * p if gqa else 0.0, masked_kv_nograd=2 * q * p if gqa else 0.0)
     hidden_norms, after_mlp, head_width = _norms(block, hidden)
     norm_saved = 4 * H + 4 + (H * p if full else 0)
-
-    transient, cast_copy, cast_live = _adapter_terms(p, a, s, full=full)
+    dropped = dropout_bytes > 0 and not full and not autocast
+    terms = _adapter_terms(p, a, s, full=full, dropout=dropout_bytes if dropped else 0)
+    transient, cast_copy, cast_live, grad_live = terms
 
     grad: list[float] = []  # forward-with-grad moments
     nograd: list[float] = []
     nograd_base: list[float] = []
     saved, normed, held_normed, attention_locals = _attention_moments(
         lin,
-        transient,
-        cast_copy,
-        cast_live,
+        terms,
         grad,
         nograd,
         nograd_base,
@@ -365,6 +402,7 @@ def block_tape(
         head_width=head_width,
         norm_saved=norm_saved,
         eager=eager,
+        dropped=dropped,
         value_norm=kv if block.kind in _WEIGHTLESS_VALUE_NORM else 0.0,
     )
     attention_live = normed + attention_locals
@@ -384,14 +422,14 @@ def block_tape(
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
     activated = 0.0  # the activation's output, alive while up runs
     for x in lin["mlp_in"]:
-        grad.append(saved + held_stream + held_normed + activated + cast_live(x, H) + transient(x, True))
+        grad.append(saved + held_stream + held_normed + activated + grad_live(x, H) + transient(x, True))
         nograd.append(stream + normed + activated + cast_live(x, H) + transient(x, True))
         nograd_base.append(stream + normed + activated + transient(x, False))
         saved += cast_copy(x, H) + (s * rank if x.adapted else 0)
         if gated and not activated and len(lin["mlp_in"]) > 1:
             saved += width * p  # the gate's output, saved by the activation
             activated = width * p  # which makes its own output
-    if not cast and any(x.adapted for x in lin["mlp_in"]):
+    if not cast and not dropped and any(x.adapted for x in lin["mlp_in"]):
         saved += p * H  # lora_A of gate and up save the one normed input
         held_normed = 0.0
     if gated and len(lin["mlp_in"]) > 1:
@@ -408,19 +446,19 @@ def block_tape(
     recompute = list(grad)
     down_input_saved = 0.0
     for x in lin["mlp_out"]:
-        held = saved + held_stream + held_normed + product + cast_live(x, width)
+        held = saved + held_stream + held_normed + product + grad_live(x, width)
         grad.append(held + transient(x, True))
         if x.adapted and not full:  # the recompute runs down's base and lora_A, then stops
             recompute.append(held + x.out_features * p + s * rank)
         nograd.append(stream + normed + product + cast_live(x, width) + transient(x, True))
         nograd_base.append(stream + normed + product + transient(x, False))
-        down_input_saved = cast_copy(x, width) if cast else (p * width if x.adapted else 0)
+        down_input_saved = cast_copy(x, width) if cast or dropped else (p * width if x.adapted else 0)
         saved += down_input_saved + (s * rank if x.adapted else 0)
     # The residual sum that ends the block: the stream, the MLP's output and the sum (what peaks last
     # when the linears have no adapter transient, full fine-tuning's).
     grad.append(saved + held_stream + 2 * H * p)
     saved += after_mlp * norm_saved  # Gemma's post-MLP norm
-    tail = _per_layer_tail(block, adapted, rank=rank, p=p, a=s)
+    tail = _per_layer_tail(block, adapted, rank=rank, p=p, a=s, dropout=dropout_bytes if dropped else 0)
     if tail:  # at its norm: the stream, the projection's output, the norm's fp32 normed and weighted copies
         saved += tail
         grad.append(saved + 2 * H * p + 8 * H)

@@ -162,7 +162,7 @@ def _algorithm_and_arguments(request: dict, workload, fsdp) -> tuple[type, dict]
         else LoraConfig(
             r=workload.lora_rank,
             lora_alpha=workload.lora_alpha,
-            lora_dropout=0.0,
+            lora_dropout=workload.lora_dropout,
             target_modules=list(workload.lora_targets)
             if isinstance(workload.lora_targets, (list, tuple))
             else workload.lora_targets,

@@ -178,3 +178,13 @@ def test_the_manifest_keeps_what_the_plan_modelled(plan, field, value, capsys, m
     assert getattr(manifest.algorithm, field) == value
     _, trainer = _trainer_arguments(manifest, monkeypatch)
     assert trainer[field] == value
+
+
+def test_the_manifest_keeps_the_planned_lora_dropout(capsys, monkeypatch):
+    """Dropout's saved masks were planned at the rate asked for: the run drops at that rate."""
+    code, text = _emit(["Qwen/Qwen2.5-7B", "--lora-dropout", "0.1"], "yaml", capsys)
+    assert code == 0
+    manifest = load_manifest(yaml.safe_load(text))
+    assert manifest.lora.dropout == 0.1
+    _, trainer = _trainer_arguments(manifest, monkeypatch)
+    assert trainer["lora_config"].lora_dropout == 0.1

@@ -95,6 +95,7 @@ def _workload_for(agent, micro: int | None):
         gradient_checkpointing=None if "gradient_checkpointing" in agent.auto_knobs else agent.gradient_checkpointing,
         lora_rank=rank,
         lora_alpha=alpha,
+        lora_dropout=float(lora.lora_dropout) if lora is not None else 0.0,
         lora_targets=_lora_targets(agent),
         use_separate_reference_adapter=agent.use_separate_reference_adapter,
         weights_dtype=dtype,

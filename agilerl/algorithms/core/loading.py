@@ -50,10 +50,12 @@ logger = logging.getLogger(__name__)
 
 
 def default_lora_config():
-    """r=16, alpha=32 on every linear layer (the lm_head excluded), dropout 0.05."""
+    """r=16, alpha=32 on every linear layer (the lm_head excluded), no dropout: PEFT refuses
+    dropout where LoRA adapts packed expert parameters (every MoE model under all-linear), and
+    the no-grad passes (the sampling policy, the reference, the old policy) run without it."""
     from peft import LoraConfig
 
-    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.05, task_type="CAUSAL_LM")
+    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
 def resolve_lora_config(value):
@@ -229,6 +231,23 @@ def check_adapter_targets(source: str | None, actor_network: nn.Module | None, l
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     check_lora_targets(model, lora_config.target_modules, name)
+    if lora_config.lora_dropout and actor_network is None:  # PEFT's refusal, said before any weight loads
+        import copy
+
+        from peft import get_peft_model
+
+        from agilerl.utils.peft_compat import quiet_peft
+
+        try:
+            with torch.device("meta"), quiet_peft():
+                get_peft_model(model, copy.deepcopy(lora_config))
+        except ValueError as err:
+            if "lora_dropout" not in str(err):
+                raise
+            raise ValueError(
+                f"{name}: LoRA dropout {lora_config.lora_dropout:g}: these targets adapt the model's expert "
+                "parameters, whose inputs PEFT cannot drop out: give lora dropout 0, or targets without the experts"
+            ) from None
 
 
 def build_actor(

@@ -675,6 +675,16 @@ def test_lora_targets_as_peft_reads_them_still_build():
         assert adapted == {"q_proj", "v_proj"}, targets
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_estimate_behind_auto_is_asked_about_the_agents_lora_dropout(dropout):
+    from peft import LoraConfig
+
+    from agilerl.algorithms.core.autoplan import _workload_for
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM")
+    assert _workload_for(make_agent(lora_config=config), None)[0].lora_dropout == dropout
+
+
 def test_kernels_without_a_score_tensor_are_planned_as_one():
     from agilerl.algorithms.core.autoplan import _planned_attention
 

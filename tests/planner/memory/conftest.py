@@ -30,6 +30,7 @@ WL = Workload(
     logprob_chunk_size=128,
     gradient_checkpointing=True,
     lora_rank=8,
+    lora_dropout=0.0,  # the real layers are built without it; dropout's terms have tests of their own
     weights_dtype="bfloat16",
     padded_batches=False,  # rows of one length; the padded-batch mask has tests of its own
     share_prompt_prefix=False,

@@ -14,7 +14,7 @@ from planner.probe.tracking import LiveBytes
 H, WIDTH, RANK, TOKENS = 64, 160, 4, 2 * 96
 
 
-def _peft_block(arch: str, dtype: torch.dtype, targets, attn: str = "sdpa"):
+def _peft_block(arch: str, dtype: torch.dtype, targets, attn: str = "sdpa", dropout: float = 0.0):
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -23,7 +23,7 @@ def _peft_block(arch: str, dtype: torch.dtype, targets, attn: str = "sdpa"):
     config = tiny_config(arch, hidden_size=H, intermediate_size=WIDTH, num_layers=1, num_heads=4, num_kv_heads=2)
     config._attn_implementation = attn
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
-    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=8, target_modules=targets, lora_dropout=dropout))
     return model.get_base_model().model, config
 
 
@@ -34,7 +34,8 @@ def _measure(arch, dtype, targets, attn: str = "sdpa"):
 
 
 def _measure_layer(decoder, dtype):
-    """:func:`_measure` of the first block of a decoder."""
+    """:func:`_measure` of the first block of a decoder: with grad in train mode (dropout on, as
+    the learn forward runs it), without grad in eval mode (as the no-grad passes run)."""
     layer, rotary = decoder.layers[0], decoder.rotary_emb
     x = torch.randn(2, TOKENS // 2, H, dtype=dtype, requires_grad=True)
     positions = torch.arange(TOKENS // 2).unsqueeze(0).expand(2, -1)
@@ -51,11 +52,13 @@ def _measure_layer(decoder, dtype):
         return t
 
     live = LiveBytes(params)
+    layer.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
         out = layer(x, position_embeddings=cos_sin, attention_mask=None)
         out = out[0] if isinstance(out, tuple) else out
     grad_peak = live.peak
     del out
+    layer.eval()
     with torch.no_grad():
         nograd = LiveBytes(params)
         with nograd:
@@ -84,6 +87,43 @@ def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
     # saves the block's input itself, which the tracker, started after it, does not see).
     assert tape.grad_peak - (4 * H if p == 4 else 0) == pytest.approx(grad_peak, rel=0.03)
     assert tape.nograd_peak == pytest.approx(nograd_peak, rel=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
+def test_lora_dropout_keeps_a_dropped_copy_and_its_noise_per_adapted_linear(dtype, targets):
+    """The trainer's default LoRA dropout (0.05): on CPU torch.dropout multiplies by a noise tensor
+    it saves, in the adapters' fp32, beside the dropped copy lora_A saves; each adapted linear makes
+    its own (q, k and v no longer share one saved input in fp32). The no-grad passes run in eval
+    mode, without it."""
+    from planner.spec import ModelSpec
+
+    spec = load_model_spec(
+        f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
+        lora_targets=targets,
+    )
+    block = spec.block(0)
+    adapted = frozenset(e[0] for e in block.lora[ModelSpec.target_key(targets)])
+    p = 2 if dtype == torch.bfloat16 else 4
+    tape = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p, dropout_bytes=4)
+    without = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p)
+    decoder, _ = _peft_block("qwen2", dtype, targets if isinstance(targets, str) else list(targets), dropout=0.05)
+    saved, grad_peak, nograd_peak = _measure_layer(decoder, dtype)
+    assert saved > without.saved * 1.2  # what the tape without dropout would miss
+    assert tape.saved == pytest.approx(saved, rel=0.01)
+    assert tape.grad_peak - (4 * H if p == 4 else 0) == pytest.approx(grad_peak, rel=0.03)
+    assert tape.nograd_peak == without.nograd_peak == pytest.approx(nograd_peak, rel=0.03)
+
+
+def test_on_a_gpu_dropout_keeps_one_byte_an_element():
+    """CUDA runs dropout as native_dropout (the fused kernel torch.dropout takes on a GPU), whose
+    backward reads only its boolean mask: planner.memory._activations.lora_dropout_bytes' 1 on a
+    GPU. The op runs on CPU too, so what it saves is read here."""
+    x = torch.randn(100, H, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.native_dropout(x, 0.05, True)
+    assert [(t.dtype, t.untyped_storage().nbytes()) for t in saved] == [(torch.bool, x.numel())]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
