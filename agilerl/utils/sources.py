@@ -109,30 +109,11 @@ def _typed(value: str) -> int | float | bool | str:
 
 
 def text_config(config: dict) -> dict:
-    """The part of a config that describes the language model (a multimodal config's
-    ``text_config``), with REQUIRED_FIELDS under their usual names: a family that stores them
-    under its own (GPT-2's ``n_embd``, ``n_layer``, ``n_head``; MPT's ``d_model``) has them read
-    through its config class's ``attribute_map``, as transformers reads them."""
+    """The part of a config that describes the language model (a multimodal config's ``text_config``)."""
     inner = config.get("text_config")
-    text = inner if isinstance(inner, dict) and "hidden_size" not in config else config
-    missing = [key for key in REQUIRED_FIELDS if key not in text]
-    if not missing or not isinstance(text.get("model_type"), str):
-        return text
-    aliases = _attribute_map(text["model_type"])
-    found = {key: text[aliases[key]] for key in missing if aliases.get(key) in text}
-    return {**text, **found} if found else text
-
-
-def _attribute_map(model_type: str) -> dict[str, str]:
-    """The config class's own names for the usual ones (``{"hidden_size": "n_embd", ...}``);
-    empty for a type this transformers does not know. Imports transformers' config mapping (no
-    torch), only for a config that lacks a usual name."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}))
-    except KeyError:
-        return {}
+    if isinstance(inner, dict) and "hidden_size" not in config:
+        return inner
+    return config
 
 
 #: Config keys of the encoders a multimodal checkpoint keeps beside its language model.
