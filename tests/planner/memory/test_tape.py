@@ -66,21 +66,25 @@ def _measure_layer(decoder, dtype):
     return sum(saved.values()) / TOKENS, grad_peak / TOKENS, nograd.peak / TOKENS
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
-def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
+def _tape(arch: str, dtype: torch.dtype, targets, **options):
+    """The tape of the first block of the tiny model _peft_block builds, and the compute dtype's bytes."""
+    from planner.spec import ModelSpec
+
     spec = load_model_spec(
         f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
         lora_targets=targets,
     )
-    from planner.spec import ModelSpec
-
-    key = ModelSpec.target_key(targets)
     block = spec.block(0)
-    adapted = frozenset(e[0] for e in block.lora[key])
+    adapted = frozenset(e[0] for e in block.lora[ModelSpec.target_key(targets)])
     p = 2 if dtype == torch.bfloat16 else 4
-    tape = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p)
+    return block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p, **options), p
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
+def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
+    tape, p = _tape(arch, dtype, targets)
     saved, grad_peak, nograd_peak = _measure(arch, dtype, targets if isinstance(targets, str) else list(targets))
     assert tape.saved == pytest.approx(saved, rel=0.01)
     # The moments: the forward's peak includes what it saves so far (in fp32 the input norm
@@ -92,21 +96,11 @@ def test_the_tape_counts_what_a_real_block_keeps(arch, dtype, targets):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("targets", ["all-linear", ("q_proj", "k_proj", "v_proj", "o_proj")])
 def test_lora_dropout_keeps_a_dropped_copy_and_its_noise_per_adapted_linear(dtype, targets):
-    """The trainer's default LoRA dropout (0.05): on CPU torch.dropout multiplies by a noise tensor
-    it saves, in the adapters' fp32, beside the dropped copy lora_A saves; each adapted linear makes
-    its own (q, k and v no longer share one saved input in fp32). The no-grad passes run in eval
-    mode, without it."""
-    from planner.spec import ModelSpec
-
-    spec = load_model_spec(
-        f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
-        lora_targets=targets,
-    )
-    block = spec.block(0)
-    adapted = frozenset(e[0] for e in block.lora[ModelSpec.target_key(targets)])
-    p = 2 if dtype == torch.bfloat16 else 4
-    tape = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p, dropout_bytes=4)
-    without = block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p)
+    """LoRA dropout (0.05): on CPU torch.dropout multiplies by a noise tensor it saves, in the
+    adapters' fp32, beside the dropped copy lora_A saves; each adapted linear makes its own (q, k
+    and v no longer share one saved input in fp32). The no-grad passes run in eval mode, without it."""
+    tape, p = _tape("qwen2", dtype, targets, dropout_bytes=4)
+    without, _ = _tape("qwen2", dtype, targets)
     decoder, _ = _peft_block("qwen2", dtype, targets if isinstance(targets, str) else list(targets), dropout=0.05)
     saved, grad_peak, nograd_peak = _measure_layer(decoder, dtype)
     assert saved > without.saved * 1.2  # what the tape without dropout would miss
