@@ -20,6 +20,18 @@ installed", as if it had been uninstalled. Working packages are left alone.
 vLLM inspects model classes in a subprocess of its own; :func:`guarded_command`
 gives the command line that runs a module with the same guard first (the
 engine points vLLM's registry subprocess at it).
+
+The same watch keeps bitsandbytes' import off the network. On a CPU with AVX-512
+BF16 (most current x86 servers, GPU hosts included) and with the ``kernels``
+package installed (transformers 5.25 depends on it), ``import bitsandbytes``,
+which ``import peft`` does, asks the Hugging Face Hub for an optional CPU 4-bit
+kernel: a publisher check and a download nobody asked for, made by every
+command that imports peft. :func:`import_bitsandbytes_offline` imports it once,
+at the first import of transformers, with the hub client offline for that import
+alone: a kernel already in the local cache still loads and nothing is fetched.
+Neither the hub client's offline notice nor bitsandbytes' warning that the kernel
+is missing is printed for that import: the kernel only speeds up 4-bit matmuls on
+the CPU, never a GPU run, and its absence is this choice, not the user's fault.
 """
 
 from __future__ import annotations
@@ -28,24 +40,56 @@ import importlib
 import importlib.util
 import sys
 
-__all__ = ["WATCHED", "HIDDEN", "install", "hide_broken", "guarded_command"]
+__all__ = ["WATCHED", "HIDDEN", "install", "hide_broken", "import_bitsandbytes_offline", "guarded_command"]
 
 WATCHED = ("torchvision", "torchaudio", "torchcodec")
 HIDDEN: dict[str, str] = {}
 _checked = False
 
 
+def _installed_spec(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _fetches_kernels() -> bool:
+    """bitsandbytes not yet imported, and the ``kernels`` package it would fetch with installed."""
+    return "bitsandbytes" not in sys.modules and _installed_spec("bitsandbytes") and _installed_spec("kernels")
+
+
+def import_bitsandbytes_offline() -> None:
+    """Import bitsandbytes with the Hugging Face Hub client offline (see the module's docstring).
+
+    An import that fails is left to fail again where the caller imports it, as it would without
+    this; the hub client's setting and the loggers' levels are restored either way."""
+    if not _fetches_kernels():
+        return
+    import logging
+
+    from huggingface_hub import constants
+
+    # "Skipping publisher trust check ... offline mode" and "Failed to load CPU gemm_4bit_forward
+    # from kernels-community": both say what this import chose, so neither is the user's to read
+    loggers = [logging.getLogger(name) for name in ("kernels", "bitsandbytes")]
+    saved_offline, saved_levels = constants.HF_HUB_OFFLINE, [logger.level for logger in loggers]
+    constants.HF_HUB_OFFLINE = True
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+    try:
+        importlib.import_module("bitsandbytes")
+    except Exception:  # noqa: BLE001 - a broken install raises again at the caller's own import
+        pass
+    finally:
+        constants.HF_HUB_OFFLINE = saved_offline
+        for logger, level in zip(loggers, saved_levels):
+            logger.setLevel(level)
+
+
 def _installed() -> list[str]:
-    found = []
-    for name in WATCHED:
-        if name in sys.modules:
-            continue  # already imported (it loads) or already hidden
-        try:
-            if importlib.util.find_spec(name) is not None:
-                found.append(name)
-        except (ImportError, ValueError):
-            continue
-    return found
+    """The watched packages installed and not yet imported (nor hidden)."""
+    return [name for name in WATCHED if name not in sys.modules and _installed_spec(name)]
 
 
 def hide_broken() -> dict[str, str]:
@@ -70,6 +114,7 @@ class _OnTransformers:
         if fullname == "transformers" and not _checked:
             _remove_finder()
             hide_broken()
+            import_bitsandbytes_offline()
         return None  # never loads anything itself
 
 
@@ -78,11 +123,12 @@ def _remove_finder() -> None:
 
 
 def install() -> None:
-    if _checked or not _installed():
+    if _checked or not (_installed() or _fetches_kernels()):
         return
     if "transformers" in sys.modules:
         if "torch" in sys.modules:
             hide_broken()
+            import_bitsandbytes_offline()
         return
     if not any(isinstance(f, _OnTransformers) for f in sys.meta_path):
         sys.meta_path.insert(0, _OnTransformers())

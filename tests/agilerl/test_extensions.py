@@ -82,3 +82,55 @@ def test_the_guarded_command_runs_a_module_with_the_guard(tmp_path):
     run = _run(tmp_path, code)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["__main__", "None"]
+
+
+def _hub_requests(code: str) -> tuple[subprocess.CompletedProcess, list[bytes]]:
+    """Run ``code`` in a fresh interpreter whose Hugging Face Hub is a local socket, online (no
+    HF_HUB_OFFLINE); return the run and the first bytes of every request that reached the socket."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                requests.append(conn.recv(120))
+
+    threading.Thread(target=serve, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        server.close()
+    return run, requests
+
+
+@pytest.mark.timeout(300)
+def test_importing_peft_after_agilerl_asks_the_hub_nothing():
+    # The control: bitsandbytes on its own asks the hub for its CPU kernel (where the CPU has
+    # AVX-512 BF16 and the kernels package is installed; elsewhere it never asks, and there is
+    # nothing to keep off the network).
+    control, asked = _hub_requests("import bitsandbytes")
+    assert control.returncode == 0, control.stderr[-2000:]
+    if not asked:
+        pytest.skip("bitsandbytes asks the hub nothing on this machine (no AVX-512 BF16 or no kernels package)")
+    run, requests = _hub_requests(
+        "import sys, agilerl, peft\n"
+        "import huggingface_hub.constants as c\n"
+        "print('bitsandbytes' in sys.modules, c.HF_HUB_OFFLINE)"
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert requests == []
+    # bitsandbytes did load, and the hub client is online again for what the user asks of it
+    assert run.stdout.split() == ["True", "False"]
+    assert "Skipping publisher trust check" not in run.stderr and "gemm_4bit_forward" not in run.stderr
