@@ -1,12 +1,14 @@
 """This project's trainer measured on one CUDA GPU, against the estimate.
 
-    python -m benchmarks.gpu_probe [--limit K] [--budget-s 480] [--dry-run]
+    python -m benchmarks.gpu_probe [--limit K] [--budget-s 480] [--out-dir DIR] [--dry-run]
 
 For Qwen2.5-0.5B/1.5B/3B/7B and OLMoE-1B-7B, built from the catalog's configs with
 random weights (nothing is downloaded: a directory with only a config.json is probed
 with random weights), it runs the probe (planner.probe: real learn() steps of GRPO +
-LoRA in bf16 with fp32 adapters, one rank) over a fixed list of configurations, smallest
-first, and stops starting new ones once ``--budget-s`` seconds are spent. One QLoRA
+LoRA in bf16 with fp32 adapters, one rank) over a fixed list of configurations, most
+telling first (one per model, then long context, then the variants), and stops starting
+new ones once ``--budget-s`` seconds are spent, or when the first two both fail (a broken
+machine rather than a configuration: their worker output is printed whole). One QLoRA
 configuration (bitsandbytes NF4 on CUDA) runs beside its LoRA twin, where bitsandbytes
 imports: what the estimate counts for the 4-bit base (its dequantised copies and
 workspaces) has only been measured on CPU. OLMoE runs with LoRA on its attention only,
@@ -17,9 +19,11 @@ configuration and phase the measured device peak, ``max_memory_reserved`` plus t
 CUDA context (measured once here: device memory in use beyond PyTorch's reservation
 after CUDA initialises), beside the estimate with the shipped CUDA coefficients. Then
 per model what the caching allocator's segments hold beyond its bf16 weights once they
-are placed a tensor at a time, measured in a fresh process, beside the count
-(planner.memory._overheads.weight_segment_bytes). The table is written to
-``benchmarks/results/gpu_<kind>.txt``.
+are placed a tensor at a time, measured in a fresh process beside the probes, against the
+count (planner.memory._overheads.weight_segment_bytes). The table is rewritten after every
+row to ``<out-dir>/gpu_<kind>.txt`` (default ``benchmarks/results``), so a run stopped
+part-way keeps what it measured, and beside it ``gpu_<kind>.json`` holds per phase the
+measured allocated and reserved peaks and the estimate's components.
 
 ``--dry-run`` prints the configurations and their estimates without a GPU.
 """
@@ -27,7 +31,11 @@ are placed a tensor at a time, measured in a fresh process, beside the count
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,16 +66,18 @@ class Config(NamedTuple):
 
 CONFIGS = (
     Config("Qwen/Qwen2.5-0.5B", 4, 256, 768),
-    Config("Qwen/Qwen2.5-0.5B", 8, 1024, 3072),
-    Config("Qwen/Qwen2.5-0.5B", 4, 128, 384, gc=False, rank=64),
-    Config("Qwen/Qwen2.5-0.5B", 8, 128, 128, generate=True),
     Config("Qwen/Qwen2.5-1.5B", 4, 512, 1536),
-    Config("Qwen/Qwen2.5-1.5B", 8, 1024, 3072, rank=64),
     Config("Qwen/Qwen2.5-3B", 4, 512, 1536),
-    Config("Qwen/Qwen2.5-3B", 4, 512, 1536, four_bit=True),
-    Config("Qwen/Qwen2.5-3B", 2, 256, 256, gc=False, dropout=0.05),
     Config("Qwen/Qwen2.5-7B", 2, 512, 1536),
+    Config("Qwen/Qwen2.5-1.5B", 1, 4096, 12288),
+    Config("Qwen/Qwen2.5-0.5B", 1, 8192, 24576),
+    Config("Qwen/Qwen2.5-0.5B", 4, 128, 384, gc=False, rank=64),
+    Config("Qwen/Qwen2.5-3B", 4, 512, 1536, four_bit=True),
     Config("allenai/OLMoE-1B-7B-0924", 4, 256, 768, targets=OLMOE_ATTENTION),
+    Config("Qwen/Qwen2.5-0.5B", 8, 1024, 3072),
+    Config("Qwen/Qwen2.5-3B", 2, 256, 256, gc=False, dropout=0.05),
+    Config("Qwen/Qwen2.5-0.5B", 8, 128, 128, generate=True),
+    Config("Qwen/Qwen2.5-1.5B", 8, 1024, 3072, rank=64),
 )
 
 
@@ -87,28 +97,27 @@ def bitsandbytes_on_cuda() -> str | None:
 
 
 def machine() -> list[str]:
-    lines = [f"python {platform.python_version()} on {platform.machine()}"]
+    lines = [f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs"]
     try:
         import torch
 
         lines.append(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available={torch.cuda.is_available()}")
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            lines.append(f"GPU {props.name}, {props.total_memory / GIB:.2f} GiB, {torch.cuda.device_count()} visible")
     except ImportError as err:
         lines.append(f"torch not importable: {err}")
-    for name in ("transformers", "peft"):
+    versions = []
+    for name in ("transformers", "peft", "pydantic", "bitsandbytes"):
         try:
-            module = __import__(name)
-            lines.append(f"{name} {module.__version__}")
-        except ImportError as err:
-            lines.append(f"{name} not importable: {err}")
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    lines.append(", ".join(versions))
     return lines
 
 
 def cuda_context_bytes() -> int:
     """Device memory a fresh CUDA process holds beyond PyTorch's reservation, measured in a
-    subprocess (the context, cuBLAS' handles): what NVML sees and torch does not."""
+    subprocess (the context, cuBLAS' handles): what NVML sees and torch does not. Run before
+    this process or any other touches the device: the device-wide free memory is read."""
     code = (
         "import torch; torch.zeros(1, device='cuda'); torch.ones(256, 256, device='cuda') @ "
         "torch.ones(256, 256, device='cuda'); torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(); "
@@ -132,31 +141,31 @@ print(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), torch.cuda.m
 """
 
 
-def weight_segments_measured(model_dir: str) -> tuple[int, int]:
-    """(reserved beyond allocated, allocated) after a fresh CUDA process places the model's
-    bf16 weights on the device a tensor at a time in the model's order (from the meta device,
-    as loading them or moving them back from the host allocates them): what the
-    caching allocator's segments hold beyond the weights (planner.memory._overheads)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SEGMENTS, model_dir], capture_output=True, text=True, timeout=300, check=True
+def start_weight_segments(model_dir: str) -> subprocess.Popen:
+    """A fresh CUDA process placing the model's bf16 weights on the device a tensor at a time in
+    the model's order (from the meta device, as loading them or moving them back from the host
+    allocates them); it prints what the caching allocator's segments hold beyond the weights
+    (planner.memory._overheads) and the weights. Its own allocator's figures, so it runs beside
+    the probes (each process has its own)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _SEGMENTS, model_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    slack, allocated = out.stdout.strip().splitlines()[-1].split()
+
+
+def weight_segments_measured(proc: subprocess.Popen) -> tuple[int, int] | str:
+    """(reserved beyond allocated, allocated) from :func:`start_weight_segments`, or why not."""
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "timed out"
+    if proc.returncode != 0:
+        return f"failed: {(err.strip().splitlines() or ['?'])[-1]}"
+    slack, allocated = out.strip().splitlines()[-1].split()
     return int(slack), int(allocated)
 
 
-def gpu_of(torch_name: str, total_bytes: int, context: int):
-    """The catalog GPU whose name matches the device's (its memory and context as measured)."""
-    from planner.hardware import GPU, GPUS
-
-    key = "".join(ch for ch in torch_name.lower() if ch.isalnum())
-    for name, gpu in GPUS.items():
-        stem = "".join(ch for ch in name.lower().split("-")[0] if ch.isalnum())
-        if stem and stem in key:
-            return gpu.model_copy(update={"memory_bytes": total_bytes, "cuda_context_bytes": context})
-    return GPU(name=torch_name, memory_bytes=total_bytes, cuda_context_bytes=context, source="measured here")
-
-
-def request(model_dir: str, c: Config, device: str):
+def request(model_dir: str, c: Config):
     from planner.probe import ProbeRequest
     from planner.workload import Workload
 
@@ -179,7 +188,7 @@ def request(model_dir: str, c: Config, device: str):
         generation="hf" if c.generate else "none",
     )
     return ProbeRequest(
-        model=model_dir, workload=workload, nproc=1, device=device, generate=c.generate, timed_steps=2, timeout_s=420
+        model=model_dir, workload=workload, nproc=1, device="cuda", generate=c.generate, timed_steps=2, timeout_s=300
     )
 
 
@@ -189,21 +198,31 @@ def write_config(name: str, target: Path) -> str:
 
     from planner import catalog
 
-    config = dict(catalog.entry(name).config)
-    AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(target)
+    if not (target / "config.json").exists():
+        config = dict(catalog.entry(name).config)
+        AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(target)
     return str(target)
+
+
+def label_of(c: Config) -> str:
+    return (
+        f"{c.model.split('/')[-1]:<18} {'nf4' if c.four_bit else 'bf16':>4}"
+        f" {'all' if c.targets == 'all-linear' else 'attn':>4} {c.micro:>3} {c.prompt + c.completion:>6}"
+        f" {'on' if c.gc else 'off':>3} {c.rank:>3} {c.dropout:>4g}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=len(CONFIGS), help="only the first K configurations")
     parser.add_argument("--budget-s", type=float, default=480, help="start no configuration after this many seconds")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where the table goes")
     parser.add_argument("--dry-run", action="store_true", help="print the configurations and estimates only")
     args = parser.parse_args()
     start = time.monotonic()
     from planner import catalog
     from planner.calibration import coefficients_for
-    from planner.hardware import GPUS, Cluster
+    from planner.hardware import GPU, GPUS, Cluster, gpu_for_device
     from planner.memory import estimate
     from planner.memory._context import build_context
     from planner.memory._overheads import weight_segment_bytes
@@ -214,6 +233,10 @@ def main() -> None:
     lines = machine()
     for line in lines:
         print(line, flush=True)
+    configs = CONFIGS[: args.limit]
+    models = list(dict.fromkeys(c.model for c in configs))
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-probe-"))
+    segments: dict[str, subprocess.Popen] = {}
     if args.dry_run:
         gpu, kind = GPUS["H200"], "dry-run"
     else:
@@ -221,85 +244,115 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("error: no CUDA GPU visible (use --dry-run to print the configurations)")
-        context = cuda_context_bytes()
+        context = cuda_context_bytes()  # first: it reads the whole device's free memory
         props = torch.cuda.get_device_properties(0)
-        gpu = gpu_of(props.name, props.total_memory, context)
+        known = gpu_for_device(props.name)
+        gpu = (known or GPU(name=props.name, memory_bytes=props.total_memory, source="measured here")).model_copy(
+            update={"memory_bytes": props.total_memory, "cuda_context_bytes": context}
+        )
         kind = "".join(ch if ch.isalnum() else "-" for ch in props.name.lower()).strip("-")
+        lines.append(
+            f"GPU {props.name} ({known.name if known else 'not in the catalog'}), {props.total_memory / GIB:.2f} GiB"
+        )
         lines.append(f"CUDA context measured: {context / 2**20:.0f} MiB")
-        print(lines[-1], flush=True)
+        for line in lines[-2:]:
+            print(line, flush=True)
+        segments = {name: start_weight_segments(write_config(name, tmp / catalog.slug(name))) for name in models}
     coefficients = coefficients_for(gpu)
     header = (
-        f"{'model':<18} {'base':>4} {'lora':>4} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'phase':>9}"
-        f" {'measured GiB':>13} {'estimate GiB':>13} {'error':>7}  (measured: max_memory_reserved + CUDA context)"
+        f"{'model':<18} {'base':>4} {'lora':>4} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'drop':>4} {'phase':>9}"
+        f" {'allocated':>10} {'measured GiB':>13} {'estimate GiB':>13} {'error':>7}"
+        "  (measured: max_memory_reserved + CUDA context)"
     )
-    rows, errors = [header], []
-    print(header, flush=True)
-    no_four_bit = None if args.dry_run else bitsandbytes_on_cuda()
-    with tempfile.TemporaryDirectory() as tmp:
-        for c in CONFIGS[: args.limit]:
-            if time.monotonic() - start > args.budget_s:
-                rows.append(f"stopped: {args.budget_s:.0f} s spent")
-                break
-            model_dir = write_config(c.model, Path(tmp) / catalog.slug(c.model))
-            req = request(model_dir, c, "cuda")
-            spec = load_model_spec(c.model, lora_targets=c.targets)
-            est = estimate(spec, req.workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
-            label = (
-                f"{c.model.split('/')[-1]:<18} {'nf4' if c.four_bit else 'bf16':>4}"
-                f" {'all' if c.targets == 'all-linear' else 'attn':>4} {c.micro:>3} {c.prompt + c.completion:>6}"
-                f" {'on' if c.gc else 'off':>3} {c.rank:>3}" + (f" d{c.dropout:g}" if c.dropout else "")
-            )
-            if c.four_bit and no_four_bit:
-                rows.append(f"{label} not run: bitsandbytes cannot run NF4 here ({no_four_bit})")
-                print(rows[-1], flush=True)
-                continue
-            if args.dry_run:
-                for ph in PHASES:
-                    if ph in est.phases:
-                        rows.append(f"{label} {ph:>9} {'-':>13} {est.phases[ph].total / GIB:>13.2f}")
-                        print(rows[-1], flush=True)
-                continue
-            from planner.probe import run_probe
+    rows: list[str] = []
+    errors: list[float] = []
+    details: list[dict] = []
+    out = args.out_dir / f"gpu_{kind}.txt"
 
-            m = run_probe(req)
-            if not m.ok:
-                rows.append(f"{label} FAILED: {(m.failure or '').strip().splitlines()[-1:]}")
-                print(rows[-1], flush=True)
-                continue
+    def emit(row: str) -> None:
+        rows.append(row)
+        print(row, flush=True)
+        if not args.dry_run:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            out.write_text("\n".join(lines + [""] + rows) + "\n")
+            out.with_suffix(".json").write_text(json.dumps(details, indent=1) + "\n")
+
+    emit(header)
+    no_four_bit = None if args.dry_run else bitsandbytes_on_cuda()
+    threads = str(max(1, min(8, (os.cpu_count() or 1) // 2)))  # host threads build the random weights faster
+    failures = 0
+    for i, c in enumerate(configs):
+        if time.monotonic() - start > args.budget_s:
+            emit(f"stopped: {args.budget_s:.0f} s spent, {len(configs) - i} configuration(s) not run")
+            break
+        if i == 2 and failures == 2:
+            emit("stopped: the first two configurations failed (their worker output is above)")
+            break
+        model_dir = write_config(c.model, tmp / catalog.slug(c.model))
+        req = request(model_dir, c)
+        spec = load_model_spec(c.model, lora_targets=c.targets)
+        est = estimate(spec, req.workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
+        label = label_of(c)
+        if c.four_bit and no_four_bit:
+            emit(f"{label} not run: bitsandbytes cannot run NF4 here ({no_four_bit})")
+            continue
+        if args.dry_run:
             for ph in PHASES:
-                rec = max((r.phases.get(ph, {}) for r in m.ranks), key=lambda r: r.get("cuda_max_reserved", 0))
-                if "cuda_max_reserved" not in rec or ph not in est.phases:
-                    continue
-                measured = rec["cuda_max_reserved"] + gpu.cuda_context_bytes
-                e = est.phases[ph].total
-                errors.append((e - measured) / measured)
-                rows.append(f"{label} {ph:>9} {measured / GIB:>13.2f} {e / GIB:>13.2f} {100 * errors[-1]:>+6.1f}%")
-                print(rows[-1], flush=True)
-        rows.append("\nthe weights' segments: reserved beyond allocated once the bf16 weights are placed")
-        print(rows[-1], flush=True)
-        for name in dict.fromkeys(c.model for c in CONFIGS[: args.limit]):
-            spec = catalog.load_spec(name)
-            ctx = build_context(spec, Workload(), Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
-            counted = weight_segment_bytes(ctx, build_layout(ctx))
-            if args.dry_run:
-                rows.append(f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB")
-            else:
-                measured, allocated = weight_segments_measured(write_config(name, Path(tmp) / catalog.slug(name)))
-                rows.append(
-                    f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB, "
-                    f"measured {measured / 2**20:>8.1f} MiB beside {allocated / GIB:.2f} GiB of weights"
-                )
-            print(rows[-1], flush=True)
+                if ph in est.phases:
+                    emit(f"{label} {ph:>9} {'-':>10} {'-':>13} {est.phases[ph].total / GIB:>13.2f}")
+            continue
+        from planner.probe import run_probe
+
+        t0 = time.monotonic()
+        m = run_probe(req, env={"AGILERL_PROBE_THREADS": threads})
+        if not m.ok:
+            failures += 1
+            print(f"--- {label}: worker failure ---\n{m.failure}\n---", flush=True)
+            emit(f"{label} FAILED: {((m.failure or '').strip().splitlines() or ['?'])[0]}")
+            continue
+        detail: dict = {"config": c._asdict(), "seconds": round(time.monotonic() - t0, 1), "phases": {}}
+        for ph in PHASES:
+            rec = max((r.phases.get(ph, {}) for r in m.ranks), key=lambda r: r.get("cuda_max_reserved", 0))
+            if "cuda_max_reserved" not in rec or ph not in est.phases:
+                continue
+            measured = rec["cuda_max_reserved"] + gpu.cuda_context_bytes
+            e = est.phases[ph].total
+            errors.append((e - measured) / measured)
+            detail["phases"][ph] = {
+                "cuda_max_allocated": rec.get("cuda_max_allocated"),
+                "cuda_max_reserved": rec["cuda_max_reserved"],
+                "cuda_context": gpu.cuda_context_bytes,
+                "estimate": est.phases[ph].components,
+            }
+            emit(
+                f"{label} {ph:>9} {rec.get('cuda_max_allocated', 0) / GIB:>10.2f} {measured / GIB:>13.2f}"
+                f" {e / GIB:>13.2f} {100 * errors[-1]:>+6.1f}%"
+            )
+        details.append(detail)
+    emit("\nthe weights' segments: reserved beyond allocated once the bf16 weights are placed")
+    for name in models:
+        spec = catalog.load_spec(name)
+        ctx = build_context(spec, Workload(), Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
+        counted = weight_segment_bytes(ctx, build_layout(ctx))
+        if args.dry_run:
+            emit(f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB")
+            continue
+        seg = weight_segments_measured(segments[name])
+        if isinstance(seg, str):
+            emit(f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB, measurement {seg}")
+        else:
+            emit(
+                f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB, "
+                f"measured {seg[0] / 2**20:>8.1f} MiB beside {seg[1] / GIB:.2f} GiB of weights"
+            )
     if errors:
-        rows.append(
+        emit(
             f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
             f"max {100 * max(abs(e) for e in errors):.2f}% over {len(errors)} phase peaks"
         )
-        print(rows[-1])
-    out = ROOT / "benchmarks" / "results" / f"gpu_{kind}.txt"
+    shutil.rmtree(tmp, ignore_errors=True)
     if not args.dry_run:
-        out.write_text("\n".join(lines + [""] + rows) + "\n")
-        print(f"written to {out.relative_to(ROOT)} ({time.monotonic() - start:.0f} s)")
+        print(f"written to {out} ({time.monotonic() - start:.0f} s)")
 
 
 if __name__ == "__main__":
