@@ -1,6 +1,7 @@
 """This project's trainer measured on one CUDA GPU, against the estimate.
 
     python -m benchmarks.gpu_probe [--limit K] [--budget-s 480] [--out-dir DIR] [--dry-run]
+    python -m benchmarks.gpu_probe --replay benchmarks/results/gpu_nvidia-h200.json
 
 For Qwen2.5-0.5B/1.5B/3B/7B and OLMoE-1B-7B, built from the catalog's configs with
 random weights (nothing is downloaded: a directory with only a config.json is probed
@@ -25,7 +26,9 @@ row to ``<out-dir>/gpu_<kind>.txt`` (default ``benchmarks/results``), so a run s
 part-way keeps what it measured, and beside it ``gpu_<kind>.json`` holds per phase the
 measured allocated and reserved peaks and the estimate's components.
 
-``--dry-run`` prints the configurations and their estimates without a GPU.
+``--dry-run`` prints the configurations and their estimates without a GPU. ``--replay``
+judges a run's record (what the GPU measured) again with the estimate as the code counts
+it now, so a committed GPU run keeps judging the estimator after it changes.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ GIB = 2**30
 PHASES = ("rollout", "reference", "learn", "step")
 
 OLMOE_ATTENTION = ("k_proj", "o_proj", "q_proj", "v_proj")
+#: the estimate's components outside what the caching allocator hands out (cuBLAS' workspace is inside)
+GPU_ONLY = ("cuda_context", "allocator_slack", "comm_buffers")
 
 
 class Config(NamedTuple):
@@ -137,7 +142,8 @@ with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 placed = [torch.empty_like(p, device="cuda") for p in model.parameters()]  # each tied weight once
 torch.cuda.synchronize()
-print(torch.cuda.memory_reserved() - torch.cuda.memory_allocated(), torch.cuda.memory_allocated())
+stats = torch.cuda.memory_stats()
+print(stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"], stats["requested_bytes.all.current"])
 """
 
 
@@ -152,8 +158,9 @@ def start_weight_segments(model_dir: str) -> subprocess.Popen:
     )
 
 
-def weight_segments_measured(proc: subprocess.Popen) -> tuple[int, int] | str:
-    """(reserved beyond allocated, allocated) from :func:`start_weight_segments`, or why not."""
+def weight_segments_measured(proc: subprocess.Popen) -> tuple[int, int, int] | str:
+    """(reserved, allocated, requested) bytes from :func:`start_weight_segments`, or why not:
+    allocated counts the blocks handed out, requested the tensors' own bytes."""
     try:
         out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -161,8 +168,8 @@ def weight_segments_measured(proc: subprocess.Popen) -> tuple[int, int] | str:
         return "timed out"
     if proc.returncode != 0:
         return f"failed: {(err.strip().splitlines() or ['?'])[-1]}"
-    slack, allocated = out.strip().splitlines()[-1].split()
-    return int(slack), int(allocated)
+    reserved, allocated, requested = (int(v) for v in out.strip().splitlines()[-1].split())
+    return reserved, allocated, requested
 
 
 def request(model_dir: str, c: Config):
@@ -212,23 +219,124 @@ def label_of(c: Config) -> str:
     )
 
 
+def estimate_of(c: Config, gpu):
+    from planner.calibration import coefficients_for
+    from planner.hardware import Cluster
+    from planner.memory import estimate
+    from planner.models import load_model_spec
+
+    spec = load_model_spec(c.model, lora_targets=c.targets)
+    workload = request("-", c).workload
+    return estimate(spec, workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients_for(gpu))
+
+
+def report(record: dict, *, dry_run: bool = False) -> list[str]:
+    """The table of a run's ``record`` (what the GPU measured) judged by the estimate as the
+    code counts it now: per configuration and phase the tensors (max_memory_allocated against
+    the estimate less its GPU-only terms), per configuration the training window's device peak
+    (max_memory_reserved plus the CUDA context against the whole estimate), then per model the
+    weights' segments against :func:`planner.memory._overheads.allocator_blocks`."""
+    from planner import catalog
+    from planner.calibration import coefficients_for
+    from planner.hardware import GPU, Cluster
+    from planner.memory._context import build_context
+    from planner.memory._overheads import allocator_blocks, weight_segment_bytes
+    from planner.memory._static import stored_tensor_bytes
+    from planner.memory._units import build_layout
+    from planner.workload import Workload
+
+    gpu = GPU.model_validate(record["gpu"])
+    rows = [
+        f"{'model':<18} {'base':>4} {'lora':>4} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'drop':>4} {'phase':>9}"
+        f" {'allocated':>10} {'estimate':>10} {'error':>8}  (GiB; per phase the tensors: max_memory_allocated"
+        " against the estimate less its GPU-only terms; per window the device peak: max_memory_reserved plus"
+        " the CUDA context against the whole estimate)"
+    ]
+    errors = []
+    for entry in record["configs"]:
+        c = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+        label, est = label_of(c), estimate_of(c, gpu)
+        if entry.get("not_run"):
+            rows.append(f"{label} {entry['not_run']}")
+            continue
+        if dry_run:
+            rows += [
+                f"{label} {ph:>9} {'-':>10} {est.phases[ph].total / GIB:>10.2f}" for ph in PHASES if ph in est.phases
+            ]
+            continue
+        window = (0, 0)  # the public rows' training window: (measured, estimate)
+        for ph in PHASES:
+            rec = entry["phases"].get(ph)
+            if rec is None or ph not in est.phases:
+                continue
+            parts = est.phases[ph].components
+            tensors = sum(v for k, v in parts.items() if k not in GPU_ONLY)
+            allocated = rec["cuda_max_allocated"]
+            error = 100 * (tensors - allocated) / allocated
+            rows.append(f"{label} {ph:>9} {allocated / GIB:>10.2f} {tensors / GIB:>10.2f} {error:>+7.1f}%")
+            if ph != "rollout":  # a rollout's reserved memory is what the warm-up's learn left cached
+                reserved = rec["cuda_max_reserved"] + gpu.cuda_context_bytes
+                window = (max(window[0], reserved), max(window[1], est.phases[ph].total))
+        if window[0]:
+            errors.append((window[1] - window[0]) / window[0])
+            rows.append(
+                f"{label}   training window: measured {window[0] / GIB:.2f} GiB (reserved + context), estimate"
+                f" {window[1] / GIB:.2f} GiB, {100 * errors[-1]:+.1f}%"
+            )
+    if record.get("stopped"):
+        rows.append(record["stopped"])
+    rows.append(
+        "\nthe weights' segments once the bf16 weights are placed (MiB): reserved beyond the blocks handed"
+        " out (memory_reserved - memory_allocated) and beyond the tensors (- requested bytes), counted"
+        " (planner.memory._overheads.allocator_blocks; weight_segment_bytes is the second) and measured"
+    )
+    for name in dict.fromkeys([*(e["config"]["model"] for e in record["configs"]), *record.get("segments", {})]):
+        cluster = Cluster(gpu=gpu, num_gpus=1)
+        ctx = build_context(catalog.load_spec(name), Workload(), cluster, None, coefficients=coefficients_for(gpu))
+        layout = build_layout(ctx)
+        reserved, handed = allocator_blocks(stored_tensor_bytes(ctx, layout))
+        counted = weight_segment_bytes(ctx, layout)
+        line = f"{name.split('/')[-1]:<18} counted {(reserved - handed) / 2**20:>7.1f} / {counted / 2**20:>7.1f}"
+        seg = record.get("segments", {}).get(name)
+        if isinstance(seg, str):
+            line += f", measurement {seg}"
+        elif seg is not None:
+            r, a, q = seg
+            line += f", measured {(r - a) / 2**20:>7.1f} / " + (
+                f"{(r - q) / 2**20:>7.1f}" if q is not None else "    n/a"
+            )
+            line += f" beside {a / GIB:.2f} GiB of weights"
+        rows.append(line)
+    if errors:
+        rows.append(
+            f"\ntraining windows: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
+            f"max {100 * max(abs(e) for e in errors):.2f}% over {len(errors)} configurations"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=len(CONFIGS), help="only the first K configurations")
     parser.add_argument("--budget-s", type=float, default=480, help="start no configuration after this many seconds")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results", help="where the table goes")
     parser.add_argument("--dry-run", action="store_true", help="print the configurations and estimates only")
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        help="judge a run's gpu_<kind>.json again with the estimate as it counts now (no GPU); the table goes to"
+        " --out-dir",
+    )
     args = parser.parse_args()
+    if args.replay:
+        record = json.loads(args.replay.read_text())
+        text = "\n".join(record["machine"] + [""] + report(record)) + "\n"
+        (args.out_dir / args.replay.with_suffix(".txt").name).write_text(text)
+        print(text, end="")
+        return
     start = time.monotonic()
     from planner import catalog
-    from planner.calibration import coefficients_for
-    from planner.hardware import GPU, GPUS, Cluster, gpu_for_device
-    from planner.memory import estimate
-    from planner.memory._context import build_context
-    from planner.memory._overheads import weight_segment_bytes
-    from planner.memory._units import build_layout
-    from planner.models import load_model_spec
-    from planner.workload import Workload
+    from planner.hardware import GPU, GPUS, gpu_for_device
 
     lines = machine()
     for line in lines:
@@ -251,106 +359,66 @@ def main() -> None:
             update={"memory_bytes": props.total_memory, "cuda_context_bytes": context}
         )
         kind = "".join(ch if ch.isalnum() else "-" for ch in props.name.lower()).strip("-")
-        lines.append(
-            f"GPU {props.name} ({known.name if known else 'not in the catalog'}), {props.total_memory / GIB:.2f} GiB"
-        )
+        catalog_name = known.name if known else "not in the catalog"
+        lines.append(f"GPU {props.name} ({catalog_name}), {props.total_memory / GIB:.2f} GiB")
         lines.append(f"CUDA context measured: {context / 2**20:.0f} MiB")
         for line in lines[-2:]:
             print(line, flush=True)
         segments = {name: start_weight_segments(write_config(name, tmp / catalog.slug(name))) for name in models}
-    coefficients = coefficients_for(gpu)
-    header = (
-        f"{'model':<18} {'base':>4} {'lora':>4} {'mb':>3} {'tokens':>6} {'gc':>3} {'r':>3} {'drop':>4} {'phase':>9}"
-        f" {'allocated':>10} {'measured GiB':>13} {'estimate GiB':>13} {'error':>7}"
-        "  (measured: max_memory_reserved + CUDA context)"
-    )
-    rows: list[str] = []
-    errors: list[float] = []
-    details: list[dict] = []
+    record: dict = {"machine": lines, "gpu": gpu.model_dump(), "configs": [], "segments": {}}
     out = args.out_dir / f"gpu_{kind}.txt"
 
-    def emit(row: str) -> None:
-        rows.append(row)
-        print(row, flush=True)
-        if not args.dry_run:
-            args.out_dir.mkdir(parents=True, exist_ok=True)
-            out.write_text("\n".join(lines + [""] + rows) + "\n")
-            out.with_suffix(".json").write_text(json.dumps(details, indent=1) + "\n")
+    def save() -> None:
+        """The record and its table, rewritten after every configuration: a stopped run keeps both."""
+        if args.dry_run:
+            return
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        out.write_text("\n".join(lines + [""] + report(record)) + "\n")
 
-    emit(header)
     no_four_bit = None if args.dry_run else bitsandbytes_on_cuda()
     threads = str(max(1, min(8, (os.cpu_count() or 1) // 2)))  # host threads build the random weights faster
     failures = 0
     for i, c in enumerate(configs):
         if time.monotonic() - start > args.budget_s:
-            emit(f"stopped: {args.budget_s:.0f} s spent, {len(configs) - i} configuration(s) not run")
+            record["stopped"] = f"stopped: {args.budget_s:.0f} s spent, {len(configs) - i} configuration(s) not run"
             break
         if i == 2 and failures == 2:
-            emit("stopped: the first two configurations failed (their worker output is above)")
+            record["stopped"] = "stopped: the first two configurations failed (their worker output is above)"
             break
-        model_dir = write_config(c.model, tmp / catalog.slug(c.model))
-        req = request(model_dir, c)
-        spec = load_model_spec(c.model, lora_targets=c.targets)
-        est = estimate(spec, req.workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
-        label = label_of(c)
+        entry: dict = {"config": c._asdict(), "phases": {}}
+        record["configs"].append(entry)
         if c.four_bit and no_four_bit:
-            emit(f"{label} not run: bitsandbytes cannot run NF4 here ({no_four_bit})")
+            entry["not_run"] = f"not run: bitsandbytes cannot run NF4 here ({no_four_bit})"
             continue
         if args.dry_run:
-            for ph in PHASES:
-                if ph in est.phases:
-                    emit(f"{label} {ph:>9} {'-':>10} {'-':>13} {est.phases[ph].total / GIB:>13.2f}")
             continue
         from planner.probe import run_probe
 
         t0 = time.monotonic()
-        m = run_probe(req, env={"AGILERL_PROBE_THREADS": threads})
+        m = run_probe(
+            request(write_config(c.model, tmp / catalog.slug(c.model)), c), env={"AGILERL_PROBE_THREADS": threads}
+        )
+        entry.update(seconds=round(time.monotonic() - t0, 1), load_seconds=m.ranks[0].load_seconds if m.ranks else None)
         if not m.ok:
             failures += 1
-            print(f"--- {label}: worker failure ---\n{m.failure}\n---", flush=True)
-            emit(f"{label} FAILED: {((m.failure or '').strip().splitlines() or ['?'])[0]}")
-            continue
-        detail: dict = {"config": c._asdict(), "seconds": round(time.monotonic() - t0, 1), "phases": {}}
-        for ph in PHASES:
-            rec = max((r.phases.get(ph, {}) for r in m.ranks), key=lambda r: r.get("cuda_max_reserved", 0))
-            if "cuda_max_reserved" not in rec or ph not in est.phases:
-                continue
-            measured = rec["cuda_max_reserved"] + gpu.cuda_context_bytes
-            e = est.phases[ph].total
-            errors.append((e - measured) / measured)
-            detail["phases"][ph] = {
-                "cuda_max_allocated": rec.get("cuda_max_allocated"),
-                "cuda_max_reserved": rec["cuda_max_reserved"],
-                "cuda_context": gpu.cuda_context_bytes,
-                "estimate": est.phases[ph].components,
-            }
-            emit(
-                f"{label} {ph:>9} {rec.get('cuda_max_allocated', 0) / GIB:>10.2f} {measured / GIB:>13.2f}"
-                f" {e / GIB:>13.2f} {100 * errors[-1]:>+6.1f}%"
-            )
-        details.append(detail)
-    emit("\nthe weights' segments: reserved beyond allocated once the bf16 weights are placed")
-    for name in models:
-        spec = catalog.load_spec(name)
-        ctx = build_context(spec, Workload(), Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients)
-        counted = weight_segment_bytes(ctx, build_layout(ctx))
-        if args.dry_run:
-            emit(f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB")
-            continue
-        seg = weight_segments_measured(segments[name])
-        if isinstance(seg, str):
-            emit(f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB, measurement {seg}")
+            print(f"--- {label_of(c)}: worker failure ---\n{m.failure}\n---", flush=True)
+            entry["not_run"] = f"FAILED: {((m.failure or '').strip().splitlines() or ['?'])[0]}"
         else:
-            emit(
-                f"{name.split('/')[-1]:<18} counted {counted / 2**20:>8.1f} MiB, "
-                f"measured {seg[0] / 2**20:>8.1f} MiB beside {seg[1] / GIB:.2f} GiB of weights"
-            )
-    if errors:
-        emit(
-            f"\nall phases: mean |error| {100 * statistics.fmean(abs(e) for e in errors):.2f}%, "
-            f"max {100 * max(abs(e) for e in errors):.2f}% over {len(errors)} phase peaks"
-        )
+            entry["step_seconds"] = m.step_seconds
+            for ph in PHASES:
+                rec = max((r.phases.get(ph, {}) for r in m.ranks), key=lambda r: r.get("cuda_max_reserved", 0))
+                if "cuda_max_reserved" in rec:
+                    entry["phases"][ph] = {k: rec[k] for k in ("cuda_max_allocated", "cuda_max_reserved")}
+        print(f"{label_of(c)}: {entry.get('not_run') or 'measured'} ({entry['seconds']} s)", flush=True)
+        save()
+    for name in models:
+        if name in segments:
+            seg = weight_segments_measured(segments[name])
+            record["segments"][name] = seg if isinstance(seg, str) else list(seg)
+    save()
     shutil.rmtree(tmp, ignore_errors=True)
+    print("\n".join(report(record, dry_run=args.dry_run)))
     if not args.dry_run:
         print(f"written to {out} ({time.monotonic() - start:.0f} s)")
 

@@ -60,6 +60,14 @@ class GPU(BaseModel):
     cuda_context_bytes: Annotated[int, Field(ge=0, description="Context memory outside the caching allocator.")] = (
         512 * MIB
     )
+    cublas_workspace_bytes: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="PyTorch's default cuBLAS workspace per handle and stream, from its caching allocator "
+            "(CUBLAS_WORKSPACE_CONFIG unset): 32 MiB on compute capability 9.0 (Hopper), else 8 MiB + 128 KiB.",
+        ),
+    ] = 8 * MIB + 128 * 1024
     memory_bandwidth_gbps: Annotated[float | None, Field(description="HBM bandwidth, GB/s.")] = None
     source: Annotated[str, Field(description="Where the figures come from.")] = ""
 
@@ -84,14 +92,19 @@ GPUS: dict[str, GPU] = {
         GPU(
             name="H100-80GB",
             memory_bytes=85_045_231_616,
+            cublas_workspace_bytes=32 * MIB,
             memory_bandwidth_gbps=3350,
             source="NVIDIA H100 SXM datasheet",
         ),
         GPU(
             name="H200",
-            memory_bytes=150_754_820_096,
+            memory_bytes=143_155 * MIB,
+            cuda_context_bytes=685 * MIB,
+            cublas_workspace_bytes=32 * MIB,
             memory_bandwidth_gbps=4800,
-            source="NVIDIA H200 datasheet (141 GB HBM3e; ~139.4 GiB visible)",
+            source="NVIDIA H200 datasheet (141 GB HBM3e); memory as torch reports it (139.80 GiB; NVML says "
+            "143,771 MiB) and context measured on one H200 SXM, torch 2.11 + CUDA 13.0 "
+            "(benchmarks/results/gpu_nvidia-h200.txt)",
         ),
         GPU(
             name="L4",

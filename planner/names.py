@@ -21,5 +21,6 @@ COMPONENTS = (
     "vllm",  # a colocated vLLM engine
     "comm_buffers",
     "cuda_context",
+    "cublas_workspace",  # cuBLAS' per-thread workspaces, from the caching allocator
     "allocator_slack",
 )

@@ -18,6 +18,7 @@ COMPONENT_COLORS: dict[str, str] = {
     "vllm": "#d4a6c8",
     "comm_buffers": "#86bcb6",
     "cuda_context": "#bab0ac",
+    "cublas_workspace": "#9d7660",
     "allocator_slack": "#79706e",
 }
 #: Bytes over the GPU's capacity.

@@ -1,5 +1,5 @@
-"""GPU-only terms: the CUDA context, the caching allocator's fragmentation and NCCL's
-communicator buffers, and the host memory of the trainer process."""
+"""GPU-only terms: the CUDA context, cuBLAS' workspaces, the caching allocator's fragmentation
+and NCCL's communicator buffers, and the host memory of the trainer process."""
 
 from __future__ import annotations
 
@@ -29,12 +29,15 @@ MIN_LARGE_ALLOC = 10 * MIB
 LARGE_ROUND = 2 * MIB
 
 
-def segment_bytes(requests: Iterable[int]) -> int:
-    """Bytes of the segments the CUDA caching allocator reserves for ``requests`` made in that
-    order and kept (never freed): each takes the smallest free block of its pool that fits, or
-    a new segment, and the rest of the block is split off when the split rule allows."""
+def allocator_blocks(requests: Iterable[int]) -> tuple[int, int]:
+    """(segments reserved, bytes of the blocks handed out) by the CUDA caching allocator for
+    ``requests`` made in that order and kept (never freed): each takes the smallest free block
+    of its pool that fits, or a new segment, and the rest of the block is split off when the
+    split rule allows; a block not split is handed out whole. ``torch.cuda.memory_reserved()``
+    and ``memory_allocated()`` read these two (the latter counts blocks, not requests: a 43 MiB
+    weight in a 44 MiB segment it cannot split is 44 MiB allocated)."""
     free: dict[bool, list[int]] = {True: [], False: []}
-    reserved = 0
+    reserved = handed = 0
     for request in requests:
         size = max(BLOCK_ROUND, -(-request // BLOCK_ROUND) * BLOCK_ROUND)
         small = size <= SMALL_REQUEST
@@ -53,7 +56,16 @@ def segment_bytes(requests: Iterable[int]) -> int:
         rest = block - size
         if rest >= BLOCK_ROUND if small else rest > SMALL_REQUEST:
             free[small].append(rest)
-    return reserved
+            handed += size
+        else:
+            handed += block
+    return reserved, handed
+
+
+def segment_bytes(requests: Iterable[int]) -> int:
+    """Bytes of the segments the CUDA caching allocator reserves for ``requests`` made in that
+    order and kept (:func:`allocator_blocks`)."""
+    return allocator_blocks(requests)[0]
 
 
 def weight_segment_bytes(ctx: Context, layout: Layout) -> int:
@@ -76,11 +88,35 @@ def weight_segment_bytes(ctx: Context, layout: Layout) -> int:
     return layout.sums[key]
 
 
-def gpu_overheads(ctx: Context, components: dict[str, int], layout: Layout | None = None) -> dict[str, int]:
-    """On a GPU: the device's CUDA context, the allocator's slack (allocator_slack_fraction x
-    the churning components, and what the base weights' segments hold beyond them while the
-    weights are on the device: :func:`weight_segment_bytes`), and nccl_bytes with more than
-    one GPU. None on a CPU run."""
+#: cuBLASLt's own workspace per handle, PyTorch's default (CUBLASLT_WORKSPACE_SIZE unset: 1024 KiB)
+CUBLASLT_WORKSPACE = MIB
+#: cuBLAS handles a training step uses: one per thread (PyTorch's handle pool is per thread), the
+#: forward's on the Python thread and the backward's on autograd's thread for the device
+CUBLAS_THREADS = 2
+
+
+def cublas_workspace_bytes(ctx: Context) -> int:
+    """PyTorch's cuBLAS and cuBLASLt workspaces: each (handle, stream) gets its own from the
+    caching allocator at its first matmul and keeps it for the process's life, so from the
+    first step on every phase holds those of the forward's thread and autograd's backward
+    thread: CUBLAS_THREADS x (the GPU's cublas_workspace_bytes + CUBLASLT_WORKSPACE). On an
+    H200 that is 66 MiB, and it is what one Qwen2.5-0.5B and one Qwen2.5-1.5B probe's step
+    phase held beyond the counted tensors and the weights' blocks (66 + 7.9 MiB counted,
+    74.3 measured; 66 + 0.9 counted, 67.5 measured: benchmarks/results/gpu_nvidia-h200.txt).
+    0 on a CPU run."""
+    if not ctx.on_gpu:
+        return 0
+    return CUBLAS_THREADS * (ctx.cluster.gpu.cublas_workspace_bytes + CUBLASLT_WORKSPACE)
+
+
+def gpu_overheads(
+    ctx: Context, components: dict[str, int], layout: Layout | None = None, *, matmuls: bool = True
+) -> dict[str, int]:
+    """On a GPU: the device's CUDA context, cuBLAS' workspaces once a matmul has run
+    (:func:`cublas_workspace_bytes`; ``matmuls`` False before the first step, as in loading),
+    the allocator's slack (allocator_slack_fraction x the churning components, and what the
+    base weights' segments hold beyond them while the weights are on the device:
+    :func:`weight_segment_bytes`), and nccl_bytes with more than one GPU. None on a CPU run."""
     if not ctx.on_gpu:
         return {}
     k = ctx.coefficients
@@ -89,6 +125,7 @@ def gpu_overheads(ctx: Context, components: dict[str, int], layout: Layout | Non
     segments = weight_segment_bytes(ctx, layout) if resident and layout is not None else 0
     return {
         "cuda_context": ctx.cluster.gpu.cuda_context_bytes,
+        **({"cublas_workspace": cublas_workspace_bytes(ctx)} if matmuls else {}),
         "allocator_slack": int(churning * k.allocator_slack_fraction) + segments,
         **({"comm_buffers": k.nccl_bytes} if ctx.num_gpus > 1 else {}),
     }

@@ -110,10 +110,13 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
     )
 
 
-def make_phase(ctx: Context, terms: Terms, components: Components, host: Components | None = None) -> PhaseEstimate:
-    """A phase's non-zero components (as ints) with the GPU overheads on what they allocate."""
+def make_phase(
+    ctx: Context, terms: Terms, components: Components, host: Components | None = None, *, matmuls: bool = True
+) -> PhaseEstimate:
+    """A phase's non-zero components (as ints) with the GPU overheads on what they allocate
+    (``matmuls``: cuBLAS' workspaces are there, from the first step on)."""
     merged = {name: int(v) for name, v in components.items() if v}
-    for name, v in gpu_overheads(ctx, merged, terms.layout).items():
+    for name, v in gpu_overheads(ctx, merged, terms.layout, matmuls=matmuls).items():
         merged[name] = merged.get(name, 0) + v
     return PhaseEstimate(components=merged, host={**terms.host, **(host or {})})
 
@@ -130,6 +133,7 @@ def load_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
         terms,
         {**terms.static, "optimizer_state": 0, "weights_gathered": load_gathered_bytes(ctx, terms.layout)},
         {"host_checkpoint": load_host_checkpoint_bytes(ctx, terms.layout)},
+        matmuls=False,
     )
 
 

@@ -86,9 +86,13 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     result["world_size"] = get_world_size()
 
     algorithm, kwargs = _algorithm_and_arguments(request, workload, fsdp)
-    agent = _load(algorithm, request["model"], kwargs, result)
+    components = request.get("components")
+    components = device != "cuda" if components is None else components
+    agent = _load(algorithm, request["model"], kwargs, result, track=components)
     dev = device_of(agent.model)
-    recorder = PhaseRecorder(agent.model, agent.optimizer, dev, enabled=False, reference=agent.reference_model)
+    recorder = PhaseRecorder(
+        agent.model, agent.optimizer, dev, enabled=False, reference=agent.reference_model, components=components
+    )
     fault = _fault_injection(result["rank"])
     stall = _fault_injection(result["rank"], "AGILERL_PROBE_STALL")
 
@@ -207,9 +211,11 @@ def _algorithm_and_arguments(request: dict, workload, fsdp) -> tuple[type, dict]
     return algorithm, kwargs
 
 
-def _load(algorithm: type, model: str, kwargs: dict, result: dict):
-    """Build the agent under a tracker and record the load phase: host peak, the tracker's
-    device peak, the model's and the reference's parameter bytes (CUDA's peaks on a GPU)."""
+def _load(algorithm: type, model: str, kwargs: dict, result: dict, *, track: bool = True):
+    """Build the agent (under a tracker when ``track``) and record the load phase: host peak, the
+    tracker's device peak, the model's and the reference's parameter bytes (CUDA's peaks on a GPU)."""
+    import contextlib
+
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -219,16 +225,14 @@ def _load(algorithm: type, model: str, kwargs: dict, result: dict):
     on_cuda = kwargs["device"] == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    load_tracker = MemTracker()
+    load_tracker = MemTracker() if track else None
     start = time.perf_counter()
-    with load_tracker:
+    with load_tracker or contextlib.nullcontext():
         agent = algorithm(model, **kwargs)
     result["load_seconds"] = time.perf_counter() - start
     dev = device_of(agent.model)
-    load = {
-        "host_peak": host_peak_bytes(),
-        "tracker_total": int(load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0)),
-    }
+    peak = load_tracker.get_tracker_snapshot("peak").get(dev, {}).get("Total", 0) if load_tracker else 0
+    load = {"host_peak": host_peak_bytes(), "tracker_total": int(peak)}
     load.update(param_bytes(agent.model))
     reference = param_bytes(agent.reference_model) if agent.reference_model is not None else {}
     if reference:

@@ -303,8 +303,12 @@ class PhaseRecorder:
     #: full fine-tuning's frozen reference copy: its parameters are counted as reference_weights, and
     #: what its units gather while it runs is found among the tensors a phase makes
     reference: nn.Module | None = None
+    #: False (CUDA only): no tensor tracker, each record is the allocator's peaks and the parameters
+    components: bool = True
 
     def __post_init__(self) -> None:
+        if not self.components and self.device.type != "cuda":
+            raise ValueError("a phase record without components needs CUDA's allocator peaks")
         # Exact parameter bytes while sharded. Later, FSDP may hold units unsharded
         # (reshard_after_forward=False keeps them gathered after a no-grad forward).
         self.static = param_bytes(self.model)
@@ -338,6 +342,12 @@ class PhaseRecorder:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        if not self.components:
+            try:
+                yield
+            finally:
+                self._keep(name, self._allocator_record())
+            return
         accumulated = 0
         if self.fsdp_categories:
             tracker = _repeating_fsdp_mem_tracker(self.model, self.optimizer)
@@ -383,9 +393,25 @@ class PhaseRecorder:
                 torch.cuda.synchronize(self.device)
                 record["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
                 record["cuda_max_reserved"] = torch.cuda.max_memory_reserved(self.device)
-            previous = self.peaks.get(name)
-            if previous is None or record["total"] > previous["total"]:
-                self.peaks[name] = record
+            self._keep(name, record)
+
+    def _keep(self, name: str, record: dict[str, int]) -> None:
+        previous = self.peaks.get(name)
+        if previous is None or record["total"] > previous["total"]:
+            self.peaks[name] = record
+
+    def _allocator_record(self) -> dict[str, int]:
+        """The phase's record from CUDA's allocator alone: its peaks (the total is the allocated
+        one, tensors only, as a tracker's) and the parameters' bytes."""
+        torch.cuda.synchronize(self.device)
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        return {
+            **self.static,
+            "total": allocated,
+            "cuda_max_allocated": allocated,
+            "cuda_max_reserved": torch.cuda.max_memory_reserved(self.device),
+            "host_peak": host_peak_bytes(),
+        }
 
     def _known_storages(self) -> set[int]:
         """Storages the trackers count on their own: parameters, buffers, their gradients and

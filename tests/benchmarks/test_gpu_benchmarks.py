@@ -41,3 +41,26 @@ def test_the_gpu_probe_plans_its_configurations_offline():
     assert any(" nf4 " in line and "learn" in line for line in lines)
     assert any(line.startswith("OLMoE") and " attn " in line and "learn" in line for line in lines)
     assert "counted" in lines[-1] and lines[-1].startswith("OLMoE")
+
+
+def test_a_committed_gpu_run_is_judged_again_offline(tmp_path):
+    import json
+
+    record = ROOT / "benchmarks" / "results" / "gpu_nvidia-h200.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_probe", "--replay", str(record), "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "gpu_nvidia-h200.txt").read_text()
+    assert table == out.stdout
+    # the measured device peaks come from the record: reserved plus the measured context
+    data = json.loads(record.read_text())
+    first = data["configs"][0]
+    peak = max(p["cuda_max_reserved"] for p in first["phases"].values()) + data["gpu"]["cuda_context_bytes"]
+    assert f"training window: measured {peak / 2**30:.2f} GiB" in table
+    assert table.count("training window: measured") == len(data["configs"])

@@ -15,13 +15,21 @@ def test_gpu_terms_only_on_gpus(dense_spec):
     components = {"weights": 5 * 10**9, "activations": 10**9, "vllm": 10**9}
     assert gpu_overheads(make_context(dense_spec), components) == {}
     # slack only on what the allocator hands out and takes back within a step
+    mib = 2**20
     assert gpu_overheads(make_context(dense_spec, gpu=gpu), components) == {
         "cuda_context": gpu.cuda_context_bytes,
+        # two threads' cuBLAS workspaces (8 MiB + 128 KiB off Hopper) and cuBLASLt's (1 MiB each)
+        "cublas_workspace": 2 * (8 * mib + 128 * 1024 + mib),
         "allocator_slack": int(10**9 * k.allocator_slack_fraction),
         "comm_buffers": k.nccl_bytes,
     }
     single = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components)
     assert "comm_buffers" not in single  # no NCCL on one GPU
+    # Hopper's default workspace is 32 MiB; none before the first matmul (loading the weights)
+    hopper = gpu_overheads(make_context(dense_spec, gpu=GPUS["H200"], gpus=1), components)
+    assert hopper["cublas_workspace"] == 2 * (32 * mib + mib)
+    loading = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components, matmuls=False)
+    assert "cublas_workspace" not in loading
 
 
 def test_segments_follow_the_caching_allocators_rules():
@@ -40,6 +48,20 @@ def test_segments_follow_the_caching_allocators_rules():
     assert segment_bytes([mib, mib, 1]) == 4 * mib
     assert segment_bytes([100] * 4096) == 2 * mib
     assert segment_bytes([]) == 0
+
+
+def test_blocks_not_split_are_handed_out_whole():
+    from planner.memory._overheads import allocator_blocks
+
+    mib = 2**20
+    mlp = 2048 * 11008 * 2  # 43 MiB: its 44 MiB segment's last 1 MiB stays in its block
+    assert allocator_blocks([mlp]) == (44 * mib, 44 * mib)
+    # an 8 MiB projection is split off a 20 MiB segment; the next one too; the 4 MiB left stays free
+    assert allocator_blocks([8 * mib, 8 * mib]) == (20 * mib, 16 * mib)
+    # a 19.5 MiB request (above 10 MiB) rounds to 20 MiB; 0.5 MiB is not over 1 MiB: handed out whole
+    assert allocator_blocks([19 * mib + mib // 2]) == (20 * mib, 20 * mib)
+    # small requests round to 512 bytes and split their 2 MiB segment
+    assert allocator_blocks([100, 600]) == (2 * mib, 512 + 1024)
 
 
 def test_the_weights_segments_count_on_gpus_while_the_weights_are_on_the_device(dense_spec):

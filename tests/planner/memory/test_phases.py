@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from planner.hardware import GPUS
 from planner.memory import Coefficients
-from planner.memory._overheads import weight_segment_bytes
-from planner.memory._phases import larger, make_phase, reference_phase, shared_terms
+from planner.memory._overheads import cublas_workspace_bytes, weight_segment_bytes
+from planner.memory._phases import larger, load_phase, make_phase, reference_phase, shared_terms
 from planner.memory._units import build_layout
 
 from .conftest import make_context
@@ -31,8 +31,10 @@ def test_a_phase_drops_empty_components_and_adds_the_gpu_terms(dense_spec):
         "activations": 2000,
         "allocator_slack": 5 + slack + segments,
         "cuda_context": gpu.cuda_context_bytes,
+        "cublas_workspace": cublas_workspace_bytes(ctx),
     }
     assert phase.host == {"host_process": Coefficients().host_process_bytes}
+    assert "cublas_workspace" not in load_phase(ctx, terms).components  # before the first matmul
     parked = make_phase(ctx, terms, {"weights": 0, "activations": 2000})  # the weights on the host
     assert parked.components["allocator_slack"] == slack
 

@@ -401,3 +401,20 @@ def test_killing_a_launch_waits_until_its_descendants_are_gone():
     _kill_group(launcher)
     launcher.wait()
     assert not [pid for pid in victims if _alive(pid)]
+
+
+def test_a_record_without_components_needs_cudas_allocator():
+    import torch
+
+    from planner.probe.tracking import PhaseRecorder
+
+    model = torch.nn.Linear(4, 4)
+    # on CUDA a phase's record may come from the allocator's peaks alone (components=False, the
+    # default there); a CPU has no such peaks, so only the tracker can measure a phase
+    with pytest.raises(ValueError, match="CUDA"):
+        PhaseRecorder(model, None, torch.device("cpu"), components=False)
+    recorder = PhaseRecorder(model, None, torch.device("cpu"))
+    with recorder("learn"):
+        model(torch.ones(8, 4)).sum().backward()
+    assert recorder.peaks["learn"]["total"] > 0 and "cuda_max_reserved" not in recorder.peaks["learn"]
+    assert ProbeRequest(model="tiny:qwen2").components is None  # chosen by the device in the rank
