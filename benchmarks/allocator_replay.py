@@ -1,0 +1,107 @@
+"""The trainer's device peaks on a GPU, replayed on CPU through the CUDA caching allocator.
+
+    python -m benchmarks.allocator_replay [--record benchmarks/results/gpu_nvidia-h200.json] [--limit K]
+
+For each configuration a GPU run recorded (benchmarks/gpu_probe.py), it builds the same
+trainer on CPU (bf16 base, fp32 adapters, random weights from the catalog's config), records
+every storage its first two learn steps make and free (planner.probe.allocator.TraceRecorder,
+each phase marked), and replays them through the caching allocator's rules
+(planner.probe.allocator.CachingAllocator) after the weights and adapters placed a tensor at
+a time and cuBLAS' two workspaces (planner.memory._overheads.cublas_workspace_bytes). It
+prints per phase of the second step the replayed reserved and allocated peaks beside the
+GPU's ``max_memory_reserved`` and ``max_memory_allocated``: whether the trace of what the
+code keeps, under the allocator's rules, explains what the GPU reserved beyond its tensors.
+What kernels allocate inside themselves (none of it through PyTorch's dispatcher) is not in
+the trace, on either device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+MIB = 2**20
+
+
+def replay_config(entry: dict, gpu) -> dict[str, dict]:
+    import torch
+
+    from benchmarks.gpu_probe import Config, request, write_config
+    from planner import catalog
+    from planner.memory._overheads import CUBLASLT_WORKSPACE
+    from planner.probe._worker import _algorithm_and_arguments, _synthetic_batches
+    from planner.probe.allocator import TraceRecorder, replay
+
+    c = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+    with tempfile.TemporaryDirectory() as tmp:
+        req = request(write_config(c.model, Path(tmp) / catalog.slug(c.model)), c).model_copy(update={"device": "cpu"})
+        body = json.loads(req.model_dump_json())
+        algorithm, kwargs = _algorithm_and_arguments(body, req.workload, None)
+        agent = algorithm(req.model, **kwargs)
+    gen = torch.Generator().manual_seed(1234)
+    experiences = _synthetic_batches(agent, req.workload, gen)
+    tensors = [*agent.model.parameters(), *agent.model.buffers()]
+    events: list[tuple[str, object, int]] = [
+        ("alloc", ("w", i), t.untyped_storage().nbytes()) for i, t in enumerate(tensors)
+    ]
+    for thread in range(2):  # the forward's and autograd's cuBLAS handles, from their first matmul on
+        events.append(("alloc", ("cublas", thread), gpu.cublas_workspace_bytes))
+        events.append(("alloc", ("cublaslt", thread), CUBLASLT_WORKSPACE))
+    recorder = TraceRecorder(exclude={t.untyped_storage().data_ptr() for t in tensors})
+
+    step = [0]
+
+    @contextlib.contextmanager
+    def observe(name: str):
+        recorder.mark(f"{step[0]}:{name}")
+        yield
+        recorder.mark(f"{step[0]}:after-{name}")
+
+    agent.phase_observer = observe
+    with recorder:
+        for step[0] in (1, 2):
+            agent.learn(experiences())
+    return replay(events + recorder.events)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_nvidia-h200.json")
+    parser.add_argument("--limit", type=int, default=None, help="only the first K configurations")
+    args = parser.parse_args()
+    from benchmarks.gpu_probe import Config, label_of
+    from planner.hardware import GPU
+
+    record = json.loads(args.record.read_text())
+    gpu = GPU.model_validate(record["gpu"])
+    print(f"record: {args.record.relative_to(ROOT) if args.record.is_relative_to(ROOT) else args.record}")
+    print(
+        f"{'configuration':<52} {'phase':>9} {'GPU reserved':>13} {'replayed':>9} {'GPU allocated':>14} {'replayed':>9}"
+        "  (GiB)"
+    )
+    for entry in record["configs"][: args.limit]:
+        if not entry.get("phases"):
+            continue
+        c = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+        start = time.monotonic()
+        spans = replay_config(entry, gpu)
+        for ph, measured in entry["phases"].items():
+            got = spans.get(f"2:{ph}")
+            if got is None:
+                continue
+            print(
+                f"{label_of(c):<52} {ph:>9} {measured['cuda_max_reserved'] / GIB:>13.3f} {got['reserved'] / GIB:>9.3f}"
+                f" {measured['cuda_max_allocated'] / GIB:>14.3f} {got['allocated'] / GIB:>9.3f}",
+                flush=True,
+            )
+        print(f"  ({time.monotonic() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""planner.probe.allocator: the CUDA caching allocator's rules, replayed."""
+
+from __future__ import annotations
+
+import torch
+
+from planner.probe.allocator import CachingAllocator, TraceRecorder, replay
+
+MIB = 2**20
+
+
+def test_a_freed_block_is_cached_and_served_again():
+    a = CachingAllocator()
+    tile = a.malloc(594 * MIB)
+    a.free(tile)
+    assert (a.reserved, a.allocated) == (594 * MIB, 0)  # nothing is given back
+    a.malloc(594 * MIB)
+    assert a.reserved == 594 * MIB
+
+
+def test_a_cached_block_carved_by_a_smaller_request_cannot_take_the_next_tile():
+    a = CachingAllocator()
+    a.free(a.malloc(594 * MIB))
+    activation = a.malloc(38 * MIB)  # the smallest cached block that fits: the tile's, split
+    a.malloc(594 * MIB)  # 556 MiB left there: a second segment
+    assert (a.reserved, a.allocated) == (1188 * MIB, 632 * MIB)
+    a.free(activation)  # merges with the 556 MiB left beside it: one 594 MiB block again
+    a.malloc(594 * MIB)
+    assert (a.reserved, a.allocated) == (1188 * MIB, 1188 * MIB)
+
+
+def test_segment_sizes_rounding_and_splits():
+    a = CachingAllocator()
+    a.malloc(2048 * 11008 * 2)  # 43 MiB: a 44 MiB segment, the 1 MiB left is not split off
+    assert (a.reserved, a.allocated) == (44 * MIB, 44 * MIB)
+    a = CachingAllocator()
+    a.malloc(8 * MIB)  # under 10 MiB: a 20 MiB segment, 12 MiB split off and cached
+    a.malloc(8 * MIB)
+    a.malloc(8 * MIB)  # 4 MiB left in the first: a second segment
+    assert (a.reserved, a.allocated) == (40 * MIB, 24 * MIB)
+    a = CachingAllocator()
+    for _ in range(3):
+        a.malloc(100)  # the small pool: 512-byte blocks of one 2 MiB segment
+    assert (a.reserved, a.allocated) == (2 * MIB, 3 * 512)
+
+
+def test_replay_reports_each_marked_spans_peaks():
+    events = [
+        ("alloc", "w", 10 * MIB),
+        ("mark", "learn", 0),
+        ("alloc", "x", 30 * MIB),
+        ("free", "x", 0),
+        ("mark", "step", 0),
+        ("alloc", "y", 4 * MIB),
+    ]
+    spans = replay(events)
+    assert spans["learn"] == {"reserved": 40 * MIB, "allocated": 40 * MIB}
+    # the peaks restart at a mark from what is held then (40 MiB reserved, 10 allocated); the
+    # 4 MiB request is served from x's cached 30 MiB block, split: no new segment
+    assert spans["step"] == {"reserved": 40 * MIB, "allocated": 14 * MIB}
+
+
+def test_the_recorder_sees_each_new_storage_and_its_free():
+    x = torch.ones(1000)
+    recorder = TraceRecorder(exclude={x.untyped_storage().data_ptr()})
+    with recorder:
+        y = x * 2
+        z = y.view(10, 100)  # a view: no new storage
+        recorder.mark("between")
+        del y, z
+    kinds = [(kind, size) for kind, _, size in recorder.events]
+    assert kinds == [("alloc", 4000), ("mark", 0), ("free", 0)]
