@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 
 from ._context import Context
+from ._logits import chunk_rows
 from ._static import stored_tensor_bytes
 from ._units import Layout
 
@@ -134,3 +135,22 @@ def gpu_overheads(
 def host_process_bytes(ctx: Context) -> int:
     """Host memory of a trainer process before the model (host_process_bytes)."""
     return ctx.coefficients.host_process_bytes
+
+
+def learn_tile_segment_bytes(ctx: Context) -> int:
+    """A second segment for the learn phase's fp32 logits tile, on a GPU, when a no-grad pass
+    (the reference's, or the old policy's with update_epochs > 1) ran before it in the step.
+
+    That pass leaves its logits tiles' segments cached (each tile above 10 MiB has a segment
+    of its own: one in the compute dtype, one fp32). The learn forward's saved activations
+    then take the smallest cached blocks that fit, and once the small ones are used they
+    carve the compute-dtype tile's segment; that tile then splits the fp32 one, and the fp32
+    tile gets a new segment of its size, which the allocator keeps: chunk rows x V x 4. The
+    allocator's replay of the trainer's first two steps (planner.probe.allocator over a trace
+    recorded on CPU, benchmarks/allocator_replay.py) shows exactly that one new 594 MiB
+    segment in the learn phase of Qwen2.5-0.5B and of 1.5B, and reproduces the H200's
+    allocated peaks of both to 1 MiB. 0 on a CPU run."""
+    workload = ctx.workload
+    if not ctx.on_gpu or not (workload.has_reference or workload.update_epochs > 1):
+        return 0
+    return chunk_rows(ctx) * ctx.vocab_size * 4

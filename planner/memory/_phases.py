@@ -40,7 +40,7 @@ from ._logits import (
     learn_logits_bytes,
     reference_logits_bytes,
 )
-from ._overheads import gpu_overheads, host_process_bytes
+from ._overheads import gpu_overheads, host_process_bytes, learn_tile_segment_bytes
 from ._result import Estimate, PhaseEstimate
 from ._static import (
     FULL_NOTE,
@@ -298,6 +298,8 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
         {
             **terms.static,
             "vllm": terms.vllm_asleep,
+            # reserved from the learn forward's head on, whichever moment peaks (GPU only)
+            "allocator_slack": learn_tile_segment_bytes(ctx),
             **larger(
                 # (a trained untied lm_head: its unit's own backward and reduce-scatter, of the one-position
                 # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks)

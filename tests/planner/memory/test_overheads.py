@@ -81,3 +81,22 @@ def test_the_weights_segments_count_on_gpus_while_the_weights_are_on_the_device(
     assert gpu_overheads(ctx, components, layout)["allocator_slack"] == slack + segments
     parked = {"weights": 0, "activations": 10**9}  # rollout with the weights on the host
     assert gpu_overheads(ctx, parked, layout)["allocator_slack"] == slack
+
+
+def test_the_learn_phase_reserves_a_second_fp32_tile_after_a_no_grad_pass(dense_spec):
+    from planner.memory._logits import chunk_rows
+    from planner.memory._overheads import learn_tile_segment_bytes
+    from planner.memory._phases import learn_phase, shared_terms
+    from planner.memory._units import build_layout
+
+    gpu = GPUS["H200"]
+    ctx = make_context(dense_spec, gpu=gpu, gpus=1)  # GRPO with a KL term: the reference pass runs first
+    tile = chunk_rows(ctx) * ctx.vocab_size * 4
+    assert tile > 0 and learn_tile_segment_bytes(ctx) == tile
+    # no no-grad pass before learn (no KL term, one epoch): nothing carved, nothing re-reserved
+    assert learn_tile_segment_bytes(make_context(dense_spec, gpu=gpu, gpus=1, beta=0.0, update_epochs=1)) == 0
+    assert learn_tile_segment_bytes(make_context(dense_spec, gpus=1)) == 0  # no allocator on a CPU run
+    with_pass = learn_phase(ctx, shared_terms(ctx, build_layout(ctx))).components["allocator_slack"]
+    plain = make_context(dense_spec, gpu=gpu, gpus=1, beta=0.0, update_epochs=1)
+    without = learn_phase(plain, shared_terms(plain, build_layout(plain))).components["allocator_slack"]
+    assert with_pass - without >= tile  # on top of the slack on what churns
