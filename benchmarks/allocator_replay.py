@@ -6,7 +6,7 @@ For each configuration a GPU run recorded (benchmarks/gpu_probe.py), it builds t
 trainer on CPU (bf16 base, fp32 adapters, random weights from the catalog's config), records
 every storage its first two learn steps make and free (planner.probe.allocator.TraceRecorder,
 each phase marked), and replays them through the caching allocator's rules
-(planner.probe.allocator.CachingAllocator) after the weights and adapters placed a tensor at
+(planner.memory.CachingAllocator) after the weights and adapters placed a tensor at
 a time and cuBLAS' two workspaces (planner.memory._overheads.cublas_workspace_bytes). It
 prints per phase of the second step the replayed reserved and allocated peaks beside the
 GPU's ``max_memory_reserved`` and ``max_memory_allocated``: whether the trace of what the

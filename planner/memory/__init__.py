@@ -33,6 +33,7 @@ the log-prob workspace (``_logits``), generation (``_generation``), GPU-only ter
 (``_overheads``), the phases (``_phases``) and the entry points (``_estimate``).
 """
 
+from ._allocator import CachingAllocator
 from ._coefficients import Coefficients
 from ._context import DTYPE_BYTES, resolve_workload
 from ._estimate import (
@@ -53,6 +54,7 @@ from ._parallel import (
 from ._result import Estimate, PhaseEstimate
 
 __all__ = [
+    "CachingAllocator",
     "Coefficients",
     "Estimate",
     "PhaseEstimate",

@@ -3,9 +3,9 @@ and NCCL's communicator buffers, and the host memory of the trainer process."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
+from ._allocator import MIB, CachingAllocator
 from ._context import Context
 from ._logits import chunk_rows
 from ._static import stored_tensor_bytes
@@ -17,50 +17,17 @@ from ._units import Layout
 #: (:func:`weight_segment_bytes`); vLLM's memory is its own pool.
 CHURNING = ("activations", "logits", "gradients", "kv_cache", "weights_gathered", "comm_buffers")
 
-MIB = 2**20
-#: PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, its defaults): a request
-#: is rounded up to 512 bytes; up to 1 MiB it is served from the small pool's 2 MiB segments, up
-#: to 10 MiB from 20 MiB segments, above that from a segment of its own rounded up to 2 MiB; a
-#: block is split when what remains is at least 512 bytes (small pool) or over 1 MiB (large).
-BLOCK_ROUND = 512
-SMALL_REQUEST = MIB
-SMALL_SEGMENT = 2 * MIB
-LARGE_SEGMENT = 20 * MIB
-MIN_LARGE_ALLOC = 10 * MIB
-LARGE_ROUND = 2 * MIB
-
 
 def allocator_blocks(requests: Iterable[int]) -> tuple[int, int]:
     """(segments reserved, bytes of the blocks handed out) by the CUDA caching allocator for
-    ``requests`` made in that order and kept (never freed): each takes the smallest free block
-    of its pool that fits, or a new segment, and the rest of the block is split off when the
-    split rule allows; a block not split is handed out whole. ``torch.cuda.memory_reserved()``
+    ``requests`` made in that order and kept (never freed), under its rules
+    (:class:`~planner.memory._allocator.CachingAllocator`). ``torch.cuda.memory_reserved()``
     and ``memory_allocated()`` read these two (the latter counts blocks, not requests: a 43 MiB
     weight in a 44 MiB segment it cannot split is 44 MiB allocated)."""
-    free: dict[bool, list[int]] = {True: [], False: []}
-    reserved = handed = 0
+    allocator = CachingAllocator()
     for request in requests:
-        size = max(BLOCK_ROUND, -(-request // BLOCK_ROUND) * BLOCK_ROUND)
-        small = size <= SMALL_REQUEST
-        fits = [b for b in free[small] if b >= size]
-        if fits:
-            block = min(fits)
-            free[small].remove(block)
-        else:
-            if small:
-                block = SMALL_SEGMENT
-            elif size < MIN_LARGE_ALLOC:
-                block = LARGE_SEGMENT
-            else:
-                block = math.ceil(size / LARGE_ROUND) * LARGE_ROUND
-            reserved += block
-        rest = block - size
-        if rest >= BLOCK_ROUND if small else rest > SMALL_REQUEST:
-            free[small].append(rest)
-            handed += size
-        else:
-            handed += block
-    return reserved, handed
+        allocator.malloc(request)
+    return allocator.reserved, allocator.allocated
 
 
 def segment_bytes(requests: Iterable[int]) -> int:

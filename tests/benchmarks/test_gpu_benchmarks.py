@@ -25,9 +25,9 @@ def test_the_public_rows_are_rebuilt_and_estimated():
         assert ("vllm" in components) and (("weights" in components) == (row.phase == "training"))
 
 
-def test_the_gpu_probe_plans_its_configurations_offline():
+def _gpu_probe(*args: str) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_probe", "--dry-run"],
+        [sys.executable, "-m", "benchmarks.gpu_probe", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -35,6 +35,11 @@ def test_the_gpu_probe_plans_its_configurations_offline():
         check=False,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+def test_the_gpu_probe_plans_its_configurations_offline():
+    out = _gpu_probe("--dry-run")
     assert "Qwen2.5-0.5B" in out.stdout and "learn" in out.stdout and "torch " in out.stdout
     # every configuration is estimated, the QLoRA twin and OLMoE with LoRA on its attention among them
     lines = out.stdout.splitlines()
@@ -47,15 +52,7 @@ def test_a_committed_gpu_run_is_judged_again_offline(tmp_path):
     import json
 
     record = ROOT / "benchmarks" / "results" / "gpu_nvidia-h200.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_probe", "--replay", str(record), "--out-dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _gpu_probe("--replay", str(record), "--out-dir", str(tmp_path))
     table = (tmp_path / "gpu_nvidia-h200.txt").read_text()
     assert table == out.stdout
     # the measured device peaks come from the record: reserved plus the measured context
