@@ -8,6 +8,7 @@ import planner.memory as memory
 def test_public_names_are_pinned():
     assert sorted(memory.__all__) == sorted(
         [
+            "CachingAllocator",
             "Coefficients",
             "Estimate",
             "PhaseEstimate",
