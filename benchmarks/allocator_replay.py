@@ -32,13 +32,13 @@ MIB = 2**20
 def replay_config(entry: dict, gpu) -> dict[str, dict]:
     import torch
 
-    from benchmarks.gpu_probe import Config, request, write_config
+    from benchmarks.gpu_probe import config_of, request, write_config
     from planner import catalog
     from planner.memory._overheads import CUBLASLT_WORKSPACE
     from planner.probe._worker import _algorithm_and_arguments, _synthetic_batches
     from planner.probe.allocator import TraceRecorder, replay
 
-    c = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+    c = config_of(entry)
     with tempfile.TemporaryDirectory() as tmp:
         req = request(write_config(c.model, Path(tmp) / catalog.slug(c.model)), c).model_copy(update={"device": "cpu"})
         body = json.loads(req.model_dump_json())
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--record", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_nvidia-h200.json")
     parser.add_argument("--limit", type=int, default=None, help="only the first K configurations")
     args = parser.parse_args()
-    from benchmarks.gpu_probe import Config, label_of
+    from benchmarks.gpu_probe import config_of, label_of
     from planner.hardware import GPU
 
     record = json.loads(args.record.read_text())
@@ -88,7 +88,7 @@ def main() -> None:
     for entry in record["configs"][: args.limit]:
         if not entry.get("phases"):
             continue
-        c = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+        c = config_of(entry)
         start = time.monotonic()
         spans = replay_config(entry, gpu)
         for ph, measured in entry["phases"].items():

@@ -211,6 +211,11 @@ def write_config(name: str, target: Path) -> str:
     return str(target)
 
 
+def config_of(entry: dict) -> Config:
+    """A record entry's configuration (JSON keeps the LoRA targets as a list)."""
+    return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+
+
 def label_of(c: Config) -> str:
     return (
         f"{c.model.split('/')[-1]:<18} {'nf4' if c.four_bit else 'bf16':>4}"
@@ -254,7 +259,7 @@ def report(record: dict, *, dry_run: bool = False) -> list[str]:
     ]
     errors = []
     for entry in record["configs"]:
-        c = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()})
+        c = config_of(entry)
         label, est = label_of(c), estimate_of(c, gpu)
         if entry.get("not_run"):
             rows.append(f"{label} {entry['not_run']}")

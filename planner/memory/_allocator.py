@@ -98,20 +98,20 @@ class CachingAllocator:
         after, before = block.next, block.prev
         if after is not None and after.free:
             pool.remove((after.size, after.segment, after.offset))
-            del self._blocks[(after.segment, after.offset)]
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
+            self._join(block, after)
         if before is not None and before.free:
             pool.remove((before.size, before.segment, before.offset))
-            del self._blocks[(block.segment, block.offset)]
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
+            self._join(before, block)
             block = before
         bisect.insort(pool, (block.size, block.segment, block.offset))
+
+    def _join(self, left: _Block, right: _Block) -> None:
+        """``right`` merged into its neighbour ``left`` (neither is in a pool)."""
+        del self._blocks[(right.segment, right.offset)]
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
 
     def reset_peaks(self) -> None:
         self.peak_reserved, self.peak_allocated = self.reserved, self.allocated
