@@ -404,7 +404,10 @@ def main() -> None:
         m = run_probe(
             request(write_config(c.model, tmp / catalog.slug(c.model)), c), env={"AGILERL_PROBE_THREADS": threads}
         )
-        entry.update(seconds=round(time.monotonic() - t0, 1), load_seconds=m.ranks[0].load_seconds if m.ranks else None)
+        entry.update(
+            seconds=round(time.monotonic() - t0, 1),
+            stages={k: round(v, 1) for k, v in m.ranks[0].stages.items()} if m.ranks else {},
+        )
         if not m.ok:
             failures += 1
             print(f"--- {label_of(c)}: worker failure ---\n{m.failure}\n---", flush=True)
@@ -415,7 +418,8 @@ def main() -> None:
                 rec = max((r.phases.get(ph, {}) for r in m.ranks), key=lambda r: r.get("cuda_max_reserved", 0))
                 if "cuda_max_reserved" in rec:
                     entry["phases"][ph] = {k: rec[k] for k in ("cuda_max_allocated", "cuda_max_reserved")}
-        print(f"{label_of(c)}: {entry.get('not_run') or 'measured'} ({entry['seconds']} s)", flush=True)
+        spent = ", ".join(f"{k} {v:g}" for k, v in entry["stages"].items())
+        print(f"{label_of(c)}: {entry.get('not_run') or 'measured'} ({entry['seconds']} s: {spent})", flush=True)
         save()
     for name in models:
         if name in segments:

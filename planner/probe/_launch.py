@@ -116,6 +116,7 @@ class RankMeasurement(BaseModel):
     step_seconds: list[float] = []
     param_bytes: dict[str, int] = {}
     load_seconds: float | None = None
+    stages: dict[str, float] = {}  # seconds per stage of the rank: setup, load, warmup, measured, timed
     error: str | None = None
     oom: bool = False
     oom_phase: str | None = None
@@ -441,6 +442,7 @@ def run_probe(
                 step_seconds=data.get("step_seconds", []),
                 param_bytes=data.get("param_bytes", {}),
                 load_seconds=data.get("load_seconds"),
+                stages=data.get("stages", {}),
                 error=data.get("error"),
                 oom=data.get("oom", False),
                 oom_phase=data.get("oom_phase"),

@@ -10,6 +10,10 @@ generation when asked), and writes this rank's measurement to
 - step 1 warms up (lazy init, optimizer state) untracked;
 - step 2 runs with one memory tracker per phase;
 - the remaining steps are timed untracked.
+
+``stages`` in the measurement says where the rank's seconds went: ``setup`` (from the
+interpreter's start: imports, the process group), ``load``, ``warmup`` (step 1, a rollout
+included), ``measured`` (step 2), ``timed`` (the rest).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+_STARTED = time.monotonic()  # the worker's clock starts with its module, before torch is imported
 
 
 def _write(out_dir: Path, rank: int, payload: dict) -> None:
@@ -85,10 +91,20 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     result["world_size"] = get_world_size()
 
+    stages = result.setdefault("stages", {})
+    mark = [time.monotonic()]
+    stages["setup"] = mark[0] - _STARTED
+
+    def lap(name: str) -> None:
+        now = time.monotonic()
+        stages[name] = now - mark[0]
+        mark[0] = now
+
     algorithm, kwargs = _algorithm_and_arguments(request, workload, fsdp)
     components = request.get("components")
     components = device != "cuda" if components is None else components
     agent = _load(algorithm, request["model"], kwargs, result, track=components)
+    lap("load")
     dev = device_of(agent.model)
     recorder = PhaseRecorder(
         agent.model, agent.optimizer, dev, enabled=False, reference=agent.reference_model, components=components
@@ -126,11 +142,13 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     if generate:
         rollout()
     agent.learn(experiences())
+    lap("warmup")
     # Step 2: one tracker per phase.
     recorder.enabled = True
     if generate:
         rollout()
     agent.learn(experiences())
+    lap("measured")
     if request.get("save", False):
         with tempfile.TemporaryDirectory() as tmp:
             agent.save_checkpoint(tmp)
@@ -142,6 +160,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
         for record in result["phases"].values():
             record["host_optimizer_state"] = host
     result["step_seconds"] = _timed_steps(agent, experiences, device, int(request.get("timed_steps", 3)), current)
+    lap("timed")
     result["tokens_per_step"] = workload.completions_per_step * workload.sequence_tokens
     if budget:
         over = {

@@ -117,17 +117,19 @@ def test_qlora_generates():
 
 
 def test_a_config_without_weights_is_quantised_random_not_left_in_full_precision(tmp_path):
-    import shutil
-    from pathlib import Path
+    from transformers import AutoConfig
 
     from agilerl.algorithms.core.loading import resolve_model_source
 
-    source = Path(resolve_model_source(TINY))
-    shutil.copy(source / "config.json", tmp_path / "config.json")
+    config = AutoConfig.from_pretrained(resolve_model_source(TINY))
+    config.tie_word_embeddings = True  # as Qwen2.5 up to 3B: the output embedding is the input one
+    config.save_pretrained(tmp_path)
     agent = make_agent(**QLORA, model_name=str(tmp_path))
     layers = four_bit_layers(agent.model)
     assert len(layers) == 2 * 7
     assert all(layer.weight.dtype == torch.uint8 and layer.weight.quant_state is not None for layer in layers.values())
+    base = agent.model.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # one matrix, not a copy each
     metrics = agent.learn(synthetic_experiences(agent, seed=1)[:3])
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 

@@ -85,6 +85,10 @@ def test_two_rank_probe_measures_exact_parameter_bytes_and_judges_the_budget():
         # Fused AdamW: two fp32 moments per local element, and a 4-byte step tensor per parameter.
         assert r.phases["step"]["optimizer_state"] == 2 * expected[r.rank]["lora"] + 4 * expected[r.rank]["num_lora"]
         assert len(r.step_seconds) == 2 and all(s > 0 for s in r.step_seconds)
+        # Where the rank's seconds went: each stage once, in order, within the launch's wall clock.
+        assert list(r.stages) == ["setup", "load", "warmup", "measured", "timed"]
+        assert all(v > 0 for v in r.stages.values()) and sum(r.stages.values()) < m.wall_seconds
+        assert r.stages["timed"] >= sum(r.step_seconds) and r.stages["load"] >= r.load_seconds
     assert m.tokens_per_second > 0 and m.step_seconds_spread >= 0
     assert m.fits and m.peak_phase in {"reference", "learn", "step", "load"}
     table = m.table()
