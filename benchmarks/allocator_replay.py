@@ -1,6 +1,7 @@
 """The trainer's device peaks on a GPU, replayed on CPU through the CUDA caching allocator.
 
     python -m benchmarks.allocator_replay [--record benchmarks/results/gpu_nvidia-h200.json] [--limit K]
+    python -m benchmarks.allocator_replay --config Qwen/Qwen2.5-0.5B:1:2048:6144 [--gpu H200]
 
 For each configuration a GPU run recorded (benchmarks/gpu_probe.py), it builds the same
 trainer on CPU (bf16 base, fp32 adapters, random weights from the catalog's config), records
@@ -13,6 +14,13 @@ GPU's ``max_memory_reserved`` and ``max_memory_allocated``: whether the trace of
 code keeps, under the allocator's rules, explains what the GPU reserved beyond its tensors.
 What kernels allocate inside themselves (none of it through PyTorch's dispatcher) is not in
 the trace, on either device.
+
+``--config MODEL:MICRO:PROMPT:COMPLETION`` replays a configuration no GPU has measured and
+prints the replay beside the estimate instead (allocated against the estimate's tensors,
+reserved plus the CUDA context against the whole estimate, on ``--gpu``): a CPU check of what
+the estimate counts beyond the tensors where no GPU run reaches, long context first. A
+kernel's own workspaces differ between the CPU's and the GPU's kernels (attention's above all),
+so it bounds the allocator's share, not the whole GPU peak.
 """
 
 from __future__ import annotations
@@ -70,14 +78,65 @@ def replay_config(entry: dict, gpu) -> dict[str, dict]:
     return replay(events + recorder.events)
 
 
+def replay_against_estimate(specs: list[str], gpu) -> None:
+    """Replay each ``MODEL:MICRO:PROMPT:COMPLETION`` and print it beside the estimate."""
+    from benchmarks.gpu_probe import GPU_ONLY, PHASES, Config, estimate_of, label_of
+
+    print(
+        f"GPU {gpu.name} (cuBLAS workspace {gpu.cublas_workspace_bytes / MIB:.0f} MiB, context"
+        f" {gpu.cuda_context_bytes / MIB:.0f} MiB); traces recorded on CPU"
+    )
+    print(
+        f"{'configuration':<52} {'phase':>9} {'replayed allocated':>19} {'tensors':>8} {'error':>7}  (GiB; per"
+        " window the replayed reserved peak plus the CUDA context against the whole estimate)"
+    )
+    for spec in specs:
+        model, micro, prompt, completion = spec.rsplit(":", 3)
+        c = Config(model, int(micro), int(prompt), int(completion))
+        start = time.monotonic()
+        spans = replay_config({"config": c._asdict()}, gpu)
+        est = estimate_of(c, gpu)
+        window = (0, 0)
+        for ph in PHASES:
+            got = spans.get(f"2:{ph}")
+            if got is None or ph not in est.phases:
+                continue
+            tensors = sum(v for k, v in est.phases[ph].components.items() if k not in GPU_ONLY)
+            print(
+                f"{label_of(c):<52} {ph:>9} {got['allocated'] / GIB:>19.3f} {tensors / GIB:>8.3f}"
+                f" {100 * (tensors - got['allocated']) / got['allocated']:>+6.1f}%",
+                flush=True,
+            )
+            window = (max(window[0], got["reserved"] + gpu.cuda_context_bytes), max(window[1], est.phases[ph].total))
+        print(
+            f"{label_of(c):<52}   training window: replayed {window[0] / GIB:.3f} GiB (reserved + context),"
+            f" estimate {window[1] / GIB:.3f} GiB, {100 * (window[1] - window[0]) / window[0]:+.1f}%"
+            f" ({time.monotonic() - start:.0f} s)",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_nvidia-h200.json")
     parser.add_argument("--limit", type=int, default=None, help="only the first K configurations")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="MODEL:MICRO:PROMPT:COMPLETION",
+        help="replay this configuration (no GPU measurement) against the estimate instead; repeatable",
+    )
+    parser.add_argument(
+        "--gpu", default="H200", help="the catalog GPU whose cuBLAS workspace and context --config uses"
+    )
     args = parser.parse_args()
     from benchmarks.gpu_probe import config_of, label_of
-    from planner.hardware import GPU
+    from planner.hardware import GPU, GPUS
 
+    if args.config:
+        replay_against_estimate(args.config, GPUS[args.gpu])
+        return
     record = json.loads(args.record.read_text())
     gpu = GPU.model_validate(record["gpu"])
     print(f"record: {args.record.relative_to(ROOT) if args.record.is_relative_to(ROOT) else args.record}")
