@@ -8,7 +8,9 @@ trainer on CPU (bf16 base, fp32 adapters, random weights from the catalog's conf
 every storage its first two learn steps make and free (planner.probe.allocator.TraceRecorder,
 each phase marked), and replays them through the caching allocator's rules
 (planner.memory.CachingAllocator) after the weights and adapters placed a tensor at
-a time and cuBLAS' two workspaces (planner.memory._overheads.cublas_workspace_bytes). It
+a time, with cuBLAS' two workspaces (planner.memory._overheads.cublas_workspace_bytes)
+taken where a GPU takes them: each thread's at its first matmul, the forward's in step 1's
+first pass, autograd's in its first backward. It
 prints per phase of the second step the replayed reserved and allocated peaks beside the
 GPU's ``max_memory_reserved`` and ``max_memory_allocated``: whether the trace of what the
 code keeps, under the allocator's rules, explains what the GPU reserved beyond its tensors.
@@ -58,10 +60,10 @@ def replay_config(entry: dict, gpu) -> dict[str, dict]:
     events: list[tuple[str, object, int]] = [
         ("alloc", ("w", i), t.untyped_storage().nbytes()) for i, t in enumerate(tensors)
     ]
-    for thread in range(2):  # the forward's and autograd's cuBLAS handles, from their first matmul on
-        events.append(("alloc", ("cublas", thread), gpu.cublas_workspace_bytes))
-        events.append(("alloc", ("cublaslt", thread), CUBLASLT_WORKSPACE))
-    recorder = TraceRecorder(exclude={t.untyped_storage().data_ptr() for t in tensors})
+    recorder = TraceRecorder(  # the forward's and autograd's cuBLAS handles' workspaces, at their first matmul
+        exclude={t.untyped_storage().data_ptr() for t in tensors},
+        workspaces=(gpu.cublas_workspace_bytes, CUBLASLT_WORKSPACE),
+    )
 
     step = [0]
 

@@ -91,10 +91,13 @@ def gpu_overheads(
     churning = sum(v for name, v in components.items() if name in CHURNING)
     resident = components.get("weights", 0) or components.get("weights_replicated", 0)
     segments = weight_segment_bytes(ctx, layout) if resident and layout is not None else 0
+    slack = int(churning * k.allocator_slack_fraction) + segments
+    if matmuls:
+        slack = max(0, slack - cached_workspace_bytes(ctx))
     return {
         "cuda_context": ctx.cluster.gpu.cuda_context_bytes,
         **({"cublas_workspace": cublas_workspace_bytes(ctx)} if matmuls else {}),
-        "allocator_slack": int(churning * k.allocator_slack_fraction) + segments,
+        "allocator_slack": slack,
         **({"comm_buffers": k.nccl_bytes} if ctx.num_gpus > 1 else {}),
     }
 
@@ -104,9 +107,31 @@ def host_process_bytes(ctx: Context) -> int:
     return ctx.coefficients.host_process_bytes
 
 
+def no_grad_pass_first(ctx: Context) -> bool:
+    """Whether a no-grad pass (the reference's, or the sampling policy's) runs before the learn
+    pass in a step, leaving its logits tiles' segments cached for the learn pass to take."""
+    return ctx.workload.has_reference or ctx.workload.has_old_policy_pass
+
+
+def cached_workspace_bytes(ctx: Context) -> int:
+    """Autograd's thread's cuBLAS workspaces, where they take no segment of their own: that
+    thread's handle takes them at the first backward matmul of the first step, and after a
+    no-grad pass (:func:`no_grad_pass_first`) the caching allocator serves them from the
+    blocks that pass's logits tiles left cached (the fp32 tile's segment, chunk rows x V x 4,
+    holds them). They are allocated (in cublas_workspace) but reserve nothing more, so the
+    allocator's slack is that much less. The replay of the trainer's trace with each thread's
+    workspaces taken at its first matmul (planner.probe.allocator, benchmarks/allocator_replay.py)
+    reproduces the H200's reserved peaks of Qwen2.5-0.5B and 1.5B to 1 MiB in all six phases;
+    with both taken up front it read 32-34 MiB over and 180-182 MiB under. 0 on a CPU run."""
+    if not ctx.on_gpu or not no_grad_pass_first(ctx):
+        return 0
+    per_thread = ctx.cluster.gpu.cublas_workspace_bytes + CUBLASLT_WORKSPACE
+    return per_thread if chunk_rows(ctx) * ctx.vocab_size * 4 >= per_thread else 0
+
+
 def learn_tile_segment_bytes(ctx: Context) -> int:
     """A second segment for the learn phase's fp32 logits tile, on a GPU, when a no-grad pass
-    (the reference's, or the old policy's with update_epochs > 1) ran before it in the step.
+    ran before it in the step (:func:`no_grad_pass_first`).
 
     That pass leaves its logits tiles' segments cached (each tile above 10 MiB has a segment
     of its own: one in the compute dtype, one fp32). The learn forward's saved activations
@@ -117,7 +142,6 @@ def learn_tile_segment_bytes(ctx: Context) -> int:
     recorded on CPU, benchmarks/allocator_replay.py) shows exactly that one new 594 MiB
     segment in the learn phase of Qwen2.5-0.5B and of 1.5B, and reproduces the H200's
     allocated peaks of both to 1 MiB. 0 on a CPU run."""
-    workload = ctx.workload
-    if not ctx.on_gpu or not (workload.has_reference or workload.update_epochs > 1):
+    if not ctx.on_gpu or not no_grad_pass_first(ctx):
         return 0
     return chunk_rows(ctx) * ctx.vocab_size * 4

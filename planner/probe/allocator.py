@@ -21,23 +21,47 @@ from torch.utils._pytree import tree_flatten
 
 from planner.memory import CachingAllocator
 
-__all__ = ["CachingAllocator", "TraceRecorder", "replay"]
+__all__ = ["CachingAllocator", "MATMULS", "TraceRecorder", "replay"]
+
+
+#: the operators that run a cuBLAS GEMM on a GPU (linear decomposes into them)
+MATMULS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm")
+)
 
 
 class TraceRecorder(TorchDispatchMode):
     """Every storage made while active, in order, and when it is freed: ``events`` holds
     ``("alloc", key, nbytes)``, ``("free", key, 0)`` and ``("mark", name, 0)`` (:meth:`mark`).
-    ``exclude``: storage pointers not to record (what existed before)."""
+    ``exclude``: storage pointers not to record (what existed before).
 
-    def __init__(self, exclude: set[int] | None = None) -> None:
+    ``workspaces``: the bytes of the cuBLAS workspaces one thread's handle takes from the caching
+    allocator at its first GEMM on a GPU (each as its own allocation, never freed). They are
+    recorded where the GPU allocates them: after the output of the first matmul outside
+    backward (the Python thread's handle) and of the first inside it (autograd's device
+    thread's): on CPU both run on the calling thread, but autograd's graph task tells them apart.
+    """
+
+    def __init__(self, exclude: set[int] | None = None, workspaces: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.exclude = set(exclude or ())
         self.live: set[int] = set()
         self.events: list[tuple[str, object, int]] = []
         self._serial = 0
+        self.workspaces = tuple(workspaces)
+        self._threads: set[str] = set()  # whose handle has its workspaces
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._record(out)
+        if self.workspaces and func.overloadpacket in MATMULS:
+            thread = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            if thread not in self._threads:
+                self._threads.add(thread)
+                self.events += [("alloc", ("workspace", thread, i), n) for i, n in enumerate(self.workspaces)]
+        return out
+
+    def _record(self, out) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
@@ -48,7 +72,6 @@ class TraceRecorder(TorchDispatchMode):
                     self.live.add(ptr)
                     self.events.append(("alloc", key, storage.nbytes()))
                     weakref.finalize(storage, self._free, ptr, key)
-        return out
 
     def _free(self, ptr: int, key: tuple[int, int]) -> None:
         self.live.discard(ptr)

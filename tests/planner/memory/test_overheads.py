@@ -100,3 +100,30 @@ def test_the_learn_phase_reserves_a_second_fp32_tile_after_a_no_grad_pass(dense_
     plain = make_context(dense_spec, gpu=gpu, gpus=1, beta=0.0, update_epochs=1)
     without = learn_phase(plain, shared_terms(plain, build_layout(plain))).components["allocator_slack"]
     assert with_pass - without >= tile  # on top of the slack on what churns
+
+
+def test_autograds_workspaces_take_no_segment_after_a_no_grad_pass():
+    """The backward thread's cuBLAS workspaces (32 MiB + cuBLASLt's 1 MiB on an H200) are allocated
+    at the first backward matmul, after the reference pass left its 1,024 x 151,936 fp32 logits
+    tile's segment (594 MiB) cached: they are served from it, so the allocator's slack is that
+    much less. Without a no-grad pass they take a segment of their own, as the forward's do."""
+    from planner.models import load_model_spec
+
+    spec = load_model_spec("Qwen/Qwen2.5-0.5B")
+    k = Coefficients()
+    mib = 2**20
+    components = {"activations": 10**9}
+    churn = int(10**9 * k.allocator_slack_fraction)
+    h200 = GPUS["H200"]
+    kl = make_context(spec, gpu=h200, gpus=1, beta=0.04, logprob_chunk_size=1024)
+    plain = make_context(spec, gpu=h200, gpus=1, beta=0.0, update_epochs=1, logprob_chunk_size=1024)
+    with_pass, without = gpu_overheads(kl, components), gpu_overheads(plain, components)
+    assert with_pass["cublas_workspace"] == without["cublas_workspace"] == 2 * 33 * mib  # allocated either way
+    assert with_pass["allocator_slack"] == churn - 33 * mib
+    assert without["allocator_slack"] == churn
+    # a second update epoch's old-policy pass leaves the same tiles cached
+    epochs = make_context(spec, gpu=h200, gpus=1, beta=0.0, update_epochs=2, logprob_chunk_size=1024)
+    assert gpu_overheads(epochs, components)["allocator_slack"] == churn - 33 * mib
+    # before the first matmul (loading) there is no workspace to place
+    assert gpu_overheads(kl, components, matmuls=False)["allocator_slack"] == churn
+    assert gpu_overheads(make_context(spec, beta=0.04), components) == {}  # a CPU run

@@ -70,3 +70,22 @@ def test_the_recorder_sees_each_new_storage_and_its_free():
         del y, z
     kinds = [(kind, size) for kind, _, size in recorder.events]
     assert kinds == [("alloc", 4000), ("mark", 0), ("free", 0)]
+
+
+def test_the_recorder_takes_each_threads_workspaces_at_its_first_matmul_forward_and_backward():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    recorder = TraceRecorder(
+        exclude={w.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}, workspaces=(1000, 10)
+    )
+    with recorder:
+        y = torch.relu(x @ w)  # the first GEMM: its output (128 bytes), then the forward handle's workspaces
+        z = (y @ w).sum()  # a second GEMM on the same thread: no new workspace
+        recorder.mark("backward")
+        z.backward()  # the first GEMM in backward: autograd's handle takes its own
+    ws = [(i, kind, key[1]) for i, (kind, key, _) in enumerate(recorder.events) if key[0] == "workspace"]
+    assert [(kind, thread) for _, kind, thread in ws] == [("alloc", "forward")] * 2 + [("alloc", "backward")] * 2
+    assert recorder.events[0][2] == 4 * 8 * 4 and ws[0][0] == 1  # after the matmul's output
+    mark = recorder.events.index(("mark", "backward", 0))
+    assert ws[1][0] < mark < ws[2][0]
+    assert sum(n for kind, key, n in recorder.events if kind == "alloc" and key[0] == "workspace") == 2 * 1010
