@@ -82,7 +82,7 @@ def replay_config(entry: dict, gpu) -> dict[str, dict]:
 
 def replay_against_estimate(specs: list[str], gpu) -> None:
     """Replay each ``MODEL:MICRO:PROMPT:COMPLETION`` and print it beside the estimate."""
-    from benchmarks.gpu_probe import GPU_ONLY, PHASES, Config, estimate_of, label_of
+    from benchmarks.gpu_probe import PHASES, Config, estimate_of, label_of, tensor_bytes
 
     print(
         f"GPU {gpu.name} (cuBLAS workspace {gpu.cublas_workspace_bytes / MIB:.0f} MiB, context"
@@ -103,7 +103,7 @@ def replay_against_estimate(specs: list[str], gpu) -> None:
             got = spans.get(f"2:{ph}")
             if got is None or ph not in est.phases:
                 continue
-            tensors = sum(v for k, v in est.phases[ph].components.items() if k not in GPU_ONLY)
+            tensors = tensor_bytes(est.phases[ph])
             print(
                 f"{label_of(c):<52} {ph:>9} {got['allocated'] / GIB:>19.3f} {tensors / GIB:>8.3f}"
                 f" {100 * (tensors - got['allocated']) / got['allocated']:>+6.1f}%",

@@ -235,6 +235,11 @@ def estimate_of(c: Config, gpu):
     return estimate(spec, workload, Cluster(gpu=gpu, num_gpus=1), None, coefficients=coefficients_for(gpu))
 
 
+def tensor_bytes(phase) -> int:
+    """A phase estimate's tensors: what the caching allocator hands out (its GPU-only terms aside)."""
+    return sum(v for k, v in phase.components.items() if k not in GPU_ONLY)
+
+
 def report(record: dict, *, dry_run: bool = False) -> list[str]:
     """The table of a run's ``record`` (what the GPU measured) judged by the estimate as the
     code counts it now: per configuration and phase the tensors (max_memory_allocated against
@@ -274,8 +279,7 @@ def report(record: dict, *, dry_run: bool = False) -> list[str]:
             rec = entry["phases"].get(ph)
             if rec is None or ph not in est.phases:
                 continue
-            parts = est.phases[ph].components
-            tensors = sum(v for k, v in parts.items() if k not in GPU_ONLY)
+            tensors = tensor_bytes(est.phases[ph])
             allocated = rec["cuda_max_allocated"]
             error = 100 * (tensors - allocated) / allocated
             rows.append(f"{label} {ph:>9} {allocated / GIB:>10.2f} {tensors / GIB:>10.2f} {error:>+7.1f}%")

@@ -533,8 +533,7 @@ def _random_on_device(
         peft_model = model if lora_config is None else _add_adapters(model, lora_config, use_reference)
     lora_state = {} if lora_config is None else _init_adapters_on_cpu(peft_model, use_reference, seed)
     place_empty(peft_model, device)
-    model.initialize_weights()  # every base tensor, buffers too; the adapters are drawn over below
-    model.tie_weights()
+    model.initialize_weights()  # every base tensor, buffers too (ties kept by place_empty); adapters below
     params = dict(peft_model.named_parameters())
     with torch.no_grad():
         for name, value in lora_state.items():
