@@ -89,3 +89,19 @@ def test_the_recorder_takes_each_threads_workspaces_at_its_first_matmul_forward_
     mark = recorder.events.index(("mark", "backward", 0))
     assert ws[1][0] < mark < ws[2][0]
     assert sum(n for kind, key, n in recorder.events if kind == "alloc" and key[0] == "workspace") == 2 * 1010
+
+
+def test_a_bf16_gemm_is_recorded_as_its_bf16_output_alone():
+    # bf16 GEMMs run in fp32 inside the recorder (fast on every CPU); the trace is the bf16
+    # kernel's: one storage of the output's shape in bf16, nothing of the fp32 copies.
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    b = torch.randn(32, dtype=torch.bfloat16)
+    recorder = TraceRecorder(exclude={t.untyped_storage().data_ptr() for t in (w, x, b)})
+    with recorder:
+        y = x @ w
+        z = torch.addmm(b, x, w)
+    assert [(kind, n) for kind, _, n in recorder.events] == [("alloc", 16 * 32 * 2)] * 2
+    assert y.dtype == z.dtype == torch.bfloat16
+    torch.testing.assert_close(y, (x.float() @ w.float()).to(torch.bfloat16))
+    torch.testing.assert_close(z, torch.addmm(b, x, w), rtol=2e-2, atol=2e-2)
