@@ -1,6 +1,6 @@
 """The trainer's device peaks on a GPU, replayed on CPU through the CUDA caching allocator.
 
-    python -m benchmarks.allocator_replay [--record benchmarks/results/gpu_nvidia-h200.json] [--limit K]
+    python -m benchmarks.allocator_replay [--record benchmarks/results/gpu_nvidia-h200.json] [--limit K] [--segments]
     python -m benchmarks.allocator_replay --config Qwen/Qwen2.5-0.5B:1:2048:6144 [--gpu H200]
 
 For each configuration a GPU run recorded (benchmarks/gpu_probe.py), it builds the same
@@ -15,7 +15,10 @@ prints per phase of the second step the replayed reserved and allocated peaks be
 GPU's ``max_memory_reserved`` and ``max_memory_allocated``: whether the trace of what the
 code keeps, under the allocator's rules, explains what the GPU reserved beyond its tensors.
 What kernels allocate inside themselves (none of it through PyTorch's dispatcher) is not in
-the trace, on either device.
+the trace, on either device. ``--segments`` also prints, per phase, where the reserved bytes
+beyond the allocated ones sit at the allocated peak: the free bytes of the segments each phase
+of the first step made (planner.probe.allocator.free_by_origin), what the estimate's slack
+terms are judged against.
 
 ``--config MODEL:MICRO:PROMPT:COMPLETION`` replays a configuration no GPU has measured and
 prints the replay beside the estimate instead (allocated against the estimate's tensors,
@@ -40,13 +43,20 @@ MIB = 2**20
 
 
 def replay_config(entry: dict, gpu) -> dict[str, dict]:
+    from planner.probe.allocator import replay
+
+    return replay(trace_config(entry, gpu))
+
+
+def trace_config(entry: dict, gpu) -> list[tuple[str, object, int]]:
+    """The trainer's weights placed, then its first two learn steps, as allocation events."""
     import torch
 
     from benchmarks.gpu_probe import config_of, request, write_config
     from planner import catalog
     from planner.memory._overheads import CUBLASLT_WORKSPACE
     from planner.probe._worker import _algorithm_and_arguments, _synthetic_batches
-    from planner.probe.allocator import TraceRecorder, replay
+    from planner.probe.allocator import TraceRecorder
 
     c = config_of(entry)
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +87,31 @@ def replay_config(entry: dict, gpu) -> dict[str, dict]:
     with recorder:
         for step[0] in (1, 2):
             agent.learn(experiences())
-    return replay(events + recorder.events)
+    return events + recorder.events
+
+
+def print_segments(label: str, events: list[tuple[str, object, int]]) -> None:
+    """Per phase of the second step: where reserved-beyond-allocated sits at the allocated peak,
+    by the phase of the first step (or the weights' placing, "start") that made each segment."""
+    from planner.probe.allocator import free_by_origin
+
+    spans = free_by_origin(events)
+    for name, span in spans.items():
+        if not name.startswith("2:") or "after" in name:
+            continue
+        free = sorted(((n, origin) for origin, n in span["free"].items() if n >= MIB), reverse=True)
+        print(
+            f"{label:<52} {name[2:]:>9} allocated {span['allocated'] / GIB:.3f}, reserved then"
+            f" {span['reserved_then'] / GIB:.3f}, at the end {span['reserved'] / GIB:.3f} GiB; free (MiB):"
+            + "".join(f" {origin} {n / MIB:.1f}," for n, origin in free).rstrip(","),
+            flush=True,
+        )
+    made = sorted(((n, origin) for origin, n in spans[name]["made"].items()), reverse=True)
+    print(
+        f"{label:<52} {'segments':>9} made by the end (MiB):"
+        + "".join(f" {origin} {n / MIB:.0f}," for n, origin in made).rstrip(","),
+        flush=True,
+    )
 
 
 def replay_against_estimate(specs: list[str], gpu) -> None:
@@ -130,11 +164,17 @@ def main() -> None:
         help="replay this configuration (no GPU measurement) against the estimate instead; repeatable",
     )
     parser.add_argument(
+        "--segments",
+        action="store_true",
+        help="also print where each phase's reserved-beyond-allocated sits, by the phase that made each segment",
+    )
+    parser.add_argument(
         "--gpu", default="H200", help="the catalog GPU whose cuBLAS workspace and context --config uses"
     )
     args = parser.parse_args()
     from benchmarks.gpu_probe import config_of, label_of
     from planner.hardware import GPU, GPUS
+    from planner.probe.allocator import replay
 
     if args.config:
         replay_against_estimate(args.config, GPUS[args.gpu])
@@ -151,7 +191,8 @@ def main() -> None:
             continue
         c = config_of(entry)
         start = time.monotonic()
-        spans = replay_config(entry, gpu)
+        events = trace_config(entry, gpu)
+        spans = replay(events)
         for ph, measured in entry["phases"].items():
             got = spans.get(f"2:{ph}")
             if got is None:
@@ -161,6 +202,8 @@ def main() -> None:
                 f" {measured['cuda_max_allocated'] / GIB:>14.3f} {got['allocated'] / GIB:>9.3f}",
                 flush=True,
             )
+        if args.segments:
+            print_segments(label_of(c), events)
         print(f"  ({time.monotonic() - start:.0f} s)", flush=True)
 
 

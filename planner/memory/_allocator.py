@@ -63,6 +63,7 @@ class CachingAllocator:
     _free: dict[bool, list[tuple[int, int, int]]] = field(default_factory=lambda: {True: [], False: []})
     _blocks: dict[tuple[int, int], _Block] = field(default_factory=dict)
     _small: dict[int, bool] = field(default_factory=dict)  # per segment: of the small pool
+    _sizes: list[int] = field(default_factory=list)  # per segment: its bytes
 
     def malloc(self, request: int) -> _Block:
         size = rounded(request)
@@ -75,6 +76,7 @@ class CachingAllocator:
         else:
             block = _Block(len(self._small), 0, segment_size(size))
             self._small[block.segment] = small
+            self._sizes.append(block.size)
             self._blocks[(block.segment, 0)] = block
             self.reserved += block.size
         rest = block.size - size
@@ -112,6 +114,26 @@ class CachingAllocator:
         left.next = right.next
         if right.next is not None:
             right.next.prev = left
+
+    def free_by_segment(self) -> dict[int, int]:
+        """Bytes of the cached (free) blocks of each segment that has any, by segment number
+        (segments are numbered in the order they were reserved)."""
+        out: dict[int, int] = {}
+        for block in self._blocks.values():
+            if block.free:
+                out[block.segment] = out.get(block.segment, 0) + block.size
+        return out
+
+    @property
+    def segments(self) -> int:
+        """How many segments are reserved; the next one made gets this number."""
+        return len(self._sizes)
+
+    def kind_of(self, segment: int) -> str:
+        """A segment's kind by its size: "small" (the small pool's 2 MiB), "20 MiB" (requests of
+        1-10 MiB) or "large" (one request of 10 MiB or more, rounded to 2 MiB)."""
+        size = self._sizes[segment]
+        return "small" if self._small[segment] else ("20 MiB" if size == LARGE_SEGMENT else "large")
 
     def reset_peaks(self) -> None:
         self.peak_reserved, self.peak_allocated = self.reserved, self.allocated

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.memory import CachingAllocator
 
-__all__ = ["CachingAllocator", "MATMULS", "TraceRecorder", "replay"]
+__all__ = ["CachingAllocator", "MATMULS", "TraceRecorder", "free_by_origin", "replay"]
 
 
 #: the operators that run a cuBLAS GEMM on a GPU (linear decomposes into them)
@@ -123,3 +123,47 @@ def replay(events: list[tuple[str, object, int]], allocator: CachingAllocator | 
             alloc.reset_peaks()
     spans[name] = {"reserved": alloc.peak_reserved, "allocated": alloc.peak_allocated}
     return spans
+
+
+def free_by_origin(events: list[tuple[str, object, int]]) -> dict[str, dict]:
+    """Where a span's reserved-beyond-allocated sits: per span between marks, at the moment its
+    allocated peak is reached, the free bytes of the caching allocator's segments grouped by
+    where each segment was made ("<span that made it> <pool>", the pool "small" (2 MiB
+    segments), "20 MiB" or "large"), beside ``allocated`` (the peak), ``reserved_then`` and
+    ``reserved`` (at the span's end), and ``made``: the bytes of the segments of each origin
+    reserved by the span's end. Segments reserved after the peak moment are what ``reserved``
+    has beyond ``reserved_then``. The estimate's slack terms are judged against it
+    (benchmarks/allocator_replay.py --segments)."""
+    alloc = CachingAllocator()
+    origin: dict[int, str] = {}
+    made: dict[str, int] = {}  # bytes of the segments of each origin
+    blocks: dict[object, Any] = {}
+    out: dict[str, dict] = {}
+    name = "start"
+
+    def snapshot() -> dict:
+        free: dict[str, int] = {}
+        for segment, nbytes in alloc.free_by_segment().items():
+            free[origin[segment]] = free.get(origin[segment], 0) + nbytes
+        return {"allocated": alloc.allocated, "reserved_then": alloc.reserved, "free": free}
+
+    at_peak = snapshot()
+    for kind, key, nbytes in events:
+        if kind == "alloc":
+            first_new, reserved = alloc.segments, alloc.reserved
+            blocks[key] = alloc.malloc(nbytes)
+            for segment in range(first_new, alloc.segments):  # at most one
+                origin[segment] = f"{name} {alloc.kind_of(segment)}"
+                made[origin[segment]] = made.get(origin[segment], 0) + alloc.reserved - reserved
+            if alloc.allocated > at_peak["allocated"]:
+                at_peak = snapshot()
+        elif kind == "free":
+            block = blocks.pop(key, None)
+            if block is not None:
+                alloc.free(block)
+        else:
+            out[name] = {**at_peak, "reserved": alloc.reserved, "made": dict(made)}
+            name = str(key)
+            at_peak = snapshot()
+    out[name] = {**at_peak, "reserved": alloc.reserved, "made": dict(made)}
+    return out

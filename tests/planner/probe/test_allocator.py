@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.probe.allocator import CachingAllocator, TraceRecorder, replay
+from planner.probe.allocator import CachingAllocator, TraceRecorder, free_by_origin, replay
 
 MIB = 2**20
 
@@ -105,3 +105,30 @@ def test_a_bf16_gemm_is_recorded_as_its_bf16_output_alone():
     assert y.dtype == z.dtype == torch.bfloat16
     torch.testing.assert_close(y, (x.float() @ w.float()).to(torch.bfloat16))
     torch.testing.assert_close(z, torch.addmm(b, x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_free_space_at_the_allocated_peak_is_told_by_the_span_and_kind_of_its_segment():
+    events = [
+        ("alloc", "w", 30 * MIB),  # before any mark: a "start" segment of its own
+        ("mark", "ref", 0),
+        ("alloc", "x", 8 * MIB),  # under 10 MiB: a 20 MiB segment, 12 MiB of it cached
+        ("alloc", "tile", 594 * MIB),
+        ("free", "tile", 0),
+        ("alloc", "act", 38 * MIB),  # the smallest cached block that fits is the tile's: 556 MiB left
+        ("alloc", "tile2", 594 * MIB),  # cannot fit in 556: a second segment
+        ("free", "x", 0),
+        ("mark", "learn", 0),
+        ("free", "act", 0),
+        ("alloc", "small", 1000),
+    ]
+    spans = free_by_origin(events)
+    ref = spans["ref"]
+    assert ref["allocated"] == (30 + 8 + 38 + 594) * MIB  # the peak, before x is freed
+    assert ref["free"] == {"ref large": 556 * MIB, "ref 20 MiB": 12 * MIB}
+    assert ref["reserved_then"] == ref["reserved"] == (30 + 594 + 20 + 594) * MIB
+    learn = spans["learn"]  # its peak is its start: act freed merges back into a whole 594 MiB block
+    assert learn["allocated"] == (30 + 38 + 594) * MIB
+    assert learn["free"] == {"ref large": 556 * MIB, "ref 20 MiB": 20 * MIB}
+    assert learn["reserved"] == learn["reserved_then"] + 2 * MIB  # the small pool's first segment
+    assert ref["made"] == {"start large": 30 * MIB, "ref 20 MiB": 20 * MIB, "ref large": 2 * 594 * MIB}
+    assert learn["made"] == {**ref["made"], "learn small": 2 * MIB}
