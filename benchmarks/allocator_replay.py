@@ -42,12 +42,6 @@ GIB = 2**30
 MIB = 2**20
 
 
-def replay_config(entry: dict, gpu) -> dict[str, dict]:
-    from planner.probe.allocator import replay
-
-    return replay(trace_config(entry, gpu))
-
-
 def trace_config(entry: dict, gpu) -> list[tuple[str, object, int]]:
     """The trainer's weights placed, then its first two learn steps, as allocation events."""
     import torch
@@ -114,9 +108,10 @@ def print_segments(label: str, events: list[tuple[str, object, int]]) -> None:
     )
 
 
-def replay_against_estimate(specs: list[str], gpu) -> None:
+def replay_against_estimate(specs: list[str], gpu, segments: bool = False) -> None:
     """Replay each ``MODEL:MICRO:PROMPT:COMPLETION`` and print it beside the estimate."""
     from benchmarks.gpu_probe import PHASES, Config, estimate_of, label_of, tensor_bytes
+    from planner.probe.allocator import replay
 
     print(
         f"GPU {gpu.name} (cuBLAS workspace {gpu.cublas_workspace_bytes / MIB:.0f} MiB, context"
@@ -130,7 +125,8 @@ def replay_against_estimate(specs: list[str], gpu) -> None:
         model, micro, prompt, completion = spec.rsplit(":", 3)
         c = Config(model, int(micro), int(prompt), int(completion))
         start = time.monotonic()
-        spans = replay_config({"config": c._asdict()}, gpu)
+        events = trace_config({"config": c._asdict()}, gpu)
+        spans = replay(events)
         est = estimate_of(c, gpu)
         window = (0, 0)
         for ph in PHASES:
@@ -150,6 +146,8 @@ def replay_against_estimate(specs: list[str], gpu) -> None:
             f" ({time.monotonic() - start:.0f} s)",
             flush=True,
         )
+        if segments:
+            print_segments(label_of(c), events)
 
 
 def main() -> None:
@@ -177,7 +175,7 @@ def main() -> None:
     from planner.probe.allocator import replay
 
     if args.config:
-        replay_against_estimate(args.config, GPUS[args.gpu])
+        replay_against_estimate(args.config, GPUS[args.gpu], args.segments)
         return
     record = json.loads(args.record.read_text())
     gpu = GPU.model_validate(record["gpu"])
