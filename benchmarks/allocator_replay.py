@@ -100,7 +100,8 @@ def print_segments(label: str, events: list[tuple[str, object, int]]) -> None:
             + "".join(f" {origin} {n / MIB:.1f}," for n, origin in free).rstrip(","),
             flush=True,
         )
-    made = sorted(((n, origin) for origin, n in spans[name]["made"].items()), reverse=True)
+    last = list(spans.values())[-1]
+    made = sorted(((n, origin) for origin, n in last["made"].items()), reverse=True)
     print(
         f"{label:<52} {'segments':>9} made by the end (MiB):"
         + "".join(f" {origin} {n / MIB:.0f}," for n, origin in made).rstrip(","),

@@ -62,8 +62,8 @@ class CachingAllocator:
     peak_allocated: int = 0
     _free: dict[bool, list[tuple[int, int, int]]] = field(default_factory=lambda: {True: [], False: []})
     _blocks: dict[tuple[int, int], _Block] = field(default_factory=dict)
-    _small: dict[int, bool] = field(default_factory=dict)  # per segment: of the small pool
-    _sizes: list[int] = field(default_factory=list)  # per segment: its bytes
+    # per segment: its bytes (the small pool's are SMALL_SEGMENT, no large pool's is)
+    _sizes: list[int] = field(default_factory=list)
 
     def malloc(self, request: int) -> _Block:
         size = rounded(request)
@@ -74,8 +74,7 @@ class CachingAllocator:
             _, seg, off = pool.pop(i)
             block = self._blocks[(seg, off)]
         else:
-            block = _Block(len(self._small), 0, segment_size(size))
-            self._small[block.segment] = small
+            block = _Block(len(self._sizes), 0, segment_size(size))
             self._sizes.append(block.size)
             self._blocks[(block.segment, 0)] = block
             self.reserved += block.size
@@ -94,7 +93,7 @@ class CachingAllocator:
         return block
 
     def free(self, block: _Block) -> None:
-        pool = self._free[self._small[block.segment]]
+        pool = self._free[self._is_small(block.segment)]
         self.allocated -= block.size
         block.free = True
         after, before = block.next, block.prev
@@ -129,11 +128,18 @@ class CachingAllocator:
         """How many segments are reserved; the next one made gets this number."""
         return len(self._sizes)
 
+    def segment_bytes(self, segment: int) -> int:
+        return self._sizes[segment]
+
+    def _is_small(self, segment: int) -> bool:
+        return self._sizes[segment] == SMALL_SEGMENT
+
     def kind_of(self, segment: int) -> str:
         """A segment's kind by its size: "small" (the small pool's 2 MiB), "20 MiB" (requests of
         1-10 MiB) or "large" (one request of 10 MiB or more, rounded to 2 MiB)."""
-        size = self._sizes[segment]
-        return "small" if self._small[segment] else ("20 MiB" if size == LARGE_SEGMENT else "large")
+        if self._is_small(segment):
+            return "small"
+        return "20 MiB" if self._sizes[segment] == LARGE_SEGMENT else "large"
 
     def reset_peaks(self) -> None:
         self.peak_reserved, self.peak_allocated = self.reserved, self.allocated

@@ -13,6 +13,7 @@ finalizers; :func:`replay` runs them through the allocator's rules
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,14 +103,12 @@ def _gemm_via_fp32(func, args, kwargs) -> torch.Tensor:
     return func(*up, **kwargs).to(torch.bfloat16)
 
 
-def replay(events: list[tuple[str, object, int]], allocator: CachingAllocator | None = None) -> dict[str, dict]:
-    """Replay ``events`` through ``allocator`` (a new one by default); per span between marks,
-    named by the mark that opens it, the allocator's reserved and allocated peaks."""
-    alloc = allocator or CachingAllocator()
+def _applied(events: list[tuple[str, object, int]], alloc: CachingAllocator) -> Iterator[tuple[str, str]]:
+    """Apply ``events`` to ``alloc`` one at a time, yielding after each its kind and the span it
+    falls in (for a mark, the span it closes), then ``("end", last span)``. Spans
+    are named by the mark that opens them, the first "start"."""
     blocks: dict[object, Any] = {}  # the allocator's blocks, by trace key
-    spans: dict[str, dict] = {}
     name = "start"
-    alloc.reset_peaks()
     for kind, key, nbytes in events:
         if kind == "alloc":
             blocks[key] = alloc.malloc(nbytes)
@@ -117,11 +116,22 @@ def replay(events: list[tuple[str, object, int]], allocator: CachingAllocator | 
             block = blocks.pop(key, None)
             if block is not None:
                 alloc.free(block)
-        else:
-            spans[name] = {"reserved": alloc.peak_reserved, "allocated": alloc.peak_allocated}
+        yield kind, name
+        if kind == "mark":
             name = str(key)
+    yield "end", name
+
+
+def replay(events: list[tuple[str, object, int]], allocator: CachingAllocator | None = None) -> dict[str, dict]:
+    """Replay ``events`` through ``allocator`` (a new one by default); per span between marks,
+    named by the mark that opens it, the allocator's reserved and allocated peaks."""
+    alloc = allocator or CachingAllocator()
+    spans: dict[str, dict] = {}
+    alloc.reset_peaks()
+    for kind, name in _applied(events, alloc):
+        if kind in ("mark", "end"):
+            spans[name] = {"reserved": alloc.peak_reserved, "allocated": alloc.peak_allocated}
             alloc.reset_peaks()
-    spans[name] = {"reserved": alloc.peak_reserved, "allocated": alloc.peak_allocated}
     return spans
 
 
@@ -135,11 +145,9 @@ def free_by_origin(events: list[tuple[str, object, int]]) -> dict[str, dict]:
     has beyond ``reserved_then``. The estimate's slack terms are judged against it
     (benchmarks/allocator_replay.py --segments)."""
     alloc = CachingAllocator()
-    origin: dict[int, str] = {}
+    origin: dict[int, str] = {}  # per segment
     made: dict[str, int] = {}  # bytes of the segments of each origin
-    blocks: dict[object, Any] = {}
     out: dict[str, dict] = {}
-    name = "start"
 
     def snapshot() -> dict:
         free: dict[str, int] = {}
@@ -148,22 +156,13 @@ def free_by_origin(events: list[tuple[str, object, int]]) -> dict[str, dict]:
         return {"allocated": alloc.allocated, "reserved_then": alloc.reserved, "free": free}
 
     at_peak = snapshot()
-    for kind, key, nbytes in events:
-        if kind == "alloc":
-            first_new, reserved = alloc.segments, alloc.reserved
-            blocks[key] = alloc.malloc(nbytes)
-            for segment in range(first_new, alloc.segments):  # at most one
-                origin[segment] = f"{name} {alloc.kind_of(segment)}"
-                made[origin[segment]] = made.get(origin[segment], 0) + alloc.reserved - reserved
-            if alloc.allocated > at_peak["allocated"]:
-                at_peak = snapshot()
-        elif kind == "free":
-            block = blocks.pop(key, None)
-            if block is not None:
-                alloc.free(block)
-        else:
+    for kind, name in _applied(events, alloc):
+        for segment in range(len(origin), alloc.segments):  # at most one, made by this event
+            origin[segment] = f"{name} {alloc.kind_of(segment)}"
+            made[origin[segment]] = made.get(origin[segment], 0) + alloc.segment_bytes(segment)
+        if kind in ("mark", "end"):
             out[name] = {**at_peak, "reserved": alloc.reserved, "made": dict(made)}
-            name = str(key)
             at_peak = snapshot()
-    out[name] = {**at_peak, "reserved": alloc.reserved, "made": dict(made)}
+        elif alloc.allocated > at_peak["allocated"]:
+            at_peak = snapshot()
     return out
