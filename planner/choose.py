@@ -25,6 +25,7 @@ and names the smallest changes that would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -746,6 +747,14 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
                     "set offload_weights_during_rollout=True (the trainer's weights wait on the host "
                     "while the engine generates)"
                 )
+    if workload.generation == "hf":
+        # generate holds every completion of a rank's rollout at once; a colocated engine pages
+        # its KV cache within a fixed budget
+        wl = workload.model_copy(update={"generation": "vllm"})
+        if feasible(wl, cluster):
+            out.append("generate with a colocated vLLM engine (generation='vllm')")
+    if (fewer := _fewest_prompts_cut(workload, cluster, feasible)) is not None:
+        out.append(f"use prompts_per_step={fewer} (fewer completions per rank)")
     completion = workload.completion_tokens
     while completion > 16:
         completion //= 2
@@ -756,3 +765,21 @@ def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
     if not out:
         out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
     return out
+
+
+def _fewest_prompts_cut(
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
+) -> int | None:
+    """The largest prompts_per_step below the workload's that fits (None if even one prompt per
+    rank does not): a binary search over the counts whose sequences split evenly over the GPUs,
+    since memory only falls with fewer prompts."""
+    per_prompt = workload.group_size if workload.algorithm not in OFFLINE_SEQUENCES else 1
+    counts = [q for q in range(workload.prompts_per_step - 1, 0, -1) if q * per_prompt % cluster.num_gpus == 0]
+    lo, hi, found = 0, len(counts) - 1, None
+    while lo <= hi:  # counts descend: the first that fits is the largest
+        mid = (lo + hi) // 2
+        if feasible(workload.model_copy(update={"prompts_per_step": counts[mid]}), cluster):
+            found, hi = counts[mid], mid - 1
+        else:
+            lo = mid + 1
+    return found

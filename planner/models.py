@@ -142,6 +142,8 @@ def load_model_spec(
         return _from_config_dict(read_config(path), name=str(path), targets=targets)
     if looks_like_path(model) and not path.exists():
         raise ModelNotFound(f"{model}: no such file or directory (expected a model directory or a config.json)")
+    if looks_like_path(model) and path.is_dir():
+        raise ModelNotFound(f"{model}: a directory without a config.json (expected a model directory or a config.json)")
     if model.startswith("tiny:"):
         from agilerl.utils.tiny import char_tokenizer, tiny_config
 
@@ -167,8 +169,14 @@ def load_model_spec(
         return _from_config_dict(read_config(_download_config(model)), name=model, targets=targets)
     close = catalog.suggest(model)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    if path.is_dir():
+        local = "a local directory without a config.json"
+    elif path.exists():
+        local = "a local file, not a config.json"
+    else:
+        local = "not a local directory or config.json"
     raise ModelNotFound(
-        f"unknown model {model!r}: not a local directory or config.json, not in the local Hugging Face cache, "
+        f"unknown model {model!r}: {local}, not in the local Hugging Face cache, "
         f"not in the built-in catalog.{hint} Pass --allow-download to fetch its config from the hub."
     )
 

@@ -209,6 +209,9 @@ CASES = [
     (plan("no-such-org/no-such-model"), "unknown model"),
     (plan("./no/such/dir"), "no such file"),
     (plan("/no/such/config.json"), "no such file"),
+    (plan("{tmp}"), "a directory without a config.json"),  # the cwd too: the case's own tmp_path
+    (plan("."), "a directory without a config.json"),
+    (plan("README.md"), "a local file, not a config.json"),
     (plan("tiny:qwen9"), "tiny"),
     (plan("tiny:qwen2?hiden_size=64"), "hiden_size"),
     (plan("tiny:qwen2?hidden_size=abc"), "hidden_size"),
@@ -449,6 +452,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(case, tmp_path, capsys, monkeypa
     from planner.cli import main as plan_main
 
     if kind in ("plan", "probe"):
+        (tmp_path / "README.md").write_text("# not a model\n")  # a local file named like a model
         argv = [a.replace("{tmp}", str(tmp_path)) for a in payload]
         code, out, err = _in_process(plan_main, (["probe"] if kind == "probe" else []) + argv, capsys)
     elif kind == "config":

@@ -466,3 +466,34 @@ def test_dpo_micro_batches_hold_whole_pairs(spec):
     with pytest.raises(ValueError, match="prompts_per_step = 4 preference pairs do not split over 8 ranks"):
         plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=8))
     plan(spec, wl, Cluster(gpu=_gpu(4096), num_gpus=4))  # one pair per rank
+
+
+def test_a_rollout_that_does_not_fit_gets_fewer_prompts_and_a_vllm_engine_suggested():
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec7b = catalog.load_spec("Qwen/Qwen2.5-7B")
+    two = Cluster(gpu=GPUS["H100-80GB"], num_gpus=2)
+    workload = Workload(prompts_per_step=64, group_size=8, completion_tokens=8192)  # generate's KV cache
+    p = plan(spec7b, workload, two)
+    assert not p.fits and p.estimate.peak_phase == "rollout"
+    fewer = [s for s in p.suggestions if s.startswith("use prompts_per_step=")]
+    assert fewer, p.suggestions
+    prompts = int(fewer[0].split("=")[1].split()[0])
+    assert 1 <= prompts < 64 and prompts * 8 % 2 == 0
+    assert plan(spec7b, workload.model_copy(update={"prompts_per_step": prompts}), two).fits
+    # the largest that fits: one prompt more does not (8 completions each always split over 2 GPUs)
+    assert not plan(spec7b, workload.model_copy(update={"prompts_per_step": prompts + 1}), two).fits
+    assert "generate with a colocated vLLM engine (generation='vllm')" in p.suggestions
+    assert plan(spec7b, workload.model_copy(update={"generation": "vllm"}), two).fits
+
+
+def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec70 = catalog.load_spec("meta-llama/Llama-3.1-70B")
+    one = Cluster(gpu=GPUS["L4"], num_gpus=1)
+    p = plan(spec70, Workload(prompts_per_step=4, generation="none"), one)
+    assert not p.fits
+    assert not any(s.startswith("use prompts_per_step=") for s in p.suggestions), p.suggestions
