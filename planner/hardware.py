@@ -92,9 +92,11 @@ GPUS: dict[str, GPU] = {
         GPU(
             name="H100-80GB",
             memory_bytes=85_045_231_616,
+            cuda_context_bytes=685 * MIB,
             cublas_workspace_bytes=32 * MIB,
             memory_bandwidth_gbps=3350,
-            source="NVIDIA H100 SXM datasheet",
+            source="NVIDIA H100 SXM datasheet; context as the measured H200's: the same GH100 die and "
+            "132 SMs, so the same per-SM local memory and sm_90 kernel images",
         ),
         GPU(
             name="H200",
