@@ -219,7 +219,7 @@ def suggest(name: str, n: int = 5) -> list[str]:
         for q in queries:
             matcher.set_seq1(q)
             score = max(score, matcher.ratio())
-        if score >= 0.6 and score > scores.get(hub_id, 0.0):
+        if score > 0.6 and score > scores.get(hub_id, 0.0):
             scores[hub_id] = score
     if not scores:
         return []

@@ -271,6 +271,8 @@ def test_suggest_finds_the_intended_model(typo, expected):
 def test_suggest_respects_n_and_finds_nothing_for_nonsense():
     assert len(catalog.suggest("qwen", n=2)) <= 2
     assert catalog.suggest("zzzzzzzz") == []
+    # a bare "model" shares three letters in order with the alias "olmoe": no suggestion
+    assert catalog.suggest("nonexistent/model") == []
 
 
 def test_unknown_names_raise_key_error_with_suggestions():
