@@ -81,7 +81,8 @@ def probe_main(argv: list[str]) -> int:
     from agilerl.utils.sources import check_model_source
 
     from ..hardware import memory_bytes
-    from ..probe import Device, ProbeRequest, default_device, run_probe
+    from .. import catalog
+    from ..probe import Device, ProbeRequest, default_device, probe_model, random_weights, run_probe
 
     parser = _probe_parser()
     args = parser.parse_args(argv)
@@ -111,7 +112,11 @@ def probe_main(argv: list[str]) -> int:
         here = args.gpus if args.rdzv_endpoint is None else args.gpus // args.nnodes
         if device == "cuda" and _cuda_count() < here:
             raise ValueError(f"--device cuda needs {here} GPU(s) on this machine, which has {_cuda_count()}")
-        check_model_source(args.model, allow_download=args.allow_download, for_training=False)
+        # without --allow-download a model whose weights are not local is built from its config
+        # (the catalog's, or a cached config.json) with random weights, as the tuner's trials are;
+        # with it, a catalog alias is fetched under its hub id
+        model = (catalog.resolve(args.model) or args.model) if args.allow_download else probe_model(args.model)
+        check_model_source(model, allow_download=args.allow_download, for_training=False)
         if workload.generation == "vllm" and args.generate:
             from agilerl.utils.engine import EngineError, check_vllm_installed
 
@@ -121,7 +126,7 @@ def probe_main(argv: list[str]) -> int:
                 raise ValueError(f"--generation vllm --generate: {err}") from None
         budget = None if args.budget_gib is None else memory_bytes(args.budget_gib, "--budget-gib", least=1)
         request = ProbeRequest(
-            model=args.model,
+            model=model,
             workload=workload,
             fsdp=fsdp,
             nproc=args.gpus,
@@ -138,6 +143,11 @@ def probe_main(argv: list[str]) -> int:
         print(f"agilerl-plan probe: error: {_clean(err)}", file=sys.stderr)
         return 2
     progress = (lambda msg: print(f"[probe] {msg}", file=sys.stderr)) if args.format == "table" else None
+    if progress is not None and random_weights(model):
+        progress(
+            f"{args.model}: no weights in the local Hugging Face cache, so random weights from its config "
+            "(memory and speed do not depend on their values; --allow-download fetches the real ones)"
+        )
     measurement = run_probe(request, progress=progress)
     if args.format == "json":
         print(json.dumps({"summary": measurement.summary(), **measurement.model_dump(mode="json")}, indent=2))

@@ -7,6 +7,7 @@ records each phase with (importing it imports torch).
 """
 
 from ._launch import COMPONENTS, PHASES, Device, Measurement, ProbeRequest, RankMeasurement, default_device, run_probe
+from ._model import probe_model, random_weights
 
 __all__ = [
     "ProbeRequest",
@@ -17,4 +18,6 @@ __all__ = [
     "default_device",
     "PHASES",
     "COMPONENTS",
+    "probe_model",
+    "random_weights",
 ]

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..choose import Decision, Plan, plan
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients
-from ..probe import Device, Measurement, ProbeRequest
+from ..probe import Device, Measurement, ProbeRequest, probe_model
 from ..request import PlanRequest
 from ..spec import ModelSpec
 from ..workload import Workload
@@ -79,53 +77,6 @@ class TuneResult:
 
 def _num_launched(trials: list[Any]) -> int:
     return sum(1 for t in trials if t.state.name == "COMPLETE" and t.user_attrs.get("launched"))
-
-
-def probe_model(model: str) -> str:
-    """What the probe loads for ``model``: local paths and tiny models as given, a hub id with
-    weights in the local Hugging Face cache as given; otherwise (a catalog model, or a hub id
-    whose config alone is cached) a cached directory holding only its config.json, which the
-    trainer builds with random weights (memory and speed do not depend on their values), so a
-    trial never downloads."""
-    if model.startswith("tiny:") or Path(model).expanduser().exists():
-        return model
-    from .. import catalog
-    from ..spec import config_digest, spec_cache_dir
-
-    name = catalog.resolve(model) or model
-    if _cached_file(name, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
-        return name
-    if catalog.resolve(model) is not None:
-        config = catalog.entry(name).config
-    else:
-        cached = _cached_file(name, "config.json")
-        if cached is None:
-            return model  # nothing local: the probe reports what the trainer says
-        config = json.loads(Path(cached).read_text())
-    folder = spec_cache_dir().parent / "tune-models" / f"{catalog.slug(name)}-{config_digest(config)}"
-    target = folder / "config.json"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".config.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(config, indent=1))
-        tmp.replace(target)
-    return str(folder)
-
-
-def _cached_file(repo_id: str, *names: str) -> str | None:
-    """The local Hugging Face cache path of the first of ``names`` cached for ``repo_id``."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover
-        return None
-    for filename in names:
-        try:
-            found = try_to_load_from_cache(repo_id, filename)
-        except ValueError:  # not a valid repo id
-            return None
-        if isinstance(found, str):
-            return found
-    return None
 
 
 def _best(trials: list[Any]) -> list[Any] | None:

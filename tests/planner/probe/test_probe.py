@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -231,6 +232,38 @@ def test_cli_probe_json_and_exit_codes(capsys):
     assert main(args + ["--budget-gib", "0.0000001"]) == 3
     with pytest.raises(SystemExit):
         main(["probe", MODEL, "--weights-dtype", "int3"])
+
+
+def test_cli_probe_of_a_catalog_model_without_local_weights_builds_it_from_its_config(tmp_path, monkeypatch, capsys):
+    """Offline, as the planner is: no cached weights means the catalog config with random weights,
+    said on stderr; --allow-download hands the hub id to the trainer as given."""
+    import json
+
+    from planner import catalog, probe
+    from planner.cli import main
+
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    launched = []
+
+    def fake_run_probe(request, progress=None):  # the launch itself is tested above
+        launched.append(request)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(probe, "run_probe", fake_run_probe)
+    args = ["probe", "smollm2-135m", "--device", "cpu", "--no-fsdp"]
+    with pytest.raises(SystemExit):
+        main(args)
+    folder = launched[-1].model
+    assert json.loads((Path(folder) / "config.json").read_text()) == catalog.entry("HuggingFaceTB/SmolLM2-135M").config
+    assert "no weights in the local Hugging Face cache, so random weights from its config" in capsys.readouterr().err
+    # --allow-download asks the hub for the real weights under the alias's hub id (here offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main([*args, "--allow-download"]) == 2
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M" in capsys.readouterr().err
+    # a hub id the catalog does not know, not cached: one clear line, nothing launched
+    assert main(["probe", "no-such-org/no-such-model", "--device", "cpu", "--no-fsdp"]) == 2
+    assert "no-such-org/no-such-model" in capsys.readouterr().err and len(launched) == 1
 
 
 def test_grouped_units_deferred_micro_batches_and_generation_are_measured():
