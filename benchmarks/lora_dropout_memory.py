@@ -1,10 +1,10 @@
-"""LoRA dropout: the planner's estimate against probes of the trainer's default LoRA (dropout 0.05).
+"""LoRA dropout: the planner's estimate against probes of the trainer with LoRA dropout 0.05 and 0.1.
 
     python -m benchmarks.lora_dropout_memory [--device cpu] [--rerun]
 
-The trainer's LoRA default, like the manifest's, drops 5% of each adapted linear's input in
-the learn forward. PEFT runs ``lora_B(lora_A(dropout(x)))``: lora_A saves the dropped copy,
-and dropout saves what its backward reads, per element of the input: on a GPU a one-byte mask
+With dropout 0.05 (the trainer's and the manifest's default is 0) 5% of each adapted linear's
+input is dropped in the learn forward. PEFT runs ``lora_B(lora_A(dropout(x)))``: lora_A saves
+the dropped copy, and dropout saves what its backward reads, per element of the input: on a GPU a one-byte mask
 (``native_dropout``), on a CPU the scaled noise tensor ``torch.dropout`` multiplies by, in the
 adapters' dtype. Each adapted linear makes its own, so q, k and v no longer share one saved
 input when the base and the adapters have one dtype. The no-grad passes run in eval mode,

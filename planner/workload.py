@@ -147,7 +147,7 @@ class Workload(BaseModel):
     load_in_4bit: Annotated[
         bool,
         Field(
-            description="QLoRA: NF4 base weights (planned on one device or data parallel; a colocated vLLM "
+            description="QLoRA: NF4 base weights (planned sharded by FSDP2 or not; a colocated vLLM "
             "engine holds its own copy in the weights dtype)."
         ),
     ] = False

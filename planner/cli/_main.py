@@ -39,7 +39,10 @@ def _probe_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("model", help="model directory, config.json, hub id, or 'tiny:<arch>?...'")
     parser.add_argument(
-        "--gpus", type=positive_int, default=1, help="ranks to launch (GPUs, or CPU processes with --device cpu)"
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="ranks to launch (GPUs, or CPU processes with --device cpu) [default: 1]",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--no-fsdp", action="store_true", help="train unsharded (single device or data parallel)")
@@ -48,14 +51,18 @@ def _probe_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget-gib", type=positive_float, default=None, help="per-rank device budget; report whether it fits"
     )
-    parser.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole launch is killed")
-    parser.add_argument("--timed-steps", type=positive_int, default=3, help="untracked learn steps to time")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=600, help="seconds before the whole launch is killed [default: 600]"
+    )
+    parser.add_argument(
+        "--timed-steps", type=positive_int, default=3, help="untracked learn steps to time [default: 3]"
+    )
     parser.add_argument(
         "--nnodes",
         type=positive_int,
         default=1,
         help="nodes the --gpus ranks span; without --rdzv-endpoint each node is a torchrun agent on "
-        "this host (c10d rendezvous), so node boundaries (HSDP, host memory per node) are real",
+        "this host (c10d rendezvous), so node boundaries (HSDP, host memory per node) are real [default: 1]",
     )
     parser.add_argument(
         "--rdzv-endpoint",
@@ -80,8 +87,8 @@ def probe_main(argv: list[str]) -> int:
 
     from agilerl.utils.sources import check_model_source
 
-    from ..hardware import memory_bytes
     from .. import catalog
+    from ..hardware import memory_bytes
     from ..probe import Device, ProbeRequest, default_device, probe_model, random_weights, run_probe
 
     parser = _probe_parser()
@@ -180,11 +187,11 @@ def _plan_parser() -> argparse.ArgumentParser:
         "130 interrupted (rerun to resume)",
     )
     parser.add_argument("model", help="catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...'")
-    parser.add_argument("--gpus", type=positive_int, default=1, help="trainer GPUs in total")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="trainer GPUs in total [default: 1]")
     parser.add_argument(
         "--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: all on one node)"
     )
-    parser.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
+    parser.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)} [default: H100-80GB]")
     parser.add_argument(
         "--gpu-memory",
         type=positive_float,
