@@ -111,6 +111,25 @@ def grpo_loss(
     return loss, stats
 
 
+@contextlib.contextmanager
+def _neutral_generation_config(model: nn.Module):
+    """The model's generation_config, for the duration, transformers' defaults: generate fills
+    every sampling setting it is not given from the checkpoint's generation_config.json
+    (Qwen2.5-Instruct ships repetition_penalty, top_k and top_p), which would sample the
+    rollout from another distribution than the policy the objective scores. Only the settings
+    GRPO passes (and ``generation_kwargs``, the user's own) shape the sampling, as with vLLM,
+    whose SamplingParams are built from the same few."""
+    from transformers import GenerationConfig
+
+    lm = causal_lm(model)
+    shipped = lm.generation_config
+    lm.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        lm.generation_config = shipped
+
+
 class GRPO(LLMAlgorithm):
     """Group Relative Policy Optimisation of a LoRA actor.
 
@@ -507,7 +526,7 @@ class GRPO(LLMAlgorithm):
                 synced_gpus=self._generate_needs_sync(),
             )
             kwargs.update(self.generation_kwargs)
-            with use_adapter(self.model, ACTOR), self._gathered_for_rollout():
+            with use_adapter(self.model, ACTOR), self._gathered_for_rollout(), _neutral_generation_config(self.model):
                 prefilled = self._shared_prefill(ids, mask)
                 if prefilled is not None:
                     from agilerl.utils.prefix_cache import cache_argument
@@ -598,8 +617,13 @@ class GRPO(LLMAlgorithm):
 
     # -- learning ------------------------------------------------------------------------
     def _attention_mask(self, ids: torch.Tensor, action_masks: torch.Tensor) -> torch.Tensor:
+        """The mask the rollout generated under: the completion tokens, and each left-padded
+        prompt from its first token that is not padding. A prompt token equal to the pad id
+        after that (the end-of-sequence token closing a chat turn, where the tokenizer pads
+        with it) is attended, as the tokenizer's mask had it when the completion was sampled."""
         prompt_region = action_masks.cumsum(dim=1) == 0
-        return (action_masks.bool() | (prompt_region & (ids != self.pad_token_id))).long()
+        started = ((ids != self.pad_token_id) & prompt_region).cumsum(dim=1) > 0
+        return (action_masks.bool() | (prompt_region & started)).long()
 
     def learn(self, experiences: Sequence[torch.Tensor]) -> dict[str, float]:
         """One GRPO update on ``(ids, action_masks, rewards)`` from :meth:`get_action`.

@@ -22,6 +22,7 @@ The logits are the largest GRPO memory term for 150k-token vocabularies
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ __all__ = [
     "additive_attention_mask",
     "causal_lm",
     "full_causal",
+    "logit_multiplier",
 ]
 
 
@@ -260,6 +262,29 @@ def output_head(model: nn.Module) -> nn.Module:
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
     return head
+
+
+#: Causal LMs whose forward scales the lm_head's output before the softmax: model_type ->
+#: (config field, whether the logits are divided by it rather than multiplied). MiniCPM3
+#: divides the final hidden state instead, the same for a head without bias.
+LOGIT_SCALES = {
+    **{t: ("logits_scaling", True) for t in ("granite", "granite_swa", "granitemoe", "granitemoe_swa")},
+    **{t: ("logits_scaling", True) for t in ("granitemoeshared", "granitemoehybrid", "minicpm3")},
+    "hyperclovax": ("logits_scaling", False),
+    **{t: ("logit_scale", False) for t in ("cohere", "cohere2", "cohere2_moe", "cohere_compass")},
+    "falcon_h1": ("lm_head_multiplier", False),
+}
+
+
+def logit_multiplier(config: Any) -> float:
+    """What ``config``'s model multiplies its lm_head's output by before the softmax (1.0 for
+    most): the log-probs computed from the final hidden state and the head's weight divide the
+    temperature by it, so that they are the model's own, which it samples from."""
+    field, divides = LOGIT_SCALES.get(getattr(config, "model_type", ""), (None, False))
+    value = getattr(config, field, None) if field is not None else None
+    if value is None:
+        return 1.0
+    return 1.0 / float(value) if divides else float(value)
 
 
 def final_norm(model: nn.Module) -> nn.Module:

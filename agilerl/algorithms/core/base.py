@@ -62,6 +62,7 @@ from agilerl.utils.logprobs import (
     final_norm,
     full_causal,
     linear_token_logprobs,
+    logit_multiplier,
     output_head,
     position_ids_from_mask,
     shared_attention_mask,
@@ -788,7 +789,10 @@ class LLMAlgorithm:
     ) -> torch.Tensor:
         model = self.model if model is None else model
         head = output_head(model)
-        softcap = getattr(causal_lm(model).config, "final_logit_softcapping", None)
+        config = causal_lm(model).config
+        softcap = getattr(config, "final_logit_softcapping", None)
+        # a model that scales its logits (Granite, Cohere): the scale folds into the temperature
+        temperature = self.temperature / logit_multiplier(config)
         weight = getattr(head, "weight", None)
         if isinstance(head, nn.Linear) and weight is not None:
             # Cast before gathering: a sharded fp32 head (full fine-tuning) gathers in the compute dtype.
@@ -800,12 +804,12 @@ class LLMAlgorithm:
                     w,
                     b,
                     chunk_size=self.logprob_chunk_size,
-                    temperature=self.temperature,
+                    temperature=temperature,
                     softcap=softcap,
                     first=first,
                 )
         return chunked_token_logprobs(
-            hidden, targets, head, chunk_size=self.logprob_chunk_size, temperature=self.temperature, softcap=softcap
+            hidden, targets, head, chunk_size=self.logprob_chunk_size, temperature=temperature, softcap=softcap
         )
 
     def _dp_sum(self, local: float) -> float:

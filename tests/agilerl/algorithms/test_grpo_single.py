@@ -775,3 +775,71 @@ def test_the_planner_is_imported_only_for_an_auto_knob(overrides, imports_planne
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(imports_planner)
+
+
+def test_learn_attends_a_prompt_token_equal_to_the_pad_id_as_the_rollout_did():
+    """Tokenizers without a pad token pad with end-of-sequence, which chat templates also put
+    at every turn's end: learn must attend to those prompt tokens as generate did."""
+    agent = make_agent()
+    pad = agent.pad_token_id
+    a, b, c = (TOKENIZER.convert_tokens_to_ids(t) for t in "abc")
+    enc = {
+        "input_ids": torch.tensor([[pad, pad, a, pad, b], [a, pad, b, c, pad]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),  # what a tokenizer gives
+    }
+    completion = torch.tensor([[c, a, pad], [b, b, c]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    ids = torch.cat([enc["input_ids"], completion], dim=1)
+    masks = torch.cat([torch.zeros_like(enc["input_ids"]), completion_mask], dim=1)
+    expected = torch.cat([enc["attention_mask"], completion_mask], dim=1)
+    assert torch.equal(agent._attention_mask(ids, masks), expected)
+
+
+def test_generate_samples_from_the_policy_not_the_checkpoints_shipped_sampling_settings():
+    """A checkpoint's generation_config.json (Qwen2.5-Instruct ships repetition_penalty 1.05,
+    top_k 20, top_p 0.8) must not reshape the distribution GRPO samples from and trains on."""
+    from agilerl.utils.logprobs import causal_lm
+
+    agent = make_agent(max_output_tokens=8)
+    ids, mask = agent._encode(["abcab", "bcabc"] * 4)
+
+    def sample():
+        torch.manual_seed(123)
+        return agent._generate_hf(ids, mask)
+
+    plain = sample()
+    shipped = causal_lm(agent.model).generation_config
+    shipped.repetition_penalty, shipped.no_repeat_ngram_size, shipped.min_p = 1e6, 1, 0.5
+    assert torch.equal(sample(), plain)
+    assert causal_lm(agent.model).generation_config is shipped  # put back as it was
+
+
+@pytest.mark.parametrize(
+    "config_class, scale",
+    [("GraniteConfig", {"logits_scaling": 4.0}), ("CohereConfig", {"logit_scale": 0.25})],
+)
+def test_logprobs_of_a_model_that_scales_its_logits_are_the_models_own(tmp_path, config_class, scale):
+    """Granite divides its head's output by logits_scaling, Cohere multiplies it by logit_scale:
+    the log-probs the objective scores must be those the model samples from."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        vocab_size=len(TOKENIZER),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=TOKENIZER.pad_token_id,
+        **scale,
+    )
+    config.save_pretrained(tmp_path)
+    agent = make_agent(model_name=str(tmp_path), temperature=0.7)
+    ids, masks, _, _ = synthetic_experiences(agent)
+    attention = agent._attention_mask(ids, masks)
+    with torch.no_grad():
+        ours = agent.token_logprobs(ids, attention)
+        logits = agent.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / 0.7
+    own = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    real = attention[:, 1:].bool() & attention[:, :-1].bool()
+    torch.testing.assert_close(ours[real], own[real], rtol=1e-4, atol=1e-4)
