@@ -8,8 +8,11 @@ gradient), CISPO clips the importance weight and keeps every token's gradient:
 
 with ``r_it = exp(logp - old_logp)`` and ``sg`` the stop-gradient. Defaults follow the paper's
 recipe: no lower bound on the weight, no KL term (``beta=0``), and a wide upper bound
-(``clip_coef_high=4.0``: weights truncated at 5). The mean is over the micro-batch's completion
-tokens, as the paper normalises by the tokens of the batch rather than per sequence.
+(``clip_coef_high=4.0``: weights truncated at 5). The mean is over every completion token of
+the step, on every rank, as the paper normalises by the tokens of the batch rather than per
+sequence: :func:`cispo_loss` is a micro-batch's token mean, which GRPO's loop reweights by the
+micro-batch's share of the step's tokens (``step_token_mean``), so the gradient does not depend
+on ``micro_batch_size_per_gpu`` or on how the step's sequences fall on the ranks.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class CISPO(GRPO):
 
     algo_name = "CISPO"
     extra_hyperparameters = ("clip_coef_high",)
+    step_token_mean = True
 
     def __init__(
         self,

@@ -663,6 +663,8 @@ class GRPO(LLMAlgorithm):
         sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
         norms = []
         count = n // self.micro_batch_size_per_gpu
+        if self.step_token_mean:  # a rank's average tokens per micro-batch, over the whole step
+            per_micro_batch = max(1.0, self._dp_sum(float(loss_mask.sum())) / self.data_parallel_ranks / count)
         for _ in range(self.update_epochs):
             for s in self._learn_micro_batches(n):
                 with use_adapter(self.model, ACTOR):
@@ -670,10 +672,13 @@ class GRPO(LLMAlgorithm):
                 old = old_logp[s] if old_logp is not None else logp.detach()
                 ref = ref_logp[s] if ref_logp is not None else None
                 loss, stats = self.policy_loss(logp, old, ref, advantages[s], loss_mask[s])
-                (loss / count).backward()
-                sums["loss"] += loss.item() / count
-                sums["kl"] += stats["kl"].item() / count
-                sums["clip_fraction"] += stats["clip_fraction"].item() / count
+                # a token mean over the micro-batch, reweighted to one over the step's tokens on
+                # every rank: the gradient is then the same for any micro-batch size
+                weight = float(loss_mask[s].sum()) / per_micro_batch / count if self.step_token_mean else 1 / count
+                (loss * weight).backward()
+                sums["loss"] += loss.item() * weight
+                sums["kl"] += stats["kl"].item() * weight
+                sums["clip_fraction"] += stats["clip_fraction"].item() * weight
             with self._phase("step"):
                 norms.append(float(self._optimizer_step()))
         self.steps += 1
@@ -691,6 +696,11 @@ class GRPO(LLMAlgorithm):
         return aggregate_metrics_dict(metrics, maximized=("grad_norm",))
 
     # -- what the algorithms built on GRPO's loop replace -----------------------------------
+    #: Whether :meth:`policy_loss` is a mean over its micro-batch's tokens that stands for a mean
+    #: over every completion token of the step (CISPO's normalisation); False: a mean over
+    #: sequences, as GRPO's, which micro-batches of equal rows average exactly.
+    step_token_mean: bool = False
+
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-completion advantages from every completion's reward, in group order: GRPO's
         group-normalised ``(r - mean) / (std + eps)``."""

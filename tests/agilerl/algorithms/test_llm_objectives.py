@@ -227,3 +227,26 @@ def test_the_manifest_and_the_planner_know_each_algorithms_own_defaults():
             else:
                 with pytest.raises(Exception, match=f"{field}: {name} takes"):
                     load_manifest({"algorithm": section})
+
+
+@pytest.mark.parametrize("algorithm", [CISPO, GRPO])
+def test_the_gradient_does_not_depend_on_the_micro_batch_size(algorithm):
+    """CISPO's mean over the step's tokens and GRPO's over its sequences, whatever the
+    micro-batches: the completions have different lengths, so micro-batch token means differ."""
+    grads = {}
+    for micro_batch in (8, 2, 1):  # 8: the whole step in one, where the loss is the formula's
+        agent = make_agent(algorithm=algorithm, micro_batch_size_per_gpu=micro_batch)
+        ids, masks, rewards, _ = synthetic_experiences(agent, completion_len=6, seed=3)
+        assert len(set(masks.sum(dim=1).tolist())) > 2
+        step = agent._optimizer_step
+
+        def record(step=step, micro_batch=micro_batch, agent=agent):
+            grads[micro_batch] = [p.grad.clone() for p in agent.trainable_params if p.grad is not None]
+            return step()
+
+        agent._optimizer_step = record
+        agent.learn((ids, masks, rewards))
+    assert grads[8] and any(g.abs().sum() > 0 for g in grads[8])
+    for micro_batch in (2, 1):
+        for ours, whole in zip(grads[micro_batch], grads[8], strict=True):
+            torch.testing.assert_close(ours, whole, rtol=1e-4, atol=1e-7)
