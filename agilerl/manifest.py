@@ -499,11 +499,16 @@ class Manifest(_Section):
         total = self.training.rollout_batch_size * self.algorithm.sequences_per_prompt
         micro = self.algorithm.micro_batch_size_per_gpu
         gpus = self.training.training_gpus_per_agent
-        per_rank = total // gpus if gpus else total
+        tp = fsdp.tp if fsdp not in (None, "auto") else 1  # a tensor-parallel group shares its rows
+        per_rank = total // max(1, gpus // tp) if gpus else total
         if (
             micro is not None and per_rank % micro
         ):  # without the GPUs (the launch decides), a rank's share divides the total
-            where = f"over {gpus} GPUs gives {per_rank} per GPU" if gpus else "in all"
+            where = "in all"
+            if gpus:
+                dp = max(1, gpus // tp)
+                ranks = f"{dp} data-parallel rank{'s' if dp != 1 else ''} of {gpus} GPUs" if tp > 1 else f"{gpus} GPUs"
+                where = f"over {ranks} gives {per_rank} per rank"
             raise ValueError(
                 f"rollout_batch_size x group_size = {total} completions {where}, which "
                 f"algorithm.micro_batch_size_per_gpu={micro} does not divide"

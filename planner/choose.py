@@ -25,6 +25,7 @@ and names the smallest changes that would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +121,19 @@ class _Search:
         return estimate(self.spec, workload, self.cluster, fsdp, coefficients=self.coefficients)
 
     def fits(self, workload, fsdp) -> bool:
+        """Whether it fits; a layout the runtime refuses on these GPUs (expert parallel with
+        tensor parallel or HSDP, say) is never a candidate, and fits nothing."""
+        if fsdp is not None and self.layout_problem(fsdp) is not None:
+            return False
         return self.estimate(workload, fsdp).peak_bytes <= self.limit
+
+    def layout_problem(self, fsdp: FSDPConfig) -> str | None:
+        """Why ``fsdp`` cannot run on the cluster's ranks (agilerl.distributed's own check), or None."""
+        try:
+            fsdp.check_world(self.cluster.num_gpus)
+        except ValueError as err:
+            return str(err)
+        return None
 
 
 @dataclass
@@ -252,7 +265,9 @@ def _vllm_frugal(
     if workload.vllm_gpu_memory_utilization is None and workload.vllm_kv_cache_memory_bytes is None:
         sized = workload.model_copy(update={**update, "vllm_gpu_memory_utilization": 1.0})
         floor = vllm_floor(spec, sized, cluster, None) / cluster.gpu.memory_bytes
-        least = next((u for u in reversed(VLLM_UTILIZATIONS) if u >= floor), VLLM_UTILIZATIONS[0])
+        # above the largest fraction the planner gives, the least the engine starts with (the
+        # whole GPU when not even that: the rollout then cannot fit)
+        least = next((u for u in reversed(VLLM_UTILIZATIONS) if u >= floor), min(1.0, math.ceil(floor * 100) / 100))
         update["vllm_gpu_memory_utilization"] = least
     return workload.model_copy(update=update), notes
 
@@ -280,18 +295,14 @@ def plan(
     check_inputs(spec, workload, cluster, fixed, sharding)
     colocated = workload.generation == "vllm" if colocated_vllm is None else colocated_vllm
     margin = int(cluster.gpu.memory_bytes * margin_fraction)
-    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed=fixed)
 
     # 1. the most frugal settings, sharded only where data parallel does not fit
-    draft = _Draft(_frugal_workload(workload))
-    vllm_notes: list[Decision] = []
-    if workload.generation == "vllm":
-        draft.workload, vllm_notes = _vllm_frugal(spec, draft.workload, cluster, fixed)
-    if _choose_sharding(search, draft, sharding):
-        draft.fsdp = _frugal_fsdp(search, draft, colocated)
+    search, draft, vllm_notes = _most_frugal(spec, workload, cluster, fixed, sharding, colocated, coefficients, margin)
     if not search.fits(draft.workload, draft.fsdp):
         est = search.estimate(draft.workload, draft.fsdp)
-        suggestions = _suggest(spec, workload, cluster, coefficients, margin, fixed) if suggest else []
+        suggestions = (
+            _suggest(spec, workload, cluster, fixed, sharding, coefficients, margin_fraction) if suggest else []
+        )
         draft.note(
             "fits",
             False,
@@ -355,6 +366,28 @@ def plan_request(
     return result
 
 
+def _most_frugal(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    fixed: dict[str, Any],
+    sharding: str,
+    colocated: bool,
+    coefficients: Coefficients | None,
+    margin: int,
+) -> tuple[_Search, _Draft, list[Decision]]:
+    """What plan() starts from, and judges a fit by: the open knobs at their most frugal, the
+    colocated engine at the least it starts with, sharded only where data parallel does not fit."""
+    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed=fixed)
+    draft = _Draft(_frugal_workload(workload))
+    vllm_notes: list[Decision] = []
+    if workload.generation == "vllm":
+        draft.workload, vllm_notes = _vllm_frugal(spec, draft.workload, cluster, fixed)
+    if _choose_sharding(search, draft, sharding, colocated):
+        draft.fsdp = _frugal_fsdp(search, draft, colocated)
+    return search, draft, vllm_notes
+
+
 def _frugal_workload(workload: Workload) -> Workload:
     """The user's workload with the knobs left open at their most frugal: one example per
     micro-batch, the smallest log-prob chunk, checkpointing on."""
@@ -367,8 +400,9 @@ def _frugal_workload(workload: Workload) -> Workload:
     )
 
 
-def _choose_sharding(search: _Search, draft: _Draft, sharding: str) -> bool:
-    """Whether to shard with FSDP2: asked for, FSDPConfig fields given, or data parallel does not fit."""
+def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: bool) -> bool:
+    """Whether to shard with FSDP2: asked for, FSDPConfig fields given, or data parallel does not
+    fit; on one GPU, only where FSDP2's offload to the host then fits."""
     fixed, gpus = search.fixed, search.cluster.num_gpus
     if sharding == "none":
         return False
@@ -377,8 +411,20 @@ def _choose_sharding(search: _Search, draft: _Draft, sharding: str) -> bool:
     if fixed:
         draft.note("sharding", "fsdp", f"FSDPConfig fields were given ({', '.join(sorted(fixed))})")
         return True
-    if gpus == 1:
+    if gpus == 1 and search.fits(draft.workload, None):
         draft.note("sharding", "none", "one device: no sharding needed")
+        return False
+    if gpus == 1:
+        need = search.estimate(draft.workload, None).peak_bytes
+        if search.fits(draft.workload, _frugal_fsdp(search, _Draft(draft.workload), colocated)):
+            draft.note(
+                "sharding",
+                "fsdp",
+                f"unsharded it needs {_gib(need)}, over {_gib(search.limit)}: FSDP2 on one GPU keeps the optimizer "
+                "(or the parameters) on the host",
+            )
+            return True
+        draft.note("sharding", "none", f"one device: unsharded it needs {_gib(need)}, and offloading does not fit")
         return False
     if search.fits(draft.workload, None):
         draft.note("sharding", "data parallel", "the whole actor fits on each GPU, so no weight gathers are needed")
@@ -485,7 +531,10 @@ def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> N
     fsdp = draft.fsdp
     assert fsdp is not None
     per_node = cluster.per_node
-    if "shard_group_size" not in fixed and cluster.num_nodes > 1:
+    if "shard_group_size" not in fixed and cluster.num_nodes > 1 and (fsdp.tp > 1 or fsdp.ep > 1):
+        parallel = f"tp={fsdp.tp}" if fsdp.tp > 1 else f"ep={fsdp.ep}"
+        draft.note("shard_group_size", None, f"HSDP does not combine with {parallel} yet: sharding across all GPUs")
+    elif "shard_group_size" not in fixed and cluster.num_nodes > 1:
         hsdp = fsdp.model_copy(update={"shard_group_size": per_node})
         if search.fits(current, hsdp):
             fsdp = hsdp
@@ -666,66 +715,70 @@ def suggest_fixes(
     cluster: Cluster,
     *,
     fixed: dict[str, Any] | None = None,
+    sharding: str = "auto",
     coefficients: Coefficients | None = None,
     margin_fraction: float = MARGIN_FRACTION,
 ) -> list[str]:
     """The smallest changes that would make a plan fit (what plan() reports when nothing does)."""
-    return _suggest(
-        spec, workload, cluster, coefficients, int(cluster.gpu.memory_bytes * margin_fraction), dict(fixed or {})
-    )
+    return _suggest(spec, workload, cluster, dict(fixed or {}), sharding, coefficients, margin_fraction)
 
 
-def _suggest(spec, workload, cluster, coefficients, margin, fixed) -> list[str]:
-    """The smallest changes that make the most frugal plan fit, by kind."""
+def _suggest(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    fixed: dict[str, Any],
+    sharding: str,
+    coefficients: Coefficients | None,
+    margin_fraction: float,
+) -> list[str]:
+    """The smallest changes that make a plan fit, by kind. Each is judged as plan() judges the
+    run it describes: the same checks the command line makes of its inputs (a batch that splits
+    over the GPUs, whole prompts per GPU, an engine budget it starts with), then the most frugal
+    settings plan() starts from (:func:`_most_frugal`), so that applying one gives a plan that fits."""
     out: list[str] = []
 
-    def feasible(wl: Workload, cl: Cluster) -> bool:
-        """Whether the most frugal settings fit (what plan() starts from), sharded or not."""
-        limit = cl.gpu.memory_bytes - margin
+    def feasible(wl: Workload, cl: Cluster, how: str = sharding) -> bool:
         try:  # model_copy does not validate: a combination the trainer refuses is no suggestion
             wl = Workload.model_validate(wl.model_dump())
-        except ValueError:
-            return False
-        frugal = wl.model_copy(
-            update={
-                "micro_batch_size_per_gpu": wl.micro_batch_size_per_gpu or 1,
-                "logprob_chunk_size": wl.logprob_chunk_size or LOGPROB_CHUNKS[0],
-                "gradient_checkpointing": True if wl.gradient_checkpointing is None else wl.gradient_checkpointing,
-            }
-        )
-        try:
-            candidates: list[FSDPConfig | None] = [None]
-            if cl.num_gpus > 1:
-                candidates.append(
-                    FSDPConfig(**{"optim_cpu_offload": True, "defer_grad_sync": not wl.full_finetune, **fixed})
-                )
-            return any(estimate(spec, frugal, cl, f, coefficients=coefficients).peak_bytes <= limit for f in candidates)
+            request = PlanRequest(cluster=cl, workload=wl, fixed=fixed, sharding=how, margin_fraction=margin_fraction)
+            if request.manifest_problem() is not None:
+                return False
+            check_inputs(spec, wl, cl, fixed, how)
+            colocated = wl.generation == "vllm"
+            margin = int(cl.gpu.memory_bytes * margin_fraction)
+            search, draft, _ = _most_frugal(spec, wl, cl, fixed, how, colocated, coefficients, margin)
+            return search.fits(draft.workload, draft.fsdp)
         except ValueError:
             return False
 
+    prompts = workload.prompts_per_step
     for factor in (2, 4, 8, 16, 32, 64):
         gpus = cluster.num_gpus * factor
-        total = workload.completions_per_step
-        if total % gpus:
-            continue
         per = cluster.gpus_per_node
         cl = cluster.model_copy(update={"num_gpus": gpus, "gpus_per_node": min(per, gpus) if per else None})
-        if feasible(workload, cl):
+        # every GPU takes whole prompts: as many more as it takes
+        whole = -(-prompts // gpus) * gpus
+        if feasible(workload.model_copy(update={"prompts_per_step": whole}), cl):
             where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""
-            out.append(f"use {gpus} GPUs{where}")
+            more = f" with prompts_per_step={whole}" if whole != prompts else ""
+            out.append(f"use {gpus} GPUs{where}{more}")
             break
-    if workload.micro_batch_size_per_gpu and workload.micro_batch_size_per_gpu > 1:
-        wl = workload.model_copy(update={"micro_batch_size_per_gpu": 1})
-        if feasible(wl, cluster):
-            out.append("use micro_batch_size_per_gpu=1")
+    frugal_micro = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None}))
+    least = frugal_micro.micro_batch_size_per_gpu
+    if workload.micro_batch_size_per_gpu and least is not None and workload.micro_batch_size_per_gpu > least:
+        if feasible(workload.model_copy(update={"micro_batch_size_per_gpu": least}), cluster):
+            out.append(f"use micro_batch_size_per_gpu={least}")
+    if sharding == "none" and feasible(workload, cluster, "fsdp"):
+        out.append("shard with FSDP2 (sharding='fsdp', or 'auto' to let the plan decide)")
     if workload.full_finetune:
         wl = workload.model_copy(update={"full_finetune": False})
         if feasible(wl, cluster):
             out.append("train LoRA adapters instead of every parameter (full_finetune=False)")
-    elif not workload.load_in_4bit and cluster.num_gpus == 1:
+    elif not workload.load_in_4bit:
         wl = workload.model_copy(update={"load_in_4bit": True})
         if feasible(wl, cluster):
-            out.append("use QLoRA (load_in_4bit=True; one device or data parallel)")
+            out.append("use QLoRA (load_in_4bit=True)")
     if workload.generation == "vllm":
         # A colocated engine takes its fraction of the GPU while awake: the fix GRPO users are
         # given is a smaller fraction (down to a tenth), or parking the trainer's weights.
@@ -771,10 +824,10 @@ def _fewest_prompts_cut(
     workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
 ) -> int | None:
     """The largest prompts_per_step below the workload's that fits (None if even one prompt per
-    rank does not): a binary search over the counts whose sequences split evenly over the GPUs,
-    since memory only falls with fewer prompts."""
-    per_prompt = workload.group_size if workload.algorithm not in OFFLINE_SEQUENCES else 1
-    counts = [q for q in range(workload.prompts_per_step - 1, 0, -1) if q * per_prompt % cluster.num_gpus == 0]
+    GPU does not): a binary search over the multiples of the GPU count (every GPU takes whole
+    prompts), since memory only falls with fewer prompts."""
+    gpus = cluster.num_gpus
+    counts = [q for q in range(workload.prompts_per_step - 1, 0, -1) if q % gpus == 0]
     lo, hi, found = 0, len(counts) - 1, None
     while lo <= hi:  # counts descend: the first that fits is the largest
         mid = (lo + hi) // 2

@@ -99,6 +99,19 @@ def test_bad_manifests_name_the_field(data, match):
         load_manifest(data)
 
 
+def test_a_tensor_parallel_group_shares_its_rows_in_the_micro_batch_check():
+    """8 prompts x 8 = 64 completions on 2 GPUs in one tp=2 group: one data-parallel rank
+    holds all 64, so a micro-batch of 64 divides them (as agilerl.train and the planner count)."""
+    data = {
+        "algorithm": {"model_name": "m", "micro_batch_size_per_gpu": 64, "fsdp": {"tp": 2}},
+        "training": {"rollout_batch_size": 8, "training_gpus_per_agent": 2},
+    }
+    assert load_manifest(data).algorithm.micro_batch_size_per_gpu == 64
+    data["algorithm"]["micro_batch_size_per_gpu"] = 48
+    with pytest.raises(ManifestError, match="over 1 data-parallel rank of 2 GPUs gives 64 per rank"):
+        load_manifest(data)
+
+
 def test_the_manifest_bounds_each_hyperparameter_as_the_algorithms_do():
     """One rule: a value the manifest takes, the algorithm takes too, and the other way round
     (check_hyperparameters beside lr in the algorithms' base; the manifest's fields' bounds)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agilerl.distributed import FSDPConfig
-from planner.choose import plan
+from planner.choose import check_inputs, plan
 from planner.hardware import GPU, Cluster
 from planner.memory import estimate
 from planner.models import load_model_spec
@@ -246,18 +246,22 @@ def test_a_colocated_engine_that_breaks_the_fit_gets_a_lower_fraction_suggested(
     spec7b = catalog.load_spec("Qwen/Qwen2.5-7B")
     h100 = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
     workload = Workload(prompts_per_step=1, lora_rank=64, generation="vllm", vllm_gpu_memory_utilization=0.8)
-    p = plan(spec7b, workload, h100)
+    p = plan(spec7b, workload, h100, sharding="none")  # one GPU left to choose offloads with FSDP2
     assert not p.fits and p.estimate.peak_phase == "rollout"
     lowered = [s for s in p.suggestions if s.startswith("lower vllm_gpu_memory_utilization to ")]
     assert lowered, p.suggestions
     fraction = float(lowered[0].rsplit(" ", 1)[1])
     assert 0.1 <= fraction < 0.8
-    assert plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction}), h100).fits
-    assert not plan(spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction + 0.05}), h100).fits
+    assert plan(
+        spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction}), h100, sharding="none"
+    ).fits
+    assert not plan(
+        spec7b, workload.model_copy(update={"vllm_gpu_memory_utilization": fraction + 0.05}), h100, sharding="none"
+    ).fits
     assert any(s.startswith("set offload_weights_during_rollout=True") for s in p.suggestions)
     # QLoRA with a colocated engine is suggested, and it fits.
     assert any("QLoRA" in s for s in p.suggestions), p.suggestions
-    assert plan(spec7b, workload.model_copy(update={"load_in_4bit": True}), h100).fits
+    assert plan(spec7b, workload.model_copy(update={"load_in_4bit": True}), h100, sharding="none").fits
 
 
 def test_fsdpconfig_fields_given_on_one_gpu_are_kept_not_dropped(spec):
@@ -307,13 +311,13 @@ def test_generation_gathers_each_unit_once_when_all_units_fit_beside_the_kv_cach
 
 
 # -- the colocated vLLM engine's settings --------------------------------------------------------
-def _vllm_plan(util=None, seqs=None, gpu="H100-80GB", model="Qwen/Qwen2.5-7B"):
+def _vllm_plan(util=None, seqs=None, gpu="H100-80GB", model="Qwen/Qwen2.5-7B", sharding="auto"):
     from planner.hardware import gpu_by_name
 
     spec = load_model_spec(model)
     workload = Workload(generation="vllm", lora_rank=64, vllm_gpu_memory_utilization=util, vllm_max_num_seqs=seqs)
     cluster = Cluster(gpu=gpu_by_name(gpu), num_gpus=1)
-    return spec, cluster, plan(spec, workload, cluster)
+    return spec, cluster, plan(spec, workload, cluster, sharding=sharding)
 
 
 def test_the_plan_picks_the_largest_vllm_fraction_that_fits():
@@ -337,9 +341,12 @@ def test_a_vllm_fraction_the_user_gives_is_kept_and_too_much_gets_the_lower_frac
     _, _, kept = _vllm_plan(util=0.5, seqs=32)
     assert kept.fits and kept.workload.vllm_gpu_memory_utilization == 0.5 and kept.workload.vllm_max_num_seqs == 32
     assert "vllm_gpu_memory_utilization" not in kept.reasons() and "vllm_max_num_seqs" not in kept.reasons()
-    _, _, over = _vllm_plan(util=0.8)
+    _, _, over = _vllm_plan(util=0.8, sharding="none")
     assert not over.fits
     assert any(s.startswith("lower vllm_gpu_memory_utilization to 0.") for s in over.suggestions)
+    # left to choose, the plan keeps the engine's fraction and parks the trainer's weights on the host
+    _, _, offloaded = _vllm_plan(util=0.8)
+    assert offloaded.fits and offloaded.fsdp is not None and offloaded.fsdp.cpu_offload
 
 
 def test_the_fraction_never_starves_the_engine_of_its_own_weights():
@@ -497,3 +504,164 @@ def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit()
     p = plan(spec70, Workload(prompts_per_step=4, generation="none"), one)
     assert not p.fits
     assert not any(s.startswith("use prompts_per_step=") for s in p.suggestions), p.suggestions
+
+
+def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: str):
+    """The run a "what would fit" line describes, as a user would give it."""
+    import re
+
+    wl, cl = {}, {}
+    if m := re.fullmatch(r"use (\d+) GPUs(?: \(\d+ nodes of \d+\))?(?: with prompts_per_step=(\d+))?", suggestion):
+        cl["num_gpus"] = int(m[1])
+        if m[2]:
+            wl["prompts_per_step"] = int(m[2])
+    elif m := re.fullmatch(r"use (micro_batch_size_per_gpu|prompts_per_step)=(\d+).*", suggestion):
+        wl[m[1]] = int(m[2])
+    elif m := re.fullmatch(r"lower vllm_gpu_memory_utilization to ([\d.]+)", suggestion):
+        wl["vllm_gpu_memory_utilization"] = float(m[1])
+    elif m := re.fullmatch(r"shorten completions to (\d+) tokens", suggestion):
+        wl["completion_tokens"] = int(m[1])
+    elif suggestion.startswith("train LoRA adapters"):
+        wl["full_finetune"] = False
+    elif suggestion.startswith("use QLoRA"):
+        wl["load_in_4bit"] = True
+    elif suggestion.startswith("set offload_weights_during_rollout=True"):
+        wl["offload_weights_during_rollout"] = True
+    elif suggestion.startswith("generate with a colocated vLLM engine"):
+        wl["generation"] = "vllm"
+    elif suggestion.startswith("shard with FSDP2"):
+        sharding = "fsdp"
+    else:
+        raise AssertionError(f"a suggestion no user could apply: {suggestion!r}")
+    return workload.model_copy(update=wl), cluster.model_copy(update=cl), sharding
+
+
+@pytest.mark.parametrize(
+    "model, gpu, gpus, sharding, workload",
+    [
+        ("Qwen/Qwen2.5-7B", "H100-80GB", 2, "auto", dict(prompts_per_step=64, completion_tokens=8192)),
+        ("meta-llama/Llama-3.1-70B", "H100-80GB", 8, "auto", dict(prompts_per_step=8, full_finetune=True)),
+        (
+            "meta-llama/Llama-3.1-70B",
+            "L4",
+            4,
+            "auto",
+            dict(prompts_per_step=16, completion_tokens=1024, load_in_4bit=True),
+        ),
+        (
+            "meta-llama/Llama-3.1-8B",
+            "H100-80GB",
+            1,
+            "auto",
+            dict(algorithm="dpo", micro_batch_size_per_gpu=16, prompt_tokens=8192, completion_tokens=8192),
+        ),
+        (
+            "Qwen/Qwen2.5-14B",
+            "A100-40GB",
+            2,
+            "auto",
+            dict(generation="vllm", vllm_gpu_memory_utilization=0.9, prompt_tokens=512),
+        ),
+        (
+            "meta-llama/Llama-3.1-8B",
+            "A100-40GB",
+            2,
+            "none",
+            dict(prompts_per_step=8, full_finetune=True, generation="none"),
+        ),
+    ],
+)
+def test_every_suggestion_when_applied_gives_a_plan_that_fits(model, gpu, gpus, sharding, workload):
+    """What would fit is judged as the plan judges: each line, applied as the command line would
+    take it (the same request checks, its defaults), plans a run that fits."""
+    from planner import catalog
+    from planner.choose import plan_request
+    from planner.hardware import GPUS
+    from planner.request import PlanRequest
+
+    spec = catalog.load_spec(model)
+    cluster = Cluster(gpu=GPUS[gpu], num_gpus=gpus)
+    wl = Workload(**workload)
+    p = plan_request(spec, PlanRequest.build(cluster, wl, sharding=sharding))
+    assert not p.fits and p.suggestions and not p.suggestions[0].startswith("nothing nearby"), p.suggestions
+    for suggestion in p.suggestions:
+        changed, cl, how = _applied(suggestion, wl, cluster, sharding)
+        fixed = plan_request(spec, PlanRequest.build(cl, changed, sharding=how), suggest=False)
+        assert fixed.fits, (suggestion, fixed.reasons()["fits"])
+
+
+@pytest.mark.parametrize(
+    "model, gpus, per_node, workload, fixed, hsdp_reason",
+    [
+        # the plan chooses ep itself: HSDP is then not tried (they do not combine)
+        (
+            "mistralai/Mixtral-8x7B-v0.1",
+            16,
+            8,
+            dict(prompts_per_step=64, prompt_tokens=512, completion_tokens=128),
+            {},
+            "ep=2",
+        ),
+        ("Qwen/Qwen3-30B-A3B", 16, 8, dict(prompts_per_step=16), {"ep": 2}, "ep=2"),
+        ("meta-llama/Llama-3.1-8B", 32, 8, dict(prompts_per_step=32), {"tp": 2}, "tp=2"),
+        ("meta-llama/Llama-3.1-8B", 16, 4, dict(prompts_per_step=32), {"tp": 4}, "tp=4"),
+    ],
+)
+def test_multi_node_plans_never_try_hsdp_beside_expert_or_tensor_parallel(
+    model, gpus, per_node, workload, fixed, hsdp_reason
+):
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    gpu = GPUS["L4"] if model.startswith("mistralai") else GPUS["H100-80GB"]
+    p = plan(
+        catalog.load_spec(model),
+        Workload(**workload),
+        Cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=per_node),
+        fixed=fixed,
+    )
+    assert p.fsdp is not None and p.fsdp.shard_group_size is None
+    assert p.reasons()["shard_group_size"] == f"HSDP does not combine with {hsdp_reason} yet: sharding across all GPUs"
+    p.fsdp.check_world(gpus)  # a layout the runtime takes
+
+
+def test_expert_parallel_is_not_tried_beside_a_fixed_tensor_parallel_degree():
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec = catalog.load_spec("Qwen/Qwen3-30B-A3B")
+    p = plan(spec, Workload(prompts_per_step=64), Cluster(gpu=GPUS["L4"], num_gpus=8), fixed={"tp": 2})
+    assert p.fsdp is not None and p.fsdp.ep == 1 and p.fsdp.tp == 2
+
+
+def test_one_gpu_offloads_with_fsdp2_where_unsharded_does_not_fit():
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec8 = catalog.load_spec("meta-llama/Llama-3.1-8B")
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    workload = Workload(algorithm="sft", full_finetune=True)
+    assert (
+        estimate(spec8, workload.model_copy(update={"micro_batch_size_per_gpu": 1}), one, None).peak_bytes > 80 * 2**30
+    )
+    p = plan(spec8, workload, one)
+    assert p.fits and p.fsdp is not None and (p.fsdp.optim_cpu_offload or p.fsdp.cpu_offload)
+    assert "FSDP2 on one GPU keeps the optimizer" in p.reasons()["sharding"]
+
+
+def test_a_colocated_engine_whose_floor_is_above_the_planners_largest_fraction_gets_the_least_it_starts_with():
+    from planner import catalog
+    from planner.hardware import GPUS, with_memory
+
+    spec8 = catalog.load_spec("meta-llama/Llama-3.1-8B")
+    gpu = with_memory(GPUS["H100-80GB"], 17.25, "--gpu-memory")
+    workload = Workload(generation="vllm", offload_weights_during_rollout=True, prompt_tokens=64, completion_tokens=64)
+    p = plan(spec8, workload, Cluster(gpu=gpu, num_gpus=1), margin_fraction=0.01)
+    chosen = p.workload.vllm_gpu_memory_utilization
+    assert chosen is not None and chosen > 0.9
+    # the engine starts with what was chosen, and not with a hundredth less
+    assert check_inputs(spec8, p.workload, p.cluster) is None
+    with pytest.raises(ValueError, match="give at least"):
+        check_inputs(
+            spec8, p.workload.model_copy(update={"vllm_gpu_memory_utilization": round(chosen - 0.01, 2)}), p.cluster
+        )
