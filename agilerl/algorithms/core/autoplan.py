@@ -3,8 +3,9 @@ knobs, and the expert chunk.
 
 Imported only when an algorithm meets an "auto" to resolve: fsdp_config="auto", one of
 gradient_checkpointing, logprob_chunk_size and gather_weights_for_rollout left at its "auto"
-default, or an FSDPConfig with routed_expert_chunk_mib=None on a MoE model. Give those knobs
-values and the planner is not on the trainer's import path.
+default, or an FSDPConfig with routed_expert_chunk_mib=None on a MoE model or with
+optim_cpu_offload=None. Give those knobs values and the planner is not on the trainer's import
+path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["plan_for_agent", "pick_auto_knobs", "visible_cluster", "config_is_moe", "pick_expert_chunk"]
+__all__ = [
+    "plan_for_agent",
+    "pick_auto_knobs",
+    "visible_cluster",
+    "config_is_moe",
+    "pick_expert_chunk",
+    "pick_optim_offload",
+]
 
 
 def _host_available_bytes() -> int:
@@ -229,3 +237,32 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
         f"{cluster.gpu.memory_bytes / gib:.2f} GiB): the smallest chunk"
     )
     return {"routed_expert_chunk_mib": chosen, "summary": f"[agilerl] routed_expert_chunk_mib={chosen}: {why}"}
+
+
+def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
+    """FSDPConfig.optim_cpu_offload=None under FSDP2: as documented, Adam on the GPU where the
+    memory estimate fits it there (with the user's other fields and the knobs as resolved), else
+    on the CPU."""
+    from planner.calibration import coefficients_for
+    from planner.memory import MARGIN_FRACTION, estimate
+
+    spec = _spec_for(agent, actor_network)
+    workload, _ = _workload_for(agent, micro)
+    workload = workload.model_copy(
+        update={
+            "logprob_chunk_size": agent.logprob_chunk_size,
+            "gradient_checkpointing": bool(agent.gradient_checkpointing),
+        }
+    )
+    cluster = visible_cluster(agent.world_size)
+    on_gpu = agent.fsdp_config.model_copy(update={"optim_cpu_offload": False})
+    peak = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients_for(cluster.gpu)).peak_bytes
+    budget = cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
+    gib = 2**30
+    offload = peak > budget
+    where = "on the CPU: with Adam on the GPU" if offload else "on the GPU:"
+    return {
+        "optim_cpu_offload": offload,
+        "summary": f"[agilerl] optim_cpu_offload={offload}: Adam steps {where} the memory estimate's peak is "
+        f"{peak / gib:.2f} GiB of the {budget / gib:.2f} GiB per device it may take",
+    }

@@ -308,6 +308,8 @@ class LLMAlgorithm:
             self._resolve_auto_knobs(actor_network)
         if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
             self._resolve_expert_chunk(actor_network)
+        if self.sharded and self.fsdp_config.optim_cpu_offload is None:
+            self._resolve_optim_offload(actor_network)
         self._build(actor_network)
 
     # -- what each algorithm says about itself -------------------------------------
@@ -439,6 +441,24 @@ class LLMAlgorithm:
         self.fsdp_config = self.fsdp_config.model_copy(
             update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]}
         )
+        if is_main_process():
+            logger.info("%s", result["summary"])
+
+    def _resolve_optim_offload(self, actor_network: nn.Module | None) -> None:
+        """optim_cpu_offload=None: as documented, Adam on the GPU where the memory estimate fits,
+        else on the CPU (rank 0 asks the estimate; every rank applies the same). Should the estimate
+        fail, Adam stays on the device and the reason is logged."""
+        from .autoplan import pick_optim_offload
+
+        result = on_rank0(pick_optim_offload, self, actor_network, self.micro_batch_size_per_gpu)
+        if "error" in result:
+            if is_main_process():
+                logger.warning(
+                    "[agilerl] optim_cpu_offload=None kept Adam on the device: the memory estimate failed (%s)",
+                    result["error"],
+                )
+            return
+        self.fsdp_config = self.fsdp_config.model_copy(update={"optim_cpu_offload": result["optim_cpu_offload"]})
         if is_main_process():
             logger.info("%s", result["summary"])
 

@@ -843,3 +843,29 @@ def test_logprobs_of_a_model_that_scales_its_logits_are_the_models_own(tmp_path,
     own = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     real = attention[:, 1:].bool() & attention[:, :-1].bool()
     torch.testing.assert_close(ours[real], own[real], rtol=1e-4, atol=1e-4)
+
+
+def test_optim_cpu_offload_none_keeps_adam_on_the_device_only_where_the_estimate_fits_it(monkeypatch):
+    """FSDPConfig's documented None: "picks GPU when the memory estimate fits, else CPU"."""
+    from agilerl.algorithms.core import autoplan
+    from planner.calibration import coefficients_for
+    from planner.memory import estimate
+
+    agent = make_agent()
+    agent.fsdp_config = FSDPConfig()  # as an FSDP2 run is given it (the decision needs no ranks)
+    micro = agent.micro_batch_size_per_gpu
+    spec = autoplan._spec_for(agent, None)
+    workload, _ = autoplan._workload_for(agent, micro)
+    workload = workload.model_copy(
+        update={"logprob_chunk_size": agent.logprob_chunk_size, "gradient_checkpointing": agent.gradient_checkpointing}
+    )
+    cluster = autoplan.visible_cluster(1)
+    need = estimate(
+        spec, workload, cluster, FSDPConfig(optim_cpu_offload=False), coefficients=coefficients_for(cluster.gpu)
+    ).peak_bytes
+    # a device just roomy enough, then one just too small, for Adam beside everything else
+    monkeypatch.setattr(autoplan, "_host_available_bytes", lambda: int(need / 0.95) + 2**20)
+    assert autoplan.pick_optim_offload(agent, None, micro)["optim_cpu_offload"] is False
+    monkeypatch.setattr(autoplan, "_host_available_bytes", lambda: int(need / 0.95) - 2**20)
+    chosen = autoplan.pick_optim_offload(agent, None, micro)
+    assert chosen["optim_cpu_offload"] is True and "Adam steps on the CPU" in chosen["summary"]
