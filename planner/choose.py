@@ -208,16 +208,23 @@ def check_inputs(
         )
     if fsdp.routed_expert_chunk_mib is not None and spec.expert_layout_problem:
         raise ValueError(f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g}: {spec.expert_layout_problem}")
-    if workload.lora_dropout and not workload.full_finetune:
-        packed = sorted(
-            {label.split(":", 1)[1] for label, *_ in spec.lora_shapes(workload.lora_targets) if ":" in label}
+    packed = (
+        sorted({label.split(":", 1)[1] for label, *_ in spec.lora_shapes(workload.lora_targets) if ":" in label})
+        if not workload.full_finetune
+        else []
+    )
+    if workload.lora_dropout and packed:
+        raise ValueError(
+            f"lora_dropout={workload.lora_dropout:g}: these LoRA targets adapt {spec.name}'s expert parameters "
+            f"({', '.join(packed)}), whose inputs PEFT cannot drop out: give lora_dropout 0, or targets without "
+            "the experts"
         )
-        if packed:
-            raise ValueError(
-                f"lora_dropout={workload.lora_dropout:g}: these LoRA targets adapt {spec.name}'s expert parameters "
-                f"({', '.join(packed)}), whose inputs PEFT cannot drop out: give lora_dropout 0, or targets without "
-                "the experts"
-            )
+    if workload.generation == "vllm" and packed:  # the trainer refuses it too (GRPO's engine sync)
+        raise ValueError(
+            f"generation='vllm': these LoRA targets adapt {spec.name}'s packed expert parameters "
+            f"({', '.join(packed)}), which cannot be merged into the engine's weights yet: give lora_targets "
+            "without the experts (q_proj,k_proj,v_proj,o_proj), or generation='hf'"
+        )
     if fsdp.wrap_every_n_blocks > spec.num_layers:
         raise ValueError(
             f"wrap_every_n_blocks={fsdp.wrap_every_n_blocks} is more than the {spec.num_layers} blocks of {spec.name}"

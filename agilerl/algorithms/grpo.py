@@ -286,6 +286,8 @@ class GRPO(LLMAlgorithm):
             from .core.offload import WeightOffload
 
             self._weight_offload = WeightOffload(self.model)
+        if (rollout_engine is not None or vllm_config is not None) and (problem := _engine_sync_problem(self)):
+            raise ValueError(problem)
         if rollout_engine is not None:
             # an engine of the caller's (agilerl.utils.remote_engine.RemoteEngine: engines on ranks of their own)
             if self.sharded and self.fsdp_config.tp > 1:
@@ -757,6 +759,36 @@ def _mergeable_lora_layers(model: nn.Module, sharded: bool = True) -> list[nn.Mo
             continue
         layers.append(layer)
     return layers
+
+
+def _engine_sync_problem(agent) -> str | None:
+    """Why the actor's LoRA cannot be merged into the weights a rollout engine is sent
+    (:func:`_merged_weights` adds ``W + s B A`` to each adapted linear's weight), or None: DoRA
+    rescales the merged weight by its magnitude vector, an adapted embedding keeps its factors
+    in ``lora_embedding_A``/``_B``, and LoRA on packed expert parameters (``all-linear`` on most
+    MoE models) wraps the parameter, not a linear; the engine would generate from another policy
+    than the one trained."""
+    if agent.lora_config is None:
+        return None
+    from peft.tuners.lora.layer import Embedding, ParamWrapper
+
+    from .core.adapters import tuner_layers
+
+    layers = tuner_layers(agent.model)
+    kinds = []
+    if getattr(agent.lora_config, "use_dora", False):
+        kinds.append("DoRA (use_dora=True)")
+    if any(isinstance(layer, Embedding) for layer in layers):
+        kinds.append("LoRA on the embeddings")
+    if experts := sorted({layer.parameter_name for layer in layers if isinstance(layer, ParamWrapper)}):
+        kinds.append(f"LoRA on packed expert parameters ({', '.join(experts)})")
+    if not kinds:
+        return None
+    return (
+        f"{' and '.join(kinds)} cannot be merged into the weights a rollout engine generates from yet: "
+        "adapt the linear layers only (on a MoE model, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', "
+        "'o_proj']), or generate with Hugging Face (no vllm_config)"
+    )
 
 
 def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None = None):

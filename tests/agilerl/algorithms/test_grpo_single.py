@@ -869,3 +869,32 @@ def test_optim_cpu_offload_none_keeps_adam_on_the_device_only_where_the_estimate
     monkeypatch.setattr(autoplan, "_host_available_bytes", lambda: int(need / 0.95) - 2**20)
     chosen = autoplan.pick_optim_offload(agent, None, micro)
     assert chosen["optim_cpu_offload"] is True and "Adam steps on the CPU" in chosen["summary"]
+
+
+class _Engine:
+    """A rollout engine that is never asked anything (the refusals come first)."""
+
+
+@pytest.mark.parametrize(
+    "model, lora, refused",
+    [
+        ("tiny:qwen3_moe", dict(target_modules="all-linear"), "LoRA on packed expert parameters"),
+        (None, dict(target_modules=["embed_tokens", "q_proj"]), "LoRA on the embeddings"),
+        (None, dict(target_modules=["q_proj"], use_dora=True), r"DoRA \(use_dora=True\)"),
+        ("tiny:qwen3_moe", dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), None),
+    ],
+)
+def test_adapters_a_rollout_engine_cannot_be_sent_merged_are_refused(model, lora, refused):
+    """The engine generates from W + s B A per adapted linear: anything else would sample the
+    rollout from another policy than the one trained."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM", **lora)
+    kwargs = dict(lora_config=config, rollout_engine=_Engine())
+    if model is not None:
+        kwargs["model_name"] = model
+    if refused is None:
+        assert make_agent(**kwargs).engine is not None
+        return
+    with pytest.raises(ValueError, match=refused):
+        make_agent(**kwargs)
