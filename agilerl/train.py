@@ -353,10 +353,19 @@ def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
 
     Every rank reads the same files in the same order, so all ranks resume from the same one.
     """
+    import pickle
+
+    from agilerl.algorithms.core.base import CheckpointMismatch
+
     for path in _checkpoints(folder) if folder.is_dir() else []:
         try:
             extra = agent.load_checkpoint(path)
-        except (OSError, RuntimeError, EOFError, ValueError) as err:  # unreadable: fall back to an older one
+        except CheckpointMismatch as err:  # another run's: training here would prune its checkpoints
+            raise ValueError(
+                f"training.checkpoint_dir: {folder} holds another run's checkpoints ({err}); resume them with "
+                "their own manifest, or give this run a checkpoint_dir of its own"
+            ) from None
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:  # damaged: an older one
             _log(f"agent {agent.index}: skipping checkpoint {path}: {type(err).__name__}: {err}", logging.WARNING)
             continue
         if "env_rng" in extra:

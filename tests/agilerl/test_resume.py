@@ -116,6 +116,31 @@ def test_one_device_run_interrupted_and_restarted_ends_as_the_uninterrupted_one(
     assert max((x - reference[k]).abs().max().item() for k, x in different.items()) > 1e-4
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "change, names",
+    [
+        ({"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}, "holds adapters of other modules"),
+        ({"lora": None}, "is a LoRA checkpoint; this agent trains every parameter"),
+    ],
+)
+def test_another_runs_checkpoints_stop_the_run_and_stay_as_they_were(tmp_path, change, names):
+    """A checkpoint_dir of another run (other adapters, full fine-tuning for LoRA) is refused in one
+    line (agilerl.train: exit 2) before any step: training from step 1 there would prune the old
+    run's checkpoints against the new one's."""
+    from agilerl.train import main
+
+    folder = tmp_path / "ckpt"
+    train(load_manifest(_manifest(folder, max_steps=4)), device="cpu")
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*.pt")}
+    other = {**_manifest(folder, max_steps=6), **change}
+    with pytest.raises(ValueError, match=f"holds another run's checkpoints .*{names}"):
+        train(load_manifest(other), device="cpu")
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*.pt")} == before
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    assert main([str(tmp_path / "other.yaml"), "--device", "cpu"]) == 2
+
+
 def _marked(mark: str) -> list[int]:
     from tests._procs import with_env
 

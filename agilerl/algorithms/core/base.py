@@ -976,19 +976,29 @@ class LLMAlgorithm:
         # memory-mapped: each rank reads the tensors it takes, not the whole file into host memory
         payload = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
         if payload.get("algo") != self.algo_name:
-            raise ValueError(f"{file} is a {payload.get('algo')} checkpoint, not {self.algo_name}")
+            raise CheckpointMismatch(f"{file} is a {payload.get('algo')} checkpoint, not {self.algo_name}")
         if bool(payload.get("full_finetune", False)) != self.full_finetune:
             saved = "full fine-tuning" if payload.get("full_finetune") else "LoRA"
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"{file} is a {saved} checkpoint; this agent trains "
                 f"{'every parameter' if self.full_finetune else 'LoRA adapters'}"
             )
+        if not self.full_finetune:  # the same adapted modules and ranks, or nothing is loaded
+            names = set(adapter_state_dict(self.model, ACTOR))
+            saved_names = set(payload["adapters"].get(ACTOR, {}))
+            if saved_names != names:
+                missing, extra = sorted(names - saved_names), sorted(saved_names - names)
+                raise CheckpointMismatch(
+                    f"{file} holds adapters of other modules: missing {missing[:3]}, unexpected {extra[:3]}"
+                )
         if self.full_finetune:
             weights = payload["weights"]
             names = {n.replace("_checkpoint_wrapped_module.", "") for n, _ in self.model.named_parameters()}
             if set(weights["model"]) != names:
                 missing, extra = sorted(names - set(weights["model"])), sorted(set(weights["model"]) - names)
-                raise ValueError(f"{file} holds another model's weights: missing {missing[:5]}, unexpected {extra[:5]}")
+                raise CheckpointMismatch(
+                    f"{file} holds another model's weights: missing {missing[:5]}, unexpected {extra[:5]}"
+                )
             set_full_model_state_dict(self.model, weights["model"], strict=False)
             if "reference" in weights and self.reference_model is not None:
                 set_full_model_state_dict(self.reference_model, weights["reference"], strict=False)
@@ -1014,6 +1024,11 @@ class LLMAlgorithm:
         if rng and len(rng) == self.world_size:
             _set_rng_state(rng[self.rank])
         return dict(payload.get("extra", {}))
+
+
+class CheckpointMismatch(ValueError):
+    """A whole checkpoint of another run: another algorithm, LoRA against full fine-tuning, other
+    adapted modules or another model (not a damaged file)."""
 
 
 def _rng_state() -> dict[str, Any]:
