@@ -203,6 +203,18 @@ def config_is_moe(config: Any) -> bool:
     return any(int(getattr(config, k, 0) or 0) > 1 for k in keys)
 
 
+def _as_resolved(agent, micro: int):
+    """The agent's run as a Workload with its checkpointing and log-prob chunk as resolved (no
+    "auto" left: what the FSDPConfig fields still open are decided beside)."""
+    workload, _ = _workload_for(agent, micro)
+    return workload.model_copy(
+        update={
+            "logprob_chunk_size": agent.logprob_chunk_size,
+            "gradient_checkpointing": bool(agent.gradient_checkpointing),
+        }
+    )
+
+
 def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
     """FSDPConfig.routed_expert_chunk_mib=None on a MoE model: the largest of 64/128/256/512
     MiB the memory estimate fits (with the user's other fields), else the smallest."""
@@ -216,13 +228,7 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
             "summary": "[agilerl] routed_expert_chunk_mib stays unset: this model's experts run in "
             "Hugging Face's own expert loop (their layout has no chunked experts)",
         }
-    workload, _ = _workload_for(agent, micro)
-    workload = workload.model_copy(
-        update={
-            "logprob_chunk_size": agent.logprob_chunk_size,
-            "gradient_checkpointing": bool(agent.gradient_checkpointing),
-        }
-    )
+    workload = _as_resolved(agent, micro)
     cluster = visible_cluster(agent.world_size)
     chosen, peaks = resolve_expert_chunk(
         spec, workload, cluster, agent.fsdp_config, coefficients=coefficients_for(cluster.gpu)
@@ -247,13 +253,7 @@ def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> di
     from planner.memory import MARGIN_FRACTION, estimate
 
     spec = _spec_for(agent, actor_network)
-    workload, _ = _workload_for(agent, micro)
-    workload = workload.model_copy(
-        update={
-            "logprob_chunk_size": agent.logprob_chunk_size,
-            "gradient_checkpointing": bool(agent.gradient_checkpointing),
-        }
-    )
+    workload = _as_resolved(agent, micro)
     cluster = visible_cluster(agent.world_size)
     on_gpu = agent.fsdp_config.model_copy(update={"optim_cpu_offload": False})
     peak = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients_for(cluster.gpu)).peak_bytes

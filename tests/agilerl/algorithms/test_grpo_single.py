@@ -855,10 +855,7 @@ def test_optim_cpu_offload_none_keeps_adam_on_the_device_only_where_the_estimate
     agent.fsdp_config = FSDPConfig()  # as an FSDP2 run is given it (the decision needs no ranks)
     micro = agent.micro_batch_size_per_gpu
     spec = autoplan._spec_for(agent, None)
-    workload, _ = autoplan._workload_for(agent, micro)
-    workload = workload.model_copy(
-        update={"logprob_chunk_size": agent.logprob_chunk_size, "gradient_checkpointing": agent.gradient_checkpointing}
-    )
+    workload = autoplan._as_resolved(agent, micro)
     cluster = autoplan.visible_cluster(1)
     need = estimate(
         spec, workload, cluster, FSDPConfig(optim_cpu_offload=False), coefficients=coefficients_for(cluster.gpu)
