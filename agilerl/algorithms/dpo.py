@@ -148,8 +148,7 @@ class DPO(LLMAlgorithm):
         token; both sides share one prompt width, so a pair's prompt columns are equal)."""
         if len(chosen) != len(rejected):
             raise BatchError(f"{len(chosen)} chosen but {len(rejected)} rejected completions")
-        eos = self.eos_token_id  # the model's first end-of-sequence id (its chat turn's end, where it has one)
-        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        eos = self.completion_eos_id()
         both = encode_pairs(
             self.tokenizer,
             [p for p in prompts for _ in range(2)],

@@ -101,8 +101,7 @@ class SFT(LLMAlgorithm):
 
     def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> dict[str, torch.Tensor]:
         """Text pairs as a batch ``learn`` takes (the completion followed by the end-of-sequence token)."""
-        eos = self.eos_token_id  # the model's first end-of-sequence id (its chat turn's end, where it has one)
-        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        eos = self.completion_eos_id()
         return encode_pairs(self.tokenizer, prompts, completions, eos_token_id=eos, pad_token_id=self.pad_token_id)
 
     def learn(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:

@@ -541,6 +541,16 @@ class LLMAlgorithm:
             eos = getattr(lm.config, "eos_token_id", None)
         return eos
 
+    def completion_eos_id(self) -> int | None:
+        """The end-of-sequence token an offline objective appends to each completion: of the ids
+        that end one (:meth:`eos_token_ids`), the tokenizer's own where it is one of them (a chat
+        model's turn end: Llama-3.1-Instruct lists <|end_of_text|> first, its tokenizer names
+        <|eot_id|>, which its chat turns end with), else the model's first."""
+        eos = self._eos_token_id() if not hasattr(self, "eos_token_id") else self.eos_token_id
+        ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+        own = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        return own if own in ids else (ids[0] if ids else None)
+
     def eos_token_ids(self) -> set[int]:
         """The token ids that end a completion (the tokenizer's EOS, else the model config's)."""
         eos = self._eos_token_id() if not hasattr(self, "eos_token_id") else self.eos_token_id

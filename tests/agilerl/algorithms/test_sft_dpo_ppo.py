@@ -447,9 +447,25 @@ def test_a_full_finetuning_checkpoint_of_another_model_is_refused(tmp_path):
         other.load_checkpoint(tmp_path / "small")
 
 
-def test_encoded_completions_end_with_the_models_first_end_of_sequence_id():
-    agent = _offline(SFT, batch_size=4)
-    agent.eos_token_id = [3, TOKENIZER.eos_token_id]  # e.g. a chat model's turn end first, its text end after
-    batch = agent.encode(PROMPTS, ANSWERS)
-    ends = [int(row[m.bool()][-1]) for row, m in zip(batch["input_ids"], batch["completion_mask"])]
-    assert ends == [3] * 4  # the first, not the smallest
+@pytest.mark.parametrize("algorithm", [SFT, DPO])
+def test_encoded_completions_end_with_the_tokenizers_end_of_sequence_id_where_the_model_lists_it(algorithm):
+    """Llama-3.1-Instruct's generation_config lists <|end_of_text|>, <|eom_id|>, <|eot_id|>; its
+    tokenizer's eos_token is <|eot_id|>, the end of its chat turns: completions end with that."""
+    agent = _offline(algorithm, batch_size=4)
+    own = TOKENIZER.eos_token_id
+
+    def ends():
+        if algorithm is SFT:
+            batch, sides = agent.encode(PROMPTS, ANSWERS), ("",)
+        else:
+            batch, sides = agent.encode(PROMPTS, ANSWERS, ANSWERS[::-1]), ("chosen_", "rejected_")
+        return {
+            int(row[m.bool()][-1])
+            for side in sides
+            for row, m in zip(batch[f"{side}input_ids"], batch[f"{side}completion_mask"])
+        }
+
+    agent.eos_token_id = [3, 5, own]
+    assert ends() == {own}
+    agent.eos_token_id = [5, 3]  # the tokenizer's is not among them: the model's first, not the smallest
+    assert ends() == {5}
