@@ -306,10 +306,8 @@ class LLMAlgorithm:
         check_adapter_targets(self.model_source, actor_network, lora_config, model_name or type(actor_network).__name__)
         if self.plan is None and self.auto_knobs:
             self._resolve_auto_knobs(actor_network)
-        if self.sharded and self.fsdp_config.routed_expert_chunk_mib is None:
-            self._resolve_expert_chunk(actor_network)
-        if self.sharded and self.fsdp_config.optim_cpu_offload is None:
-            self._resolve_optim_offload(actor_network)
+        if self.sharded:
+            self._resolve_open_fsdp_fields(actor_network)
         self._build(actor_network)
 
     # -- what each algorithm says about itself -------------------------------------
@@ -443,6 +441,14 @@ class LLMAlgorithm:
         )
         if is_main_process():
             logger.info("%s", result["summary"])
+
+    def _resolve_open_fsdp_fields(self, actor_network: nn.Module | None) -> None:
+        """The FSDPConfig fields whose None the memory estimate decides: the expert chunk, then
+        (with it) where Adam steps."""
+        if self.fsdp_config.routed_expert_chunk_mib is None:
+            self._resolve_expert_chunk(actor_network)
+        if self.fsdp_config.optim_cpu_offload is None:
+            self._resolve_optim_offload(actor_network)
 
     def _resolve_optim_offload(self, actor_network: nn.Module | None) -> None:
         """optim_cpu_offload=None: as documented, Adam on the GPU where the memory estimate fits,
