@@ -390,8 +390,7 @@ def _most_frugal(
     vllm_notes: list[Decision] = []
     if workload.generation == "vllm":
         draft.workload, vllm_notes = _vllm_frugal(spec, draft.workload, cluster, fixed)
-    if _choose_sharding(search, draft, sharding, colocated):
-        draft.fsdp = _frugal_fsdp(search, draft, colocated)
+    draft.fsdp = _choose_sharding(search, draft, sharding, colocated)
     return search, draft, vllm_notes
 
 
@@ -407,38 +406,41 @@ def _frugal_workload(workload: Workload) -> Workload:
     )
 
 
-def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: bool) -> bool:
-    """Whether to shard with FSDP2: asked for, FSDPConfig fields given, or data parallel does not
-    fit; on one GPU, only where FSDP2's offload to the host then fits."""
+def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: bool) -> FSDPConfig | None:
+    """The most frugal FSDPConfig (:func:`_frugal_fsdp`) where the run shards with FSDP2: asked
+    for, FSDPConfig fields given, or data parallel does not fit; on one GPU, only where FSDP2's
+    offload to the host then fits. None: unsharded."""
     fixed, gpus = search.fixed, search.cluster.num_gpus
     if sharding == "none":
-        return False
+        return None
     if sharding == "fsdp":
-        return True
+        return _frugal_fsdp(search, draft, colocated)
     if fixed:
         draft.note("sharding", "fsdp", f"FSDPConfig fields were given ({', '.join(sorted(fixed))})")
-        return True
-    if gpus == 1 and search.fits(draft.workload, None):
-        draft.note("sharding", "none", "one device: no sharding needed")
-        return False
-    if gpus == 1:
-        need = search.estimate(draft.workload, None).peak_bytes
-        if search.fits(draft.workload, _frugal_fsdp(search, _Draft(draft.workload), colocated)):
-            draft.note(
-                "sharding",
-                "fsdp",
-                f"unsharded it needs {_gib(need)}, over {_gib(search.limit)}: FSDP2 on one GPU keeps the optimizer "
-                "(or the parameters) on the host",
-            )
-            return True
-        draft.note("sharding", "none", f"one device: unsharded it needs {_gib(need)}, and offloading does not fit")
-        return False
-    if search.fits(draft.workload, None):
-        draft.note("sharding", "data parallel", "the whole actor fits on each GPU, so no weight gathers are needed")
-        return False
+        return _frugal_fsdp(search, draft, colocated)
     need = search.estimate(draft.workload, None).peak_bytes
-    draft.note("sharding", "fsdp", f"unsharded it needs {_gib(need)} per GPU, over {_gib(search.limit)}")
-    return True
+    if need <= search.limit:
+        if gpus == 1:
+            draft.note("sharding", "none", "one device: no sharding needed")
+        else:
+            draft.note("sharding", "data parallel", "the whole actor fits on each GPU, so no weight gathers are needed")
+        return None
+    if gpus > 1:
+        draft.note("sharding", "fsdp", f"unsharded it needs {_gib(need)} per GPU, over {_gib(search.limit)}")
+        return _frugal_fsdp(search, draft, colocated)
+    trial = _Draft(draft.workload)  # its notes join the plan's only if it is taken
+    offloaded = _frugal_fsdp(search, trial, colocated)
+    if not search.fits(draft.workload, offloaded):
+        draft.note("sharding", "none", f"one device: unsharded it needs {_gib(need)}, and offloading does not fit")
+        return None
+    draft.note(
+        "sharding",
+        "fsdp",
+        f"unsharded it needs {_gib(need)}, over {_gib(search.limit)}: FSDP2 on one GPU keeps the optimizer "
+        "(or the parameters) on the host",
+    )
+    draft.decisions.extend(trial.decisions)
+    return offloaded
 
 
 def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
