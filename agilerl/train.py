@@ -349,24 +349,41 @@ def _checkpoints(folder: Path) -> list[Path]:
 
 
 def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
-    """Load the newest checkpoint under ``folder`` that loads; its metrics history, or None if there is none.
+    """Load the newest checkpoint under ``folder`` that loads on every rank; its metrics history, or None.
 
-    Every rank reads the same files in the same order, so all ranks resume from the same one.
+    The main rank lists the checkpoints and the ranks agree on each one before taking it: a file
+    one rank cannot read (a torn copy, a shared file system failing on one node) is skipped by
+    all of them, so no rank trains on from another step's shards, optimizer state or data.
     """
     import pickle
 
     from agilerl.algorithms.core.base import CheckpointMismatch
+    from agilerl.distributed import allreduce_minmax_int, broadcast_object_list, get_rank, is_main_process
 
-    for path in _checkpoints(folder) if folder.is_dir() else []:
+    loaded, damaged, foreign = 0, 1, 2
+    candidates = broadcast_object_list([_checkpoints(folder) if folder.is_dir() else []])[0]
+    for path in candidates:
+        outcome, why, extra = loaded, "", {}
         try:
             extra = agent.load_checkpoint(path)
         except CheckpointMismatch as err:  # another run's: training here would prune its checkpoints
-            raise ValueError(
-                f"training.checkpoint_dir: {folder} holds another run's checkpoints ({err}); resume them with "
-                "their own manifest, or give this run a checkpoint_dir of its own"
-            ) from None
+            outcome, why = foreign, str(err)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:  # damaged: an older one
-            _log(f"agent {agent.index}: skipping checkpoint {path}: {type(err).__name__}: {err}", logging.WARNING)
+            outcome, why = damaged, f"{type(err).__name__}: {err}"
+        if outcome == damaged and not is_main_process():  # the main rank says it below
+            logger.warning("rank %d: cannot load checkpoint %s: %s", get_rank(), path, why)
+        worst = allreduce_minmax_int(outcome)[1]
+        if worst == foreign:
+            raise ValueError(
+                f"training.checkpoint_dir: {folder} holds another run's checkpoints "
+                f"({why or 'found on another rank'}); resume them with their own manifest, "
+                "or give this run a checkpoint_dir of its own"
+            )
+        if worst == damaged:
+            _log(
+                f"agent {agent.index}: skipping checkpoint {path}: {why or 'another rank could not load it'}",
+                logging.WARNING,
+            )
             continue
         if "env_rng" in extra:
             env.set_state(extra["env_rng"])

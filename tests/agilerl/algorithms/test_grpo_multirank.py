@@ -424,6 +424,35 @@ def fsdp_checkpoint_loads_into_data_parallel(ctx):
 
 
 @cases.case
+def a_checkpoint_one_rank_cannot_load_is_skipped_by_every_rank(ctx):
+    """Rank 1 cannot read step 4's file (a torn copy on its node): both ranks resume from step 2,
+    not rank 0 from step 4's shards with rank 1 on step 2's."""
+    from agilerl.train import STEP_PREFIX, _resume
+    from agilerl.utils.arithmetic_env import ArithmeticEnv
+
+    folder = ctx.shared_dir / "resume_agreement"
+    agent = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED))
+    env = ArithmeticEnv(seed=1)
+    for step in (2, 4):
+        agent.steps = step
+        agent.save_checkpoint(
+            folder / f"{STEP_PREFIX}{step:08d}", extra={"env_rng": env.get_state(), "history": [{}] * step}
+        )
+    load = agent.load_checkpoint
+
+    def torn_on_rank_1(path):
+        if ctx.rank == 1 and path.name.endswith("4"):
+            raise EOFError("torn")
+        return load(path)
+
+    agent.load_checkpoint = torn_on_rank_1
+    agent.steps = 0
+    history = _resume(agent, env, folder)
+    assert agent.steps == 2 and len(history) == 2, (ctx.rank, agent.steps)
+    barrier()
+
+
+@cases.case
 def train_cli_short_runs_data_parallel_and_fsdp(ctx):
     from agilerl.manifest import load_manifest
     from agilerl.train import train
