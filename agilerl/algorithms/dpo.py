@@ -31,7 +31,7 @@ from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
 from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters
-from .core.pairs import BatchError, completion_batch, encode_pairs
+from .core.pairs import BatchError, check_length, completion_batch, encode_pairs
 
 __all__ = ["DPO", "dpo_loss"]
 
@@ -145,7 +145,11 @@ class DPO(LLMAlgorithm):
 
     def encode(self, prompts: Sequence[str], chosen: Sequence[str], rejected: Sequence[str]) -> dict[str, torch.Tensor]:
         """Text triples as a batch ``learn`` takes (each completion followed by the end-of-sequence
-        token; both sides share one prompt width, so a pair's prompt columns are equal)."""
+        token; both sides share one prompt width, so a pair's prompt columns are equal).
+
+        With ``max_model_len`` set, a longer pair keeps its prompt's last tokens (at least half of
+        ``max_model_len``, the same for both sides) and each completion's first tokens.
+        """
         if len(chosen) != len(rejected):
             raise BatchError(f"{len(chosen)} chosen but {len(rejected)} rejected completions")
         eos = self.completion_eos_id()
@@ -155,6 +159,8 @@ class DPO(LLMAlgorithm):
             [c for pair in zip(chosen, rejected) for c in pair],
             eos_token_id=eos,
             pad_token_id=self.pad_token_id,
+            max_len=self.max_model_len,
+            share=2,
         )
         return {f"{side}_{k}": v[i::2] for k, v in both.items() for i, side in enumerate(("chosen", "rejected"))}
 
@@ -169,6 +175,8 @@ class DPO(LLMAlgorithm):
         sides = [completion_batch(batch, prefix=f"{side}_", who="DPO.learn") for side in ("chosen", "rejected")]
         if sides[0][0].shape[0] != sides[1][0].shape[0]:
             raise BatchError(f"DPO.learn: {sides[0][0].shape[0]} chosen but {sides[1][0].shape[0]} rejected rows")
+        for _, attention, _ in sides:
+            check_length(attention, self.max_model_len, who="DPO.learn")
         width = max(s[0].shape[1] for s in sides)
         padded = [
             [F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id if j == 0 else 0) for j, t in enumerate(s)]
@@ -182,7 +190,8 @@ class DPO(LLMAlgorithm):
         ``batch``: ``chosen_input_ids`` and ``rejected_input_ids`` ``[p, T]``, their
         ``*_attention_mask`` (default: every token), and either ``*_completion_mask`` (1 on the
         completion's tokens; :meth:`encode` makes them) or ``prompt_lengths`` (upstream
-        AgileRL's right-padded layout). Returns ``loss``, ``chosen_reward``, ``rejected_reward``,
+        AgileRL's right-padded layout, which needs the attention masks). A row over
+        ``max_model_len`` tokens is refused. Returns ``loss``, ``chosen_reward``, ``rejected_reward``,
         ``reward_margin``, ``reward_accuracy`` and ``grad_norm``, reduced across ranks.
         """
         ids, attention, completion = self._pair_rows(batch)

@@ -23,7 +23,7 @@ from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, use_adapter
 from .core.base import DEFAULT_LORA, LLMAlgorithm
-from .core.pairs import completion_batch, encode_pairs
+from .core.pairs import check_length, completion_batch, encode_pairs
 
 __all__ = ["SFT", "sft_loss"]
 
@@ -100,20 +100,33 @@ class SFT(LLMAlgorithm):
         self.eos_token_id = self._eos_token_id()
 
     def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Text pairs as a batch ``learn`` takes (the completion followed by the end-of-sequence token)."""
+        """Text pairs as a batch ``learn`` takes (the completion followed by the end-of-sequence token).
+
+        With ``max_model_len`` set, a longer pair keeps its prompt's last tokens (at least half of
+        ``max_model_len``) and its completion's first tokens.
+        """
         eos = self.completion_eos_id()
-        return encode_pairs(self.tokenizer, prompts, completions, eos_token_id=eos, pad_token_id=self.pad_token_id)
+        return encode_pairs(
+            self.tokenizer,
+            prompts,
+            completions,
+            eos_token_id=eos,
+            pad_token_id=self.pad_token_id,
+            max_len=self.max_model_len,
+        )
 
     def learn(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One update on this rank's examples.
 
         ``batch``: ``input_ids`` ``[n, T]``, ``attention_mask`` (default: every token) and either
         ``completion_mask`` (1 on the tokens to learn; :meth:`encode` makes it) or
-        ``prompt_lengths`` (upstream AgileRL's right-padded layout: the completion starts there).
+        ``prompt_lengths`` (upstream AgileRL's right-padded layout: the completion starts there;
+        it needs the attention mask). A row over ``max_model_len`` tokens is refused.
         Returns ``loss`` (the mean token negative log-likelihood of the step), ``perplexity``,
         ``grad_norm`` and ``completion_tokens`` (per rank), reduced across ranks.
         """
         ids, attention, completion = completion_batch(batch, who="SFT.learn")
+        check_length(attention, self.max_model_len, who="SFT.learn")
         expected = self.sequences_per_step // self.data_parallel_ranks
         if ids.shape[0] != expected:
             raise ValueError(

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["encode_pairs", "completion_batch", "BatchError"]
+__all__ = ["encode_pairs", "fit_to_length", "check_length", "completion_batch", "BatchError"]
 
 
 class BatchError(ValueError):
@@ -22,10 +22,21 @@ class BatchError(ValueError):
 
 
 def encode_pairs(
-    tokenizer, prompts: Sequence[str], completions: Sequence[str], *, eos_token_id: int | None, pad_token_id: int
+    tokenizer,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    max_len: int | None = None,
+    share: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Tokenize prompt-completion pairs into the trainer's layout: ``input_ids``, ``attention_mask``
-    and ``completion_mask`` (the completion and the end-of-sequence token appended to it)."""
+    and ``completion_mask`` (the completion and the end-of-sequence token appended to it).
+
+    ``max_len`` caps each row's tokens (:func:`fit_to_length`); ``share`` consecutive rows have
+    the same prompt (a preference pair's two) and keep the same prompt tokens.
+    """
     if len(prompts) != len(completions):
         raise BatchError(f"{len(prompts)} prompts but {len(completions)} completions")
     if tokenizer is None:
@@ -37,6 +48,11 @@ def encode_pairs(
     ]
     if any(not c for c in completion_ids):
         raise BatchError("a completion encodes to no token (and there is no end-of-sequence token to learn)")
+    if max_len is not None:
+        for i in range(0, len(prompts), share):
+            prompt_ids[i : i + share], completion_ids[i : i + share] = fit_to_length(
+                prompt_ids[i : i + share], completion_ids[i : i + share], max_len
+            )
     width_p = max(len(p) for p in prompt_ids)
     width_c = max(len(c) for c in completion_ids)
     n = len(prompts)
@@ -50,6 +66,38 @@ def encode_pairs(
         attention[i, start : width_p + len(c)] = 1
         completion[i, width_p : width_p + len(c)] = 1
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def fit_to_length(
+    prompts: list[list[int]], completions: list[list[int]], max_len: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Token lists of rows sharing one prompt, cut so each row has at most ``max_len`` tokens.
+
+    The prompt keeps its last tokens (those next to the completion), down to half of
+    ``max_len`` where the longest completion needs the room; each completion then keeps its
+    first tokens (a cut completion loses its end-of-sequence token: it did not end there).
+    Rows that fit are left as they are.
+    """
+    longest = max(len(c) for c in completions)
+    prompt = prompts[0]
+    if len(prompt) + longest <= max_len:
+        return prompts, completions
+    keep = min(len(prompt), max(max_len - longest, max_len // 2))
+    cut = prompt[len(prompt) - keep :]
+    return [cut] * len(prompts), [c[: max_len - keep] for c in completions]
+
+
+def check_length(attention: torch.Tensor, max_len: int | None, *, who: str) -> None:
+    """Refuse a batch with a row longer than ``max_len`` attended tokens (the length the memory
+    plan and the engine are sized for)."""
+    if max_len is None or attention.numel() == 0:
+        return
+    longest = int(attention.sum(dim=1).max())
+    if longest > max_len:
+        raise BatchError(
+            f"{who}: a row has {longest} tokens, over max_model_len={max_len} (the length memory is "
+            "planned for): truncate the batch (encode() does) or raise max_model_len"
+        )
 
 
 def completion_batch(
@@ -70,6 +118,11 @@ def completion_batch(
     if ids.dim() != 2:
         raise BatchError(f"{who}: {key!r} must be [sequences, tokens], got shape {tuple(ids.shape)}")
     attention = batch.get(f"{prefix}attention_mask")
+    if attention is None and f"{prefix}completion_mask" not in batch and "prompt_lengths" in batch:
+        raise BatchError(
+            f"{who}: a batch with 'prompt_lengths' needs {prefix}attention_mask too: its rows are "
+            "right-padded, and without the mask the padding would be learnt as completion"
+        )
     attention = torch.ones_like(ids) if attention is None else torch.as_tensor(attention)
     mask_key = f"{prefix}completion_mask"
     if mask_key in batch:

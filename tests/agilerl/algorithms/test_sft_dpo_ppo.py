@@ -357,6 +357,38 @@ def test_populations_of_the_offline_algorithms_differ_by_seed():
     assert any(not torch.equal(lora[0][n], lora[1][n]) for n in lora[0])  # adapters drawn from their own seeds
 
 
+def test_pairs_over_max_model_len_keep_the_prompts_end_and_the_completions_start():
+    """One character is one token here: a 10-token prompt with a 6-token completion and its EOS is
+    17 tokens; under max_model_len=12 the prompt keeps its last max(12 - 7, 12 // 2) = 6 and the
+    completion its first 12 - 6 = 6 (so no EOS: it did not end there)."""
+    eos, three = TOKENIZER.eos_token_id, TOKENIZER.convert_tokens_to_ids("3")
+
+    def parts(batch, side=""):
+        """Row by row: (the prompt's text, the completion's token ids)."""
+        ids, att, comp = (batch[f"{side}{k}"] for k in ("input_ids", "attention_mask", "completion_mask"))
+        return [
+            (TOKENIZER.decode(row[(a & ~c).bool()].tolist()), row[c.bool()].tolist())
+            for row, a, c in zip(ids, att, comp)
+        ]
+
+    def chars(text):
+        return TOKENIZER.convert_tokens_to_ids(list(text))
+
+    sft = _offline(SFT, batch_size=2, max_model_len=12)
+    batch = sft.encode(["0123456789", "1+2="], ["123456", "3"])
+    assert parts(batch) == [("456789", chars("123456")), ("1+2=", [three, eos])]  # the second fits as it was
+    assert math.isfinite(sft.learn(batch)["loss"])
+    with pytest.raises(BatchError, match="a row has 17 tokens, over max_model_len=12"):
+        sft.learn(_offline(SFT, batch_size=2).encode(["0123456789", "1+2="], ["123456", "3"]))
+
+    # A preference pair keeps one prompt for both sides, cut for its longer completion (8 + EOS).
+    dpo = _offline(DPO, batch_size=2, max_model_len=12)
+    pairs = dpo.encode(["0123456789", "1+2="], ["12345678", "3"], ["9", "4"])
+    assert parts(pairs, "chosen_")[0] == ("456789", chars("123456"))
+    assert parts(pairs, "rejected_")[0] == ("456789", chars("9") + [eos])
+    assert math.isfinite(dpo.learn(pairs)["loss"])
+
+
 def test_a_batch_without_the_fields_an_objective_needs_is_one_clear_error():
     sft = _offline(SFT, batch_size=4)
     batch = sft.encode(PROMPTS, ANSWERS)
@@ -364,6 +396,9 @@ def test_a_batch_without_the_fields_an_objective_needs_is_one_clear_error():
         sft.learn({"input_ids": batch["input_ids"]})
     with pytest.raises(BatchError, match="no 'input_ids'"):
         sft.learn({"ids": batch["input_ids"]})
+    # upstream's right-padded layout without its attention mask: the padding would be learnt
+    with pytest.raises(BatchError, match="'prompt_lengths' needs attention_mask too"):
+        sft.learn({"input_ids": batch["input_ids"], "prompt_lengths": torch.full((4,), 4)})
     with pytest.raises(ValueError, match="got 2 examples; a rank's share of batch_size=4"):
         sft.learn({k: v[:2] for k, v in batch.items()})
     dpo = _offline(DPO, batch_size=2)
