@@ -70,7 +70,19 @@ def resolve_lora_config(value):
                 f"linear) or None (full fine-tuning), got {value!r}"
             )
         return default_lora_config()
+    init = getattr(value, "init_lora_weights", True)
+    if init not in _ADAPTER_INITS:
+        raise ValueError(
+            f"lora_config.init_lora_weights={init!r} is not supported: the trainer draws the adapters "
+            "itself on every loading path (sharded ones from the meta device too), with PEFT's True "
+            "(the default: B = 0), 'gaussian' or False; inits computed from the base weights or from "
+            "data (PiSSA, OLoRA, LoftQ, EVA, CorDA, ...) are not"
+        )
     return value
+
+
+#: ``init_lora_weights`` values :func:`_reinit_adapters` draws (PEFT's, from a seed alone).
+_ADAPTER_INITS = (True, False, "gaussian")
 
 
 def _cache_dir() -> Path:
@@ -181,16 +193,27 @@ def _add_adapters(model: nn.Module, lora_config, use_reference: bool) -> nn.Modu
 
 
 def _reinit_adapters(peft_model: nn.Module, use_reference: bool, seed: int) -> None:
-    """Initialise every adapter with PEFT's own init from one seed, in a fixed order.
+    """Initialise every adapter with PEFT's own init for the config's ``init_lora_weights``, from
+    one seed, in a fixed order.
 
     Construction draws differently on the meta device and on a real one, so
     every loading path re-initialises here: the actor adapters, layer by layer,
     then a reference adapter equal to the actor (the initial policy).
     """
+    init = peft_model.peft_config[ACTOR].init_lora_weights
     torch.manual_seed(seed)
     layers = tuner_layers(peft_model)
     for layer in layers:
-        layer.reset_lora_parameters(ACTOR, True)
+        if init is not False:
+            layer.reset_lora_parameters(ACTOR, init)
+            continue
+        # PEFT's False: both factors drawn as a fresh layer's (not the identity)
+        for factors in (layer.lora_A, layer.lora_B):
+            if ACTOR in factors:
+                factors[ACTOR].reset_parameters()
+        for factors in (layer.lora_embedding_A, layer.lora_embedding_B):
+            if ACTOR in factors:
+                nn.init.normal_(factors[ACTOR])
     if use_reference:
         copy_adapter_(peft_model, ACTOR, REFERENCE)
 

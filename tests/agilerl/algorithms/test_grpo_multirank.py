@@ -368,6 +368,24 @@ def fsdp_meta_loading_matches_the_checkpoint(ctx):
 
 
 @cases.case
+def fsdp_meta_loading_draws_the_configs_adapter_init(ctx):
+    """init_lora_weights=False (B random, the adapter not the identity) drawn on the meta-device
+    path as on the plain one; a control that the init shows in the log-probs at all."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    dp = make_agent(lora_config=lora)
+    fsdp = make_agent(lora_config=lora, fsdp_config=FSDPConfig(**FP32_SHARDED))
+    identity = make_agent()
+    ids, masks, _, _ = synthetic_experiences(dp)
+    attention = dp._attention_mask(ids, masks)
+    with torch.no_grad():
+        drawn = dp.token_logprobs(ids, attention)
+        torch.testing.assert_close(fsdp.token_logprobs(ids, attention), drawn, atol=1e-5, rtol=1e-5)
+        assert (identity.token_logprobs(ids, attention) - drawn).abs().max() > 1e-3
+
+
+@cases.case
 def generation_where_ranks_finish_at_different_lengths(ctx):
     from transformers import LogitsProcessor, LogitsProcessorList
 

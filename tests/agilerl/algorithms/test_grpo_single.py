@@ -895,3 +895,36 @@ def test_adapters_a_rollout_engine_cannot_be_sent_merged_are_refused(model, lora
         return
     with pytest.raises(ValueError, match=refused):
         make_agent(**kwargs)
+
+
+def _lora_with_init(init):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=init, task_type="CAUSAL_LM"
+    )
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian"])
+def test_the_adapters_are_drawn_with_the_configs_init_lora_weights(init):
+    """PEFT's three seed-only inits: True (A as nn.Linear's kaiming-uniform, std 1/sqrt(3 * 32)
+    = 0.10 for 32 inputs; B = 0), 'gaussian' (A ~ N(0, 1/r) = N(0, 0.25); B = 0) and False (both
+    as a fresh nn.Linear: B non-zero, so the adapter is not the identity)."""
+    agent = make_agent(lora_config=_lora_with_init(init), use_separate_reference_adapter=True)
+    params = dict(agent.model.named_parameters())
+    a = torch.cat(
+        [p.detach().flatten() for n, p in params.items() if ".lora_A.actor." in n and ".mlp.down_proj" not in n]
+    )
+    b = [p for n, p in params.items() if ".lora_B.actor." in n]
+    assert (not any(p.any() for p in b)) == (init is not False)
+    expected_std = {True: 0.102, "gaussian": 0.25}.get(init)
+    if expected_std is not None:
+        assert abs(float(a.std()) - expected_std) < 0.15 * expected_std, float(a.std())
+    for n, p in params.items():  # the reference starts as the actor (the initial policy)
+        if ".reference." in n:
+            assert torch.equal(p, params[n.replace(".reference.", ".actor.")]), n
+
+
+def test_an_adapter_init_computed_from_the_base_weights_is_refused():
+    with pytest.raises(ValueError, match="init_lora_weights='pissa' is not supported.*True .*'gaussian' or False"):
+        make_agent(lora_config=_lora_with_init("pissa"))
