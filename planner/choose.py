@@ -209,19 +209,26 @@ def check_inputs(
     if fsdp.routed_expert_chunk_mib is not None and spec.expert_layout_problem:
         raise ValueError(f"routed_expert_chunk_mib={fsdp.routed_expert_chunk_mib:g}: {spec.expert_layout_problem}")
     packed = (
-        sorted({label.split(":", 1)[1] for label, *_ in spec.lora_shapes(workload.lora_targets) if ":" in label})
+        # "model.layers.0.mlp.experts:gate_up_proj" -> "experts.gate_up_proj" (a router's: "gate.weight")
+        sorted(
+            {
+                label.rsplit(".", 1)[-1].replace(":", ".")
+                for label, *_ in spec.lora_shapes(workload.lora_targets)
+                if ":" in label
+            }
+        )
         if not workload.full_finetune
         else []
     )
     if workload.lora_dropout and packed:
         raise ValueError(
-            f"lora_dropout={workload.lora_dropout:g}: these LoRA targets adapt {spec.name}'s expert parameters "
+            f"lora_dropout={workload.lora_dropout:g}: these LoRA targets adapt {spec.name}'s MoE parameters "
             f"({', '.join(packed)}), whose inputs PEFT cannot drop out: give lora_dropout 0, or targets without "
             "the experts"
         )
     if workload.generation == "vllm" and packed:  # the trainer refuses it too (GRPO's engine sync)
         raise ValueError(
-            f"generation='vllm': these LoRA targets adapt {spec.name}'s packed expert parameters "
+            f"generation='vllm': these LoRA targets adapt {spec.name}'s MoE parameters "
             f"({', '.join(packed)}), which cannot be merged into the engine's weights yet: give lora_targets "
             "without the experts (q_proj,k_proj,v_proj,o_proj), or generation='hf'"
         )
@@ -529,8 +536,12 @@ def _choose_checkpointing(search: _Search, draft: _Draft) -> None:
         draft.workload = off
         draft.note("gradient_checkpointing", False, "activations of every block fit: no recompute in backward")
     else:
-        need = search.estimate(off, draft.fsdp).peak_bytes
-        draft.note("gradient_checkpointing", True, f"without it the learn phase needs {_gib(need)}")
+        without = search.estimate(off, draft.fsdp)
+        draft.note(
+            "gradient_checkpointing",
+            True,
+            f"without it the {without.peak_phase} phase needs {_gib(without.peak_bytes)}",
+        )
 
 
 def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> None:

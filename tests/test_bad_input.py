@@ -183,7 +183,10 @@ CASES = [
     (plan(M, "--lora-targets", ","), "--lora-targets"),
     (plan(M, "--lora-dropout", "1"), "lora_dropout"),
     # PEFT cannot drop out the inputs of expert parameters (all-linear adapts OLMoE's)
-    (plan(MOE, "--gpus", "8", "--lora-dropout", "0.05"), "expert parameters"),
+    (
+        plan(MOE, "--gpus", "8", "--lora-dropout", "0.05"),
+        "MoE parameters (experts.down_proj, experts.gate_up_proj, gate.weight)",
+    ),
     # PEFT adapts v_proj alone and says nothing of the misspelt name beside it
     (plan(M, "--lora-targets", "q_prj,v_proj"), "no module named q_prj; its linear layers are named q_proj, k_proj"),
     (plan(M, "--beta", "-0.1"), "beta"),

@@ -780,8 +780,13 @@ def _engine_sync_problem(agent) -> str | None:
         kinds.append("DoRA (use_dora=True)")
     if any(isinstance(layer, Embedding) for layer in layers):
         kinds.append("LoRA on the embeddings")
-    if experts := sorted({layer.parameter_name for layer in layers if isinstance(layer, ParamWrapper)}):
-        kinds.append(f"LoRA on packed expert parameters ({', '.join(experts)})")
+    wrapped = [
+        f"{name.replace('.base_layer', '').rsplit('.', 1)[-1]}.{module.parameter_name}"  # experts.gate_up_proj
+        for name, module in agent.model.named_modules()
+        if isinstance(module, ParamWrapper)
+    ]
+    if wrapped:
+        kinds.append(f"LoRA on MoE parameters, not linear layers ({', '.join(sorted(set(wrapped)))})")
     if not kinds:
         return None
     return (

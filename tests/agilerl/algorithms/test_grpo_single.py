@@ -875,7 +875,11 @@ class _Engine:
 @pytest.mark.parametrize(
     "model, lora, refused",
     [
-        ("tiny:qwen3_moe", dict(target_modules="all-linear"), "LoRA on packed expert parameters"),
+        (
+            "tiny:qwen3_moe",
+            dict(target_modules="all-linear"),
+            r"LoRA on MoE parameters, not linear layers \(experts.down_proj, experts.gate_up_proj, gate.weight\)",
+        ),
         (None, dict(target_modules=["embed_tokens", "q_proj"]), "LoRA on the embeddings"),
         (None, dict(target_modules=["q_proj"], use_dora=True), r"DoRA \(use_dora=True\)"),
         ("tiny:qwen3_moe", dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), None),
