@@ -147,8 +147,8 @@ class DPO(LLMAlgorithm):
         """Text triples as a batch ``learn`` takes (each completion followed by the end-of-sequence
         token; both sides share one prompt width, so a pair's prompt columns are equal).
 
-        With ``max_model_len`` set, a longer pair keeps its prompt's last tokens (at least half of
-        ``max_model_len``, the same for both sides) and each completion's first tokens.
+        With ``max_model_len`` set, a wider batch is cut to it: prompts keep their last tokens (at
+        least half of ``max_model_len``; a pair's two sides alike), completions their first.
         """
         if len(chosen) != len(rejected):
             raise BatchError(f"{len(chosen)} chosen but {len(rejected)} rejected completions")
@@ -160,7 +160,6 @@ class DPO(LLMAlgorithm):
             eos_token_id=eos,
             pad_token_id=self.pad_token_id,
             max_len=self.max_model_len,
-            share=2,
         )
         return {f"{side}_{k}": v[i::2] for k, v in both.items() for i, side in enumerate(("chosen", "rejected"))}
 
@@ -175,8 +174,8 @@ class DPO(LLMAlgorithm):
         sides = [completion_batch(batch, prefix=f"{side}_", who="DPO.learn") for side in ("chosen", "rejected")]
         if sides[0][0].shape[0] != sides[1][0].shape[0]:
             raise BatchError(f"DPO.learn: {sides[0][0].shape[0]} chosen but {sides[1][0].shape[0]} rejected rows")
-        for _, attention, _ in sides:
-            check_length(attention, self.max_model_len, who="DPO.learn")
+        for side in sides:
+            check_length(side[0], self.max_model_len, who="DPO.learn")
         width = max(s[0].shape[1] for s in sides)
         padded = [
             [F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id if j == 0 else 0) for j, t in enumerate(s)]
@@ -190,8 +189,8 @@ class DPO(LLMAlgorithm):
         ``batch``: ``chosen_input_ids`` and ``rejected_input_ids`` ``[p, T]``, their
         ``*_attention_mask`` (default: every token), and either ``*_completion_mask`` (1 on the
         completion's tokens; :meth:`encode` makes them) or ``prompt_lengths`` (upstream
-        AgileRL's right-padded layout, which needs the attention masks). A row over
-        ``max_model_len`` tokens is refused. Returns ``loss``, ``chosen_reward``, ``rejected_reward``,
+        AgileRL's right-padded layout, which needs the attention masks). A batch wider
+        than ``max_model_len`` tokens is refused. Returns ``loss``, ``chosen_reward``, ``rejected_reward``,
         ``reward_margin``, ``reward_accuracy`` and ``grad_norm``, reduced across ranks.
         """
         ids, attention, completion = self._pair_rows(batch)

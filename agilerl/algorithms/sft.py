@@ -102,8 +102,8 @@ class SFT(LLMAlgorithm):
     def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> dict[str, torch.Tensor]:
         """Text pairs as a batch ``learn`` takes (the completion followed by the end-of-sequence token).
 
-        With ``max_model_len`` set, a longer pair keeps its prompt's last tokens (at least half of
-        ``max_model_len``) and its completion's first tokens.
+        With ``max_model_len`` set, a wider batch is cut to it: prompts keep their last tokens (at
+        least half of ``max_model_len``), completions their first.
         """
         eos = self.completion_eos_id()
         return encode_pairs(
@@ -121,12 +121,12 @@ class SFT(LLMAlgorithm):
         ``batch``: ``input_ids`` ``[n, T]``, ``attention_mask`` (default: every token) and either
         ``completion_mask`` (1 on the tokens to learn; :meth:`encode` makes it) or
         ``prompt_lengths`` (upstream AgileRL's right-padded layout: the completion starts there;
-        it needs the attention mask). A row over ``max_model_len`` tokens is refused.
+        it needs the attention mask). A batch wider than ``max_model_len`` tokens is refused.
         Returns ``loss`` (the mean token negative log-likelihood of the step), ``perplexity``,
         ``grad_norm`` and ``completion_tokens`` (per rank), reduced across ranks.
         """
         ids, attention, completion = completion_batch(batch, who="SFT.learn")
-        check_length(attention, self.max_model_len, who="SFT.learn")
+        check_length(ids, self.max_model_len, who="SFT.learn")
         expected = self.sequences_per_step // self.data_parallel_ranks
         if ids.shape[0] != expected:
             raise ValueError(

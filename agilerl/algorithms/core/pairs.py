@@ -29,13 +29,11 @@ def encode_pairs(
     eos_token_id: int | None,
     pad_token_id: int,
     max_len: int | None = None,
-    share: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Tokenize prompt-completion pairs into the trainer's layout: ``input_ids``, ``attention_mask``
     and ``completion_mask`` (the completion and the end-of-sequence token appended to it).
 
-    ``max_len`` caps each row's tokens (:func:`fit_to_length`); ``share`` consecutive rows have
-    the same prompt (a preference pair's two) and keep the same prompt tokens.
+    ``max_len`` caps the batch's width (:func:`fit_to_length`).
     """
     if len(prompts) != len(completions):
         raise BatchError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -49,10 +47,7 @@ def encode_pairs(
     if any(not c for c in completion_ids):
         raise BatchError("a completion encodes to no token (and there is no end-of-sequence token to learn)")
     if max_len is not None:
-        for i in range(0, len(prompts), share):
-            prompt_ids[i : i + share], completion_ids[i : i + share] = fit_to_length(
-                prompt_ids[i : i + share], completion_ids[i : i + share], max_len
-            )
+        prompt_ids, completion_ids = fit_to_length(prompt_ids, completion_ids, max_len)
     width_p = max(len(p) for p in prompt_ids)
     width_c = max(len(c) for c in completion_ids)
     n = len(prompts)
@@ -71,32 +66,30 @@ def encode_pairs(
 def fit_to_length(
     prompts: list[list[int]], completions: list[list[int]], max_len: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Token lists of rows sharing one prompt, cut so each row has at most ``max_len`` tokens.
+    """Token lists cut so the batch is at most ``max_len`` wide in the trainer's layout (the
+    longest prompt plus the longest completion: the width memory is planned for).
 
-    The prompt keeps its last tokens (those next to the completion), down to half of
-    ``max_len`` where the longest completion needs the room; each completion then keeps its
-    first tokens (a cut completion loses its end-of-sequence token: it did not end there).
-    Rows that fit are left as they are.
+    Prompts keep their last tokens (those next to the completion), up to what the longest
+    completion leaves but never fewer than half of ``max_len``; completions keep their first
+    tokens within the rest (a cut completion loses its end-of-sequence token: it did not end
+    there). Equal prompts are cut alike, so a preference pair keeps sharing its prompt; a batch
+    that fits is left as it is.
     """
-    longest = max(len(c) for c in completions)
-    prompt = prompts[0]
-    if len(prompt) + longest <= max_len:
+    longest_prompt, longest_completion = max(map(len, prompts)), max(map(len, completions))
+    if longest_prompt + longest_completion <= max_len:
         return prompts, completions
-    keep = min(len(prompt), max(max_len - longest, max_len // 2))
-    cut = prompt[len(prompt) - keep :]
-    return [cut] * len(prompts), [c[: max_len - keep] for c in completions]
+    prompt_room = min(longest_prompt, max(max_len - longest_completion, max_len // 2))
+    completion_room = max_len - prompt_room
+    return [p[max(0, len(p) - prompt_room) :] for p in prompts], [c[:completion_room] for c in completions]
 
 
-def check_length(attention: torch.Tensor, max_len: int | None, *, who: str) -> None:
-    """Refuse a batch with a row longer than ``max_len`` attended tokens (the length the memory
-    plan and the engine are sized for)."""
-    if max_len is None or attention.numel() == 0:
-        return
-    longest = int(attention.sum(dim=1).max())
-    if longest > max_len:
+def check_length(ids: torch.Tensor, max_len: int | None, *, who: str) -> None:
+    """Refuse a batch wider than ``max_len`` tokens, padding included (the width memory is
+    planned for)."""
+    if max_len is not None and ids.shape[1] > max_len:
         raise BatchError(
-            f"{who}: a row has {longest} tokens, over max_model_len={max_len} (the length memory is "
-            "planned for): truncate the batch (encode() does) or raise max_model_len"
+            f"{who}: the batch is {ids.shape[1]} tokens wide (padding included), over max_model_len="
+            f"{max_len} (the length memory is planned for): truncate it (encode() does) or raise max_model_len"
         )
 
 

@@ -358,9 +358,9 @@ def test_populations_of_the_offline_algorithms_differ_by_seed():
 
 
 def test_pairs_over_max_model_len_keep_the_prompts_end_and_the_completions_start():
-    """One character is one token here: a 10-token prompt with a 6-token completion and its EOS is
-    17 tokens; under max_model_len=12 the prompt keeps its last max(12 - 7, 12 // 2) = 6 and the
-    completion its first 12 - 6 = 6 (so no EOS: it did not end there)."""
+    """One character is one token here: a 10-token prompt and a 6-token completion with its EOS
+    make a batch 17 wide; under max_model_len=12 prompts keep their last max(12 - 7, 12 // 2) = 6
+    tokens and completions their first 12 - 6 = 6 (so no EOS: it did not end there)."""
     eos, three = TOKENIZER.eos_token_id, TOKENIZER.convert_tokens_to_ids("3")
 
     def parts(batch, side=""):
@@ -378,8 +378,13 @@ def test_pairs_over_max_model_len_keep_the_prompts_end_and_the_completions_start
     batch = sft.encode(["0123456789", "1+2="], ["123456", "3"])
     assert parts(batch) == [("456789", chars("123456")), ("1+2=", [three, eos])]  # the second fits as it was
     assert math.isfinite(sft.learn(batch)["loss"])
-    with pytest.raises(BatchError, match="a row has 17 tokens, over max_model_len=12"):
+    with pytest.raises(BatchError, match="the batch is 17 tokens wide .*, over max_model_len=12"):
         sft.learn(_offline(SFT, batch_size=2).encode(["0123456789", "1+2="], ["123456", "3"]))
+    # Width is the longest prompt plus the longest completion: a row's own length is not enough.
+    # Prompts of 10 and 8, completions of 1 and 8 (+ EOS): each row fits in 12, the batch (19) does not.
+    wide = sft.encode(["0123456789", "98765432"], ["1", "12345678"])
+    assert wide["input_ids"].shape[1] == 12
+    assert parts(wide) == [("456789", chars("1") + [eos]), ("765432", chars("123456"))]
 
     # A preference pair keeps one prompt for both sides, cut for its longer completion (8 + EOS).
     dpo = _offline(DPO, batch_size=2, max_model_len=12)
