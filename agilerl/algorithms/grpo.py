@@ -614,8 +614,11 @@ class GRPO(LLMAlgorithm):
     def sync_engine_weights(self) -> None:
         """Send the actor's merged weights (base + scaled LoRA) to the rollout engine (phase ``sync``)."""
 
+        checkpoint = getattr(self.engine, "weight_names", "model") == "checkpoint"
         with self._phase("sync"):
-            self.engine.load_weights(_merged_weights(self.model, causal_lm(self.model), self.dtype))
+            self.engine.load_weights(
+                _merged_weights(self.model, causal_lm(self.model), self.dtype, checkpoint_names=checkpoint)
+            )
 
     # -- learning ------------------------------------------------------------------------
     def _attention_mask(self, ids: torch.Tensor, action_masks: torch.Tensor) -> torch.Tensor:
@@ -796,8 +799,11 @@ def _engine_sync_problem(agent) -> str | None:
     )
 
 
-def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None = None):
-    """Base weights with the actor's LoRA delta merged, under Hugging Face names.
+def _merged_weights(
+    model: nn.Module, lm: nn.Module, dtype: torch.dtype | None = None, *, checkpoint_names: bool = False
+):
+    """Base weights with the actor's LoRA delta merged, under Hugging Face names: the model's own,
+    or with ``checkpoint_names`` the checkpoint's (:func:`_checkpoint_format`).
 
     A generator that gathers one module's parameters at a time (and, for a
     LoRA layer, its adapter), so a sharded actor never holds more than one
@@ -812,6 +818,7 @@ def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None =
         id(layer.get_base_layer()): layer for layer in tuner_layers(model) if ACTOR in getattr(layer, "lora_A", {})
     }
     seen: set[int] = set()
+    as_saved = _checkpoint_format(lm) if checkpoint_names else None
     for name, module in lm.named_modules():
         if getattr(module, "base_layer", None) is not None or ".lora_" in f".{name}.":
             continue
@@ -821,6 +828,7 @@ def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None =
         seen.update(id(p) for _, p in own)
         layer = lora_of.get(id(module))
         extra = [layer.lora_A[ACTOR].weight, layer.lora_B[ACTOR].weight] if layer is not None else []
+        named: dict[str, torch.Tensor] = {}
         with gather_params(model, [p for _, p in own] + extra):
             for pname, _ in own:
                 value = getattr(module, pname)
@@ -835,4 +843,25 @@ def _merged_weights(model: nn.Module, lm: nn.Module, dtype: torch.dtype | None =
                 full_name = f"{name}.{pname}" if name else pname
                 # in the compute dtype the engine runs (full fine-tuning's fp32 shards: half the bytes sent)
                 value = value.detach().to(dtype, copy=True) if dtype is not None else value.detach().clone()
-                yield full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", ""), value
+                named[full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", "")] = value
+        yield from (as_saved(named) if as_saved is not None else named).items()
+
+
+def _checkpoint_format(lm: nn.Module):
+    """A function from one module's ``{name: tensor}`` to the names and layout its checkpoint
+    has on disk, or None where they are the model's own. Transformers 5 loads some layouts
+    converted (a MoE layer's experts packed into ``experts.gate_up_proj`` and
+    ``experts.down_proj``, from ``experts.<i>.gate_proj.weight`` and the like) and reverts the
+    conversion when it saves; vLLM reads the checkpoint's layout, so the sync sends that: the
+    packed tensors under vLLM's names would be loaded as another layout, silently."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+    except ImportError:  # transformers 4: every model keeps its checkpoint's layout
+        return None
+    conversions = getattr(lm, "_weight_conversions", None)
+    if conversions is None:  # built from its config (the meta-device path): the model type's own
+        conversions = [c for c in get_model_conversion_mapping(lm, add_legacy=False) if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return None
+    return lambda named: revert_weight_conversion(lm, named)

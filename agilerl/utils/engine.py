@@ -18,12 +18,14 @@ How the vLLM engine is run, and why:
   ids (``skip_tokenizer_init``), so the trainer passes its end-of-sequence ids
   as ``stop_token_ids``.
 - **Weights in place.** :meth:`VLLMEngine.load_weights` streams Hugging Face
-  named tensors into vLLM's in-place reload (``reload_weights``), which also
-  re-packs them for vLLM's kernels (the CPU backend keeps its linears in a
-  packed layout that a plain ``load_weights`` cannot write into). The prefix
-  cache is reset after, so no KV computed with the old weights is reused. A
-  name vLLM does not know, or a weight the first sync leaves out, is an error
-  at the first sync.
+  named tensors, in the checkpoint's names and layout (a MoE layer's experts one
+  by one, as on disk, where transformers 5 packs them in memory), into vLLM's
+  in-place reload (``reload_weights``), which also re-packs them for vLLM's
+  kernels (the CPU backend keeps its linears in a packed layout that a plain
+  ``load_weights`` cannot write into; its MoE experts' prepack is redone after,
+  which the reload skips). The prefix cache is reset after, so no KV computed
+  with the old weights is reused. A name vLLM does not know, or a weight the
+  first sync leaves out, is an error at the first sync.
 - **Distinct seeds.** Each prompt gets ``seed + i``: with one seed for all, the
   ``group_size`` copies of a prompt would sample the same completion.
 - **The trainer's random state is kept.** vLLM seeds the process's global
@@ -74,7 +76,11 @@ class RolloutEngine(Protocol):
         """Reallocate what sleep freed: everything, or only ``tags`` ("weights", "kv_cache")."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights (full, merged, Hugging Face names)."""
+        """Replace the engine's weights (full, merged, Hugging Face names).
+
+        The names are the model's own, or, where the engine has ``weight_names = "checkpoint"``,
+        those and the layout of the checkpoint on disk (vLLM reads those).
+        """
 
 
 class EngineError(RuntimeError):
@@ -210,6 +216,10 @@ def _left_out(message: str) -> bool:
 
 class VLLMEngine:
     """A colocated vLLM engine on this rank's device (see the module docstring for how it runs)."""
+
+    #: vLLM's loaders read a checkpoint's names and layout (a MoE layer's experts one by one), not
+    #: the packed layout transformers 5 converts some of them to in memory.
+    weight_names = "checkpoint"
 
     def __init__(
         self,
@@ -352,7 +362,28 @@ class VLLMEngine:
                 f"the weight sync left vLLM engine weights unset ({len(sent)} tensors sent): {missing[0][:300]}"
             )
         self._synced = True
+        self.llm.collective_rpc(_prepack_cpu_experts)
         self.llm.reset_prefix_cache()
+
+
+def _prepack_cpu_experts(worker) -> int:
+    """Prepack the engine's MoE expert weights again after a reload, on vLLM's CPU backend; how
+    many layers it prepacked.
+
+    The CPU backend prepacks each MoE layer's expert weights for its grouped GEMM once, when
+    the model loads. An in-place reload (vllm 0.32) copies the checkpoint's layout into those
+    same tensors and skips the prepack, so the experts would compute with scrambled weights
+    from the first sync on (a tiny Qwen3-MoE generated other tokens than its own weights,
+    reloaded unchanged). Other backends keep no such layout and are left alone.
+    """
+    count = 0
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count
 
 
 _ENGINES: dict[tuple, VLLMEngine] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -383,6 +384,27 @@ def fsdp_meta_loading_draws_the_configs_adapter_init(ctx):
         drawn = dp.token_logprobs(ids, attention)
         torch.testing.assert_close(fsdp.token_logprobs(ids, attention), drawn, atol=1e-5, rtol=1e-5)
         assert (identity.token_logprobs(ids, attention) - drawn).abs().max() > 1e-3
+
+
+@cases.case
+def fsdp_sends_an_engine_the_checkpoints_names_and_tensors(ctx):
+    """Sharded from the meta device (no loading record to revert): a MoE model's sync to an engine
+    that reads checkpoints is the checkpoint itself, experts one by one, on every rank."""
+    import safetensors.torch
+    from peft import LoraConfig
+
+    from agilerl.algorithms.grpo import _merged_weights
+    from agilerl.utils.logprobs import causal_lm
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    agent = make_agent(model_name="tiny:qwen3_moe", lora_config=lora, fsdp_config=FSDPConfig(**FP32_SHARDED))
+    disk = {}
+    for file in sorted(Path(agent.model_source).glob("*.safetensors")):
+        disk.update(safetensors.torch.load_file(file))
+    sent = dict(_merged_weights(agent.model, causal_lm(agent.model), checkpoint_names=True))
+    assert sorted(sent) == sorted(disk) and any(".experts.0.gate_proj." in n for n in sent)
+    for name, tensor in disk.items():
+        assert torch.equal(sent[name], tensor), name
 
 
 @cases.case

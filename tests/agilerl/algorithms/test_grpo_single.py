@@ -932,3 +932,33 @@ def test_the_adapters_are_drawn_with_the_configs_init_lora_weights(init):
 def test_an_adapter_init_computed_from_the_base_weights_is_refused():
     with pytest.raises(ValueError, match="init_lora_weights='pissa' is not supported.*True .*'gaussian' or False"):
         make_agent(lora_config=_lora_with_init("pissa"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2"])
+def test_an_engine_that_reads_checkpoints_is_sent_the_checkpoints_names_and_tensors(arch, tmp_path):
+    """vLLM loads what is on disk: a MoE layer's experts one by one (``experts.0.gate_proj.weight``),
+    which transformers 5 packs in memory (``experts.gate_up_proj``). An untrained actor's sync is
+    then the checkpoint itself, name for name and value for value; a dense model's names are its own."""
+    import safetensors.torch
+
+    from agilerl.algorithms.grpo import _merged_weights
+    from agilerl.utils.logprobs import causal_lm
+    from agilerl.utils.tiny import save_tiny_model
+
+    save_tiny_model(tmp_path, arch)
+    disk = {}
+    for file in tmp_path.glob("*.safetensors"):
+        disk.update(safetensors.torch.load_file(file))
+    lora = _lora_with_init(True)
+    lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    agent = make_agent(model_name=str(tmp_path), lora_config=lora)
+    sent = dict(_merged_weights(agent.model, causal_lm(agent.model), checkpoint_names=True))
+    assert sorted(sent) == sorted(disk)
+    for name, tensor in disk.items():
+        assert torch.equal(sent[name], tensor), name
+    # An engine of the model's own names (Hugging Face generate on ranks of its own) gets those:
+    # the packed experts of a MoE model, not the checkpoint's.
+    own = dict(_merged_weights(agent.model, causal_lm(agent.model)))
+    params = {n.replace(".base_layer", "") for n, _ in causal_lm(agent.model).named_parameters() if ".lora_" not in n}
+    assert set(own) == params
+    assert (set(own) == set(disk)) == (arch == "qwen2")
