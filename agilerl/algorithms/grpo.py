@@ -247,6 +247,8 @@ class GRPO(LLMAlgorithm):
         self.max_output_tokens = max_output_tokens
         self.generation_kwargs: dict[str, Any] = {}
         self.engine = rollout_engine  # None until a colocated vLLM engine starts (below), if any
+        # before the base class asks the memory estimate (workload_fields) for the fields it leaves open
+        self.offload_weights_during_rollout = offload_weights_during_rollout
         super().__init__(
             model_name=model_name,
             actor_network=actor_network,
@@ -275,7 +277,6 @@ class GRPO(LLMAlgorithm):
             rollout_engine=rollout_engine,
         )
         self.eos_token_id = self._eos_token_id()
-        self.offload_weights_during_rollout = offload_weights_during_rollout
         self._weight_offload = None
         if offload_weights_during_rollout:
             if self.sharded and self.fsdp_config.cpu_offload:
@@ -844,7 +845,7 @@ def _merged_weights(
                 # in the compute dtype the engine runs (full fine-tuning's fp32 shards: half the bytes sent)
                 value = value.detach().to(dtype, copy=True) if dtype is not None else value.detach().clone()
                 named[full_name.replace(".base_layer", "").replace("_checkpoint_wrapped_module.", "")] = value
-        yield from (as_saved(named) if as_saved is not None else named).items()
+            yield from (as_saved(named) if as_saved is not None else named).items()
 
 
 def _checkpoint_format(lm: nn.Module):

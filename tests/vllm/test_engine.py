@@ -241,25 +241,3 @@ def test_the_engines_per_token_input_buffers_are_what_the_planner_counts(agent):
     )
     assert tokens == 1024  # min(16 seqs x 64, max(64, 8192))
     assert vllm_runner_buffer_bytes(ctx) == measured
-
-
-MOE = (
-    "tiny:qwen3_moe?hidden_size=64&intermediate_size=128&num_layers=2&num_heads=2&num_kv_heads=1&initializer_range=0.2"
-)
-
-
-@pytest.mark.parametrize("full", [False, True], ids=["lora-attention", "full"])
-def test_a_moe_models_weights_arrive_after_a_learn_step(full):
-    """Qwen3-MoE: transformers 5 packs its experts in memory, vLLM reads them one by one as the
-    checkpoint has them, and vLLM's CPU backend prepacks them for its grouped GEMM, a prepack
-    its in-place reload skips. The engine runs the trained actor all the same, with the experts'
-    own weights trained (full) or not (LoRA on attention)."""
-    from peft import LoraConfig
-
-    lora = None if full else LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    agent = vllm_agent(model_name=MOE, dtype="float32", lora_config=lora)
-    before = engine_greedy(agent)
-    assert before == hf_greedy(agent)
-    learn_steps(agent)
-    after = engine_greedy(agent)
-    assert after == hf_greedy(agent) and after != before
