@@ -828,13 +828,13 @@ def _suggest(
             out.append("generate with a colocated vLLM engine (generation='vllm')")
     if (fewer := _fewest_prompts_cut(workload, cluster, feasible)) is not None:
         out.append(f"use prompts_per_step={fewer} (fewer completions per rank)")
-    completion = workload.completion_tokens
-    while completion > 16:
-        completion //= 2
-        wl = workload.model_copy(update={"completion_tokens": completion})
-        if feasible(wl, cluster):
-            out.append(f"shorten completions to {completion} tokens")
-            break
+    for key, what in (("completion_tokens", "completions"), ("prompt_tokens", "prompts")):
+        length = getattr(workload, key)
+        while length > 16:
+            length //= 2
+            if feasible(workload.model_copy(update={key: length}), cluster):
+                out.append(f"shorten {what} to {length} tokens ({key}={length})")
+                break
     if not out:
         out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
     return out

@@ -519,8 +519,8 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         wl[m[1]] = int(m[2])
     elif m := re.fullmatch(r"lower vllm_gpu_memory_utilization to ([\d.]+)", suggestion):
         wl["vllm_gpu_memory_utilization"] = float(m[1])
-    elif m := re.fullmatch(r"shorten completions to (\d+) tokens", suggestion):
-        wl["completion_tokens"] = int(m[1])
+    elif m := re.fullmatch(r"shorten (?:completions|prompts) to \d+ tokens \((\w+_tokens)=(\d+)\)", suggestion):
+        wl[m[1]] = int(m[2])
     elif suggestion.startswith("train LoRA adapters"):
         wl["full_finetune"] = False
     elif suggestion.startswith("use QLoRA"):
