@@ -23,7 +23,7 @@ How the vLLM engine is run, and why:
   in-place reload (``reload_weights``), which also re-packs them for vLLM's
   kernels (the CPU backend keeps its linears in a packed layout that a plain
   ``load_weights`` cannot write into; its MoE experts' prepack is redone after,
-  which the reload skips). The prefix cache is reset after, so no KV computed
+  which the reload skips, and an expert size it pads is refused at start). The prefix cache is reset after, so no KV computed
   with the old weights is reused. A name vLLM does not know, or a weight the
   first sync leaves out, is an error at the first sync.
 - **Distinct seeds.** Each prompt gets ``seed + i``: with one seed for all, the
@@ -285,6 +285,11 @@ class VLLMEngine:
         _LIVE.append(self)  # never collected: see "Engines live as long as the process"
         self._sampling = vllm.SamplingParams
         self._synced = False
+        if padded := max(self.llm.collective_rpc(_padded_cpu_experts)):
+            raise EngineError(
+                f"vLLM's CPU backend pads this model's expert intermediate size ({padded}) and cannot "
+                "take trained expert weights in place: generate with Hugging Face on CPU (no vllm_config)"
+            )
 
     def memory_report(self) -> dict[str, int]:
         """The engine's own account of its KV cache: blocks, tokens per block, and the bytes its
@@ -366,6 +371,27 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
+def _cpu_experts(worker) -> list[tuple[torch.nn.Module, object]]:
+    """(layer, experts) of every MoE layer vLLM's CPU backend runs with its own expert kernel."""
+    out = []
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            out.append((module, experts))
+    return out
+
+
+def _padded_cpu_experts(worker) -> int:
+    """The expert intermediate size the CPU backend pads for its kernel (0 if none): the reload
+    cannot write a trained expert weight into the padded tensor (a shape mismatch deep in vLLM)."""
+    for _, experts in _cpu_experts(worker):
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            return int(config.intermediate_size_per_partition)
+    return 0
+
+
 def _prepack_cpu_experts(worker) -> int:
     """Prepack the engine's MoE expert weights again after a reload, on vLLM's CPU backend; how
     many layers it prepacked.
@@ -376,14 +402,10 @@ def _prepack_cpu_experts(worker) -> int:
     from the first sync on (a tiny Qwen3-MoE generated other tokens than its own weights,
     reloaded unchanged). Other backends keep no such layout and are left alone.
     """
-    count = 0
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
-            experts.process_weights_after_loading(module)
-            count += 1
-    return count
+    layers = _cpu_experts(worker)
+    for module, experts in layers:
+        experts.process_weights_after_loading(module)
+    return len(layers)
 
 
 _ENGINES: dict[tuple, VLLMEngine] = {}

@@ -52,4 +52,15 @@ def fsdp2_full_fine_tuning_trains_the_experts_the_engine_runs(ctx):
     assert out[0] == out[1]  # the ranks' engines run the same weights
 
 
+@cases.case
+def an_expert_size_the_cpu_backend_pads_is_refused_when_the_engine_starts(ctx):
+    """The CPU kernel pads the experts' intermediate size to its alignment (16 or 32): a reload
+    then fails deep in vLLM on a shape mismatch, so the engine says so before training starts."""
+    from agilerl.utils.engine import EngineError
+
+    padded = MOE.replace("intermediate_size=128", "intermediate_size=128&moe_intermediate_size=40")
+    with pytest.raises(EngineError, match=r"pads this model's expert intermediate size \(40\)"):
+        vllm_agent(model_name=padded, dtype="float32", lora_config=None)
+
+
 test_dist = cases.pytest_test()
