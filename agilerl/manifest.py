@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agilerl.distributed import FSDPConfig
 from agilerl.typing import AttnImplementation
-from agilerl.utils.algo_utils import VLLMConfig
+from agilerl.utils.algo_utils import VLLMConfig, weight_offload_problem
 
 __all__ = [
     "Manifest",
@@ -280,6 +280,9 @@ class AlgorithmSection(_Section):
     def _offload_needs_vllm(self) -> AlgorithmSection:
         if self.offload_weights_during_rollout and self.vllm is None:
             raise ValueError("offload_weights_during_rollout: true needs algorithm.vllm settings (a colocated engine)")
+        fsdp = self.fsdp_config()
+        if problem := weight_offload_problem(getattr(fsdp, "cpu_offload", None), self.offload_weights_during_rollout):
+            raise ValueError(problem)
         return self
 
     def fsdp_config(self) -> FSDPConfig | str | None:

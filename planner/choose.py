@@ -483,8 +483,9 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
                 break
     if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
         fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
-    # cpu_offload parks the weights on the host: only where Hugging Face generate does not need them
-    offloadable = colocated or workload.algorithm in OFFLINE_SEQUENCES
+    # cpu_offload parks the weights on the host: only where Hugging Face generate does not need
+    # them, and not beside offload_weights_during_rollout (which parks them itself)
+    offloadable = (colocated or workload.algorithm in OFFLINE_SEQUENCES) and not workload.offload_weights_during_rollout
     if not search.fits(frugal, fsdp) and offloadable and "cpu_offload" not in fixed and not workload.load_in_4bit:
         candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
         if search.fits(frugal, candidate):

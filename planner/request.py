@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agilerl.distributed import FSDPConfig
+from agilerl.utils.algo_utils import weight_offload_problem
 
 from .hardware import MARGIN_FRACTION, Cluster
 from .workload import Workload
@@ -140,6 +141,8 @@ def request_problems(
             f"micro_batch_size_per_gpu={micro}: dpo runs a pair's chosen and rejected sequences in one "
             "micro-batch, so it must be even"
         )
+    if problem := weight_offload_problem(fsdp.cpu_offload, workload.offload_weights_during_rollout):
+        problems["fsdp.cpu_offload"] = problem
     if fsdp.cpu_offload and workload.generation == "hf":
         problems.setdefault(
             "fsdp.cpu_offload",

@@ -294,6 +294,8 @@ class Workload(BaseModel):
             raise ValueError(f"beta={self.beta}: dpo's beta scales its implicit reward and must be > 0")
         if algorithm == "sft" and self.beta != 0:
             raise ValueError(f"beta={self.beta}: sft has no reference policy (beta 0)")
+        if algorithm == "sft" and self.use_separate_reference_adapter:
+            raise ValueError("use_separate_reference_adapter=True: sft has no reference policy to keep an adapter for")
         if self.full_finetune and self.load_in_4bit:
             raise ValueError(
                 "full_finetune=True with load_in_4bit=True: QLoRA trains LoRA adapters on a frozen "

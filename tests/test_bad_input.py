@@ -190,6 +190,12 @@ CASES = [
     # PEFT adapts v_proj alone and says nothing of the misspelt name beside it
     (plan(M, "--lora-targets", "q_prj,v_proj"), "no module named q_prj; its linear layers are named q_proj, k_proj"),
     (plan(M, "--beta", "-0.1"), "beta"),
+    # planned with a second adapter, then dropped from the manifest
+    (plan(M, "--algorithm", "sft", "--use-separate-reference-adapter", "true"), "sft has no reference policy"),
+    (
+        plan(M, "--generation", "vllm", "--offload-weights-during-rollout", "true", "--cpu-offload", "true"),
+        "the weights already live in host memory",
+    ),
     (plan(M, "--beta", "nan"), "beta"),
     (plan(M, "--update-epochs", "0"), "update_epochs"),
     (plan(M, "--weights-dtype", "int8"), "--weights-dtype"),
@@ -318,6 +324,19 @@ CASES = [
     (manifest({"algorithm": {"fsdp": {"ep": 2, "tp": 2}}}), "ep"),
     (manifest({"algorithm": {"logprob_chunk_size": 0}}), "logprob_chunk_size"),
     (manifest({"algorithm": {"offload_weights_during_rollout": True}}), "vllm"),
+    # refused before any weight loads (the trainer said it after loading the model)
+    (
+        manifest(
+            {
+                "algorithm": {
+                    "offload_weights_during_rollout": True,
+                    "vllm": {"gpu_memory_utilization": 0.3},
+                    "fsdp": {"cpu_offload": True},
+                }
+            }
+        ),
+        "the weights already live in host memory",
+    ),
     (manifest({"algorithm": {"vllm": {"max_num_seqs": 0}}}), "max_num_seqs"),
     (manifest({"algorithm": {"vllm": {"kv_cache_memory_bytes": 0}}}), "kv_cache_memory_bytes"),
     # the tests' main environment has no vLLM: the line names the extra to install

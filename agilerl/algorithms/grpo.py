@@ -41,7 +41,7 @@ from agilerl.distributed import (
     aggregate_metrics_dict,
     gather_tensor,
 )
-from agilerl.utils.algo_utils import VLLMConfig
+from agilerl.utils.algo_utils import VLLMConfig, weight_offload_problem
 from agilerl.utils.logprobs import (
     causal_lm,
     position_ids_from_mask,
@@ -249,6 +249,9 @@ class GRPO(LLMAlgorithm):
         self.engine = rollout_engine  # None until a colocated vLLM engine starts (below), if any
         # before the base class asks the memory estimate (workload_fields) for the fields it leaves open
         self.offload_weights_during_rollout = offload_weights_during_rollout
+        given = getattr(fsdp_config, "cpu_offload", None)  # before any weight loads
+        if problem := weight_offload_problem(given, offload_weights_during_rollout):
+            raise ValueError(problem)
         super().__init__(
             model_name=model_name,
             actor_network=actor_network,
@@ -279,11 +282,8 @@ class GRPO(LLMAlgorithm):
         self.eos_token_id = self._eos_token_id()
         self._weight_offload = None
         if offload_weights_during_rollout:
-            if self.sharded and self.fsdp_config.cpu_offload:
-                raise ValueError(
-                    "offload_weights_during_rollout=True with FSDPConfig(cpu_offload=True): the "
-                    "weights already live in host memory; drop one of the two"
-                )
+            if problem := weight_offload_problem(self.sharded and self.fsdp_config.cpu_offload, True):
+                raise ValueError(problem)  # an FSDPConfig the estimate chose ("auto"); a given one is refused above
             from .core.offload import WeightOffload
 
             self._weight_offload = WeightOffload(self.model)

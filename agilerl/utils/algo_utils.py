@@ -6,7 +6,18 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["VLLMConfig", "vllm_batched_tokens"]
+__all__ = ["VLLMConfig", "vllm_batched_tokens", "weight_offload_problem"]
+
+
+def weight_offload_problem(cpu_offload: bool | None, offload_weights_during_rollout: bool) -> str | None:
+    """Why FSDP2's ``cpu_offload`` and ``offload_weights_during_rollout`` cannot be combined (the
+    trainer's rule; the planner and the manifest check it too), or None."""
+    if cpu_offload and offload_weights_during_rollout:
+        return (
+            "offload_weights_during_rollout=True with FSDPConfig(cpu_offload=True): the weights already "
+            "live in host memory; drop one of the two"
+        )
+    return None
 
 
 def vllm_batched_tokens(*, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:

@@ -23,9 +23,10 @@ How the vLLM engine is run, and why:
   in-place reload (``reload_weights``), which also re-packs them for vLLM's
   kernels (the CPU backend keeps its linears in a packed layout that a plain
   ``load_weights`` cannot write into; its MoE experts' prepack is redone after,
-  which the reload skips, and an expert size it pads is refused at start). The prefix cache is reset after, so no KV computed
-  with the old weights is reused. A name vLLM does not know, or a weight the
-  first sync leaves out, is an error at the first sync.
+  which the reload skips, and an expert size it pads is refused at start). The
+  prefix cache is reset after, so no KV computed with the old weights is
+  reused. A name vLLM does not know, or a weight the first sync leaves out, is
+  an error at the first sync.
 - **Distinct seeds.** Each prompt gets ``seed + i``: with one seed for all, the
   ``group_size`` copies of a prompt would sample the same completion.
 - **The trainer's random state is kept.** vLLM seeds the process's global

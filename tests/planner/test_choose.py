@@ -665,3 +665,19 @@ def test_a_colocated_engine_whose_floor_is_above_the_planners_largest_fraction_g
         check_inputs(
             spec8, p.workload.model_copy(update={"vllm_gpu_memory_utilization": round(chosen - 0.01, 2)}), p.cluster
         )
+
+
+def test_host_offload_is_no_last_resort_beside_offload_weights_during_rollout():
+    """The trainer refuses FSDP2's cpu_offload with offload_weights_during_rollout (the weights
+    would already be on the host): full fine-tuning Qwen2.5-32B on 2 H100s fits only by parking
+    the parameters there, so with the flag it does not fit, rather than plan a run that stops."""
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec = catalog.load_spec("Qwen/Qwen2.5-32B")
+    two = Cluster(gpu=GPUS["H100-80GB"], num_gpus=2)
+    workload = Workload(generation="vllm", full_finetune=True)
+    parked = plan(spec, workload, two)
+    assert parked.fits and parked.fsdp is not None and parked.fsdp.cpu_offload
+    flagged = plan(spec, workload.model_copy(update={"offload_weights_during_rollout": True}), two)
+    assert flagged.fsdp is not None and not flagged.fsdp.cpu_offload and not flagged.fits
