@@ -151,6 +151,16 @@ def test_fsdp_forms():
     assert load_manifest({"algorithm": {"model_name": "m", "fsdp": "auto"}}).algorithm.fsdp_config() == "auto"
 
 
+def test_fsdp_auto_without_a_launcher_is_let_through_to_train_on_one_device():
+    """The algorithm trains fsdp: auto unsharded on one device without a launcher (it says so);
+    the launch check refused it as if it sharded. A given FSDPConfig still needs torchrun."""
+    from agilerl.train import check_launch
+
+    check_launch(load_manifest({"algorithm": {"model_name": "tiny:qwen2", "fsdp": "auto"}}))
+    with pytest.raises(ValueError, match="needs a process group"):
+        check_launch(load_manifest({"algorithm": {"model_name": "tiny:qwen2", "fsdp": True}}))
+
+
 def test_unreadable_files(tmp_path, capsys):
     missing = tmp_path / "missing.yaml"
     with pytest.raises(ManifestError, match="no such manifest"):

@@ -95,11 +95,17 @@ def _workload_for(agent, micro: int | None):
     rank, alpha = (int(lora.r), int(lora.lora_alpha)) if lora is not None else (16, 32)
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]
     fields, prompt = agent.workload_fields()
+    chunk = agent.logprob_chunk_size
+    if "logprob_chunk_size" in agent.auto_knobs:
+        chunk = None  # the planner's None: it chooses
+    elif chunk is None:  # the trainer's None: unchunked, a chunk of every row of the step
+        rows = fields["prompts_per_step"] * fields["group_size"]
+        chunk = rows * (fields["prompt_tokens"] + fields["completion_tokens"])
     return Workload(
         algorithm=algorithm,
         full_finetune=agent.full_finetune,
         micro_batch_size_per_gpu=micro,
-        logprob_chunk_size=None if "logprob_chunk_size" in agent.auto_knobs else agent.logprob_chunk_size,
+        logprob_chunk_size=chunk,
         gradient_checkpointing=None if "gradient_checkpointing" in agent.auto_knobs else agent.gradient_checkpointing,
         lora_rank=rank,
         lora_alpha=alpha,
@@ -140,6 +146,9 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         "gradient_checkpointing": bool(result.workload.gradient_checkpointing),
         "gather_weights_for_rollout": bool(result.workload.gather_weights_for_rollout),
         "fits": result.fits,
+        "peak_gib": result.estimate.peak_bytes / 2**30,
+        "capacity_gib": cluster.gpu.memory_bytes / 2**30,
+        "suggestions": list(result.suggestions),
         "summary": summary,
         "algorithm": result.workload.algorithm,  # what the planner was told this run is
         "full_finetune": result.workload.full_finetune,

@@ -379,14 +379,16 @@ class LLMAlgorithm:
             )
             return micro
         result = on_rank0(plan_for_agent, self, actor_network, micro)
-        if "error" in result:
-            raise RuntimeError(f"fsdp_config='auto': the planner failed: {result['error']}")
+        if "error" in result:  # what the planner refuses (a LoRA target, a batch): one line, as input errors are
+            raise ValueError(f"fsdp_config='auto': the planner failed: {result['error']}")
         self.plan = result
         self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
-        self._take_auto_knobs(result)
+        self._take_auto_knobs(result)  # logs the plan's table
         if not result["fits"]:
-            raise RuntimeError(
-                f"fsdp_config='auto': the planner finds no configuration that fits.\n{result['summary']}"
+            instead = "; ".join(result["suggestions"])
+            raise ValueError(
+                f"fsdp_config='auto': no configuration fits in {result['capacity_gib']:.1f} GiB per device (the "
+                f"most frugal needs {result['peak_gib']:.1f} GiB)" + (f"; what would fit: {instead}" if instead else "")
             )
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
 
@@ -432,7 +434,7 @@ class LLMAlgorithm:
             return
         result = on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
         if "error" in result:
-            raise RuntimeError(
+            raise ValueError(
                 "routed_expert_chunk_mib=None: the memory estimate failed "
                 f"({result['error']}); set routed_expert_chunk_mib explicitly"
             )

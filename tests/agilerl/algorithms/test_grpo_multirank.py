@@ -557,6 +557,39 @@ def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
 
 
 @cases.case
+def auto_fsdp_that_nothing_fits_is_one_line_with_what_would(ctx):
+    """Llama-3.1-405B's shape (its config alone: it is planned before any weight loads) on two
+    CPU ranks: the plan's table is logged, the error is one line saying what would fit."""
+    import json
+
+    folder = ctx.shared_dir / "llama405b"
+    if ctx.rank == 0:
+        folder.mkdir(exist_ok=True)
+        config = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 16384,
+            "intermediate_size": 53248,
+            "num_hidden_layers": 126,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+        }
+        (folder / "config.json").write_text(json.dumps(config))
+    barrier()
+    try:
+        make_agent(model_name=str(folder), fsdp_config="auto", max_model_len=64)
+    except ValueError as err:
+        message = str(err)
+    else:
+        raise AssertionError("a 405B model was planned to fit on two CPU ranks")
+    assert "\n" not in message, message
+    assert message.startswith("fsdp_config='auto': no configuration fits in "), message
+    assert "what would fit: " in message or "nothing nearby fits" in message, message
+
+
+@cases.case
 def train_cli_with_fsdp_auto(ctx):
     from agilerl.manifest import load_manifest
     from agilerl.train import train

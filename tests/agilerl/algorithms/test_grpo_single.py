@@ -685,6 +685,21 @@ def test_the_estimate_behind_auto_is_asked_about_the_agents_lora_dropout(dropout
     assert _workload_for(make_agent(lora_config=config), None)[0].lora_dropout == dropout
 
 
+@pytest.mark.parametrize("chunk", [None, 7, "auto"])
+def test_the_estimate_behind_auto_is_asked_about_the_agents_logprob_chunk(chunk):
+    """The trainer's None is unchunked (the planner's None: it chooses). A step of 2 prompts x 4
+    completions of 4 + 4 tokens has 64 token rows: an unchunked head is planned as a chunk of at
+    least those (one chunk), a given chunk as itself, 'auto' left to the planner."""
+    from agilerl.algorithms.core.autoplan import _workload_for
+
+    agent = make_agent(logprob_chunk_size=chunk, gradient_checkpointing=False)
+    planned = _workload_for(agent, None)[0].logprob_chunk_size
+    if chunk is None:
+        assert planned is not None and planned >= 64
+    else:
+        assert planned == (None if chunk == "auto" else chunk)
+
+
 def test_kernels_without_a_score_tensor_are_planned_as_one():
     from agilerl.algorithms.core.autoplan import _planned_attention
 
