@@ -71,6 +71,10 @@ def check_launch(manifest, *, device: str | None = None) -> None:
         )
     if training.checkpoint_dir:
         _check_checkpoint_dir(Path(training.checkpoint_dir))
+    from agilerl.algorithms.core.loading import attention_problem
+
+    if problem := attention_problem(algo.attn_implementation):
+        raise ValueError(f"algorithm.{problem}")
     config = check_model_source(algo.model_name, allow_download=True)
     if layout.shared and layout.members > 1 and config is not None:
         _check_shared_population(

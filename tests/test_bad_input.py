@@ -324,6 +324,8 @@ CASES = [
     (manifest({"algorithm": {"fsdp": {"ep": 2, "tp": 2}}}), "ep"),
     (manifest({"algorithm": {"logprob_chunk_size": 0}}), "logprob_chunk_size"),
     (manifest({"algorithm": {"offload_weights_during_rollout": True}}), "vllm"),
+    # transformers says it only once the weights load, in a 150-line traceback (no GPU runs these tests)
+    (manifest({"algorithm": {"attn_implementation": "flash_attention_2"}}), "needs the flash-attn package"),
     # refused before any weight loads (the trainer said it after loading the model)
     (
         manifest(

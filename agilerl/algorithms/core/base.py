@@ -70,7 +70,7 @@ from agilerl.utils.logprobs import (
 from agilerl.utils.shared_prefix import shared_prefix_problem
 
 from .adapters import ACTOR, REFERENCE, adapter_state_dict, copy_adapter_, use_adapter
-from .loading import DEFAULT_LORA, resolve_lora_config
+from .loading import DEFAULT_LORA, attention_problem, resolve_lora_config
 
 __all__ = ["LLMAlgorithm", "normalise_fsdp_config", "on_rank0", "check_hyperparameters", "DEFAULT_LORA"]
 
@@ -273,6 +273,8 @@ class LLMAlgorithm:
         self.use_separate_reference_adapter = use_separate_reference_adapter
         self.load_in_4bit = load_in_4bit
         self.dtype = getattr(torch, dtype)
+        if problem := attention_problem(attn_implementation):
+            raise ValueError(problem)
         self.attn_implementation = attn_implementation
         self.seed = seed
         self.index = index

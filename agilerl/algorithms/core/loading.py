@@ -38,6 +38,7 @@ __all__ = [
     "resolve_lora_config",
     "DEFAULT_LORA",
     "resolve_model_source",
+    "attention_problem",
     "build_actor",
     "load_tokenizer",
     "TINY_PREFIX",
@@ -234,6 +235,23 @@ def _init_adapters_on_cpu(peft_model: nn.Module, use_reference: bool, seed: int)
         for attr in layer.adapter_layer_names:
             getattr(layer, attr).to(device="meta")
     return state
+
+
+def attention_problem(attn_implementation: str | None) -> str | None:
+    """Why the ``attn_implementation`` kernel cannot run here, or None: a FlashAttention kernel
+    needs its package and a CUDA GPU, which transformers checks only once the weights load."""
+    if attn_implementation is None or not attn_implementation.startswith("flash_attention_"):
+        return None
+    import transformers.utils as hf
+
+    version = attn_implementation.removeprefix("flash_attention_")
+    available = getattr(hf, f"is_flash_attn_{version}_available", None)
+    if available is None or available():
+        return None
+    return (
+        f"attn_implementation={attn_implementation!r} needs the flash-attn package (version {version}) and a "
+        "CUDA GPU, which this machine does not have: install it, or use 'sdpa' (the default)"
+    )
 
 
 def check_adapter_targets(source: str | None, actor_network: nn.Module | None, lora_config, name: str) -> None:

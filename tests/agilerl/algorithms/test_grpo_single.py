@@ -977,3 +977,10 @@ def test_an_engine_that_reads_checkpoints_is_sent_the_checkpoints_names_and_tens
     params = {n.replace(".base_layer", "") for n, _ in causal_lm(agent.model).named_parameters() if ".lora_" not in n}
     assert set(own) == params
     assert (set(own) == set(disk)) == (arch == "qwen2")
+
+
+def test_a_flash_attention_kernel_this_machine_cannot_run_is_refused_before_loading():
+    """No CUDA GPU here, so no FlashAttention: said at construction, not by transformers once the
+    weights load."""
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' needs the flash-attn package"):
+        make_agent(attn_implementation="flash_attention_2")
