@@ -31,6 +31,7 @@ r=16, alpha=32 on all linear layers.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch import nn
 from agilerl.distributed import (
     aggregate_metrics_dict,
     gather_tensor,
+    is_main_process,
 )
 from agilerl.utils.algo_utils import VLLMConfig, weight_offload_problem
 from agilerl.utils.logprobs import (
@@ -52,6 +54,8 @@ from .core.adapters import ACTOR, REFERENCE, use_adapter
 from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters
 
 __all__ = ["GRPO", "grpo_loss", "group_advantages", "k3_kl"]
+
+logger = logging.getLogger(__name__)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
@@ -382,7 +386,7 @@ class GRPO(LLMAlgorithm):
         after its end-of-sequence token), and ``action_masks`` is 1 exactly on
         completion tokens (the end-of-sequence token included).
         """
-        input_ids, attention_mask = self._encode(prompts)
+        input_ids, attention_mask = self._fit_prompts(*self._encode(prompts))
         num_prompts = input_ids.shape[0]
         index = torch.arange(num_prompts, device=input_ids.device).repeat_interleave(self.group_size)
         index = index[self.local_slice(num_prompts)]
@@ -399,6 +403,25 @@ class GRPO(LLMAlgorithm):
         full = torch.cat([ids, completions], dim=1)
         action_masks = torch.cat([torch.zeros_like(ids), completion_mask], dim=1)
         return full, action_masks
+
+    def _fit_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompts cut to what ``max_model_len`` leaves beside ``max_output_tokens``
+        (the length memory is planned for, and a vLLM engine takes): a longer prompt keeps its
+        last tokens, those the completion follows, and the cut is logged."""
+        if self.max_model_len is None or ids.shape[1] <= (room := self.max_model_len - self.max_output_tokens):
+            return ids, mask
+        longer = int((mask.sum(dim=1) > room).sum())
+        if longer and is_main_process():
+            logger.warning(
+                "[agilerl] %d prompt(s) of up to %d tokens cut to their last %d: max_model_len=%d leaves that "
+                "beside max_output_tokens=%d",
+                longer,
+                int(mask.sum(dim=1).max()),
+                room,
+                self.max_model_len,
+                self.max_output_tokens,
+            )
+        return ids[:, -room:], mask[:, -room:]
 
     def _completion_mask(self, completions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """1 up to and including each row's first end-of-sequence token, else the whole row

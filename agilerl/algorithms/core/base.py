@@ -301,11 +301,12 @@ class LLMAlgorithm:
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
-        from .loading import check_adapter_targets
+        from .loading import check_adapter_targets, check_model_length
 
         # before the memory estimate is asked and any weight loads (fsdp_config='auto' asked the
-        # planner already, which refuses such targets with the same line)
+        # planner already, which refuses such targets and lengths with the same lines)
         check_adapter_targets(self.model_source, actor_network, lora_config, model_name or type(actor_network).__name__)
+        check_model_length(self.model_source, actor_network, max_model_len)
         if self.plan is None and self.auto_knobs:
             self._resolve_auto_knobs(actor_network)
         if self.sharded:

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_LORA",
     "resolve_model_source",
     "attention_problem",
+    "check_model_length",
     "build_actor",
     "load_tokenizer",
     "TINY_PREFIX",
@@ -252,6 +253,26 @@ def attention_problem(attn_implementation: str | None) -> str | None:
         f"attn_implementation={attn_implementation!r} needs the flash-attn package (version {version}) and a "
         "CUDA GPU, which this machine does not have: install it, or use 'sdpa' (the default)"
     )
+
+
+def check_model_length(source: str | None, actor_network: nn.Module | None, max_model_len: int | None) -> None:
+    """Raise ValueError when ``max_model_len`` is longer than the model's positions (its config's
+    ``max_position_embeddings``), before any weight loads: the planner and vLLM refuse it too."""
+    if max_model_len is None:
+        return
+    if actor_network is not None:
+        config = actor_network.config
+    else:
+        from transformers import AutoConfig
+
+        _quiet_transformers()
+        config = AutoConfig.from_pretrained(source)
+    config = getattr(config, "text_config", None) or config
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is longer than the model's max_position_embeddings={limit}: lower it"
+        )
 
 
 def check_adapter_targets(source: str | None, actor_network: nn.Module | None, lora_config, name: str) -> None:

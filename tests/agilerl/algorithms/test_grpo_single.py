@@ -16,6 +16,7 @@ from agilerl.distributed import FSDPConfig
 from agilerl.utils.algo_utils import VLLMConfig
 from agilerl.utils.logprobs import chunked_token_logprobs, linear_token_logprobs
 from tests.agilerl.algorithms._common import (
+    TINY,
     TOKENIZER,
     lora_state,
     make_agent,
@@ -984,3 +985,26 @@ def test_a_flash_attention_kernel_this_machine_cannot_run_is_refused_before_load
     weights load."""
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' needs the flash-attn package"):
         make_agent(attn_implementation="flash_attention_2")
+
+
+def test_prompts_over_max_model_len_keep_their_last_tokens(caplog):
+    """max_model_len=8 with max_output_tokens=4 leaves 4 prompt tokens (one character is one token
+    here): an 11-character prompt keeps '8+1=', the one the completion follows; a prompt that
+    fits is left as it was. Generate ran the whole prompt before, beyond the planned length."""
+    agent = make_agent(max_model_len=8, max_output_tokens=4)
+    with caplog.at_level(logging.WARNING, logger="agilerl"):
+        ids, masks = agent.get_action(["12345678+1=", "1+2="])
+    assert ids.shape[1] <= 8
+    prompts = {TOKENIZER.decode(row[(m == 0) & (row != agent.pad_token_id)].tolist()) for row, m in zip(ids, masks)}
+    assert prompts == {"8+1=", "1+2="}
+    assert "1 prompt(s) of up to 11 tokens cut to their last 4" in caplog.text
+
+
+def test_a_max_model_len_over_the_models_positions_is_refused_before_loading():
+    from transformers import AutoConfig
+
+    from agilerl.algorithms.core.loading import resolve_model_source
+
+    limit = AutoConfig.from_pretrained(resolve_model_source(TINY)).max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is longer than the model's "):
+        make_agent(max_model_len=limit + 1)
