@@ -343,6 +343,12 @@ class GRPO(LLMAlgorithm):
             else self.gather_weights_for_rollout,
         )
         if vllm is not None:  # the trainer's engine settings as they are (VLLMConfig's defaults included)
+            if not vllm.sleep_mode or vllm.tensor_parallel_size > 1:
+                raise ValueError(
+                    "the memory estimate plans a colocated vLLM engine on one GPU that sleeps while the "
+                    f"trainer learns; vllm_config has sleep_mode={vllm.sleep_mode}, tensor_parallel_size="
+                    f"{vllm.tensor_parallel_size}: give the settings 'auto' would choose explicitly"
+                )
             fields.update(
                 vllm_gpu_memory_utilization=vllm.gpu_memory_utilization,
                 vllm_max_num_seqs=vllm.max_num_seqs,

@@ -1008,3 +1008,17 @@ def test_a_max_model_len_over_the_models_positions_is_refused_before_loading():
     limit = AutoConfig.from_pretrained(resolve_model_source(TINY)).max_position_embeddings
     with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is longer than the model's "):
         make_agent(max_model_len=limit + 1)
+
+
+@pytest.mark.parametrize("engine", [dict(sleep_mode=False), dict(tensor_parallel_size=2)])
+def test_engine_settings_the_estimate_does_not_plan_are_said_not_planned_as_others(engine):
+    """The estimate plans a colocated engine on one GPU that sleeps while the trainer learns: an
+    awake engine keeps its whole fraction through learn, a tensor-parallel one spans GPUs."""
+    from agilerl.algorithms.core.autoplan import _workload_for
+
+    agent = make_agent()
+    agent.vllm_config = VLLMConfig(**engine)  # as the engine's agent has it (no engine starts here)
+    with pytest.raises(ValueError, match="plans a colocated vLLM engine on one GPU that sleeps"):
+        _workload_for(agent, None)
+    agent.vllm_config = VLLMConfig()
+    assert _workload_for(agent, None)[0].generation == "vllm"
