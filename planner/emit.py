@@ -68,7 +68,7 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
         "training": {
             "rollout_batch_size": w.prompts_per_step,
             "training_gpus_per_agent": plan.cluster.num_gpus,
-            "rollout_engines_per_agent": 0,
+            "rollout_engines_per_agent": engine_ranks(plan),
         },
         "lora": None
         if w.full_finetune
@@ -76,17 +76,33 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def launch_command(cluster: Cluster) -> str:
-    """The torchrun line that launches the manifest on ``cluster``: on more than one node, the
-    node count and a rendezvous every node's torchrun names (its host left to the user)."""
-    run = f"torchrun --nproc_per_node={cluster.per_node}"
+def engine_ranks(plan: Plan) -> int:
+    """Rollout engines on ranks of their own: none, unless an objective with a rollout was planned
+    with nothing generating on its GPUs (generation='none'); then one more rank per node, each on
+    a GPU beside the planned ones, runs Hugging Face generate for the trainers (agilerl.train's
+    ``rollout_engines_per_agent``)."""
+    w = plan.workload
+    return plan.cluster.num_nodes if w.generation == "none" and w.algorithm not in OFFLINE_SEQUENCES else 0
+
+
+def launch_command(cluster: Cluster, engines: int = 0) -> str:
+    """The torchrun line that launches the manifest on ``cluster`` (and ``engines`` engine ranks,
+    one per node): on more than one node, the node count and a rendezvous every node's torchrun
+    names (its host left to the user)."""
+    run = f"torchrun --nproc_per_node={cluster.per_node + engines // cluster.num_nodes}"
     if cluster.num_nodes > 1:
         run += f" --nnodes={cluster.num_nodes} --rdzv-backend=c10d --rdzv-endpoint=<first node>:29500"
     return f"{run} -m agilerl.train <this file>"
 
 
 def manifest_yaml(plan: Plan) -> str:
-    header = [*_verdict(plan), f"# run: {launch_command(plan.cluster)}"]
+    engines = engine_ranks(plan)
+    header = [*_verdict(plan), f"# run: {launch_command(plan.cluster, engines)}"]
+    if engines:
+        header.append(
+            f"# rollouts: {engines} engine rank(s) of their own (generation 'none' plans none on the "
+            f"{plan.cluster.num_gpus} trainer GPUs): one more GPU per node"
+        )
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 
     return "\n".join(header) + "\n" + yaml.safe_dump(manifest_dict(plan), sort_keys=False)

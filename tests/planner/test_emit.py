@@ -188,3 +188,24 @@ def test_the_manifest_keeps_the_planned_lora_dropout(capsys, monkeypatch):
     assert manifest.lora.dropout == 0.1
     _, trainer = _trainer_arguments(manifest, monkeypatch)
     assert trainer["lora_config"].lora_dropout == 0.1
+
+
+@pytest.mark.parametrize(
+    "gpus, per_node, engines, nproc",
+    [(["--gpus", "2"], 2, 1, 3), (["--gpus", "16", "--gpus-per-node", "8"], 8, 2, 9)],
+    ids=["one node", "two nodes"],
+)
+def test_a_rollout_planned_off_the_trainer_gpus_gets_engine_ranks_of_its_own(gpus, per_node, engines, nproc, capsys):
+    """generation='none' plans nothing generating on the trainer GPUs: the manifest puts the
+    rollout on engine ranks of their own (one more GPU per node), where it had the trainers run
+    Hugging Face generate, which the plan never counted."""
+    code, text = _emit(["Qwen/Qwen2.5-7B", *gpus, "--generation", "none", "--prompts-per-step", "16"], "yaml", capsys)
+    assert code == 0
+    manifest = load_manifest(yaml.safe_load(text))
+    assert manifest.training.rollout_engines_per_agent == engines
+    assert f"# run: torchrun --nproc_per_node={nproc} " in text
+    layout = manifest.training.layout(nproc * engines)  # the launch the line gives: every node's ranks
+    assert (layout.trainers, layout.engines) == (per_node * engines, engines)
+    code, sft = _emit(["Qwen/Qwen2.5-7B", *gpus, "--algorithm", "sft"], "yaml", capsys)
+    assert load_manifest(yaml.safe_load(sft)).training.rollout_engines_per_agent == 0
+    assert f"--nproc_per_node={per_node} " in sft
