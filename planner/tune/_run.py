@@ -286,7 +286,8 @@ def tune(
         queued = enqueue_confirmations(study, confirm)
         if queued:
             say(f"measuring the {queued} fastest fitting candidate(s) once more (the pick is by median)")
-        reason = run_trials(study, objective, max_launches=max_trials, timeout_s=left, **common)
+            # only those: a new candidate would find the launch budget spent (it leaves room for these)
+            reason = run_trials(study, objective, max_launches=max_trials, timeout_s=left, only_queued=True, **common)
     say(f"stopped: {reason}")
     return _result(
         study,

@@ -290,11 +290,13 @@ def run_trials(
     timeout_s: float | None = None,
     patience: int = 12,
     on_trial: Callable[[Any], None] | None = None,
+    only_queued: bool = False,
 ) -> StopReason:
     """Ask, evaluate, tell until a stop condition; returns why it stopped.
 
     ``admissible``: keys of every candidate the estimate lets through, when the space was small
-    enough to enumerate; the study stops once each has a result. Raises KeyboardInterrupt after
+    enough to enumerate; the study stops once each has a result. ``only_queued``: run the
+    queued trials (the confirmations) and stop, proposing none. Raises KeyboardInterrupt after
     marking the interrupted trial FAIL.
     """
     import optuna
@@ -310,6 +312,8 @@ def run_trials(
                 return f"the {timeout_s:g} s time limit"
             seen = {t.user_attrs.get("key") for t in done}
             queued = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+            if only_queued and not queued:
+                return "the queued confirmations were measured"
             if not queued and len(seen) >= space_size:
                 return f"all {space_size} candidates seen"
             if not queued and admissible is not None and admissible <= seen:

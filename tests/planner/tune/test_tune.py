@@ -560,6 +560,34 @@ def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(
     assert len(result.best_runs) == 2 and "median of 2 runs" in result.best_plan.reasons()["fits"]
 
 
+@pytest.mark.timeout(120)
+def test_confirmations_with_nothing_to_confirm_end_the_study(spec):
+    """--confirm keeps launches for second runs of fitting candidates; where none fits there is
+    nothing to queue and the study ends. The confirmation phase proposed new candidates instead,
+    each refused a launch (the budget left room for confirmations only), 243 of them in one replay."""
+    cluster = cpu_cluster(64 * MIB, num_gpus=1)
+
+    def probe(request: ProbeRequest) -> Measurement:  # every run over the budget
+        ranks = [RankMeasurement(rank=0, phases={"learn": {"total": 128 * MIB}}, step_seconds=[0.1])]
+        return Measurement(request=request, ok=True, ranks=ranks)
+
+    result = tune(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, SMALL),
+        coefficients=None,
+        storage="memory",
+        max_trials=4,
+        probe=probe,
+        seed=0,
+        calibration=False,
+        confirm=1,
+    )
+    assert result.best is None
+    assert [t.number for t in result.trials if t.state.name == "PRUNED"] == []
+    assert result.stop_reason == "3 trials launched"
+
+
 # -- calibration -----------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_calibration_fits_on_some_trials_judges_on_the_others_and_saves(spec, tmp_path, monkeypatch):
