@@ -320,6 +320,12 @@ class Workload(BaseModel):
             )
         return self
 
+    def other_trainer_fields(self) -> list[str]:
+        """The fields set to describe another trainer than this project's (upstream AgileRL's), as
+        ``name=value``: a probe or a tuner trial runs this project's, so it cannot measure them."""
+        ours = {"logprob_rows": "completion", "autocast_forward": False}
+        return [f"{name}={getattr(self, name)!r}" for name, value in ours.items() if getattr(self, name) != value]
+
     def vllm_settings(self) -> dict[str, Any]:
         """The colocated engine's settings as agilerl.utils.algo_utils.VLLMConfig fields (what the
         manifest's ``algorithm.vllm`` holds and the probe starts): VLLMConfig's defaults for the

@@ -109,6 +109,12 @@ CASES = [
     (plan(M, "--generation", "vllm", "--vllm-gpu-memory-utilization", "nan"), "finite number"),
     (plan(M, "--micro-batch-size-per-gpu", "abc"), "invalid integer value"),
     (probe(TINY, "--device", "cpu", "--full-finetune", "--lora-targets", "q_proj"), "--lora-targets"),
+    # the planner's own rules, said before any rank launches (the ranks' traceback tail, exit 1)
+    (probe(TINY, "--device", "cpu", "--gpus", "2", "--ep", "2"), "needs packed MoE experts"),
+    # upstream's trainer, which the trials do not run (they measured this project's under that name)
+    (probe(TINY, "--device", "cpu", "--logprob-rows", "all"), "logprob_rows='all' describe(s) another trainer"),
+    (tune("--autocast-forward", "true"), "autocast_forward=True describe(s) another trainer"),
+    (probe(TINY, "--device", "cpu", "--gpus", "2", "--cpu-offload", "true", "--generate"), "cpu_offload=True"),
     (plan(M, "--lora-targets", "all-linear,q_proj"), "all-linear stands alone"),
     (plan(M, "--gpus", "2", "--routed-expert-chunk-mib", "4"), "no routed experts"),
     (plan(MOE, "--gpus", "2", "--ep-token-blocks", "2"), "needs ep > 1"),

@@ -89,6 +89,7 @@ def probe_main(argv: list[str]) -> int:
 
     from .. import catalog
     from ..hardware import memory_bytes
+    from ..models import ModelNotFound
     from ..probe import Device, ProbeRequest, default_device, probe_model, random_weights, run_probe
 
     parser = _probe_parser()
@@ -124,6 +125,7 @@ def probe_main(argv: list[str]) -> int:
         # with it, a catalog alias is fetched under its hub id
         model = (catalog.resolve(args.model) or args.model) if args.allow_download else probe_model(args.model)
         check_model_source(model, allow_download=args.allow_download, for_training=False)
+        _check_probe_inputs(args, workload, fixed)
         if workload.generation == "vllm" and args.generate:
             from agilerl.utils.engine import EngineError, check_vllm_installed
 
@@ -146,7 +148,7 @@ def probe_main(argv: list[str]) -> int:
             nnodes=args.nnodes,
             rdzv_endpoint=args.rdzv_endpoint,
         )
-    except (ValidationError, ValueError) as err:
+    except (ValidationError, ValueError, ModelNotFound) as err:
         print(f"agilerl-plan probe: error: {_clean(err)}", file=sys.stderr)
         return 2
     progress = (lambda msg: print(f"[probe] {msg}", file=sys.stderr)) if args.format == "table" else None
@@ -163,6 +165,23 @@ def probe_main(argv: list[str]) -> int:
     if not measurement.ok:
         return 1
     return 0 if measurement.fits else 3
+
+
+def _check_probe_inputs(args: argparse.Namespace, workload: Workload, fixed: dict) -> None:
+    """Raise ValueError for a probe the planner would refuse to plan (the same rules: an expert
+    layout on a dense model, offloads the trainer refuses, ...), before any rank launches."""
+    from ..choose import check_inputs
+    from ..hardware import CPU_DEVICE, Cluster
+    from ..models import load_model_spec
+    from ..request import PlanRequest
+
+    if other := workload.other_trainer_fields():
+        raise ValueError(f"{', '.join(other)} describe(s) another trainer; a probe runs this project's: leave it out")
+    cluster = Cluster(gpu=CPU_DEVICE, num_gpus=args.gpus, gpus_per_node=args.gpus // args.nnodes)
+    sharding = "none" if args.no_fsdp else "fsdp"
+    PlanRequest.build(cluster, workload, fixed, sharding=sharding)  # RequestError, a ValueError
+    spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)
+    check_inputs(spec, workload, cluster, fixed, sharding)
 
 
 def _cuda_count() -> int:
@@ -263,6 +282,11 @@ def plan_main(argv: list[str]) -> int:
             from ..tune import check_tune_arguments
 
             check_tune_arguments(args)
+            if other := request.workload.other_trainer_fields():
+                raise ValueError(
+                    f"--tune: {', '.join(other)} describe(s) another trainer; the trials run this "
+                    "project's: leave it out"
+                )
     except (KeyError, ValidationError, ValueError) as err:
         return _bad_input(err)
     try:

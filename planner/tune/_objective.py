@@ -122,7 +122,7 @@ class Objective:
             return 0.0
         request = self.request.model_copy(update={"workload": candidate.workload, "fsdp": candidate.fsdp})
         trial.set_user_attr("launched", True)
-        return self._record(trial, self.probe(request))
+        return self._record(trial, self.probe(request), est)
 
     def _repeat(self, trial: Any, earlier: dict[str, Any]) -> float:
         for key in (
@@ -141,7 +141,7 @@ class Objective:
         set_constraint(trial, earlier.get(CONSTRAINT_KEY, INFEASIBLE_FAILURE))
         return float(earlier.get("value") or 0.0)
 
-    def _record(self, trial: Any, m: Measurement) -> float:
+    def _record(self, trial: Any, m: Measurement, est: Any) -> float:
         trial.set_user_attr("wall_seconds", round(m.wall_seconds, 2))
         if not m.ok or m.oom:
             status = "oom" if m.oom else "crashed"
@@ -164,7 +164,17 @@ class Objective:
         }.items():
             trial.set_user_attr(key, value)
         violation = (m.peak_bytes - self.limit_bytes) / self.budget_bytes
-        if violation > 0:
+        # A checkpoint save is part of every run but no trial writes one: its estimate stands in.
+        saving = est.phases["save"].total if "save" in est.phases and "save" not in phases else 0
+        if violation <= 0 and saving > self.limit_bytes:
+            violation = (saving - self.limit_bytes) / self.budget_bytes
+            trial.set_user_attr("status", "over_budget")
+            trial.set_user_attr(
+                "why",
+                f"estimated save phase {fmt_bytes(saving)} (trials write no checkpoint) over the "
+                f"{fmt_bytes(self.limit_bytes)} limit (budget less the margin)",
+            )
+        elif violation > 0:
             trial.set_user_attr("status", "over_budget")
             trial.set_user_attr(
                 "why",

@@ -331,10 +331,12 @@ def _open_study(
     }
     if study_name is not None and not study_name.strip():
         raise ValueError("--study-name is empty: give a name, or leave it out for one derived from the run")
-    name = study_name or default_study_name(model, parts)
-    study = create_study(storage=store, study_name=name, seed=seed, n_startup_trials=max(1, min(10, max_trials // 3)))
     spec_digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
-    check_fingerprint(study, {**parts, "spec": spec_digest, "timed_steps": timed_steps})
+    fingerprint = {**parts, "spec": spec_digest, "timed_steps": timed_steps}
+    # a derived name digests all the fingerprint holds: a run it would refuse gets a study of its own
+    name = study_name or default_study_name(model, fingerprint)
+    study = create_study(storage=store, study_name=name, seed=seed, n_startup_trials=max(1, min(10, max_trials // 3)))
+    check_fingerprint(study, fingerprint)
     stale = [
         t.number
         for t in study.get_trials(deepcopy=False)

@@ -488,6 +488,61 @@ def test_a_resumed_study_does_not_rerun_finished_trials_and_fails_stale_ones(spe
     assert result.num_launched == 4
 
 
+@pytest.mark.timeout(120)
+def test_a_save_no_trial_writes_is_judged_by_its_estimate(spec):
+    """Full fine-tuning on one device: the estimate's save phase (the whole state gathered to be
+    written) is its peak, which no trial measures. With a 2.4 MiB budget less 10% (2.16 MiB) the
+    measured phases fit and the save's estimate does not: not a fit, where the trial was one."""
+    cluster = cpu_cluster(int(2.4 * MIB), num_gpus=1)
+    workload = SMALL.model_copy(
+        update={
+            "full_finetune": True,
+            "micro_batch_size_per_gpu": 1,
+            "logprob_chunk_size": 256,
+            "gradient_checkpointing": False,
+        }
+    )
+    est = estimate(spec, workload, cluster, None)
+    assert est.peak_phase == "save" and 2.16 * MIB < est.peak_bytes <= 2.4 * MIB
+    assert max(p.total for name, p in est.phases.items() if name != "save") < 2.16 * MIB
+    result = tune(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, workload, sharding="none", margin_fraction=0.1),
+        coefficients=None,
+        storage="memory",
+        max_trials=1,
+        probe=FakeProbe(spec, cluster),
+        seed=0,
+        calibration=False,
+        confirm=0,
+    )
+    (trial,) = [t for t in result.trials if t.user_attrs.get("launched")]
+    assert trial.user_attrs["status"] == "over_budget", trial.user_attrs
+    assert trial.user_attrs["why"].startswith("estimated save phase"), trial.user_attrs["why"]
+    assert result.best is None
+
+
+def test_a_derived_study_name_is_another_runs_for_every_difference_the_study_refuses(spec, tmp_path):
+    """Without --study-name the name digests all a study is checked against: another
+    --timed-steps or another model spec gets a study of its own, where it was refused with the
+    advice to leave --study-name out, which it was."""
+    cluster = cpu_cluster(64 * MIB)
+    common = dict(model=MODEL, coefficients=None, storage=str(tmp_path / "study.db"), seed=0, calibration=False)
+    request = PlanRequest(cluster, SMALL, SHARD_ALL)
+    names = set()
+    for other in (
+        {},
+        {"timed_steps": 2},
+        {"spec": load_model_spec("tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=3")},
+    ):
+        kwargs = {"spec": spec, "timed_steps": 1, **other}
+        probe = FakeProbe(kwargs["spec"], cluster)
+        names.add(tune(**common, **kwargs, request=request, max_trials=1, probe=probe, confirm=0).study_name)
+        assert len(probe.requests) == 1
+    assert len(names) == 3
+
+
 def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
