@@ -54,6 +54,14 @@ def tune_main(
                 file=sys.stderr,
             )
             return 2
+    if request.workload.generation == "vllm" and not args.skip_rollout and probe is None:
+        from agilerl.utils.engine import EngineError, check_vllm_installed
+
+        try:  # the trials roll out through a real engine, as the run does
+            check_vllm_installed()
+        except EngineError as err:
+            print(f"agilerl-plan: error: --generation vllm: {err} (or --skip-rollout)", file=sys.stderr)
+            return 2
     fmt = getattr(args, "format", "table")
 
     def say(msg: str) -> None:

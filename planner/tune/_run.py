@@ -191,8 +191,14 @@ def tune(
     fixed, margin_fraction = dict(request.fixed), request.margin_fraction
     if max_trials < 1:
         raise ValueError(f"--trials must be at least 1, got {max_trials}")
-    space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding)
-    generate = workload.generation == "hf" if generate is None else generate
+    # trials roll out as the run does: Hugging Face generate, or a real vLLM engine
+    generate = workload.generation in ("hf", "vllm") if generate is None else generate
+    if workload.generation == "vllm" and not generate and fixed.get("cpu_offload"):
+        raise ValueError(
+            "cpu_offload=True with --generation vllm needs the engine in the trials (the trainer refuses "
+            "parameter offload without one): drop --skip-rollout"
+        )
+    space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding, engine_in_trials=generate)
     killed = kill_orphans()
     if killed:
         say(f"killed {len(killed)} process(es) left behind by a tuner that died: {killed}")

@@ -169,12 +169,20 @@ def _ep_degrees(spec: ModelSpec, cluster: Cluster) -> tuple[int, ...]:
 
 
 def search_space(
-    spec: ModelSpec, workload: Workload, cluster: Cluster, *, fixed: dict[str, Any], sharding: str
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    fixed: dict[str, Any],
+    sharding: str,
+    engine_in_trials: bool = True,
 ) -> Space:
     """What ``plan(spec, workload, cluster, fixed=fixed, sharding=sharding)`` would choose, as choices.
 
     ``sharding``: "auto" searches sharded and unsharded (data parallel) on more than one GPU;
-    "fsdp" and "none" fix it. A fixed ``tp`` > 1 implies FSDP.
+    "fsdp" and "none" fix it. A fixed ``tp`` > 1 implies FSDP. ``engine_in_trials``: a vLLM
+    workload's trials start its engine (not with --skip-rollout); without one the trainer
+    refuses parameter offload, so it is not searched.
     """
     match sharding:
         case "auto":
@@ -202,7 +210,7 @@ def search_space(
     # Full fine-tuning's optimizer state and gradients are the model's size: parameter offload (where
     # Hugging Face generate does not need the weights) and deferring the gradient sync are worth a try.
     full = workload.full_finetune
-    offloadable = workload.generation == "vllm" or workload.algorithm in OFFLINE_SEQUENCES
+    offloadable = (workload.generation == "vllm" and engine_in_trials) or workload.algorithm in OFFLINE_SEQUENCES
     choices["cpu_offload"] = one_or("cpu_offload", (False, True) if full and offloadable else (False,))
     choices["optim_cpu_offload"] = (False,) if fixed.get("cpu_offload") else one_or("optim_cpu_offload", (False, True))
     choices["defer_grad_sync"] = one_or("defer_grad_sync", (False, True) if full else (True,))

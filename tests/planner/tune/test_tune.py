@@ -189,6 +189,36 @@ def test_full_finetuning_also_searches_parameter_offload_and_the_gradient_sync(s
     assert lora.choices["cpu_offload"] == (False,) and lora.choices["defer_grad_sync"] == (True,)
 
 
+@pytest.mark.timeout(120)
+def test_a_vllm_runs_trials_roll_out_through_its_engine(spec):
+    """The trials of a colocated-vLLM run start the engine and generate with it, as the run does
+    (they generated nothing, so the engine's memory was never measured); with --skip-rollout
+    there is no engine, and parameter offload, which the trainer refuses without one, is not
+    searched (those trials crashed)."""
+    from planner.tune._space import search_space
+
+    vllm = SMALL.model_copy(update={"full_finetune": True, "generation": "vllm"})
+    cluster = cpu_cluster(64 * MIB)
+    common = dict(spec=spec, model=MODEL, coefficients=None, storage="memory", seed=0, calibration=False, confirm=0)
+    with_engine = FakeProbe(spec, cluster)
+    tune(**common, request=PlanRequest(cluster, vllm), max_trials=1, probe=with_engine)
+    assert [r.generate for r in with_engine.requests] == [True]
+    without = FakeProbe(spec, cluster)
+    tune(**common, request=PlanRequest(cluster, vllm), max_trials=1, probe=without, generate=False)
+    assert [r.generate for r in without.requests] == [False]
+    assert search_space(spec, vllm, cluster, fixed={}, sharding="fsdp").choices["cpu_offload"] == (False, True)
+    skipped = search_space(spec, vllm, cluster, fixed={}, sharding="fsdp", engine_in_trials=False)
+    assert skipped.choices["cpu_offload"] == (False,)
+    with pytest.raises(ValueError, match="needs the engine in the trials"):
+        tune(
+            **common,
+            request=PlanRequest(cluster, vllm, {"cpu_offload": True}),
+            max_trials=1,
+            probe=FakeProbe(spec, cluster),
+            generate=False,
+        )
+
+
 # -- the objective, with FixedTrial ----------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_moe_search_space_adds_expert_parallel_and_the_expert_chunk():
