@@ -52,8 +52,6 @@ GIB = 2**30
 PHASES = ("rollout", "reference", "learn", "step")
 
 OLMOE_ATTENTION = ("k_proj", "o_proj", "q_proj", "v_proj")
-#: the estimate's components outside what the caching allocator hands out (cuBLAS' workspace is inside)
-GPU_ONLY = ("cuda_context", "allocator_slack", "comm_buffers")
 
 
 class Config(NamedTuple):
@@ -237,7 +235,9 @@ def estimate_of(c: Config, gpu):
 
 def tensor_bytes(phase) -> int:
     """A phase estimate's tensors: what the caching allocator hands out (its GPU-only terms aside)."""
-    return sum(v for k, v in phase.components.items() if k not in GPU_ONLY)
+    from planner.names import NOT_TENSORS  # outside what the caching allocator hands out
+
+    return sum(v for k, v in phase.components.items() if k not in NOT_TENSORS)
 
 
 def report(record: dict, *, dry_run: bool = False) -> list[str]:

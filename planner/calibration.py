@@ -77,16 +77,24 @@ FITTED = ("all_gather_overlap",)
 
 
 class Sample:
-    """One measured run: what was estimated from, and the measured per-phase device totals."""
+    """One measured run: what was estimated from (on the device it ran on), and the measured
+    per-phase device tensors (a tracker's totals, or CUDA's ``max_memory_allocated``)."""
 
     def __init__(self, spec, workload, cluster, fsdp, measured: dict[str, int]) -> None:
         self.spec, self.workload, self.cluster, self.fsdp, self.measured = spec, workload, cluster, fsdp, measured
 
     def estimated(self, coefficients: Coefficients) -> dict[str, int]:
+        """The estimate of each measured phase's tensors: its total less what no tracker and no
+        ``max_memory_allocated`` sees (:data:`planner.names.NOT_TENSORS`; none on a CPU device)."""
         from .memory import estimate
+        from .names import NOT_TENSORS
 
         est = estimate(self.spec, self.workload, self.cluster, self.fsdp, coefficients=coefficients)
-        return {ph: est.phases[ph].total for ph in self.measured if ph in est.phases}
+        return {
+            ph: est.phases[ph].total - sum(est.phases[ph].components.get(k, 0) for k in NOT_TENSORS)
+            for ph in self.measured
+            if ph in est.phases
+        }
 
     def peak_error(self, coefficients: Coefficients) -> float:
         """Relative error of the estimated peak over the measured phases."""

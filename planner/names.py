@@ -24,3 +24,8 @@ COMPONENTS = (
     "cublas_workspace",  # cuBLAS' per-thread workspaces, from the caching allocator
     "allocator_slack",
 )
+
+#: Device components no tensor tracker and no ``max_memory_allocated`` sees: the context, the
+#: caching allocator's reserve beyond its blocks, NCCL's own buffers. A measured phase's tensors
+#: are compared with the estimate less these (0 on a CPU device).
+NOT_TENSORS = ("cuda_context", "allocator_slack", "comm_buffers")

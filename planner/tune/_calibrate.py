@@ -56,11 +56,10 @@ class CalibrationReport(BaseModel):
 
 
 def _samples(trials: list[Any], spec: ModelSpec, cluster: Cluster) -> list[Sample]:
-    # The probe's per-phase "total" counts tensors only: compare it with the estimate without the
-    # GPU-only terms (context, allocator slack, NCCL), which these samples cannot fit.
-    tracked = cluster.model_copy(
-        update={"gpu": cluster.gpu.model_copy(update={"kind": "cpu", "cuda_context_bytes": 0})}
-    )
+    # The probe's per-phase "total" counts tensors only: a Sample compares it with the estimate on
+    # the trials' own device less what no tracker sees (context, allocator slack, NCCL), which
+    # these samples cannot fit. (Estimating as on a CPU device instead counted an offloaded
+    # optimizer's host state as device memory: +75% on such trials.)
     out = []
     for t in sorted(trials, key=lambda t: t.number):
         measured = {ph: v for ph, v in (t.user_attrs.get("measured_phases") or {}).items() if v > 0}
@@ -68,7 +67,7 @@ def _samples(trials: list[Any], spec: ModelSpec, cluster: Cluster) -> list[Sampl
             continue
         key = json.loads(t.user_attrs["key"])
         fsdp = FSDPConfig.model_validate(key["fsdp"]) if key["fsdp"] is not None else None
-        out.append(Sample(spec, Workload.model_validate(key["workload"]), tracked, fsdp, measured))
+        out.append(Sample(spec, Workload.model_validate(key["workload"]), cluster, fsdp, measured))
     return out
 
 

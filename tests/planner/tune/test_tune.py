@@ -715,6 +715,44 @@ def test_calibration_fits_on_some_trials_judges_on_the_others_and_saves(spec, tm
     assert few.in_sample and few.num_held_out == 0 and "none held out" in few.line()
 
 
+@pytest.mark.timeout(120)
+def test_calibration_judges_gpu_trials_by_the_estimate_on_their_gpu(spec):
+    """CUDA trials measure device tensors (max_memory_allocated): trials that measured exactly
+    the estimate's tensors on an H100 score no error, with Adam's state on the host or not. The
+    estimate made as on a CPU device counted the host state as device memory (+75% there)."""
+    from planner.hardware import GPUS
+    from planner.tune._calibrate import calibrate
+
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=2)
+    # what max_memory_allocated never holds: the context, the allocator's reserve, NCCL's buffers
+    outside = ("cuda_context", "allocator_slack", "comm_buffers")
+
+    class Trial:
+        def __init__(self, number, fsdp):
+            est = estimate(spec, SMALL, cluster, fsdp)
+            measured = {
+                ph: p.total - sum(p.components.get(k, 0) for k in outside)
+                for ph, p in est.phases.items()
+                if ph in ("load", "reference", "learn", "step")
+            }
+            self.number = number
+            self.user_attrs = {
+                "status": "fits",
+                "measured_phases": measured,
+                "key": json.dumps({"fsdp": fsdp.model_dump(mode="json"), "workload": SMALL.model_dump(mode="json")}),
+            }
+
+    fsdps = [
+        FSDPConfig(param_persistence_threshold=0, optim_cpu_offload=o, wrap_every_n_blocks=w)
+        for o in (False, True)
+        for w in (1, 2)
+    ]
+    report = calibrate(
+        [Trial(i, f) for i, f in enumerate(fsdps)], spec=spec, cluster=cluster, coefficients=None, save=False
+    )
+    assert report.error_before is not None and report.max_error_before < 1e-9, report.line()
+
+
 # -- the CLI glue ----------------------------------------------------------------------------------
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
