@@ -366,6 +366,7 @@ def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
 
     loaded, damaged, foreign = 0, 1, 2
     candidates = broadcast_object_list([_checkpoints(folder) if folder.is_dir() else []])[0]
+    applied = False  # this rank took a checkpoint another rank could not: its state is no longer step 0's
     for path in candidates:
         outcome, why, extra = loaded, "", {}
         try:
@@ -384,6 +385,7 @@ def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
                 "or give this run a checkpoint_dir of its own"
             )
         if worst == damaged:
+            applied = applied or outcome == loaded
             _log(
                 f"agent {agent.index}: skipping checkpoint {path}: {why or 'another rank could not load it'}",
                 logging.WARNING,
@@ -392,6 +394,11 @@ def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
         if "env_rng" in extra:
             env.set_state(extra["env_rng"])
         return list(extra.get("history", []))
+    if allreduce_minmax_int(int(applied))[1]:  # some ranks hold a later step's state, the others none
+        raise ValueError(
+            f"training.checkpoint_dir: no checkpoint under {folder} loads on every rank, and some ranks "
+            "loaded one the others could not; check the files each node reads (or move them away to start over)"
+        )
     return None
 
 

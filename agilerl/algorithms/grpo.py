@@ -51,7 +51,7 @@ from agilerl.utils.logprobs import (
 )
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
-from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters
+from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters, normalise_fsdp_config
 
 __all__ = ["GRPO", "grpo_loss", "group_advantages", "k3_kl"]
 
@@ -253,7 +253,7 @@ class GRPO(LLMAlgorithm):
         self.engine = rollout_engine  # None until a colocated vLLM engine starts (below), if any
         # before the base class asks the memory estimate (workload_fields) for the fields it leaves open
         self.offload_weights_during_rollout = offload_weights_during_rollout
-        given = getattr(fsdp_config, "cpu_offload", None)  # before any weight loads
+        given = getattr(normalise_fsdp_config(fsdp_config), "cpu_offload", None)  # before any weight loads
         if problem := weight_offload_problem(given, offload_weights_during_rollout):
             raise ValueError(problem)
         super().__init__(
@@ -411,10 +411,13 @@ class GRPO(LLMAlgorithm):
         return full, action_masks
 
     def _fit_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompts cut to what ``max_model_len`` leaves beside ``max_output_tokens``
-        (the length memory is planned for, and a vLLM engine takes): a longer prompt keeps its
-        last tokens, those the completion follows, and the cut is logged."""
-        if self.max_model_len is None or ids.shape[1] <= (room := self.max_model_len - self.max_output_tokens):
+        """Left-padded prompts cut to what ``max_model_len`` (or a vLLM engine's own, if shorter)
+        leaves beside ``max_output_tokens`` (the length memory is planned for, and the engine
+        takes): a longer prompt keeps its last tokens, those the completion follows, and the cut
+        is logged."""
+        engine = self.vllm_config.max_model_len if self.vllm_config is not None else None
+        lengths = [n for n in (self.max_model_len, engine) if n is not None]  # a vLLM engine's own cap too
+        if not lengths or ids.shape[1] <= (room := min(lengths) - self.max_output_tokens):
             return ids, mask
         longer = int((mask.sum(dim=1) > room).sum())
         if longer and is_main_process():
@@ -424,7 +427,7 @@ class GRPO(LLMAlgorithm):
                 longer,
                 int(mask.sum(dim=1).max()),
                 room,
-                self.max_model_len,
+                min(lengths),
                 self.max_output_tokens,
             )
         return ids[:, -room:], mask[:, -room:]

@@ -210,7 +210,9 @@ def search_space(
     # Full fine-tuning's optimizer state and gradients are the model's size: parameter offload (where
     # Hugging Face generate does not need the weights) and deferring the gradient sync are worth a try.
     full = workload.full_finetune
-    offloadable = (workload.generation == "vllm" and engine_in_trials) or workload.algorithm in OFFLINE_SEQUENCES
+    offloadable = (
+        (workload.generation == "vllm" and engine_in_trials) or workload.algorithm in OFFLINE_SEQUENCES
+    ) and not workload.offload_weights_during_rollout  # the trainer refuses the pair (weight_offload_problem)
     choices["cpu_offload"] = one_or("cpu_offload", (False, True) if full and offloadable else (False,))
     choices["optim_cpu_offload"] = (False,) if fixed.get("cpu_offload") else one_or("optim_cpu_offload", (False, True))
     choices["defer_grad_sync"] = one_or("defer_grad_sync", (False, True) if full else (True,))

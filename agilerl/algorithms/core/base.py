@@ -436,15 +436,20 @@ class LLMAlgorithm:
         if not config_is_moe(config):
             return
         result = on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
-        if "error" in result:
-            raise ValueError(
-                "routed_expert_chunk_mib=None: the memory estimate failed "
-                f"({result['error']}); set routed_expert_chunk_mib explicitly"
-            )
+        if "error" in result:  # the smallest chunk, the most frugal, as the other open fields keep a safe value
+            smallest = 64
+            if is_main_process():
+                logger.warning(
+                    "[agilerl] routed_expert_chunk_mib=None took the smallest chunk, %d MiB: the memory estimate "
+                    "failed (%s)",
+                    smallest,
+                    result["error"],
+                )
+            result = {"routed_expert_chunk_mib": smallest, "summary": None}
         self.fsdp_config = self.fsdp_config.model_copy(
             update={"routed_expert_chunk_mib": result["routed_expert_chunk_mib"]}
         )
-        if is_main_process():
+        if is_main_process() and result["summary"]:
             logger.info("%s", result["summary"])
 
     def _resolve_open_fsdp_fields(self, actor_network: nn.Module | None) -> None:

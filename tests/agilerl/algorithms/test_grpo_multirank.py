@@ -195,6 +195,19 @@ def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
     assert auto.fsdp_config.routed_expert_chunk_mib == 512
     assert fsdp_layout(auto.model).moe.chunk_mib == 512  # the row-wise experts, not PEFT's merged stack
     assert math.isclose(_learn(auto)["loss"], dp_metrics["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    # Where the estimate cannot answer (an engine setting it does not plan, say), the smallest
+    # chunk, as the other open fields keep their safe value; it stopped the agent's construction.
+    import agilerl.algorithms.core.autoplan as autoplan
+
+    def cannot(*_args):
+        raise ValueError("the memory estimate plans a colocated vLLM engine on one GPU that sleeps")
+
+    pick, autoplan.pick_expert_chunk = autoplan.pick_expert_chunk, cannot
+    try:
+        fallback = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), **common)
+    finally:
+        autoplan.pick_expert_chunk = pick
+    assert fallback.fsdp_config.routed_expert_chunk_mib == 64
 
 
 @cases.case
@@ -489,6 +502,21 @@ def a_checkpoint_one_rank_cannot_load_is_skipped_by_every_rank(ctx):
     agent.steps = 0
     history = _resume(agent, env, folder)
     assert agent.steps == 2 and len(history) == 2, (ctx.rank, agent.steps)
+    # Step 4 alone: rank 0 would hold step 4's state and rank 1 none, and their loops would not
+    # match; every rank says so instead.
+    import shutil
+
+    barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(folder / f"{STEP_PREFIX}{2:08d}")
+    barrier()
+    agent.steps = 0
+    try:
+        _resume(agent, env, folder)
+    except ValueError as err:
+        assert "no checkpoint under" in str(err) and "loads on every rank" in str(err), err
+    else:
+        raise AssertionError(f"rank {ctx.rank} resumed at step {agent.steps} beside a rank that could not")
     barrier()
 
 

@@ -1022,3 +1022,21 @@ def test_engine_settings_the_estimate_does_not_plan_are_said_not_planned_as_othe
         _workload_for(agent, None)
     agent.vllm_config = VLLMConfig()
     assert _workload_for(agent, None)[0].generation == "vllm"
+
+
+def test_an_fsdp_config_given_as_a_dict_is_checked_before_any_weight_loads():
+    """The dict form of an FSDPConfig: its cpu_offload beside offload_weights_during_rollout is
+    refused at once (here before the launch check that FSDP2 needs torchrun)."""
+    with pytest.raises(ValueError, match="the weights already live in host memory"):
+        make_agent(fsdp_config={"cpu_offload": True}, offload_weights_during_rollout=True, vllm_config=VLLMConfig())
+
+
+def test_prompts_are_cut_for_a_vllm_engines_own_shorter_length():
+    """vllm_config.max_model_len=8 under no max_model_len of the agent's: the engine refuses a
+    prompt it cannot fit beside max_output_tokens=4, so the prompt keeps its last 4 tokens."""
+    agent = make_agent(max_output_tokens=4)
+    ids, mask = agent._encode(["12345678+1=", "1+2="])
+    assert agent._fit_prompts(ids, mask)[0].shape[1] == ids.shape[1]  # no length given: as they are
+    agent.vllm_config = VLLMConfig(max_model_len=8)  # as an agent with that engine has it (none starts here)
+    cut, cut_mask = agent._fit_prompts(ids, mask)
+    assert TOKENIZER.decode(cut[0][cut_mask[0].bool()].tolist()) == "8+1="

@@ -209,6 +209,8 @@ def test_a_vllm_runs_trials_roll_out_through_its_engine(spec):
     assert search_space(spec, vllm, cluster, fixed={}, sharding="fsdp").choices["cpu_offload"] == (False, True)
     skipped = search_space(spec, vllm, cluster, fixed={}, sharding="fsdp", engine_in_trials=False)
     assert skipped.choices["cpu_offload"] == (False,)
+    parked = vllm.model_copy(update={"offload_weights_during_rollout": True})  # the trainer refuses the pair
+    assert search_space(spec, parked, cluster, fixed={}, sharding="fsdp").choices["cpu_offload"] == (False,)
     with pytest.raises(ValueError, match="needs the engine in the trials"):
         tune(
             **common,
