@@ -226,6 +226,11 @@ def check_inputs(
             f"({', '.join(packed)}), whose inputs PEFT cannot drop out: give lora_dropout 0, or targets without "
             "the experts"
         )
+    if fsdp.tp > 1 and workload.generation == "none" and workload.algorithm not in OFFLINE_SEQUENCES:
+        raise ValueError(  # the manifest refuses it too
+            f"tp={fsdp.tp} with generation='none': the rollout runs on engine ranks of their own, which a "
+            "tensor-parallel group cannot share (agilerl.train refuses it); use tp=1, or generation 'hf' or 'vllm'"
+        )
     if workload.generation == "vllm" and packed:  # the trainer refuses it too (GRPO's engine sync)
         raise ValueError(
             f"generation='vllm': these LoRA targets adapt {spec.name}'s MoE parameters "

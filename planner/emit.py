@@ -78,9 +78,10 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
 
 def engine_ranks(plan: Plan) -> int:
     """Rollout engines on ranks of their own: none, unless an objective with a rollout was planned
-    with nothing generating on its GPUs (generation='none'); then one more rank per node, each on
-    a GPU beside the planned ones, runs Hugging Face generate for the trainers (agilerl.train's
-    ``rollout_engines_per_agent``)."""
+    with nothing generating on its GPUs (generation='none'); then as many as there are nodes, so
+    every node launches one more rank (agilerl.train puts a member's engine ranks after its
+    trainer ranks: on several nodes the last node holds them), each running Hugging Face
+    generate for the trainers (``rollout_engines_per_agent``)."""
     w = plan.workload
     return plan.cluster.num_nodes if w.generation == "none" and w.algorithm not in OFFLINE_SEQUENCES else 0
 
@@ -100,9 +101,14 @@ def manifest_yaml(plan: Plan) -> str:
     header = [*_verdict(plan), f"# run: {launch_command(plan.cluster, engines)}"]
     if engines:
         header.append(
-            f"# rollouts: {engines} engine rank(s) of their own (generation 'none' plans none on the "
-            f"{plan.cluster.num_gpus} trainer GPUs): one more GPU per node"
+            f"# rollouts: {engines} engine rank(s) of their own after the {plan.cluster.num_gpus} trainer ranks "
+            "(generation 'none' plans none on the trainer GPUs): one more GPU per node"
         )
+        if plan.cluster.num_nodes > 1:
+            header.append(
+                "# the trainer ranks fill the nodes in rank order, so the first node holds one more of them and the "
+                "last the engines: node-local shard groups (shard_group_size) then span two nodes"
+            )
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 
     return "\n".join(header) + "\n" + yaml.safe_dump(manifest_dict(plan), sort_keys=False)

@@ -111,6 +111,22 @@ CASES = [
     (probe(TINY, "--device", "cpu", "--full-finetune", "--lora-targets", "q_proj"), "--lora-targets"),
     # the planner's own rules, said before any rank launches (the ranks' traceback tail, exit 1)
     (probe(TINY, "--device", "cpu", "--gpus", "2", "--ep", "2"), "needs packed MoE experts"),
+    # a rule on memory is judged against --budget-gib (without one the probe is there to measure it)
+    (
+        probe(
+            "Qwen/Qwen2.5-7B",
+            "--generation",
+            "vllm",
+            "--vllm-gpu-memory-utilization",
+            "0.15",
+            "--generate",
+            "--budget-gib",
+            "16",
+            "--device",
+            "cpu",
+        ),
+        "gives the engine 2.40 GiB of 16.00 GiB",
+    ),
     # upstream's trainer, which the trials do not run (they measured this project's under that name)
     (probe(TINY, "--device", "cpu", "--logprob-rows", "all"), "logprob_rows='all' describe(s) another trainer"),
     (tune("--autocast-forward", "true"), "autocast_forward=True describe(s) another trainer"),
@@ -196,6 +212,8 @@ CASES = [
     # PEFT adapts v_proj alone and says nothing of the misspelt name beside it
     (plan(M, "--lora-targets", "q_prj,v_proj"), "no module named q_prj; its linear layers are named q_proj, k_proj"),
     (plan(M, "--beta", "-0.1"), "beta"),
+    # a manifest agilerl.train refuses (engine ranks of their own beside tensor parallel)
+    (plan(M, "--gpus", "2", "--generation", "none", "--tp", "2"), "tp=2 with generation='none'"),
     # planned with a second adapter, then dropped from the manifest
     (plan(M, "--algorithm", "sft", "--use-separate-reference-adapter", "true"), "sft has no reference policy"),
     (

@@ -125,7 +125,8 @@ def probe_main(argv: list[str]) -> int:
         # with it, a catalog alias is fetched under its hub id
         model = (catalog.resolve(args.model) or args.model) if args.allow_download else probe_model(args.model)
         check_model_source(model, allow_download=args.allow_download, for_training=False)
-        _check_probe_inputs(args, workload, fixed)
+        budget = None if args.budget_gib is None else memory_bytes(args.budget_gib, "--budget-gib", least=1)
+        _check_probe_inputs(args, workload, fixed, budget)
         if workload.generation == "vllm" and args.generate:
             from agilerl.utils.engine import EngineError, check_vllm_installed
 
@@ -133,7 +134,6 @@ def probe_main(argv: list[str]) -> int:
                 check_vllm_installed()
             except EngineError as err:
                 raise ValueError(f"--generation vllm --generate: {err}") from None
-        budget = None if args.budget_gib is None else memory_bytes(args.budget_gib, "--budget-gib", least=1)
         request = ProbeRequest(
             model=model,
             workload=workload,
@@ -167,9 +167,11 @@ def probe_main(argv: list[str]) -> int:
     return 0 if measurement.fits else 3
 
 
-def _check_probe_inputs(args: argparse.Namespace, workload: Workload, fixed: dict) -> None:
+def _check_probe_inputs(args: argparse.Namespace, workload: Workload, fixed: dict, budget: int | None) -> None:
     """Raise ValueError for a probe the planner would refuse to plan (the same rules: an expert
-    layout on a dense model, offloads the trainer refuses, ...), before any rank launches."""
+    layout on a dense model, offloads the trainer refuses, ...), before any rank launches. Rules
+    on memory (a vLLM fraction too small for its engine) are judged against ``--budget-gib``,
+    and without one not at all: the probe is there to measure it."""
     from ..choose import check_inputs
     from ..hardware import CPU_DEVICE, Cluster
     from ..models import load_model_spec
@@ -177,7 +179,8 @@ def _check_probe_inputs(args: argparse.Namespace, workload: Workload, fixed: dic
 
     if other := workload.other_trainer_fields():
         raise ValueError(f"{', '.join(other)} describe(s) another trainer; a probe runs this project's: leave it out")
-    cluster = Cluster(gpu=CPU_DEVICE, num_gpus=args.gpus, gpus_per_node=args.gpus // args.nnodes)
+    device = CPU_DEVICE.model_copy(update={"memory_bytes": budget if budget is not None else 2**50})
+    cluster = Cluster(gpu=device, num_gpus=args.gpus, gpus_per_node=args.gpus // args.nnodes)
     sharding = "none" if args.no_fsdp else "fsdp"
     PlanRequest.build(cluster, workload, fixed, sharding=sharding)  # RequestError, a ValueError
     spec = load_model_spec(args.model, lora_targets=workload.lora_targets, allow_download=args.allow_download)

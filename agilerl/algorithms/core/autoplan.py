@@ -23,6 +23,7 @@ __all__ = [
     "config_is_moe",
     "pick_expert_chunk",
     "pick_optim_offload",
+    "in_trainer_terms",
 ]
 
 
@@ -148,11 +149,28 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         "fits": result.fits,
         "peak_gib": result.estimate.peak_bytes / 2**30,
         "capacity_gib": cluster.gpu.memory_bytes / 2**30,
-        "suggestions": list(result.suggestions),
+        "suggestions": [in_trainer_terms(line, workload) for line in result.suggestions],
         "summary": summary,
         "algorithm": result.workload.algorithm,  # what the planner was told this run is
         "full_finetune": result.workload.full_finetune,
     }
+
+
+def in_trainer_terms(suggestion: str, workload) -> str:
+    """A "what would fit" line of the planner's, in the algorithm's own arguments: the planner's
+    prompts_per_step is batch_size, its lengths max_output_tokens and max_model_len (prompt +
+    completion), its generation and engine fraction vllm_config's, full_finetune=False a
+    lora_config."""
+    import re
+
+    line = re.sub(r"\bprompts_per_step=", "batch_size=", suggestion)
+    line = re.sub(r"\(completion_tokens=(\d+)\)", r"(max_output_tokens=\1)", line)
+    line = re.sub(
+        r"\(prompt_tokens=(\d+)\)", lambda m: f"(max_model_len={int(m[1]) + workload.completion_tokens})", line
+    )
+    line = line.replace("(full_finetune=False)", "(a lora_config)")
+    line = line.replace("(generation='vllm')", "(vllm_config=VLLMConfig())")
+    return line.replace("vllm_gpu_memory_utilization", "vllm_config.gpu_memory_utilization")
 
 
 def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:

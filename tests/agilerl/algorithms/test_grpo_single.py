@@ -1040,3 +1040,27 @@ def test_prompts_are_cut_for_a_vllm_engines_own_shorter_length():
     agent.vllm_config = VLLMConfig(max_model_len=8)  # as an agent with that engine has it (none starts here)
     cut, cut_mask = agent._fit_prompts(ids, mask)
     assert TOKENIZER.decode(cut[0][cut_mask[0].bool()].tolist()) == "8+1="
+
+
+def test_what_would_fit_is_said_in_the_algorithms_own_arguments():
+    """fsdp_config='auto' that nothing fits says what would, as the planner does, but in the
+    arguments the user gives the algorithm (the planner's prompts_per_step is batch_size, its
+    prompt_tokens part of max_model_len, ...)."""
+    from agilerl.algorithms.core.autoplan import in_trainer_terms
+    from planner.workload import Workload
+
+    workload = Workload(completion_tokens=256)
+    said = {
+        "use prompts_per_step=4 (fewer completions per rank)": "use batch_size=4 (fewer completions per rank)",
+        "use 16 GPUs with prompts_per_step=16": "use 16 GPUs with batch_size=16",
+        "shorten completions to 128 tokens (completion_tokens=128)": "shorten completions to 128 tokens "
+        "(max_output_tokens=128)",
+        "shorten prompts to 64 tokens (prompt_tokens=64)": "shorten prompts to 64 tokens (max_model_len=320)",
+        "train LoRA adapters instead of every parameter (full_finetune=False)": "train LoRA adapters instead of "
+        "every parameter (a lora_config)",
+        "generate with a colocated vLLM engine (generation='vllm')": "generate with a colocated vLLM engine "
+        "(vllm_config=VLLMConfig())",
+        "lower vllm_gpu_memory_utilization to 0.25": "lower vllm_config.gpu_memory_utilization to 0.25",
+        "use QLoRA (load_in_4bit=True)": "use QLoRA (load_in_4bit=True)",
+    }
+    assert {line: in_trainer_terms(line, workload) for line in said} == said
