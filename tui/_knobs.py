@@ -19,9 +19,9 @@ from pydantic import BaseModel
 from agilerl.distributed import DTYPE_NAMES, FSDPConfig
 from planner.hardware import GIB, GPU, GPUS, MARGIN_FRACTION, Cluster, gpu_by_name
 from planner.request import MARGIN_HELP, SHARDING_HELP
-from planner.workload import Workload
+from planner.workload import ALGORITHM_DEFAULTS, Workload
 
-__all__ = ["AUTO", "GIB", "Knob", "KnobErrors", "initial_values", "knob_table", "parse"]
+__all__ = ["AUTO", "GIB", "Knob", "KnobErrors", "algorithm_values", "initial_values", "knob_table", "parse"]
 
 AUTO = "auto"
 NONE = "none"
@@ -217,6 +217,15 @@ def initial_values(
         else:
             values[knob.key] = _text(default)
     return values
+
+
+def algorithm_values(algorithm: str) -> dict[str, str]:
+    """The knobs an algorithm has its own defaults for (beta, group_size, update_epochs,
+    generation), as texts: the algorithm's where it has one, else Workload's (GRPO's). Choosing
+    an algorithm sets them, as ``agilerl-plan --algorithm`` plans it with them."""
+    fields = sorted({name for defaults in ALGORITHM_DEFAULTS.values() for name in defaults})
+    own = ALGORITHM_DEFAULTS.get(algorithm, {})
+    return {f"workload.{name}": _text(own.get(name, Workload.model_fields[name].default)) for name in fields}
 
 
 def parse(knob: Knob, raw: str | bool) -> Any:

@@ -71,10 +71,22 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
         }
 
     workload = cluster = None
+    fields = group("workload")
+    if fields.get("prompts_per_step") == Workload.model_fields["prompts_per_step"].default:
+        # at its default: left out, so that PlanRequest.build raises it to a multiple of the GPUs
+        # (every GPU whole prompts) and says so, as the command line does
+        del fields["prompts_per_step"]
     try:
-        workload = Workload(**group("workload"))
+        workload = Workload(**fields)
     except ValidationError as err:
         errors.update(_validation_errors(err, "workload", "workload.generation"))
+    if workload is not None and workload.full_finetune:  # as the command line refuses LoRA flags beside it
+        for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+            default = Workload.model_fields[name].default
+            if getattr(workload, name) != default:
+                errors[f"workload.{name}"] = (
+                    f"full_finetune trains no LoRA adapters: put it back to {default}, or clear full_finetune"
+                )
     fixed = group("fsdp")
     errors.update(_by_knob(fixed_problems(fixed)))
     c = group("cluster")
@@ -84,7 +96,10 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
         if memory is not None:
             if memory <= 0:
                 raise KnobErrors({"cluster.gpu_memory_gib": "must be more than 0"})
-            gpu = with_memory(gpu, memory)  # as `agilerl-plan --gpu-memory`: the calibration applies
+            try:
+                gpu = with_memory(gpu, memory)  # as `agilerl-plan --gpu-memory`: the calibration applies
+            except ValueError as err:  # inf, nan, too small or too large a figure
+                raise KnobErrors({"cluster.gpu_memory_gib": str(err)}) from None
         cluster = Cluster(gpu=gpu, **c)
     except KnobErrors as err:
         errors.update(err.errors)
@@ -95,10 +110,10 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
     if errors or workload is None or cluster is None:
         raise KnobErrors(errors)
     try:
-        return PlanRequest(
-            cluster=cluster,
-            workload=workload,
-            fixed=fixed,
+        return PlanRequest.build(
+            cluster,
+            workload,
+            fixed,
             sharding=parsed["plan.sharding"],
             margin_fraction=parsed["plan.margin_fraction"],
         )

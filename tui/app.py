@@ -11,7 +11,8 @@ import sys
 from textual.app import App
 from textual.binding import Binding
 
-from planner.hardware import GPUS, gpu_by_name
+from agilerl.utils.cli import positive_float, positive_int
+from planner.hardware import GPUS, gpu_by_name, memory_bytes
 
 from ._knobs import initial_values
 from .screens import ExplorerScreen, HelpScreen
@@ -47,10 +48,11 @@ class ExplorerApp(App[None]):
         gpus_per_node: int | None = None,
         gpu: str = "H100-80GB",
         gpu_memory_gib: float | None = None,
+        allow_download: bool = False,
     ) -> None:
         super().__init__()
         values = initial_values(num_gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib)
-        self.explorer = ExplorerScreen(model, values)
+        self.explorer = ExplorerScreen(model, values, allow_download=allow_download)
 
     def get_default_screen(self) -> ExplorerScreen:
         return self.explorer
@@ -78,29 +80,47 @@ def run(
     gpus_per_node: int | None = None,
     gpu: str = "H100-80GB",
     gpu_memory_gib: float | None = None,
+    allow_download: bool = False,
 ) -> None:
     """Run the explorer in this terminal until the user quits; ValueError, before anything is
-    drawn, when there is no terminal or the model cannot be found."""
+    drawn, when there is no terminal, a figure is not a device's, or the model cannot be found
+    (offline unless ``allow_download``: then its config may come from the hub)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise ValueError(
             "the explorer needs a terminal (stdin and stdout are not one here): "
             "plan with agilerl-plan MODEL --format table|json|yaml|python instead"
         )
-    check_model(model)
-    ExplorerApp(model, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib).run()
+    if gpu_memory_gib is not None:
+        memory_bytes(gpu_memory_gib, "--gpu-memory")  # nan, inf, 0: one line, not a traceback
+    check_model(model, allow_download=allow_download)
+    ExplorerApp(
+        model,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        gpu=gpu,
+        gpu_memory_gib=gpu_memory_gib,
+        allow_download=allow_download,
+    ).run()
 
 
 def run_with(args: argparse.Namespace) -> None:
     """:func:`run` with a command line's model, GPUs and GPU (agilerl-plan-tui, agilerl-plan --tui)."""
-    run(args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu, gpu_memory_gib=args.gpu_memory)
+    run(
+        args.model,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu=args.gpu,
+        gpu_memory_gib=args.gpu_memory,
+        allow_download=getattr(args, "allow_download", False),
+    )
 
 
-def check_model(model: str) -> None:
-    """ValueError in one line when ``model`` names nothing the planner can read (offline)."""
+def check_model(model: str, *, allow_download: bool = False) -> None:
+    """ValueError in one line when ``model`` names nothing the planner can read."""
     from planner.models import ModelNotFound, load_model_spec
 
     try:
-        load_model_spec(model)
+        load_model_spec(model, allow_download=allow_download)
     except ModelNotFound as err:
         raise ValueError(str(err)) from None
 
@@ -117,12 +137,12 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODEL,
         help=f"catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...' [default: {DEFAULT_MODEL}]",
     )
-    p.add_argument("--gpus", type=int, default=1, help="trainer GPUs in total")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)")
+    p.add_argument("--gpus", type=positive_int, default=1, help="trainer GPUs in total")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: all on one node)")
     p.add_argument("--gpu", default="H100-80GB", help=f"GPU kind: {', '.join(GPUS)}")
     p.add_argument(
         "--gpu-memory",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="GIB",
         help="GPU memory in GiB (overrides the catalog figure of --gpu)",

@@ -191,13 +191,7 @@ def tune(
     fixed, margin_fraction = dict(request.fixed), request.margin_fraction
     if max_trials < 1:
         raise ValueError(f"--trials must be at least 1, got {max_trials}")
-    # trials roll out as the run does: Hugging Face generate, or a real vLLM engine
-    generate = workload.generation in ("hf", "vllm") if generate is None else generate
-    if workload.generation == "vllm" and not generate and fixed.get("cpu_offload"):
-        raise ValueError(
-            "cpu_offload=True with --generation vllm needs the engine in the trials (the trainer refuses "
-            "parameter offload without one): drop --skip-rollout"
-        )
+    generate = _trials_generate(workload, fixed, generate)
     space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding, engine_in_trials=generate)
     killed = kill_orphans()
     if killed:
@@ -305,6 +299,19 @@ def tune(
         calibration=calibration,
         reason=reason,
     )
+
+
+def _trials_generate(workload: Workload, fixed: dict[str, Any], generate: bool | None) -> bool:
+    """Whether the trials roll out, as the run does (Hugging Face generate, or a real vLLM
+    engine), unless ``generate`` says; ValueError for a fixed parameter offload the trainer
+    refuses without the engine."""
+    generate = workload.generation in ("hf", "vllm") if generate is None else generate
+    if workload.generation == "vllm" and not generate and fixed.get("cpu_offload"):
+        raise ValueError(
+            "cpu_offload=True with --generation vllm needs the engine in the trials (the trainer refuses "
+            "parameter offload without one): drop --skip-rollout"
+        )
+    return generate
 
 
 def _open_study(

@@ -43,13 +43,13 @@ def test_main_runs_the_explorer_with_the_parsed_flags(monkeypatch):
     assert calls == [
         (
             "meta-llama/Llama-3.1-70B",
-            {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": 120.0},
+            {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": 120.0, "allow_download": False},
         )
     ]
     assert main([]) == 0
     assert calls[-1] == (
         DEFAULT_MODEL,
-        {"gpus": 1, "gpus_per_node": None, "gpu": "H100-80GB", "gpu_memory_gib": None},
+        {"gpus": 1, "gpus_per_node": None, "gpu": "H100-80GB", "gpu_memory_gib": None, "allow_download": False},
     )
 
 
@@ -88,6 +88,9 @@ def test_plan_flags_the_explorer_would_ignore_are_refused(monkeypatch, capsys):
     assert plan_main(["qwen2.5-0.5b", "--tui", "--micro-batch-size-per-gpu", "4", "--format", "json"]) == 2
     err = capsys.readouterr().err
     assert "--micro-batch-size-per-gpu" in err and "--format" in err and err.count("\n") == 1
+    # LoRA targets have no knob there: said so, rather than "set them in the explorer"
+    assert plan_main(["qwen2.5-0.5b", "--tui", "--lora-targets", "q_proj,v_proj"]) == 2
+    assert "it has no knob for the targets" in capsys.readouterr().err
 
 
 def test_plan_with_tui_opens_the_explorer_with_its_flags(monkeypatch):
@@ -96,4 +99,40 @@ def test_plan_with_tui_opens_the_explorer_with_its_flags(monkeypatch):
     calls = []
     monkeypatch.setattr(tui.app, "run", lambda model, **kw: calls.append((model, kw)))
     assert plan_main(["qwen2.5-0.5b", "--tui", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h200"]) == 0
-    assert calls == [("qwen2.5-0.5b", {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": None})]
+    assert calls == [
+        (
+            "qwen2.5-0.5b",
+            {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": None, "allow_download": False},
+        )
+    ]
+
+
+def test_a_gpu_memory_that_is_no_devices_is_one_line_before_the_explorer_starts(monkeypatch, capsys):
+    """A plain float took nan and inf, and the explorer raised on them (a traceback)."""
+    monkeypatch.setattr(tui.app.sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(tui.app.sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(tui.app.ExplorerApp, "run", lambda self: pytest.fail("must not start"))
+    for text in ("nan", "inf", "0"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--gpu-memory", text])
+        assert exit_.value.code == 2
+        assert "--gpu-memory" in capsys.readouterr().err
+    assert main(["--gpu-memory", "1e-9"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+
+
+def test_allow_download_reaches_the_explorers_model_loads(monkeypatch):
+    """`agilerl-plan MODEL --tui --allow-download` was accepted, then every load was offline."""
+    import argparse
+
+    seen = []
+    monkeypatch.setattr(tui.app, "check_model", lambda model, *, allow_download: seen.append(allow_download))
+    monkeypatch.setattr(tui.app.sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(tui.app.sys.stdout, "isatty", lambda: True)
+    apps = []
+    monkeypatch.setattr(tui.app.ExplorerApp, "run", lambda self: apps.append(self))
+    args = argparse.Namespace(
+        model=DEFAULT_MODEL, gpus=1, gpus_per_node=None, gpu="H100-80GB", gpu_memory=None, allow_download=True
+    )
+    tui.app.run_with(args)
+    assert seen == [True] and apps[0].explorer.allow_download is True

@@ -197,11 +197,14 @@ async def test_save_writes_a_manifest_that_validates_and_matches_the_plan(size, 
 
 @pilot_test
 async def test_a_plan_whose_manifest_would_not_validate_is_flagged_and_not_saved(tmp_path):
-    app = ExplorerApp(BIG_MODEL, gpus=16, gpus_per_node=8)  # 8 prompts do not split over 16 trainer GPUs
+    app = ExplorerApp(BIG_MODEL, gpus=16, gpus_per_node=8)
     target = tmp_path / "run.yaml"
     async with app.run_test(size=SMALL) as pilot:
-        screen = await settle(pilot)
-        assert screen.plan.fits and "rollout_batch_size (8)" in screen.manifest_problem
+        await settle(pilot)
+        # 12 prompts given (not the default, which is raised to a multiple of the GPUs) do not
+        # split over 16 trainer GPUs: the plan is drawn, its manifest would not load
+        screen = await set_knob(pilot, "workload.prompts_per_step", "12")
+        assert screen.plan.fits and "rollout_batch_size (12)" in screen.manifest_problem
         assert "manifest would not validate" in _verdict(screen)
         assert screen.save_manifest(str(target)) is None
         screen = await set_knob(pilot, "workload.prompts_per_step", "16")
@@ -421,3 +424,91 @@ async def test_an_fsdp_override_asks_for_fsdp_even_where_data_parallel_fits():
         assert screen.plan.fsdp is not None and screen.plan.fsdp.wrap_every_n_blocks == 2
         assert "FSDPConfig fields were given" in screen.plan.reasons()["sharding"]
         assert screen.warnings() == []
+
+
+@pilot_test
+async def test_an_algorithm_is_planned_with_its_own_defaults_as_the_command_line_plans_it(tmp_path):
+    """ppo plans one completion per prompt over 4 epochs with beta 0.05, sft no rollout, as
+    `agilerl-plan --algorithm ppo|sft` does: the knobs move to them (they kept GRPO's, so ppo
+    was planned as another run and sft was refused)."""
+    from planner.cli import main as plan_main
+
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=WIDE) as pilot:
+        for algorithm in ("ppo", "sft"):
+            screen = await set_knob(pilot, "workload.algorithm", algorithm)
+            assert not screen.errors, screen.errors
+            path = tmp_path / f"{algorithm}-tui.yaml"
+            assert screen.save_manifest(str(path)) == path
+            assert (
+                plan_main([MODEL, "--gpus", "2", "--algorithm", algorithm, "--output", str(tmp_path / "cli.yaml")]) == 0
+            )
+            tui_manifest = yaml.safe_load(path.read_text())
+            cli_manifest = yaml.safe_load((tmp_path / "cli.yaml").read_text())
+            assert tui_manifest == cli_manifest, algorithm
+        assert _row(screen, "workload.generation").value == "none"
+
+
+@pilot_test
+async def test_a_gpu_memory_that_is_no_devices_is_marked_and_a_bad_save_path_loses_nothing(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 512,
+    }
+    import json
+
+    (model_dir / "config.json").write_text(json.dumps(config))
+    app = ExplorerApp(str(model_dir), gpus=1)
+    async with app.run_test(size=WIDE) as pilot:
+        await settle(pilot)
+        for text in ("inf", "nan", "1e30"):  # the app raised out of its event loop on each
+            screen = await set_knob(pilot, "cluster.gpu_memory_gib", text)
+            assert "cluster.gpu_memory_gib" in screen.errors, (text, screen.errors)
+        screen = await set_knob(pilot, "cluster.gpu_memory_gib", "")
+        assert not screen.errors and screen.plan is not None
+        # the model's own config.json, and a home directory that does not exist: refused in place
+        assert screen.save_manifest(str(model_dir / "config.json")) is None
+        assert json.loads((model_dir / "config.json").read_text()) == config
+        assert screen.save_manifest("~no-such-user-here/plan.yaml") is None
+        assert app.is_running
+
+
+@pilot_test
+async def test_the_default_prompts_are_raised_to_a_multiple_of_the_gpus_as_the_command_line_does():
+    app = ExplorerApp(MODEL, gpus=3)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        assert not screen.errors, screen.errors
+        assert screen.plan.workload.prompts_per_step == 9 and screen.manifest_problem is None
+        assert any(d.field == "prompts_per_step" for d in screen.plan.decisions)
+
+
+@pilot_test
+async def test_lora_knobs_beside_full_fine_tuning_are_marked_not_ignored():
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=WIDE) as pilot:
+        await settle(pilot)
+        control(pilot, "workload.full_finetune").value = True  # a checkbox
+        screen = await set_knob(pilot, "workload.lora_rank", "256")
+        assert "full_finetune trains no LoRA adapters" in screen.errors.get("workload.lora_rank", ""), screen.errors
+
+
+@pilot_test
+async def test_the_snippet_of_the_last_good_plan_says_so_while_inputs_have_errors():
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await set_knob(pilot, "workload.group_size", "0")
+        assert screen.errors and screen.plan is not None
+        screen.action_export()
+        await pilot.pause()
+        assert isinstance(app.screen, ExportScreen)
+        assert any("the snippet is the last good plan's" in n.message for n in app._notifications)

@@ -24,11 +24,12 @@ from textual.worker import Worker, WorkerState
 from planner import emit
 from planner.choose import Plan
 from planner.models import load_model_spec
+from planner.output import check_output, write_output
 from planner.request import PlanRequest
 from planner.spec import ModelSpec
 
 from .. import _request
-from .._knobs import KnobErrors
+from .._knobs import KnobErrors, algorithm_values
 from ..widgets import ComponentTable, DecisionView, KnobPanel, KnobRow, PhaseBars, Verdict
 from ._dialogs import ExportScreen, SavePrompt
 from ._model_picker import ModelPicker
@@ -88,10 +89,12 @@ class ExplorerScreen(Screen):
         ),
     ]
 
-    def __init__(self, model: str, values: Mapping[str, str | bool]) -> None:
-        """``values``: each knob's starting value (:func:`tui._knobs.initial_values`)."""
+    def __init__(self, model: str, values: Mapping[str, str | bool], *, allow_download: bool = False) -> None:
+        """``values``: each knob's starting value (:func:`tui._knobs.initial_values`);
+        ``allow_download``: a model's config may come from the hub (``--allow-download``)."""
         super().__init__()
         self.model_name = model
+        self.allow_download = allow_download
         self.initial = dict(values)
         self.values = dict(values)
         self.spec: ModelSpec | None = None
@@ -139,7 +142,7 @@ class ExplorerScreen(Screen):
         self.query_one("#memory-row").loading = True
         self._show_verdict()
         self.run_worker(
-            lambda: load_model_spec(name),
+            lambda: load_model_spec(name, allow_download=self.allow_download),
             thread=True,
             exclusive=True,
             group="spec",
@@ -168,7 +171,22 @@ class ExplorerScreen(Screen):
         if self.values.get(event.key) == event.value:
             return
         self.values[event.key] = event.value
+        if event.key == "workload.algorithm":
+            self._take_algorithm_defaults(str(event.value))
         self._request_plan()
+
+    def _take_algorithm_defaults(self, algorithm: str) -> None:
+        """Set the knobs the algorithm has its own defaults for (ppo's group of 1 and 4 epochs,
+        sft's no rollout, ...), as the command line plans ``--algorithm``; say which moved."""
+        rows = self.query_one(KnobPanel).rows()
+        moved = []
+        for key, text in algorithm_values(algorithm).items():
+            if self.values.get(key) != text:
+                self.values[key] = text
+                rows[key].set_value(text)
+                moved.append(f"{key.split('.', 1)[1]}={text}")
+        if moved:
+            self.notify(f"{algorithm}'s defaults: {', '.join(moved)}", timeout=4)
 
     def _request_plan(self) -> None:
         try:
@@ -319,12 +337,13 @@ class ExplorerScreen(Screen):
                 timeout=8,
             )
             return None
-        target = Path(path).expanduser()
-        try:
-            target.write_text(emit.manifest_yaml(self.plan))
-        except OSError as err:
-            self.notify(f"cannot write {target}: {err.strerror or err}", severity="error")
+        try:  # the command line's --output rules: not a folder, not the model's own config.json, ...
+            check_output(path, self.model_name)
+            write_output(path, emit.manifest_yaml(self.plan))
+        except (ValueError, OSError) as err:
+            self.notify(f"not saved: {getattr(err, 'strerror', None) or err}", severity="error", timeout=8)
             return None
+        target = Path(path).expanduser()
         stale = " (inputs have errors: this is the last good plan)" if self.errors else ""
         verdict = "" if self.plan.fits else " (it DOES NOT FIT)"
         self.notify(
@@ -337,6 +356,8 @@ class ExplorerScreen(Screen):
         if self.plan is None:
             self.notify("no plan yet", severity="warning")
             return
+        if self.errors:  # as saving says it: the knobs on screen are not this plan's
+            self.notify("inputs have errors: the snippet is the last good plan's", severity="warning", timeout=6)
         self.app.push_screen(
             ExportScreen(python=emit.python_snippet(self.plan), manifest=emit.manifest_yaml(self.plan))
         )

@@ -301,17 +301,22 @@ class LLMAlgorithm:
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
-        from .loading import check_adapter_targets, check_model_length
-
-        # before the memory estimate is asked and any weight loads (fsdp_config='auto' asked the
-        # planner already, which refuses such targets and lengths with the same lines)
-        check_adapter_targets(self.model_source, actor_network, lora_config, model_name or type(actor_network).__name__)
-        check_model_length(self.model_source, actor_network, max_model_len)
+        self._check_before_loading(actor_network, lora_config, model_name)
         if self.plan is None and self.auto_knobs:
             self._resolve_auto_knobs(actor_network)
         if self.sharded:
             self._resolve_open_fsdp_fields(actor_network)
         self._build(actor_network)
+
+    def _check_before_loading(self, actor_network: nn.Module | None, lora_config, model_name: str | None) -> None:
+        """What the model's config refuses (LoRA targets it lacks, a max_model_len over its
+        positions), said before the memory estimate is asked and any weight loads
+        (fsdp_config='auto' asked the planner already, which refuses them with the same lines)."""
+        from .loading import check_adapter_targets, check_model_length
+
+        name = model_name or type(actor_network).__name__
+        check_adapter_targets(self.model_source, actor_network, lora_config, name)
+        check_model_length(self.model_source, actor_network, self.max_model_len)
 
     # -- what each algorithm says about itself -------------------------------------
     #: Sequences per example of a step's batch (GRPO: its completions per prompt; SFT 1; DPO 2).
