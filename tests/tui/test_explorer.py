@@ -451,21 +451,12 @@ async def test_an_algorithm_is_planned_with_its_own_defaults_as_the_command_line
 
 @pilot_test
 async def test_a_gpu_memory_that_is_no_devices_is_marked_and_a_bad_save_path_loses_nothing(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 512,
-    }
     import json
 
+    from tests.test_bad_input import LLAMA as config  # a tiny Llama's config.json
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(config))
     app = ExplorerApp(str(model_dir), gpus=1)
     async with app.run_test(size=WIDE) as pilot:

@@ -103,6 +103,19 @@ class FakeProbe:
         return Measurement(request=request, ok=True, ranks=ranks)
 
 
+def _small_run(spec, cluster) -> dict:
+    """tune()'s arguments for SMALL on ``cluster``: in memory, seed 0, no calibration."""
+    return dict(
+        spec=spec,
+        model=MODEL,
+        request=PlanRequest(cluster, SMALL),
+        coefficients=None,
+        storage="memory",
+        seed=0,
+        calibration=False,
+    )
+
+
 def objective_for(spec, cluster, probe, *, fixed=None, sharding="auto", workload=SMALL, margin=0.05):
     space = search_space(spec, workload, cluster, fixed=dict(fixed or {}), sharding=sharding)
     request = ProbeRequest(
@@ -623,18 +636,7 @@ def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(
         ranks = [RankMeasurement(rank=0, phases={"learn": {"total": MIB}}, step_seconds=[step] * 3)]
         return Measurement(request=request, ok=True, ranks=ranks)
 
-    result = tune(
-        spec=spec,
-        model=MODEL,
-        request=PlanRequest(cluster, SMALL),
-        coefficients=None,
-        storage="memory",
-        max_trials=8,
-        probe=probe,
-        seed=0,
-        calibration=False,
-        confirm=2,
-    )
+    result = tune(**_small_run(spec, cluster), max_trials=8, probe=probe, confirm=2)
     seconds = [t for t in result.trials if "confirm_of" in t.user_attrs]
     assert len(seconds) == 2 and all(t.user_attrs["launched"] for t in seconds)
     by_number = {t.number: t for t in result.trials}
@@ -658,18 +660,7 @@ def test_confirmations_with_nothing_to_confirm_end_the_study(spec):
         ranks = [RankMeasurement(rank=0, phases={"learn": {"total": 128 * MIB}}, step_seconds=[0.1])]
         return Measurement(request=request, ok=True, ranks=ranks)
 
-    result = tune(
-        spec=spec,
-        model=MODEL,
-        request=PlanRequest(cluster, SMALL),
-        coefficients=None,
-        storage="memory",
-        max_trials=4,
-        probe=probe,
-        seed=0,
-        calibration=False,
-        confirm=1,
-    )
+    result = tune(**_small_run(spec, cluster), max_trials=4, probe=probe, confirm=1)
     assert result.best is None
     assert [t.number for t in result.trials if t.state.name == "PRUNED"] == []
     assert result.stop_reason == "3 trials launched"
