@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agilerl.distributed import FSDPConfig
 from agilerl.typing import AttnImplementation
-from agilerl.utils.algo_utils import VLLMConfig, weight_offload_problem
+from agilerl.utils.algo_utils import VLLMConfig, four_bit_problem, weight_offload_problem
 
 __all__ = [
     "Manifest",
@@ -282,6 +282,11 @@ class AlgorithmSection(_Section):
             raise ValueError("offload_weights_during_rollout: true needs algorithm.vllm settings (a colocated engine)")
         fsdp = self.fsdp_config()
         if problem := weight_offload_problem(getattr(fsdp, "cpu_offload", None), self.offload_weights_during_rollout):
+            raise ValueError(problem)
+        layout = fsdp if isinstance(fsdp, FSDPConfig) else None  # "auto" is planned with the rule
+        if problem := four_bit_problem(
+            self.load_in_4bit, cpu_offload=layout and layout.cpu_offload, tp=layout.tp if layout else 1
+        ):
             raise ValueError(problem)
         return self
 

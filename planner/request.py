@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agilerl.distributed import FSDPConfig
-from agilerl.utils.algo_utils import weight_offload_problem
+from agilerl.utils.algo_utils import four_bit_problem, weight_offload_problem
 
 from .hardware import MARGIN_FRACTION, Cluster
 from .workload import Workload
@@ -114,11 +114,8 @@ def request_problems(
             f"sharding='none' trains without FSDP2, so the FSDPConfig fields given "
             f"({', '.join(sorted(fixed))}) would be ignored; use sharding 'auto' or 'fsdp'"
         )
-    if fsdp.cpu_offload and workload.load_in_4bit:
-        problems["fsdp.cpu_offload"] = (
-            "QLoRA (load_in_4bit) with cpu_offload=True is not supported: the 4-bit "
-            "quantisation state stays on the device; use optim_cpu_offload=True"
-        )
+    if problem := four_bit_problem(workload.load_in_4bit, cpu_offload=fsdp.cpu_offload, tp=fsdp.tp):
+        problems["fsdp.cpu_offload" if fsdp.cpu_offload else "fsdp.tp"] = problem
     try:
         fsdp.check_world(cluster.num_gpus)
     except ValueError as err:

@@ -212,6 +212,12 @@ CASES = [
     # PEFT adapts v_proj alone and says nothing of the misspelt name beside it
     (plan(M, "--lora-targets", "q_prj,v_proj"), "no module named q_prj; its linear layers are named q_proj, k_proj"),
     (plan(M, "--beta", "-0.1"), "beta"),
+    # tensor parallel splits plain linears: QLoRA's packed ones stopped the trainer once loaded
+    (plan(M, "--gpus", "2", "--load-in-4bit", "--tp", "2"), "QLoRA (load_in_4bit) with tp=2 is not supported"),
+    (
+        manifest({"algorithm": {"load_in_4bit": True, "fsdp": {"tp": 2}}}),
+        "QLoRA (load_in_4bit) with tp=2 is not supported",
+    ),
     # a manifest agilerl.train refuses (engine ranks of their own beside tensor parallel)
     (plan(M, "--gpus", "2", "--generation", "none", "--tp", "2"), "tp=2 with generation='none'"),
     # planned with a second adapter, then dropped from the manifest

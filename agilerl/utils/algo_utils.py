@@ -6,7 +6,25 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["VLLMConfig", "vllm_batched_tokens", "weight_offload_problem"]
+__all__ = ["VLLMConfig", "four_bit_problem", "vllm_batched_tokens", "weight_offload_problem"]
+
+
+def four_bit_problem(load_in_4bit: bool, *, cpu_offload: bool | None, tp: int) -> str | None:
+    """Why a QLoRA base (``load_in_4bit``) cannot take this FSDPConfig layout (the trainer's rule;
+    the planner and the manifest check it too), or None."""
+    if not load_in_4bit:
+        return None
+    if cpu_offload:
+        return (
+            "QLoRA (load_in_4bit) with cpu_offload=True is not supported: the 4-bit quantisation state "
+            "stays on the device; use optim_cpu_offload=True to offload the optimizer"
+        )
+    if tp > 1:
+        return (
+            f"QLoRA (load_in_4bit) with tp={tp} is not supported: tensor parallelism splits plain linear "
+            "weights, not packed 4-bit ones; use tp=1 (FSDP2 shards the 4-bit base)"
+        )
+    return None
 
 
 def weight_offload_problem(cpu_offload: bool | None, offload_weights_during_rollout: bool) -> str | None:

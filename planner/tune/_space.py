@@ -185,16 +185,14 @@ def search_space(
     refuses parameter offload, so it is not searched.
     """
     match sharding:
-        case "auto":
-            options = ("fsdp", "none") if cluster.num_gpus > 1 and not workload.load_in_4bit else ("none",)
+        case "auto":  # QLoRA shards too (the trainer's FSDP2 keeps the packed 4-bit base)
+            options = ("fsdp", "none") if cluster.num_gpus > 1 else ("none",)
         case "fsdp":
             options = ("fsdp",)
         case "none":
             options = ("none",)
         case _:
             raise ValueError(f"sharding must be 'auto', 'fsdp' or 'none', got {sharding!r}")
-    if workload.load_in_4bit and "fsdp" in options:
-        raise ValueError("QLoRA (load_in_4bit) cannot be sharded with FSDP2 here; use sharding='none'")
     tp = int(fixed.get("tp", 1))
     if tp > 1:
         if options == ("none",):

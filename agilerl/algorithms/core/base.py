@@ -55,7 +55,7 @@ from agilerl.distributed import (
     set_full_model_state_dict,
     sync_grads,
 )
-from agilerl.utils.algo_utils import VLLMConfig
+from agilerl.utils.algo_utils import VLLMConfig, four_bit_problem
 from agilerl.utils.logprobs import (
     causal_lm,
     chunked_token_logprobs,
@@ -148,6 +148,22 @@ def on_rank0(fn, *args) -> dict[str, Any]:
     return payload[0]
 
 
+def _four_bit_source_problem(full_finetune: bool, actor_network: nn.Module | None) -> str | None:
+    """Why ``load_in_4bit`` cannot build this actor, or None: 4-bit weights do not train, and a
+    given network is used as it is (only a model loaded from model_name is quantised)."""
+    if full_finetune:
+        return (
+            "load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: give a lora_config, "
+            "or load_in_4bit=False to fine-tune every parameter"
+        )
+    if actor_network is not None:
+        return (
+            "load_in_4bit quantises the model it loads from model_name; an actor_network is used as "
+            "given: pass one already in 4-bit, with load_in_4bit=False, or a model_name"
+        )
+    return None
+
+
 class LLMAlgorithm:
     """Base of the LLM algorithms (GRPO and those on its loop, LLMPPO, SFT, DPO)."""
 
@@ -211,11 +227,8 @@ class LLMAlgorithm:
                 "use_separate_reference_adapter needs LoRA adapters; full fine-tuning (lora_config=None) "
                 "keeps the reference policy as a frozen copy of the model"
             )
-        if self.full_finetune and load_in_4bit:
-            raise ValueError(
-                "load_in_4bit (QLoRA) trains LoRA adapters on a frozen 4-bit base: give a lora_config, "
-                "or load_in_4bit=False to fine-tune every parameter"
-            )
+        if load_in_4bit and (problem := _four_bit_source_problem(self.full_finetune, actor_network)):
+            raise ValueError(problem)
         self.fsdp_config = normalise_fsdp_config(fsdp_config)
         self.distributed = init_distributed()
         if isinstance(self.fsdp_config, FSDPConfig) and not is_distributed():
@@ -231,11 +244,9 @@ class LLMAlgorithm:
                     "generate assumes weights stay on the compute device. Use optim_cpu_offload=True to "
                     "offload only the optimizer."
                 )
-            if load_in_4bit and self.fsdp_config.cpu_offload:
-                raise ValueError(
-                    "QLoRA (load_in_4bit=True) with FSDPConfig(cpu_offload=True) is not supported: the 4-bit "
-                    "quantisation state stays on the device. Use optim_cpu_offload=True to offload the optimizer."
-                )
+            config = self.fsdp_config
+            if problem := four_bit_problem(load_in_4bit, cpu_offload=config.cpu_offload, tp=config.tp):
+                raise ValueError(problem)
         if vllm_config is not None:
             from agilerl.utils.engine import require_vllm
 

@@ -1064,3 +1064,13 @@ def test_what_would_fit_is_said_in_the_algorithms_own_arguments():
         "use QLoRA (load_in_4bit=True)": "use QLoRA (load_in_4bit=True)",
     }
     assert {line: in_trainer_terms(line, workload) for line in said} == said
+
+
+def test_load_in_4bit_beside_a_given_network_is_refused_not_ignored():
+    """A given actor_network is used as it is: load_in_4bit trained ordinary LoRA on its full
+    precision base, and the memory estimate counted it in 4 bits."""
+    from agilerl.utils.tiny import tiny_model
+
+    network = tiny_model("qwen2", hidden_size=32, intermediate_size=64, num_layers=2, vocab_size=len(TOKENIZER))
+    with pytest.raises(ValueError, match="an actor_network is used as given"):
+        make_agent(actor_network=network, model_name=None, load_in_4bit=True)

@@ -174,6 +174,19 @@ def test_search_space_is_what_the_planner_chooses_less_what_the_user_fixed(spec)
 
 
 @pytest.mark.timeout(60)
+def test_qlora_is_searched_sharded_as_the_planner_plans_it(spec):
+    """The trainer shards a 4-bit base with FSDP2 and the planner plans it so; the tuner searched
+    QLoRA unsharded only, and refused sharding='fsdp'."""
+    qlora = SMALL.model_copy(update={"load_in_4bit": True})
+    assert search_space(spec, qlora, cpu_cluster(MIB), fixed={}, sharding="auto").choices["sharding"] == (
+        "fsdp",
+        "none",
+    )
+    sharded = search_space(spec, qlora, cpu_cluster(MIB), fixed={}, sharding="fsdp")
+    assert sharded.choices["cpu_offload"] == (False,)  # the quantisation state stays on the device
+
+
+@pytest.mark.timeout(60)
 def test_full_finetuning_also_searches_parameter_offload_and_the_gradient_sync(spec):
     full = SMALL.model_copy(update={"full_finetune": True})
     space = search_space(spec, full, cpu_cluster(MIB), fixed={}, sharding="fsdp")
