@@ -213,14 +213,16 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
         )
     start = time.monotonic()
     remote = None
-    if not layout.shared and not serves:
-        use_rank_group(trainers)  # the helpers, the collectives and FSDP2's mesh: this member's trainer ranks
-    if engines:
+    ranks = None
+    if engines:  # first, on every rank of the member: its groups are made in the same order (engine_ranks)
         from agilerl.utils.remote_engine import RemoteEngine, engine_ranks
 
         ranks = engine_ranks(trainers, engines)
         if serves:
             return _serve(ranks, algo, source, tokenizer, device)
+    if not layout.shared:
+        use_rank_group(trainers)  # the helpers, the collectives and FSDP2's mesh: this member's trainer ranks
+    if ranks is not None:
         remote = kwargs["rollout_engine"] = RemoteEngine(ranks)
     if layout.shared:
         population = create_population(algo.name, {}, training.population_size, algo_kwargs=kwargs, device=device)
@@ -473,7 +475,11 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         train(manifest, device=args.device, max_steps=args.max_steps)
     except EngineError as err:  # the rollout engine failed to start, or a sync did not match it
-        print(f"{parser.prog}: error: algorithm.vllm: {' '.join(str(err).split())}", file=sys.stderr)
+        # engine ranks of their own run Hugging Face generate (the manifest refuses vllm there)
+        field = (
+            "training.rollout_engines_per_agent" if manifest.training.rollout_engines_per_agent else "algorithm.vllm"
+        )
+        print(f"{parser.prog}: error: {field}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except ValueError as err:  # what an algorithm refuses at construction that the manifest let through
         print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -54,13 +54,25 @@ ENGINE_WAIT = datetime.timedelta(hours=6)
 
 
 def engine_ranks(trainers: Sequence[int], engines: Sequence[int]) -> EngineRanks:
-    """The member's rollout and sync groups (made by every rank of the member, trainer or engine,
-    in the same order; ranks of other members need not take part)."""
+    """The member's rollout and sync groups, made by every rank of the member, trainer or engine,
+    in the same order, before any group of the trainers alone (ranks of other members need not
+    take part).
+
+    torch names a group made by its own ranks from those ranks and from how many groups the
+    process has made, so every rank of a group must have made as many before it: a trainer that
+    is not in the sync group makes a group of itself instead, and the trainers' own group comes
+    after these (agilerl.train), where every trainer has made two. Made in another order, the
+    ranks wait for each other in ``new_group`` for ever.
+    """
     from agilerl.distributed import group_of_ranks
 
     trainers, engines = tuple(sorted(trainers)), tuple(sorted(engines))
     rollout = group_of_ranks([*trainers, *engines], timeout=ENGINE_WAIT)
-    sync = group_of_ranks([trainers[0], *engines], timeout=ENGINE_WAIT)
+    sync_ranks = [trainers[0], *engines]
+    if dist.get_rank() in sync_ranks:
+        sync = group_of_ranks(sync_ranks, timeout=ENGINE_WAIT)
+    else:  # not cached: it stands in for the sync group in the count, once
+        sync = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     return EngineRanks(trainers=trainers, engines=engines, rollout_group=rollout, sync_group=sync)
 
 
