@@ -286,7 +286,9 @@ class VLLMEngine:
         _LIVE.append(self)  # never collected: see "Engines live as long as the process"
         self._sampling = vllm.SamplingParams
         self._synced = False
-        if padded := max(self.llm.collective_rpc(_padded_cpu_experts)):
+        # whether a sync must redo the CPU backend's expert prepack: asked once, not on every sync
+        self._cpu_experts = any(self.llm.collective_rpc(lambda worker: bool(_cpu_experts(worker))))
+        if self._cpu_experts and (padded := max(self.llm.collective_rpc(_padded_cpu_experts))):
             raise EngineError(
                 f"vLLM's CPU backend pads this model's expert intermediate size ({padded}) and cannot "
                 "take trained expert weights in place: generate with Hugging Face on CPU (no vllm_config)"
@@ -368,7 +370,8 @@ class VLLMEngine:
                 f"the weight sync left vLLM engine weights unset ({len(sent)} tensors sent): {missing[0][:300]}"
             )
         self._synced = True
-        self.llm.collective_rpc(_prepack_cpu_experts)
+        if self._cpu_experts:
+            self.llm.collective_rpc(_prepack_cpu_experts)
         self.llm.reset_prefix_cache()
 
 
