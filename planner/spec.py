@@ -43,8 +43,8 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 5  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
-# 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints)
+SPEC_SCHEMA_VERSION = 6  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
+# 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints); 6: the NF4 weights of QLoRA
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -78,6 +78,8 @@ class BlockSpec(_Frozen):
     kind: str  # block_type, else the class name (FSDPConfig.checkpoint_skip_layer_types)
     tensors: tuple[tuple[str, tuple[int, ...]], ...]
     linears: tuple[tuple[str, int, int], ...]  # (module path, in_features, out_features)
+    # The weights QLoRA stores in NF4 (agilerl.utils.sources.four_bit_linears), by tensor name.
+    four_bit: tuple[str, ...] = ()
     attention: AttentionSpec
     mlp: MlpSpec
     lora: dict[str, tuple[LoraShape, ...]]  # target spec -> the adapters it adds
@@ -120,6 +122,7 @@ class ModelSpec(_Frozen):
     embed_shape: tuple[int, ...]
     lm_head_shape: tuple[int, ...] | None  # None when tied to the embeddings
     root_tensors: tuple[tuple[str, tuple[int, ...]], ...]  # outside blocks, embeddings and lm_head (norms, PLE...)
+    root_four_bit: tuple[str, ...] = ()  # the root tensors QLoRA stores in NF4 (Gemma-3n's AltUp projections)
     block_types: dict[str, BlockSpec]
     layers: tuple[str, ...]  # block type key of each layer, in order
     total_params: int
@@ -360,7 +363,7 @@ def build_spec(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from agilerl.distributed import block_kind, find_transformer_blocks, model_experts_problem
-    from agilerl.utils.sources import check_lora_targets
+    from agilerl.utils.sources import check_lora_targets, four_bit_linears
 
     if isinstance(config, dict):
         import copy
@@ -396,6 +399,8 @@ def build_spec(
                 return i
         return None
 
+    # Read before PEFT adapts the model (the adapters' own linears are not the base's).
+    nf4 = {name + ".weight" for name in four_bit_linears(model)}
     root_tensors = []
     seen = set()
     embed_name = names[id(embed)] + ".weight"
@@ -415,6 +420,9 @@ def build_spec(
     block_types: dict[str, BlockSpec] = {}
     layers = []
     block_tensors = [tuple((n, _shape(p)) for n, p in b.named_parameters()) for b in blocks]
+    block_four_bit = [
+        tuple(n for n, _ in tensors if block_prefix[id(b)] + n in nf4) for b, tensors in zip(blocks, block_tensors)
+    ]
     block_linears = [
         tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules() if isinstance(m, nn.Linear))
         for b in blocks
@@ -455,6 +463,7 @@ def build_spec(
             kind=block_kinds[i],
             tensors=block_tensors[i],
             linears=block_linears[i],
+            four_bit=block_four_bit[i],
             attention=block_attention[i],
             mlp=block_mlp[i],
             lora={k: tuple(v) for k, v in lora_by_block[i].items()},
@@ -477,6 +486,7 @@ def build_spec(
         embed_shape=_shape(embed.weight),
         lm_head_shape=None if tied or head is None else _shape(head.weight),
         root_tensors=tuple(root_tensors),
+        root_four_bit=tuple(n for n, _ in root_tensors if n in nf4),
         block_types=block_types,
         layers=tuple(layers),
         total_params=int(total),

@@ -21,7 +21,9 @@ naming the field:
 - :func:`build_config`: the config as transformers builds it (its strict
   field validation included; imports transformers, so the trainer's check only);
 - :func:`check_model_source`: a name the trainer can load without waiting on
-  an unreachable hub.
+  an unreachable hub;
+- :func:`four_bit_linears`: the linears QLoRA stores in NF4 (the trainer's both
+  loading paths and the planner's spec read them here).
 
 No torch here: the planner's fast path imports it.
 """
@@ -54,6 +56,7 @@ __all__ = [
     "check_trainable",
     "check_lora_targets",
     "LoraTargetError",
+    "four_bit_linears",
 ]
 
 TINY_PREFIX = "tiny:"
@@ -408,3 +411,44 @@ def check_lora_targets(model: Any, target_modules: str | Iterable[str] | None, n
         f"{name}: LoRA targets: {what} {' or '.join(missing)}; its linear layers are named "
         f"{', '.join(linear) or '(none)'} (or give 'all-linear')"
     )
+
+
+#: Linears whose weight the model's own code edits or multiplies by directly while training, so
+#: they cannot hold packed 4-bit bytes: Gemma-3n's AltUp clamps its prediction coefficients in
+#: place and applies its clamped correction coefficients with F.linear (transformers' loader
+#: quantises both, and the first training step then fails on a uint8 weight).
+FLOAT_WEIGHT_LINEARS = ("altup.prediction_coefs", "altup.correction_coefs")
+
+
+def four_bit_linears(model: Any) -> list[str]:
+    """Module names of the linears QLoRA (``load_in_4bit``) stores in NF4, on ``model`` before any
+    adapter is added (on the meta device or not).
+
+    They are the ones transformers' bitsandbytes loader replaces in ``from_pretrained``: every
+    module whose type is exactly ``nn.Linear`` (subclasses, MoE routers that keep a bare weight and
+    packed 3-D expert tensors stay in the weights dtype), less those its skip list names, matched
+    as that loader matches them: the output head, modules tied to another's weight, the module of
+    the last parameter as loading sees it (before any tying, so the head's), and the model class's
+    ``_keep_in_fp32_modules``; and the :data:`FLOAT_WEIGHT_LINEARS`, which stay in the weights
+    dtype (the trainer hands its list to the loader). The trainer's meta-device path swaps exactly
+    these, and the planner's spec records them, so both loading paths and the estimate count the
+    same weights (tests/agilerl/algorithms/test_qlora.py checks it against the loader itself). A
+    transformers without that matcher (before 5.0) is taken to skip the output head only.
+    """
+    from torch import nn
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m is not head and not name.endswith(FLOAT_WEIGHT_LINEARS)
+    ]
+    try:
+        from transformers.quantizers.quantizers_utils import should_convert_module
+    except ImportError:
+        return [name for name, _ in linears]
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    last = [name for name, _ in model.named_parameters(remove_duplicate=False)][-1:]
+    skip = [key.removesuffix(".weight") for key in {*tied.keys(), *tied.values(), *last}]
+    skip += list(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return [name for name, _ in linears if should_convert_module(name, skip)]

@@ -17,11 +17,22 @@ from dataclasses import dataclass
 from ._context import DTYPE_BYTES, Context
 from ._units import Layout
 
-#: Per quantised value: the double-quantised absmax (one uint8 per block of 64) and its fp32
-#: scales (one per 256 blocks).
-NF4_CONSTANT_BYTES = 1 / 64 + 4 / (64 * 256)
-NF4_BYTES_PER_PARAM = 0.5 + NF4_CONSTANT_BYTES  # 4-bit values and their constants
-QLORA_NOTE = "QLoRA: NF4 block linears (embeddings, lm_head and norms kept in the weights dtype)"
+#: What each 4-bit linear's quantisation state keeps whatever its size (bitsandbytes'
+#: ``quantize_4bit`` with double quantisation): its 16-value fp32 NF4 code, its own copy of the
+#: 256-value fp32 map that quantises its absmax, and the fp32 offset of that absmax.
+NF4_STATE_FIXED_BYTES = 16 * 4 + 256 * 4 + 4
+
+
+def nf4_state_bytes(values: int) -> int:
+    """Bytes of one linear's NF4 quantisation state beside its packed weight (``values`` weights):
+    a uint8 absmax per block of 64 values and an fp32 scale per 256 of those blocks, and the
+    fixed part (:data:`NF4_STATE_FIXED_BYTES`). Counted from bitsandbytes 0.50's QuantState on a
+    CPU probe (128 x 128: 1,352 bytes; 4096 x 4096: 267,332)."""
+    blocks = -(-values // 64)
+    return blocks + 4 * -(-blocks // 256) + NF4_STATE_FIXED_BYTES
+
+
+QLORA_NOTE = "QLoRA: NF4 linears (embeddings, lm_head, norms and MoE routers kept in the weights dtype)"
 FULL_NOTE = (
     "full fine-tuning: every parameter trains with fp32 master weights, gradients and AdamW moments"
     " (16 bytes a parameter beside the weights)"
@@ -61,16 +72,16 @@ def base_weight_bytes(ctx: Context, layout: Layout, element_bytes: int | None = 
     element (default: the actor's stored dtype, ``Context.stored_bytes``).
 
     Unsharded every rank holds the whole base; under FSDP rank 0 holds ceil(d0 / S) rows of
-    each sharded tensor, and the replicated ones whole. QLoRA stores each block linear's
-    weight packed in NF4 (one byte per two values, sharded like any tensor) and keeps its
-    quantisation constants whole on every rank (NF4_CONSTANT_BYTES per value); the
+    each sharded tensor, and the replicated ones whole. QLoRA stores each linear the spec
+    marks 4-bit packed in NF4 (one byte per two values, sharded like any tensor) and keeps its
+    quantisation state whole on every rank (:func:`nf4_state_bytes`); the
     embeddings, lm_head, norms and biases stay in the weights dtype.
     """
     w = ctx.stored_bytes if element_bytes is None else element_bytes
     key = ("base", w, ctx.fsdp is None, ctx.shard_group)
     if key in layout.sums:
         return layout.sums[key]
-    constants = int(sum(2 * t.numel for t in layout.base_tensors if t.four_bit) * NF4_CONSTANT_BYTES)
+    constants = sum(nf4_state_bytes(2 * t.numel) for t in layout.base_tensors if t.four_bit)
     stored = stored_tensor_bytes(ctx, layout, w)
     if ctx.fsdp is None:
         result = sum(stored) + constants, 0

@@ -124,7 +124,9 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
     expert_base: list[Tensor] = []
     expert_lora: list[Tensor] = []
     expert_down = 0
-    for name, shape in ctx.spec.block(index).tensors:
+    block = ctx.spec.block(index)
+    four_bit = ctx.workload.load_in_4bit
+    for name, shape in block.tensors:
         if packed and is_packed_expert(name, shape):  # [E, ., .]: split by ep, FSDP over world / ep
             t = make_tensor(shape, threshold, ep=ep, ep_dim=0, group=group)
             expert_base.append(t)
@@ -133,9 +135,9 @@ def layer_tensors(ctx: Context, index: int) -> LayerTensors:
         else:
             # A MoE block splits its attention only (agilerl.distributed._tp).
             split = not packed or name.startswith("self_attn.")
-            # QLoRA quantises every linear (2-D weight) of a block (agilerl.algorithms.core.loading).
-            four_bit = ctx.workload.load_in_4bit and len(shape) == 2 and name.endswith("weight")
-            t = make_tensor(shape, threshold, tp=tp, tp_dim=tp_dim(name) if split else None, four_bit=four_bit)
+            # QLoRA's NF4 weights: the plain linears transformers' bitsandbytes loader replaces.
+            nf4 = four_bit and name in block.four_bit
+            t = make_tensor(shape, threshold, tp=tp, tp_dim=tp_dim(name) if split else None, four_bit=nf4)
         base.append(t)
     for name, (a_rows, a_cols, b_rows, b_cols) in zip(ctx.lora_names[index], ctx.lora_shapes[index]):
         if packed and is_packed_expert(name):  # A (r E, in) by its rows, B (out, r E) by its columns
@@ -162,7 +164,12 @@ def _outside_blocks(ctx: Context) -> tuple[Unit, Tensor, Tensor | None, tuple[Te
     spec, threshold, r = ctx.spec, ctx.persistence_threshold, ctx.lora_rank
     embed = make_tensor(spec.embed_shape, threshold)
     head = make_tensor(spec.lm_head_shape, threshold) if spec.lm_head_shape else None
-    root_base = [make_tensor(s, threshold) for name, s in spec.root_tensors if not is_per_layer_embedding(name)]
+    four_bit = ctx.workload.load_in_4bit
+    root_base = [
+        make_tensor(s, threshold, four_bit=four_bit and name in spec.root_four_bit)
+        for name, s in spec.root_tensors
+        if not is_per_layer_embedding(name)
+    ]
     root_lora: list[Tensor] = []
     outside = () if ctx.full_finetune else spec.lora_outside_blocks.get(ctx.lora_key, ())
     for _, a_rows, a_cols, b_rows, b_cols in outside:

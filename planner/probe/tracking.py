@@ -57,7 +57,30 @@ def param_bytes(model: nn.Module) -> dict[str, int]:
             out["weights"] += nbytes
     for buf in model.buffers():
         out["weights"] += buf.numel() * buf.element_size()
+    out["weights"] += quant_state_bytes(model)
     return out
+
+
+def quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """QLoRA's NF4 quantisation states on this rank: each 4-bit linear keeps its whole bitsandbytes
+    ``QuantState`` (absmax, the NF4 code, the offset and the nested state that quantises the
+    absmax) as plain tensors, neither parameters nor buffers, so neither a parameter count nor a
+    tracker's module walk sees them. One tensor per storage."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        for state in (getattr(module, "quant_state", None), getattr(weight, "quant_state", None)):
+            while state is not None:
+                for t in (getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None)):
+                    if isinstance(t, torch.Tensor):
+                        found.setdefault(t.untyped_storage().data_ptr(), t)
+                state = getattr(state, "state2", None)
+    return list(found.values())
+
+
+def quant_state_bytes(model: nn.Module) -> int:
+    """Bytes of :func:`quant_state_tensors` (counted in a probe's weights)."""
+    return sum(t.untyped_storage().nbytes() for t in quant_state_tensors(model))
 
 
 class LiveBytes(TorchDispatchMode):
@@ -312,6 +335,8 @@ class PhaseRecorder:
         # Exact parameter bytes while sharded. Later, FSDP may hold units unsharded
         # (reshard_after_forward=False keeps them gathered after a no-grad forward).
         self.static = param_bytes(self.model)
+        # Counted in static["weights"]; no tracker sees them (kept out of the resident scan below).
+        self.quant_state = quant_state_bytes(self.model)
         if self.reference is not None:
             self.static["reference_weights"] = sum(param_bytes(self.reference).values())
         self.sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
@@ -416,7 +441,7 @@ class PhaseRecorder:
     def _known_storages(self) -> set[int]:
         """Storages the trackers count on their own: parameters, buffers, their gradients and
         the optimizer's state (local shards of DTensors)."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = [*self.model.parameters(), *self.model.buffers(), *quant_state_tensors(self.model)]
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.optimizer is not None:
             tensors += [
@@ -470,14 +495,15 @@ class PhaseRecorder:
         if self.sharded:
             # The trackers count the module parameters they find: the local shards, or whole
             # units FSDP left unsharded; FSDPMemTracker does not see replicated (ignored) ones.
-            local = self.static["weights"] + self.static["lora"] + self.static["weights_replicated"]
+            local = self.static["weights"] - self.quant_state + self.static["lora"] + self.static["weights_replicated"]
             replicated = self.static["weights_replicated"] + self.replicated_lora
             unseen = replicated if self.fsdp_categories else 0
             record["weights_gathered"] += max(0, tracked_params - (local - unseen))
+            unseen += self.quant_state  # kept out of the resident scan: counted here
         else:
             # The generic tracker counts the parameters of every module that runs, the reference copy's too.
             own = sum(v for k, v in self.static.items() if k != "reference_weights")
-            unseen = max(0, own - tracked_params)
+            unseen = max(0, own - tracked_params)  # the quantisation states among them
             seen_reference = min(record["reference_weights"], max(0, tracked_params - own))
             unseen -= seen_reference
         record["tracker_total"] = device_snap.get("Total", 0)

@@ -29,7 +29,7 @@ from agilerl.distributed import (
     is_main_process,
     materialize_fsdp2_from_cpu_state,
 )
-from agilerl.utils.sources import TINY_PREFIX, check_trainable, parse_tiny
+from agilerl.utils.sources import TINY_PREFIX, check_trainable, four_bit_linears, parse_tiny
 
 from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
 
@@ -405,7 +405,7 @@ def build_actor(
     else:
         kwargs: dict[str, Any] = {"dtype": dtype, **attn}
         if load_in_4bit:
-            kwargs["quantization_config"] = _bnb_config(dtype)
+            kwargs["quantization_config"] = _bnb_config(dtype, config)
             kwargs["device_map"] = {"": device}
         if has_weights(_local_dir(source)):
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -504,17 +504,18 @@ def _say_full_precision_experts(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Swap, on the meta device, every linear transformers' bitsandbytes loader quantises (all but the
-    output embedding) for a ``Linear4bit`` whose weight already has the packed NF4 shape
-    ``[in x out / 2, 1]`` in uint8: fully_shard then shards the packed bytes, and
-    :class:`~agilerl.utils.checkpoint_io.QuantisedView` fills them. Returns the names swapped."""
+    """Swap, on the meta device, every linear transformers' bitsandbytes loader quantises
+    (:func:`~agilerl.utils.sources.four_bit_linears`) for a ``Linear4bit`` whose weight already has
+    the packed NF4 shape ``[in x out / 2, 1]`` in uint8: fully_shard then shards the packed bytes,
+    and :class:`~agilerl.utils.checkpoint_io.QuantisedView` fills them. Returns the names swapped."""
     import bitsandbytes as bnb
 
-    output = model.get_output_embeddings()
+    wanted = set(four_bit_linears(model))
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child is output:
+            full = f"{parent_name}.{name}" if parent_name else name
+            if full not in wanted:
                 continue
             layer = bnb.nn.Linear4bit(
                 child.in_features,
@@ -539,7 +540,7 @@ def _four_bit_on_meta(model: nn.Module, dtype: torch.dtype) -> list[str]:
                     torch.empty(child.out_features, dtype=dtype, device="meta"), requires_grad=False
                 )
             setattr(parent, name, layer)
-            swapped.append(f"{parent_name}.{name}" if parent_name else name)
+            swapped.append(full)
     return swapped
 
 
@@ -678,7 +679,10 @@ def _local_dir(source: str) -> str:
     return snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.bin", "*.model", "*.txt"])
 
 
-def _bnb_config(dtype: torch.dtype):
+def _bnb_config(dtype: torch.dtype, config=None):
+    """The loader's NF4 settings; given the model's ``config``, it also lists every linear that
+    :func:`~agilerl.utils.sources.four_bit_linears` keeps in ``dtype`` (read on the meta device), so
+    the loader quantises exactly what the meta-device path and the planner count."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
@@ -688,5 +692,17 @@ def _bnb_config(dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=True,
+        llm_int8_skip_modules=keep,
     )
+    keep = None
+    if config is not None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        four_bit = set(four_bit_linears(model))
+        keep = [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in four_bit]

@@ -194,3 +194,94 @@ def test_the_nf4_bytes_survive_an_eval_forward_where_bitsandbytes_would_repack_t
         data, shape = before[name]
         assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False), name
         assert layer.weight.shape == shape and torch.equal(layer.weight.data, data), name
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3n"])
+def test_the_nf4_weights_are_those_transformers_own_loader_quantises(arch, tmp_path):
+    """Which weights QLoRA stores in NF4: transformers' bitsandbytes loader on a saved model (the
+    truth, less Gemma-3n's AltUp coefficients, which its own training code cannot run in 4 bits),
+    against the trainer's loader settings, its meta-device FSDP2 path and the planner's spec. A
+    MoE's routers keep a bare weight and stay bf16; Gemma-3n's AltUp and per-layer projections
+    outside the blocks are plain linears and go 4-bit: a rule by shape (2-D block weights) got
+    both wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    from agilerl.algorithms.core.loading import _bnb_config, _four_bit_on_meta
+    from agilerl.utils.tiny import save_tiny_model
+    from planner.spec import build_spec
+
+    def loaded(quantization_config) -> set[str]:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, device_map={"": "cpu"}, quantization_config=quantization_config
+        )
+        return {name for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+    path = save_tiny_model(tmp_path / arch, arch)
+    config = AutoConfig.from_pretrained(path)
+    stock = loaded(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    coefficients = {n for n in stock if n.endswith(("altup.prediction_coefs", "altup.correction_coefs"))}
+    assert bool(coefficients) == (arch == "gemma3n")
+    truth = stock - coefficients
+    assert loaded(_bnb_config(torch.bfloat16, config)) == truth  # the trainer's from_pretrained path
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert set(_four_bit_on_meta(meta, torch.bfloat16)) == truth
+
+    spec = build_spec(config, name=arch)
+    planned = {n.removesuffix(".weight") for n in spec.root_four_bit}
+    for i, block in enumerate(spec.blocks):
+        planned |= {f"model.layers.{i}.{n.removesuffix('.weight')}" for n in block.four_bit}
+    assert planned == truth
+
+    if arch == "qwen3_moe":  # the router is not a plain linear: not 4-bit, though a 2-D block weight
+        assert "model.layers.0.mlp.gate" not in truth
+        assert ("mlp.gate.weight", (4, config.hidden_size)) in spec.blocks[0].tensors
+    else:  # linears outside the blocks
+        assert "model.per_layer_model_projection" in truth
+
+
+def test_gemma3n_trains_with_qlora(tmp_path):
+    """Gemma-3n's AltUp clamps its prediction coefficients in place while training: with those
+    quantised, the first learn step stopped on a uint8 weight. From a saved model and from a
+    config, one step now runs and moves the adapters."""
+    from agilerl.utils.tiny import save_tiny_model
+
+    size = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
+    saved = save_tiny_model(tmp_path / "gemma3n", "gemma3n", **size)
+    tiny = "tiny:gemma3n?" + "&".join(f"{k}={v}" for k, v in size.items())
+    for source in (str(saved), tiny):
+        agent = make_agent(model_name=source, **QLORA)
+        assert four_bit_layers(agent.model) and not any("coefs" in n for n in four_bit_layers(agent.model))
+        before = lora_state(agent)
+        metrics = agent.learn(synthetic_experiences(agent)[:3])
+        assert math.isfinite(metrics["loss"]), source
+        after = lora_state(agent)
+        assert any(not torch.equal(before[k], after[k]) for k in before), source
+
+
+def test_the_probe_counts_each_4bit_linears_quantisation_state():
+    """Each Linear4bit keeps its quantisation state as plain tensors, neither parameters nor buffers:
+    the probe's weights must hold them (they are device memory) beside the packed bytes. Sized here
+    by bitsandbytes' own serialisation of each state (its offset, a 0-dim fp32 tensor on the device,
+    is written there as a float)."""
+    from planner.probe.tracking import PhaseRecorder, param_bytes
+
+    agent = make_agent(**QLORA)
+    tensors = [*agent.model.parameters(), *agent.model.buffers()]
+    plain = sum(t.numel() * t.element_size() for t in tensors)
+    states = 0
+    for layer in four_bit_layers(agent.model).values():
+        serialised = layer.weight.quant_state.as_dict(packed=False).values()
+        states += sum(v.numel() * v.element_size() for v in serialised if isinstance(v, torch.Tensor)) + 4
+    assert states > 0
+    assert sum(param_bytes(agent.model).values()) == plain + states
+
+    # A phase counts them once, as weights: not also among the tensors resident when it starts.
+    recorder = PhaseRecorder(agent.model, agent.optimizer, torch.device("cpu"))
+    with recorder("idle"):
+        pass
+    record = recorder.peaks["idle"]
+    assert record["weights"] == param_bytes(agent.model)["weights"]
+    assert record["activations"] < states
+    assert record["total"] == sum(param_bytes(agent.model).values()) + record["activations"]
