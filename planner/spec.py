@@ -345,6 +345,16 @@ def _peft_lora(model, targets) -> list[tuple[str, str, tuple[int, int, int, int]
     return out
 
 
+def _outside_blocks(model, in_block, *, skip: tuple) -> list[tuple[str, tuple[int, ...]]]:
+    """Each parameter outside the blocks (a shared one once), those named in ``skip`` apart."""
+    out, seen = [], set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen and in_block(name) is None and name not in skip:
+            out.append((name, _shape(p)))
+        seen.add(id(p))
+    return out
+
+
 def build_spec(
     config,
     *,
@@ -401,17 +411,9 @@ def build_spec(
 
     # Read before PEFT adapts the model (the adapters' own linears are not the base's).
     nf4 = {name + ".weight" for name in four_bit_linears(model)}
-    root_tensors = []
-    seen = set()
     embed_name = names[id(embed)] + ".weight"
     head_name = names[id(head)] + ".weight" if head is not None else None
-    for pname, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if in_block(pname) is not None or pname in (embed_name, head_name):
-            continue
-        root_tensors.append((pname, _shape(p)))
+    root_tensors = _outside_blocks(model, in_block, skip=(embed_name, head_name))
 
     # Everything about the base model is read above this line, so PEFT may adapt this very
     # model (building a 70B on meta costs ~0.6 s); a target spec after that needs a fresh one.
