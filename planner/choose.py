@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from agilerl.distributed import FSDPConfig
 
 from . import calibration
-from .hardware import GIB, MARGIN_FRACTION, Cluster
+from .hardware import GIB, MARGIN_FRACTION, MIB, Cluster
 from .memory import (
     EXPERT_CHUNKS_MIB,
     Coefficients,
@@ -805,6 +805,12 @@ def _suggest(
         wl = workload.model_copy(update={"load_in_4bit": True})
         if feasible(wl, cluster):
             out.append("use QLoRA (load_in_4bit=True)")
+    rank = workload.lora_rank
+    while not workload.full_finetune and rank > 8:
+        rank //= 2
+        if feasible(workload.model_copy(update={"lora_rank": rank}), cluster):
+            out.append(f"use a smaller LoRA rank (lora_rank={rank})")
+            break
     if workload.generation == "vllm":
         # A colocated engine takes its fraction of the GPU while awake: the fix GRPO users are
         # given is a smaller fraction (down to a tenth), or parking the trainer's weights.
@@ -818,6 +824,12 @@ def _suggest(
         for lower in steps:
             if feasible(workload.model_copy(update={"vllm_gpu_memory_utilization": lower}), cluster):
                 out.append(f"lower vllm_gpu_memory_utilization to {lower:.2f}")
+                break
+        kv = workload.vllm_kv_cache_memory_bytes
+        while kv is not None and kv > 256 * MIB:  # a KV cache size the user gave: halve it
+            kv //= 2
+            if feasible(workload.model_copy(update={"vllm_kv_cache_memory_bytes": kv}), cluster):
+                out.append(f"lower vllm_kv_cache_memory_bytes to {kv / GIB:.2f} GiB ({kv})")
                 break
         if not workload.offload_weights_during_rollout:
             wl = workload.model_copy(update={"offload_weights_during_rollout": True})
@@ -853,12 +865,11 @@ def _fewest_prompts_cut(
     GPU does not): a binary search over the multiples of the GPU count (every GPU takes whole
     prompts), since memory only falls with fewer prompts."""
     gpus = cluster.num_gpus
-    counts = [q for q in range(workload.prompts_per_step - 1, 0, -1) if q % gpus == 0]
-    lo, hi, found = 0, len(counts) - 1, None
-    while lo <= hi:  # counts descend: the first that fits is the largest
+    lo, hi, found = 1, (workload.prompts_per_step - 1) // gpus, None  # multiples k x gpus below the workload's
+    while lo <= hi:  # a bisection on k, never a list of counts (a count may be astronomically large)
         mid = (lo + hi) // 2
-        if feasible(workload.model_copy(update={"prompts_per_step": counts[mid]}), cluster):
-            found, hi = counts[mid], mid - 1
+        if feasible(workload.model_copy(update={"prompts_per_step": mid * gpus}), cluster):
+            found, lo = mid * gpus, mid + 1
         else:
-            lo = mid + 1
+            hi = mid - 1
     return found

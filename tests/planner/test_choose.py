@@ -493,6 +493,9 @@ def test_a_rollout_that_does_not_fit_gets_fewer_prompts_and_a_vllm_engine_sugges
     assert not plan(spec7b, workload.model_copy(update={"prompts_per_step": prompts + 1}), two).fits
     assert "generate with a colocated vLLM engine (generation='vllm')" in p.suggestions
     assert plan(spec7b, workload.model_copy(update={"generation": "vllm"}), two).fits
+    # however far over: the same largest count (a list of every smaller count ran out of memory)
+    far = plan(spec7b, workload.model_copy(update={"prompts_per_step": 10**20}), two)
+    assert f"use prompts_per_step={prompts} (fewer completions per rank)" in far.suggestions
 
 
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
@@ -519,6 +522,10 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         wl[m[1]] = int(m[2])
     elif m := re.fullmatch(r"lower vllm_gpu_memory_utilization to ([\d.]+)", suggestion):
         wl["vllm_gpu_memory_utilization"] = float(m[1])
+    elif m := re.fullmatch(r"lower vllm_kv_cache_memory_bytes to [\d.]+ GiB \((\d+)\)", suggestion):
+        wl["vllm_kv_cache_memory_bytes"] = int(m[1])
+    elif m := re.fullmatch(r"use a smaller LoRA rank \(lora_rank=(\d+)\)", suggestion):
+        wl["lora_rank"] = int(m[1])
     elif m := re.fullmatch(r"shorten (?:completions|prompts) to \d+ tokens \((\w+_tokens)=(\d+)\)", suggestion):
         wl[m[1]] = int(m[2])
     elif suggestion.startswith("train LoRA adapters"):
@@ -569,6 +576,9 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
             "none",
             dict(prompts_per_step=8, full_finetune=True, generation="none"),
         ),
+        # a value the user fixed is what breaks the fit: the suggestion lowers it
+        ("Qwen/Qwen2.5-0.5B", "H100-80GB", 1, "auto", dict(generation="vllm", vllm_kv_cache_memory_bytes=90 * 10**9)),
+        ("Qwen/Qwen2.5-7B", "H100-80GB", 1, "auto", dict(lora_rank=100_000, generation="none")),
     ],
 )
 def test_every_suggestion_when_applied_gives_a_plan_that_fits(model, gpu, gpus, sharding, workload):

@@ -159,8 +159,8 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
 def in_trainer_terms(suggestion: str, workload) -> str:
     """A "what would fit" line of the planner's, in the algorithm's own arguments: the planner's
     prompts_per_step is batch_size, its lengths max_output_tokens and max_model_len (prompt +
-    completion), its generation and engine fraction vllm_config's, full_finetune=False a
-    lora_config."""
+    completion), its generation, engine fraction and KV cache vllm_config's, full_finetune=False a
+    lora_config, its lora_rank the lora_config's r."""
     import re
 
     line = re.sub(r"\bprompts_per_step=", "batch_size=", suggestion)
@@ -170,6 +170,8 @@ def in_trainer_terms(suggestion: str, workload) -> str:
     )
     line = line.replace("(full_finetune=False)", "(a lora_config)")
     line = line.replace("(generation='vllm')", "(vllm_config=VLLMConfig())")
+    line = re.sub(r"\(lora_rank=(\d+)\)", r"(lora_config r=\1)", line)
+    line = line.replace("vllm_kv_cache_memory_bytes", "vllm_config.kv_cache_memory_bytes")
     return line.replace("vllm_gpu_memory_utilization", "vllm_config.gpu_memory_utilization")
 
 
