@@ -53,7 +53,7 @@ def check_launch(manifest, *, device: str | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = training.layout(world)  # ValueError naming the launch the manifest needs
     fsdp = algo.fsdp_config()
-    if fsdp is not None and fsdp != "auto" and not launched:  # "auto" on one device trains unsharded
+    if fsdp is not None and fsdp != "auto" and not launched:  # "auto" on one device plans unsharded
         raise ValueError(
             "algorithm.fsdp shards the model with FSDP2, which needs a process group: run `torchrun "
             f"--nproc_per_node={layout.trainers} -m agilerl.train ...`, or set fsdp: false for one "

@@ -121,7 +121,9 @@ def _workload_for(agent, micro: int | None):
     ), prompt
 
 
-def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) -> dict[str, Any]:
+def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sharding: str = "auto") -> dict[str, Any]:
+    """The planner's run for ``agent`` on the devices this process sees (``sharding``: "auto", or
+    "none" where no launcher started ranks to shard over), as the fields the agent takes."""
     from planner import emit
     from planner.calibration import coefficients_for, coefficients_source
     from planner.choose import plan
@@ -135,7 +137,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None) ->
         cluster,
         coefficients=coefficients_for(cluster.gpu),
         coefficients_source=coefficients_source(cluster.gpu),
-        sharding="auto",
+        sharding=sharding,
     )
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
     if prompt is not None:

@@ -387,19 +387,19 @@ class LLMAlgorithm:
 
     # -- the "auto" knobs, from the memory estimate -----------------------------------
     def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
-        """Ask the planner (on rank 0), share its choice with every rank, apply and log it."""
+        """Ask the planner (on rank 0), share its choice with every rank, apply and log it. On a
+        single device without a launcher nothing can shard: the plan is unsharded, and a run that
+        does not fit is refused before any weight loads, as it is under a launcher."""
         from .autoplan import plan_for_agent
 
+        result = on_rank0(plan_for_agent, self, actor_network, micro, "auto" if self.distributed else "none")
+        if "error" in result:  # what the planner refuses (a LoRA target, a batch): one line, as input errors are
+            raise ValueError(f"fsdp_config='auto': the planner failed: {result['error']}")
         if not self.distributed:
-            self.fsdp_config = None
             logger.info(
                 "[agilerl] fsdp_config='auto' on a single device without a launcher: no sharding needed, "
                 "training unsharded"
             )
-            return micro
-        result = on_rank0(plan_for_agent, self, actor_network, micro)
-        if "error" in result:  # what the planner refuses (a LoRA target, a batch): one line, as input errors are
-            raise ValueError(f"fsdp_config='auto': the planner failed: {result['error']}")
         self.plan = result
         self.fsdp_config = FSDPConfig.model_validate(result["fsdp"]) if result["fsdp"] is not None else None
         self._take_auto_knobs(result)  # logs the plan's table

@@ -631,6 +631,24 @@ def test_auto_fsdp_on_one_device_trains_unsharded(caplog, capsys):
     agent.learn(synthetic_experiences(agent)[:3])
 
 
+def test_auto_fsdp_on_one_device_refuses_a_run_that_does_not_fit(tmp_path):
+    """No launcher, no ranks to shard over: the plan is the unsharded one, and a 405B config is
+    refused in one line before any weight loads (it went on to load and ran out of memory)."""
+    import json
+
+    from agilerl.utils.tiny import tiny_config
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    config = tiny_config("llama", hidden_size=16384, intermediate_size=53248, num_layers=126, num_heads=128)
+    config.num_key_value_heads, config.vocab_size = 8, 128256
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(ValueError) as err:
+        make_agent(model_name=str(folder), fsdp_config="auto", max_model_len=64)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("fsdp_config='auto': no configuration fits in "), message
+
+
 def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(caplog):
     from planner.choose import LOGPROB_CHUNKS
 
