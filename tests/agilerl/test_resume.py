@@ -122,6 +122,8 @@ def test_one_device_run_interrupted_and_restarted_ends_as_the_uninterrupted_one(
     [
         ({"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}, "holds adapters of other modules"),
         ({"lora": None}, "is a LoRA checkpoint; this agent trains every parameter"),
+        # the same modules at another rank: a shape mismatch, once read as a damaged file and skipped
+        ({"lora": {"r": 2, "alpha": 8, "dropout": 0.1}}, r"holds adapters of another rank: .*lora_A.* is \[4, "),
     ],
 )
 def test_another_runs_checkpoints_stop_the_run_and_stay_as_they_were(tmp_path, change, names):

@@ -1026,21 +1026,25 @@ class LLMAlgorithm:
                 f"{'every parameter' if self.full_finetune else 'LoRA adapters'}"
             )
         if not self.full_finetune:  # the same adapted modules and ranks, or nothing is loaded
-            names = set(adapter_state_dict(self.model, ACTOR))
-            saved_names = set(payload["adapters"].get(ACTOR, {}))
-            if saved_names != names:
-                missing, extra = sorted(names - saved_names), sorted(saved_names - names)
+            mine = adapter_state_dict(self.model, ACTOR)
+            saved = payload["adapters"].get(ACTOR, {})
+            if set(saved) != set(mine):
+                missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
                 raise CheckpointMismatch(
                     f"{file} holds adapters of other modules: missing {missing[:3]}, unexpected {extra[:3]}"
                 )
+            if other := _other_shape(mine, saved):
+                raise CheckpointMismatch(f"{file} holds adapters of another rank: {other}")
         if self.full_finetune:
             weights = payload["weights"]
-            names = {n.replace("_checkpoint_wrapped_module.", "") for n, _ in self.model.named_parameters()}
-            if set(weights["model"]) != names:
-                missing, extra = sorted(names - set(weights["model"])), sorted(set(weights["model"]) - names)
+            mine = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in self.model.named_parameters()}
+            if set(weights["model"]) != set(mine):
+                missing, extra = sorted(set(mine) - set(weights["model"])), sorted(set(weights["model"]) - set(mine))
                 raise CheckpointMismatch(
                     f"{file} holds another model's weights: missing {missing[:5]}, unexpected {extra[:5]}"
                 )
+            if other := _other_shape(mine, weights["model"]):
+                raise CheckpointMismatch(f"{file} holds another model's weights: {other}")
             set_full_model_state_dict(self.model, weights["model"], strict=False)
             if "reference" in weights and self.reference_model is not None:
                 set_full_model_state_dict(self.reference_model, weights["reference"], strict=False)
@@ -1066,6 +1070,16 @@ class LLMAlgorithm:
         if rng and len(rng) == self.world_size:
             _set_rng_state(rng[self.rank])
         return dict(payload.get("extra", {}))
+
+
+def _other_shape(mine: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor whose saved shape is not this model's (a DTensor's shape is its whole
+    one), said as ``name is [..] there, [..] here``; None when every shape agrees."""
+    for name, tensor in mine.items():
+        theirs = tuple(saved[name].shape)
+        if theirs != tuple(tensor.shape):
+            return f"{name} is {list(theirs)} there, {list(tensor.shape)} here"
+    return None
 
 
 class CheckpointMismatch(ValueError):
