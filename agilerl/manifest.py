@@ -576,6 +576,8 @@ def load_manifest(source: str | Path | dict) -> Manifest:
             raise ManifestError(f"{path}: not valid YAML: {err}") from None
         except UnicodeDecodeError as err:
             raise ManifestError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+        except RecursionError:  # thousands of nested brackets: no manifest is that deep
+            raise ManifestError(f"{path}: nested too deeply to be a manifest") from None
         except OSError as err:  # unreadable: permissions, a name too long, a special file
             raise ManifestError(f"{path}: cannot read the manifest: {err.strerror or err}") from None
     if not isinstance(data, dict):

@@ -47,7 +47,21 @@ def coefficients_for(gpu: GPU) -> Coefficients:
     of its device kind."""
     user = calibration_path(gpu)
     if user.exists():
-        return Coefficients.from_json(user.read_text())
+        try:
+            return Coefficients.from_json(user.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # pydantic's and json's errors are ValueErrors
+            from pydantic import ValidationError
+
+            if isinstance(err, ValidationError):
+                first = err.errors()[0]
+                where = ".".join(map(str, first["loc"]))
+                reason = (f"{where}: " if where else "") + str(first["msg"]).removeprefix("Value error, ")
+            else:
+                reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+            raise ValueError(
+                f"your calibration {user} cannot be read ({reason}); "
+                "delete it to plan with the shipped coefficients, or run --tune again to refit it"
+            ) from None
     shipped = _shipped_path(gpu)
     if shipped.exists():
         return Coefficients.from_json(shipped.read_text())
@@ -63,9 +77,16 @@ def coefficients_source(gpu: GPU) -> str:
 
 
 def save_calibration(gpu: GPU, coefficients: Coefficients) -> Path:
+    """Write the user's calibration for ``gpu`` through a temporary file and a rename: a tuner
+    stopped mid-write leaves the old calibration or the new one, never half of one."""
     path = calibration_path(gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(coefficients.model_dump_json(indent=1))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(coefficients.model_dump_json(indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -26,6 +26,20 @@ def _fsdp_fields(fsdp: FSDPConfig | None) -> dict[str, Any] | bool:
     return fsdp.model_dump(mode="json", exclude_defaults=True) or True
 
 
+def trainer_model_name(model: str) -> str:
+    """What the trainer loads for the planned ``model``: a ``config.json`` given as a file is
+    planned on its own, and trained from the model directory that holds it."""
+    from pathlib import Path
+
+    try:
+        path = Path(model).expanduser()
+        if path.name == "config.json" and path.is_file():
+            return str(path.parent)
+    except (OSError, RuntimeError):  # not a usable path: a hub id or a catalog name
+        pass
+    return model
+
+
 def manifest_dict(plan: Plan) -> dict[str, Any]:
     """A manifest (agilerl.manifest.Manifest) that trains exactly the planned run: the rollout's
     fields only for the algorithms with a rollout, beta and the reference's only where there is
@@ -34,7 +48,7 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     offline = w.algorithm in OFFLINE_SEQUENCES
     algorithm: dict[str, Any] = {
         "name": ALGORITHM_CLASSES[w.algorithm],
-        "model_name": plan.model,
+        "model_name": trainer_model_name(plan.model),
         "fsdp": _fsdp_fields(plan.fsdp),
     }
     if not offline:

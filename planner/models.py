@@ -134,8 +134,12 @@ def load_model_spec(
 
     try:
         path = Path(model).expanduser()
+        path.exists()  # a name longer than the file system allows raises here, not later
     except RuntimeError as err:  # ~user with no such user
         raise ModelNotFound(f"{model}: {err}") from None
+    except OSError as err:
+        shown = model if len(model) <= 80 else model[:77] + "..."
+        raise ModelNotFound(f"unknown model {shown!r} ({len(model)} characters): {err.strerror or err}") from None
     if path.is_dir() and (path / "config.json").exists():
         return _from_config_dict(read_config(path / "config.json"), name=str(path), targets=targets)
     if path.is_file() and path.suffix == ".json":

@@ -23,9 +23,9 @@ def _target(path: str) -> Path:
         raise ValueError(f"--output {path!r}: {getattr(err, 'strerror', None) or err}") from None
 
 
-def check_output(path: str | None, model: str | None = None) -> None:
-    """Refuse an ``--output`` that cannot be written, or that is the model's own config.json,
-    before anything is planned."""
+def check_output(path: str | None, model: str | None = None, storage: str | None = None) -> None:
+    """Refuse an ``--output`` that cannot be written, or that is the model's own config.json or the
+    tuner's study (``storage``, a SQLAlchemy URL), before anything is planned."""
     if path is None:
         return
     if not path.strip():
@@ -42,6 +42,8 @@ def check_output(path: str | None, model: str | None = None) -> None:
         raise ValueError(f"--output {path!r}: {err.strerror or err}") from None
     if model is not None and target == _model_config(model):
         raise ValueError(f"--output {path!r} is the model's own config.json: give another path for the manifest")
+    if storage is not None and storage.startswith("sqlite:///") and target == _target(storage[len("sqlite:///") :]):
+        raise ValueError(f"--output {path!r} is the tuner's study database (--storage): give another path")
 
 
 def _model_config(model: str) -> Path | None:
@@ -64,7 +66,7 @@ def write_output(path: str, text: str) -> None:
         with open(target, "w") as out:
             out.write(text)
         return
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    tmp = target.with_name(f".agilerl-plan.tmp{os.getpid()}")  # short: any name the folder allows still fits
     try:
         tmp.write_text(text)
         os.replace(tmp, target)

@@ -339,7 +339,12 @@ def check_model_source(name: str, *, allow_download: bool, for_training: bool = 
         if not (path / "config.json").exists():
             raise ValueError(f"{name}: directory has no config.json (expected a Hugging Face model directory)")
         return _checked_config(path / "config.json", name, for_training=for_training)
-    if looks_like_path(name) or exists:
+    if exists:
+        raise ValueError(
+            f"{name}: a file, not a model directory (expected a Hugging Face model directory holding its "
+            "config.json, tokenizer and weights; give that folder)"
+        )
+    if looks_like_path(name):
         raise ValueError(f"{name}: no such file or directory (expected a Hugging Face model directory)")
     cached = cached_config(name)
     if cached is not None:

@@ -255,7 +255,7 @@ def plan_main(argv: list[str]) -> int:
         if args.gpus > MAX_GPUS:
             raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
-        check_output(args.output, args.model)
+        check_output(args.output, args.model, storage=_study_url(args))
         if problem := _lora_flags_problem(parser, args):
             raise ValueError(problem)
         if args.tui:
@@ -347,6 +347,15 @@ def _host_port(endpoint: str) -> bool:
     """``HOST:PORT`` with a host and a port torchrun's rendezvous can listen on."""
     host, _, port = endpoint.rpartition(":")
     return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+def _study_url(args: argparse.Namespace) -> str | None:
+    """The tuner's study URL under ``--tune`` (None otherwise, or in memory); ValueError for a bad ``--storage``."""
+    if not getattr(args, "tune", False):
+        return None
+    from ..tune import storage_url
+
+    return storage_url(args.storage)
 
 
 def _lora_flags_problem(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..hardware import GIB, MIB
 
@@ -26,11 +26,24 @@ class Coefficients(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> Coefficients:
         """Coefficients from a JSON file, ignoring fields an older release wrote (its fitted
-        activation factors are now counted)."""
+        activation factors are now counted). ValueError for anything else than a JSON object of
+        finite, non-negative numbers."""
         import json
 
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object of coefficients, got a {type(data).__name__}")
         return cls.model_validate({k: v for k, v in data.items() if k in cls.model_fields})
+
+    @model_validator(mode="after")
+    def _finite_and_not_negative(self) -> Coefficients:
+        import math
+
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} = {value}: every coefficient is a finite number >= 0")
+        return self
 
     # Mixture-of-experts blocks (planner.memory._moe). Per (token, expert) row:
     moe_rows_saved: Annotated[

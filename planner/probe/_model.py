@@ -16,7 +16,7 @@ def probe_model(model: str) -> str:
     whose config alone is cached) a cached directory holding only its config.json, which the
     trainer builds with random weights (memory and speed do not depend on their values), so a
     trial never downloads."""
-    if model.startswith("tiny:") or Path(model).expanduser().exists():
+    if model.startswith("tiny:") or _exists(model):
         return model
     from .. import catalog
     from ..spec import config_digest
@@ -55,6 +55,14 @@ def _cached_file(repo_id: str, *names: str) -> str | None:
         if isinstance(found, str):
             return found
     return None
+
+
+def _exists(model: str) -> bool:
+    """``model`` names a local path (False for a name no file system path can have: too long, ~nobody)."""
+    try:
+        return Path(model).expanduser().exists()
+    except (OSError, RuntimeError):
+        return False
 
 
 def random_weights(loaded: str) -> bool:

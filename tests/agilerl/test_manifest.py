@@ -327,3 +327,16 @@ def test_a_config_transformers_refuses_is_one_line_naming_the_file(tmp_path, cap
     data = {**TINY_RUN, "algorithm": {**TINY_RUN["algorithm"], "model_name": str(model)}}
     line = _refused_in_one_line(tmp_path, capsys, data)
     assert f"{model / 'config.json'}: " in line and expect in line
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_as_such(tmp_path, capsys):
+    """A config.json with no tokenizer files beside it: transformers blamed a missing sentencepiece
+    or tiktoken install; the line names what is missing."""
+    from agilerl.utils.tiny import tiny_config
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(tiny_config("qwen2", hidden_size=32, num_layers=2).to_json_string())
+    data = {**TINY_RUN, "algorithm": {**TINY_RUN["algorithm"], "model_name": str(folder)}}
+    line = _refused_in_one_line(tmp_path, capsys, data)
+    assert f"{folder}: the model directory has no tokenizer" in line

@@ -103,6 +103,16 @@ def resolve_model_source(model_name: str) -> str:
     from agilerl.utils.tiny import save_tiny_model
 
     arch, kwargs = parse_tiny(model_name)
+    vocab = kwargs.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        from agilerl.utils.tiny import char_tokenizer
+
+        tokens = len(char_tokenizer())
+        if vocab < tokens:  # its token ids would index past the embedding table
+            raise ValueError(
+                f"{model_name}: vocab_size={vocab} is smaller than the built-in character tokenizer's "
+                f"{tokens} tokens; give vocab_size >= {tokens} or leave it out"
+            )
     seed = int(kwargs.pop("seed", 0))
     digest = hashlib.sha1(f"{arch}|{sorted(kwargs.items())}|{seed}".encode()).hexdigest()[:12]
     target = _cache_dir() / "tiny" / f"{arch}-{digest}"
@@ -154,6 +164,18 @@ def _saved_tokenizer_class(source: str) -> str | None:
         return None
 
 
+#: Files any saved tokenizer leaves in a model directory (transformers' fast and slow tokenizers).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
 def load_tokenizer(source: str):
     """The source's tokenizer, left-padded for generation.
 
@@ -165,6 +187,12 @@ def load_tokenizer(source: str):
     """
     from transformers import AutoTokenizer
 
+    folder = Path(source).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{source}: the model directory has no tokenizer ({', '.join(_TOKENIZER_FILES[:3])}, ...): save the "
+            "model's tokenizer there (tokenizer.save_pretrained), or give the algorithm a tokenizer"
+        )
     if _saved_tokenizer_class(source) in _GENERIC_TOKENIZER_CLASSES:
         try:
             from transformers import TokenizersBackend as Generic
@@ -691,13 +719,6 @@ def _bnb_config(dtype: torch.dtype, config=None):
         ) from err
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_use_double_quant=True,
-        llm_int8_skip_modules=keep,
-    )
     keep = None
     if config is not None:
         from transformers import AutoModelForCausalLM
@@ -706,3 +727,10 @@ def _bnb_config(dtype: torch.dtype, config=None):
             model = AutoModelForCausalLM.from_config(config)
         four_bit = set(four_bit_linears(model))
         keep = [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in four_bit]
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=True,
+        llm_int8_skip_modules=keep,
+    )

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from agilerl.manifest import load_manifest
@@ -244,6 +245,16 @@ def test_output_follows_a_symlink_and_writes_into_a_pipe(tmp_path, capsys):
     assert got and got[0].startswith("# agilerl-plan: Qwen/Qwen2.5-0.5B")
 
 
+def test_output_with_the_longest_name_its_folder_allows_is_written(tmp_path, capsys):
+    """The temporary file beside it had a longer name than the manifest's own: a 255-byte name
+    passed every check, printed the plan, and then failed to write."""
+    target = tmp_path / ("x" * 250 + ".yaml")
+    code, _, err = run(["Qwen/Qwen2.5-0.5B", "--output", str(target)], capsys)
+    assert code == 0, err
+    assert target.read_text().startswith("# agilerl-plan: Qwen/Qwen2.5-0.5B")
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]  # no temporary file left
+
+
 def test_a_model_path_with_a_line_break_stays_in_its_comment(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "cache"))
     model = _tiny_config_dir(tmp_path / "odd\nname")
@@ -251,3 +262,43 @@ def test_a_model_path_with_a_line_break_stays_in_its_comment(tmp_path, capsys, m
     assert code == 0
     assert set(yaml.safe_load(out)) == {"algorithm", "training", "lora"}  # nothing injected
     assert load_manifest(yaml.safe_load(out)).algorithm.model_name == str(model)
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        ("[]", "got a list"),
+        ('{"allocator_slack_fraction": -5}', "allocator_slack_fraction = -5.0"),
+        ('{"vllm_sleep_residual_bytes": NaN}', "vllm_sleep_residual_bytes"),
+        ('{"nccl_bytes": 1,\n', "Expecting"),
+        (None, "Is a directory"),
+    ],
+)
+def test_a_calibration_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch, capsys, content, reason):
+    """The user's calibration wins over the shipped coefficients: one that is not a JSON object of
+    finite, non-negative numbers stops the plan in one line that names the file (it used to end in
+    a traceback, or to plan with a negative allocator slack)."""
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
+    path = tmp_path / "calibration" / "H100-80GB.json"
+    path.parent.mkdir()
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    code, out, err = run(["Qwen/Qwen2.5-0.5B"], capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and str(path) in err and reason in err, err
+
+
+def test_a_config_json_is_trained_from_the_folder_that_holds_it(tmp_path, capsys, monkeypatch):
+    """The planner plans a config.json file; the trainer loads model directories: the manifest
+    names the folder (it named the file, which the trainer then refused as missing)."""
+    from agilerl.utils.sources import check_model_source
+
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path / "cache"))
+    model = _tiny_config_dir(tmp_path / "model")
+    code, _, err = run([str(model / "config.json"), "--output", str(tmp_path / "m.yaml")], capsys)
+    assert code == 0, err
+    manifest = load_manifest(tmp_path / "m.yaml")
+    assert manifest.algorithm.model_name == str(model)
+    assert check_model_source(manifest.algorithm.model_name, allow_download=False)["hidden_size"] == 64
