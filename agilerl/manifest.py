@@ -352,6 +352,8 @@ class TrainingSection(_Section):
                 f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of training_gpus_per_agent "
                 f"({self.training_gpus_per_agent})"
             )
+        if self.checkpoint_dir is not None and not self.checkpoint_dir.strip():
+            raise ValueError("checkpoint_dir is empty: give a folder, or leave it out to keep no checkpoints")
         if self.checkpoint_interval is not None and not self.checkpoint_dir:
             raise ValueError("checkpoint_interval needs checkpoint_dir: where the checkpoints go")
         return self

@@ -304,6 +304,8 @@ CASES = [
     # -- agilerl-plan --tune ----------------------------------------------------------------------
     (tune("--storage", "{tmp}/study.db", "--output", "{tmp}/study.db"), "study database"),
     (tune("--output", "{tmp}/agilerl-tune.db"), "study database"),
+    (tune("--seed", "-1"), "--seed"),
+    (tune("--seed", str(2**32)), "below 2**32"),
     (tune("--storage", ""), "--storage"),
     (tune("--storage", "   "), "--storage"),
     (tune("--storage", "postgres:/no-slashes"), "--storage"),
@@ -348,6 +350,7 @@ CASES = [
     (manifest({"algorithm": {"model_name": "tiny:qwen2?vocab_size=10"}}), "vocab_size=10 is smaller"),
     (manifest({"algorithm": {"model_name": "/etc/passwd"}}), "a file, not a model directory"),
     (manifest(text="a: " + "[" * 3000 + "]" * 3000), "nested too deeply"),
+    (manifest({"training": {"checkpoint_dir": ""}}), "checkpoint_dir is empty"),
     (manifest({"algorithm": {"lr": -1}}), "lr"),
     (manifest({"algorithm": {"name": "PPO2"}}), "'GRPO', 'CISPO', 'GSPO', 'LLMREINFORCE', 'LLMPPO', 'SFT' or 'DPO'"),
     (manifest({"algorithm": {"name": "CISPO", "clip_coef": 0.2}}), "CISPO takes beta, clip_coef_high"),

@@ -10,6 +10,15 @@ from agilerl.utils.cli import non_negative_int, positive_float, positive_int
 
 from ._storage import DEFAULT_STORAGE
 
+
+def _seed(text: str) -> int:
+    """A sampler seed as NumPy takes it (Optuna seeds NumPy): 0 to 2**32 - 1."""
+    value = non_negative_int(text)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"must be below 2**32, got {text!r}")
+    return value
+
+
 __all__ = ["add_tune_arguments", "check_tune_arguments"]
 
 
@@ -83,7 +92,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
         "second time; the pick is by median, so one lucky run does not win (worth it when "
         "run-to-run noise is large next to the differences between configs) [default: 0]",
     )
-    g.add_argument("--seed", type=int, default=None, help="sampler seed [default: random]")
+    g.add_argument("--seed", type=_seed, default=None, help="sampler seed, 0 to 2**32 - 1 [default: random]")
     g.add_argument(
         "--no-calibration", action="store_true", help="do not fit and save the estimate's coefficients from the trials"
     )
