@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -108,6 +109,7 @@ def open_storage(text: str | None, *, heartbeat_interval_s: int = 10, grace_peri
     engine_kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
         engine_kwargs["connect_args"] = {"timeout": 60}  # several workers may share one file
+        _check_sqlite_is_a_study(url)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -122,6 +124,28 @@ def open_storage(text: str | None, *, heartbeat_interval_s: int = 10, grace_peri
     except Exception as err:  # SQLAlchemy's OperationalError and friends: report, do not trace back
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"--storage {redact(url)}: cannot open it: {first}") from None
+
+
+def _check_sqlite_is_a_study(url: str) -> None:
+    """Refuse a SQLite file that already holds tables and none of Optuna's: opening it as a
+    storage would add Optuna's tables to another program's database before refusing it."""
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    if not database or database == ":memory:" or not Path(database).expanduser().is_file():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{Path(database).expanduser()}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as err:
+        raise ValueError(f"--storage {redact(url)}: cannot open it: {err}") from None
+    if tables and not {"studies", "version_info"} <= tables:
+        raise ValueError(
+            f"--storage {redact(url)}: a SQLite database of something else (tables {', '.join(sorted(tables)[:4])}); "
+            "give a new file or an Optuna study's"
+        )
 
 
 def default_study_name(model: str, parts: dict[str, Any]) -> str:

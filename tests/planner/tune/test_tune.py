@@ -4,6 +4,7 @@ output, and a few real tiny probes (resume after a kill, a crashed rank)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -408,6 +409,19 @@ def test_storage_urls(tmp_path):
     with pytest.raises(ValueError) as err:
         open_storage("postgresql+nosuchdriver://tuner:secret@localhost/studies")
     assert "secret" not in str(err.value) and "***" in str(err.value)
+    # Another program's SQLite database is refused as it is (Optuna's tables were added first),
+    # and the study just made reopens.
+    import sqlite3
+
+    other = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(other)) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+        db.commit()
+    before = other.read_bytes()
+    with pytest.raises(ValueError, match="a SQLite database of something else"):
+        open_storage(str(other))
+    assert other.read_bytes() == before
+    assert isinstance(open_storage(str(tmp_path / "t.db")), optuna.storages.RDBStorage)
 
 
 @pytest.mark.timeout(60)
