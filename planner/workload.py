@@ -16,6 +16,7 @@ __all__ = [
     "VLLM_DEFAULT_UTILIZATION",
     "VLLM_DEFAULT_MAX_NUM_SEQS",
     "resolved",
+    "parse_lora_targets",
 ]
 
 T = TypeVar("T")
@@ -56,6 +57,20 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "sft": {"beta": 0.0, "group_size": 1, "generation": "none"},
     "dpo": {"beta": 0.1, "group_size": 2, "generation": "none"},
 }
+
+
+def parse_lora_targets(text: str) -> str | tuple[str, ...]:
+    """LoRA targets as a user types them (``--lora-targets``, the explorer's knob): ``all-linear``,
+    or comma-separated module names; ValueError says what is wrong."""
+    text = text.strip()
+    if text == "all-linear":
+        return text
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if "all-linear" in names:
+        raise ValueError(f"all-linear stands alone: give it or module names, not both (got {text!r})")
+    if not names:
+        raise ValueError(f"give all-linear or comma-separated module names (got {text!r})")
+    return names
 
 
 class Workload(BaseModel):

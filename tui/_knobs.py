@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from agilerl.distributed import DTYPE_NAMES, FSDPConfig
 from planner.hardware import GIB, GPU, GPUS, MARGIN_FRACTION, Cluster, gpu_by_name
 from planner.request import MARGIN_HELP, SHARDING_HELP
-from planner.workload import ALGORITHM_DEFAULTS, Workload
+from planner.workload import ALGORITHM_DEFAULTS, Workload, parse_lora_targets
 
 __all__ = ["AUTO", "GIB", "Knob", "KnobErrors", "algorithm_values", "initial_values", "knob_table", "parse"]
 
@@ -41,6 +41,7 @@ WORKLOAD_FIELDS = (
     "lora_rank",
     "lora_alpha",
     "lora_dropout",
+    "lora_targets",
     "load_in_4bit",
     "generation",
     "vllm_gpu_memory_utilization",
@@ -239,6 +240,8 @@ def parse(knob: Knob, raw: str | bool) -> Any:
         return None
     if text == "" and knob.kind != "text":
         raise ValueError("required")
+    if knob.key == "workload.lora_targets":  # as --lora-targets reads it
+        return parse_lora_targets(text)
     match knob.kind:
         case "choice":
             if text not in knob.choices:

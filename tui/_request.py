@@ -81,7 +81,7 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
     except ValidationError as err:
         errors.update(_validation_errors(err, "workload", "workload.generation"))
     if workload is not None and workload.full_finetune:  # as the command line refuses LoRA flags beside it
-        for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+        for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"):
             default = Workload.model_fields[name].default
             if getattr(workload, name) != default:
                 errors[f"workload.{name}"] = (

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from ..workload import parse_lora_targets
+
 __all__ = ["add_fields", "collect_fields", "flag_name"]
 
 _AUTO = "auto"
@@ -29,15 +31,11 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_targets(text: str) -> str | tuple[str, ...]:
-    """LoRA targets: ``all-linear`` or comma-separated module names."""
-    if text == "all-linear":
-        return text
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    if "all-linear" in names:
-        raise argparse.ArgumentTypeError(f"all-linear stands alone: give it or module names, not both (got {text!r})")
-    if not names:
-        raise argparse.ArgumentTypeError(f"give all-linear or comma-separated module names (got {text!r})")
-    return names
+    """LoRA targets: ``all-linear`` or comma-separated module names (:func:`planner.workload.parse_lora_targets`)."""
+    try:
+        return parse_lora_targets(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _members(annotation: Any) -> list[Any]:

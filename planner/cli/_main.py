@@ -260,12 +260,9 @@ def plan_main(argv: list[str]) -> int:
             raise ValueError(problem)
         if args.tui:
             if extra := _flags_given(parser, args, keep=_TUI_FLAGS):
-                targets = " (it plans LoRA on every linear layer: it has no knob for the targets)"
                 raise ValueError(
                     f"--tui opens the explorer with MODEL, --gpus, --gpus-per-node, --gpu and --gpu-memory; "
-                    f"set {', '.join(extra)} in the explorer"
-                    + (targets if "--lora-targets" in extra else "")
-                    + " (or plan without --tui)"
+                    f"set {', '.join(extra)} in the explorer (or plan without --tui)"
                 )
             try:
                 from tui.app import run_with

@@ -503,3 +503,27 @@ async def test_the_snippet_of_the_last_good_plan_says_so_while_inputs_have_error
         await pilot.pause()
         assert isinstance(app.screen, ExportScreen)
         assert any("the snippet is the last good plan's" in n.message for n in app._notifications)
+
+
+@pilot_test
+async def test_lora_targets_plan_as_the_command_line_plans_them_and_a_misspelt_one_is_marked():
+    """The LoRA-targets knob reads what --lora-targets reads: the plan of q_proj,v_proj is the
+    command line's (the spec is rebuilt with them once), and a module the model lacks is marked
+    on the knob while the last plan stays."""
+    from planner.choose import plan_request
+
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        every = screen.plan.estimate.phases["step"].components["lora"]
+        screen = await set_knob(pilot, "workload.lora_targets", "q_proj, v_proj")
+        assert not screen.errors, screen.errors
+        request = screen.request
+        assert request.workload.lora_targets == ("q_proj", "v_proj")
+        spec = load_model_spec(MODEL, lora_targets=("q_proj", "v_proj"))
+        assert screen.plan.estimate.peak_bytes == plan_request(spec, request).estimate.peak_bytes
+        assert screen.plan.estimate.phases["step"].components["lora"] < every / 4  # 2 of 7 linears, narrow ones
+        kept = screen.plan
+        screen = await set_knob(pilot, "workload.lora_targets", "q_prj")
+        assert "q_prj" in screen.errors.get("workload.lora_targets", ""), screen.errors
+        assert screen.plan is kept

@@ -43,10 +43,20 @@ SLOW_PLAN_SECONDS = 0.25
 GENERAL_HINT = "Tab: next knob   Up/Down: double/halve a number   F1: help"
 
 
-def _plan_job(spec: ModelSpec, request: PlanRequest) -> tuple[Plan, str | None]:
-    """The worker's job: the plan, and why its manifest would not validate (None when it does)."""
+def _plan_job(
+    spec: ModelSpec, request: PlanRequest, model: str, allow_download: bool
+) -> tuple[Plan, str | None, ModelSpec]:
+    """The worker's job: the plan, why its manifest would not validate (None when it does), and
+    the spec it was planned on: LoRA targets the spec does not cover yet rebuild it with them,
+    as ``--lora-targets`` does (a misspelt module is an error of that knob)."""
+    targets = request.workload.lora_targets
+    if not request.workload.full_finetune and not spec.has_lora_targets(targets):
+        try:
+            spec = load_model_spec(model, lora_targets=targets, allow_download=allow_download)
+        except (ValueError, KeyError) as err:
+            raise KnobErrors({"workload.lora_targets": str(err).strip("'\"")}) from None
     result = _request.compute(spec, request)
-    return result, _request.manifest_problem(result)
+    return result, _request.manifest_problem(result), spec
 
 
 class ExplorerScreen(Screen):
@@ -205,17 +215,18 @@ class ExplorerScreen(Screen):
         assert self._plan_wanted is not None
         self._plan_running = self._plan_wanted
         spec, request, _ = self._plan_running
+        model, allow_download = self.model_name, self.allow_download
         # Say "planning" only when it takes a while: a fast plan then redraws once, not twice.
         self.set_timer(SLOW_PLAN_SECONDS, self._show_verdict)
         self.run_worker(
-            lambda: _plan_job(spec, request),
+            lambda: _plan_job(spec, request, model, allow_download),
             thread=True,
             exclusive=True,
             group="plan",
             exit_on_error=False,
         )
 
-    def _plan_done(self, result: tuple[Plan, str | None] | None, error: BaseException | None) -> None:
+    def _plan_done(self, result: tuple[Plan, str | None, ModelSpec] | None, error: BaseException | None) -> None:
         done, self._plan_running = self._plan_running, None
         if done is not self._plan_wanted:  # the knobs moved on while it ran
             self._start_plan()
@@ -227,7 +238,10 @@ class ExplorerScreen(Screen):
             self._set_errors({"": f"{type(error).__name__}: {error}"})
             self._show_verdict()
         elif result is not None and done is not None:
-            (self.plan, self.manifest_problem), self.request = result, done[1]
+            self.plan, self.manifest_problem, spec = result
+            self.request = done[1]
+            if spec is not done[0] and self.spec is done[0]:  # keep the targets it now covers
+                self.spec = spec
             self._show_plan()
             started = done[2]
             self.call_after_refresh(self._record_recompute, started)
