@@ -1033,7 +1033,7 @@ class LLMAlgorithm:
                 raise CheckpointMismatch(
                     f"{file} holds adapters of other modules: missing {missing[:3]}, unexpected {extra[:3]}"
                 )
-            if other := _other_shape(mine, saved):
+            if other := _other_shape(mine, saved, _checkpoint_shape(self.model)):
                 raise CheckpointMismatch(f"{file} holds adapters of another rank: {other}")
         if self.full_finetune:
             weights = payload["weights"]
@@ -1043,7 +1043,7 @@ class LLMAlgorithm:
                 raise CheckpointMismatch(
                     f"{file} holds another model's weights: missing {missing[:5]}, unexpected {extra[:5]}"
                 )
-            if other := _other_shape(mine, weights["model"]):
+            if other := _other_shape(mine, weights["model"], _checkpoint_shape(self.model)):
                 raise CheckpointMismatch(f"{file} holds another model's weights: {other}")
             set_full_model_state_dict(self.model, weights["model"], strict=False)
             if "reference" in weights and self.reference_model is not None:
@@ -1072,13 +1072,31 @@ class LLMAlgorithm:
         return dict(payload.get("extra", {}))
 
 
-def _other_shape(mine: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:
-    """The first tensor whose saved shape is not this model's (a DTensor's shape is its whole
-    one), said as ``name is [..] there, [..] here``; None when every shape agrees."""
+def _checkpoint_shape(model: nn.Module):
+    """The shape a checkpoint holds of one of ``model``'s parameters: a DTensor's whole shape,
+    and an expert-parallel slice's times the EP group (a checkpoint holds every expert:
+    packed weights and LoRA A along dim 0, LoRA B along its columns)."""
+    from agilerl.distributed import expert_parallel
+
+    moe, _ = expert_parallel(model)
+
+    def shape(name: str, tensor: torch.Tensor) -> tuple[int, ...]:
+        dims = list(tensor.shape)
+        shard = moe.expert_shard(name) if moe is not None else None
+        if shard is not None:
+            dims[1 if shard.kind == "lora_b" else 0] *= moe.ep
+        return tuple(dims)
+
+    return shape
+
+
+def _other_shape(mine: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], shape) -> str | None:
+    """The first tensor whose saved shape is not the one ``shape(name, tensor)`` says this model's
+    checkpoint holds, said as ``name is [..] there, [..] here``; None when every shape agrees."""
     for name, tensor in mine.items():
-        theirs = tuple(saved[name].shape)
-        if theirs != tuple(tensor.shape):
-            return f"{name} is {list(theirs)} there, {list(tensor.shape)} here"
+        theirs, ours = tuple(saved[name].shape), shape(name, tensor)
+        if theirs != ours:
+            return f"{name} is {list(theirs)} there, {list(ours)} here"
     return None
 
 

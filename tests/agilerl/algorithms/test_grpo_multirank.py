@@ -189,6 +189,11 @@ def expert_parallel_moe_gives_the_same_update_as_data_parallel(ctx):
     fresh.load_checkpoint(path)
     for k, v in lora_state(ep).items():
         assert torch.equal(lora_state(fresh)[k], v), k
+    # and back into the same expert-parallel layout, where each rank holds half the experts
+    resumed = make_agent(seed=5, fsdp_config=FSDPConfig(**FP32_SHARDED, ep=2, routed_expert_chunk_mib=1), **common)
+    resumed.load_checkpoint(path)
+    for k, v in lora_state(ep).items():
+        assert torch.equal(lora_state(resumed)[k], v), k
     # routed_expert_chunk_mib=None: as documented, the largest of 64/128/256/512 MiB the memory
     # estimate fits. The visible "device" is this host's RAM, which holds a tiny model at any chunk.
     auto = make_agent(fsdp_config=FSDPConfig(**FP32_SHARDED), **common)
