@@ -861,15 +861,22 @@ def _suggest(
 def _fewest_prompts_cut(
     workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
 ) -> int | None:
-    """The largest prompts_per_step below the workload's that fits (None if even one prompt per
-    GPU does not): a binary search over the multiples of the GPU count (every GPU takes whole
-    prompts), since memory only falls with fewer prompts."""
-    gpus = cluster.num_gpus
-    lo, hi, found = 1, (workload.prompts_per_step - 1) // gpus, None  # multiples k x gpus below the workload's
+    """The largest prompts_per_step below the workload's that fits (None if even the fewest
+    does not): a binary search over the counts a run can take, since memory only falls with
+    fewer prompts."""
+    import math
+
+    # The counts a run can take: whole prompts on every GPU, and with a micro batch the user
+    # fixed, completions per GPU it divides (between them the plan is refused, not short of
+    # memory, and a bisection needs the fits to fall only with the count).
+    step = cluster.num_gpus
+    if micro := workload.micro_batch_size_per_gpu:
+        step *= micro // math.gcd(micro, workload.group_size)
+    lo, hi, found = 1, (workload.prompts_per_step - 1) // step, None  # multiples k x step below the workload's
     while lo <= hi:  # a bisection on k, never a list of counts (a count may be astronomically large)
         mid = (lo + hi) // 2
-        if feasible(workload.model_copy(update={"prompts_per_step": mid * gpus}), cluster):
-            found, lo = mid * gpus, mid + 1
+        if feasible(workload.model_copy(update={"prompts_per_step": mid * step}), cluster):
+            found, lo = mid * step, mid + 1
         else:
             hi = mid - 1
     return found

@@ -496,6 +496,14 @@ def test_a_rollout_that_does_not_fit_gets_fewer_prompts_and_a_vllm_engine_sugges
     # however far over: the same largest count (a list of every smaller count ran out of memory)
     far = plan(spec7b, workload.model_copy(update={"prompts_per_step": 10**20}), two)
     assert f"use prompts_per_step={prompts} (fewer completions per rank)" in far.suggestions
+    # a micro batch the user fixed takes only counts whose completions per GPU it divides (8
+    # prompts of 2 for 16): between them the plan is refused, which a bisection must not meet
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    fixed = Workload(prompts_per_step=120, group_size=2, completion_tokens=4096, micro_batch_size_per_gpu=16)
+    cut = [s for s in plan(spec7b, fixed, one).suggestions if s.startswith("use prompts_per_step=")]
+    assert cut == ["use prompts_per_step=88 (fewer completions per rank)"], cut
+    assert plan(spec7b, fixed.model_copy(update={"prompts_per_step": 88}), one).fits
+    assert not plan(spec7b, fixed.model_copy(update={"prompts_per_step": 96}), one).fits
 
 
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
