@@ -60,7 +60,7 @@ def coefficients_for(gpu: GPU) -> Coefficients:
                 reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ValueError(
                 f"your calibration {user} cannot be read ({reason}); "
-                "delete it to plan with the shipped coefficients, or run --tune again to refit it"
+                "delete it to plan with the shipped coefficients (a later --tune fits a new one)"
             ) from None
     shipped = _shipped_path(gpu)
     if shipped.exists():

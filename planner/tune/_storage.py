@@ -66,7 +66,10 @@ def storage_url(text: str | None) -> str | None:
             raise ValueError(f"--storage {text!r} is a directory: {accepted}")
         if not path.parent.is_dir():
             raise ValueError(f"--storage {text!r}: folder {path.parent} does not exist")
-        return f"sqlite:///{path}"
+        from urllib.parse import quote
+
+        # SQLAlchemy reads '?' as the start of a query and decodes '%XX': escaped, the file is the one named
+        return f"sqlite:///{quote(str(path), safe='/')}"
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -136,8 +139,9 @@ def _check_sqlite_is_a_study(url: str) -> None:
     database = make_url(url).database
     if not database or database == ":memory:" or not Path(database).expanduser().is_file():
         return
+    uri = Path(database).expanduser().resolve().as_uri() + "?mode=ro"  # '#', '?' and '%' escaped
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{Path(database).expanduser()}?mode=ro", uri=True)) as db:
+        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=60)) as db:  # the storage's own wait
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as err:
         raise ValueError(f"--storage {redact(url)}: cannot open it: {err}") from None

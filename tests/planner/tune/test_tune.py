@@ -413,14 +413,19 @@ def test_storage_urls(tmp_path):
     # and the study just made reopens.
     import sqlite3
 
-    other = tmp_path / "app.db"
-    with contextlib.closing(sqlite3.connect(other)) as db:
-        db.execute("CREATE TABLE users (name TEXT)")
-        db.commit()
-    before = other.read_bytes()
-    with pytest.raises(ValueError, match="a SQLite database of something else"):
-        open_storage(str(other))
-    assert other.read_bytes() == before
+    # A name with URL characters is that file, not one SQLAlchemy reads into it.
+    apps = tmp_path / "apps"
+    apps.mkdir()
+    for name in ("app.db", "a?b#c%20d.db"):
+        other = apps / name
+        with contextlib.closing(sqlite3.connect(other)) as db:
+            db.execute("CREATE TABLE users (name TEXT)")
+            db.commit()
+        before = other.read_bytes()
+        with pytest.raises(ValueError, match="a SQLite database of something else"):
+            open_storage(str(other))
+        assert other.read_bytes() == before
+    assert sorted(p.name for p in apps.iterdir()) == ["a?b#c%20d.db", "app.db"]  # nothing made beside them
     assert isinstance(open_storage(str(tmp_path / "t.db")), optuna.storages.RDBStorage)
 
 
