@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import unquote  # a SQLite URL's path is escaped (planner.tune.storage_url)
 
 __all__ = ["check_output", "write_output"]
 
@@ -42,7 +43,7 @@ def check_output(path: str | None, model: str | None = None, storage: str | None
         raise ValueError(f"--output {path!r}: {err.strerror or err}") from None
     if model is not None and target == _model_config(model):
         raise ValueError(f"--output {path!r} is the model's own config.json: give another path for the manifest")
-    if storage is not None and storage.startswith("sqlite:///") and target == _target(storage[len("sqlite:///") :]):
+    if storage is not None and storage.startswith("sqlite:///") and target == _target(unquote(storage[10:])):
         raise ValueError(f"--output {path!r} is the tuner's study database (--storage): give another path")
 
 

@@ -303,6 +303,7 @@ CASES = [
     (probe("m" * 256, "--device", "cpu"), "not a usable path"),
     # -- agilerl-plan --tune ----------------------------------------------------------------------
     (tune("--storage", "{tmp}/study.db", "--output", "{tmp}/study.db"), "study database"),
+    (tune("--storage", "{tmp}/a?b.db", "--output", "{tmp}/a?b.db"), "study database"),
     (tune("--output", "{tmp}/agilerl-tune.db"), "study database"),
     (tune("--seed", "-1"), "--seed"),
     (tune("--seed", str(2**32)), "below 2**32"),
