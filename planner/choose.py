@@ -764,15 +764,15 @@ def _suggest(
     settings plan() starts from (:func:`_most_frugal`), so that applying one gives a plan that fits."""
     out: list[str] = []
 
-    def feasible(wl: Workload, cl: Cluster, how: str = sharding) -> bool:
+    def feasible(wl: Workload, cl: Cluster, how: str = sharding, margin_of: float = margin_fraction) -> bool:
         try:  # model_copy does not validate: a combination the trainer refuses is no suggestion
             wl = Workload.model_validate(wl.model_dump())
-            request = PlanRequest(cluster=cl, workload=wl, fixed=fixed, sharding=how, margin_fraction=margin_fraction)
+            request = PlanRequest(cluster=cl, workload=wl, fixed=fixed, sharding=how, margin_fraction=margin_of)
             if request.manifest_problem() is not None:
                 return False
             check_inputs(spec, wl, cl, fixed, how)
             colocated = wl.generation == "vllm"
-            margin = int(cl.gpu.memory_bytes * margin_fraction)
+            margin = int(cl.gpu.memory_bytes * margin_of)
             search, draft, _ = _most_frugal(spec, wl, cl, fixed, how, colocated, coefficients, margin)
             return search.fits(draft.workload, draft.fsdp)
         except ValueError:
@@ -844,6 +844,8 @@ def _suggest(
         wl = workload.model_copy(update={"generation": "vllm"})
         if feasible(wl, cluster):
             out.append("generate with a colocated vLLM engine (generation='vllm')")
+    if margin_fraction > MARGIN_FRACTION and feasible(workload, cluster, margin_of=MARGIN_FRACTION):
+        out.append(f"keep the default safety margin (margin_fraction={MARGIN_FRACTION}, --margin {MARGIN_FRACTION})")
     if (fewer := _fewest_prompts_cut(workload, cluster, feasible)) is not None:
         out.append(f"use prompts_per_step={fewer} (fewer completions per rank)")
     for key, what in (("completion_tokens", "completions"), ("prompt_tokens", "prompts")):

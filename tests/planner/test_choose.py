@@ -699,3 +699,24 @@ def test_host_offload_is_no_last_resort_beside_offload_weights_during_rollout():
     assert parked.fits and parked.fsdp is not None and parked.fsdp.cpu_offload
     flagged = plan(spec, workload.model_copy(update={"offload_weights_during_rollout": True}), two)
     assert flagged.fsdp is not None and not flagged.fsdp.cpu_offload and not flagged.fits
+
+
+def test_a_margin_the_user_raised_is_what_would_fit_when_the_default_fits():
+    """--margin 0.9 leaves 10% of an H100 for Qwen2.5-7B: nothing else changed, "what would fit"
+    said only other changes; keeping the default margin is one, and it plans a run that fits."""
+    from planner import catalog
+    from planner.choose import plan_request
+    from planner.hardware import GPUS, MARGIN_FRACTION
+    from planner.request import PlanRequest
+
+    spec = catalog.load_spec("Qwen/Qwen2.5-7B")
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    wl = Workload(generation="none")
+    wide = plan_request(spec, PlanRequest.build(one, wl, margin_fraction=0.9))
+    line = f"keep the default safety margin (margin_fraction={MARGIN_FRACTION}, --margin {MARGIN_FRACTION})"
+    assert not wide.fits and line in wide.suggestions, wide.suggestions
+    assert plan_request(spec, PlanRequest.build(one, wl, margin_fraction=MARGIN_FRACTION), suggest=False).fits
+    # a margin at its default is never the thing to change
+    long = Workload(prompts_per_step=64, group_size=8, completion_tokens=8192)
+    over = plan_request(spec, PlanRequest.build(one, long))
+    assert not over.fits and over.suggestions and not any("safety margin" in s for s in over.suggestions)
