@@ -378,8 +378,8 @@ class TrainingSection(_Section):
         if not shared and world != members * (trainers + engines):
             raise ValueError(
                 f"training asks for {members} member(s) x ({trainers} trainer + {engines} engine rank(s)) = "
-                f"{members * (trainers + engines)} ranks, but {world} were launched: run `torchrun "
-                f"--nproc_per_node={members * (trainers + engines)} -m agilerl.train ...` or change the manifest"
+                f"{members * (trainers + engines)} ranks, but {world} were launched: run `agilerl-train "
+                f"--nproc-per-node={members * (trainers + engines)} ...` or change the manifest"
             )
         if self.rollout_batch_size % trainers:
             raise ValueError(

@@ -1,6 +1,8 @@
 """Train from a manifest: ``python -m agilerl.train manifest.yaml [--device cpu|cuda]``.
 
-Also under torchrun: ``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``. The N
+On N ranks: ``agilerl-train --nproc-per-node=N manifest.yaml`` (:mod:`agilerl.launch`, which
+checks the launch before starting any rank and says a rank's error in one line), or
+``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``. The N
 ranks split into the population's members, each with ``training.training_gpus_per_agent``
 trainer ranks (by default its share of the launched ranks) and
 ``training.rollout_engines_per_agent`` engine ranks: member m trains on ranks of its own
@@ -12,7 +14,9 @@ train in turn.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -20,7 +24,14 @@ from pathlib import Path
 
 from agilerl.utils.cli import ArgumentParser, positive_int, quiet_bitsandbytes, show_logs
 
-__all__ = ["main", "train", "check_launch"]
+__all__ = ["main", "train", "check_launch", "refuse", "LAUNCHER_ENV", "ERROR_SOURCE"]
+
+#: Set (to its name) by :mod:`agilerl.launch` for the ranks it starts: a rank's error then goes
+#: to its torchrun error file only, and the launcher says it once for all the ranks.
+LAUNCHER_ENV = "AGILERL_LAUNCHER"
+#: What :func:`refuse` writes as ``source`` in a rank's torchrun error file (telling its line
+#: from a crash's record).
+ERROR_SOURCE = "agilerl.train"
 
 #: Named, not ``__name__``: under ``python -m agilerl.train`` this module is ``__main__``.
 logger = logging.getLogger("agilerl.train")
@@ -34,7 +45,30 @@ def _log(msg: str, level: int = logging.INFO) -> None:
         logger.log(level, "%s", msg)
 
 
-def check_launch(manifest, *, device: str | None = None) -> None:
+def refuse(prog: str, message: str) -> int:
+    """Say why the run stops, in one line, and return exit status 2.
+
+    The line is written whole, in one write: the ranks of a launch share a terminal, and a
+    line written in two pieces interleaves with another rank's. Under torchrun the rank also
+    writes it to its error file (``TORCHELASTIC_ERROR_FILE``, a JSON ``message``), where
+    torchrun's failure report and :mod:`agilerl.launch` read it; under :mod:`agilerl.launch`
+    (``LAUNCHER_ENV`` set) that file is the only place, and the launcher says it once.
+    """
+    line = " ".join(message.split())
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            record = {"message": line, "timestamp": int(time.time()), "source": ERROR_SOURCE}
+            Path(error_file).write_text(json.dumps(record))
+        except OSError:
+            error_file = None  # said on stderr below instead
+    if not (error_file and os.environ.get(LAUNCHER_ENV)):
+        sys.stderr.write(f"{prog}: error: {line}\n")
+        sys.stderr.flush()
+    return 2
+
+
+def check_launch(manifest, *, device: str | None = None, world: int | None = None) -> None:
     """Raise ValueError, before anything heavy runs, when this launch cannot train ``manifest``.
 
     The ranks launched must be ``training.training_gpus_per_agent``; FSDP2 needs
@@ -42,22 +76,21 @@ def check_launch(manifest, *, device: str | None = None) -> None:
     must have a directory to go to; the model must be loadable (a local
     directory, a valid tiny model, the local Hugging Face cache, or a reachable
     hub); members sharing the ranks must fit in memory together; ``--device
-    cuda`` needs a GPU.
+    cuda`` needs a GPU. ``world``: the ranks about to be launched (a launcher
+    checks before starting them); by default the ranks of this launch
+    (torchrun's ``WORLD_SIZE``; one without it).
     """
-    import os
-
     from agilerl.utils.sources import check_model_source
 
     training, algo = manifest.training, manifest.algorithm
-    launched = "WORLD_SIZE" in os.environ
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = world is not None or "WORLD_SIZE" in os.environ
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     layout = training.layout(world)  # ValueError naming the launch the manifest needs
     fsdp = algo.fsdp_config()
     if fsdp is not None and fsdp != "auto" and not launched:  # "auto" on one device plans unsharded
         raise ValueError(
-            "algorithm.fsdp shards the model with FSDP2, which needs a process group: run `torchrun "
-            f"--nproc_per_node={layout.trainers} -m agilerl.train ...`, or set fsdp: false for one "
-            "device"
+            "algorithm.fsdp shards the model with FSDP2, which needs a process group: run `agilerl-train "
+            f"--nproc-per-node={layout.trainers} ...`, or set fsdp: false for one device"
         )
     if fsdp is not None and fsdp != "auto":
         fsdp.check_world(layout.trainers)
@@ -119,8 +152,6 @@ def _check_shared_population(*, members: int, config: dict, dtype: str, memory_b
 def _launch_memory_bytes(device: str | None, world: int) -> int:
     """All the memory the launched ranks could fill, counted generously (a bound it gives must
     never refuse a launch that fits): each rank's host's, and its GPU's where it trains on CUDA."""
-    import os
-
     per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if device != "cpu":
         import torch
@@ -133,8 +164,6 @@ def _launch_memory_bytes(device: str | None, world: int) -> int:
 def _check_checkpoint_dir(folder: Path) -> None:
     """Raise ValueError when no checkpoint could be written under ``folder``: it, or the nearest of
     its parents that exists, is not a directory, or that directory is not writable."""
-    import os
-
     try:
         existing = next(p for p in (folder, *folder.parents) if p.exists())  # the root, or '.', exists
     except OSError as err:  # a name too long for a path, say
@@ -436,23 +465,25 @@ def _summary(index: int, history: list[dict[str, float]]) -> None:
     _log(f"agent {index}: {what} over the first {k} steps {first:.3f}, over the last {k} steps {last:.3f}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(
-        prog="python -m agilerl.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a run: the manifest, ``--device`` and ``--max-steps`` (``agilerl-train``
+    takes the same and hands them to its ranks)."""
     parser.add_argument("manifest", help="path to a manifest YAML")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="compute device (default: cuda when available)"
     )
     parser.add_argument("--max-steps", type=positive_int, default=None, help="override training.max_steps")
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m agilerl.train") -> int:
+    parser = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     with show_logs("stdout", "agilerl"):  # the library's lines (the main rank's, and engine ranks') on stdout
         return _main(parser, args)
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import os
-
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: end with the launcher, even on its kill -9
         from agilerl.utils.lifetime import die_with_parent
 
@@ -463,8 +494,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         manifest = load_manifest(args.manifest)
         check_launch(manifest, device=args.device)
     except ValueError as err:  # ManifestError included
-        print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return refuse(parser.prog, str(err))
     if not manifest.algorithm.load_in_4bit:
         quiet_bitsandbytes()
     import torch
@@ -479,11 +509,13 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         field = (
             "training.rollout_engines_per_agent" if manifest.training.rollout_engines_per_agent else "algorithm.vllm"
         )
-        print(f"{parser.prog}: error: {field}: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return refuse(parser.prog, f"{field}: {err}")
     except ValueError as err:  # what an algorithm refuses at construction that the manifest let through
-        print(f"{parser.prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return refuse(parser.prog, str(err))
+    except KeyboardInterrupt:  # Ctrl-C, or the launcher stopping its ranks with SIGINT: no traceback
+        if not os.environ.get(LAUNCHER_ENV):
+            sys.stderr.write(f"{parser.prog}: interrupted\n")
+        return 130
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

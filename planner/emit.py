@@ -101,13 +101,13 @@ def engine_ranks(plan: Plan) -> int:
 
 
 def launch_command(cluster: Cluster, engines: int = 0) -> str:
-    """The torchrun line that launches the manifest on ``cluster`` (and ``engines`` engine ranks,
-    one per node): on more than one node, the node count and a rendezvous every node's torchrun
-    names (its host left to the user)."""
-    run = f"torchrun --nproc_per_node={cluster.per_node + engines // cluster.num_nodes}"
+    """The ``agilerl-train`` line that launches the manifest on ``cluster`` (and ``engines`` engine
+    ranks, one per node): on more than one node, the node count and the rendezvous every node's
+    launcher names (its host left to the user)."""
+    run = f"agilerl-train --nproc-per-node={cluster.per_node + engines // cluster.num_nodes}"
     if cluster.num_nodes > 1:
-        run += f" --nnodes={cluster.num_nodes} --rdzv-backend=c10d --rdzv-endpoint=<first node>:29500"
-    return f"{run} -m agilerl.train <this file>"
+        run += f" --nnodes={cluster.num_nodes} --rdzv-endpoint=<first node>:29500"
+    return f"{run} <this file>"
 
 
 def manifest_yaml(plan: Plan) -> str:

@@ -212,7 +212,7 @@ def test_world_size_must_match_the_manifest(tmp_path, capsys, monkeypatch):
     path.write_text(yaml.safe_dump(data))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main([str(path)]) == 2
-    assert "nproc_per_node=2" in capsys.readouterr().err
+    assert "run `agilerl-train --nproc-per-node=2 ...`" in capsys.readouterr().err
 
 
 def test_short_demo_run(tmp_path, capsys):

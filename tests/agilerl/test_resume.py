@@ -149,20 +149,13 @@ def _marked(mark: str) -> list[int]:
     return with_env("AGILERL_TEST_MARK", mark)
 
 
-def _torchrun(manifest: Path, log: Path, mark: str = "") -> subprocess.Popen:
+def _torchrun(manifest: Path, log: Path, mark: str = "", *, launcher: str = "torchrun") -> subprocess.Popen:
+    """Two ranks of agilerl.train under torchrun, or under agilerl-train (``launcher="agilerl-train"``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "AGILERL_TEST_MARK": mark}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "agilerl.train",
-        str(manifest),
-        "--device",
-        "cpu",
-    ]
+    run = ["torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "agilerl.train"]
+    if launcher == "agilerl-train":
+        run = ["agilerl.launch", "--nproc-per-node=2"]
+    cmd = [sys.executable, "-m", *run, str(manifest), "--device", "cpu"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -199,7 +192,7 @@ def test_fsdp2_two_ranks_killed_mid_step_resume_to_the_same_adapters(tmp_path):
     assert not _marked(mark)
     assert not (broken_dir / "agent0" / "attributes.pt").exists(), "the run finished before it was killed"
 
-    run = _torchrun(tmp_path / "broken.yaml", tmp_path / "broken-2.log")
+    run = _torchrun(tmp_path / "broken.yaml", tmp_path / "broken-2.log", launcher="agilerl-train")  # the same run
     assert run.wait(timeout=240) == 0, (tmp_path / "broken-2.log").read_text()[-3000:]
     log = (tmp_path / "broken-2.log").read_text()
     assert "resumed at step" in log, log[-3000:]

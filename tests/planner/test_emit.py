@@ -203,9 +203,9 @@ def test_a_rollout_planned_off_the_trainer_gpus_gets_engine_ranks_of_its_own(gpu
     assert code == 0
     manifest = load_manifest(yaml.safe_load(text))
     assert manifest.training.rollout_engines_per_agent == engines
-    assert f"# run: torchrun --nproc_per_node={nproc} " in text
+    assert f"# run: agilerl-train --nproc-per-node={nproc} " in text
     layout = manifest.training.layout(nproc * engines)  # the launch the line gives: every node's ranks
     assert (layout.trainers, layout.engines) == (per_node * engines, engines)
     code, sft = _emit(["Qwen/Qwen2.5-7B", *gpus, "--algorithm", "sft"], "yaml", capsys)
     assert load_manifest(yaml.safe_load(sft)).training.rollout_engines_per_agent == 0
-    assert f"--nproc_per_node={per_node} " in sft
+    assert f"--nproc-per-node={per_node} " in sft

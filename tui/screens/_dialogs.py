@@ -38,7 +38,7 @@ class SavePrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="save-dialog"):
-            yield Label("Save the manifest YAML (for python -m agilerl.train) to:", classes="dialog-title")
+            yield Label("Save the manifest YAML (for agilerl-train) to:", classes="dialog-title")
             yield Input(self.default, id="save-path")
             yield Label("Enter: save   Escape: cancel", classes="dialog-hint")
 

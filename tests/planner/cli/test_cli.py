@@ -61,7 +61,7 @@ def test_yaml_and_output_file_are_loadable_manifests(tmp_path, capsys):
     assert path.read_text() == out
     assert out.startswith("# agilerl-plan: Qwen/Qwen2.5-72B on 16 x H100-80GB")
     # two nodes of 8: the launch line says so
-    assert "# run: torchrun --nproc_per_node=8 --nnodes=2 --rdzv-backend=c10d" in out
+    assert "# run: agilerl-train --nproc-per-node=8 --nnodes=2 --rdzv-endpoint=<first node>:29500 <this file>" in out
     manifest = load_manifest(yaml.safe_load(out))
     assert manifest.algorithm.max_output_tokens == 512 and manifest.training.training_gpus_per_agent == 16
     assert load_manifest(path) == manifest

@@ -1,0 +1,159 @@
+"""``agilerl-train``: train from a manifest on one device or on many ranks.
+
+    agilerl-train manifest.yaml [--device cpu|cuda] [--max-steps N]         # one device
+    agilerl-train --nproc-per-node=8 manifest.yaml                           # 8 ranks on this host
+    agilerl-train --nproc-per-node=8 --nnodes=2 --rdzv-endpoint=HOST:29500 manifest.yaml
+                                                                             # on each of 2 nodes
+
+On one rank it is ``python -m agilerl.train`` (torchrun, for its process group, where the manifest
+shards with FSDP2 on one rank). On several it is torchrun (run in this process,
+c10d rendezvous: ``--standalone`` on one node) on ``agilerl.train``, with two differences a user
+sees only when something is wrong:
+
+- the launch is checked before any rank starts (the manifest, the ranks it needs for the ranks
+  given, the model, the checkpoint directory: :func:`agilerl.train.check_launch`), so bad input
+  costs no rank start-up and is said once;
+- a rank that stops on bad input writes its one line to its torchrun error file, not the
+  terminal, and the launcher says each distinct line once (``rank R:`` in front where the ranks
+  differ) and exits 2, where torchrun prints every rank's line and a traceback of its own and
+  exits 1. A rank that crashes prints its own traceback, and the launcher names it and exits 1.
+
+torchrun itself stays usable (``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``)
+for its options this command does not take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from agilerl.utils.cli import ArgumentParser, positive_int
+
+__all__ = ["main"]
+
+PROG = "agilerl-train"
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from agilerl.train import add_run_arguments
+
+    add_run_arguments(parser)
+    launch = parser.add_argument_group("launch (torchrun's options of the same names)")
+    launch.add_argument(
+        "--nproc-per-node", "--nproc_per_node", type=positive_int, default=1, help="ranks on this node (default 1)"
+    )
+    launch.add_argument("--nnodes", type=positive_int, default=1, help="nodes, each running this command (default 1)")
+    launch.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: where the nodes meet, the same on every node (a host of one of them)",
+    )
+    launch.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        default="agilerl-train",
+        metavar="ID",
+        help="with --nnodes > 1: the job's name at the endpoint, the same on every node (default agilerl-train)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    run_argv = [args.manifest]
+    if args.device is not None:
+        run_argv += ["--device", args.device]
+    if args.max_steps is not None:
+        run_argv += ["--max-steps", str(args.max_steps)]
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        parser.error(f"--nnodes={args.nnodes} needs --rdzv-endpoint=HOST:PORT, the same on every node")
+    if args.nnodes == 1 and args.rdzv_endpoint:
+        parser.error("--rdzv-endpoint is for --nnodes > 1 (one node finds a free port itself)")
+    world = args.nproc_per_node * args.nnodes
+    from agilerl.manifest import load_manifest
+    from agilerl.train import check_launch, refuse
+    from agilerl.train import main as train_main
+
+    try:
+        manifest = load_manifest(args.manifest)
+        fsdp = manifest.algorithm.fsdp_config()
+        if world == 1 and (fsdp is None or fsdp == "auto"):  # no process group needed: this process trains
+            return train_main(run_argv, prog=PROG)
+        check_launch(manifest, device=args.device, world=world)
+    except ValueError as err:  # ManifestError included
+        return refuse(PROG, str(err))
+    return _launch(args, run_argv)
+
+
+def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
+    """torchrun on ``agilerl.train`` in this process; a rank's failure said in one line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from agilerl.train import LAUNCHER_ENV
+
+    rendezvous = (
+        ["--standalone"]
+        if args.nnodes == 1
+        else ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+    )
+    torchrun = [
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nnodes={args.nnodes}",
+        *rendezvous,
+        "-m",
+        "agilerl.train",
+        *run_argv,
+    ]
+    os.environ[LAUNCHER_ENV] = PROG  # the ranks inherit it: their errors come here
+    # torchrun logs "failed (exitcode: 2) local_rank: ..." at ERROR for a failed rank: said below instead
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(torchrun))
+    except ChildFailedError as err:
+        lines, status = _failure_lines(err.failures)
+        for line in lines:
+            sys.stderr.write(f"{PROG}: error: {line}\n")
+        return status
+    except SignalException as err:  # the ranks were stopped with this launcher
+        sys.stderr.write(f"{PROG}: stopped by {signal.Signals(err.sigval).name}\n")
+        return 128 + int(err.sigval)
+    return 0
+
+
+def _failure_lines(failures: dict[int, Any]) -> tuple[list[str], int]:
+    """What ``failures`` (global rank -> torchrun's ``ProcessFailure``) come to, in lines, and the
+    exit status: each distinct one-line error the ranks wrote (``rank R:`` in front where they
+    differ), status 2; with none, the rank that failed first (its traceback is on the terminal),
+    status 1. Ranks torchrun stopped because another failed are not mentioned."""
+    from agilerl.train import ERROR_SOURCE
+
+    said: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        data = failures[rank].error_file_data
+        if isinstance(data, dict) and data.get("source") == ERROR_SOURCE:  # written by agilerl.train.refuse
+            said.setdefault(str(data["message"]), []).append(rank)
+    if len(said) == 1:
+        return [next(iter(said))], 2
+    if said:
+        return [f"rank {ranks[0]}: {message}" for message, ranks in said.items()], 2
+    crashed = [f for f in failures.values() if f.exitcode > 0]
+    first = min(crashed or failures.values(), key=lambda f: f.timestamp)
+    rank = next(r for r, f in failures.items() if f is first)
+    if first.exitcode > 0:
+        return [f"rank {rank} exited with status {first.exitcode} (its traceback is above)"], 1
+    name = first.signal_name()
+    hint = " (the kernel's out-of-memory killer sends it)" if name == "SIGKILL" else ""
+    return [f"rank {rank} was killed by {name}{hint}"], 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

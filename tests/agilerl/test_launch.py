@@ -1,0 +1,197 @@
+"""``agilerl-train``: the launch checked before any rank starts, a rank's error said once in one line.
+
+Under plain torchrun a rank's bad-input error came as every rank's copy of the line, pieces of
+them interleaved, then torchrun's own ``ChildFailedError`` traceback, and exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from agilerl.launch import _failure_lines, main
+from agilerl.train import ERROR_SOURCE, LAUNCHER_ENV, refuse
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=2"
+
+
+def _manifest(tmp_path: Path, fsdp=False, **training) -> Path:
+    manifest = {
+        "algorithm": {
+            "name": "GRPO",
+            "model_name": MODEL,
+            "group_size": 2,
+            "max_output_tokens": 2,
+            "dtype": "float32",
+            "gradient_checkpointing": False,
+            "fsdp": fsdp,
+        },
+        "training": {"rollout_batch_size": 2, "max_steps": 2, **training},
+        "lora": {"r": 4, "alpha": 8},
+    }
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("agilerl-train: error: "), err
+    return lines[0]
+
+
+def test_a_launch_the_manifest_cannot_take_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """Three ranks cannot split rollout_batch_size=2: said by the launcher, one line, exit 2;
+    no rank started (torchrun would have set the launcher's variable for them)."""
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    started = time.monotonic()
+    assert main(["--nproc-per-node=3", str(_manifest(tmp_path)), "--device", "cpu"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "rollout_batch_size (2) must be a multiple of the 3 trainer rank(s)" in line
+    assert LAUNCHER_ENV not in os.environ
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--nnodes=2", "m.yaml"], "--nnodes=2 needs --rdzv-endpoint"),
+        (["--rdzv-endpoint=host:29500", "m.yaml"], "--rdzv-endpoint is for --nnodes > 1"),
+        (["--nproc-per-node=0", "m.yaml"], "--nproc-per-node"),
+        (["--nproc-per-node=2", str(REPO / "no" / "such.yaml")], "such.yaml"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        status = main(argv)
+        raise SystemExit(status)
+    assert stop.value.code == 2
+    assert says in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_rank_error_goes_to_its_torchrun_error_file_and_to_the_terminal_unless_a_launcher_says_it(
+    tmp_path, capsys, monkeypatch
+):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    assert refuse("python -m agilerl.train", "a  field\nis wrong") == 2
+    assert capsys.readouterr().err == "python -m agilerl.train: error: a field is wrong\n"  # one line, whole
+    assert json.loads(error_file.read_text())["message"] == "a field is wrong"  # torchrun's report shows it
+    monkeypatch.setenv(LAUNCHER_ENV, "agilerl-train")
+    assert refuse("python -m agilerl.train", "another") == 2
+    assert capsys.readouterr().err == ""  # the launcher says it, once
+    assert json.loads(error_file.read_text())["message"] == "another"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no" / "dir" / "error.json"))
+    refuse("python -m agilerl.train", "unwritable error file")  # then the terminal, launcher or not
+    assert capsys.readouterr().err == "python -m agilerl.train: error: unwritable error file\n"
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None = None):
+    """torchrun's own record of a failed rank, read from an error file as its agent reads it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error-{rank}.json"
+    error_file.unlink(missing_ok=True)  # none for a rank that wrote nothing
+    if message is not None:
+        error_file.write_text(json.dumps({"message": message, "timestamp": 100 + rank, "source": ERROR_SOURCE}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_the_failures_come_to_each_distinct_line_once(tmp_path):
+    same = {r: _failure(tmp_path, r, 2, "training.checkpoint_dir: x holds another run's checkpoints") for r in (0, 1)}
+    assert _failure_lines(same) == (["training.checkpoint_dir: x holds another run's checkpoints"], 2)
+
+    differ = {0: _failure(tmp_path, 0, 2, "a"), 1: _failure(tmp_path, 1, 2, "b"), 2: _failure(tmp_path, 2, 2, "a")}
+    assert _failure_lines(differ) == (["rank 0: a", "rank 1: b"], 2)
+
+    # rank 1 said why; torchrun then stopped rank 0 (SIGTERM): only rank 1's line
+    stopped = {0: _failure(tmp_path, 0, -signal.SIGTERM), 1: _failure(tmp_path, 1, 2, "b")}
+    assert _failure_lines(stopped) == (["b"], 2)
+
+    crashed = {0: _failure(tmp_path, 0, -signal.SIGTERM), 1: _failure(tmp_path, 1, 1)}
+    assert _failure_lines(crashed) == (["rank 1 exited with status 1 (its traceback is above)"], 1)
+
+    killed = {3: _failure(tmp_path, 3, -signal.SIGKILL)}
+    lines, status = _failure_lines(killed)
+    assert status == 1 and lines[0].startswith("rank 3 was killed by SIGKILL (the kernel's out-of-memory killer")
+
+
+def _launch(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(LAUNCHER_ENV, None)
+    cmd = [sys.executable, "-m", "agilerl.launch", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_both_ranks_refusing_another_runs_checkpoint_are_said_once_without_a_traceback(tmp_path):
+    """What the launch check cannot see: the ranks find a DPO run's checkpoint under the GRPO run's
+    checkpoint_dir once their agents are built, and both stop on it."""
+    folder = tmp_path / "ckpt"
+    (folder / "agent0").mkdir(parents=True)
+    torch.save({"algo": "DPO", "steps": 3}, folder / "agent0" / "attributes.pt")
+    manifest = _manifest(tmp_path, checkpoint_dir=str(folder))
+    done = _launch(["--nproc-per-node=2", str(manifest), "--device", "cpu"], timeout=150)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    line = _one_error_line(done.stderr)
+    assert "holds another run's checkpoints" in line and "is a DPO checkpoint, not GRPO" in line
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "built 1 GRPO agent(s) on 2 rank(s)" in done.stdout  # the ranks did start
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_ranks_with_one_line_and_status_130(tmp_path):
+    """SIGINT to the launcher (torchrun passes it to the ranks): no rank's KeyboardInterrupt
+    traceback, no rank left running."""
+    from tests._procs import with_env
+
+    manifest = _manifest(tmp_path, max_steps=100_000, log_every=1)
+    mark = f"ctrl-c-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(LAUNCHER_ENV, None)
+    env["AGILERL_TEST_MARK"] = mark
+    cmd = [sys.executable, "-m", "agilerl.launch", "--nproc-per-node=2", str(manifest), "--device", "cpu"]
+    run = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = []
+        while not any("step    2" in line for line in out):  # training, on both ranks
+            line = run.stdout.readline()
+            assert line, "".join(out) + run.stderr.read()
+            out.append(line)
+        run.send_signal(signal.SIGINT)
+        rest, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130, err
+    assert "Traceback" not in "".join(out) + rest + err
+    assert err.splitlines()[-1] == "agilerl-train: stopped by SIGINT"
+    assert not with_env("AGILERL_TEST_MARK", mark)  # torchrun waited for its ranks
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_fsdp2_on_one_rank_is_what_the_one_device_refusal_says_to_run(tmp_path, capsys):
+    """`python -m agilerl.train` refuses an FSDP2 manifest (no process group) and says to run
+    `agilerl-train --nproc-per-node=1`: that launches one torchrun rank, which trains."""
+    from agilerl.train import main as train_main
+
+    manifest = _manifest(tmp_path, fsdp=True)
+    assert train_main([str(manifest), "--device", "cpu"]) == 2
+    advice = capsys.readouterr().err.split("run `")[1].split(" ...`")[0]
+    assert advice == "agilerl-train --nproc-per-node=1"
+    done = _launch([*advice.split()[1:], str(manifest), "--device", "cpu"], timeout=150)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "built 1 GRPO agent(s) on 1 rank(s)" in done.stdout and "agent 0 step    2" in done.stdout
