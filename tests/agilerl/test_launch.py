@@ -195,3 +195,34 @@ def test_fsdp2_on_one_rank_is_what_the_one_device_refusal_says_to_run(tmp_path, 
     done = _launch([*advice.split()[1:], str(manifest), "--device", "cpu"], timeout=150)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "built 1 GRPO agent(s) on 1 rank(s)" in done.stdout and "agent 0 step    2" in done.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path):
+    """The line `agilerl-plan --output` writes for two nodes, run twice on this host (one rank
+    each): the two launchers meet at the endpoint and their ranks train data parallel."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    manifest = _manifest(tmp_path)
+    argv = ["--nproc-per-node=1", "--nnodes=2", f"--rdzv-endpoint=localhost:{port}", str(manifest), "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(LAUNCHER_ENV, None)
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "agilerl.launch", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    try:
+        done = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err.decode()[-2000:] for _, err in done]
+    out = b"".join(out for out, _ in done).decode()
+    assert out.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # the main rank's, on one of the nodes
+    assert "agent 0 step    2" in out
