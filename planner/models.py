@@ -17,6 +17,7 @@ from agilerl.utils.sources import (
     check_causal_lm_type,
     check_config,
     check_model_source,
+    local_path,
     looks_like_path,
     multimodal_architecture,
     multimodal_text_model,
@@ -133,13 +134,9 @@ def load_model_spec(
     want = ModelSpec.target_key(lora_targets)
 
     try:
-        path = Path(model).expanduser()
-        path.exists()  # a name longer than the file system allows raises here, not later
-    except RuntimeError as err:  # ~user with no such user
-        raise ModelNotFound(f"{model}: {err}") from None
-    except OSError as err:
-        shown = model if len(model) <= 80 else model[:77] + "..."
-        raise ModelNotFound(f"unknown model {shown!r} ({len(model)} characters): {err.strerror or err}") from None
+        path = local_path(model)
+    except ValueError as err:
+        raise ModelNotFound(str(err)) from None
     if path.is_dir() and (path / "config.json").exists():
         return _from_config_dict(read_config(path / "config.json"), name=str(path), targets=targets)
     if path.is_file() and path.suffix == ".json":

@@ -47,6 +47,7 @@ __all__ = [
     "build_config",
     "check_model_source",
     "looks_like_path",
+    "local_path",
     "text_config",
     "cached_config",
     "read_config",
@@ -273,6 +274,22 @@ def looks_like_path(name: str) -> bool:
     )
 
 
+def local_path(name: str) -> Path:
+    """``name`` as a local path, ``~`` expanded, or a one-line ValueError for a name no path can
+    have: ``~user`` of no such user, or longer than the file system allows (which every later
+    ``exists()`` would raise on). The one guard of the trainer's, the planner's and the probe's
+    model lookups."""
+    try:
+        path = Path(name).expanduser()
+        path.exists()  # a name longer than the file system allows raises here, not later
+    except RuntimeError:  # ~user of a user without a home directory
+        raise ValueError(f"{name}: no home directory for {name.split('/')[0]!r} (no such user?)") from None
+    except OSError as err:
+        shown = name if len(name) <= 80 else f"{name[:77]}..."
+        raise ValueError(f"{shown} ({len(name)} characters): not a usable path: {err.strerror or err}") from None
+    return path
+
+
 def read_config(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -328,13 +345,8 @@ def check_model_source(name: str, *, allow_download: bool, for_training: bool = 
         arch, kwargs = parse_tiny(name)
         kwargs.pop("seed", None)
         return tiny_config(arch, **kwargs).to_dict()
-    try:
-        path = Path(name).expanduser()
-        is_dir, exists = path.is_dir(), path.exists()
-    except RuntimeError:  # ~user of a user without a home directory
-        raise ValueError(f"{name}: no home directory for {name.split('/')[0]!r} (no such user?)") from None
-    except OSError as err:  # a name too long for a path, say
-        raise ValueError(f"{name}: not a usable path: {err.strerror or err}") from None
+    path = local_path(name)
+    is_dir, exists = path.is_dir(), path.exists()
     if is_dir:
         if not (path / "config.json").exists():
             raise ValueError(f"{name}: directory has no config.json (expected a Hugging Face model directory)")

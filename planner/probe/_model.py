@@ -59,9 +59,11 @@ def _cached_file(repo_id: str, *names: str) -> str | None:
 
 def _exists(model: str) -> bool:
     """``model`` names a local path (False for a name no file system path can have: too long, ~nobody)."""
+    from agilerl.utils.sources import local_path
+
     try:
-        return Path(model).expanduser().exists()
-    except (OSError, RuntimeError):
+        return local_path(model).exists()
+    except ValueError:
         return False
 
 
