@@ -206,8 +206,10 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
     torch.manual_seed(training.seed)
     from agilerl.algorithms.core.loading import load_tokenizer, resolve_model_source
 
-    source = resolve_model_source(algo.model_name)  # every rank (a built-in model is written once)
-    tokenizer = load_tokenizer(source)
+    source = algo.model_name
+    if layout.engines:  # engine ranks load it: every rank, before they split (a built-in model is written once)
+        source = resolve_model_source(source)
+    tokenizer = load_tokenizer(source)  # a built-in model's needs nothing written
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = dict(

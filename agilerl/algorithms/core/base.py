@@ -293,10 +293,9 @@ class LLMAlgorithm:
         self.world_size = get_world_size()
         self.device = resolve_device(device)
         self.tokenizer = tokenizer
-        from .loading import resolve_model_source
-
-        # Collective (rank 0 may write a built-in model while the others wait): every rank, now.
-        self.model_source = resolve_model_source(model_name) if model_name else None
+        # A built-in tiny model keeps its name until fsdp_config="auto" has planned it (the planner
+        # reads tiny names as configs): a run the plan refuses never builds its weights.
+        self.model_source = model_name
         self.phase_observer: Callable[[str], ContextManager] | None = None
         self.steps = 0
         self.scores: list[float] = []
@@ -311,6 +310,10 @@ class LLMAlgorithm:
         self.plan = None
         if self.fsdp_config == "auto":
             micro_batch_size_per_gpu = self._resolve_auto_fsdp(actor_network, micro_batch_size_per_gpu)
+        from .loading import resolve_model_source
+
+        # Collective (rank 0 may write a built-in model while the others wait): every rank, now.
+        self.model_source = resolve_model_source(model_name) if model_name else None
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
         self._check_before_loading(actor_network, lora_config, model_name)
         if self.plan is None and self.auto_knobs:

@@ -96,7 +96,10 @@ def resolve_model_source(model_name: str) -> str:
 
     ``tiny:<arch>[?config overrides]`` builds a tiny random model with the
     character tokenizer, writes it once to the cache directory (rank 0, the
-    others wait) and returns that directory. Nothing is downloaded.
+    others wait) and returns that directory. Nothing is downloaded. The agent
+    calls it after ``fsdp_config="auto"`` has planned the name, and
+    ``agilerl.train`` only for engine ranks: a tiny model's tokenizer and plan
+    need nothing written (:func:`load_tokenizer`, the planner's tiny configs).
     """
     if not model_name.startswith(TINY_PREFIX):
         return model_name
@@ -183,8 +186,13 @@ def load_tokenizer(source: str):
     PreTrainedTokenizerFast) is loaded exactly as its tokenizer.json says. ``AutoTokenizer``
     would pick the model type's class instead (``Qwen2Tokenizer`` for a qwen2 directory), which
     in transformers 5 rebuilds the pre-tokenizer and normaliser from that class's defaults, so a
-    custom vocabulary encodes wrongly or to nothing.
+    custom vocabulary encodes wrongly or to nothing. A built-in tiny model's (``tiny:...``) is the
+    character tokenizer, built here: nothing is written for it.
     """
+    if source.startswith(TINY_PREFIX):
+        from agilerl.utils.tiny import char_tokenizer
+
+        return char_tokenizer()
     from transformers import AutoTokenizer
 
     folder = Path(source).expanduser()

@@ -649,6 +649,17 @@ def test_auto_fsdp_on_one_device_refuses_a_run_that_does_not_fit(tmp_path):
     assert "\n" not in message and message.startswith("fsdp_config='auto': no configuration fits in "), message
 
 
+def test_auto_fsdp_refuses_a_tiny_model_that_does_not_fit_before_building_it(monkeypatch, tmp_path):
+    """A built-in tiny model is written to the cache, random weights and all, when it is first
+    loaded: a 70B-sized one was built in host memory (minutes, then the out-of-memory killer)
+    before the plan that refuses it. Now the plan reads its name as a config, first."""
+    monkeypatch.setenv("AGILERL_CACHE", str(tmp_path))
+    big = "tiny:llama?hidden_size=8192&intermediate_size=28672&num_layers=80&num_heads=64&num_kv_heads=8"
+    with pytest.raises(ValueError, match="^fsdp_config='auto': no configuration fits in "):
+        make_agent(model_name=big, fsdp_config="auto", max_model_len=64)
+    assert not list(tmp_path.rglob("*.safetensors")) and not list(tmp_path.rglob("config.json"))
+
+
 def test_auto_checkpointing_and_chunk_come_from_the_estimate_on_one_device(caplog):
     from planner.choose import LOGPROB_CHUNKS
 
