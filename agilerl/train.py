@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from agilerl.utils.cli import ArgumentParser, positive_int, quiet_bitsandbytes, show_logs
+from agilerl.utils.cli import ArgumentParser, cannot_write_in, positive_int, quiet_bitsandbytes, show_logs
 
 __all__ = ["main", "train", "check_launch", "refuse", "LAUNCHER_ENV", "ERROR_SOURCE"]
 
@@ -171,8 +171,8 @@ def _check_checkpoint_dir(folder: Path) -> None:
     if not existing.is_dir():
         where = "is a file" if existing == folder else f"is under {existing}, which is a file"
         raise ValueError(f"training.checkpoint_dir: {folder} {where}, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"training.checkpoint_dir: {existing} is not writable (checkpoints go under {folder})")
+    if why := cannot_write_in(existing):
+        raise ValueError(f"training.checkpoint_dir: cannot write in {existing} ({why}; checkpoints go under {folder})")
 
 
 def train(manifest, *, device: str | None = None, max_steps: int | None = None) -> list[list[dict[str, float]]]:

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from urllib.parse import unquote  # a SQLite URL's path is escaped (planner.tune.storage_url)
 
+from agilerl.utils.cli import cannot_write_in
+
 __all__ = ["check_output", "write_output"]
 
 
@@ -39,6 +41,9 @@ def check_output(path: str | None, model: str | None = None, storage: str | None
             raise ValueError(f"--output {path!r}: folder {target.parent} does not exist")
         if not target.parent.is_dir():
             raise ValueError(f"--output {path!r}: {target.parent} is a file, not a folder")
+        if not target.exists() or target.is_file():  # written through a new file in the folder
+            if why := cannot_write_in(target.parent):
+                raise ValueError(f"--output {path!r}: cannot write in {target.parent} ({why})")
     except OSError as err:  # a name longer than the file system allows
         raise ValueError(f"--output {path!r}: {err.strerror or err}") from None
     if model is not None and target == _model_config(model):

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -28,6 +30,7 @@ __all__ = [
     "margin_fraction",
     "show_logs",
     "quiet_bitsandbytes",
+    "cannot_write_in",
 ]
 
 
@@ -123,3 +126,16 @@ def quiet_bitsandbytes() -> None:
     load CPU gemm_4bit_forward from kernels-community``, printed wherever peft is imported) off a
     command's output when the command runs no 4-bit kernel; its errors still show."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def cannot_write_in(folder: str | os.PathLike) -> str | None:
+    """Why no file can be created in ``folder``, an existing directory, or None where one can: it
+    creates and deletes an empty file, as the write will. A permission check says yes to root on a
+    read-only mount or under ``/proc``, where a long run's first checkpoint would then fail."""
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".agilerl-write-check-")
+    except OSError as err:
+        return err.strerror or str(err)
+    os.close(handle)
+    os.unlink(name)
+    return None
