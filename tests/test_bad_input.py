@@ -276,6 +276,14 @@ CASES = [
     ),
     (config({"hidden_size": None}), "hidden_size"),
     (config({"num_hidden_layers": None}), "num_hidden_layers"),
+    # GPT-2's config names its sizes otherwise: said so, not "config has no hidden_size"
+    (
+        config(
+            '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, '
+            '"n_head": 4, "vocab_size": 128}'
+        ),
+        "model_type 'gpt2' names its sizes hidden_size as n_embd, num_hidden_layers as n_layer",
+    ),
     (config({"vocab_size": None}), "vocab_size"),
     (config({"num_key_value_heads": 3}), "num_key_value_heads"),
     (config({"num_attention_heads": 5}), "num_attention_heads"),
@@ -305,6 +313,10 @@ CASES = [
     (tune("--storage", "{tmp}/study.db", "--output", "{tmp}/study.db"), "study database"),
     (tune("--storage", "{tmp}/a?b.db", "--output", "{tmp}/a?b.db"), "study database"),
     (tune("--output", "{tmp}/agilerl-tune.db"), "study database"),
+    # a folder no file can be created in, for root too (a permission check said yes): before the
+    # study, not after it
+    (tune("--output", "/proc/agilerl-plan.yaml"), "cannot write in /proc"),
+    (plan(M, "--output", "/proc/agilerl-plan.yaml"), "cannot write in /proc"),
     (tune("--seed", "-1"), "--seed"),
     (tune("--seed", str(2**32)), "below 2**32"),
     (tune("--storage", ""), "--storage"),
@@ -352,6 +364,7 @@ CASES = [
     (manifest({"algorithm": {"model_name": "/etc/passwd"}}), "a file, not a model directory"),
     (manifest(text="a: " + "[" * 3000 + "]" * 3000), "nested too deeply"),
     (manifest({"training": {"checkpoint_dir": ""}}), "checkpoint_dir is empty"),
+    (manifest({"training": {"checkpoint_dir": "/proc/agilerl-run"}}), "checkpoint_dir: cannot write in /proc"),
     (manifest({"algorithm": {"lr": -1}}), "lr"),
     (manifest({"algorithm": {"name": "PPO2"}}), "'GRPO', 'CISPO', 'GSPO', 'LLMREINFORCE', 'LLMPPO', 'SFT' or 'DPO'"),
     (manifest({"algorithm": {"name": "CISPO", "clip_coef": 0.2}}), "CISPO takes beta, clip_coef_high"),

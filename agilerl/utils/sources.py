@@ -163,6 +163,21 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _named_otherwise(model_type: Any, missing: list[str], text: dict) -> list[str]:
+    """``missing`` fields ``text`` holds under another name its ``model_type`` gives them (GPT-2's
+    ``n_embd`` for hidden_size), as ``hidden_size as n_embd``; empty where transformers knows no
+    such name."""
+    if not missing or not isinstance(model_type, str):
+        return []
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        renamed = getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {}
+    except (ImportError, KeyError, ValueError):
+        return []
+    return [f"{key} as {renamed[key]}" for key in missing if renamed.get(key) in text]
+
+
 def check_config(config: dict, name: str) -> None:
     """Raise ValueError naming the field when ``config`` cannot describe a decoder-only causal LM."""
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
@@ -188,6 +203,12 @@ def check_config(config: dict, name: str) -> None:
         )
     text = text_config(config)
     missing = [key for key in REQUIRED_FIELDS if key not in text]
+    if otherwise := _named_otherwise(text.get("model_type"), missing, text):
+        raise ValueError(
+            f"{name}: model_type {text.get('model_type')!r} names its sizes {', '.join(otherwise)}; the trainer "
+            f"and the estimate support the causal LMs whose configs name {', '.join(REQUIRED_FIELDS)} (the "
+            "Llama, Qwen, Mistral, Gemma, OLMo, Phi, DeepSeek and GPT-OSS families and their kind), not this family"
+        )
     if missing:
         raise ValueError(
             f"{name}: config has no {', '.join(missing)}; the estimate needs "
