@@ -16,7 +16,9 @@ sees only when something is wrong:
 - a rank that stops on bad input writes its one line to its torchrun error file, not the
   terminal, and the launcher says each distinct line once (``rank R:`` in front where the ranks
   differ) and exits 2, where torchrun prints every rank's line and a traceback of its own and
-  exits 1. A rank that crashes prints its own traceback, and the launcher names it and exits 1.
+  exits 1. A rank that crashes prints its own traceback, and the launcher names it and exits 1;
+- nodes that do not all join within ``--rdzv-timeout`` seconds, or an endpoint that cannot be
+  reached, are said in one line (exit 2), not as a rendezvous traceback.
 
 torchrun itself stays usable (``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``)
 for its options this command does not take.
@@ -61,6 +63,13 @@ def _parser() -> ArgumentParser:
         metavar="ID",
         help="with --nnodes > 1: the job's name at the endpoint, the same on every node (default agilerl-train)",
     )
+    launch.add_argument(
+        "--rdzv-timeout",
+        type=positive_int,
+        default=900,
+        metavar="SECONDS",
+        help="with --nnodes > 1: how long a node waits for the others to join (default 900, torchrun's)",
+    )
     return parser
 
 
@@ -96,6 +105,7 @@ def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
     """torchrun on ``agilerl.train`` in this process; a rank's failure said in one line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
     from agilerl.train import LAUNCHER_ENV
@@ -103,7 +113,12 @@ def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
     rendezvous = (
         ["--standalone"]
         if args.nnodes == 1
-        else ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+        else [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=join_timeout={args.rdzv_timeout}",
+        ]
     )
     torchrun = [
         f"--nproc-per-node={args.nproc_per_node}",
@@ -116,8 +131,23 @@ def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
     os.environ[LAUNCHER_ENV] = PROG  # the ranks inherit it: their errors come here
     # torchrun logs "failed (exitcode: 2) local_rank: ..." at ERROR for a failed rank: said below instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    if args.nnodes > 1:
+        print(
+            f"{PROG}: waiting up to {args.rdzv_timeout} s for the {args.nnodes} nodes to meet at {args.rdzv_endpoint}",
+            flush=True,
+        )
     try:
         run(get_args_parser().parse_args(torchrun))
+    except RendezvousError as err:  # nodes that never came, an endpoint nobody serves
+        if isinstance(err, RendezvousTimeoutError):
+            why = (
+                f"not all {args.nnodes} nodes joined within {args.rdzv_timeout} s: start agilerl-train on every "
+                "node with the same --nnodes, --rdzv-endpoint and --rdzv-id"
+            )
+        else:
+            why = " ".join(str(err.__cause__ or err).split()) or type(err).__name__
+        sys.stderr.write(f"{PROG}: error: --rdzv-endpoint={args.rdzv_endpoint}: the nodes did not meet: {why}\n")
+        return 2
     except ChildFailedError as err:
         lines, status = _failure_lines(err.failures)
         for line in lines:

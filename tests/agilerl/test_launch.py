@@ -226,3 +226,18 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path
     out = b"".join(out for out, _ in done).decode()
     assert out.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # the main rank's, on one of the nodes
     assert "agent 0 step    2" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_peers_never_come_stops_after_the_rendezvous_timeout_in_one_line(tmp_path):
+    """torchrun's join timeout is 15 minutes and ends in a RendezvousTimeoutError traceback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    argv = ["--nnodes=2", f"--rdzv-endpoint=localhost:{port}", "--rdzv-timeout=3", str(_manifest(tmp_path))]
+    done = _launch([*argv, "--device", "cpu"], timeout=100)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout.startswith(f"agilerl-train: waiting up to 3 s for the 2 nodes to meet at localhost:{port}")
+    assert "not all 2 nodes joined within 3 s" in _one_error_line(done.stderr)
