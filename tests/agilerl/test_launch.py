@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from agilerl.launch import _failure_lines, main
+from agilerl.launch import _SAID_HERE, _failure_lines, main
 from agilerl.train import ERROR_SOURCE, LAUNCHER_ENV, refuse
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +69,9 @@ def test_a_launch_the_manifest_cannot_take_is_refused_before_any_rank_starts(tmp
         (["--rdzv-endpoint=host:29500", "m.yaml"], "--rdzv-endpoint is for --nnodes > 1"),
         (["--nproc-per-node=0", "m.yaml"], "--nproc-per-node"),
         (["--nproc-per-node=2", str(REPO / "no" / "such.yaml")], "such.yaml"),
+        (["--nnodes=2", "--rdzv-endpoint=host:abc", "m.yaml"], "must be HOST:PORT with a port in 1-65535"),
+        (["--nnodes=2", "--rdzv-endpoint=host:0", "m.yaml"], "must be HOST:PORT with a port in 1-65535"),
+        (["--max-restarts=-1", "m.yaml"], "--max-restarts"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
@@ -120,11 +123,14 @@ def test_the_failures_come_to_each_distinct_line_once(tmp_path):
     assert _failure_lines(stopped) == (["b"], 2)
 
     crashed = {0: _failure(tmp_path, 0, -signal.SIGTERM), 1: _failure(tmp_path, 1, 1)}
-    assert _failure_lines(crashed) == (["rank 1 exited with status 1 (its traceback is above)"], 1)
+    assert _failure_lines(crashed) == (["rank 1 exited with status 1 (its output is above)"], 1)
 
-    killed = {3: _failure(tmp_path, 3, -signal.SIGKILL)}
+    # the out-of-memory killer took rank 3; rank 0 then failed on the broken connection
+    killed = {0: _failure(tmp_path, 0, 1), 3: _failure(tmp_path, 3, -signal.SIGKILL)}
     lines, status = _failure_lines(killed)
     assert status == 1 and lines[0].startswith("rank 3 was killed by SIGKILL (the kernel's out-of-memory killer")
+
+    assert _failure_lines({1: _failure(tmp_path, 1, 130)}) == (["rank 1 was interrupted"], 1)
 
 
 def _launch(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -183,32 +189,59 @@ def test_ctrl_c_stops_the_ranks_with_one_line_and_status_130(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-def test_fsdp2_on_one_rank_is_what_the_one_device_refusal_says_to_run(tmp_path, capsys):
+def test_fsdp2_on_one_rank_is_what_the_one_device_refusal_says_to_run(tmp_path, capfd, monkeypatch):
     """`python -m agilerl.train` refuses an FSDP2 manifest (no process group) and says to run
-    `agilerl-train --nproc-per-node=1`: that launches one torchrun rank, which trains."""
+    `agilerl-train --nproc-per-node=1`: that launches one torchrun rank, which trains. Run in this
+    process, the launcher leaves its environment, loggers and signal handlers as they were."""
+    import logging
+
     from agilerl.train import main as train_main
 
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     manifest = _manifest(tmp_path, fsdp=True)
     assert train_main([str(manifest), "--device", "cpu"]) == 2
-    advice = capsys.readouterr().err.split("run `")[1].split(" ...`")[0]
+    advice = capfd.readouterr().err.split("run `")[1].split(" ...`")[0]
     assert advice == "agilerl-train --nproc-per-node=1"
-    done = _launch([*advice.split()[1:], str(manifest), "--device", "cpu"], timeout=150)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "built 1 GRPO agent(s) on 1 rank(s)" in done.stdout and "agent 0 step    2" in done.stdout
+    environ, handler = dict(os.environ), signal.getsignal(signal.SIGINT)
+    import torch.distributed.run  # noqa: F401 - its import sets its loggers' levels
+
+    levels = [logging.getLogger(name).level for name in _SAID_HERE]
+    assert main([*advice.split()[1:], str(manifest), "--device", "cpu"]) == 0
+    out = capfd.readouterr().out
+    assert "built 1 GRPO agent(s) on 1 rank(s)" in out and "agent 0 step    2" in out
+    # what the launcher sets for its ranks is gone (loading the model may add caches' variables)
+    assert LAUNCHER_ENV not in os.environ and not [k for k in os.environ if k.startswith("TORCHELASTIC_")]
+    assert {k: v for k, v in os.environ.items() if k in environ} == environ
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert levels == [logging.getLogger(name).level for name in _SAID_HERE]
+
+
+def test_one_rank_trains_in_this_process(tmp_path, capsys):
+    assert main([str(_manifest(tmp_path)), "--device", "cpu"]) == 0
+    assert "built 1 GRPO agent(s) on 1 rank(s)" in capsys.readouterr().out
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path):
-    """The line `agilerl-plan --output` writes for two nodes, run twice on this host (one rank
-    each): the two launchers meet at the endpoint and their ranks train data parallel."""
+    """The line `agilerl-plan --output` writes for two nodes (its endpoint filled in), run twice on
+    this host (one rank each): the two launchers meet there and their ranks train data parallel."""
     import socket
 
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     manifest = _manifest(tmp_path)
-    argv = ["--nproc-per-node=1", "--nnodes=2", f"--rdzv-endpoint=localhost:{port}", str(manifest), "--device", "cpu"]
+    from planner.emit import launch_command
+    from planner.hardware import Cluster, gpu_by_name
+
+    line = launch_command(Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=2, gpus_per_node=1))  # a manifest's "# run:"
+    program, *launch = (
+        line.replace("<first node>:29500", f"localhost:{port}").replace("<this file>", str(manifest)).split()
+    )
+    assert program == "agilerl-train"
+    argv = [*launch, "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop(LAUNCHER_ENV, None)
     nodes = [
@@ -230,7 +263,7 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path
 
 @pytest.mark.timeout(120)
 def test_a_node_whose_peers_never_come_stops_after_the_rendezvous_timeout_in_one_line(tmp_path):
-    """torchrun's join timeout is 15 minutes and ends in a RendezvousTimeoutError traceback."""
+    """torchrun's c10d join timeout is 10 minutes and ends in a RendezvousTimeoutError traceback."""
     import socket
 
     with socket.socket() as s:
