@@ -225,7 +225,7 @@ def python_snippet(plan: Plan) -> str:
     arguments, launch = _snippet_arguments(manifest)
     imports = {
         f"from agilerl.algorithms import {cls}",
-        "from agilerl.algorithms.core.loading import load_tokenizer, resolve_model_source",
+        "from agilerl.algorithms.core.loading import load_tokenizer",
     }
     configs, calls = [], []
     for field, value in arguments.items():
@@ -244,7 +244,7 @@ def python_snippet(plan: Plan) -> str:
         *sorted(imports),
         "",
         f"model_name = {arguments['model_name']!r}",
-        "tokenizer = load_tokenizer(resolve_model_source(model_name))",
+        "tokenizer = load_tokenizer(model_name)",
         "if tokenizer.pad_token is None:",
         "    tokenizer.pad_token = tokenizer.eos_token",
         *configs,

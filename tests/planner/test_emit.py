@@ -107,7 +107,6 @@ def _snippet_arguments(snippet: str, cls: str, monkeypatch) -> dict:
     import agilerl.algorithms
     import agilerl.algorithms.core.loading as loading
 
-    monkeypatch.setattr(loading, "resolve_model_source", lambda name: name)
     monkeypatch.setattr(loading, "load_tokenizer", lambda source: TOKENIZER)
     calls = []
     monkeypatch.setattr(agilerl.algorithms, cls, lambda **kwargs: calls.append(kwargs))
