@@ -22,9 +22,8 @@ only when something is wrong:
   the launcher's, not a rendezvous traceback.
 
 torchrun itself stays usable (``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``)
-for its options this command does not take (a static rendezvous, ``--nproc-per-node=gpu``, log
-directories), and where a cluster sets torchrun's ``PET_*`` variables: this command reads its
-arguments only.
+for its options this command does not take (a static rendezvous, log directories), and where a
+cluster sets torchrun's ``PET_*`` variables: this command reads its arguments only.
 """
 
 from __future__ import annotations
@@ -51,6 +50,11 @@ def _endpoint(text: str) -> str:
     return text
 
 
+def _ranks_per_node(text: str) -> int | str:
+    """A positive count, or ``gpu``: one rank per GPU of this node (counted once parsing is done)."""
+    return "gpu" if text == "gpu" else positive_int(text)
+
+
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from agilerl.train import add_run_arguments
@@ -58,7 +62,12 @@ def _parser() -> ArgumentParser:
     add_run_arguments(parser)
     launch = parser.add_argument_group("launch (torchrun's options of the same names)")
     launch.add_argument(
-        "--nproc-per-node", "--nproc_per_node", type=positive_int, default=1, help="ranks on this node (default 1)"
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=_ranks_per_node,
+        default=1,
+        metavar="N|gpu",
+        help="ranks on this node, or gpu: one per GPU it has (default 1)",
     )
     launch.add_argument("--nnodes", type=positive_int, default=1, help="nodes, each running this command (default 1)")
     launch.add_argument(
@@ -106,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nnodes={args.nnodes} needs --rdzv-endpoint=HOST:PORT, the same on every node")
     if args.nnodes == 1 and args.rdzv_endpoint:
         parser.error("--rdzv-endpoint is for --nnodes > 1 (one node finds a free port itself)")
+    if args.nproc_per_node == "gpu":
+        import torch
+
+        args.nproc_per_node = torch.cuda.device_count()
+        if not args.nproc_per_node:
+            parser.error("--nproc-per-node=gpu: this node has no CUDA GPU; give a number of ranks")
     world = args.nproc_per_node * args.nnodes
     from agilerl.manifest import load_manifest
     from agilerl.train import check_launch, refuse

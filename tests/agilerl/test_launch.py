@@ -62,6 +62,19 @@ def test_a_launch_the_manifest_cannot_take_is_refused_before_any_rank_starts(tmp
     assert time.monotonic() - started < 30
 
 
+def test_nproc_per_node_gpu_is_one_rank_per_gpu(tmp_path, capsys, monkeypatch):
+    """As torchrun's: the count of this node's GPUs (three here: the launch check then refuses
+    rollout_batch_size=2 for 3 ranks, before starting any), and none is an error."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert main(["--nproc-per-node=gpu", str(_manifest(tmp_path)), "--device", "cpu"]) == 2
+    assert "multiple of the 3 trainer rank(s)" in _one_error_line(capsys.readouterr().err)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit) as stop:
+        main(["--nproc-per-node=gpu", str(_manifest(tmp_path))])
+    assert stop.value.code == 2
+    assert "--nproc-per-node=gpu: this node has no CUDA GPU" in _one_error_line(capsys.readouterr().err)
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -72,6 +85,7 @@ def test_a_launch_the_manifest_cannot_take_is_refused_before_any_rank_starts(tmp
         (["--nnodes=2", "--rdzv-endpoint=host:abc", "m.yaml"], "must be HOST:PORT with a port in 1-65535"),
         (["--nnodes=2", "--rdzv-endpoint=host:0", "m.yaml"], "must be HOST:PORT with a port in 1-65535"),
         (["--max-restarts=-1", "m.yaml"], "--max-restarts"),
+        (["--nproc-per-node=cpu", "m.yaml"], "--nproc-per-node"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
