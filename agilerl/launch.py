@@ -5,8 +5,8 @@
     agilerl-train --nproc-per-node=8 --nnodes=2 --rdzv-endpoint=HOST:29500 manifest.yaml
                                                                              # on each of 2 nodes
 
-On one rank it is ``python -m agilerl.train`` (torchrun, for its process group, where the manifest
-shards with FSDP2 on one rank). On several it is torchrun (run in this process,
+On one rank it is ``python -m agilerl.train`` (torchrun where the manifest shards with FSDP2 on
+one rank, which needs a process group, or ``--max-restarts`` is given). On several it is torchrun (run in this process,
 c10d rendezvous: ``--standalone`` on one node) on ``agilerl.train``, with these differences, seen
 only when something is wrong:
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = load_manifest(args.manifest)
         fsdp = manifest.algorithm.fsdp_config()
-        if world == 1 and (fsdp is None or fsdp == "auto"):  # no process group needed: this process trains
+        if world == 1 and not args.max_restarts and fsdp in (None, "auto"):  # no process group, no restarts
             return train_main(run_argv, prog=PROG)
         check_launch(manifest, device=args.device, world=world)
         return _launch(args, run_argv)

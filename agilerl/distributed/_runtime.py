@@ -55,6 +55,11 @@ def init_distributed(timeout_seconds: int = 1800) -> bool:
     CPU tensors (object collectives, offloaded state) and CUDA tensors both have
     a backend. No-op returning False without launcher env; an existing group is
     reused.
+
+    Under torchrun the group's keys go under a prefix of the attempt
+    (``TORCHELASTIC_RESTART_COUNT``): the ranks of a restart (``--max-restarts``)
+    meet in the store the agent kept, and gloo read a rank's address from the
+    failed attempt's keys before the new rank wrote its own (a refused connection).
     """
     if dist.is_available() and dist.is_initialized():
         return True
@@ -66,7 +71,18 @@ def init_distributed(timeout_seconds: int = 1800) -> bool:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        world = int(os.environ["WORLD_SIZE"])
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
+        store = dist.PrefixStore(f"agilerl/attempt_{restart}", agent_store)
+        dist.init_process_group(
+            backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout
+        )
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return True
 
 

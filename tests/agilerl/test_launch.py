@@ -158,17 +158,18 @@ def _launch(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(180)
 def test_both_ranks_refusing_another_runs_checkpoint_are_said_once_without_a_traceback(tmp_path):
     """What the launch check cannot see: the ranks find a DPO run's checkpoint under the GRPO run's
-    checkpoint_dir once their agents are built, and both stop on it."""
+    checkpoint_dir once their agents are built, and both stop on it; restarted once
+    (--max-restarts=1), they stop on it again, and it is said once."""
     folder = tmp_path / "ckpt"
     (folder / "agent0").mkdir(parents=True)
     torch.save({"algo": "DPO", "steps": 3}, folder / "agent0" / "attributes.pt")
     manifest = _manifest(tmp_path, checkpoint_dir=str(folder))
-    done = _launch(["--nproc-per-node=2", str(manifest), "--device", "cpu"], timeout=150)
+    done = _launch(["--nproc-per-node=2", "--max-restarts=1", str(manifest), "--device", "cpu"], timeout=150)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     line = _one_error_line(done.stderr)
     assert "holds another run's checkpoints" in line and "is a DPO checkpoint, not GRPO" in line
     assert "Traceback" not in done.stdout + done.stderr
-    assert "built 1 GRPO agent(s) on 2 rank(s)" in done.stdout  # the ranks did start
+    assert done.stdout.count("built 1 GRPO agent(s) on 2 rank(s)") == 2  # the ranks did start, twice
 
 
 @pytest.mark.multiproc
