@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote  # a SQLite URL's path is escaped (planner.tune.storage_url)
 
 from agilerl.utils.cli import cannot_write_in
+from agilerl.utils.sources import existing_path
 
 __all__ = ["check_output", "write_output"]
 
@@ -54,14 +55,11 @@ def check_output(path: str | None, model: str | None = None, storage: str | None
 
 def _model_config(model: str) -> Path | None:
     """The config.json a local model argument reads (None for a hub id or a catalog name)."""
-    try:
-        source = Path(model).expanduser()
-        if source.is_dir():
-            return (source / "config.json").resolve()
-        if source.is_file():
-            return source.resolve()
-    except (RuntimeError, OSError):
-        return None
+    source = existing_path(model)
+    if source is not None and source.is_dir():
+        return (source / "config.json").resolve()
+    if source is not None and source.is_file():
+        return source.resolve()
     return None
 
 

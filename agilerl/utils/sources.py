@@ -48,6 +48,7 @@ __all__ = [
     "check_model_source",
     "looks_like_path",
     "local_path",
+    "existing_path",
     "text_config",
     "cached_config",
     "read_config",
@@ -309,6 +310,16 @@ def local_path(name: str) -> Path:
         shown = name if len(name) <= 80 else f"{name[:77]}..."
         raise ValueError(f"{shown} ({len(name)} characters): not a usable path: {err.strerror or err}") from None
     return path
+
+
+def existing_path(name: str) -> Path | None:
+    """``name`` as an existing local path (``~`` expanded), or None: nothing there, or a name no
+    path can have (:func:`local_path` refuses it), such as a hub id or a catalog name."""
+    try:
+        path = local_path(name)
+    except ValueError:
+        return None
+    return path if path.exists() else None
 
 
 def read_config(path: Path) -> dict:

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from agilerl.utils.sources import existing_path
+
 __all__ = ["probe_model", "random_weights"]
 
 
@@ -16,7 +18,7 @@ def probe_model(model: str) -> str:
     whose config alone is cached) a cached directory holding only its config.json, which the
     trainer builds with random weights (memory and speed do not depend on their values), so a
     trial never downloads."""
-    if model.startswith("tiny:") or _exists(model):
+    if model.startswith("tiny:") or existing_path(model) is not None:
         return model
     from .. import catalog
     from ..spec import config_digest
@@ -55,16 +57,6 @@ def _cached_file(repo_id: str, *names: str) -> str | None:
         if isinstance(found, str):
             return found
     return None
-
-
-def _exists(model: str) -> bool:
-    """``model`` names a local path (False for a name no file system path can have: too long, ~nobody)."""
-    from agilerl.utils.sources import local_path
-
-    try:
-        return local_path(model).exists()
-    except ValueError:
-        return False
 
 
 def random_weights(loaded: str) -> bool:

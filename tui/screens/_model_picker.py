@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 
+from agilerl.utils.sources import existing_path
 from planner import catalog
 
 __all__ = ["ModelPicker", "matching_models"]
@@ -26,7 +25,7 @@ def matching_models(query: str) -> tuple[list[str], bool]:
 
 def _is_typed_source(text: str) -> bool:
     """A tiny: name or an existing path is used as typed, not as a search."""
-    return text.startswith("tiny:") or (bool(text) and Path(text).expanduser().exists())
+    return text.startswith("tiny:") or (bool(text) and existing_path(text) is not None)
 
 
 class ModelPicker(ModalScreen[str | None]):
