@@ -511,16 +511,20 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         field = (
             "training.rollout_engines_per_agent" if manifest.training.rollout_engines_per_agent else "algorithm.vllm"
         )
-        return refuse(parser.prog, f"{field}: {err}")
+        status = refuse(parser.prog, f"{field}: {err}")
     except ValueError as err:  # what an algorithm refuses at construction that the manifest let through
-        return refuse(parser.prog, str(err))
+        status = refuse(parser.prog, str(err))
     except KeyboardInterrupt:  # Ctrl-C, or the launcher stopping its ranks with SIGINT: no traceback
         if not os.environ.get(LAUNCHER_ENV):
             sys.stderr.write(f"{parser.prog}: interrupted\n")
         return 130
+    else:
+        status = 0
+    # Refused too: a group left to the interpreter's exit could abort in C++ ("terminate called
+    # without an active exception"), a line after the rank's own.
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":
