@@ -4,11 +4,13 @@
     agilerl-train --nproc-per-node=8 manifest.yaml                           # 8 ranks on this host
     agilerl-train --nproc-per-node=8 --nnodes=2 --rdzv-endpoint=HOST:29500 manifest.yaml
                                                                              # on each of 2 nodes
+    agilerl-train --nproc-per-node=8 --nnodes=2 --master-addr=HOST --node-rank=R manifest.yaml
+                                                                             # the same, static rendezvous
 
 On one rank it is ``python -m agilerl.train`` (torchrun where the manifest shards with FSDP2 on
-one rank, which needs a process group, or ``--max-restarts`` is given). On several it is torchrun (run in this process,
-c10d rendezvous: ``--standalone`` on one node) on ``agilerl.train``, with these differences, seen
-only when something is wrong:
+one rank, which needs a process group, or ``--max-restarts`` is given). On several it is torchrun
+on ``agilerl.train``, run in this process (``--standalone`` on one node), with these
+differences, seen only when something is wrong:
 
 - the launch is checked before any rank starts (the manifest, the ranks it needs for the ranks
   given, the model, the checkpoint directory: :func:`agilerl.train.check_launch`), so bad input
@@ -21,9 +23,16 @@ only when something is wrong:
   fails (an endpoint that cannot be reached, a node lost mid-run; exit 1), end in one line of
   the launcher's, not a rendezvous traceback.
 
+Each launch option not given is read from torchrun's ``PET_<NAME>`` variable (``PET_NNODES``,
+``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ...), as torchrun reads it: where a cluster sets them
+(Kubeflow's PyTorchJob does), ``agilerl-train MANIFEST`` runs as ``torchrun -m agilerl.train
+MANIFEST`` would. A static rendezvous (``--master-addr``, ``--master-port``, ``--node-rank``)
+is taken as well as c10d. One thing differs: the nodes must be a fixed number
+(``--nnodes=1:4``, elastic training, is refused), as the plan and the batch split are made
+for one world size.
+
 torchrun itself stays usable (``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``)
-for its options this command does not take (a static rendezvous, log directories), and where a
-cluster sets torchrun's ``PET_*`` variables: this command reads its arguments only.
+for its options this command does not take (log directories, redirects).
 """
 
 from __future__ import annotations
@@ -50,9 +59,56 @@ def _endpoint(text: str) -> str:
     return text
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in 1-65535, got {text!r}")
+    return int(text)
+
+
+def _host(text: str) -> str:
+    """A host name or address; one colon is a ``HOST:PORT`` (an IPv6 address has several)."""
+    if not text or any(c.isspace() for c in text) or text.count(":") == 1:
+        raise argparse.ArgumentTypeError(f"must be a host name or address (no port), got {text!r}")
+    return text
+
+
 def _ranks_per_node(text: str) -> int | str:
-    """A positive count, or ``gpu``: one rank per GPU of this node (counted once parsing is done)."""
-    return "gpu" if text == "gpu" else positive_int(text)
+    """A positive count; ``gpu``: one rank per GPU of this node; ``auto`` (torchrun's, and Kubeflow's
+    default): one per GPU, or one on a node without a GPU. Counted once parsing is done."""
+    return text if text in ("gpu", "auto") else positive_int(text)
+
+
+def _node_count(text: str) -> int:
+    """A positive count; torchrun's elastic ``MIN:MAX`` only where the two are equal."""
+    low, colon, high = text.partition(":")
+    if colon and low != high:
+        raise argparse.ArgumentTypeError(
+            f"must be one number of nodes, got the range {text!r}: the plan and the batch split are made for "
+            "one world size, so agilerl-train does not train elastically"
+        )
+    return positive_int(low)
+
+
+def _backend(text: str) -> str:
+    if text not in ("c10d", "static"):
+        raise argparse.ArgumentTypeError(f"must be c10d or static, got {text!r}")
+    return text
+
+
+#: The launch options: torchrun's of the same names, each read, as torchrun reads it, from the
+#: ``PET_<NAME>`` variable when not given (Kubeflow's PyTorchJob sets these), then defaulted.
+#: name -> (how its text is read, its default).
+_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "nproc_per_node": (_ranks_per_node, 1),
+    "nnodes": (_node_count, 1),
+    "node_rank": (non_negative_int, None),
+    "master_addr": (_host, None),
+    "master_port": (_port, 29500),
+    "rdzv_backend": (_backend, None),
+    "rdzv_endpoint": (_endpoint, None),
+    "rdzv_id": (str, "agilerl-train"),
+    "max_restarts": (non_negative_int, 0),
+}
 
 
 def _parser() -> ArgumentParser:
@@ -60,29 +116,43 @@ def _parser() -> ArgumentParser:
     from agilerl.train import add_run_arguments
 
     add_run_arguments(parser)
-    launch = parser.add_argument_group("launch (torchrun's options of the same names)")
-    launch.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        type=_ranks_per_node,
-        default=1,
-        metavar="N|gpu",
-        help="ranks on this node, or gpu: one per GPU it has (default 1)",
+    launch = parser.add_argument_group(
+        "launch (torchrun's options of the same names; one not given is read from its PET_<NAME> variable, "
+        "as torchrun reads it)"
     )
-    launch.add_argument("--nnodes", type=positive_int, default=1, help="nodes, each running this command (default 1)")
-    launch.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        type=_endpoint,
-        metavar="HOST:PORT",
-        help="with --nnodes > 1: where the nodes meet, the same on every node (a host of one of them)",
+
+    def option(name: str, metavar: str | None, help: str) -> None:
+        flag = "--" + name.replace("_", "-")
+        flags = [flag, f"--{name}"] if "_" in name else [flag]
+        launch.add_argument(*flags, type=_OPTIONS[name][0], metavar=metavar, help=help)
+
+    option(
+        "nproc_per_node",
+        "N|gpu|auto",
+        "ranks on this node; gpu: one per GPU it has; auto: one per GPU, or 1 without a GPU (default 1)",
     )
-    launch.add_argument(
-        "--rdzv-id",
-        "--rdzv_id",
-        default="agilerl-train",
-        metavar="ID",
-        help="with --nnodes > 1: the job's name at the endpoint, the same on every node (default agilerl-train)",
+    option("nnodes", "N", "nodes, each running this command (default 1)")
+    option(
+        "rdzv_endpoint",
+        "HOST:PORT",
+        "with --nnodes > 1 (c10d rendezvous): where the nodes meet, the same on every node (a host of one of them)",
+    )
+    option(
+        "rdzv_id",
+        "ID",
+        "with --nnodes > 1: the job's name at the endpoint, the same on every node (default agilerl-train)",
+    )
+    option(
+        "master_addr",
+        "HOST",
+        "with --nnodes > 1, instead of --rdzv-endpoint (static rendezvous): the host of node 0, the same on every node",
+    )
+    option("master_port", "PORT", "with --master-addr: the port node 0 listens on (default 29500)")
+    option("node_rank", "R", "with --master-addr: this node's index, 0 to --nnodes - 1 (0 on --master-addr)")
+    option(
+        "rdzv_backend",
+        "c10d|static",
+        "c10d (--rdzv-endpoint) or static (--master-addr); by default the one whose address is given",
     )
     launch.add_argument(
         "--rdzv-timeout",
@@ -92,15 +162,70 @@ def _parser() -> ArgumentParser:
         metavar="SECONDS",
         help="with --nnodes > 1: how long a node waits for the others (default 900)",
     )
-    launch.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=non_negative_int,
-        default=0,
-        help="restarts of every rank after one fails (default 0); a restarted run resumes from its "
-        "newest checkpoint (training.checkpoint_dir)",
+    option(
+        "max_restarts",
+        "N",
+        "restarts of every rank after one fails (default 0); a restarted run resumes "
+        "from its newest checkpoint (training.checkpoint_dir)",
     )
     return parser
+
+
+def _launch_options(parser: ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Fill in each launch option not given from its ``PET_<NAME>`` variable, else its default, and
+    check them together. Returns name -> what gave it (``--nnodes``, or ``PET_NNODES`` from the
+    environment), for the messages. ``args.rdzv_backend`` comes out ``None`` (one node: torchrun's
+    ``--standalone``), ``c10d`` or ``static``; ``args.nproc_per_node`` a number."""
+    named: dict[str, str] = {}
+    for name, (read, default) in _OPTIONS.items():
+        variable, flag = f"PET_{name.upper()}", "--" + name.replace("_", "-")
+        if getattr(args, name) is not None:
+            named[name] = flag
+        elif os.environ.get(variable):
+            try:
+                setattr(args, name, read(os.environ[variable]))
+            except (argparse.ArgumentTypeError, ValueError) as err:
+                parser.error(f"{variable}={os.environ[variable]!r} (in the environment, read as {flag}): {err}")
+            named[name] = variable
+        else:
+            setattr(args, name, default)
+    given = {name for name, by in named.items() if by.startswith("--")}
+    if args.nnodes == 1:  # torchrun's --standalone: addresses from the environment are not for it
+        for name in ("rdzv_endpoint", "master_addr", "rdzv_backend"):
+            if name in given:
+                parser.error(f"{named[name]} is for --nnodes > 1 (one node finds a free port itself)")
+        if "node_rank" in given and args.node_rank:
+            parser.error(f"--node-rank={args.node_rank} is for --nnodes > 1 (one node is node 0)")
+        args.rdzv_backend = None
+        return named
+    if args.rdzv_backend is None:
+        if args.rdzv_endpoint and args.master_addr and {"rdzv_endpoint", "master_addr"} <= given:
+            parser.error("give --rdzv-endpoint (c10d rendezvous) or --master-addr with --node-rank (static), not both")
+        if args.master_addr and ("master_addr" in given or not args.rdzv_endpoint):
+            args.rdzv_backend = "static"
+        elif args.rdzv_endpoint:
+            args.rdzv_backend = "c10d"
+        else:
+            parser.error(
+                f"{named['nnodes']}={args.nnodes} needs --rdzv-endpoint=HOST:PORT, the same on every node (or, for a "
+                "static rendezvous, --master-addr=HOST and this node's --node-rank)"
+            )
+    if args.rdzv_backend == "c10d":
+        if not args.rdzv_endpoint:
+            parser.error(f"{named['rdzv_backend']}=c10d needs --rdzv-endpoint=HOST:PORT, the same on every node")
+        if "node_rank" in given:
+            parser.error("--node-rank is for a static rendezvous (--master-addr); c10d numbers the nodes itself")
+        return named
+    if not args.master_addr:
+        parser.error(f"{named['rdzv_backend']}=static needs --master-addr=HOST, node 0's host")
+    if args.node_rank is None:
+        parser.error(
+            f"a static rendezvous ({named['master_addr']}) needs --node-rank=R, this node's index from 0 "
+            f"(0 on {args.master_addr})"
+        )
+    if args.node_rank >= args.nnodes:
+        parser.error(f"{named['node_rank']}={args.node_rank} must be below {named['nnodes']}={args.nnodes}")
+    return named
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,16 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         run_argv += ["--device", args.device]
     if args.max_steps is not None:
         run_argv += ["--max-steps", str(args.max_steps)]
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        parser.error(f"--nnodes={args.nnodes} needs --rdzv-endpoint=HOST:PORT, the same on every node")
-    if args.nnodes == 1 and args.rdzv_endpoint:
-        parser.error("--rdzv-endpoint is for --nnodes > 1 (one node finds a free port itself)")
-    if args.nproc_per_node == "gpu":
+    named = _launch_options(parser, args)
+    if args.rdzv_backend is not None:
+        _import_torch_without_cpp_logs()
+    if args.nproc_per_node in ("gpu", "auto"):
         import torch
 
-        args.nproc_per_node = torch.cuda.device_count()
-        if not args.nproc_per_node:
-            parser.error("--nproc-per-node=gpu: this node has no CUDA GPU; give a number of ranks")
+        gpus = torch.cuda.device_count()
+        if not gpus and args.nproc_per_node == "gpu":
+            parser.error(f"{named['nproc_per_node']}=gpu: this node has no CUDA GPU; give a number of ranks")
+        args.nproc_per_node = gpus or 1
     world = args.nproc_per_node * args.nnodes
     from agilerl.manifest import load_manifest
     from agilerl.train import check_launch, refuse
@@ -132,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if world == 1 and not args.max_restarts and fsdp in (None, "auto"):  # no process group, no restarts
             return train_main(run_argv, prog=PROG)
         check_launch(manifest, device=args.device, world=world)
-        return _launch(args, run_argv)
+        return _launch(args, named, run_argv)
     except ValueError as err:  # ManifestError included
         return refuse(PROG, str(err))
     except KeyboardInterrupt:  # before the ranks start (a slow check, the wait for the other nodes)
@@ -140,14 +265,29 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _import_torch_without_cpp_logs() -> None:
+    """Several nodes: c10d's C++ side logs each failed try to reach the rendezvous, with a C++
+    stack, before the launcher's one line says what failed. Its log level is read once, when
+    torch loads, so this process (not its ranks) loads torch at level FATAL, unless the user set
+    ``TORCH_CPP_LOG_LEVEL``."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 #: torchrun's loggers whose lines the launcher says in its own words: a failed rank ("failed
 #: (exitcode: 2) local_rank: ..."), a stop ("Received SIGINT death signal, shutting down workers").
 _SAID_HERE = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
 
 
-def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
+def _launch(args: argparse.Namespace, named: dict[str, str], run_argv: list[str]) -> int:
     """torchrun on ``agilerl.train`` in this process; a rank's failure said in one line. The
     environment and torchrun's loggers are restored after (torchrun sets ``OMP_NUM_THREADS``)."""
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
@@ -155,17 +295,33 @@ def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
 
     from agilerl.train import LAUNCHER_ENV
 
-    rendezvous = (
-        ["--standalone"]
-        if args.nnodes == 1
-        else [
+    # every option torchrun would otherwise read from a PET_ variable is given: node rank 0 where
+    # it is not used (torchrun warns about a PET_NODE_RANK its rendezvous ignores)
+    if args.rdzv_backend is None:
+        rendezvous, where, same = ["--standalone", "--node-rank=0"], "", ""
+    elif args.rdzv_backend == "c10d":
+        where, same = f"{named['rdzv_endpoint']}={args.rdzv_endpoint}", "--rdzv-endpoint and --rdzv-id"
+        rendezvous = [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
+            "--node-rank=0",
             # join: the wait for every node; read: a node's wait for the endpoint's store (60 s)
             f"--rdzv-conf=join_timeout={args.rdzv_timeout},read_timeout={args.rdzv_timeout}",
         ]
-    )
+    else:  # static: node 0 holds the store at master_addr:master_port, the others connect to it
+        where, same = (
+            f"{named['master_addr']}={args.master_addr} (port {args.master_port})",
+            "--master-addr and --master-port, and its own --node-rank",
+        )
+        rendezvous = [
+            "--rdzv-backend=static",
+            f"--master-addr={args.master_addr}",
+            f"--master-port={args.master_port}",
+            f"--node-rank={args.node_rank}",
+            f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=timeout={args.rdzv_timeout}",
+        ]
     torchrun = [
         f"--nproc-per-node={args.nproc_per_node}",
         f"--nnodes={args.nnodes}",
@@ -182,26 +338,27 @@ def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
     for name in _SAID_HERE:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     if args.nnodes > 1:
+        at = (
+            args.rdzv_endpoint
+            if args.rdzv_backend == "c10d"
+            else f"{args.master_addr}:{args.master_port} as node {args.node_rank}"
+        )
         print(
-            f"{PROG}: waiting up to {args.rdzv_timeout} s for the {args.nnodes} nodes to meet at {args.rdzv_endpoint}",
+            f"{PROG}: waiting up to {args.rdzv_timeout} s for the {args.nnodes} nodes to meet at {at}",
             flush=True,
         )
     try:
         run(get_args_parser().parse_args(torchrun))
-    except RendezvousTimeoutError:
+    except (RendezvousTimeoutError, DistStoreError) as err:
+        if isinstance(err, DistStoreError) and "waiting for clients" not in str(err):  # not node 0's wait
+            return _rendezvous_failed(err, where)
         sys.stderr.write(
-            f"{PROG}: error: --rdzv-endpoint={args.rdzv_endpoint}: not all {args.nnodes} nodes joined within "
-            f"{args.rdzv_timeout} s: start agilerl-train on every node with the same --nnodes, --rdzv-endpoint "
-            "and --rdzv-id\n"
+            f"{PROG}: error: {where}: not all {args.nnodes} nodes joined within {args.rdzv_timeout} s: start "
+            f"agilerl-train on every node with the same --nnodes, {same}\n"
         )
         return 2
-    except RendezvousError as err:  # an endpoint that cannot be reached, or a node lost mid-run
-        why = " ".join(str(err.__cause__ or err).split()) or type(err).__name__
-        sys.stderr.write(
-            f"{PROG}: error: --rdzv-endpoint={args.rdzv_endpoint}: the rendezvous failed (the endpoint cannot be "
-            f"reached, or another node stopped): {why}\n"
-        )
-        return 1
+    except (RendezvousError, DistNetworkError) as err:  # an endpoint that cannot be reached, a node lost mid-run
+        return _rendezvous_failed(err, where)
     except ChildFailedError as err:
         lines, status = _failure_lines(err.failures)
         for line in lines:
@@ -218,6 +375,15 @@ def _launch(args: argparse.Namespace, run_argv: list[str]) -> int:
         for signum, handler in handlers.items():  # torchrun's raise SignalException
             signal.signal(signum, handler)
     return 0
+
+
+def _rendezvous_failed(err: Exception, where: str) -> int:
+    why = " ".join(str(err.__cause__ or err).split()) or type(err).__name__
+    sys.stderr.write(
+        f"{PROG}: error: {where}: the rendezvous failed (the endpoint cannot be reached, or another node "
+        f"stopped): {why}\n"
+    )
+    return 1
 
 
 def _failure_lines(failures: dict[int, Any]) -> tuple[list[str], int]:

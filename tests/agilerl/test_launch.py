@@ -44,6 +44,22 @@ def _manifest(tmp_path: Path, fsdp=False, **training) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_torchrun_variables(monkeypatch):
+    """The launch options are read from PET_* variables where a cluster sets them: none here,
+    unless a test sets them."""
+    for name in [name for name in os.environ if name.startswith("PET_")]:
+        monkeypatch.delenv(name)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def _one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("agilerl-train: error: "), err
@@ -86,6 +102,16 @@ def test_nproc_per_node_gpu_is_one_rank_per_gpu(tmp_path, capsys, monkeypatch):
         (["--nnodes=2", "--rdzv-endpoint=host:0", "m.yaml"], "must be HOST:PORT with a port in 1-65535"),
         (["--max-restarts=-1", "m.yaml"], "--max-restarts"),
         (["--nproc-per-node=cpu", "m.yaml"], "--nproc-per-node"),
+        (["--nnodes=1:4", "m.yaml"], "must be one number of nodes, got the range '1:4'"),
+        (["--nnodes=2", "--master-addr=host", "m.yaml"], "a static rendezvous (--master-addr) needs --node-rank"),
+        (["--nnodes=2", "--master-addr=host", "--node-rank=2", "m.yaml"], "--node-rank=2 must be below --nnodes=2"),
+        (["--nnodes=2", "--master-addr=h", "--rdzv-endpoint=h:1", "m.yaml"], "give --rdzv-endpoint (c10d"),
+        (["--nnodes=2", "--rdzv-endpoint=h:1", "--node-rank=1", "m.yaml"], "--node-rank is for a static rendezvous"),
+        (["--nnodes=2", "--rdzv-backend=c10d", "--master-addr=h", "m.yaml"], "c10d needs --rdzv-endpoint"),
+        (["--nnodes=2", "--master-addr=host:29500", "--node-rank=0", "m.yaml"], "a host name or address (no port)"),
+        (["--master-addr=host", "m.yaml"], "--master-addr is for --nnodes > 1"),
+        (["--node-rank=1", "m.yaml"], "--node-rank=1 is for --nnodes > 1"),
+        (["--master-port=65536", "m.yaml"], "must be a port in 1-65535"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
@@ -94,6 +120,53 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
         raise SystemExit(status)
     assert stop.value.code == 2
     assert says in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("environment", "says"),
+    [
+        ({"PET_NNODES": "1:4"}, "PET_NNODES='1:4' (in the environment, read as --nnodes): must be one number"),
+        ({"PET_NNODES": "2"}, "PET_NNODES=2 needs --rdzv-endpoint"),
+        ({"PET_NNODES": "2", "PET_MASTER_ADDR": "h"}, "a static rendezvous (PET_MASTER_ADDR) needs --node-rank"),
+        (
+            {"PET_NNODES": "2", "PET_MASTER_ADDR": "h", "PET_NODE_RANK": "2"},
+            "PET_NODE_RANK=2 must be below PET_NNODES=2",
+        ),
+        ({"PET_MASTER_PORT": "x"}, "PET_MASTER_PORT='x' (in the environment, read as --master-port): must be a port"),
+        ({"PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE='0' (in the environment, read as --nproc-per-node)"),
+        ({"PET_NNODES": "2", "PET_RDZV_BACKEND": "etcd"}, "PET_RDZV_BACKEND='etcd' (in the environment, read as"),
+    ],
+)
+def test_options_from_pet_variables_are_checked_as_the_options_and_named_as_the_variables(
+    environment, says, monkeypatch, capsys
+):
+    """torchrun reads each option it is not given from PET_<NAME> (Kubeflow's PyTorchJob sets them);
+    so does agilerl-train, and an error names the variable, not an option the user never typed."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        main(["m.yaml"])
+    assert stop.value.code == 2
+    assert says in _one_error_line(capsys.readouterr().err)
+
+
+def test_an_option_given_wins_over_its_pet_variable_and_one_node_ignores_addresses_from_the_environment(
+    tmp_path, capsys, monkeypatch
+):
+    """A one-pod job sets PET_NNODES=1, PET_NODE_RANK=0 and PET_MASTER_ADDR: that is one node, which
+    trains in this process; --nproc-per-node=3 given wins over PET_NPROC_PER_NODE=1 (the launch
+    check then refuses 3 ranks for rollout_batch_size=2, before starting any)."""
+    for name, value in {
+        "PET_NNODES": "1",
+        "PET_NODE_RANK": "0",
+        "PET_MASTER_ADDR": "pod-0",
+        "PET_NPROC_PER_NODE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert main([str(_manifest(tmp_path)), "--device", "cpu"]) == 0
+    assert "built 1 GRPO agent(s) on 1 rank(s)" in capsys.readouterr().out
+    assert main(["--nproc-per-node=3", str(_manifest(tmp_path)), "--device", "cpu"]) == 2
+    assert "multiple of the 3 trainer rank(s)" in _one_error_line(capsys.readouterr().err)
 
 
 def test_a_rank_error_goes_to_its_torchrun_error_file_and_to_the_terminal_unless_a_launcher_says_it(
@@ -274,6 +347,53 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path
     out = b"".join(out for out, _ in done).decode()
     assert out.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # the main rank's, on one of the nodes
     assert "agent 0 step    2" in out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_two_pods_of_a_pytorchjob_train_as_one_run_from_its_pet_variables_alone(tmp_path):
+    """Kubeflow's PyTorchJob runs the same command in each pod and sets PET_NNODES, PET_NODE_RANK,
+    PET_NPROC_PER_NODE, PET_MASTER_ADDR and PET_MASTER_PORT (a static rendezvous). Before,
+    `agilerl-train MANIFEST` read none of them, so each pod trained a run of its own."""
+    port = _free_port()
+    manifest = _manifest(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(LAUNCHER_ENV, None)
+    job = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}
+    pods = [
+        subprocess.Popen(
+            [sys.executable, "-m", "agilerl.launch", str(manifest), "--device", "cpu"],
+            env={**env, **job, "PET_NODE_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (1, 0)  # node 1 first: it waits for node 0's store
+    ]
+    try:
+        done = [pod.communicate(timeout=150) for pod in pods]
+    finally:
+        for pod in pods:
+            pod.kill()
+    assert [pod.returncode for pod in pods] == [0, 0], [err.decode()[-2000:] for _, err in done]
+    out = b"".join(out for out, _ in done).decode()
+    assert f"meet at 127.0.0.1:{port} as node 1" in done[0][0].decode()
+    assert out.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # the main rank's: one run of two ranks
+    assert "agent 0 step    2" in out
+
+
+@pytest.mark.timeout(120)
+def test_a_static_rendezvous_whose_peers_never_come_ends_in_one_line(tmp_path):
+    """Node 0 waits --rdzv-timeout for the others to connect (exit 2); a node whose node 0 never
+    comes fails to connect (exit 1). torchrun ends both in a traceback, the second after c10d's C++
+    log of each failed try, C++ stack included."""
+    argv = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--rdzv-timeout=3"]
+    manifest = str(_manifest(tmp_path))
+    done = _launch([*argv, "--node-rank=0", manifest, "--device", "cpu"], timeout=100)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "not all 2 nodes joined within 3 s" in _one_error_line(done.stderr)
+    done = _launch([*argv, "--node-rank=1", manifest, "--device", "cpu"], timeout=100)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "the rendezvous failed (the endpoint cannot be reached" in _one_error_line(done.stderr)
 
 
 @pytest.mark.timeout(120)
