@@ -40,8 +40,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Any
 
 from agilerl.utils.cli import ArgumentParser, non_negative_int, positive_int
@@ -166,7 +168,8 @@ def _parser() -> ArgumentParser:
         "max_restarts",
         "N",
         "restarts of every rank after one fails (default 0); a restarted run resumes "
-        "from its newest checkpoint (training.checkpoint_dir)",
+        "from its newest checkpoint (training.checkpoint_dir). Bad input a rank stopped on is said "
+        "again at once by the restarts, not looked for again",
     )
     return parser
 
@@ -293,7 +296,7 @@ def _launch(args: argparse.Namespace, named: dict[str, str], run_argv: list[str]
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
-    from agilerl.train import LAUNCHER_ENV
+    from agilerl.train import LAUNCHER_ENV, REFUSALS_ENV
 
     # every option torchrun would otherwise read from a PET_ variable is given: node rank 0 where
     # it is not used (torchrun warns about a PET_NODE_RANK its rendezvous ignores)
@@ -335,6 +338,9 @@ def _launch(args: argparse.Namespace, named: dict[str, str], run_argv: list[str]
     loggers = {name: logging.getLogger(name).level for name in _SAID_HERE}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     os.environ[LAUNCHER_ENV] = PROG  # the ranks inherit it: their errors come here
+    refusals = tempfile.mkdtemp(prefix="agilerl-train-") if args.max_restarts else None
+    if refusals:  # a rank's bad-input line, said again at once by the ranks of a restart
+        os.environ[REFUSALS_ENV] = refusals
     for name in _SAID_HERE:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     if args.nnodes > 1:
@@ -374,6 +380,8 @@ def _launch(args: argparse.Namespace, named: dict[str, str], run_argv: list[str]
             logging.getLogger(name).setLevel(level)
         for signum, handler in handlers.items():  # torchrun's raise SignalException
             signal.signal(signum, handler)
+        if refusals:
+            shutil.rmtree(refusals, ignore_errors=True)
     return 0
 
 

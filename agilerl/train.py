@@ -24,11 +24,15 @@ from pathlib import Path
 
 from agilerl.utils.cli import ArgumentParser, cannot_write_in, positive_int, quiet_bitsandbytes, show_logs
 
-__all__ = ["main", "train", "check_launch", "refuse", "LAUNCHER_ENV", "ERROR_SOURCE"]
+__all__ = ["main", "train", "check_launch", "refuse", "LAUNCHER_ENV", "REFUSALS_ENV", "ERROR_SOURCE"]
 
 #: Set (to its name) by :mod:`agilerl.launch` for the ranks it starts: a rank's error then goes
 #: to its torchrun error file only, and the launcher says it once for all the ranks.
 LAUNCHER_ENV = "AGILERL_LAUNCHER"
+#: Set by :mod:`agilerl.launch` (with ``--max-restarts``) to a folder of its own: a rank that
+#: stops on bad input leaves its line there, and the ranks of a restart say it again at once
+#: (bad input does not change between attempts) rather than load the model to find it again.
+REFUSALS_ENV = "AGILERL_REFUSALS"
 #: What :func:`refuse` writes as ``source`` in a rank's torchrun error file (telling its line
 #: from a crash's record).
 ERROR_SOURCE = "agilerl.train"
@@ -45,7 +49,7 @@ def _log(msg: str, level: int = logging.INFO) -> None:
         logger.log(level, "%s", msg)
 
 
-def refuse(prog: str, message: str) -> int:
+def refuse(prog: str, message: str, *, again: bool = False) -> int:
     """Say why the run stops, in one line, and return exit status 2.
 
     The line is written whole, in one write: the ranks of a launch share a terminal, and a
@@ -53,8 +57,16 @@ def refuse(prog: str, message: str) -> int:
     writes it to its error file (``TORCHELASTIC_ERROR_FILE``, a JSON ``message``), where
     torchrun's failure report and :mod:`agilerl.launch` read it; under :mod:`agilerl.launch`
     (``LAUNCHER_ENV`` set) that file is the only place, and the launcher says it once.
+    Unless ``again`` (a failure a restart may not meet: the rollout engine's start), it is also
+    left for the ranks of a restart (``REFUSALS_ENV``), which then stop on it at once.
     """
     line = " ".join(message.split())
+    refusals = os.environ.get(REFUSALS_ENV)
+    if refusals and not again:
+        try:
+            (Path(refusals) / f"rank{os.environ.get('RANK', '0')}").write_text(line)
+        except OSError:
+            pass  # the restart then finds it the long way
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
@@ -485,11 +497,24 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m agilerl.train"
         return _main(parser, args)
 
 
+def _refused_before() -> str | None:
+    """In a restart under ``agilerl-train --max-restarts``: the line this rank (or, where it said
+    none, another of this node's) stopped on in an earlier attempt, else None."""
+    folder = os.environ.get(REFUSALS_ENV)
+    if not folder or not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        return None
+    own = Path(folder) / f"rank{os.environ.get('RANK', '0')}"
+    said = [own] if own.is_file() else sorted(Path(folder).glob("rank*"))
+    return said[0].read_text() if said else None
+
+
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: end with the launcher, even on its kill -9
         from agilerl.utils.lifetime import die_with_parent
 
         die_with_parent()
+    if (line := _refused_before()) is not None:
+        return refuse(parser.prog, line)
     from agilerl.manifest import load_manifest
 
     try:
@@ -511,7 +536,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         field = (
             "training.rollout_engines_per_agent" if manifest.training.rollout_engines_per_agent else "algorithm.vllm"
         )
-        status = refuse(parser.prog, f"{field}: {err}")
+        status = refuse(parser.prog, f"{field}: {err}", again=True)
     except ValueError as err:  # what an algorithm refuses at construction that the manifest let through
         status = refuse(parser.prog, str(err))
     except KeyboardInterrupt:  # Ctrl-C, or the launcher stopping its ranks with SIGINT: no traceback

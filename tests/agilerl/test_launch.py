@@ -198,6 +198,33 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None = Non
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
 
 
+def test_a_restart_says_the_bad_input_an_earlier_attempt_stopped_on_but_tries_the_engine_again(
+    tmp_path, capsys, monkeypatch
+):
+    """With --max-restarts the launcher gives its ranks a folder: a rank's bad-input line is left
+    there, and a rank of a restart (TORCHELASTIC_RESTART_COUNT > 0) stops on it before loading
+    anything: its own line, or this node's other rank's. An engine that failed to start (again=True)
+    is not left: the restart may start it."""
+    from agilerl.train import REFUSALS_ENV, _refused_before
+    from agilerl.train import main as train_main
+
+    monkeypatch.setenv(REFUSALS_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert refuse("prog", "algorithm.vllm: the engine did not start", again=True) == 2
+    assert not list(tmp_path.iterdir())
+    assert refuse("prog", "training.checkpoint_dir:   holds another\nrun's checkpoints") == 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _refused_before() is None  # the first attempt looks for nothing
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _refused_before() == "training.checkpoint_dir: holds another run's checkpoints"
+    monkeypatch.setenv("RANK", "0")  # said nothing itself: stops on rank 1's line
+    capsys.readouterr()
+    assert train_main([str(tmp_path / "never-read.yaml")], prog="prog") == 2
+    assert capsys.readouterr().err == "prog: error: training.checkpoint_dir: holds another run's checkpoints\n"
+
+
 def test_the_failures_come_to_each_distinct_line_once(tmp_path):
     same = {r: _failure(tmp_path, r, 2, "training.checkpoint_dir: x holds another run's checkpoints") for r in (0, 1)}
     assert _failure_lines(same) == (["training.checkpoint_dir: x holds another run's checkpoints"], 2)
@@ -231,18 +258,19 @@ def _launch(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(180)
 def test_both_ranks_refusing_another_runs_checkpoint_are_said_once_without_a_traceback(tmp_path):
     """What the launch check cannot see: the ranks find a DPO run's checkpoint under the GRPO run's
-    checkpoint_dir once their agents are built, and both stop on it; restarted once
-    (--max-restarts=1), they stop on it again, and it is said once."""
+    checkpoint_dir once their agents are built, and both stop on it; it is said once. Restarted
+    (--max-restarts=2), they stop on it again at once, without building their agents again (before,
+    each restart built them, a model load each on a large model, to find the same checkpoint)."""
     folder = tmp_path / "ckpt"
     (folder / "agent0").mkdir(parents=True)
     torch.save({"algo": "DPO", "steps": 3}, folder / "agent0" / "attributes.pt")
     manifest = _manifest(tmp_path, checkpoint_dir=str(folder))
-    done = _launch(["--nproc-per-node=2", "--max-restarts=1", str(manifest), "--device", "cpu"], timeout=150)
+    done = _launch(["--nproc-per-node=2", "--max-restarts=2", str(manifest), "--device", "cpu"], timeout=150)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     line = _one_error_line(done.stderr)
     assert "holds another run's checkpoints" in line and "is a DPO checkpoint, not GRPO" in line
     assert "Traceback" not in done.stdout + done.stderr
-    assert done.stdout.count("built 1 GRPO agent(s) on 2 rank(s)") == 2  # the ranks did start, twice
+    assert done.stdout.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # once: the restarts did not build
 
 
 @pytest.mark.multiproc
