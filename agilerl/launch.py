@@ -26,10 +26,19 @@ differences, seen only when something is wrong:
 Each launch option not given is read from torchrun's ``PET_<NAME>`` variable (``PET_NNODES``,
 ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ...), as torchrun reads it: where a cluster sets them
 (Kubeflow's PyTorchJob does), ``agilerl-train MANIFEST`` runs as ``torchrun -m agilerl.train
-MANIFEST`` would. A static rendezvous (``--master-addr``, ``--master-port``, ``--node-rank``)
-is taken as well as c10d. One thing differs: the nodes must be a fixed number
-(``--nnodes=1:4``, elastic training, is refused), as the plan and the batch split are made
-for one world size.
+MANIFEST`` would. A static rendezvous (``--master-addr``, ``--master-port``, ``--node-rank``,
+or torchrun's ``--rdzv-backend=static`` with node 0's ``HOST:PORT`` as the endpoint) is taken
+as well as c10d; an address given on the command line decides the rendezvous over
+``PET_RDZV_BACKEND``. What differs from torchrun:
+
+- the nodes must be a fixed number: ``--nnodes=1:4`` (elastic training) is refused, as the
+  plan and the batch split are made for one world size;
+- ``--nproc-per-node=auto`` is one rank per CUDA GPU, or one rank without a GPU (torchrun
+  starts one per CPU core there); ``cpu`` and ``xpu`` are refused;
+- a given option the rendezvous would not use (``--master-port`` with c10d) is refused,
+  where torchrun ignores it;
+- torchrun's other ``PET_*`` variables (log directories, redirects, ``PET_STANDALONE``) are
+  not read.
 
 torchrun itself stays usable (``torchrun --nproc_per_node=N -m agilerl.train manifest.yaml``)
 for its options this command does not take (log directories, redirects).
@@ -194,21 +203,30 @@ def _launch_options(parser: ArgumentParser, args: argparse.Namespace) -> dict[st
             setattr(args, name, default)
     given = {name for name, by in named.items() if by.startswith("--")}
     if args.nnodes == 1:  # torchrun's --standalone: addresses from the environment are not for it
-        for name in ("rdzv_endpoint", "master_addr", "rdzv_backend"):
+        for name in ("rdzv_endpoint", "rdzv_backend", "master_addr", "master_port"):
             if name in given:
                 parser.error(f"{named[name]} is for --nnodes > 1 (one node finds a free port itself)")
         if "node_rank" in given and args.node_rank:
             parser.error(f"--node-rank={args.node_rank} is for --nnodes > 1 (one node is node 0)")
         args.rdzv_backend = None
-        return named
-    if args.rdzv_backend is None:
-        if args.rdzv_endpoint and args.master_addr and {"rdzv_endpoint", "master_addr"} <= given:
+    else:
+        _rendezvous(parser, args, named, given)
+    return named
+
+
+def _rendezvous(parser: ArgumentParser, args: argparse.Namespace, named: dict[str, str], given: set[str]) -> None:
+    """Set ``args.rdzv_backend`` for several nodes, and check what it needs. An address given on the
+    command line decides it over ``PET_RDZV_BACKEND``; a given option it would not use is refused."""
+    if "rdzv_backend" not in given:
+        if {"rdzv_endpoint", "master_addr"} <= given:
             parser.error("give --rdzv-endpoint (c10d rendezvous) or --master-addr with --node-rank (static), not both")
-        if args.master_addr and ("master_addr" in given or not args.rdzv_endpoint):
-            args.rdzv_backend = "static"
-        elif args.rdzv_endpoint:
+        if "rdzv_endpoint" in given:
             args.rdzv_backend = "c10d"
-        else:
+        elif "master_addr" in given:
+            args.rdzv_backend = "static"
+        elif args.rdzv_backend is None:  # the environment's addresses, and no PET_RDZV_BACKEND
+            args.rdzv_backend = "c10d" if args.rdzv_endpoint else "static" if args.master_addr else None
+        if args.rdzv_backend is None:
             parser.error(
                 f"{named['nnodes']}={args.nnodes} needs --rdzv-endpoint=HOST:PORT, the same on every node (or, for a "
                 "static rendezvous, --master-addr=HOST and this node's --node-rank)"
@@ -216,19 +234,27 @@ def _launch_options(parser: ArgumentParser, args: argparse.Namespace) -> dict[st
     if args.rdzv_backend == "c10d":
         if not args.rdzv_endpoint:
             parser.error(f"{named['rdzv_backend']}=c10d needs --rdzv-endpoint=HOST:PORT, the same on every node")
-        if "node_rank" in given:
-            parser.error("--node-rank is for a static rendezvous (--master-addr); c10d numbers the nodes itself")
-        return named
+        for name in ("master_addr", "master_port", "node_rank"):
+            if name in given:
+                parser.error(
+                    f"{named[name]} is for a static rendezvous (--master-addr); this one is c10d, at "
+                    f"{named['rdzv_endpoint']}={args.rdzv_endpoint}"
+                )
+        return
+    if "rdzv_endpoint" in given:
+        parser.error("--rdzv-endpoint is for a c10d rendezvous; a static one meets at --master-addr and --master-port")
+    if not args.master_addr and args.rdzv_endpoint:  # torchrun's static form: node 0's HOST:PORT as the endpoint
+        host, colon, port = args.rdzv_endpoint.rpartition(":")
+        args.master_addr, args.master_port = (host, int(port)) if colon else (args.rdzv_endpoint, args.master_port)
     if not args.master_addr:
         parser.error(f"{named['rdzv_backend']}=static needs --master-addr=HOST, node 0's host")
     if args.node_rank is None:
         parser.error(
-            f"a static rendezvous ({named['master_addr']}) needs --node-rank=R, this node's index from 0 "
-            f"(0 on {args.master_addr})"
+            f"a static rendezvous ({named.get('master_addr') or named['rdzv_endpoint']}) needs --node-rank=R, this "
+            f"node's index from 0 (0 on {args.master_addr})"
         )
     if args.node_rank >= args.nnodes:
         parser.error(f"{named['node_rank']}={args.node_rank} must be below {named['nnodes']}={args.nnodes}")
-    return named
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,7 +340,9 @@ def _launch(args: argparse.Namespace, named: dict[str, str], run_argv: list[str]
         ]
     else:  # static: node 0 holds the store at master_addr:master_port, the others connect to it
         where, same = (
-            f"{named['master_addr']}={args.master_addr} (port {args.master_port})",
+            f"{named['master_addr']}={args.master_addr} (port {args.master_port})"
+            if "master_addr" in named
+            else f"{named['rdzv_endpoint']}={args.rdzv_endpoint}",
             "--master-addr and --master-port, and its own --node-rank",
         )
         rendezvous = [
@@ -353,6 +381,8 @@ def _launch(args: argparse.Namespace, named: dict[str, str], run_argv: list[str]
             f"{PROG}: waiting up to {args.rdzv_timeout} s for the {args.nnodes} nodes to meet at {at}",
             flush=True,
         )
+    for name in [name for name in os.environ if name.startswith("PET_")]:
+        del os.environ[name]  # read above; torchrun's parser would take the ones not given it (PET_STANDALONE)
     try:
         run(get_args_parser().parse_args(torchrun))
     except (RendezvousTimeoutError, DistStoreError) as err:

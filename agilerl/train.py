@@ -33,6 +33,9 @@ LAUNCHER_ENV = "AGILERL_LAUNCHER"
 #: stops on bad input leaves its line there, and the ranks of a restart say it again at once
 #: (bad input does not change between attempts) rather than load the model to find it again.
 REFUSALS_ENV = "AGILERL_REFUSALS"
+#: Whether this process has trained a step: a ValueError after one is not bad input a restart
+#: would meet again (a peer lost mid-step, say), so it is not left for the restarts.
+_stepped = False
 #: What :func:`refuse` writes as ``source`` in a rank's torchrun error file (telling its line
 #: from a crash's record).
 ERROR_SOURCE = "agilerl.train"
@@ -57,14 +60,17 @@ def refuse(prog: str, message: str, *, again: bool = False) -> int:
     writes it to its error file (``TORCHELASTIC_ERROR_FILE``, a JSON ``message``), where
     torchrun's failure report and :mod:`agilerl.launch` read it; under :mod:`agilerl.launch`
     (``LAUNCHER_ENV`` set) that file is the only place, and the launcher says it once.
-    Unless ``again`` (a failure a restart may not meet: the rollout engine's start), it is also
-    left for the ranks of a restart (``REFUSALS_ENV``), which then stop on it at once.
+    Unless ``again`` (a failure a restart may not meet: the rollout engine's start, anything
+    once a step has been trained), it is also left for the ranks of a restart on this node
+    (``REFUSALS_ENV``), which then stop on it at once.
     """
     line = " ".join(message.split())
     refusals = os.environ.get(REFUSALS_ENV)
-    if refusals and not again:
-        try:
-            (Path(refusals) / f"rank{os.environ.get('RANK', '0')}").write_text(line)
+    if refusals and line and not again:
+        said = Path(refusals) / f"rank{os.environ.get('LOCAL_RANK', '0')}"
+        try:  # whole or not at all: torchrun may stop this rank mid-write
+            said.with_suffix(".part").write_text(line)
+            os.replace(said.with_suffix(".part"), said)
         except OSError:
             pass  # the restart then finds it the long way
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -200,6 +206,8 @@ def train(manifest, *, device: str | None = None, max_steps: int | None = None) 
 
 
 def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[dict[str, float]]]:
+    global _stepped
+    _stepped = False
     import torch
 
     from agilerl.distributed import get_world_size, init_distributed
@@ -291,6 +299,7 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
             _log(f"agent {agent.index}: resumed at step {agent.steps} from {folder}")
         for step in range(agent.steps + 1, steps + 1):
             metrics = _step(agent, env, algo.name, training.rollout_batch_size)
+            _stepped = True
             history.append(metrics)
             if step == 1 or step % training.log_every == 0 or step == steps:
                 _log(f"agent {agent.index} step {step:4d}  {_metrics_line(metrics)}")
@@ -503,8 +512,8 @@ def _refused_before() -> str | None:
     folder = os.environ.get(REFUSALS_ENV)
     if not folder or not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         return None
-    own = Path(folder) / f"rank{os.environ.get('RANK', '0')}"
-    said = [own] if own.is_file() else sorted(Path(folder).glob("rank*"))
+    own = Path(folder) / f"rank{os.environ.get('LOCAL_RANK', '0')}"
+    said = [own] if own.is_file() else sorted(p for p in Path(folder).glob("rank*") if not p.suffix)
     return said[0].read_text() if said else None
 
 
@@ -538,7 +547,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
         status = refuse(parser.prog, f"{field}: {err}", again=True)
     except ValueError as err:  # what an algorithm refuses at construction that the manifest let through
-        status = refuse(parser.prog, str(err))
+        status = refuse(parser.prog, str(err), again=_stepped)
     except KeyboardInterrupt:  # Ctrl-C, or the launcher stopping its ranks with SIGINT: no traceback
         if not os.environ.get(LAUNCHER_ENV):
             sys.stderr.write(f"{parser.prog}: interrupted\n")

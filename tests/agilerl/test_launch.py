@@ -106,7 +106,13 @@ def test_nproc_per_node_gpu_is_one_rank_per_gpu(tmp_path, capsys, monkeypatch):
         (["--nnodes=2", "--master-addr=host", "m.yaml"], "a static rendezvous (--master-addr) needs --node-rank"),
         (["--nnodes=2", "--master-addr=host", "--node-rank=2", "m.yaml"], "--node-rank=2 must be below --nnodes=2"),
         (["--nnodes=2", "--master-addr=h", "--rdzv-endpoint=h:1", "m.yaml"], "give --rdzv-endpoint (c10d"),
-        (["--nnodes=2", "--rdzv-endpoint=h:1", "--node-rank=1", "m.yaml"], "--node-rank is for a static rendezvous"),
+        (
+            ["--nnodes=2", "--rdzv-endpoint=h:1", "--node-rank=1", "m.yaml"],
+            "--node-rank is for a static rendezvous (--master-addr); this one is c10d, at --rdzv-endpoint=h:1",
+        ),
+        (["--nnodes=2", "--rdzv-endpoint=h:1", "--master-port=5", "m.yaml"], "--master-port is for a static"),
+        (["--nnodes=2", "--rdzv-backend=static", "--rdzv-endpoint=h:1", "m.yaml"], "--rdzv-endpoint is for a c10d"),
+        (["--master-port=5", "m.yaml"], "--master-port is for --nnodes > 1"),
         (["--nnodes=2", "--rdzv-backend=c10d", "--master-addr=h", "m.yaml"], "c10d needs --rdzv-endpoint"),
         (["--nnodes=2", "--master-addr=host:29500", "--node-rank=0", "m.yaml"], "a host name or address (no port)"),
         (["--master-addr=host", "m.yaml"], "--master-addr is for --nnodes > 1"),
@@ -120,6 +126,37 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, says, capsys):
         raise SystemExit(status)
     assert stop.value.code == 2
     assert says in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("environment", "argv", "chosen"),
+    [
+        # an address given decides over the environment's backend
+        (
+            {"PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "ep:1"},
+            ["--master-addr=h", "--node-rank=1"],
+            "static h:29500",
+        ),
+        (
+            {"PET_RDZV_BACKEND": "static", "PET_MASTER_ADDR": "m", "PET_NODE_RANK": "1"},
+            ["--rdzv-endpoint=h:5"],
+            "c10d h:5",
+        ),
+        # torchrun's static form: node 0's HOST:PORT as the endpoint
+        ({"PET_RDZV_BACKEND": "static", "PET_RDZV_ENDPOINT": "ep:7", "PET_NODE_RANK": "1"}, [], "static ep:7"),
+        ({"PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "6", "PET_NODE_RANK": "1"}, [], "static m:6"),
+    ],
+)
+def test_the_rendezvous_is_the_one_whose_address_is_given(environment, argv, chosen, monkeypatch):
+    from agilerl.launch import _launch_options, _parser
+
+    for name, value in {"PET_NNODES": "2", **environment}.items():
+        monkeypatch.setenv(name, value)
+    parser = _parser()
+    args = parser.parse_args([*argv, "m.yaml"])
+    _launch_options(parser, args)
+    where = args.rdzv_endpoint if args.rdzv_backend == "c10d" else f"{args.master_addr}:{args.master_port}"
+    assert f"{args.rdzv_backend} {where}" == chosen
 
 
 @pytest.mark.parametrize(
@@ -223,6 +260,32 @@ def test_a_restart_says_the_bad_input_an_earlier_attempt_stopped_on_but_tries_th
     capsys.readouterr()
     assert train_main([str(tmp_path / "never-read.yaml")], prog="prog") == 2
     assert capsys.readouterr().err == "prog: error: training.checkpoint_dir: holds another run's checkpoints\n"
+
+
+def test_a_value_error_once_a_step_has_trained_is_not_left_for_the_restarts(tmp_path, capsys, monkeypatch):
+    """A ValueError at step 2 (a peer lost mid-step, say) is not bad input a restart would meet
+    again: it is said, and the restarts resume from the checkpoint instead of stopping on it."""
+    import agilerl.train as train_module
+    from agilerl.train import REFUSALS_ENV
+    from agilerl.train import main as train_main
+
+    refusals = tmp_path / "refusals"
+    refusals.mkdir()
+    monkeypatch.setenv(REFUSALS_ENV, str(refusals))
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    step, steps = train_module._step, []
+
+    def second_step_fails(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            raise ValueError("shape mismatch in a weight sync")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "_step", second_step_fails)
+    assert train_main([str(_manifest(tmp_path, max_steps=3)), "--device", "cpu"]) == 2
+    assert "shape mismatch in a weight sync" in capsys.readouterr().err
+    assert not list(refusals.iterdir())
 
 
 def test_the_failures_come_to_each_distinct_line_once(tmp_path):
@@ -388,6 +451,8 @@ def test_two_pods_of_a_pytorchjob_train_as_one_run_from_its_pet_variables_alone(
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop(LAUNCHER_ENV, None)
     job = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}
+    # read by torchrun's own parser where not given it: each node would train alone (--standalone)
+    job["PET_STANDALONE"] = "1"
     pods = [
         subprocess.Popen(
             [sys.executable, "-m", "agilerl.launch", str(manifest), "--device", "cpu"],
