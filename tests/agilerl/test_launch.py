@@ -406,11 +406,7 @@ def test_one_rank_trains_in_this_process(tmp_path, capsys):
 def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path):
     """The line `agilerl-plan --output` writes for two nodes (its endpoint filled in), run twice on
     this host (one rank each): the two launchers meet there and their ranks train data parallel."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     manifest = _manifest(tmp_path)
     from planner.emit import launch_command
     from planner.hardware import Cluster, gpu_by_name
@@ -421,23 +417,32 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path
     )
     assert program == "agilerl-train"
     argv = [*launch, "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop(LAUNCHER_ENV, None)
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "agilerl.launch", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for _ in range(2)
-    ]
-    try:
-        done = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], [err.decode()[-2000:] for _, err in done]
-    out = b"".join(out for out, _ in done).decode()
+    out = _nodes_train_as_one_run([(argv, {}), (argv, {})])
     assert out.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # the main rank's, on one of the nodes
     assert "agent 0 step    2" in out
+
+
+def _nodes_train_as_one_run(nodes: list[tuple[list[str], dict[str, str]]]) -> str:
+    """Start ``agilerl-train`` once per (arguments, environment), as the nodes of one job on this
+    host; check each exits 0; return their outputs, one after the other."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(LAUNCHER_ENV, None)
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "agilerl.launch", *argv],
+            env={**env, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for argv, extra in nodes
+    ]
+    try:
+        done = [node.communicate(timeout=150) for node in started]
+    finally:
+        for node in started:
+            node.kill()
+    assert [node.returncode for node in started] == [0] * len(nodes), [err.decode()[-2000:] for _, err in done]
+    return "".join(out.decode() for out, _ in done)
 
 
 @pytest.mark.multiproc
@@ -447,29 +452,13 @@ def test_two_pods_of_a_pytorchjob_train_as_one_run_from_its_pet_variables_alone(
     PET_NPROC_PER_NODE, PET_MASTER_ADDR and PET_MASTER_PORT (a static rendezvous). Before,
     `agilerl-train MANIFEST` read none of them, so each pod trained a run of its own."""
     port = _free_port()
-    manifest = _manifest(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop(LAUNCHER_ENV, None)
+    argv = [str(_manifest(tmp_path)), "--device", "cpu"]
     job = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}
     # read by torchrun's own parser where not given it: each node would train alone (--standalone)
     job["PET_STANDALONE"] = "1"
-    pods = [
-        subprocess.Popen(
-            [sys.executable, "-m", "agilerl.launch", str(manifest), "--device", "cpu"],
-            env={**env, **job, "PET_NODE_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in (1, 0)  # node 1 first: it waits for node 0's store
-    ]
-    try:
-        done = [pod.communicate(timeout=150) for pod in pods]
-    finally:
-        for pod in pods:
-            pod.kill()
-    assert [pod.returncode for pod in pods] == [0, 0], [err.decode()[-2000:] for _, err in done]
-    out = b"".join(out for out, _ in done).decode()
-    assert f"meet at 127.0.0.1:{port} as node 1" in done[0][0].decode()
+    # node 1 first: it waits for node 0's store
+    out = _nodes_train_as_one_run([(argv, {**job, "PET_NODE_RANK": "1"}), (argv, {**job, "PET_NODE_RANK": "0"})])
+    assert out.startswith(f"agilerl-train: waiting up to 900 s for the 2 nodes to meet at 127.0.0.1:{port} as node 1")
     assert out.count("built 1 GRPO agent(s) on 2 rank(s)") == 1  # the main rank's: one run of two ranks
     assert "agent 0 step    2" in out
 
@@ -492,11 +481,7 @@ def test_a_static_rendezvous_whose_peers_never_come_ends_in_one_line(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_node_whose_peers_never_come_stops_after_the_rendezvous_timeout_in_one_line(tmp_path):
     """torchrun's c10d join timeout is 10 minutes and ends in a RendezvousTimeoutError traceback."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     argv = ["--nnodes=2", f"--rdzv-endpoint=localhost:{port}", "--rdzv-timeout=3", str(_manifest(tmp_path))]
     done = _launch([*argv, "--device", "cpu"], timeout=100)
     assert done.returncode == 2, done.stderr[-3000:]
