@@ -558,15 +558,26 @@ def nograd_forward_bytes(
     keys: int | None = None,
     masked: bool | None = None,
 ) -> int:
-    """A no-grad forward's most over its blocks, with what the model holds beside: the
-    embeddings' output (referenced until the forward returns), the block's input, the
-    rotary tables and a padded batch's attention mask (``forward``: "reference" or "generate";
-    ``mask_bytes``, ``keys``, ``masked``: a suffix pass's mask, key length and masking)."""
+    """A no-grad forward's most over its blocks, with what the model holds beside them (``forward``:
+    "reference" or "generate"; ``mask_bytes``, ``keys``, ``masked``: a suffix pass's mask, key
+    length and masking):
+
+    - the embeddings' output (referenced until the forward returns) and the block's input: two
+      hidden states, every stream of them under Gemma-3n's AltUp, and there one more: the last
+      stream's projection, which its forward keeps in a local until it returns (transformers'
+      Gemma3nTextModel.forward builds the streams from the embeddings one projection at a
+      time), (2 S + [S > 1]) x N x H x p;
+    - the per-layer inputs (Gemma-3n, Gemma 4), N x L x P x p, which every layer reads;
+    - the rotary tables (:func:`rotary_bytes`) and a padded batch's attention mask.
+
+    Gemma-3n's two terms were found with a live-tensor tracker at the reference pass's peak:
+    on a 4-layer Gemma-3n (H 128, 512 tokens) the pass held 245 KiB more outside its blocks
+    than counted; these two are 160 KiB of it. Still not counted: its second rotary table
+    (one per layer type, 2 x head_dim x p a token) and the pass's int64 position ids."""
     tokens = batch * length
-    beside = (
-        2 * tokens * ctx.carried_hidden * ctx.compute_bytes
-        + 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * tokens
-    )
+    H, p = ctx.hidden_size, ctx.compute_bytes
+    beside = tokens * (2 * ctx.carried_hidden * p + (H * p if ctx.extra_streams else 0))
+    beside += tokens * ctx.spec.per_layer_input_width * p + rotary_bytes(ctx, tokens)
     beside += attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes
     return beside + max(
         nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
