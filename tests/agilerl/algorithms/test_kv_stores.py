@@ -1,7 +1,7 @@
 """Gemma 4 and Gemma-3n store the K and V of a layer of each attention type for sharing, even
-when no layer reuses them; the trainer turns that off (agilerl.algorithms.core.loading), which
-changes no number and frees what a checkpointed recompute would otherwise keep to the end of
-the backward."""
+when no layer reuses them, and again in a checkpointed recompute when layers do; the trainer
+turns both off (agilerl.algorithms.core.loading), which changes no number and frees what a
+checkpointed recompute would otherwise keep to the end of the backward."""
 
 from __future__ import annotations
 
@@ -64,6 +64,35 @@ def test_layers_that_reuse_k_and_v_keep_the_store():
     assert any(before)
     _skip_unread_kv_stores(model)
     assert _stores(model) == before
+
+
+def test_where_layers_reuse_k_and_v_a_recompute_does_not_store_them_again():
+    """A checkpointed store layer's recompute in backward wrote its recomputed K and V into the
+    forward's store, which every checkpointed layer's saved arguments hold, so they and the graph
+    behind them stayed to the backward's end; the layers reading them had run their backward
+    already. Skipped, the logits and every gradient are the same, bit for bit, and the peak lower;
+    a forward (the reference pass, generate) stores again."""
+    types = ["sliding_attention", "full_attention"] * 2
+
+    def build():
+        model = tiny_model("gemma4", seed=0, num_kv_shared_layers=2, layer_types=types, per_layer_config={}, **GEMMA4)
+        return _checkpointed_peft(model)
+
+    stored, skipped = build(), build()
+    _skip_unread_kv_stores(skipped)
+    ids = torch.randint(3, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    peak_stored, logits_stored = _learn_peak(stored, ids)
+    peak_skipped, logits_skipped = _learn_peak(skipped, ids)
+    torch.testing.assert_close(logits_skipped, logits_stored, rtol=0, atol=0)
+    grads = [(a.grad, b.grad) for a, b in zip(stored.parameters(), skipped.parameters()) if a.grad is not None]
+    assert len(grads) > 0
+    for a, b in grads:
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert peak_skipped < peak_stored
+    assert not any(_stores(skipped))  # as the recompute left them
+    with torch.no_grad():
+        skipped(input_ids=ids, use_cache=False)
+    assert _stores(skipped) == _stores(stored) and any(_stores(skipped))
 
 
 @pytest.mark.parametrize("arch", ["gemma4", "gemma3n"])
