@@ -8,6 +8,7 @@ import time
 
 from textual.pilot import Pilot
 from textual.widgets import Input, Select
+from textual.worker import WorkerFailed
 
 from tui.screens import ExplorerScreen
 from tui.widgets import control_id
@@ -38,7 +39,10 @@ async def settle(pilot: Pilot, *, timeout_s: float = 45.0) -> ExplorerScreen:
     deadline = time.monotonic() + timeout_s
     while True:
         await pilot.pause()
-        await pilot.app.workers.wait_for_complete()
+        try:
+            await pilot.app.workers.wait_for_complete()
+        except WorkerFailed:  # a plan's bad input, still registered: the explorer says it on its knobs
+            pass
         await pilot.pause()
         if not screen.busy:
             return screen
