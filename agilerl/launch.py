@@ -55,7 +55,7 @@ import sys
 import tempfile
 from typing import Any
 
-from agilerl.utils.cli import ArgumentParser, non_negative_int, positive_int
+from agilerl.utils.cli import ArgumentParser, host_port, non_negative_int, port_number, positive_int
 
 __all__ = ["main"]
 
@@ -64,16 +64,15 @@ PROG = "agilerl-train"
 
 def _endpoint(text: str) -> str:
     """``HOST:PORT`` (or ``HOST``, torchrun's port 29400), checked here rather than deep in torchrun."""
-    host, _, port = text.rpartition(":") if ":" in text else (text, ":", "29400")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if host_port(text if ":" in text else f"{text}:29400") is None:
         raise argparse.ArgumentTypeError(f"must be HOST:PORT with a port in 1-65535, got {text!r}")
     return text
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if (number := port_number(text)) is None:
         raise argparse.ArgumentTypeError(f"must be a port in 1-65535, got {text!r}")
-    return int(text)
+    return number
 
 
 def _host(text: str) -> str:
@@ -244,8 +243,7 @@ def _rendezvous(parser: ArgumentParser, args: argparse.Namespace, named: dict[st
     if "rdzv_endpoint" in given:
         parser.error("--rdzv-endpoint is for a c10d rendezvous; a static one meets at --master-addr and --master-port")
     if not args.master_addr and args.rdzv_endpoint:  # torchrun's static form: node 0's HOST:PORT as the endpoint
-        host, colon, port = args.rdzv_endpoint.rpartition(":")
-        args.master_addr, args.master_port = (host, int(port)) if colon else (args.rdzv_endpoint, args.master_port)
+        args.master_addr, args.master_port = host_port(args.rdzv_endpoint) or (args.rdzv_endpoint, args.master_port)
     if not args.master_addr:
         parser.error(f"{named['rdzv_backend']}=static needs --master-addr=HOST, node 0's host")
     if args.node_rank is None:

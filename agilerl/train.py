@@ -67,7 +67,7 @@ def refuse(prog: str, message: str, *, again: bool = False) -> int:
     line = " ".join(message.split())
     refusals = os.environ.get(REFUSALS_ENV)
     if refusals and line and not again:
-        said = Path(refusals) / f"rank{os.environ.get('LOCAL_RANK', '0')}"
+        said = _refusal_file(refusals)
         try:  # whole or not at all: torchrun may stop this rank mid-write
             said.with_suffix(".part").write_text(line)
             os.replace(said.with_suffix(".part"), said)
@@ -506,13 +506,18 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m agilerl.train"
         return _main(parser, args)
 
 
+def _refusal_file(folder: str) -> Path:
+    """Where this rank leaves its bad-input line for a restart (named by its local rank)."""
+    return Path(folder) / f"rank{os.environ.get('LOCAL_RANK', '0')}"
+
+
 def _refused_before() -> str | None:
     """In a restart under ``agilerl-train --max-restarts``: the line this rank (or, where it said
     none, another of this node's) stopped on in an earlier attempt, else None."""
     folder = os.environ.get(REFUSALS_ENV)
     if not folder or not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         return None
-    own = Path(folder) / f"rank{os.environ.get('LOCAL_RANK', '0')}"
+    own = _refusal_file(folder)
     said = [own] if own.is_file() else sorted(p for p in Path(folder).glob("rank*") if not p.suffix)
     return said[0].read_text() if said else None
 

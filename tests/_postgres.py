@@ -12,12 +12,13 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests._procs import free_port
 
 __all__ = ["postgres_server"]
 
@@ -32,12 +33,6 @@ def _binary(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def postgres_server(database: str = "tune") -> Iterator[str]:
     """Start a server; yield a ``postgresql://`` URL of an empty ``database``; stop it."""
@@ -50,7 +45,7 @@ def postgres_server(database: str = "tune") -> Iterator[str]:
         user = pwd.getpwnam("postgres")
         os.chown(root, user.pw_uid, user.pw_gid)
         as_user = ["runuser", "-u", "postgres", "--"]
-    data, log, port = root / "data", root / "server.log", _free_port()
+    data, log, port = root / "data", root / "server.log", free_port()
 
     def run(*cmd: str) -> None:
         proc = subprocess.run([*as_user, *cmd], capture_output=True, text=True, timeout=120)

@@ -21,3 +21,12 @@ def with_env(name: str, value: str) -> list[int]:
             except OSError:  # gone, or a zombie
                 pass
     return found
+
+
+def free_port() -> int:
+    """A TCP port on this host nobody listens on now (a rendezvous, a database server)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -58,6 +58,18 @@ positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def port_number(text: str) -> int | None:
+    """``text`` as a TCP port a rendezvous can listen on (1-65535), else None."""
+    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
+
+
+def host_port(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` split at its last colon, else None (no host, or no valid port)."""
+    host, _, port = text.rpartition(":")
+    number = port_number(port)
+    return (host, number) if host and number is not None else None
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (``inf`` and ``nan`` are refused: no budget or timeout means either)."""
     try:

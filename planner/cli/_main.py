@@ -17,6 +17,7 @@ from typing import Any
 from agilerl.distributed import FSDPConfig
 from agilerl.utils.cli import (
     ArgumentParser,
+    host_port,
     margin_fraction,
     positive_float,
     positive_int,
@@ -99,7 +100,7 @@ def probe_main(argv: list[str]) -> int:
             raise ValueError(f"--gpus {args.gpus} ranks do not split evenly over --nnodes {args.nnodes}")
         if args.rdzv_endpoint is not None and (args.nnodes == 1 or ":" not in args.rdzv_endpoint):
             raise ValueError("--rdzv-endpoint HOST:PORT is for a probe across nodes: give --nnodes > 1 too")
-        if args.rdzv_endpoint is not None and not _host_port(args.rdzv_endpoint):
+        if args.rdzv_endpoint is not None and not host_port(args.rdzv_endpoint):
             raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: give HOST:PORT, a port from 1 to 65535")
         if problem := _lora_flags_problem(parser, args):
             raise ValueError(problem)
@@ -338,12 +339,6 @@ def _flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace, *, k
         and hasattr(args, action.dest)
         and getattr(args, action.dest) != parser.get_default(action.dest)
     ]
-
-
-def _host_port(endpoint: str) -> bool:
-    """``HOST:PORT`` with a host and a port torchrun's rendezvous can listen on."""
-    host, _, port = endpoint.rpartition(":")
-    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
 
 
 def _study_url(args: argparse.Namespace) -> str | None:

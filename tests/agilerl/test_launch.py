@@ -20,6 +20,7 @@ import yaml
 
 from agilerl.launch import _SAID_HERE, _failure_lines, main
 from agilerl.train import ERROR_SOURCE, LAUNCHER_ENV, refuse
+from tests._procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny:qwen2?hidden_size=32&intermediate_size=64&num_layers=2"
@@ -50,14 +51,6 @@ def _no_torchrun_variables(monkeypatch):
     unless a test sets them."""
     for name in [name for name in os.environ if name.startswith("PET_")]:
         monkeypatch.delenv(name)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _one_error_line(err: str) -> str:
@@ -406,7 +399,7 @@ def test_one_rank_trains_in_this_process(tmp_path, capsys):
 def test_two_nodes_meet_at_the_rendezvous_endpoint_and_train_as_one_run(tmp_path):
     """The line `agilerl-plan --output` writes for two nodes (its endpoint filled in), run twice on
     this host (one rank each): the two launchers meet there and their ranks train data parallel."""
-    port = _free_port()
+    port = free_port()
     manifest = _manifest(tmp_path)
     from planner.emit import launch_command
     from planner.hardware import Cluster, gpu_by_name
@@ -451,7 +444,7 @@ def test_two_pods_of_a_pytorchjob_train_as_one_run_from_its_pet_variables_alone(
     """Kubeflow's PyTorchJob runs the same command in each pod and sets PET_NNODES, PET_NODE_RANK,
     PET_NPROC_PER_NODE, PET_MASTER_ADDR and PET_MASTER_PORT (a static rendezvous). Before,
     `agilerl-train MANIFEST` read none of them, so each pod trained a run of its own."""
-    port = _free_port()
+    port = free_port()
     argv = [str(_manifest(tmp_path)), "--device", "cpu"]
     job = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}
     # read by torchrun's own parser where not given it: each node would train alone (--standalone)
@@ -468,7 +461,7 @@ def test_a_static_rendezvous_whose_peers_never_come_ends_in_one_line(tmp_path):
     """Node 0 waits --rdzv-timeout for the others to connect (exit 2); a node whose node 0 never
     comes fails to connect (exit 1). torchrun ends both in a traceback, the second after c10d's C++
     log of each failed try, C++ stack included."""
-    argv = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--rdzv-timeout=3"]
+    argv = ["--nnodes=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-timeout=3"]
     manifest = str(_manifest(tmp_path))
     done = _launch([*argv, "--node-rank=0", manifest, "--device", "cpu"], timeout=100)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -481,7 +474,7 @@ def test_a_static_rendezvous_whose_peers_never_come_ends_in_one_line(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_node_whose_peers_never_come_stops_after_the_rendezvous_timeout_in_one_line(tmp_path):
     """torchrun's c10d join timeout is 10 minutes and ends in a RendezvousTimeoutError traceback."""
-    port = _free_port()
+    port = free_port()
     argv = ["--nnodes=2", f"--rdzv-endpoint=localhost:{port}", "--rdzv-timeout=3", str(_manifest(tmp_path))]
     done = _launch([*argv, "--device", "cpu"], timeout=100)
     assert done.returncode == 2, done.stderr[-3000:]
