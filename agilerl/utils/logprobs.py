@@ -38,6 +38,7 @@ __all__ = [
     "final_norm",
     "output_head",
     "position_ids_from_mask",
+    "last_position_only",
     "shared_attention_mask",
     "additive_attention_mask",
     "causal_lm",
@@ -296,6 +297,16 @@ def final_norm(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.Module):
             return module
     raise ValueError(f"cannot find the final norm of {type(decoder).__name__}")
+
+
+def last_position_only(ids: torch.Tensor) -> torch.Tensor:
+    """``logits_to_keep`` for a forward whose log-probs come from its final hidden states (caught
+    by a hook on :func:`final_norm`): the model's own head runs on the last position only, every
+    position still runs through every layer. A tensor, not the int 1: transformers' Gemma 4 reads
+    an int as leave to drop every earlier position before its K/V-sharing layers (generate's
+    prefill shortcut, ``_maybe_slice_kv_shared_inputs``), which leaves one position of the hidden
+    states the log-probs need."""
+    return torch.tensor([ids.shape[1] - 1], device=ids.device)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

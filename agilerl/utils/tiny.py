@@ -104,15 +104,18 @@ def tiny_config(
         kwargs["tie_word_embeddings"] = tie_word_embeddings
     if arch in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = max_position_embeddings
-    if arch == "gemma4":  # PLE, sliding layers then a global one twice as wide (per_layer_config); no KV sharing
+    gemma_types = _gemma_layer_types(num_layers, shared="num_kv_shared_layers" in overrides)
+    if arch == "gemma4":  # PLE, sliding layers and global ones twice as wide (per_layer_config); no KV sharing
         head_dim = hidden_size // num_heads
         kwargs.update(
             vocab_size_per_layer_input=vocab_size,
             hidden_size_per_layer_input=8,
             num_kv_shared_layers=0,
             sliding_window=max_position_embeddings,
-            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
-            per_layer_config={f"{num_layers - 1:02d}": {"head_dim": 2 * head_dim}},
+            layer_types=gemma_types,
+            per_layer_config={
+                f"{i:02d}": {"head_dim": 2 * head_dim} for i, t in enumerate(gemma_types) if t == "full_attention"
+            },
         )
     if arch == "smollm3":  # every second layer without rotary embeddings (NoPE), as every fourth in SmolLM3-3B
         kwargs["no_rope_layer_interval"] = 2
@@ -132,7 +135,7 @@ def tiny_config(
             num_kv_shared_layers=0,
             activation_sparsity_pattern=[0.0] * num_layers,
             sliding_window=max_position_embeddings,
-            layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+            layer_types=gemma_types,
         )
     kwargs.update(overrides)
     from huggingface_hub.errors import StrictDataclassError
@@ -147,6 +150,16 @@ def tiny_config(
     # Eager attention keeps CPU numerics identical across processes and versions.
     config._attn_implementation = "eager"
     return config
+
+
+def _gemma_layer_types(num_layers: int, *, shared: bool) -> list[str]:
+    """Gemma-3n's and Gemma 4's tiny attention pattern: sliding layers, then a full one. With K/V
+    sharing (``num_kv_shared_layers`` given) every third layer is full, as the real models
+    interleave them, so each attention type has a layer before the readers to store its K and V
+    (``num_kv_shared_layers=0`` gives the same pattern without sharing)."""
+    if not shared:
+        return ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+    return ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)]
 
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, dtype=None, **config_kwargs: Any):

@@ -61,6 +61,7 @@ from agilerl.utils.logprobs import (
     chunked_token_logprobs,
     final_norm,
     full_causal,
+    last_position_only,
     linear_token_logprobs,
     logit_multiplier,
     output_head,
@@ -739,7 +740,7 @@ class LLMAlgorithm:
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
         try:
-            # logits_to_keep=1: the model's own head runs on one position only; the
+            # The model's own head runs on the last position only (last_position_only); the
             # log-probs below come from the captured final hidden states, chunked.
             out = model(
                 input_ids=ids,
@@ -747,7 +748,7 @@ class LLMAlgorithm:
                 attention_mask=shared_attention_mask(causal_lm(model).config, attention_mask, self._activation_dtype()),
                 position_ids=position_ids_from_mask(attention_mask),
                 use_cache=False,
-                logits_to_keep=1,
+                logits_to_keep=last_position_only(ids),
             )
         finally:
             handle.remove()
@@ -827,7 +828,7 @@ class LLMAlgorithm:
                 attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
                 position_ids=positions[rows, :first],
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=last_position_only(ids[:, :first]),
                 **{kv: recorded},
             )
             suffix = model(
@@ -835,7 +836,7 @@ class LLMAlgorithm:
                 attention_mask=suffix_attention_mask(attention_mask, first, dtype),
                 position_ids=positions[:, first:],
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=last_position_only(ids[:, first:]),
                 **{kv: PrefixedCache(recorded, groups.inverse, first)},
             )
         finally:

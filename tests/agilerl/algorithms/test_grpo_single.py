@@ -890,6 +890,28 @@ def test_logprobs_of_a_model_that_scales_its_logits_are_the_models_own(tmp_path,
     torch.testing.assert_close(ours[real], own[real], rtol=1e-4, atol=1e-4)
 
 
+def test_logprobs_of_a_model_whose_later_layers_share_k_and_v_cover_every_position(tmp_path):
+    """Gemma 4 (E2B, E4B) reads an integer ``logits_to_keep`` as leave to run its K/V-sharing
+    layers on the kept positions only, generate's prefill shortcut: asked for one position, the
+    final hidden states the log-probs come from had one, and the reference pass failed with an
+    IndexError. Every position's log-prob must be the model's own."""
+    from agilerl.utils.tiny import tiny_config
+
+    config = tiny_config("gemma4", vocab_size=len(TOKENIZER), num_layers=6, num_kv_shared_layers=2)
+    assert config.kv_sharing_modes.count("reuse") == 2
+    config.pad_token_id = TOKENIZER.pad_token_id
+    config.save_pretrained(tmp_path)
+    agent = make_agent(model_name=str(tmp_path))
+    ids, masks, _, _ = synthetic_experiences(agent)
+    attention = agent._attention_mask(ids, masks)
+    with torch.no_grad():
+        ours = agent.token_logprobs(ids, attention)
+        logits = agent.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    own = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    real = attention[:, 1:].bool() & attention[:, :-1].bool()
+    torch.testing.assert_close(ours[real], own[real], rtol=1e-4, atol=1e-4)
+
+
 def test_optim_cpu_offload_none_keeps_adam_on_the_device_only_where_the_estimate_fits_it(monkeypatch):
     """FSDPConfig's documented None: "picks GPU when the memory estimate fits, else CPU"."""
     from agilerl.algorithms.core import autoplan
