@@ -43,8 +43,9 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 6  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
-# 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints); 6: the NF4 weights of QLoRA
+SPEC_SCHEMA_VERSION = 7  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
+# 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints); 6: the NF4 weights of QLoRA;
+# 7: K/V sharing across layers (Gemma-3n, Gemma 4), rotary_widths
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -61,6 +62,16 @@ class AttentionSpec(_Frozen):
     kv_dim: int  # width of each of the key / value caches per token
     sliding_window: int | None = None
     logit_softcapping: float | None = None  # tanh soft cap of the attention scores (Gemma 2)
+    # K/V sharing across layers (Gemma-3n's and Gemma 4's num_kv_shared_layers): "reuse" reads the
+    # K and V the last earlier layer of its attention type made (it has no K/V projections and no
+    # cache entry of its own); "store" is that layer, whose K and V outlive its forward for them.
+    # None otherwise, a store included when no layer reads it (the trainer stops it storing).
+    kv_sharing: str | None = None
+
+    @property
+    def has_own_kv(self) -> bool:
+        """The layer makes (and caches) K and V of its own: every layer but a K/V reader."""
+        return self.kv_sharing != "reuse"
 
 
 class MlpSpec(_Frozen):
@@ -140,6 +151,14 @@ class ModelSpec(_Frozen):
     # The class of the multimodal checkpoint this is the text model of (its vision / audio
     # encoders are not counted: the trainer fine-tunes the exported text model).
     text_model_of: str | None = None
+    # The width of the cos (and of the sin) of each rotary table the forward computes: one per
+    # inv_freq buffer of the rotary module, 2 x its length. Gemma 3, Gemma-3n and Gemma 4 compute
+    # one per attention type (Gemma 4's global one twice as wide); None when not read.
+    rotary_widths: tuple[int, ...] | None = None
+    # transformers runs the layers reading shared K and V on the kept positions only when a
+    # forward asks for the last logits alone, as generate's prefill does (Gemma 4:
+    # ``_maybe_slice_kv_shared_inputs``); Gemma-3n runs them over every position.
+    prefill_skips_readers: bool = False
 
     # -- derived ------------------------------------------------------------------------
     def block(self, index: int) -> BlockSpec:
@@ -238,6 +257,11 @@ def _attention(block, config) -> AttentionSpec:
         sliding = window if getattr(config, "use_sliding_window", True) else None
     sliding = int(sliding) if sliding else None
     softcap = getattr(config, "attn_logit_softcapping", None)
+    sharing = None
+    if getattr(attn, "is_kv_shared_layer", False):
+        sharing = "reuse"
+    elif getattr(attn, "store_full_length_kv", False):
+        sharing = "store"
     return AttentionSpec(
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -246,7 +270,25 @@ def _attention(block, config) -> AttentionSpec:
         kv_dim=kv_dim,
         sliding_window=sliding,
         logit_softcapping=float(softcap) if softcap else None,
+        kv_sharing=sharing,
     )
+
+
+def _block_attention(blocks, config) -> list[AttentionSpec]:
+    """Each block's :class:`AttentionSpec`; a K/V store no layer reads is none (the trainer stops
+    it storing: agilerl.algorithms.core.loading._skip_unread_kv_stores)."""
+    specs = [_attention(b, config) for b in blocks]
+    if not any(a.kv_sharing == "reuse" for a in specs):
+        specs = [a.model_copy(update={"kv_sharing": None}) for a in specs]
+    return specs
+
+
+def _rotary_widths(model) -> tuple[int, ...]:
+    """The cos width of each rotary table the forward computes: 2 x the length of each of the
+    rotary modules' ``inv_freq`` buffers (``<layer_type>_inv_freq`` where there is one per
+    attention type; the ``original_`` copies kept for dynamic scaling are not tables)."""
+    leaves = ((n.rsplit(".", 1)[-1], b) for n, b in model.named_buffers())
+    return tuple(2 * int(b.numel()) for leaf, b in leaves if leaf.endswith("inv_freq") and "original" not in leaf)
 
 
 def _mlp(block, config) -> MlpSpec:
@@ -429,7 +471,7 @@ def build_spec(
         tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules() if isinstance(m, nn.Linear))
         for b in blocks
     ]
-    block_attention = [_attention(b, text_config) for b in blocks]
+    block_attention = _block_attention(blocks, text_config)
     block_mlp = [_mlp(b, text_config) for b in blocks]
     block_kinds = [block_kind(b) for b in blocks]
     total = sum(p.numel() for p in model.parameters())
@@ -500,4 +542,6 @@ def build_spec(
         else 0,
         expert_layout_problem=expert_problem,
         text_model_of=text_model_of,
+        rotary_widths=_rotary_widths(model),
+        prefill_skips_readers=any(hasattr(m, "_maybe_slice_kv_shared_inputs") for m in model.modules()),
     )

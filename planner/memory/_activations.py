@@ -262,10 +262,64 @@ def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str)
 def prefix_kv_bytes(ctx: Context, index: int, rows: int) -> int:
     """The shared-prefix forward (agilerl.utils.shared_prefix): the prefix keys and values of
     layer ``index`` copied to ``rows`` rows, 2 x rows x split x kv_dim / tp x p (what the suffix
-    pass's attention reads, and with grad saves, beyond its own tokens); 0 without it."""
-    if not ctx.prefix_split:
+    pass's attention reads, and with grad saves, beyond its own tokens); 0 without it, and for a
+    layer reading another's K and V (it records none)."""
+    if not ctx.prefix_split or not ctx.spec.block(index).attention.has_own_kv:
         return 0
     return 2 * rows * ctx.prefix_split * ctx.spec.block(index).attention.kv_dim // ctx.tp * ctx.compute_bytes
+
+
+def stored_kv_bytes(ctx: Context, tokens: int) -> dict[int, int]:
+    """K/V sharing (Gemma-3n, Gemma 4: ``AttentionSpec.kv_sharing``): per storing layer, the K and V
+    it keeps for the layers that read them, 2 x tokens x kv_dim / tp x p over the whole row (a
+    sliding layer's too: transformers keeps them uncut for its readers); empty without sharing."""
+    p, out = ctx.compute_bytes, {}
+    for j in range(ctx.spec.num_layers):
+        att = ctx.spec.block(j).attention
+        if att.kv_sharing == "store":
+            out[j] = 2 * tokens * att.kv_dim // ctx.tp * p
+    return out
+
+
+def _last_reader(ctx: Context, store: int) -> int:
+    """The last layer reading ``store``'s K and V: the last reuse layer of its attention type."""
+    window = ctx.spec.block(store).attention.sliding_window
+    readers = [
+        j
+        for j in range(store + 1, ctx.spec.num_layers)
+        if not ctx.spec.block(j).attention.has_own_kv and ctx.spec.block(j).attention.sliding_window == window
+    ]
+    return max(readers, default=store)
+
+
+def shared_kv_moments(ctx: Context, tokens: int) -> tuple[list[int], list[int]]:
+    """Per layer j, the shared K and V (:func:`stored_kv_bytes`) alive beyond what the blocks keep
+    (:func:`kept_bytes`) while j runs forward with grad, and while it runs backward or recomputes.
+
+    The storing layer's attention puts them in the forward's ``shared_kv_states``, which every
+    decoder layer is called with. A block that is not checkpointed saves them (SDPA's k and v), so
+    its keep holds them; a checkpointed one keeps its input only, and they live on beside it. Under
+    activation checkpointing every checkpointed layer's recompute keeps that dict (its call's
+    arguments) until its backward, so they live until the first such layer's backward, the end of
+    the backward. In backward the readers' gradients for them build up (their size, in the compute
+    dtype) from the end of the last reader's attention backward, through every layer between, to the
+    storing layer's backward. Counted on tiny Gemma-3n and Gemma 4 models sharing their last 2 of 6
+    layers' K and V, against the same models without (benchmarks/kv_sharing_memory.py)."""
+    stores = stored_kv_bytes(ctx, tokens)
+    L = ctx.spec.num_layers
+    forward, backward = [0] * L, [0] * L
+    gc = bool(ctx.checkpointed)
+    for s, size in stores.items():
+        last = _last_reader(ctx, s)
+        kept_elsewhere = s not in ctx.checkpointed  # saved by the storing block itself
+        for j in range(L):
+            if j > s and not kept_elsewhere:
+                forward[j] += size
+            if gc and (not kept_elsewhere or j < s):
+                backward[j] += size
+            if s < j < last:
+                backward[j] += size  # the accumulating gradients
+    return forward, backward
 
 
 def recorded_prefix_bytes(ctx: Context) -> int:
@@ -294,10 +348,13 @@ def kept_bytes(
 
 
 def rotary_bytes(ctx: Context, tokens: int | None = None) -> int:
-    """The rotary cos and sin one forward computes and every block reads: 2 x head_dim x p
-    per token (of every pass)."""
+    """The rotary cos and sin one forward computes and the blocks read: 2 x width x p per token
+    (of every pass) for each table (``ModelSpec.rotary_widths``: one per attention type in Gemma 3,
+    Gemma-3n and Gemma 4), else one table as wide as a head."""
     N = ctx.micro_batch_tokens if tokens is None else tokens
-    return 2 * ctx.spec.block(0).attention.head_dim * ctx.compute_bytes * N
+    widths = ctx.spec.rotary_widths
+    width = sum(widths) if widths is not None else ctx.spec.block(0).attention.head_dim
+    return 2 * width * ctx.compute_bytes * N
 
 
 def boundary_bytes(ctx: Context, tokens: int | None = None) -> int:
@@ -372,7 +429,8 @@ def learn_block_moments(
 
     At block j: everything the earlier blocks keep, and j's own most (its forward with
     grad or its recompute with the gradients flowing in, or its backward). The later
-    blocks have not run (forward) or are freed (backward).
+    blocks have not run (forward) or are freed (backward). Under K/V sharing the shared K
+    and V, and in backward their gradients, are beside (:func:`shared_kv_moments`).
     """
     kept = kept_bytes(ctx, blocks, pass_)
     N = pass_.tokens if pass_ else ctx.micro_batch_tokens
@@ -383,16 +441,18 @@ def learn_block_moments(
         gradients_in_flight(ctx, recompute=False, tokens=N),
         gradients_in_flight(ctx, recompute=True, tokens=N),
     )
+    shared_forward, shared_backward = shared_kv_moments(ctx, N)
     running, backward, before = (0, 0), (0, 0), 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
         g = grown[j] if grown else 0
+        held = before + shared_backward[j]  # in backward (a recompute is one)
         if j in ctx.checkpointed:
-            running = max(running, (before + kept[j] + b.recompute + recomputing, g), key=sum)
-            backward = max(backward, (before + kept[j] + b.backward + flowing, g), key=sum)
+            running = max(running, (held + kept[j] + b.recompute + recomputing, g), key=sum)
+            backward = max(backward, (held + kept[j] + b.backward + flowing, g), key=sum)
         else:
-            running = max(running, (before + b.forward + x_in, 0), key=sum)
-            backward = max(backward, (before + b.backward + flowing, g), key=sum)
+            running = max(running, (before + shared_forward[j] + b.forward + x_in, 0), key=sum)
+            backward = max(backward, (held + b.backward + flowing, g), key=sum)
         before += kept[j]
     return running, backward
 
@@ -414,6 +474,7 @@ def checkpointed_forward_bytes(
         return 0
     pass_ = pass_ or one_pass(ctx)
     kept = kept_bytes(ctx, blocks, pass_)
+    shared, _ = shared_kv_moments(ctx, pass_.tokens)
     inner: dict[int, int] = {}  # per block type
     most, before = 0, embedding
     for j in range(ctx.spec.num_layers):
@@ -423,7 +484,7 @@ def checkpointed_forward_bytes(
                 inner[r] = nograd_block_bytes(
                     ctx, layout, pass_.rows, pass_.queries, r, keys=pass_.keys, masked=pass_.masked
                 )
-            most = max(most, before + kept[j] + inner[r])
+            most = max(most, before + kept[j] + inner[r] + shared[j])
         before += kept[j]
     return most
 
@@ -568,20 +629,33 @@ def nograd_forward_bytes(
       Gemma3nTextModel.forward builds the streams from the embeddings one projection at a
       time), (2 S + [S > 1]) x N x H x p;
     - the per-layer inputs (Gemma-3n, Gemma 4), N x L x P x p, which every layer reads;
-    - the rotary tables (:func:`rotary_bytes`) and a padded batch's attention mask.
+    - the rotary tables (:func:`rotary_bytes`) and a padded batch's attention mask;
+    - under K/V sharing, the K and V the storing layers before a block keep for their readers
+      (:func:`stored_kv_bytes`), except in generate, where they are the cache's own tensors, and
+      whose prefill runs the readers over the last position only where the model does so
+      (``ModelSpec.prefill_skips_readers``, Gemma 4).
 
     Gemma-3n's two terms were found with a live-tensor tracker at the reference pass's peak:
     on a 4-layer Gemma-3n (H 128, 512 tokens) the pass held 245 KiB more outside its blocks
-    than counted; these two are 160 KiB of it. Still not counted: its second rotary table
-    (one per layer type, 2 x head_dim x p a token) and the pass's int64 position ids."""
+    than counted; these two are 160 KiB of it, its second rotary table 64 KiB. Still not
+    counted: the pass's int64 position ids."""
     tokens = batch * length
     H, p = ctx.hidden_size, ctx.compute_bytes
     beside = tokens * (2 * ctx.carried_hidden * p + (H * p if ctx.extra_streams else 0))
     beside += tokens * ctx.spec.per_layer_input_width * p + rotary_bytes(ctx, tokens)
     beside += attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes
-    return beside + max(
-        nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
+    skips = forward == "generate" and ctx.spec.prefill_skips_readers
+    own = {
+        i: nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
+        if not (skips and not ctx.spec.block(i).attention.has_own_kv)
+        else nograd_block_bytes(ctx, layout, batch, 1, i, adapters_on, keys=keys or length, masked=masked)
         for i in ctx.distinct_layers
+    }
+    stores = stored_kv_bytes(ctx, tokens) if forward != "generate" else {}
+    if not stores:
+        return beside + max(own.values())
+    return beside + max(
+        own[r] + sum(size for s, size in stores.items() if s < j) for j, r in enumerate(ctx.representative)
     )
 
 

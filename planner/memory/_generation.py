@@ -20,8 +20,11 @@ VLLM_NOTE = (
 
 def _layer_kv_bytes(ctx: Context, index: int, tokens: int, rows: int) -> int:
     """K and V of layer ``index``: 2 x rows x length x kv_dim / tp x p, a sliding-window layer's
-    length capped at its window."""
+    length capped at its window; 0 for a layer reading another's (Gemma-3n's and Gemma 4's
+    K/V sharing: it adds no cache entry)."""
     att = ctx.spec.block(index).attention
+    if not att.has_own_kv:
+        return 0
     length = min(tokens, att.sliding_window) if att.sliding_window else tokens
     return 2 * rows * length * att.kv_dim // ctx.tp * ctx.compute_bytes
 
@@ -33,26 +36,32 @@ def kv_cache_bytes(ctx: Context, tokens: int, rows: int | None = None) -> int:
     return sum(layers * _layer_kv_bytes(ctx, i, tokens, n) for i, layers in ctx.layer_counts)
 
 
-def layer_keys_bytes(ctx: Context, tokens: int) -> int:
-    """The largest layer's keys (as many bytes as its values) at ``tokens``: what a cache grown by
-    concatenation holds twice while it grows them."""
-    return max(_layer_kv_bytes(ctx, i, tokens, ctx.completions_per_rank) for i, _ in ctx.layer_counts) // 2
+def growing_cache_bytes(ctx: Context, tokens: int) -> int:
+    """What a decode step's cache update holds twice, at its largest layer: transformers'
+    DynamicLayer concatenates a layer's keys, rebinds them, then does its values (the old keys
+    are alive beside the new); its sliding-window layer concatenates both before rebinding
+    either (the old keys and values). Traced on a real generate (tests/planner/memory/
+    test_generation.py): a tiny Gemma-3n held one layer's K and V twice at its decode peak."""
+    n = ctx.completions_per_rank
+    return max(
+        _layer_kv_bytes(ctx, i, tokens, n) // (1 if ctx.spec.block(i).attention.sliding_window else 2)
+        for i, _ in ctx.layer_counts
+    )
 
 
 def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
     """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
     forward over n x prompt tokens beside the prompt's cache; logits of the last position
-    only), and the last decode steps: the whole cache, and one layer's keys more (DynamicCache
-    concatenates a layer's keys, then its values, so the old and the new of one of them are
-    alive at once), and sampling's three logits copies. Measured against a real ``generate``
-    with a live-tensor tracker (tests/planner/memory/test_generation.py: within 1%).
+    only), and the last decode steps: the whole cache, what its update holds twice
+    (:func:`growing_cache_bytes`), and sampling's three logits copies. Measured against a real
+    ``generate`` with a live-tensor tracker (tests/planner/memory/test_generation.py: within 1%).
 
     With the shared-prefix forward (GRPO._shared_prefill) the prefill runs each distinct prompt
     once, over all its columns but the last, and the cache is then copied to the group's rows;
     generate's first step runs the last column of every row."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
-    decode = {"kv_cache": full_kv + layer_keys_bytes(ctx, ctx.sequence_tokens), "logits": n * V * 4 * 3}
+    decode = {"kv_cache": full_kv + growing_cache_bytes(ctx, ctx.sequence_tokens), "logits": n * V * 4 * 3}
     if repeated := masked_decode_bytes(ctx):
         decode["activations"] = repeated
     rows = ctx.rollout_prefix_rows

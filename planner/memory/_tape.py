@@ -143,10 +143,12 @@ def block_linears(
 _WEIGHTLESS_VALUE_NORM = ("Gemma3nTextDecoderLayer", "Gemma4TextDecoderLayer")
 
 
-def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float]:
+def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float, frozenset[str]]:
     """(RMSNorms over the hidden stream, those after the MLP (Gemma's post_feedforward),
-    widths of the head norms' inputs)."""
+    widths of the head norms' inputs, the projections they norm: "q", "k", and "v" under a
+    weightless v norm, which the block's tensors do not show)."""
     hidden_norms, after_mlp, head_width = 0, 0, 0.0
+    normed: set[str] = set()
     att = block.attention
     for name, shape in block.tensors:
         leaf = name.rsplit(".", 1)
@@ -158,9 +160,13 @@ def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float]:
             after_mlp += module.startswith("post_feedforward")
         elif module.startswith("q_"):
             head_width += att.q_dim
+            normed.add("q")
         elif module.startswith("k_"):
             head_width += att.kv_dim
-    return hidden_norms, after_mlp, head_width
+            normed.add("k")
+    if block.kind in _WEIGHTLESS_VALUE_NORM and att.has_own_kv:
+        normed.add("v")
+    return hidden_norms, after_mlp, head_width, frozenset(normed)
 
 
 def _lora_transient(lin: Linear, p: int, a: int, adapters_on: bool, full: bool = False) -> float:
@@ -191,12 +197,20 @@ def _attention_moments(
     norm_saved: float,
     eager: bool,
     dropped: bool,
-    value_norm: float,
+    head_normed: frozenset[str] = frozenset(),
 ) -> tuple[float, float, float, float]:
     """The attention half of :func:`block_tape`: appends its moments to ``grad``, ``nograd`` and
     ``nograd_base``; returns what it saved, the normed input, that input as held in a forward with
     grad (0 when saved), and the attention's locals alive without grad. ``rank_bytes``: one
-    token's lora_A output (rank x the adapters' dtype)."""
+    token's lora_A output (rank x the adapters' dtype). ``kv``: the width of the layer's own K (and
+    V), 0 for a layer reading an earlier layer's (Gemma-3n's and Gemma 4's K/V sharing), which SDPA
+    saves and holds without a byte of this layer's: they are counted where they are made
+    (planner.memory._activations.shared_kv_moments). ``head_normed``: the projections ("q", "k",
+    "v", a weightless v norm) whose output a norm over the
+    heads reads, which without grad holds two fp32 copies of it at a time: the upcast and its
+    square, then the normalised one and its product with the weight (Qwen3's, OLMo 2's and
+    Gemma's RMSNorm; traced op by op on a tiny Gemma 4, whose global layers' q is twice the
+    hidden width, where it is the reference pass's peak)."""
     transient, cast_copy, cast_live, grad_live = terms
     saved = 0.0
     # -- attention --------------------------------------------------------------------------
@@ -214,11 +228,16 @@ def _attention_moments(
         nograd_base.append(normed + outputs + transient(x, False))
         saved += cast_copy(x, H) + (rank_bytes if x.adapted else 0)
         outputs += x.out_features * p
+        if any(x.name.rsplit(".", 1)[-1].startswith(f"{h}_") for h in head_normed):
+            nograd.append(normed + outputs + 8 * x.out_features)
+            nograd_base.append(nograd[-1])
     if not cast and not dropped and any(x.adapted for x in lin["attn_in"]):
         saved += p * H  # lora_A of q, k and v save the one normed input
         held_normed = 0.0  # which is then counted as saved
     saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
-    saved += 4 * value_norm  # a weightless v norm: its fp32 upcast (its reciprocal RMS is in the heads' term)
+    saved += (
+        4 * kv * ("v" in head_normed)
+    )  # a weightless v norm: its fp32 upcast (its reciprocal RMS is in the heads' term)
     if eager:  # q, and K and V repeated to every query head (repeat_kv): its two matmuls' inputs
         saved += 3 * q * p
     else:  # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
@@ -376,7 +395,7 @@ def block_tape(
     lin = block_linears(block, adapted, tp=tp, mlp_tp=mlp_tp)
     gqa = q > kv
     masked = dict(masked_kv_saved=2 * (q - kv) * p if gqa else 0.0, masked_kv_nograd=2 * q * p if gqa else 0.0)
-    hidden_norms, after_mlp, head_width = _norms(block, hidden)
+    hidden_norms, after_mlp, head_width, head_normed = _norms(block, hidden)
     norm_saved = 4 * H + 4 + (H * p if full else 0)
     dropped = dropout_bytes > 0 and not full and not autocast
     terms = _adapter_terms(p, a, s, full=full, dropout=dropout_bytes if dropped else 0)
@@ -397,13 +416,13 @@ def block_tape(
         cast=cast,
         full=full,
         q=q,
-        kv=kv,
+        kv=kv if att.has_own_kv else 0.0,
         heads=heads,
         head_width=head_width,
         norm_saved=norm_saved,
         eager=eager,
         dropped=dropped,
-        value_norm=kv if block.kind in _WEIGHTLESS_VALUE_NORM else 0.0,
+        head_normed=head_normed,
     )
     attention_live = normed + attention_locals
     stream: float = H * p  # the residual stream after attention, alive until the block returns

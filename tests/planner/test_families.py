@@ -130,3 +130,49 @@ def test_gemma4_spec_reads_each_layers_own_head_width_and_the_per_layer_table():
     assert [b.attention.sliding_window for b in spec.blocks] == [1024, 1024, 1024, None]
     assert dict(spec.root_tensors)["model.embed_tokens_per_layer.weight"] == (512, 4 * 8)
     assert spec.per_layer_input_width == 4 * 8 and len(spec.block_types) == 2
+
+
+GEMMA3N_SHARED = (
+    "tiny:gemma3n?hidden_size=64&intermediate_size=128&num_layers=6&num_heads=4&num_kv_heads=2"
+    "&vocab_size=512&num_kv_shared_layers=2"
+)
+GEMMA4_SHARED = GEMMA3N_SHARED.replace("gemma3n", "gemma4")
+
+
+def _tiny(name: str):
+    from agilerl.utils.sources import parse_tiny
+    from agilerl.utils.tiny import tiny_model
+
+    arch, sizes = parse_tiny(name)
+    return tiny_model(arch, **sizes)
+
+
+@pytest.mark.parametrize("name", [GEMMA3N_SHARED, GEMMA4_SHARED])
+def test_kv_sharing_is_read_per_layer_as_transformers_builds_it(name):
+    """The last two layers read the K and V of the last earlier layer of their attention type
+    (num_kv_shared_layers=2): they have no K/V projections and no cache entry; the two layers
+    they read store theirs. One rotary table per attention type, as wide as the forward's."""
+    import torch
+
+    spec, model = load_model_spec(name), _tiny(name)
+    modes = [
+        "reuse" if layer.self_attn.is_kv_shared_layer else "store" if layer.self_attn.store_full_length_kv else None
+        for layer in model.model.layers
+    ]
+    assert modes == [None, None, "store", "store", "reuse", "reuse"]
+    assert [b.attention.kv_sharing for b in spec.blocks] == modes
+    for block, layer in zip(spec.blocks, model.model.layers):
+        assert any(path.endswith("k_proj") for path, _, _ in block.linears) == hasattr(layer.self_attn, "k_proj")
+    widths: list[int] = []
+    model.model.rotary_emb.register_forward_hook(lambda m, args, out: widths.append(out[0].shape[-1]))
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 500, (1, 8)))
+    assert len(widths) == 2 and sorted(spec.rotary_widths) == sorted(widths)
+
+
+def test_a_store_no_layer_reads_is_not_sharing():
+    """transformers marks Gemma 4's last layer of each attention type as storing its K and V even
+    when no layer reads them (for assistant models); the trainer stops it, and the spec has none."""
+    name = GEMMA4_SHARED.replace("&num_kv_shared_layers=2", "")
+    assert any(layer.self_attn.store_full_length_kv for layer in _tiny(name).model.layers)
+    assert all(b.attention.kv_sharing is None for b in load_model_spec(name).blocks)
