@@ -210,7 +210,8 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
     """The probe of a per-rank peak benchmark row: GRPO + LoRA r=8 under FSDP2 (bf16 base, fp32
     reduce, everything sharded), 2 prompts x 4 completions, no generation. Optional keys:
     ``padded``, ``shared``, ``dropout`` (LoRA's, default 0), ``dtype`` (the base's, default
-    bfloat16), ``unsharded`` (no FSDP2: fp32 adapters beside the base)."""
+    bfloat16), ``unsharded`` (no FSDP2: fp32 adapters beside the base), ``generation``
+    ("hf": the rollout phase too, by Hugging Face generate)."""
     from agilerl.distributed import FSDPConfig
     from planner.workload import Workload
 
@@ -229,7 +230,7 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
         lora_dropout=c.get("dropout", 0.0),
         weights_dtype=c.get("dtype", "bfloat16"),
         attn_implementation=attn_implementation,
-        generation="none",
+        generation=c.get("generation", "none"),
     )
     fsdp = (
         None
@@ -237,5 +238,12 @@ def peak_request(c: dict[str, Any], device: str, model: str, *, attn_implementat
         else FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0)
     )
     return ProbeRequest(
-        model=model, workload=workload, fsdp=fsdp, nproc=c["world"], device=device, timed_steps=1, timeout_s=600
+        model=model,
+        workload=workload,
+        fsdp=fsdp,
+        nproc=c["world"],
+        device=device,
+        timed_steps=1,
+        timeout_s=600,
+        generate=workload.generation != "none",
     )
