@@ -205,12 +205,11 @@ def _attention_moments(
     token's lora_A output (rank x the adapters' dtype). ``kv``: the width of the layer's own K (and
     V), 0 for a layer reading an earlier layer's (Gemma-3n's and Gemma 4's K/V sharing), which SDPA
     saves and holds without a byte of this layer's: they are counted where they are made
-    (planner.memory._activations.shared_kv_moments). ``head_normed``: the projections ("q", "k",
-    "v", a weightless v norm) whose output a norm over the
-    heads reads, which without grad holds two fp32 copies of it at a time: the upcast and its
-    square, then the normalised one and its product with the weight (Qwen3's, OLMo 2's and
-    Gemma's RMSNorm; traced op by op on a tiny Gemma 4, whose global layers' q is twice the
-    hidden width, where it is the reference pass's peak)."""
+    (planner.memory._activations.shared_kv_moments). ``head_normed``: the projections (q_proj,
+    k_proj, v_proj: "q", "k", "v") whose output a norm reads, which without grad holds two fp32
+    copies of it at a time: the upcast and its square, then the normalised one and its product
+    with the weight (Qwen3's, OLMo 2's and Gemma's RMSNorm; traced op by op on a tiny Gemma 4,
+    whose global layers' q is twice the hidden width, where it is the reference pass's peak)."""
     transient, cast_copy, cast_live, grad_live = terms
     saved = 0.0
     # -- attention --------------------------------------------------------------------------
@@ -228,16 +227,15 @@ def _attention_moments(
         nograd_base.append(normed + outputs + transient(x, False))
         saved += cast_copy(x, H) + (rank_bytes if x.adapted else 0)
         outputs += x.out_features * p
-        if any(x.name.rsplit(".", 1)[-1].startswith(f"{h}_") for h in head_normed):
+        if x.name.rsplit(".", 1)[-1] in {f"{h}_proj" for h in head_normed}:
             nograd.append(normed + outputs + 8 * x.out_features)
             nograd_base.append(nograd[-1])
     if not cast and not dropped and any(x.adapted for x in lin["attn_in"]):
         saved += p * H  # lora_A of q, k and v save the one normed input
         held_normed = 0.0  # which is then counted as saved
     saved += (4 + (p if full else 0)) * head_width + 4 * heads * (1 if head_width else 0)
-    saved += (
-        4 * kv * ("v" in head_normed)
-    )  # a weightless v norm: its fp32 upcast (its reciprocal RMS is in the heads' term)
+    if "v" in head_normed:  # a weightless v norm: its fp32 upcast (its reciprocal RMS is in the heads' term)
+        saved += 4 * kv
     if eager:  # q, and K and V repeated to every query head (repeat_kv): its two matmuls' inputs
         saved += 3 * q * p
     else:  # rotary embeddings, then SDPA saves q, k (rotated), v, its output and a log-sum-exp per head
