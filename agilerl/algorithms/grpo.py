@@ -46,7 +46,6 @@ from agilerl.distributed import (
 from agilerl.utils.algo_utils import VLLMConfig, weight_offload_problem
 from agilerl.utils.logprobs import (
     causal_lm,
-    last_position_only,
     position_ids_from_mask,
     shared_attention_mask,
 )
@@ -607,7 +606,7 @@ class GRPO(LLMAlgorithm):
             attention_mask=shared_attention_mask(lm.config, mask[rows, :split], dtype),
             position_ids=position_ids_from_mask(mask[rows, :split]),
             use_cache=True,
-            logits_to_keep=last_position_only(ids[:, :split]),
+            logits_to_keep=1,  # generate's prefill, as generate runs it (its logits are not read)
             **{cache_argument(lm): cache},
         )
         cache.batch_select_indices(groups.inverse)

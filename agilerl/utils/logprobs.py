@@ -306,7 +306,7 @@ def last_position_only(ids: torch.Tensor) -> torch.Tensor:
     an int as leave to drop every earlier position before its K/V-sharing layers (generate's
     prefill shortcut, ``_maybe_slice_kv_shared_inputs``), which leaves one position of the hidden
     states the log-probs need."""
-    return torch.tensor([ids.shape[1] - 1], device=ids.device)
+    return torch.arange(ids.shape[1] - 1, ids.shape[1], device=ids.device)  # made on the device: no copy
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

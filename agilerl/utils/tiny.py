@@ -105,7 +105,7 @@ def tiny_config(
     if arch in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = max_position_embeddings
     gemma_types = _gemma_layer_types(num_layers, shared="num_kv_shared_layers" in overrides)
-    if arch == "gemma4":  # PLE, sliding layers and global ones twice as wide (per_layer_config); no KV sharing
+    if arch == "gemma4":  # PLE, global layers twice as wide as the sliding ones; K/V sharing if given
         head_dim = hidden_size // num_heads
         kwargs.update(
             vocab_size_per_layer_input=vocab_size,
@@ -127,7 +127,7 @@ def tiny_config(
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     kwargs.update(_MOE_DEFAULTS.get(arch, {}))
-    if arch == "gemma3n":  # per-layer embeddings (PLE), AltUp and Laurel at tiny sizes; no KV sharing
+    if arch == "gemma3n":  # per-layer embeddings (PLE), AltUp and Laurel at tiny sizes; K/V sharing if given
         kwargs.update(
             vocab_size_per_layer_input=vocab_size,
             hidden_size_per_layer_input=8,

@@ -292,34 +292,53 @@ def _last_reader(ctx: Context, store: int) -> int:
     return max(readers, default=store)
 
 
-def shared_kv_moments(ctx: Context, tokens: int) -> tuple[list[int], list[int]]:
+def _stored_elsewhere(ctx: Context, store: int, masked: bool) -> bool:
+    """The storing block's own keep holds its stored K and V: it is not checkpointed and SDPA saves
+    them as they are (eager attention and a masked SDPA under GQA save repeated copies instead)."""
+    att = ctx.spec.block(store).attention
+    repeated = ctx.scores_materialised or (masked and att.num_kv_heads < att.num_heads)
+    return store not in ctx.checkpointed and not repeated
+
+
+def shared_kv_moments(ctx: Context, tokens: int, masked: bool = False) -> tuple[list[int], list[int]]:
     """Per layer j, the shared K and V (:func:`stored_kv_bytes`) alive beyond what the blocks keep
-    (:func:`kept_bytes`) while j runs forward with grad, and while it runs backward or recomputes.
+    (:func:`kept_bytes`) while j runs forward with grad, and while it runs backward or recomputes
+    (``masked``: the pass's SDPA gets a mask).
 
     The storing layer's attention puts them in the forward's ``shared_kv_states``, which every
     decoder layer is called with. A block that is not checkpointed saves them (SDPA's k and v), so
-    its keep holds them; a checkpointed one keeps its input only, and they live on beside it. Under
-    activation checkpointing every checkpointed layer's recompute keeps that dict (its call's
-    arguments) until its backward, so they live until the first such layer's backward, the end of
-    the backward. In backward the readers' gradients for them build up (their size, in the compute
-    dtype) from the end of the last reader's attention backward, through every layer between, to the
-    storing layer's backward. Counted on tiny Gemma-3n and Gemma 4 models sharing their last 2 of 6
-    layers' K and V, against the same models without (benchmarks/kv_sharing_memory.py)."""
+    its keep holds them (:func:`_stored_elsewhere`); otherwise they live on beside the blocks. Every
+    checkpointed layer's recompute keeps that dict (its call's arguments) until its backward, so
+    they live until the first such layer's backward (:func:`stored_kv_kept`). In backward the
+    readers' gradients for them build up (their size, in the compute dtype) from the end of the
+    last reader's attention backward, through every layer between, to the storing layer's own
+    backward. Counted on tiny Gemma-3n and Gemma 4 models sharing their last 2 of 6 layers' K and
+    V, against the same models without (benchmarks/kv_sharing_memory.py)."""
     stores = stored_kv_bytes(ctx, tokens)
     L = ctx.spec.num_layers
     forward, backward = [0] * L, [0] * L
-    gc = bool(ctx.checkpointed)
+    first_checkpointed = min(ctx.checkpointed, default=L)
     for s, size in stores.items():
         last = _last_reader(ctx, s)
-        kept_elsewhere = s not in ctx.checkpointed  # saved by the storing block itself
+        elsewhere = _stored_elsewhere(ctx, s, masked)
         for j in range(L):
-            if j > s and not kept_elsewhere:
+            if j > s and not elsewhere:
                 forward[j] += size
-            if gc and (not kept_elsewhere or j < s):
+            if j >= first_checkpointed and (not elsewhere or j < s):
                 backward[j] += size
-            if s < j < last:
+            if s <= j < last:
                 backward[j] += size  # the accumulating gradients
     return forward, backward
+
+
+def stored_kv_kept(ctx: Context, tokens: int, masked: bool = False) -> int:
+    """Under activation checkpointing, the shared K and V no block's keep holds, alive from the
+    forward to the end of the backward (:func:`shared_kv_moments`); 0 without checkpointing or
+    K/V sharing."""
+    if not ctx.checkpointed:
+        return 0
+    stores = stored_kv_bytes(ctx, tokens)
+    return sum(size for s, size in stores.items() if not _stored_elsewhere(ctx, s, masked))
 
 
 def recorded_prefix_bytes(ctx: Context) -> int:
@@ -441,7 +460,7 @@ def learn_block_moments(
         gradients_in_flight(ctx, recompute=False, tokens=N),
         gradients_in_flight(ctx, recompute=True, tokens=N),
     )
-    shared_forward, shared_backward = shared_kv_moments(ctx, N)
+    shared_forward, shared_backward = shared_kv_moments(ctx, N, (pass_ or one_pass(ctx)).masked)
     running, backward, before = (0, 0), (0, 0), 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
@@ -468,13 +487,14 @@ def checkpointed_forward_bytes(
     """The most alive while a checkpointed block runs its forward with grad (0 when no block is
     checkpointed): ``embedding`` (what stays from before the blocks), the earlier blocks' keep,
     its own input, and its forward, which under the checkpoint saves nothing and so holds what
-    a forward without grad holds (:func:`nograd_block_bytes`, adapters on). Its moment has the
-    forward's gathered window, wider than the backward's (planner.memory._gathered.in_flight)."""
+    a forward without grad holds (:func:`nograd_block_bytes`, adapters on), and under K/V sharing
+    the K and V stored before it (:func:`shared_kv_moments`). Its moment has the forward's
+    gathered window, wider than the backward's (planner.memory._gathered.in_flight)."""
     if not ctx.checkpointed:
         return 0
     pass_ = pass_ or one_pass(ctx)
     kept = kept_bytes(ctx, blocks, pass_)
-    shared, _ = shared_kv_moments(ctx, pass_.tokens)
+    shared, _ = shared_kv_moments(ctx, pass_.tokens, pass_.masked)
     inner: dict[int, int] = {}  # per block type
     most, before = 0, embedding
     for j in range(ctx.spec.num_layers):
@@ -515,7 +535,7 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
     if len(passes) == 1:
         blocks = activations_by_type(ctx, layout)
         (running, g_run), (backward, g_back) = learn_block_moments(ctx, blocks, grown=grown)
-        blocks_kept = sum(kept_bytes(ctx, blocks))
+        blocks_kept = sum(kept_bytes(ctx, blocks)) + stored_kv_kept(ctx, ctx.micro_batch_tokens, one_pass(ctx).masked)
         embedding = embedding_kept_bytes(ctx)
         return LearnActivations(
             kept=blocks_kept + boundary_bytes(ctx),
@@ -644,7 +664,9 @@ def nograd_forward_bytes(
     beside = tokens * (2 * ctx.carried_hidden * p + (H * p if ctx.extra_streams else 0))
     beside += tokens * ctx.spec.per_layer_input_width * p + rotary_bytes(ctx, tokens)
     beside += attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes
-    skips = forward == "generate" and ctx.spec.prefill_skips_readers
+    # transformers keeps every position under flash attention (it cannot slice that mask)
+    flash = ctx.workload.attn_implementation == "flash_attention_2"
+    skips = forward == "generate" and ctx.spec.prefill_skips_readers and not flash
     own = {
         i: nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
         if not (skips and not ctx.spec.block(i).attention.has_own_kv)

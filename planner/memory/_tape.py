@@ -164,7 +164,7 @@ def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float, frozenset[st
         elif module.startswith("k_"):
             head_width += att.kv_dim
             normed.add("k")
-    if block.kind in _WEIGHTLESS_VALUE_NORM and att.has_own_kv:
+    if block.kind in _WEIGHTLESS_VALUE_NORM:
         normed.add("v")
     return hidden_norms, after_mlp, head_width, frozenset(normed)
 
@@ -391,16 +391,16 @@ def block_tape(
     q, kv = att.q_dim / tp, att.kv_dim / tp
     heads = att.num_heads / tp
     lin = block_linears(block, adapted, tp=tp, mlp_tp=mlp_tp)
-    gqa = q > kv
-    masked = dict(masked_kv_saved=2 * (q - kv) * p if gqa else 0.0, masked_kv_nograd=2 * q * p if gqa else 0.0)
+    gqa, own_kv = q > kv, kv if att.has_own_kv else 0.0  # a K/V reader's are the storing layer's
+    # a masked SDPA under GQA saves K and V repeated to every head: beyond the layer's own, if any
+    masked = dict(masked_kv_saved=2 * (q - own_kv) * p if gqa else 0.0, masked_kv_nograd=2 * q * p if gqa else 0.0)
     hidden_norms, after_mlp, head_width, head_normed = _norms(block, hidden)
     norm_saved = 4 * H + 4 + (H * p if full else 0)
     dropped = dropout_bytes > 0 and not full and not autocast
     terms = _adapter_terms(p, a, s, full=full, dropout=dropout_bytes if dropped else 0)
     transient, cast_copy, cast_live, grad_live = terms
-
     grad: list[float] = []  # forward-with-grad moments
-    nograd: list[float] = []
+    nograd: list[float] = []  # without grad: adapters on (nograd), off (nograd_base)
     nograd_base: list[float] = []
     saved, normed, held_normed, attention_locals = _attention_moments(
         lin,
@@ -414,7 +414,7 @@ def block_tape(
         cast=cast,
         full=full,
         q=q,
-        kv=kv if att.has_own_kv else 0.0,
+        kv=own_kv,
         heads=heads,
         head_width=head_width,
         norm_saved=norm_saved,

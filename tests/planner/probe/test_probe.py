@@ -163,8 +163,9 @@ GEMMA_SHARED = "hidden_size=128&intermediate_size=256&num_layers=6&num_heads=4&n
 @pytest.mark.parametrize(
     "model, rollout_tolerance",
     [
-        # Gemma-3n's rollout reads 3% high with or without K/V sharing (an overcount of its prefill)
+        # Gemma-3n's rollout reads 3% high here with or without K/V sharing (its cause not yet found)
         (f"tiny:gemma3n?{GEMMA_SHARED}", 0.035),
+        (f"tiny:gemma3n?{GEMMA_SHARED.replace('layers=2', 'layers=0')}", 0.035),
         (f"tiny:gemma4?{GEMMA_SHARED}&use_double_wide_mlp=true", 0.02),
     ],
 )
@@ -175,7 +176,9 @@ def test_gemma_models_sharing_k_and_v_are_counted_in_every_pass(model, rollout_t
     own; Gemma 4's generate runs those layers (here with double-wide MLPs) over the last prompt
     position only, and its global layers' q (twice the hidden width) peaks in its head norm.
     Before these were counted, Gemma-3n's reference pass read 4.2% low and its rollout 4.5% high;
-    Gemma 4's could not train (its reference pass failed), and its estimate read 14% high."""
+    Gemma 4's could not train (its reference pass failed), and its estimate read 14% high. The
+    same Gemma-3n without sharing is the control (its reference pass read 3.6% low before its
+    streams and per-layer inputs beside the layers were counted)."""
     from benchmarks._probe_cache import estimate_request, saved_coefficients
 
     workload = SMALL.model_copy(
