@@ -65,7 +65,7 @@ class AttentionSpec(_Frozen):
     # K/V sharing across layers (Gemma-3n's and Gemma 4's num_kv_shared_layers): "reuse" reads the
     # K and V the last earlier layer of its attention type made (it has no K/V projections and no
     # cache entry of its own); "store" is that layer, whose K and V outlive its forward for them.
-    # None otherwise, a store included when no layer reads it (the trainer stops it storing).
+    # None otherwise, a store included when no layer reads it (agilerl.utils.sources.kv_sharing_roles).
     kv_sharing: str | None = None
 
     @property
@@ -218,7 +218,7 @@ def _shape(p) -> tuple[int, ...]:
     return tuple(int(d) for d in p.shape)
 
 
-def _attention(block, config) -> AttentionSpec:
+def _attention(block, config, roles: dict) -> AttentionSpec:
     import torch.nn as nn
 
     attn = getattr(block, "self_attn", None) or getattr(block, "attention", None)
@@ -257,11 +257,6 @@ def _attention(block, config) -> AttentionSpec:
         sliding = window if getattr(config, "use_sliding_window", True) else None
     sliding = int(sliding) if sliding else None
     softcap = getattr(config, "attn_logit_softcapping", None)
-    sharing = None
-    if getattr(attn, "is_kv_shared_layer", False):
-        sharing = "reuse"
-    elif getattr(attn, "store_full_length_kv", False):
-        sharing = "store"
     return AttentionSpec(
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -270,17 +265,8 @@ def _attention(block, config) -> AttentionSpec:
         kv_dim=kv_dim,
         sliding_window=sliding,
         logit_softcapping=float(softcap) if softcap else None,
-        kv_sharing=sharing,
+        kv_sharing=roles.get(attn),  # agilerl.utils.sources.kv_sharing_roles
     )
-
-
-def _block_attention(blocks, config) -> list[AttentionSpec]:
-    """Each block's :class:`AttentionSpec`; a K/V store no layer reads is none (the trainer stops
-    it storing: agilerl.algorithms.core.loading._skip_unread_kv_stores)."""
-    specs = [_attention(b, config) for b in blocks]
-    if not any(a.kv_sharing == "reuse" for a in specs):
-        specs = [a.model_copy(update={"kv_sharing": None}) for a in specs]
-    return specs
 
 
 def _rotary_widths(model) -> tuple[int, ...]:
@@ -415,7 +401,7 @@ def build_spec(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from agilerl.distributed import block_kind, find_transformer_blocks, model_experts_problem
-    from agilerl.utils.sources import check_lora_targets, four_bit_linears
+    from agilerl.utils.sources import check_lora_targets, four_bit_linears, kv_sharing_roles
 
     if isinstance(config, dict):
         import copy
@@ -471,7 +457,8 @@ def build_spec(
         tuple((n, int(m.in_features), int(m.out_features)) for n, m in b.named_modules() if isinstance(m, nn.Linear))
         for b in blocks
     ]
-    block_attention = _block_attention(blocks, text_config)
+    roles = kv_sharing_roles(model)
+    block_attention = [_attention(b, text_config, roles) for b in blocks]
     block_mlp = [_mlp(b, text_config) for b in blocks]
     block_kinds = [block_kind(b) for b in blocks]
     total = sum(p.numel() for p in model.parameters())

@@ -59,6 +59,7 @@ __all__ = [
     "check_lora_targets",
     "LoraTargetError",
     "four_bit_linears",
+    "kv_sharing_roles",
 ]
 
 TINY_PREFIX = "tiny:"
@@ -467,6 +468,21 @@ def check_lora_targets(model: Any, target_modules: str | Iterable[str] | None, n
 #: place and applies its clamped correction coefficients with F.linear (transformers' loader
 #: quantises both, and the first training step then fails on a uint8 weight).
 FLOAT_WEIGHT_LINEARS = ("altup.prediction_coefs", "altup.correction_coefs")
+
+
+def kv_sharing_roles(model: Any) -> dict[Any, str | None]:
+    """Each attention module's part in K/V sharing across layers (Gemma-3n's and Gemma 4's
+    ``num_kv_shared_layers``), by module: "reuse" reads the K and V of the last earlier layer of its
+    attention type, "store" is that layer, None the rest. A store no layer reads is None too:
+    transformers marks the last layer of each type as one even then (for assistant models that read
+    the forward's stores), the trainer stops it storing (agilerl.algorithms.core.loading) and the
+    planner's spec records none. Empty for a model without the mechanism."""
+    attention = [m for m in model.modules() if hasattr(m, "store_full_length_kv")]
+    read = any(getattr(m, "is_kv_shared_layer", False) for m in attention)
+    return {
+        m: "reuse" if getattr(m, "is_kv_shared_layer", False) else "store" if read and m.store_full_length_kv else None
+        for m in attention
+    }
 
 
 def four_bit_linears(model: Any) -> list[str]:

@@ -668,9 +668,16 @@ def nograd_forward_bytes(
     flash = ctx.workload.attn_implementation == "flash_attention_2"
     skips = forward == "generate" and ctx.spec.prefill_skips_readers and not flash
     own = {
-        i: nograd_block_bytes(ctx, layout, batch, length, i, adapters_on, keys=keys, masked=masked)
-        if not (skips and not ctx.spec.block(i).attention.has_own_kv)
-        else nograd_block_bytes(ctx, layout, batch, 1, i, adapters_on, keys=keys or length, masked=masked)
+        i: nograd_block_bytes(
+            ctx,
+            layout,
+            batch,
+            1 if skips and not ctx.spec.block(i).attention.has_own_kv else length,
+            i,
+            adapters_on,
+            keys=keys or length,
+            masked=masked,
+        )
         for i in ctx.distinct_layers
     }
     stores = stored_kv_bytes(ctx, tokens) if forward != "generate" else {}

@@ -29,7 +29,7 @@ from agilerl.distributed import (
     is_main_process,
     materialize_fsdp2_from_cpu_state,
 )
-from agilerl.utils.sources import TINY_PREFIX, check_trainable, four_bit_linears, parse_tiny
+from agilerl.utils.sources import TINY_PREFIX, check_trainable, four_bit_linears, kv_sharing_roles, parse_tiny
 
 from .adapters import ACTOR, REFERENCE, copy_adapter_, mark_trainable, tuner_layers
 
@@ -492,20 +492,17 @@ def _skip_unread_kv_stores(model: nn.Module) -> None:
     the whole backward ends: measured on a tiny Gemma 4, 0.4-0.5 MiB per store layer at 256
     tokens, the learn peak's largest uncounted term. Layers that reuse K and V keep the store.
     """
-    attention = [m for m in model.modules() if hasattr(m, "store_full_length_kv")]
-    if not any(getattr(m, "is_kv_shared_layer", False) for m in attention):
-        for module in attention:
-            module.store_full_length_kv = False
-        return
-    # Layers reuse them: a checkpointed store layer's recompute in backward still need not store.
+    # Where layers reuse them, a checkpointed store layer's recompute in backward still need not store.
     # The layers reading them ran their backward already (they come later in the forward), and the
     # forward's stores stay as they were; a recomputed store would only be kept, with the graph
     # behind it, until the backward ends (measured on a tiny Gemma-3n sharing its last 2 of 6
     # layers' K and V, 512 tokens: 3.2 MiB of a 22.2 MiB learn peak). torch._C's graph task id is
     # -1 outside autograd's engine, which runs a non-reentrant checkpoint's recompute.
-    for module in attention:
-        if module.store_full_length_kv:
+    for module, role in kv_sharing_roles(model).items():
+        if role == "store":
             module.register_forward_pre_hook(_store_unless_recomputing)
+        else:
+            module.store_full_length_kv = False
 
 
 def _store_unless_recomputing(module: nn.Module, args) -> None:
