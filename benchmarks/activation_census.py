@@ -66,28 +66,46 @@ def measure(arch: str, dtype: torch.dtype, targets) -> tuple[float, float, float
     return sum(saved.values()) / tokens, live.peak / tokens, nograd.peak / tokens
 
 
-def counted(arch: str, dtype: torch.dtype, targets):
-    from planner.memory._tape import block_tape
+def counted(arch: str, dtype: torch.dtype, targets) -> tuple[float, float, float]:
+    """(saved, forward peak, no-grad peak) per token as planner.memory counts the block: its tape
+    (planner.memory._tape) and, for eager attention, its scores
+    (planner.memory._activations.attention_scores_bytes), over the same BATCH x LENGTH tokens."""
+    from planner.hardware import CPU_DEVICE, Cluster
+    from planner.memory import Coefficients
+    from planner.memory._activations import block_activations, nograd_block_bytes
+    from planner.memory._context import build_context
+    from planner.memory._units import build_layout
     from planner.models import load_model_spec
-    from planner.spec import ModelSpec
+    from planner.workload import Workload
 
+    targets = targets if isinstance(targets, str) else tuple(targets)
     spec = load_model_spec(
         f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2",
         lora_targets=targets,
     )
-    block = spec.block(0)
-    adapted = frozenset(e[0] for e in block.lora[ModelSpec._target_key(targets)])
-    p = 2 if dtype == torch.bfloat16 else 4
-    return block_tape(block, hidden=H, adapted=adapted, rank=RANK, compute_bytes=p), p
-
-
-def counted_q_dim(arch: str) -> int:
-    from planner.models import load_model_spec
-
-    spec = load_model_spec(
-        f"tiny:{arch}?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2"
+    workload = Workload(
+        prompts_per_step=1,
+        group_size=BATCH,
+        prompt_tokens=LENGTH // 2,
+        completion_tokens=LENGTH // 2,
+        micro_batch_size_per_gpu=BATCH,
+        lora_rank=RANK,
+        lora_dropout=0.0,
+        lora_targets=targets,
+        gradient_checkpointing=False,
+        weights_dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        attn_implementation="eager" if arch == "gemma2" else "sdpa",
+        padded_batches=False,
+        share_prompt_prefix=False,
     )
-    return spec.block(0).attention.q_dim
+    ctx = build_context(spec, workload, Cluster(gpu=CPU_DEVICE, num_gpus=1), None, coefficients=Coefficients())
+    layout = build_layout(ctx)
+    block = block_activations(ctx, layout, 0)
+    tokens = BATCH * LENGTH
+    nograd = nograd_block_bytes(ctx, layout, BATCH, LENGTH, 0)
+    # in fp32 the input norm saves the block's input itself, which the census's input excludes
+    forward = block.forward / tokens - (4 * H if ctx.compute_bytes == 4 else 0)
+    return block.saved / tokens, forward, nograd / tokens
 
 
 def main() -> None:
@@ -102,19 +120,9 @@ def main() -> None:
         except Exception as err:  # an architecture this transformers does not build
             print(f"{arch:<8} skipped: {type(err).__name__}: {err}"[:120])
             continue
-        tape, p = counted(arch, dtype, targets)
-        fwd = tape.grad_peak - (4 * H if p == 4 else 0)  # in fp32 the input norm saves the input itself
-        # eager attention's scores (planner.memory._activations.attention_scores_bytes), per token
-        scores = 4 * LENGTH if arch == "gemma2" else 0  # heads x T
-        cast = p if p != 4 else 0
-        q_dim = counted_q_dim(arch)
-        saved_s, nograd_s = scores * (p + 4 + cast), scores * (p + 4 + cast) + (2 * q_dim * p if scores else 0)
+        counts = counted(arch, dtype, targets)
         cells = []
-        for m, c in (
-            (saved, tape.saved + saved_s),
-            (forward, fwd + saved_s),
-            (nograd, max(tape.nograd_peak, tape.attention_live + nograd_s)),
-        ):
+        for m, c in zip((saved, forward, nograd), counts):
             err = (c - m) / m
             worst = max(worst, abs(err))
             cells.append(f"{m:>6.0f} {100 * err:>+6.1f}%")

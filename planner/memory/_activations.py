@@ -67,27 +67,47 @@ def one_pass(ctx: Context) -> Pass:
     return Pass(m, T, T, masked=ctx.workload.attn_implementation == "sdpa" and ctx.workload.padded_batches and m > 1)
 
 
+def _softmax_converts(ctx: Context) -> bool:
+    """Whether eager attention's ``softmax(x, dtype=float32)`` first makes an fp32 copy of its
+    input: ATen converts any input of another dtype (bf16 included) before the kernel, except a
+    float16 input on CUDA, which its fused half-to-float kernel reads as it is."""
+    if ctx.compute_bytes == 4:
+        return False
+    dtype = ctx.fsdp.param_dtype if ctx.fsdp is not None else ctx.workload.weights_dtype
+    return not (ctx.on_gpu and dtype == "float16")
+
+
 def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, moment: str, t_k: int | None = None) -> int:
     """Eager attention's batch x heads / tp x Tq x Tk scores (0 for SDPA, which keeps none:
     torch's CPU flash kernel peaks at 5.4 MiB on a 448-token call whose scores would take
     73.5 MiB, and GPU kernels are flash or memory-efficient).
 
-    Bytes per score, counted on Gemma 2 and Llama's eager attention with saved-tensor hooks
-    and a live-tensor tracker (benchmarks/activation_census.py):
+    Bytes per score, counted on Llama's, Gemma 2's and gpt-oss's eager attention with
+    saved-tensor hooks and a live-tensor tracker (tests/planner/memory/test_eager_scores.py),
+    with ``c`` the fp32 copy ``softmax(x, dtype=float32)`` makes of its input first (4 in bf16,
+    :func:`_softmax_converts`) and ``k`` the cast of its output back (p; none in fp32):
 
     - ``saved``: the soft cap's tanh output (p, Gemma 2), the fp32 softmax and its cast
-      to the compute dtype (4 + p; the cast is a no-op in fp32);
-    - ``nograd``: the softmax's input, its fp32 output and the cast (p + 4 + p);
+      to the compute dtype (4 + k);
+    - ``nograd``: the softmax's input, its copy and its output (p + c + 4), or at the cast the
+      input, the output and the cast (p + 4 + k);
+    - ``grad``: the same moments in a forward with grad, the tanh output (saved) beside them;
+    - ``backward``: the softmax's backward, its saved output, the gradient of it (fp32) and
+      the gradient of its input (fp32 when the input was converted, else the compute dtype's),
+      and the tanh output, saved for its own backward: 4 + 4 + (4 or p) [+ p];
     - ``returned``: the weights the attention returns (p): the decoder layer binds them to
       ``_`` (``hidden_states, _ = self.self_attn(...)``), so a forward without grad holds
       them until the layer returns, through its MLP.
 
     With attention sinks (gpt-oss: a learned logit per head joins every row's softmax) the
-    scores gain a column, the softmax runs in the compute dtype after subtracting the row's
-    max: it saves its output (p) and the max's indices (8 bytes a row), and without grad holds
-    the masked scores, the concatenation with the sinks and the shifted copy at once (3 p).
+    scores gain a column and the softmax runs in the compute dtype after subtracting the row's
+    max: it saves its output (p) and the max's indices (8 bytes a row). Its forward holds the
+    masked scores, the concatenation with the sinks and the shifted copy at once (3 p, with
+    grad or without); its backward the softmax's gradient, the zeros the slice's backward
+    scatters into, and the scattered copy (3 p).
 
-    A padded batch's mask is :func:`attention_mask_bytes`.
+    The moments are the scores' alone: :func:`block_activations` adds what the block holds
+    beside them. A padded batch's mask is :func:`attention_mask_bytes`.
     """
     if not ctx.scores_materialised:
         return 0
@@ -100,11 +120,20 @@ def attention_scores_bytes(ctx: Context, batch: int, t_q: int, index: int, momen
         2 * att.q_dim * p * batch * t_k // ctx.tp if moment == "nograd" and att.num_kv_heads < att.num_heads else 0
     )
     if ctx.attention_sinks[index]:
-        per_score = {"saved": p, "nograd": 3 * p, "returned": p}[moment]
-        per_row = 8 if moment == "saved" else 0
+        per_score = {"saved": p, "nograd": 3 * p, "grad": 3 * p, "backward": 3 * p, "returned": p}[moment]
+        per_row = 8 if moment in ("saved", "grad", "backward") else 0
         return int(per_score * rows * (t_k + 1) + per_row * rows) + repeated
     cast = p if p != 4 else 0
-    per_score = {"saved": (p if att.logit_softcapping else 0) + 4 + cast, "nograd": p + 4 + cast, "returned": p}[moment]
+    converted = 4 if _softmax_converts(ctx) else 0
+    tanh = p if att.logit_softcapping else 0
+    at_softmax = p + 4 + max(converted, cast)  # the softmax's input and output, and its copy or the cast
+    per_score = {
+        "saved": tanh + 4 + cast,
+        "nograd": at_softmax,
+        "grad": tanh + at_softmax,
+        "backward": tanh + 8 + (4 if converted or p == 4 else p),
+        "returned": p,
+    }[moment]
     return int(per_score * rows * t_k) + repeated
 
 
@@ -212,6 +241,16 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
     # the experts' own moment: the block's saved tensors so far, the residual and the gate's temporaries
     at_experts = saved + N * ctx.hidden_size * ctx.compute_bytes + expert_forward_grad_transient(ctx, N, index)
     forward, recompute = max(forward, at_experts), max(recompute, at_experts)
+    if ctx.scores_materialised:  # eager attention's own moments, at its softmax (forward and backward)
+        before = N * altup + prefix_kv_bytes(ctx, index, pass_.prefix_kv_rows) + repeated
+        at_scores = int(N * tape.attention_grad_live + before) + attention_scores_bytes(
+            ctx, pass_.rows, pass_.queries, index, "grad", pass_.keys
+        )
+        forward, recompute = max(forward, at_scores), max(recompute, at_scores)
+        at_softmax_backward = int(N * tape.attention_backward_live + before) + attention_scores_bytes(
+            ctx, pass_.rows, pass_.queries, index, "backward", pass_.keys
+        )
+        backward = max(backward, at_softmax_backward)
     if alt:
         beyond_input = saved - N * ctx.carried_hidden * ctx.compute_bytes
         forward = max(forward, beyond_input + int(N * alt.forward_end))
@@ -233,28 +272,50 @@ def activations_by_type(ctx: Context, layout: Layout, pass_: Pass | None = None)
     return {i: block_activations(ctx, layout, i, pass_) for i in ctx.distinct_layers}
 
 
+def _trainer_mask(ctx: Context, batch: int, length: int, *, forward: str) -> bool:
+    """Whether a forward reads the trainer's one additive mask (agilerl.utils.logprobs.
+    shared_attention_mask): a padded batch of two rows or more under SDPA or eager attention, in
+    the trainer's own forwards, where no sliding window is shorter than the row."""
+    if not ctx.workload.padded_batches or batch < 2 or forward == "generate":
+        return False
+    if ctx.workload.attn_implementation not in ("sdpa", "eager"):
+        return False
+    windows = [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
+    return not any(w is not None and w < length for w in windows)
+
+
 def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str) -> int:
-    """The attention mask a padded batch's forward holds beside its blocks; 0 when every row has
-    one length, for a single row, for eager attention (it builds its float causal mask with or
-    without padding) and for flash attention (no mask).
+    """The attention masks a forward holds beside its blocks; 0 for SDPA when every row has one
+    length or for a single row (it runs causal), and for flash attention (no mask).
 
     ``forward`` is ``"learn"`` (with grad), ``"reference"`` (the trainer's no-grad pass) or
     ``"generate"`` (Hugging Face generate's prefill over the left-padded prompts).
 
-    The trainer's forwards hold one additive ``batch x length^2`` mask in the compute dtype,
-    shared by every layer (agilerl.utils.logprobs.shared_attention_mask). Generate, and the
-    trainer where a sliding window is shorter than the row, keep Hugging Face's masks: a boolean
-    one per mask kind (full, sliding), which SDPA turns into a float copy in every layer; with
-    grad each layer that is not checkpointed saves its copy for backward, otherwise one is alive
-    at a time.
+    The trainer's forwards of a padded batch hold one additive ``batch x length^2`` mask in the
+    compute dtype, shared by every layer (:func:`_trainer_mask`). Otherwise Hugging Face builds
+    its own, one per mask kind (full, sliding):
+
+    - eager attention, padded or not: a float mask per kind in the compute dtype
+      (``masking_utils.eager_mask``), which the layers add to their scores without saving it;
+      alive while the model's forward runs, and under activation checkpointing until the
+      backward's end (the checkpoint keeps its layers' arguments for the recompute);
+    - SDPA over a padded batch: a boolean one per kind, which SDPA turns into a float copy in
+      every layer; with grad each layer that is not checkpointed saves its copy for backward,
+      otherwise one is alive at a time.
+
+    Eager's masks were found with a live-tensor tracker at a tiny Gemma 2's no-grad peak (two
+    ``2 x 1 x 512 x 512`` bf16 masks) and are measured in benchmarks/eager_attention_memory.py.
     """
-    if not ctx.workload.padded_batches or batch < 2 or ctx.workload.attn_implementation != "sdpa":
-        return 0
+    attn = ctx.workload.attn_implementation
     area = batch * length * length
-    windows = [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
-    if forward != "generate" and not any(w is not None and w < length for w in windows):
+    if _trainer_mask(ctx, batch, length, forward=forward):
         return area * ctx.compute_bytes
+    windows = [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
     kinds = 1 + any(w is not None for w in windows)
+    if attn == "eager":
+        return kinds * area * ctx.compute_bytes
+    if not ctx.workload.padded_batches or batch < 2 or attn != "sdpa":
+        return 0
     copies = max(1, ctx.spec.num_layers - len(ctx.checkpointed)) if forward == "learn" else 1
     return area * (kinds + copies * ctx.compute_bytes)
 
@@ -699,13 +760,25 @@ def suffix_mask_bytes(ctx: Context) -> int:
     return rows * (T - ctx.prefix_split) * T * ctx.compute_bytes
 
 
-def learn_mask_bytes(ctx: Context) -> int:
-    """The masks a learn micro-batch holds from its forward to its backward: the padded batch's
-    (:func:`attention_mask_bytes`), or the shared-prefix forward's two, the prefix pass's
-    (over its rows and columns) and the suffix pass's."""
-    if not ctx.prefix_split:
-        return attention_mask_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens, forward="learn")
-    return attention_mask_bytes(ctx, ctx.prefix_rows, ctx.prefix_split, forward="learn") + suffix_mask_bytes(ctx)
+def _forward_only_masks(ctx: Context, batch: int, length: int) -> bool:
+    """Whether a learn forward's masks are freed when the model's forward returns: Hugging Face's
+    eager masks, which no layer saves, with no layer checkpointed to keep them for its recompute."""
+    return ctx.scores_materialised and not ctx.checkpointed and not _trainer_mask(ctx, batch, length, forward="learn")
+
+
+def learn_mask_bytes(ctx: Context, *, forward_only: bool = False) -> int:
+    """The masks a learn micro-batch holds from its forward to its backward (``forward_only``:
+    those it holds while its forward runs only, :func:`_forward_only_masks`): the one-pass
+    forward's (:func:`attention_mask_bytes`), or the shared-prefix forward's two, the prefix
+    pass's (over its rows and columns) and the suffix pass's."""
+    if ctx.prefix_split:
+        batch, length, suffix = ctx.prefix_rows, ctx.prefix_split, suffix_mask_bytes(ctx)
+    else:
+        batch, length, suffix = ctx.micro_batch, ctx.sequence_tokens, 0
+    masks = attention_mask_bytes(ctx, batch, length, forward="learn")
+    if _forward_only_masks(ctx, batch, length) != forward_only:
+        masks = 0
+    return masks + (0 if forward_only else suffix)
 
 
 def reference_forward_bytes(ctx: Context, layout: Layout, adapters_on: bool) -> int:

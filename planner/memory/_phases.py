@@ -288,8 +288,10 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     kept, running, backward = acts.kept, acts.running, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)
-    # A padded batch's attention mask lives from the forward's start to the backward's end.
+    # A padded batch's attention mask lives from the forward's start to the backward's end;
+    # eager attention's own masks, without checkpointing, while the forward runs only.
     beside = terms.kept_logprobs + learn_mask_bytes(ctx)
+    forward_masks = learn_mask_bytes(ctx, forward_only=True)
     value = value_head_bytes(ctx)  # LLMPPO: kept for backward, and its gradient at the head's
     flowing_in = gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows)
     return make_phase(
@@ -313,7 +315,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                 {
                     "weights_gathered": window,
                     "gradients": grads.prior + acts.running_grads,
-                    "activations": running + beside + value,
+                    "activations": running + beside + forward_masks + value,
                 },
                 # a checkpointed block's forward with grad, under the forward's gathered window
                 *(

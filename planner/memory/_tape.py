@@ -87,6 +87,10 @@ class BlockTape:
     grad beyond the input, with the adapters on / disabled.
     ``attention_live``: without grad, what the attention holds while its scores are
     made (the normed input, q, k, v): eager attention's scores add to this moment only.
+    ``attention_grad_live`` / ``attention_backward_live``: the same moment with grad (what the
+    block saved so far, its normed input unless saved, and under grouped-query attention the
+    rotated k and v beside their repeated copies) and in backward, at the softmax's (what the
+    block saved up to its scores): eager attention's scores add to these.
     ``masked_kv``: what SDPA given a mask adds under grouped-query attention. Hugging Face
     then repeats K and V to every query head before the call (``use_gqa_in_sdpa``: no GQA
     kernel with a mask), so the repeated copies, q-wide, are what SDPA saves (with grad:
@@ -102,6 +106,8 @@ class BlockTape:
     nograd_peak: float
     nograd_peak_base: float
     attention_live: float
+    attention_grad_live: float = 0.0
+    attention_backward_live: float = 0.0
     masked_kv_saved: float = 0.0
     masked_kv_nograd: float = 0.0
 
@@ -198,10 +204,11 @@ def _attention_moments(
     eager: bool,
     dropped: bool,
     head_normed: frozenset[str] = frozenset(),
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, tuple[float, float]]:
     """The attention half of :func:`block_tape`: appends its moments to ``grad``, ``nograd`` and
     ``nograd_base``; returns what it saved, the normed input, that input as held in a forward with
-    grad (0 when saved), and the attention's locals alive without grad. ``rank_bytes``: one
+    grad (0 when saved), the attention's locals alive without grad, and what the block holds while
+    eager attention makes its scores, with grad and in backward (:class:`BlockTape`). ``rank_bytes``: one
     token's lora_A output (rank x the adapters' dtype). ``kv``: the width of the layer's own K (and
     V), 0 for a layer reading an earlier layer's (Gemma-3n's and Gemma 4's K/V sharing), which SDPA
     saves and holds without a byte of this layer's: they are counted where they are made
@@ -243,6 +250,9 @@ def _attention_moments(
     # Without grad the attention's locals (rotated q and k, v, the output) live until it returns,
     # as does its argument, the normed input.
     attention_locals = (2 * q + 2 * kv) * p
+    # at eager attention's scores: with grad the rotated k and v beside their repeated copies (the
+    # same tensors without GQA); in backward what was saved up to them
+    at_scores = (saved + held_normed + (2 * kv * p if q > kv else 0.0), saved)
     for x in lin["attn_out"]:
         grad.append(saved + held_normed + grad_live(x, q) + transient(x, True))
         nograd.append(normed + attention_locals + cast_live(x, q) + transient(x, True))
@@ -251,7 +261,7 @@ def _attention_moments(
         # attention's output is transposed into a new tensor, which it then saves
         own_copy = p * q if eager and x.adapted and not cast and not dropped else 0.0
         saved += cast_copy(x, q) + (rank_bytes if x.adapted else 0) + own_copy
-    return saved, normed, held_normed, attention_locals
+    return saved, normed, held_normed, attention_locals, at_scores
 
 
 def _input_saved(
@@ -292,6 +302,7 @@ def _without_mlp(
     stream: float,
     attention_live: float,
     masked: dict[str, float],
+    at_scores: tuple[float, float],
 ) -> BlockTape:
     """The tape of a block whose MLP is counted elsewhere (a MoE block's experts): its moments so
     far, the stream beside the no-grad ones, and a backward that starts from its saved tensors
@@ -304,7 +315,10 @@ def _without_mlp(
         nograd_peak=max(nograd) + stream,
         nograd_peak_base=max(nograd_base) + stream,
         attention_live=attention_live,
-        **masked,
+        attention_grad_live=at_scores[0],
+        attention_backward_live=at_scores[1],
+        masked_kv_saved=masked["masked_kv_saved"],
+        masked_kv_nograd=masked["masked_kv_nograd"],
     )
 
 
@@ -402,7 +416,7 @@ def block_tape(
     grad: list[float] = []  # forward-with-grad moments
     nograd: list[float] = []  # without grad: adapters on (nograd), off (nograd_base)
     nograd_base: list[float] = []
-    saved, normed, held_normed, attention_locals = _attention_moments(
+    saved, normed, held_normed, attention_locals, at_scores = _attention_moments(
         lin,
         terms,
         grad,
@@ -422,17 +436,16 @@ def block_tape(
         dropped=dropped,
         head_normed=head_normed,
     )
-    attention_live = normed + attention_locals
+    attention_live = normed + attention_locals - q * p  # at the scores: no output yet
     stream: float = H * p  # the residual stream after attention, alive until the block returns
-    held_stream = stream
+    # with grad an fp32 norm saves the stream itself rather than an upcast copy
+    held_stream = 0.0 if p == 4 else stream
     # -- MLP ------------------------------------------------------------------------------------
     saved += (hidden_norms - 1 - after_mlp) * norm_saved  # the pre-MLP (and Gemma's post-attention) norms
-    if p == 4:
-        held_stream = 0.0  # with grad an fp32 norm saves the stream itself rather than an upcast copy
     if not include_mlp or not lin["mlp_in"]:
         saved += after_mlp * norm_saved
         return _without_mlp(
-            saved, grad + [saved + held_stream + H * p], nograd, nograd_base, stream, attention_live, masked
+            saved, grad + [saved + held_stream + H * p], nograd, nograd_base, stream, attention_live, masked, at_scores
         )
     gated = any(x.name.rsplit(".", 1)[-1] in _GATES for x in lin["mlp_in"])
     width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
@@ -479,26 +492,35 @@ def block_tape(
     if tail:  # at its norm: the stream, the projection's output, the norm's fp32 normed and weighted copies
         saved += tail
         grad.append(saved + 2 * H * p + 8 * H)
-    # Backward, at down: its input's gradient through the adapter (width x a, beside the saved
-    # cast it consumes) or through the base alone (width x p); then at the product: its
-    # output's gradient and its two input gradients, once the input down's lora_A saved is
-    # freed (the gradients flowing into the block are the caller's to count).
     down_adapted = any(x.adapted for x in lin["mlp_out"])
-    at_down = saved + (width * a if down_adapted else width * p)
-    at_product = saved - down_input_saved + 3 * width * p
-    # a per-layer tail's backward starts at its norm, in fp32: five hidden-wide tensors and the
-    # gradient of its input, while everything the block saved is alive
-    at_tail = saved + 20 * H + H * p if tail else 0.0
     return BlockTape(
         saved=saved,
         grad_peak=max(grad),
         recompute_peak=max(recompute),
-        backward_peak=max(at_down, at_product, at_tail),
+        backward_peak=_mlp_backward_peak(saved, down_adapted, down_input_saved, bool(tail), width=width, H=H, p=p, a=a),
         nograd_peak=max(nograd),
         nograd_peak_base=max(nograd_base),
         attention_live=attention_live,
-        **masked,
+        attention_grad_live=at_scores[0],
+        attention_backward_live=at_scores[1],
+        masked_kv_saved=masked["masked_kv_saved"],
+        masked_kv_nograd=masked["masked_kv_nograd"],
     )
+
+
+def _mlp_backward_peak(
+    saved: float, down_adapted: bool, down_input_saved: float, tail: bool, *, width: float, H: float, p: int, a: int
+) -> float:
+    """A block's backward peak, everything it saved alive (the gradients flowing into the block are
+    the caller's to count): at down, its input's gradient through the adapter (width x a, beside
+    the saved cast it consumes) or through the base alone (width x p); at the product, its
+    output's gradient and its two input gradients, once the input down's lora_A saved is freed;
+    at a per-layer tail's norm, where its backward starts in fp32, five hidden-wide tensors and
+    the gradient of its input."""
+    at_down = saved + (width * a if down_adapted else width * p)
+    at_product = saved - down_input_saved + 3 * width * p
+    at_tail = saved + 20 * H + H * p if tail else 0.0
+    return max(at_down, at_product, at_tail)
 
 
 @dataclass(frozen=True, slots=True)

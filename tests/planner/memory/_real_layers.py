@@ -95,12 +95,14 @@ def _saved_by_region(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "s
     return dict(by_region)
 
 
-def _layer_moments(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, **options):
-    """(forward peak, backward peak) of layer ``index`` run alone, beyond its input and the
-    gradient given to its output (``options``: :func:`_model`'s)."""
+def _layer_moments(
+    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, length: int = LENGTH, **options
+):
+    """(forward peak, backward peak) of layer ``index`` run alone over BATCH x ``length`` tokens,
+    beyond its input and the gradient given to its output (``options``: :func:`_model`'s)."""
     decoder, model = _model(adapter_dtype, name, attn, **options)
     layer = decoder.layers[index]
-    args, kwargs = _captured_inputs(decoder, index)
+    args, kwargs = _captured_inputs(decoder, index, length)
     args[0].requires_grad_(True)
     if "shared_kv_states" in kwargs:  # the layer stores its K and V there: a fresh one, as in the model's forward
         kwargs["shared_kv_states"] = {}
@@ -127,10 +129,13 @@ def _context(
     *,
     chunk_mib: float | None = None,
     targets: str | tuple[str, ...] = "all-linear",
+    length: int = LENGTH,
 ):
+    """The planner's context of :func:`_model`'s layers, micro-batches of BATCH x ``length``."""
     from planner.models import load_model_spec
 
     spec = load_model_spec(name, lora_targets=targets)
+    rows = dict(prompt_tokens=length // 2, completion_tokens=length - length // 2, logprob_chunk_size=length)
     if adapter_dtype == torch.bfloat16:  # FSDP2's mixed precision casts the adapters to bf16
         fsdp = FSDPConfig(
             param_dtype="bfloat16",
@@ -139,13 +144,16 @@ def _context(
             routed_expert_chunk_mib=chunk_mib,
         )
         return make_context(
-            spec, gradient_checkpointing=False, fsdp=fsdp, attn_implementation=attn, lora_targets=targets
+            spec, gradient_checkpointing=False, fsdp=fsdp, attn_implementation=attn, lora_targets=targets, **rows
         )
-    return make_context(spec, gpus=1, gradient_checkpointing=False, attn_implementation=attn, lora_targets=targets)
+    return make_context(
+        spec, gpus=1, gradient_checkpointing=False, attn_implementation=attn, lora_targets=targets, **rows
+    )
 
 
-def _captured_inputs(decoder, index: int):
-    """Layer ``index``'s arguments in a no-grad forward of the whole model, detached copies."""
+def _captured_inputs(decoder, index: int, length: int = LENGTH):
+    """Layer ``index``'s arguments in a no-grad forward of the whole model over BATCH x ``length``
+    tokens, detached copies."""
     layer, captured = decoder.layers[index], {}
 
     def grab(module, args, kwargs):
@@ -153,18 +161,20 @@ def _captured_inputs(decoder, index: int):
 
     handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
     with torch.no_grad():
-        decoder(input_ids=torch.randint(3, 512, (BATCH, LENGTH)), use_cache=False)
+        decoder(input_ids=torch.randint(3, 512, (BATCH, length)), use_cache=False)
     handle.remove()
     return tree_map(
         lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (list(captured["args"]), captured["kwargs"])
     )
 
 
-def _nograd_moment(adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, **options) -> int:
-    """The most layer ``index`` holds beyond its input in a forward without grad (``options``:
-    :func:`_model`'s)."""
+def _nograd_moment(
+    adapter_dtype: torch.dtype, name: str = PLE, attn: str = "sdpa", index: int = 1, length: int = LENGTH, **options
+) -> int:
+    """The most layer ``index`` holds beyond its input in a forward without grad over BATCH x
+    ``length`` tokens (``options``: :func:`_model`'s)."""
     decoder, model = _model(adapter_dtype, name, attn, **options)
-    args, kwargs = _captured_inputs(decoder, index)
+    args, kwargs = _captured_inputs(decoder, index, length)
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     skip |= {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     live = LiveBytes(skip)
