@@ -51,8 +51,9 @@ def growing_cache_bytes(ctx: Context, tokens: int) -> int:
 
 def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
     """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
-    forward over n x prompt tokens beside the prompt's cache; logits of the last position
-    only), and the last decode steps: the whole cache, what its update holds twice
+    forward over n x prompt tokens beside the prompt's cache, at its largest block: the logits of
+    the last position are made after the blocks have returned, and are less than the decode's),
+    and the last decode steps: the whole cache, what its update holds twice
     (:func:`growing_cache_bytes`), and sampling's three logits copies. Measured against a real
     ``generate`` with a live-tensor tracker (tests/planner/memory/test_generation.py: within 1%).
 
@@ -67,12 +68,9 @@ def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], di
     rows = ctx.rollout_prefix_rows
     if rows < n and prompt > 1:
         prefill = nograd_forward_bytes(ctx, layout, rows, prompt - 1, forward="generate")
-        return (
-            {"kv_cache": kv_cache_bytes(ctx, prompt - 1, rows), "activations": prefill, "logits": rows * V * 4},
-            decode,
-        )
+        return ({"kv_cache": kv_cache_bytes(ctx, prompt - 1, rows), "activations": prefill}, decode)
     prefill = nograd_forward_bytes(ctx, layout, n, prompt, forward="generate")
-    return ({"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill, "logits": n * V * 4}, decode)
+    return ({"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill}, decode)
 
 
 def masked_decode_bytes(ctx: Context) -> int:

@@ -91,6 +91,9 @@ class BlockTape:
     block saved so far, its normed input unless saved, and under grouped-query attention the
     rotated k and v beside their repeated copies) and in backward, at the softmax's (what the
     block saved up to its scores): eager attention's scores add to these.
+    ``nograd_parts`` / ``nograd_parts_base``: ``nograd_peak`` (``_base``) split into the most
+    of the attention's moments and the most of the MLP's, which a layer holding more beside
+    each (Gemma-3n's AltUp) needs apart.
     ``masked_kv``: what SDPA given a mask adds under grouped-query attention. Hugging Face
     then repeats K and V to every query head before the call (``use_gqa_in_sdpa``: no GQA
     kernel with a mask), so the repeated copies, q-wide, are what SDPA saves (with grad:
@@ -108,6 +111,8 @@ class BlockTape:
     attention_live: float
     attention_grad_live: float = 0.0
     attention_backward_live: float = 0.0
+    nograd_parts: tuple[float, float] = (0.0, 0.0)
+    nograd_parts_base: tuple[float, float] = (0.0, 0.0)
     masked_kv_saved: float = 0.0
     masked_kv_nograd: float = 0.0
 
@@ -147,6 +152,11 @@ def block_linears(
 #: Decoder layers whose attention also normalises v per head, with a norm that has no weight
 #: (``v_norm``, ``with_scale=False``), so the block's tensors do not show it.
 _WEIGHTLESS_VALUE_NORM = ("Gemma3nTextDecoderLayer", "Gemma4TextDecoderLayer")
+
+#: Decoder layers whose MLP binds the gate's, the activation's and up's outputs to names
+#: (Gemma3nTextMLP: ``gate_proj``, ``activations``, ``up_proj``), which Python keeps until it
+#: returns: a forward without grad holds them beside the product and down's transient.
+_MLP_NAMES_ITS_OUTPUTS = ("Gemma3nTextDecoderLayer",)
 
 
 def _norms(block: BlockSpec, hidden: int) -> tuple[int, int, float, frozenset[str]]:
@@ -451,14 +461,18 @@ def block_tape(
     width = lin["mlp_out"][0].in_features if lin["mlp_out"] else lin["mlp_in"][-1].out_features
     normed = held_normed = H * p  # the normed MLP input: the MLP's argument, alive until it returns
     activated = 0.0  # the activation's output, alive while up runs
+    named = gated and len(lin["mlp_in"]) > 1 and block.kind in _MLP_NAMES_ITS_OUTPUTS
+    gate_named = 0.0  # without grad, the gate's output where the MLP names it
+    attention_moments = len(nograd)
     for x in lin["mlp_in"]:
         grad.append(saved + held_stream + held_normed + activated + grad_live(x, H) + transient(x, True))
-        nograd.append(stream + normed + activated + cast_live(x, H) + transient(x, True))
-        nograd_base.append(stream + normed + activated + transient(x, False))
+        nograd.append(stream + normed + activated + gate_named + cast_live(x, H) + transient(x, True))
+        nograd_base.append(stream + normed + activated + gate_named + transient(x, False))
         saved += cast_copy(x, H) + (s * rank if x.adapted else 0)
         if gated and not activated and len(lin["mlp_in"]) > 1:
             saved += width * p  # the gate's output, saved by the activation
             activated = width * p  # which makes its own output
+            gate_named = width * p if named else 0.0
     if not cast and not dropped and any(x.adapted for x in lin["mlp_in"]):
         saved += p * H  # lora_A of gate and up save the one normed input
         held_normed = 0.0
@@ -471,8 +485,9 @@ def block_tape(
     product = width * p
     # the product is made while its inputs are alive (saved with grad)
     grad.append(saved + held_stream + held_normed + product)
-    nograd.append(stream + normed + (3 if gated else 2) * width * p)
+    nograd.append(stream + normed + (3 if gated else 2) * width * p + gate_named)
     nograd_base.append(nograd[-1])
+    outputs_named = 3 * width * p if named else 0.0  # the gate's, the activation's and up's, through down
     recompute = list(grad)
     down_input_saved = 0.0
     for x in lin["mlp_out"]:
@@ -480,8 +495,8 @@ def block_tape(
         grad.append(held + transient(x, True))
         if x.adapted and not full:  # the recompute runs down's base and lora_A, then stops
             recompute.append(held + x.out_features * p + s * rank)
-        nograd.append(stream + normed + product + cast_live(x, width) + transient(x, True))
-        nograd_base.append(stream + normed + product + transient(x, False))
+        nograd.append(stream + normed + product + outputs_named + cast_live(x, width) + transient(x, True))
+        nograd_base.append(stream + normed + product + outputs_named + transient(x, False))
         down_input_saved = cast_copy(x, width) if cast or dropped else (p * width if x.adapted else 0)
         saved += down_input_saved + (s * rank if x.adapted else 0)
     # The residual sum that ends the block: the stream, the MLP's output and the sum (what peaks last
@@ -503,6 +518,8 @@ def block_tape(
         attention_live=attention_live,
         attention_grad_live=at_scores[0],
         attention_backward_live=at_scores[1],
+        nograd_parts=(max(nograd[:attention_moments]), max(nograd[attention_moments:])),
+        nograd_parts_base=(max(nograd_base[:attention_moments]), max(nograd_base[attention_moments:])),
         masked_kv_saved=masked["masked_kv_saved"],
         masked_kv_nograd=masked["masked_kv_nograd"],
     )

@@ -161,15 +161,14 @@ GEMMA_SHARED = "hidden_size=128&intermediate_size=256&num_layers=6&num_heads=4&n
 
 
 @pytest.mark.parametrize(
-    "model, rollout_tolerance",
+    "model",
     [
-        # Gemma-3n's rollout reads 3% high here with or without K/V sharing (its cause not yet found)
-        (f"tiny:gemma3n?{GEMMA_SHARED}", 0.035),
-        (f"tiny:gemma3n?{GEMMA_SHARED.replace('layers=2', 'layers=0')}", 0.035),
-        (f"tiny:gemma4?{GEMMA_SHARED}&use_double_wide_mlp=true", 0.02),
+        f"tiny:gemma3n?{GEMMA_SHARED}",
+        f"tiny:gemma3n?{GEMMA_SHARED.replace('layers=2', 'layers=0')}",
+        f"tiny:gemma4?{GEMMA_SHARED}&use_double_wide_mlp=true",
     ],
 )
-def test_gemma_models_sharing_k_and_v_are_counted_in_every_pass(model, rollout_tolerance):
+def test_gemma_models_sharing_k_and_v_are_counted_in_every_pass(model):
     """Gemma-3n's and Gemma 4's forwards hold, beside the layer running, their streams and
     per-layer inputs and one rotary table per attention type; their last layers read the K and V
     two earlier layers keep for them (num_kv_shared_layers=2) and add no cache entry of their
@@ -178,7 +177,9 @@ def test_gemma_models_sharing_k_and_v_are_counted_in_every_pass(model, rollout_t
     Before these were counted, Gemma-3n's reference pass read 4.2% low and its rollout 4.5% high;
     Gemma 4's could not train (its reference pass failed), and its estimate read 14% high. The
     same Gemma-3n without sharing is the control (its reference pass read 3.6% low before its
-    streams and per-layer inputs beside the layers were counted)."""
+    streams and per-layer inputs beside the layers were counted, and its rollout 3% high, with or
+    without sharing, before its layers' no-grad moments were counted one by one and generate's
+    prefill stopped counting logits its blocks do not hold)."""
     from benchmarks._probe_cache import estimate_request, saved_coefficients
 
     workload = SMALL.model_copy(
@@ -205,7 +206,7 @@ def test_gemma_models_sharing_k_and_v_are_counted_in_every_pass(model, rollout_t
     phases = estimate_request(request, saved_coefficients("cpu")).phases
     assert phases["reference"].total == pytest.approx(m.phase_total("reference"), rel=0.02)
     assert phases["learn"].total == pytest.approx(m.phase_total("learn"), rel=0.02)
-    assert phases["rollout"].total == pytest.approx(m.phase_total("rollout"), rel=rollout_tolerance)
+    assert phases["rollout"].total == pytest.approx(m.phase_total("rollout"), rel=0.01)
 
 
 def _block_bytes(name: str, *, lora_rank: int) -> int:
