@@ -280,8 +280,12 @@ def _trainer_mask(ctx: Context, batch: int, length: int, *, forward: str) -> boo
         return False
     if ctx.workload.attn_implementation not in ("sdpa", "eager"):
         return False
-    windows = [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
-    return not any(w is not None and w < length for w in windows)
+    return not any(w is not None and w < length for w in _sliding_windows(ctx))
+
+
+def _sliding_windows(ctx: Context) -> list[int | None]:
+    """Each block type's sliding window (None for full attention)."""
+    return [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
 
 
 def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str) -> int:
@@ -310,8 +314,7 @@ def attention_mask_bytes(ctx: Context, batch: int, length: int, *, forward: str)
     area = batch * length * length
     if _trainer_mask(ctx, batch, length, forward=forward):
         return area * ctx.compute_bytes
-    windows = [ctx.spec.block(i).attention.sliding_window for i in ctx.distinct_layers]
-    kinds = 1 + any(w is not None for w in windows)
+    kinds = 1 + any(w is not None for w in _sliding_windows(ctx))
     if attn == "eager":
         return kinds * area * ctx.compute_bytes
     if not ctx.workload.padded_batches or batch < 2 or attn != "sdpa":
@@ -788,25 +791,20 @@ def suffix_mask_bytes(ctx: Context) -> int:
     return rows * (T - ctx.prefix_split) * T * ctx.compute_bytes
 
 
-def _forward_only_masks(ctx: Context, batch: int, length: int) -> bool:
-    """Whether a learn forward's masks are freed when the model's forward returns: Hugging Face's
-    eager masks, which no layer saves, with no layer checkpointed to keep them for its recompute."""
-    return ctx.scores_materialised and not ctx.checkpointed and not _trainer_mask(ctx, batch, length, forward="learn")
-
-
-def learn_mask_bytes(ctx: Context, *, forward_only: bool = False) -> int:
-    """The masks a learn micro-batch holds from its forward to its backward (``forward_only``:
-    those it holds while its forward runs only, :func:`_forward_only_masks`): the one-pass
-    forward's (:func:`attention_mask_bytes`), or the shared-prefix forward's two, the prefix
-    pass's (over its rows and columns) and the suffix pass's."""
+def learn_mask_bytes(ctx: Context) -> tuple[int, int]:
+    """The masks of a learn micro-batch, as (held from its forward to its backward's end, held
+    while its forward runs only): the one-pass forward's (:func:`attention_mask_bytes`), or the
+    shared-prefix forward's two, the prefix pass's (over its rows and columns) and the suffix
+    pass's. Hugging Face's eager masks, which no layer saves, are the forward's only when no layer
+    is checkpointed to keep them for its recompute."""
     if ctx.prefix_split:
         batch, length, suffix = ctx.prefix_rows, ctx.prefix_split, suffix_mask_bytes(ctx)
     else:
         batch, length, suffix = ctx.micro_batch, ctx.sequence_tokens, 0
     masks = attention_mask_bytes(ctx, batch, length, forward="learn")
-    if _forward_only_masks(ctx, batch, length) != forward_only:
-        masks = 0
-    return masks + (0 if forward_only else suffix)
+    if ctx.scores_materialised and not ctx.checkpointed and not _trainer_mask(ctx, batch, length, forward="learn"):
+        return suffix, masks
+    return masks + suffix, 0
 
 
 def reference_forward_bytes(ctx: Context, layout: Layout, adapters_on: bool) -> int:

@@ -290,8 +290,8 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     window = backward_gathered_bytes(ctx, terms.gathered)
     # A padded batch's attention mask lives from the forward's start to the backward's end;
     # eager attention's own masks, without checkpointing, while the forward runs only.
-    beside = terms.kept_logprobs + learn_mask_bytes(ctx)
-    forward_masks = learn_mask_bytes(ctx, forward_only=True)
+    held_masks, forward_masks = learn_mask_bytes(ctx)
+    beside = terms.kept_logprobs + held_masks
     value = value_head_bytes(ctx)  # LLMPPO: kept for backward, and its gradient at the head's
     flowing_in = gradients_in_flight(ctx, recompute=False, tokens=acts.head_rows)
     return make_phase(
