@@ -476,7 +476,16 @@ class GRPO(LLMAlgorithm):
         unit's own setting comes back. Unsharded: the merged copies of :meth:`_merged_copies_for_rollout`.
         Otherwise nothing."""
         if not self.gather_weights_for_rollout:
-            yield
+            try:
+                yield
+            finally:
+                if self.sharded and self.fsdp_config.reshard_after_forward:
+                    # the root keeps its parameters gathered after a forward for the backward that
+                    # follows (apply_fsdp2); none follows generate: leave the model sharded
+                    from torch.distributed.fsdp import FSDPModule
+
+                    if isinstance(self.model, FSDPModule):
+                        self.model.reshard()
             return
         if not self.sharded:
             with self._merged_copies_for_rollout():

@@ -12,7 +12,9 @@ rather than part of the root, which stays gathered for the whole forward.
 
 Tied embeddings stay in the root unit together with the lm_head that shares
 their weight (a parameter can belong to one FSDP unit only). The root unit owns
-everything else: final norm, rotary buffers, PEFT wrappers.
+everything else: final norm, rotary buffers, PEFT wrappers. ``reshard_after_forward``
+applies to every unit but the root, which stays gathered from its forward to its
+backward (FSDP2's default for a root).
 
 Parameters with fewer than ``param_persistence_threshold`` elements are passed
 to ``fully_shard`` as ``ignored_params`` and stay replicated plain tensors
@@ -523,7 +525,10 @@ def apply_fsdp2(
             fully_shard(group[0], **kwargs)
         layout.units.append(cast(FSDPModule, group[0]))  # fully_shard made it an FSDPModule
         layout.unit_names.append(named.get(id(group[0]), part.name))
-    layout.root = fully_shard(model, **kwargs)
+    # The root keeps its parameters gathered from its forward to its backward (FSDP2's own default
+    # for a root): the backward needs them at once, and a tied lm_head reads them in between. Resharded
+    # there, the trainer's head would gather a second copy of the embedding table.
+    layout.root = fully_shard(model, **{**kwargs, "reshard_after_forward": False})
 
     units = layout.units
     for i, unit in enumerate(units):

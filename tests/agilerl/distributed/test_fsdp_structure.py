@@ -62,6 +62,27 @@ def tied_embeddings_stay_in_root(ctx):
 
 
 @cases.case
+def the_root_stays_gathered_from_its_forward_to_its_backward(ctx):
+    # reshard_after_forward=True reshards every unit but the root (FSDP2's own default for a root):
+    # the backward needs it at once, and the trainer's chunked head reads the tied lm_head there
+    # without gathering it again.
+    model = _sharded(FSDPConfig(**FP32, reshard_after_forward=True), arch="qwen2", tie_word_embeddings=True)
+    ids = torch.randint(3, 60, (2, 8))
+    out = model(input_ids=ids, labels=ids)
+    assert not isinstance(model.lm_head.weight, DTensor)  # the root's gathered copy
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)  # a block: resharded
+    # the head read again after the forward, as the trainer's chunked head does: a plain tensor
+    extra = torch.nn.functional.linear(out.logits.new_ones(1, model.config.hidden_size), model.lm_head.weight)
+    (out.loss + 0.0 * extra.sum()).backward()
+    assert isinstance(model.lm_head.weight, DTensor)  # resharded after its backward
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert not isinstance(model.lm_head.weight, DTensor)  # kept until the next backward
+    # a checkpoint taken meanwhile still sees the shards
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+
+
+@cases.case
 def prefetch_lists(ctx):
     model = _sharded(FSDPConfig(**FP32, prefetch_units=2, backward_prefetch_units=1), num_layers=4)
     layout = fsdp_layout(model)
