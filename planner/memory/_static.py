@@ -273,10 +273,12 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
 
 def step_optimizer_bytes(ctx: Context, memory: StaticMemory) -> int:
     """Optimizer state during clip and AdamW: on the device, plus the step's update per
-    tensor (4 bytes) when it runs there; on a CPU run the "host" moments are in the same memory."""
+    tensor (4 bytes) when it runs there. On a CPU run the "host" state is in the same memory:
+    all of it (CPUOffloadAdamW's fp32 masters and their gradients beside the moments, or
+    cpu_offload's moments), not the moments alone."""
     step = memory.optimizer_device + (0 if memory.host_optimizer else memory.trainable_tensors * 4)
-    if memory.host_optimizer and not ctx.on_gpu:
-        step += memory.trainable_elements * 8
+    if not ctx.on_gpu:
+        step += memory.host_optimizer
     return step
 
 

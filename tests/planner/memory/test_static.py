@@ -42,8 +42,10 @@ def test_offloads_move_state_to_the_host(dense_spec):
     local, tensors = _lora_local(dense_spec, WL.lora_rank, 2)
     ctx, _, optim = _memory(dense_spec, SHARD_ALL.model_copy(update={"optim_cpu_offload": True}))
     assert optim.optimizer_device == 0 and optim.host_optimizer == local * 16 + tensors * 4
-    # On a CPU run the host moments are the same memory as the step's.
-    assert step_optimizer_bytes(ctx, optim) == local * 8
+    # On a CPU run the host is the same memory as the step's: CPUOffloadAdamW's fp32 masters and
+    # their gradients beside the moments (with the moments alone a 2-rank tiny Qwen2's step read
+    # 12.5% low against the probe).
+    assert step_optimizer_bytes(ctx, optim) == local * 16 + tensors * 4
     _, _, full = _memory(dense_spec, SHARD_ALL)
     _, _, params = _memory(dense_spec, SHARD_ALL.model_copy(update={"cpu_offload": True}))
     assert params.weights == 0 and params.lora_device == 0  # everything sharded goes
