@@ -502,13 +502,22 @@ def gradients_in_flight(ctx: Context, *, recompute: bool, tokens: int | None = N
 
 
 def learn_block_moments(
-    ctx: Context, blocks: dict[int, BlockActivations], pass_: Pass | None = None, grown: tuple[int, ...] = ()
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The most alive while the blocks run (their forward, or a checkpointed block's
-    recompute in backward) and while they run backward, as two moments: a unit's
-    unsharded gradients exist only in the second. Each moment is (activations, gradients
-    this micro-batch has made so far): ``grown[j]``, held when layer j runs backward (or
-    recomputes), is 0 in a forward.
+    ctx: Context,
+    blocks: dict[int, BlockActivations],
+    pass_: Pass | None = None,
+    grown: tuple[int, ...] = (),
+    windows: tuple[tuple[int, int], ...] = (),
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """The most alive while a block not checkpointed runs its forward with grad, while a
+    checkpointed block recomputes in backward, and while the blocks run backward: three
+    moments, as FSDP2 holds a different gathered window in the forward than in the backward
+    (planner.memory._gathered.in_flight), and a unit's unsharded gradients exist only in the
+    last. The recompute and backward moments are (activations, gradients this micro-batch has
+    made so far): ``grown[j]``, held when layer j runs backward (or recomputes). A forward has
+    made none: its moment is (activations, gathered window) where the two together are
+    largest. ``windows``: per layer, the forward's window while it runs and at its unit's
+    copy-out, before it runs (planner.memory._gathered.forward_layer_windows; none: 0). A
+    moment no block has is (0, 0).
 
     At block j: everything the earlier blocks keep, and j's own most (its forward with
     grad or its recompute with the gradients flowing in, or its backward). The later
@@ -525,19 +534,28 @@ def learn_block_moments(
         gradients_in_flight(ctx, recompute=True, tokens=N),
     )
     shared_forward, shared_backward = shared_kv_moments(ctx, N, (pass_ or one_pass(ctx)).masked)
-    running, backward, before = (0, 0), (0, 0), 0
+    forward, recompute, backward, before = (0, 0), (0, 0), (0, 0), 0
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
         g = grown[j] if grown else 0
         held = before + shared_backward[j]  # in backward (a recompute is one)
+        running, copying = windows[j] if windows else (0, 0)
         if j in ctx.checkpointed:
-            running = max(running, (held + kept[j] + b.recompute + recomputing, g), key=sum)
+            # its forward saves nothing: only its unit's copy-out is a moment of the forward here
+            # (its forward is checkpointed_forward_bytes')
+            forward = max(forward, (before + shared_forward[j] + x_in, copying), key=sum)
+            recompute = max(recompute, (held + kept[j] + b.recompute + recomputing, g), key=sum)
             backward = max(backward, (held + kept[j] + b.backward + flowing, g), key=sum)
         else:
-            running = max(running, (before + shared_forward[j] + b.forward + x_in, 0), key=sum)
+            forward = max(
+                forward,
+                (before + shared_forward[j] + b.forward + x_in, running),
+                (before + shared_forward[j] + x_in, copying),
+                key=sum,
+            )
             backward = max(backward, (held + b.backward + flowing, g), key=sum)
         before += kept[j]
-    return running, backward
+    return forward, recompute, backward
 
 
 def checkpointed_forward_bytes(
@@ -579,36 +597,45 @@ class LearnActivations:
 
     kept: int  # everything kept for backward once the forward has run, the boundary included
     blocks_kept: int  # what the blocks alone keep
-    running: int  # the most while a block runs forward or recomputes
+    forward: int  # the most while a block not checkpointed runs forward, or a unit copies out (0: neither)
+    forward_gathered: int  # the forward's gathered window then (0 without windows)
+    recompute: int  # the most while a checkpointed block recomputes (0: none is)
     backward: int  # the most while a block runs backward
     head_rows: int  # tokens whose final hidden states reach the head (its input gradient's)
-    embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in running/backward
-    running_grads: int = 0  # this micro-batch's gradients made by the running moment
+    embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in the moments
+    recompute_grads: int = 0  # this micro-batch's gradients made by the recompute moment
     backward_grads: int = 0  # ... by the backward moment
     checkpointed_forward: int = 0  # the most while a checkpointed block runs forward (checkpointed_forward_bytes)
 
 
-def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ()) -> LearnActivations:
+def learn_activations(
+    ctx: Context, layout: Layout, grown: tuple[int, ...] = (), windows: tuple[tuple[int, int], ...] = ()
+) -> LearnActivations:
     """The one-pass forward's terms, or the shared-prefix forward's: the prefix pass runs every
     block first and its keep stays through the suffix pass, which runs and then back-propagates
     block by block beside it (the moments are the suffix pass's, plus everything the prefix
     pass keeps); the gradients of the recorded prefix K and V wait for the prefix pass's
     backward, after the suffix pass's. ``grown``: per layer, the gradients the micro-batch has
-    made when that layer runs backward (:func:`learn_block_moments`)."""
+    made when that layer runs backward; ``windows``: per layer, the forward's gathered windows
+    (:func:`learn_block_moments`)."""
     passes = learn_passes(ctx)
     if len(passes) == 1:
         blocks = activations_by_type(ctx, layout)
-        (running, g_run), (backward, g_back) = learn_block_moments(ctx, blocks, grown=grown)
+        (forward, window), (recompute, g_run), (backward, g_back) = learn_block_moments(
+            ctx, blocks, grown=grown, windows=windows
+        )
         blocks_kept = sum(kept_bytes(ctx, blocks)) + stored_kv_kept(ctx, ctx.micro_batch_tokens, one_pass(ctx).masked)
         embedding = embedding_kept_bytes(ctx)
         return LearnActivations(
             kept=blocks_kept + boundary_bytes(ctx),
             blocks_kept=blocks_kept,
-            running=running + embedding,
+            forward=forward + embedding if forward or window else 0,
+            forward_gathered=window,
+            recompute=recompute + embedding if recompute else 0,
             backward=backward + embedding,
             head_rows=ctx.micro_batch_tokens,
             embedding_kept=embedding,
-            running_grads=g_run,
+            recompute_grads=g_run,
             backward_grads=g_back,
             checkpointed_forward=checkpointed_forward_bytes(ctx, layout, blocks, embedding=embedding),
         )
@@ -616,17 +643,21 @@ def learn_activations(ctx: Context, layout: Layout, grown: tuple[int, ...] = ())
     prefix_blocks = activations_by_type(ctx, layout, prefix)
     prefix_kept = sum(kept_bytes(ctx, prefix_blocks, prefix, recorded=True))
     suffix_blocks = activations_by_type(ctx, layout, suffix)
-    (running, g_run), (backward, g_back) = learn_block_moments(ctx, suffix_blocks, suffix, grown=grown)
+    (forward, window), (recompute, g_run), (backward, g_back) = learn_block_moments(
+        ctx, suffix_blocks, suffix, grown=grown, windows=windows
+    )
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
     embedding = embedding_kept_bytes(ctx, prefix.tokens + suffix.tokens)
     return LearnActivations(
         kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
         blocks_kept=blocks_kept,
-        running=prefix_kept + running + embedding,
+        forward=prefix_kept + forward + embedding if forward or window else 0,
+        forward_gathered=window,
+        recompute=prefix_kept + recompute + embedding if recompute else 0,
         backward=prefix_kept + backward + recorded_prefix_bytes(ctx) + embedding,
         head_rows=suffix.tokens,
         embedding_kept=embedding,
-        running_grads=g_run,
+        recompute_grads=g_run,
         backward_grads=g_back,
         checkpointed_forward=max(
             checkpointed_forward_bytes(ctx, layout, prefix_blocks, prefix, embedding=embedding),

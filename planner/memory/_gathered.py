@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ._context import Context
 from ._units import Layout, Unit
+
+#: A forward's moments: its units running, copying out, or either.
+Moment = Literal["both", "running", "copying"]
 
 #: (bytes, index of the enclosing entry or None, bytes a prefetch of it holds)
 OrderEntry = tuple[int, int | None, int]
@@ -21,6 +25,7 @@ OrderEntry = tuple[int, int | None, int]
 class Gathered:
     unit_bytes: tuple[int, ...]  # each unit of Layout.units gathered, in forward order
     root_bytes: int
+    root_ahead: int  # the root's all-gather output, held into the first unit's copy-out (0 on one rank)
     all_bytes: int  # every unit and the root at once
     order: tuple[OrderEntry, ...]  # forward gathering order, nested expert units apart
     largest_bytes: int  # the largest entry of ``order``
@@ -98,6 +103,7 @@ def _build_gathered(ctx: Context, layout: Layout) -> Gathered:
     return Gathered(
         unit_bytes=unit_bytes,
         root_bytes=root_bytes,
+        root_ahead=root_bytes if ctx.shard_group > 1 else 0,
         all_bytes=sum(unit_bytes) + root_bytes,
         order=order,
         largest_bytes=max((b for b, _, _ in order), default=0),
@@ -125,38 +131,110 @@ def reversed_with_parents(order: tuple[OrderEntry, ...]) -> list[OrderEntry]:
     return out
 
 
-def in_flight(ctx: Context, gathered: Gathered, prefetch: int, *, forward: bool) -> int:
+def in_flight(
+    ctx: Context, gathered: Gathered, prefetch: int, *, forward: bool, first: bool = True, moment: Moment = "both"
+) -> int:
     """The most gathered at once: a unit, its enclosing block, the next ``prefetch``
     units in order, the root and the buffer allowance.
 
     In forward FSDP2 defers freeing a unit's all-gather output until the next unit's
     copy-out (to overlap the two), so a running unit is held twice; in backward it is
-    freed at the copy-out. With reshard_after_forward=False every unit stays gathered
-    from its forward to its backward, and after a no-grad forward until the next
-    backward (FSDP2 reshards in post-backward only).
+    freed at the copy-out. ``first``: the forward gathers the root too (the first after a
+    backward or a generate); later ones find it gathered (:func:`_held`). ``moment``: a
+    forward's units running ("running"), copying out ("copying"), or either ("both"). With
+    reshard_after_forward=False every unit stays gathered from its forward to its backward,
+    and after a no-grad forward until the next backward (FSDP2 reshards in post-backward only).
     """
     if ctx.fsdp is None:
         return 0
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes + gathered.buffer_bytes
-    found = gathered.windows.get((prefetch, forward))
+    key = (prefetch, forward, first, moment)
+    found = gathered.windows.get(key)
     if found is None:
-        found = gathered.windows[(prefetch, forward)] = _window(gathered, prefetch, forward)
+        held = _held(gathered, prefetch, forward, root_ahead=gathered.root_ahead if first else 0)
+        found = max(
+            (
+                max(running, copying) if moment == "both" else running if moment == "running" else copying
+                for _, running, copying in held
+            ),
+            default=0,
+        )
+        found += gathered.root_bytes + (0 if forward else gathered.buffer_bytes)
+        gathered.windows[key] = found
     return found
 
 
-def _window(gathered: Gathered, prefetch: int, forward: bool) -> int:
+def _held(gathered: Gathered, prefetch: int, forward: bool, root_ahead: int = 0) -> list[tuple[int, int, int]]:
+    """For each entry of the gathering order (reversed in backward): the position of its outer
+    unit among the outer units, what is gathered while it runs and what at its copy-out (0
+    but for an outer unit in forward), the root apart.
+
+    While a unit runs it is held twice in forward (once in backward), with its enclosing
+    block and the next ``prefetch`` units in flight. An outer unit's copy-out in forward holds
+    it twice beside the unit before's all-gather output, which FSDP2 drops only as the
+    copy-out's call returns (``root_ahead``, the root's, before the first unit: the root is
+    gathered first), and the units the one before prefetched."""
     direction = gathered.order if forward else reversed_with_parents(gathered.order)
     # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
     # a nested expert unit is gathered when its own forward or backward starts.
     outer = [j for j, (_, parent, _) in enumerate(direction) if parent is None]
-    window = 0
+    out = []
+    before = root_ahead
     for j, (size, parent, ahead) in enumerate(direction):
-        held = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
-        first = bisect.bisect_right(outer, j)
-        held += sum(direction[i][2] for i in outer[first : first + prefetch])
-        window = max(window, held)
-    return window + gathered.root_bytes + (0 if forward else gathered.buffer_bytes)
+        own = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
+        position = bisect.bisect_right(outer, j)
+        coming = [direction[i][2] for i in outer[position : position + prefetch]]
+        copying = 0
+        if forward and parent is None:
+            copying = own + before + (sum(coming[: prefetch - 1]) if position > 1 else 0)
+            before = ahead
+        out.append((position - 1, own + sum(coming), copying))
+    return out
+
+
+def forward_unit_windows(
+    ctx: Context, layout: Layout, gathered: Gathered, *, first: bool = True
+) -> tuple[tuple[int, int], ...]:
+    """Per unit of ``layout.units``, what a forward holds gathered (the root included) while the
+    unit runs and at its copy-out (:func:`_held`); ``first`` as :func:`in_flight`. With
+    reshard_after_forward=False every unit's both are everything. Empty unsharded."""
+    if ctx.fsdp is None:
+        return ()
+    if not ctx.fsdp.reshard_after_forward:
+        return ((gathered.all_bytes, gathered.all_bytes),) * len(layout.units)
+    key = ("units", ctx.fsdp.prefetch_units, first)
+    found = gathered.windows.get(key)
+    if found is None:
+        running, copying = [0] * len(layout.units), [0] * len(layout.units)
+        root_ahead = gathered.root_ahead if first else 0
+        for k, run, copy in _held(gathered, ctx.fsdp.prefetch_units, True, root_ahead):
+            running[k], copying[k] = max(running[k], run), max(copying[k], copy)
+        root = gathered.root_bytes
+        found = gathered.windows[key] = tuple((r + root, c + root) for r, c in zip(running, copying))
+    return found
+
+
+def forward_layer_windows(ctx: Context, layout: Layout, gathered: Gathered) -> tuple[tuple[int, int], ...]:
+    """Per layer, the forward's window while the layer runs and, for the first layer of its unit,
+    at the unit's copy-out (else 0), from :func:`forward_unit_windows`: the last block's unit
+    prefetches the untied lm_head, not another block. Empty unsharded."""
+    windows = forward_unit_windows(ctx, layout, gathered)
+    if not windows or ctx.fsdp is None:
+        return ()
+    first = next(k for k, u in enumerate(layout.units) if u.name.startswith("blocks."))
+    wrap = ctx.fsdp.wrap_every_n_blocks
+    return tuple(
+        (windows[first + j // wrap][0], windows[first + j // wrap][1] if j % wrap == 0 else 0)
+        for j in range(ctx.spec.num_layers)
+    )
+
+
+def forward_head_window(ctx: Context, layout: Layout, gathered: Gathered) -> int:
+    """The most a forward holds gathered while an untied lm_head's unit copies out and runs
+    (0 without one, or unsharded)."""
+    windows = forward_unit_windows(ctx, layout, gathered)
+    return next((max(w) for u, w in zip(layout.units, windows) if u.name == "lm_head"), 0)
 
 
 def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
@@ -164,14 +242,16 @@ def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
     return in_flight(ctx, gathered, ctx.fsdp.backward_prefetch_units if ctx.fsdp else 0, forward=False)
 
 
-def nograd_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
+def nograd_gathered_bytes(ctx: Context, gathered: Gathered, *, first: bool = True, moment: Moment = "both") -> int:
     """A no-grad forward's window (generation, the reference pass) with ``prefetch_units``
-    prefetched; everything with reshard_after_forward=False."""
+    prefetched; everything with reshard_after_forward=False. ``first`` and ``moment``: as
+    :func:`in_flight` (generate's steps after the first find the root gathered; a unit copies
+    out before its forward has made anything)."""
     if ctx.fsdp is None:
         return 0
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes
-    return in_flight(ctx, gathered, ctx.fsdp.prefetch_units, forward=True)
+    return in_flight(ctx, gathered, ctx.fsdp.prefetch_units, forward=True, first=first, moment=moment)
 
 
 def after_forward_bytes(ctx: Context, gathered: Gathered) -> int:

@@ -23,6 +23,8 @@ from ._gathered import (
     after_forward_bytes,
     backward_gathered_bytes,
     build_gathered,
+    forward_head_window,
+    forward_layer_windows,
     nograd_gathered_bytes,
 )
 from ._generation import (
@@ -69,7 +71,9 @@ class Terms:
     static: Components  # held in every phase
     host: Components  # host memory held in every phase
     gathered: Gathered
-    nograd_gathered: int  # a no-grad forward's window
+    nograd_running: int  # a forward's window while a unit runs (its copy-out apart)
+    nograd_copying: int  # ... while a unit copies out, before its block has made anything; the root gathered too
+    nograd_later: int  # ... either, in a no-grad forward that finds the root gathered (generate's later steps)
     after_forward: int  # what stays gathered after a forward
     vllm_asleep: int
     kept_logprobs: int  # per-token tensors kept from the no-grad passes through learn and the step
@@ -102,7 +106,9 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
         static=static_components(memory),
         host=host_resident(ctx, memory),
         gathered=gathered,
-        nograd_gathered=nograd_gathered_bytes(ctx, gathered),
+        nograd_running=nograd_gathered_bytes(ctx, gathered, moment="running"),
+        nograd_copying=nograd_gathered_bytes(ctx, gathered, moment="copying"),
+        nograd_later=nograd_gathered_bytes(ctx, gathered, first=False),
         after_forward=after_forward_bytes(ctx, gathered),
         vllm_asleep=vllm_asleep_bytes(ctx),
         kept_logprobs=kept_logprob_bytes(ctx),
@@ -176,15 +182,24 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
     with its weight sync gathering one unit at a time."""
     match ctx.workload.generation:
         case "hf":
-            moments = hf_rollout_moments(ctx, terms.layout)
-            # gather_weights_for_rollout: every unit stays gathered from its first forward to the end, and
-            # the unit being gathered holds its all-gather output beside its unsharded copy meanwhile.
-            window = terms.nograd_gathered
+            prefill, decode = hf_rollout_moments(ctx, terms.layout)
+            # The prefill is the first forward, which gathers the root; the root stays gathered
+            # through the steps after it (apply_fsdp2). A unit copies out before its block has made
+            # anything, so the prefill's block moment is the units' running window's (and a decode
+            # step's block holds little: either). gather_weights_for_rollout: every unit stays
+            # gathered from its first forward to the end, and the unit being gathered holds its
+            # all-gather output beside its unsharded copy meanwhile.
+            windows = [terms.nograd_copying, terms.nograd_running, terms.nograd_later]
             if ctx.sharded and ctx.workload.gather_weights_for_rollout:
-                window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
+                windows = [max(terms.gathered.all_bytes + terms.gathered.largest_bytes, w) for w in windows]
             merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
-            window += merged
-            generating = {**terms.static, "weights_gathered": window, **larger(*moments)}
+            # a unit's copy-out (the first's beside the root's all-gather output) with the embedded prompts
+            embedded = ctx.completions_per_rank * ctx.workload.prompt_tokens * ctx.carried_hidden * ctx.compute_bytes
+            generating = larger(
+                {**terms.static, "weights_gathered": windows[0] + merged, "activations": embedded},
+                {**terms.static, "weights_gathered": windows[1] + merged, **prefill},
+                {**terms.static, "weights_gathered": windows[2] + merged, **decode},
+            )
             # Before generating, GRPO folds the actor's LoRA into the gathered weights (or merged copies),
             # one linear at a time: everything gathered, no KV cache yet, and one delta being built.
             folded = merged + (terms.gathered.all_bytes if ctx.sharded else 0)
@@ -229,15 +244,18 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     adapters_on = workload.use_separate_reference_adapter or workload.has_old_policy_pass
     fwd = reference_forward_bytes(ctx, terms.layout, adapters_on)
     hidden = ctx.micro_batch * (ctx.sequence_tokens - ctx.prefix_split) * ctx.carried_hidden * ctx.compute_bytes
-    window = terms.nograd_gathered
+    # A unit copies out before its block runs (the first micro-batch's first unit beside the root's
+    # all-gather output: that forward gathers the root, which stays gathered for the others); the
+    # block's forward runs under the running window.
+    windows = [terms.nograd_copying, terms.nograd_running]
     if ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf":
         # GRPO._gathered_for_reference: every unit stays gathered through the no-grad passes
-        window = max(terms.gathered.all_bytes + terms.gathered.largest_bytes, window)
+        windows = [max(terms.gathered.all_bytes + terms.gathered.largest_bytes, w) for w in windows]
     kept = terms.kept_reference
     if ctx.reference_copy and ctx.sharded:
         # Full fine-tuning's reference is a model of its own: its window beside whatever the actor left
         # gathered (a rollout's forwards under reshard_after_forward=False); it reshards after its pass.
-        window += terms.after_forward if workload.generation != "none" else 0
+        windows = [w + (terms.after_forward if workload.generation != "none" else 0) for w in windows]
     return make_phase(
         ctx,
         terms,
@@ -245,7 +263,8 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
             **terms.static,
             "vllm": terms.vllm_asleep,
             **larger(
-                {"weights_gathered": window, "activations": fwd + kept},
+                {"weights_gathered": windows[0], "activations": hidden + kept},
+                {"weights_gathered": windows[1], "activations": fwd + kept},
                 {
                     "weights_gathered": terms.after_forward,
                     "activations": hidden + kept,
@@ -275,17 +294,20 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
     Components peak at different moments of a micro-batch, so the learn phase is the
-    largest of six: the head's backward (every activation still kept, the logits
-    workspace at its largest, a trained head's weight gradient), a block's forward or
-    recompute (what the earlier blocks keep beside it), a checkpointed block's forward
-    (under the forward's gathered window), a block's backward, a unit's
+    largest of seven: the head's backward (every activation still kept, the logits
+    workspace at its largest, a trained head's weight gradient), a block's forward (what
+    the earlier blocks keep beside it, under the forward's gathered window) or recompute
+    (under the backward's), a checkpointed block's forward (under the forward's gathered
+    window), a block's backward, a unit's
     post-backward (its unsharded gradients being reduce-scattered, which FSDP2 does once the
     unit's backward is done), and the backward's end (every gradient made, the embeddings'
     last).
     """
     grads = gradient_terms(ctx, terms.layout, terms.memory)
-    acts = learn_activations(ctx, terms.layout, backward_gradients(ctx, grads))
-    kept, running, backward = acts.kept, acts.running, acts.backward
+    windows = forward_layer_windows(ctx, terms.layout, terms.gathered)
+    head_window = forward_head_window(ctx, terms.layout, terms.gathered)
+    acts = learn_activations(ctx, terms.layout, backward_gradients(ctx, grads), windows)
+    kept, backward = acts.kept, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)
     # A padded batch's attention mask lives from the forward's start to the backward's end;
@@ -312,16 +334,44 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     "comm_buffers": grads.head_buffer,
                     "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx),
                 },
+                # a block's forward with grad, under the forward's gathered window (FSDP2 holds the running
+                # unit's all-gather output beside its unsharded copy, and the next unit's in flight)
+                *(
+                    [
+                        {
+                            "weights_gathered": acts.forward_gathered,
+                            "gradients": grads.prior,
+                            "activations": acts.forward + beside + forward_masks + value,
+                        }
+                    ]
+                    if acts.forward or acts.forward_gathered
+                    else []
+                ),
+                # an untied lm_head's unit in the forward (the model's own head, over the last
+                # position): every keep of the forward beside it, under its window (the head twice)
+                *(
+                    [
+                        {
+                            "weights_gathered": head_window,
+                            "gradients": grads.prior,
+                            "activations": kept + beside + forward_masks,
+                            "logits": ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes,
+                        }
+                    ]
+                    if head_window
+                    else []
+                ),
+                # a checkpointed block's recompute in backward
                 {
                     "weights_gathered": window,
-                    "gradients": grads.prior + acts.running_grads,
-                    "activations": running + beside + forward_masks + value,
+                    "gradients": grads.prior + acts.recompute_grads,
+                    "activations": acts.recompute + beside + value,
                 },
                 # a checkpointed block's forward with grad, under the forward's gathered window
                 *(
                     [
                         {
-                            "weights_gathered": terms.nograd_gathered,
+                            "weights_gathered": terms.nograd_running,  # the copy-outs: the forward's moment
                             "gradients": grads.prior,
                             "activations": acts.checkpointed_forward + beside,
                         }

@@ -75,22 +75,29 @@ def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
     checkpoint = TOKENS * hidden * 2
     recompute = b.recompute + TOKENS * (2 * hidden * 2 + 4 * hidden)  # with the gradients flowing in
     backward = b.backward + TOKENS * 2 * hidden * 2
-    assert learn_block_moments(ctx, blocks) == ((4 * checkpoint + recompute, 0), (4 * checkpoint + backward, 0))
+    # every block checkpointed: the forward's moments are its units' copy-outs, before each block
+    # runs: the last one's with what the three before it keep and its input (a checkpoint's size)
+    assert learn_block_moments(ctx, blocks) == (
+        (4 * checkpoint, 0),
+        (4 * checkpoint + recompute, 0),
+        (4 * checkpoint + backward, 0),
+    )
     none = make_context(dense_spec, gradient_checkpointing=False)
     blocks = activations_by_type(none, build_layout(none))
     b = blocks[0]
     forward = b.forward + TOKENS * hidden * 2  # its input, held by the caller
     assert learn_block_moments(none, blocks) == (
         (3 * b.saved + forward, 0),
+        (0, 0),  # nothing recomputes
         (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0),
     )
     # Gradients made so far in the backward (one micro-batch): the moment at the block where the
     # two together are largest, which for growing gradients is a later one.
     grown = tuple(1000 * (3 - j) for j in range(4))
-    (_, g_run), (act, g_back) = learn_block_moments(none, blocks, grown=grown)
-    assert g_run == 0 and (act, g_back) == (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0)
+    (_, g_forward), _, (act, g_back) = learn_block_moments(none, blocks, grown=grown)
+    assert g_forward == 0 and (act, g_back) == (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0)
     huge = tuple(10**9 * (3 - j) for j in range(4))  # the first block (backward's last) made after every other
-    assert learn_block_moments(none, blocks, grown=huge)[1] == (b.backward + TOKENS * 2 * hidden * 2, 3 * 10**9)
+    assert learn_block_moments(none, blocks, grown=huge)[2] == (b.backward + TOKENS * 2 * hidden * 2, 3 * 10**9)
 
 
 def test_a_no_grad_forward_holds_the_embeddings_and_the_block_input(dense_spec):

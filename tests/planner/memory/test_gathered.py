@@ -16,7 +16,13 @@ from .conftest import make_context
 # embed 10, block 0 (own 20, experts 5), block 1 (own 20, experts 5), head 30; root 1, buffer 7.
 ORDER = ((10, None, 10), (20, None, 20), (5, 1, 5), (20, None, 20), (5, 3, 5), (30, None, 30))
 GATHERED = Gathered(
-    unit_bytes=(10, 25, 25, 30), root_bytes=1, all_bytes=91, order=ORDER, largest_bytes=30, buffer_bytes=7
+    unit_bytes=(10, 25, 25, 30),
+    root_bytes=1,
+    root_ahead=1,
+    all_bytes=91,
+    order=ORDER,
+    largest_bytes=30,
+    buffer_bytes=7,
 )
 
 
@@ -33,14 +39,43 @@ def test_backward_order_puts_each_block_ahead_of_its_experts():
 
 def test_forward_window_holds_the_running_unit_twice_and_the_next_outer_unit(dense_spec):
     ctx = make_context(dense_spec, fsdp=FSDPConfig())
-    # Block 1's own parameters twice and the head prefetched: 20 + 20 + 30, beside the root.
-    assert in_flight(ctx, GATHERED, 1, forward=True) == 70 + 1
+    # Block 1 runs with its own parameters twice and the head prefetched (20 + 20 + 30), but the
+    # head's copy-out is larger: the head twice and block 1's all-gather output, not yet dropped
+    # (30 + 30 + 20), beside the root.
+    assert in_flight(ctx, GATHERED, 1, forward=True) == 80 + 1
     # Two prefetched: block 0's experts (5) in block 0 (20), its own copy-out (5), block 1 and the head.
     assert (
         in_flight(ctx, GATHERED, 2, forward=True)
         == max(10 + 10 + 20 + 20, 20 + 20 + 20 + 30, 5 + 20 + 5 + 20 + 30, 20 + 20 + 30) + 1
     )
-    assert nograd_gathered_bytes(ctx, GATHERED) == 71
+    assert nograd_gathered_bytes(ctx, GATHERED) == 81
+
+
+def test_the_first_units_copy_out_holds_the_roots_all_gather_output(dense_spec):
+    # Tied embeddings: the root (50) is the embedding table and the first unit a block. FSDP2 keeps
+    # the root's all-gather output until block 0's copy-out returns: the root twice, block 0 twice.
+    ctx = make_context(dense_spec, fsdp=FSDPConfig())
+    tied = Gathered(
+        unit_bytes=(20, 20),
+        root_bytes=50,
+        root_ahead=50,
+        all_bytes=90,
+        order=((20, None, 20), (20, None, 20)),
+        largest_bytes=20,
+        buffer_bytes=0,
+    )
+    assert in_flight(ctx, tied, 1, forward=True) == 20 + 20 + 50 + 50
+    # On one rank FSDP2 all-gathers nothing: no output to hold (and a prefetch holds nothing).
+    alone = Gathered(
+        unit_bytes=(20, 20),
+        root_bytes=50,
+        root_ahead=0,
+        all_bytes=90,
+        order=((20, None, 0), (20, None, 0)),
+        largest_bytes=20,
+        buffer_bytes=0,
+    )
+    assert in_flight(ctx, alone, 1, forward=True) == 20 + 50
 
 
 def test_backward_window_adds_the_buffer(dense_spec):
