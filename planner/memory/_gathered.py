@@ -30,7 +30,7 @@ class Gathered:
     order: tuple[OrderEntry, ...]  # forward gathering order, nested expert units apart
     largest_bytes: int  # the largest entry of ``order``
     buffer_bytes: int  # the allowance beside the backward's window
-    # in_flight's answers, by (prefetch, forward): an estimate asks a few, a plan tens of estimates
+    # in_flight's and forward_unit_windows' answers: an estimate asks a few, a plan tens of estimates
     windows: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -193,22 +193,20 @@ def _held(gathered: Gathered, prefetch: int, forward: bool, root_ahead: int = 0)
     return out
 
 
-def forward_unit_windows(
-    ctx: Context, layout: Layout, gathered: Gathered, *, first: bool = True
-) -> tuple[tuple[int, int], ...]:
-    """Per unit of ``layout.units``, what a forward holds gathered (the root included) while the
-    unit runs and at its copy-out (:func:`_held`); ``first`` as :func:`in_flight`. With
-    reshard_after_forward=False every unit's both are everything. Empty unsharded."""
+def forward_unit_windows(ctx: Context, layout: Layout, gathered: Gathered) -> tuple[tuple[int, int], ...]:
+    """Per unit of ``layout.units``, what a forward that gathers the root (a learn forward: the
+    backward before resharded it) holds gathered, the root included, while the unit runs and at
+    its copy-out (:func:`_held`). With reshard_after_forward=False every unit's both are
+    everything. Empty unsharded."""
     if ctx.fsdp is None:
         return ()
     if not ctx.fsdp.reshard_after_forward:
         return ((gathered.all_bytes, gathered.all_bytes),) * len(layout.units)
-    key = ("units", ctx.fsdp.prefetch_units, first)
+    key = ("units", ctx.fsdp.prefetch_units)
     found = gathered.windows.get(key)
     if found is None:
         running, copying = [0] * len(layout.units), [0] * len(layout.units)
-        root_ahead = gathered.root_ahead if first else 0
-        for k, run, copy in _held(gathered, ctx.fsdp.prefetch_units, True, root_ahead):
+        for k, run, copy in _held(gathered, ctx.fsdp.prefetch_units, True, gathered.root_ahead):
             running[k], copying[k] = max(running[k], run), max(copying[k], copy)
         root = gathered.root_bytes
         found = gathered.windows[key] = tuple((r + root, c + root) for r, c in zip(running, copying))

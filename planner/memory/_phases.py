@@ -294,14 +294,14 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """Forward + backward of one micro-batch (the last of the step).
 
     Components peak at different moments of a micro-batch, so the learn phase is the
-    largest of seven: the head's backward (every activation still kept, the logits
-    workspace at its largest, a trained head's weight gradient), a block's forward (what
-    the earlier blocks keep beside it, under the forward's gathered window) or recompute
-    (under the backward's), a checkpointed block's forward (under the forward's gathered
-    window), a block's backward, a unit's
-    post-backward (its unsharded gradients being reduce-scattered, which FSDP2 does once the
-    unit's backward is done), and the backward's end (every gradient made, the embeddings'
-    last).
+    largest of them: the head's backward (every activation still kept, the logits workspace
+    at its largest, a trained head's weight gradient); in the forward, under its gathered
+    windows (planner.memory._gathered.forward_layer_windows), a block's forward or its
+    unit's copy-out (what the earlier blocks keep beside it), an untied lm_head unit's, and
+    a checkpointed block's forward; a checkpointed block's recompute and a block's backward
+    (under the backward's window); a unit's post-backward (its unsharded gradients being
+    reduce-scattered, which FSDP2 does once the unit's backward is done); and the
+    backward's end (every gradient made, the embeddings' last).
     """
     grads = gradient_terms(ctx, terms.layout, terms.memory)
     windows = forward_layer_windows(ctx, terms.layout, terms.gathered)

@@ -51,31 +51,23 @@ def test_forward_window_holds_the_running_unit_twice_and_the_next_outer_unit(den
     assert nograd_gathered_bytes(ctx, GATHERED) == 81
 
 
+def _two_blocks(root: int, *, ranks: int) -> Gathered:
+    """Two 20-byte block units after a root (tied embeddings: no embedding or head unit)."""
+    ahead = 20 if ranks > 1 else 0  # on one rank FSDP2 all-gathers nothing
+    order = ((20, None, ahead), (20, None, ahead))
+    root_ahead = root if ranks > 1 else 0
+    return Gathered((20, 20), root, root_ahead, 40 + root, order, largest_bytes=20, buffer_bytes=0)
+
+
 def test_the_first_units_copy_out_holds_the_roots_all_gather_output(dense_spec):
     # Tied embeddings: the root (50) is the embedding table and the first unit a block. FSDP2 keeps
     # the root's all-gather output until block 0's copy-out returns: the root twice, block 0 twice.
     ctx = make_context(dense_spec, fsdp=FSDPConfig())
-    tied = Gathered(
-        unit_bytes=(20, 20),
-        root_bytes=50,
-        root_ahead=50,
-        all_bytes=90,
-        order=((20, None, 20), (20, None, 20)),
-        largest_bytes=20,
-        buffer_bytes=0,
-    )
-    assert in_flight(ctx, tied, 1, forward=True) == 20 + 20 + 50 + 50
-    # On one rank FSDP2 all-gathers nothing: no output to hold (and a prefetch holds nothing).
-    alone = Gathered(
-        unit_bytes=(20, 20),
-        root_bytes=50,
-        root_ahead=0,
-        all_bytes=90,
-        order=((20, None, 0), (20, None, 0)),
-        largest_bytes=20,
-        buffer_bytes=0,
-    )
-    assert in_flight(ctx, alone, 1, forward=True) == 20 + 50
+    assert in_flight(ctx, _two_blocks(50, ranks=2), 1, forward=True) == 20 + 20 + 50 + 50
+    # Later forwards find the root gathered: block 0 twice and block 1 in flight, beside the root.
+    assert in_flight(ctx, _two_blocks(50, ranks=2), 1, forward=True, first=False) == 20 + 20 + 20 + 50
+    # On one rank there is no all-gather output to hold (and a prefetch holds nothing).
+    assert in_flight(ctx, _two_blocks(50, ranks=1), 1, forward=True) == 20 + 50
 
 
 def test_backward_window_adds_the_buffer(dense_spec):
