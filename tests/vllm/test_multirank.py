@@ -55,7 +55,17 @@ def data_parallel_one_engine_per_rank(ctx):
 
 @cases.case
 def fsdp2_sync_gathers_one_module_at_a_time(ctx):
-    agent = vllm_agent(dtype="float32", fsdp_config=FSDPConfig(**FP32_SHARDED))
+    _sync_gathers_one_module_at_a_time(FSDPConfig(**FP32_SHARDED))
+
+
+@cases.case
+def fsdp2_sync_gathers_one_module_at_a_time_after_forwards_that_kept_every_unit(ctx):
+    # reshard_after_forward=False: the greedy HF forward before the sync leaves every unit gathered
+    _sync_gathers_one_module_at_a_time(FSDPConfig(**{**FP32_SHARDED, "reshard_after_forward": False}))
+
+
+def _sync_gathers_one_module_at_a_time(config: FSDPConfig) -> None:
+    agent = vllm_agent(dtype="float32", fsdp_config=config)
     assert agent.sharded and any(isinstance(p, DTensor) for p in agent.model.parameters())
     sharded = {n for n, p in agent.model.named_parameters() if isinstance(p, DTensor)}
     engine = agent.engine
