@@ -658,14 +658,8 @@ class GRPO(LLMAlgorithm):
 
         checkpoint = getattr(self.engine, "weight_names", "model") == "checkpoint"
         with self._phase("sync"):
-            if self.sharded:
-                # The sync gathers one module at a time: first drop what a no-grad forward left gathered
-                # (the root, which stays gathered after a forward; every unit with reshard_after_forward=False).
-                from torch.distributed.fsdp import FSDPModule
-
-                for unit in self.model.modules():
-                    if isinstance(unit, FSDPModule):
-                        unit.reshard()
+            if self.sharded:  # the sync gathers one module at a time: nothing else may stay gathered
+                self._reshard_units(self.model)
             self.engine.load_weights(
                 _merged_weights(self.model, causal_lm(self.model), self.dtype, checkpoint_names=checkpoint)
             )

@@ -710,11 +710,18 @@ class LLMAlgorithm:
             if model is self.reference_model and self.sharded:
                 # It never runs backward, where FSDP2 reshards units kept gathered after a forward
                 # (reshard_after_forward=False): release them here, or they stay through learn.
-                from torch.distributed.fsdp import FSDPModule
+                self._reshard_units(model)
 
-                for unit in model.modules():
-                    if isinstance(unit, FSDPModule):
-                        unit.reshard()
+    @staticmethod
+    def _reshard_units(model: nn.Module) -> None:
+        """Reshard every FSDP2 unit of ``model`` a forward left gathered (FSDP2 itself does so
+        only in post-backward): the root after any forward, every unit with
+        reshard_after_forward=False."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
     def token_logprobs(
         self,
