@@ -11,6 +11,7 @@ one block type have equal terms, so per-type values are computed once
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._context import Context
 from ._moe import (
@@ -542,7 +543,7 @@ def learn_block_moments(
         running, copying = windows[j] if windows else (0, 0)
         if j in ctx.checkpointed:
             # its forward saves nothing: only its unit's copy-out is a moment of the forward here
-            # (its forward is checkpointed_forward_bytes')
+            # (its forward is checkpointed_forward_moment's)
             forward = max(forward, (before + shared_forward[j] + x_in, copying), key=sum)
             recompute = max(recompute, (held + kept[j] + b.recompute + recomputing, g), key=sum)
             backward = max(backward, (held + kept[j] + b.backward + flowing, g), key=sum)
@@ -558,27 +559,31 @@ def learn_block_moments(
     return forward, recompute, backward
 
 
-def checkpointed_forward_bytes(
+def checkpointed_forward_moment(
     ctx: Context,
     layout: Layout,
     blocks: dict[int, BlockActivations],
     pass_: Pass | None = None,
     *,
     embedding: int = 0,
-) -> int:
-    """The most alive while a checkpointed block runs its forward with grad (0 when no block is
-    checkpointed): ``embedding`` (what stays from before the blocks), the earlier blocks' keep,
-    its own input, and its forward, which under the checkpoint saves nothing and so holds what
-    a forward without grad holds (:func:`nograd_block_bytes`, adapters on), and under K/V sharing
-    the K and V stored before it (:func:`shared_kv_moments`). Its moment has the forward's
-    gathered window, wider than the backward's (planner.memory._gathered.in_flight)."""
+    windows: tuple[int, ...] = (),
+) -> LayerMoment:
+    """The most alive while a checkpointed block runs its forward with grad; 0 when no block
+    is checkpointed. Its activations: ``embedding`` (what stays from before the blocks), the
+    earlier blocks' keep, its own input, and its forward, which under the checkpoint saves
+    nothing and so holds what a forward without grad holds (:func:`nograd_block_bytes`,
+    adapters on), and under K/V sharing the K and V stored before it (:func:`shared_kv_moments`).
+    Its window is the forward's while it runs (``windows``, per layer, wider than the
+    backward's: planner.memory._gathered.in_flight), paired by layer (:func:`paired`)."""
     if not ctx.checkpointed:
-        return 0
+        return LayerMoment(0)
     pass_ = pass_ or one_pass(ctx)
     kept = kept_bytes(ctx, blocks, pass_)
     shared, _ = shared_kv_moments(ctx, pass_.tokens, pass_.masked)
     inner: dict[int, int] = {}  # per block type
-    most, before = 0, embedding
+    acts: list[int] = []
+    gathered: list[int] = []  # their windows
+    before = embedding
     for j in range(ctx.spec.num_layers):
         if j in ctx.checkpointed:
             r = ctx.representative[j]
@@ -586,9 +591,10 @@ def checkpointed_forward_bytes(
                 inner[r] = nograd_block_bytes(
                     ctx, layout, pass_.rows, pass_.queries, r, keys=pass_.keys, masked=pass_.masked
                 )
-            most = max(most, before + kept[j] + inner[r] + shared[j])
+            acts.append(before + kept[j] + inner[r] + shared[j])
+            gathered.extend(windows[j : j + 1])
         before += kept[j]
-    return most
+    return paired(acts, tuple(gathered))
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,7 +611,8 @@ class LearnActivations:
     embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in the moments
     recompute_grads: int = 0  # this micro-batch's gradients made by the recompute moment
     backward_grads: int = 0  # ... by the backward moment
-    checkpointed_forward: int = 0  # the most while a checkpointed block runs forward (checkpointed_forward_bytes)
+    checkpointed_forward: int = 0  # the most while a checkpointed block runs forward (checkpointed_forward_moment)
+    checkpointed_forward_gathered: int = 0  # the forward's gathered window then
 
 
 def learn_activations(
@@ -619,6 +626,7 @@ def learn_activations(
     made when that layer runs backward; ``windows``: per layer, the forward's gathered windows
     (:func:`learn_block_moments`)."""
     passes = learn_passes(ctx)
+    running = tuple(w for w, _ in windows)
     if len(passes) == 1:
         blocks = activations_by_type(ctx, layout)
         (forward, window), (recompute, g_run), (backward, g_back) = learn_block_moments(
@@ -626,6 +634,7 @@ def learn_activations(
         )
         blocks_kept = sum(kept_bytes(ctx, blocks)) + stored_kv_kept(ctx, ctx.micro_batch_tokens, one_pass(ctx).masked)
         embedding = embedding_kept_bytes(ctx)
+        checkpointed = checkpointed_forward_moment(ctx, layout, blocks, embedding=embedding, windows=running)
         return LearnActivations(
             kept=blocks_kept + boundary_bytes(ctx),
             blocks_kept=blocks_kept,
@@ -637,7 +646,8 @@ def learn_activations(
             embedding_kept=embedding,
             recompute_grads=g_run,
             backward_grads=g_back,
-            checkpointed_forward=checkpointed_forward_bytes(ctx, layout, blocks, embedding=embedding),
+            checkpointed_forward=checkpointed.activations,
+            checkpointed_forward_gathered=checkpointed.window,
         )
     prefix, suffix = passes
     prefix_blocks = activations_by_type(ctx, layout, prefix)
@@ -648,6 +658,13 @@ def learn_activations(
     )
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
     embedding = embedding_kept_bytes(ctx, prefix.tokens + suffix.tokens)
+    checkpointed = max(
+        checkpointed_forward_moment(ctx, layout, prefix_blocks, prefix, embedding=embedding, windows=running),
+        checkpointed_forward_moment(
+            ctx, layout, suffix_blocks, suffix, embedding=embedding + prefix_kept, windows=running
+        ),
+        key=sum,
+    )
     return LearnActivations(
         kept=blocks_kept + boundary_bytes(ctx, prefix.tokens + suffix.tokens),
         blocks_kept=blocks_kept,
@@ -659,10 +676,8 @@ def learn_activations(
         embedding_kept=embedding,
         recompute_grads=g_run,
         backward_grads=g_back,
-        checkpointed_forward=max(
-            checkpointed_forward_bytes(ctx, layout, prefix_blocks, prefix, embedding=embedding),
-            checkpointed_forward_bytes(ctx, layout, suffix_blocks, suffix, embedding=embedding + prefix_kept),
-        ),
+        checkpointed_forward=checkpointed.activations,
+        checkpointed_forward_gathered=checkpointed.window,
     )
 
 
@@ -762,9 +777,54 @@ def nograd_forward_bytes(
     keys: int | None = None,
     masked: bool | None = None,
 ) -> int:
-    """A no-grad forward's most over its blocks, with what the model holds beside them (``forward``:
-    "reference" or "generate"; ``mask_bytes``, ``keys``, ``masked``: a suffix pass's mask, key
-    length and masking):
+    """A no-grad forward's most over its blocks, with what the model holds beside them
+    (:func:`nograd_forward_moment`'s activations, without gathered windows)."""
+    moment = nograd_forward_moment(
+        ctx, layout, batch, length, adapters_on, forward=forward, mask_bytes=mask_bytes, keys=keys, masked=masked
+    )
+    return moment.activations
+
+
+class LayerMoment(NamedTuple):
+    """What a forward holds while one of its layers runs."""
+
+    activations: int
+    window: int = 0  # the gathered window FSDP2 holds then (planner.memory._gathered.forward_layer_windows)
+    held: int = 0  # what the caller holds beside that grows layer by layer (generate: the prompt's cache so far)
+
+
+def paired(activations: list[int], windows: tuple[int, ...] = (), held: tuple[int, ...] = ()) -> LayerMoment:
+    """The layer where its activations, the gathered window FSDP2 holds while it runs
+    (``windows``, per layer; none unsharded) and what grows beside it (``held``, per layer;
+    none: 0) are largest together. A window and an activation peak of different layers never
+    coexist: the last block's unit may prefetch an untied head while a middle layer is the
+    widest, and a prefill's cache is whole only at its last layer."""
+    L = len(activations)
+    return max(
+        (LayerMoment(a, w, h) for a, w, h in zip(activations, windows or (0,) * L, held or (0,) * L)),
+        key=sum,
+    )
+
+
+def nograd_forward_moment(
+    ctx: Context,
+    layout: Layout,
+    batch: int,
+    length: int,
+    adapters_on: bool = True,
+    *,
+    forward: str = "reference",
+    mask_bytes: int | None = None,
+    keys: int | None = None,
+    masked: bool | None = None,
+    windows: tuple[int, ...] = (),
+    held: tuple[int, ...] = (),
+) -> LayerMoment:
+    """A no-grad forward's most over its blocks: the layer where its activations, the window
+    FSDP2 holds while it runs (``windows``, per layer) and what grows beside (``held``, per
+    layer) are largest together (:func:`paired`). Its activations are the block's own, with
+    what the model holds beside them (``forward``: "reference" or "generate"; ``mask_bytes``,
+    ``keys``, ``masked``: a suffix pass's mask, key length and masking):
 
     - the embeddings' output (referenced until the forward returns) and the block's input: two
       hidden states, every stream of them under Gemma-3n's AltUp, and there one more: the last
@@ -804,11 +864,10 @@ def nograd_forward_bytes(
         for i in ctx.distinct_layers
     }
     stores = stored_kv_bytes(ctx, tokens) if forward != "generate" else {}
-    if not stores:
-        return beside + max(own.values())
-    return beside + max(
-        own[r] + sum(size for s, size in stores.items() if s < j) for j, r in enumerate(ctx.representative)
-    )
+    layers = [
+        beside + own[r] + sum(size for s, size in stores.items() if s < j) for j, r in enumerate(ctx.representative)
+    ]
+    return paired(layers, windows, held)
 
 
 def suffix_mask_bytes(ctx: Context) -> int:
@@ -838,28 +897,28 @@ def learn_mask_bytes(ctx: Context) -> tuple[int, int]:
     return masks + suffix, 0
 
 
-def reference_forward_bytes(ctx: Context, layout: Layout, adapters_on: bool) -> int:
-    """A micro-batch's no-grad pass: one forward over m x T tokens, or the shared-prefix
+def reference_forward_moment(
+    ctx: Context, layout: Layout, adapters_on: bool, windows: tuple[int, ...] = ()
+) -> LayerMoment:
+    """A micro-batch's no-grad pass at its most (``windows``: per layer, as
+    :func:`nograd_forward_moment`'s): one forward over m x T tokens, or the shared-prefix
     forward's larger pass: the prefix (the distinct prompts' split columns), or the suffix
     (every row's T - split columns) beside every layer's recorded prefix K and V, the layer's
     copy of them to the rows and the suffix mask."""
     if not ctx.prefix_split:
-        return nograd_forward_bytes(ctx, layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on)
+        return nograd_forward_moment(ctx, layout, ctx.micro_batch, ctx.sequence_tokens, adapters_on, windows=windows)
     split, m = ctx.prefix_split, ctx.micro_batch
-    prefix = nograd_forward_bytes(ctx, layout, ctx.prefix_rows, split, adapters_on)
+    prefix = nograd_forward_moment(ctx, layout, ctx.prefix_rows, split, adapters_on, windows=windows)
     copies = max(2 * prefix_kv_bytes(ctx, i, m) for i in ctx.distinct_layers)  # the copy and the cat's output
-    suffix = (
-        nograd_forward_bytes(
-            ctx,
-            layout,
-            m,
-            ctx.sequence_tokens - split,
-            adapters_on,
-            mask_bytes=suffix_mask_bytes(ctx),
-            keys=ctx.sequence_tokens,
-            masked=ctx.workload.attn_implementation == "sdpa",
-        )
-        + recorded_prefix_bytes(ctx)
-        + copies
+    suffix = nograd_forward_moment(
+        ctx,
+        layout,
+        m,
+        ctx.sequence_tokens - split,
+        adapters_on,
+        mask_bytes=suffix_mask_bytes(ctx),
+        keys=ctx.sequence_tokens,
+        masked=ctx.workload.attn_implementation == "sdpa",
+        windows=windows,
     )
-    return max(prefix, suffix)
+    return max(prefix, suffix._replace(activations=suffix.activations + recorded_prefix_bytes(ctx) + copies), key=sum)

@@ -8,7 +8,7 @@ from agilerl.utils.algo_utils import vllm_batched_tokens
 
 from ..hardware import fmt_bytes
 from ..workload import resolved
-from ._activations import nograd_forward_bytes
+from ._activations import nograd_forward_moment
 from ._context import Context
 from ._units import Layout
 
@@ -49,13 +49,17 @@ def growing_cache_bytes(ctx: Context, tokens: int) -> int:
     )
 
 
-def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+def hf_rollout_moments(
+    ctx: Context, layout: Layout, windows: tuple[int, ...] = ()
+) -> tuple[dict[str, int], dict[str, int]]:
     """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
-    forward over n x prompt tokens beside the prompt's cache, at its largest block: the logits of
-    the last position are made after the blocks have returned, and are less than the decode's),
-    and the last decode steps: the whole cache, what its update holds twice
-    (:func:`growing_cache_bytes`), and sampling's three logits copies. Measured against a real
-    ``generate`` with a live-tensor tracker (tests/planner/memory/test_generation.py: within 1%).
+    forward over n x prompt tokens beside the prompt's cache, at its largest block with the
+    gathered window FSDP2 holds while that block runs, from ``windows``, per layer: the logits
+    of the last position are made after the blocks have returned, and are less than the
+    decode's), and the last decode steps: the whole cache, what its update holds twice
+    (:func:`growing_cache_bytes`), and sampling's three logits copies (their window is the
+    caller's). Measured against a real ``generate`` with a live-tensor tracker
+    (tests/planner/memory/test_generation.py: within 1%).
 
     With the shared-prefix forward (GRPO._shared_prefill) the prefill runs each distinct prompt
     once, over all its columns but the last, and the cache is then copied to the group's rows;
@@ -66,11 +70,25 @@ def hf_rollout_moments(ctx: Context, layout: Layout) -> tuple[dict[str, int], di
     if repeated := masked_decode_bytes(ctx):
         decode["activations"] = repeated
     rows = ctx.rollout_prefix_rows
-    if rows < n and prompt > 1:
-        prefill = nograd_forward_bytes(ctx, layout, rows, prompt - 1, forward="generate")
-        return ({"kv_cache": kv_cache_bytes(ctx, prompt - 1, rows), "activations": prefill}, decode)
-    prefill = nograd_forward_bytes(ctx, layout, n, prompt, forward="generate")
-    return ({"kv_cache": kv_cache_bytes(ctx, prompt), "activations": prefill}, decode)
+    if not (rows < n and prompt > 1):
+        rows, length = n, prompt
+    else:
+        length = prompt - 1
+    prefill = nograd_forward_moment(
+        ctx, layout, rows, length, forward="generate", windows=windows, held=prefill_cache_bytes(ctx, length, rows)
+    )
+    return ({"weights_gathered": prefill.window, "kv_cache": prefill.held, "activations": prefill.activations}, decode)
+
+
+def prefill_cache_bytes(ctx: Context, tokens: int, rows: int) -> tuple[int, ...]:
+    """Per layer, the cache a prefill over ``rows`` x ``tokens`` has made while that layer runs:
+    every earlier layer's K and V and its own (each attention adds its layer's to the cache as
+    it runs; transformers' DynamicLayer keeps the tensors it is given)."""
+    made, out = 0, []
+    for j in range(ctx.spec.num_layers):
+        made += _layer_kv_bytes(ctx, ctx.representative[j], tokens, rows)
+        out.append(made)
+    return tuple(out)
 
 
 def masked_decode_bytes(ctx: Context) -> int:

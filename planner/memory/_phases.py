@@ -8,13 +8,14 @@ moments (each a full set of components at one instant), never the sum of their m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._activations import (
     gradients_in_flight,
     learn_activations,
     learn_mask_bytes,
-    reference_forward_bytes,
+    reference_forward_moment,
     value_head_bytes,
 )
 from ._context import Context
@@ -71,9 +72,9 @@ class Terms:
     static: Components  # held in every phase
     host: Components  # host memory held in every phase
     gathered: Gathered
-    nograd_running: int  # a forward's window while a unit runs (its copy-out apart)
-    nograd_copying: int  # ... while a unit copies out, before its block has made anything; the root gathered too
-    nograd_later: int  # ... either, in a no-grad forward that finds the root gathered (generate's later steps)
+    nograd_first: int  # a no-grad forward's window, the first forward (it gathers the root): copy-outs included
+    nograd_layers: tuple[int, ...]  # ... while each layer runs (empty unsharded)
+    nograd_later: int  # ... in a no-grad forward that finds the root gathered (generate's later steps)
     after_forward: int  # what stays gathered after a forward
     vllm_asleep: int
     kept_logprobs: int  # per-token tensors kept from the no-grad passes through learn and the step
@@ -106,8 +107,8 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
         static=static_components(memory),
         host=host_resident(ctx, memory),
         gathered=gathered,
-        nograd_running=nograd_gathered_bytes(ctx, gathered, moment="running"),
-        nograd_copying=nograd_gathered_bytes(ctx, gathered, moment="copying"),
+        nograd_first=nograd_gathered_bytes(ctx, gathered),
+        nograd_layers=tuple(running for running, _ in forward_layer_windows(ctx, layout, gathered)),
         nograd_later=nograd_gathered_bytes(ctx, gathered, first=False),
         after_forward=after_forward_bytes(ctx, gathered),
         vllm_asleep=vllm_asleep_bytes(ctx),
@@ -177,28 +178,38 @@ def merged_copy_bytes(ctx: Context) -> int:
     )
 
 
+def _gathered_throughout(ctx: Context, terms: Terms) -> Callable[[int], int]:
+    """A no-grad forward's window under gather_weights_for_rollout with Hugging Face generate
+    (GRPO._gathered_for_rollout, and _gathered_for_reference for the no-grad passes): every unit
+    stays gathered from its first forward to the end, and the unit being gathered holds its
+    all-gather output beside its unsharded copy meanwhile. Otherwise the window as it is."""
+    workload = ctx.workload
+    if not (ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf"):
+        return lambda window: window
+    floor = terms.gathered.all_bytes + terms.gathered.largest_bytes
+    return lambda window: max(floor, window)
+
+
 def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
     """Generation: Hugging Face generate block after block (no-grad window), or vLLM awake,
     with its weight sync gathering one unit at a time."""
     match ctx.workload.generation:
         case "hf":
-            prefill, decode = hf_rollout_moments(ctx, terms.layout)
             # The prefill is the first forward, which gathers the root; the root stays gathered
             # through the steps after it (apply_fsdp2). A unit copies out before its block has made
-            # anything, so the prefill's block moment is the units' running window's (and a decode
-            # step's block holds little: either). gather_weights_for_rollout: every unit stays
-            # gathered from its first forward to the end, and the unit being gathered holds its
-            # all-gather output beside its unsharded copy meanwhile.
-            windows = [terms.nograd_copying, terms.nograd_running, terms.nograd_later]
-            if ctx.sharded and ctx.workload.gather_weights_for_rollout:
-                windows = [max(terms.gathered.all_bytes + terms.gathered.largest_bytes, w) for w in windows]
+            # anything, so the prefill's block moment is the window while that block runs (a decode
+            # step's block holds little: any).
+            widen = _gathered_throughout(ctx, terms)
             merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
-            # a unit's copy-out (the first's beside the root's all-gather output) with the embedded prompts
+            prefill, decode = hf_rollout_moments(ctx, terms.layout, tuple(map(widen, terms.nograd_layers)))
+            prefill["weights_gathered"] += merged
+            # a unit's copy-out (the first's beside the root's all-gather output) or a unit outside
+            # the blocks running, with the embedded prompts
             embedded = ctx.completions_per_rank * ctx.workload.prompt_tokens * ctx.carried_hidden * ctx.compute_bytes
             generating = larger(
-                {**terms.static, "weights_gathered": windows[0] + merged, "activations": embedded},
-                {**terms.static, "weights_gathered": windows[1] + merged, **prefill},
-                {**terms.static, "weights_gathered": windows[2] + merged, **decode},
+                {**terms.static, "weights_gathered": widen(terms.nograd_first) + merged, "activations": embedded},
+                {**terms.static, **prefill},
+                {**terms.static, "weights_gathered": widen(terms.nograd_later) + merged, **decode},
             )
             # Before generating, GRPO folds the actor's LoRA into the gathered weights (or merged copies),
             # one linear at a time: everything gathered, no KV cache yet, and one delta being built.
@@ -242,20 +253,20 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     if not (workload.has_reference or workload.has_old_policy_pass):
         return None
     adapters_on = workload.use_separate_reference_adapter or workload.has_old_policy_pass
-    fwd = reference_forward_bytes(ctx, terms.layout, adapters_on)
     hidden = ctx.micro_batch * (ctx.sequence_tokens - ctx.prefix_split) * ctx.carried_hidden * ctx.compute_bytes
     # A unit copies out before its block runs (the first micro-batch's first unit beside the root's
-    # all-gather output: that forward gathers the root, which stays gathered for the others); the
-    # block's forward runs under the running window.
-    windows = [terms.nograd_copying, terms.nograd_running]
-    if ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf":
-        # GRPO._gathered_for_reference: every unit stays gathered through the no-grad passes
-        windows = [max(terms.gathered.all_bytes + terms.gathered.largest_bytes, w) for w in windows]
+    # all-gather output: that forward gathers the root, which stays gathered for the others); a
+    # block's forward runs under the window held while it runs.
+    gathered = _gathered_throughout(ctx, terms)
+    # Full fine-tuning's reference is a model of its own: its window beside whatever the actor left
+    # gathered (a rollout's forwards under reshard_after_forward=False); it reshards after its pass.
+    actors = terms.after_forward if ctx.reference_copy and ctx.sharded and workload.generation != "none" else 0
+
+    def widen(window: int) -> int:
+        return gathered(window) + actors
+
+    fwd = reference_forward_moment(ctx, terms.layout, adapters_on, tuple(map(widen, terms.nograd_layers)))
     kept = terms.kept_reference
-    if ctx.reference_copy and ctx.sharded:
-        # Full fine-tuning's reference is a model of its own: its window beside whatever the actor left
-        # gathered (a rollout's forwards under reshard_after_forward=False); it reshards after its pass.
-        windows = [w + (terms.after_forward if workload.generation != "none" else 0) for w in windows]
     return make_phase(
         ctx,
         terms,
@@ -263,8 +274,8 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
             **terms.static,
             "vllm": terms.vllm_asleep,
             **larger(
-                {"weights_gathered": windows[0], "activations": hidden + kept},
-                {"weights_gathered": windows[1], "activations": fwd + kept},
+                {"weights_gathered": widen(terms.nograd_first), "activations": hidden + kept},
+                {"weights_gathered": fwd.window, "activations": fwd.activations + kept},
                 {
                     "weights_gathered": terms.after_forward,
                     "activations": hidden + kept,
@@ -371,7 +382,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                 *(
                     [
                         {
-                            "weights_gathered": terms.nograd_running,  # the copy-outs: the forward's moment
+                            "weights_gathered": acts.checkpointed_forward_gathered,
                             "gradients": grads.prior,
                             "activations": acts.checkpointed_forward + beside,
                         }

@@ -173,3 +173,14 @@ def test_qlora_on_packed_experts_says_they_stay_in_the_weights_dtype(dense_spec,
     assert any("packed routed experts stay in bfloat16" in n for n in moe_notes)
     assert not any("packed routed experts" in n for n in estimate(dense_spec, qlora, cluster, None).notes)
     assert not any("packed routed experts" in n for n in estimate(moe_spec, WL, cluster, None).notes)
+
+
+def test_a_layers_window_is_paired_with_that_layers_own_activations():
+    from planner.memory._activations import LayerMoment, paired
+
+    # the widest layer (5) runs under a narrow window; the widest window (9) beside a narrow layer
+    assert paired([5, 1, 2], (1, 9, 3)) == LayerMoment(1, 9, 0)
+    assert paired([5, 1, 2], (1, 2, 3)) == LayerMoment(5, 1, 0)
+    # a prefill's cache grows layer by layer: whole at the last layer only
+    assert paired([5, 1, 2], (1, 1, 1), (1, 2, 6)) == LayerMoment(2, 1, 6)
+    assert paired([5, 1, 2]) == LayerMoment(5, 0, 0)  # unsharded: no window

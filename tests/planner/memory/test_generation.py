@@ -224,3 +224,67 @@ def test_the_decode_peak_is_measured_on_hugging_face_generate(arch, extra):
     rollout = estimate(spec, workload, Cluster(gpu=CPU_DEVICE), None).phases["rollout"].components
     estimated = rollout["kv_cache"] + rollout["logits"]
     assert abs(estimated - live.peak) <= 0.02 * live.peak, (estimated, live.peak)
+
+
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("qwen2", {}),
+        # sliding and full layers interleaved; the last 2 of 6 read earlier layers' K and V
+        ("gemma3n", {"num_layers": 6, "num_kv_shared_layers": 2}),
+    ],
+)
+def test_a_prefills_cache_holds_the_layers_that_have_run(arch, extra):
+    """Measured, not pinned: while each decoder layer of a real ``generate``'s prefill runs, the
+    cache holds the K and V of that layer and the ones before it only (a layer reading another's
+    adds none), so the prefill's widest block is not paired with the whole prompt's cache."""
+    import torch
+    import transformers
+    from transformers.cache_utils import Cache
+
+    from agilerl.utils.tiny import tiny_config
+    from planner.memory._generation import kv_cache_bytes, prefill_cache_bytes
+    from planner.models import load_model_spec
+    from planner.workload import Workload
+
+    sizes = dict(hidden_size=64, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=64)
+    sizes.update(extra)
+    config = tiny_config(arch, **sizes)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    rows, prompt = 4, 24
+    seen: list[int] = []  # the cache's bytes as each layer of the prefill returns
+
+    def cached(module, args, kwargs, output):
+        cache = next(v for v in kwargs.values() if isinstance(v, Cache))
+        if len(seen) < config.get_text_config().num_hidden_layers:
+            tensors = [getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values")]
+            seen.append(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
+
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    for layer in layers:
+        layer.register_forward_hook(cached, with_kwargs=True)
+    ids = torch.randint(3, 64, (rows, prompt))
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+            do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    spec = load_model_spec(f"tiny:{arch}?" + "&".join(f"{k}={v}" for k, v in sizes.items()))
+    ctx = make_context(
+        spec,
+        Workload(
+            prompts_per_step=rows // 2,
+            group_size=2,
+            prompt_tokens=prompt,
+            completion_tokens=2,
+            generation="hf",
+            share_prompt_prefix=False,
+            weights_dtype="bfloat16",
+        ),  # fmt: skip
+        gpus=1,
+    )
+    assert len(seen) == spec.num_layers
+    assert list(prefill_cache_bytes(ctx, prompt, rows)) == seen
+    assert seen[0] < seen[-1] == kv_cache_bytes(ctx, prompt, rows)

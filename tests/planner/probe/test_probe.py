@@ -219,6 +219,24 @@ def test_gemma_models_sharing_k_and_v_are_counted_in_every_pass(model):
     assert phases["rollout"].total == pytest.approx(m.phase_total("rollout"), rel=0.01)
 
 
+def test_a_no_grad_forward_pairs_each_layers_window_with_that_layers_own_activations():
+    """Gemma 4 on 2 ranks, global and sliding layers interleaved (K/V sharing's control row of
+    benchmarks/kv_sharing_memory.py): the prefill's widest block is a middle global layer, whose
+    window is not the widest (the last unit's), and while it runs the prompt's cache holds the
+    layers that have run only. Paired with the widest window and the whole cache, the rollout
+    read 6.3% high."""
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+    from benchmarks.kv_sharing_memory import CONFIGS, request_for
+
+    row = next(c for c in CONFIGS if c["model"] == "gemma4" and c["world"] == 2 and c["gc"])
+    request = request_for(row, "cpu")
+    m = run_probe(request)
+    assert m.ok, m.failure
+    phases = estimate_request(request, saved_coefficients("cpu")).phases
+    for phase in ("rollout", "reference"):
+        assert phases[phase].total == pytest.approx(m.phase_total(phase), rel=0.02), phase
+
+
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
     """The root (here the tied embedding table, 4 MiB beside 0.5 MiB blocks) is gathered first;
     FSDP2 keeps its all-gather output until the first block's copy-out returns, so the root is
