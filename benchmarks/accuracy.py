@@ -181,6 +181,26 @@ def report(rows: list[dict], title: str) -> None:
         )
 
 
+def phase_report(rows: list[dict]) -> None:
+    """Each phase's own error, the peak or not: a plan prints every phase, and a phase that is
+    not a configuration's peak can be another workload's."""
+    print("\nper phase, every configuration (its peak or not): mean / worst |error|, and the worst's id")
+    for half in ("fit", "held-out"):
+        for phase in PHASES:
+            errs = [
+                ((est - meas) / meas, r["config"]["id"])
+                for r in rows
+                if r["config"]["half"] == half and phase in r["phases"]
+                for est, meas in [r["phases"][phase]]
+            ]
+            if errs:
+                worst = max(errs, key=lambda e: abs(e[0]))
+                print(
+                    f"  {half:<9} {phase:<10} {len(errs):>3} configurations  "
+                    f"{100 * statistics.fmean(abs(e) for e, _ in errs):5.2f}% / {100 * worst[0]:+6.2f}% (id {worst[1]})"
+                )
+
+
 def component_report(rows: list[dict]) -> None:
     print("\nper component, learn phase (sum over configurations; error of the sum):")
     for name in COMPONENTS:
@@ -214,6 +234,7 @@ def main() -> None:
     report([r for r in rows if r["config"]["half"] == "fit"], "fit half")
     held = [r for r in rows if r["config"]["half"] == "held-out"]
     report(held, "HELD-OUT half")
+    phase_report(rows)
     component_report(held)
 
 

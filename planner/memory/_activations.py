@@ -806,6 +806,18 @@ def paired(activations: list[int], windows: tuple[int, ...] = (), held: tuple[in
     )
 
 
+def nograd_beside_bytes(
+    ctx: Context, batch: int, length: int, *, forward: str = "reference", mask_bytes: int | None = None
+) -> int:
+    """What a no-grad forward over ``batch`` x ``length`` tokens holds beside its blocks, from
+    its embeddings to its end (:func:`nograd_forward_moment`'s list, K/V sharing's stores apart)."""
+    tokens = batch * length
+    H, p = ctx.hidden_size, ctx.compute_bytes
+    beside = tokens * (2 * ctx.carried_hidden * p + (H * p if ctx.extra_streams else 0))
+    beside += tokens * ctx.spec.per_layer_input_width * p + rotary_bytes(ctx, tokens)
+    return beside + (attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes)
+
+
 def nograd_forward_moment(
     ctx: Context,
     layout: Layout,
@@ -843,10 +855,7 @@ def nograd_forward_moment(
     than counted; these two are 160 KiB of it, its second rotary table 64 KiB. Still not
     counted: the pass's int64 position ids."""
     tokens = batch * length
-    H, p = ctx.hidden_size, ctx.compute_bytes
-    beside = tokens * (2 * ctx.carried_hidden * p + (H * p if ctx.extra_streams else 0))
-    beside += tokens * ctx.spec.per_layer_input_width * p + rotary_bytes(ctx, tokens)
-    beside += attention_mask_bytes(ctx, batch, length, forward=forward) if mask_bytes is None else mask_bytes
+    beside = nograd_beside_bytes(ctx, batch, length, forward=forward, mask_bytes=mask_bytes)
     # transformers keeps every position under flash attention (it cannot slice that mask)
     flash = ctx.workload.attn_implementation == "flash_attention_2"
     skips = forward == "generate" and ctx.spec.prefill_skips_readers and not flash

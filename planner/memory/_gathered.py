@@ -140,7 +140,13 @@ def in_flight(
     In forward FSDP2 defers freeing a unit's all-gather output until the next unit's
     copy-out (to overlap the two), so a running unit is held twice; in backward it is
     freed at the copy-out. ``first``: the forward gathers the root too (the first after a
-    backward or a generate); later ones find it gathered (:func:`_held`). ``moment``: a
+    backward or a generate), and the first unit's copy-out holds the root's all-gather
+    output; ``first=False``: generate's steps after its first, which find the root gathered.
+    Generate is one forward of the root to FSDP2 (agilerl.distributed.register_forward_method),
+    so the root drops the last all-gather output only when generate returns: a step's first
+    unit copies out beside the step before's last unit's (an untied head's, or the last
+    block's; measured: three head-sized buffers at a 2-rank rollout's peak, the first unit
+    twice and the head). ``moment``: a
     forward's units running ("running"), copying out ("copying"), or either ("both"). With
     reshard_after_forward=False every unit stays gathered from its forward to its backward,
     and after a no-grad forward until the next backward (FSDP2 reshards in post-backward only).
@@ -152,7 +158,7 @@ def in_flight(
     key = (prefetch, forward, first, moment)
     found = gathered.windows.get(key)
     if found is None:
-        held = _held(gathered, prefetch, forward, root_ahead=gathered.root_ahead if first else 0)
+        held = _held(gathered, prefetch, forward, root_ahead=gathered.root_ahead if first else _last_ahead(gathered))
         found = max(
             (
                 max(running, copying) if moment == "both" else running if moment == "running" else copying
@@ -165,7 +171,14 @@ def in_flight(
     return found
 
 
-def _held(gathered: Gathered, prefetch: int, forward: bool, root_ahead: int = 0) -> list[tuple[int, int, int]]:
+def _last_ahead(gathered: Gathered) -> int:
+    """The last outer unit's all-gather output (0 on one rank)."""
+    return next((ahead for _, parent, ahead in reversed(gathered.order) if parent is None), 0)
+
+
+def _held(
+    gathered: Gathered, prefetch: int, forward: bool, root_ahead: int = 0, *, keep: bool = False
+) -> list[tuple[int, int, int]]:
     """For each entry of the gathering order (reversed in backward): the position of its outer
     unit among the outer units, what is gathered while it runs and what at its copy-out (0
     but for an outer unit in forward), the root apart.
@@ -173,16 +186,20 @@ def _held(gathered: Gathered, prefetch: int, forward: bool, root_ahead: int = 0)
     While a unit runs it is held twice in forward (once in backward), with its enclosing
     block and the next ``prefetch`` units in flight. An outer unit's copy-out in forward holds
     it twice beside the unit before's all-gather output, which FSDP2 drops only as the
-    copy-out's call returns (``root_ahead``, the root's, before the first unit: the root is
-    gathered first), and the units the one before prefetched."""
+    copy-out's call returns (``root_ahead`` before the first unit: the root's, which is
+    gathered first), and the units the one before prefetched. ``keep``: a forward under
+    reshard_after_forward=False that gathers its units (the first after a backward): every
+    unit that has run stays gathered beside."""
     direction = gathered.order if forward else reversed_with_parents(gathered.order)
     # agilerl.distributed prefetches the next outer units (blocks, embeddings, head);
     # a nested expert unit is gathered when its own forward or backward starts.
     outer = [j for j, (_, parent, _) in enumerate(direction) if parent is None]
     out = []
-    before = root_ahead
+    before, earlier = root_ahead, 0
     for j, (size, parent, ahead) in enumerate(direction):
-        own = size + (direction[parent][0] if parent is not None else 0) + (ahead if forward else 0)
+        enclosing = earlier if keep else direction[parent][0] if parent is not None else 0
+        own = size + enclosing + (ahead if forward else 0)
+        earlier += size
         position = bisect.bisect_right(outer, j)
         coming = [direction[i][2] for i in outer[position : position + prefetch]]
         copying = 0
@@ -193,31 +210,40 @@ def _held(gathered: Gathered, prefetch: int, forward: bool, root_ahead: int = 0)
     return out
 
 
-def forward_unit_windows(ctx: Context, layout: Layout, gathered: Gathered) -> tuple[tuple[int, int], ...]:
+def forward_unit_windows(
+    ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool = False
+) -> tuple[tuple[int, int], ...]:
     """Per unit of ``layout.units``, what a forward that gathers the root (a learn forward: the
     backward before resharded it) holds gathered, the root included, while the unit runs and at
     its copy-out (:func:`_held`). With reshard_after_forward=False every unit's both are
-    everything. Empty unsharded."""
+    everything, once a forward has gathered them (a learn forward after the step's no-grad
+    passes); ``regathers``: this forward is the one gathering them (generate's prefill: the
+    step before's backward resharded them), and the units that have run stay beside. Empty
+    unsharded."""
     if ctx.fsdp is None:
         return ()
-    if not ctx.fsdp.reshard_after_forward:
+    keep = not ctx.fsdp.reshard_after_forward
+    if keep and not regathers:
         return ((gathered.all_bytes, gathered.all_bytes),) * len(layout.units)
-    key = ("units", ctx.fsdp.prefetch_units)
+    key = ("units", ctx.fsdp.prefetch_units, keep)
     found = gathered.windows.get(key)
     if found is None:
         running, copying = [0] * len(layout.units), [0] * len(layout.units)
-        for k, run, copy in _held(gathered, ctx.fsdp.prefetch_units, True, gathered.root_ahead):
+        for k, run, copy in _held(gathered, ctx.fsdp.prefetch_units, True, gathered.root_ahead, keep=keep):
             running[k], copying[k] = max(running[k], run), max(copying[k], copy)
         root = gathered.root_bytes
         found = gathered.windows[key] = tuple((r + root, c + root) for r, c in zip(running, copying))
     return found
 
 
-def forward_layer_windows(ctx: Context, layout: Layout, gathered: Gathered) -> tuple[tuple[int, int], ...]:
+def forward_layer_windows(
+    ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool = False
+) -> tuple[tuple[int, int], ...]:
     """Per layer, the forward's window while the layer runs and, for the first layer of its unit,
-    at the unit's copy-out (else 0), from :func:`forward_unit_windows`: the last block's unit
-    prefetches the untied lm_head, not another block. Empty unsharded."""
-    windows = forward_unit_windows(ctx, layout, gathered)
+    at the unit's copy-out (else 0), from :func:`forward_unit_windows` (``regathers``: as
+    there): the last block's unit prefetches the untied lm_head, not another block. Empty
+    unsharded."""
+    windows = forward_unit_windows(ctx, layout, gathered, regathers=regathers)
     if not windows or ctx.fsdp is None:
         return ()
     first = next(k for k, u in enumerate(layout.units) if u.name.startswith("blocks."))
@@ -228,10 +254,10 @@ def forward_layer_windows(ctx: Context, layout: Layout, gathered: Gathered) -> t
     )
 
 
-def forward_head_window(ctx: Context, layout: Layout, gathered: Gathered) -> int:
+def forward_head_window(ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool = False) -> int:
     """The most a forward holds gathered while an untied lm_head's unit copies out and runs
-    (0 without one, or unsharded)."""
-    windows = forward_unit_windows(ctx, layout, gathered)
+    (0 without one, or unsharded; ``regathers``: as :func:`forward_unit_windows`)."""
+    windows = forward_unit_windows(ctx, layout, gathered, regathers=regathers)
     return next((max(w) for u, w in zip(layout.units, windows) if u.name == "lm_head"), 0)
 
 
@@ -242,13 +268,17 @@ def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
 
 def nograd_gathered_bytes(ctx: Context, gathered: Gathered, *, first: bool = True, moment: Moment = "both") -> int:
     """A no-grad forward's window (generation, the reference pass) with ``prefetch_units``
-    prefetched; everything with reshard_after_forward=False. ``first`` and ``moment``: as
-    :func:`in_flight` (generate's steps after the first find the root gathered; a unit copies
-    out before its forward has made anything)."""
+    prefetched. ``first`` and ``moment``: as :func:`in_flight` (generate's steps after the
+    first find the root gathered; a unit copies out before its forward has made anything).
+
+    With reshard_after_forward=False: everything, and in generate's steps after the first also
+    the last unit's all-gather output from the first: generate is one root forward
+    (:func:`in_flight`), and no later step gathers, so no copy-out drops it until generate
+    returns (measured: every unit and a second head at a 4-rank rollout's peak)."""
     if ctx.fsdp is None:
         return 0
     if not ctx.fsdp.reshard_after_forward:
-        return gathered.all_bytes
+        return gathered.all_bytes + (0 if first else _last_ahead(gathered))
     return in_flight(ctx, gathered, ctx.fsdp.prefetch_units, forward=True, first=first, moment=moment)
 
 
@@ -259,3 +289,12 @@ def after_forward_bytes(ctx: Context, gathered: Gathered) -> int:
     if not ctx.fsdp.reshard_after_forward:
         return gathered.all_bytes
     return gathered.root_bytes
+
+
+def between_steps_bytes(ctx: Context, gathered: Gathered) -> int:
+    """Gathered between generate's forwards, while it samples: what a forward leaves
+    (:func:`after_forward_bytes`) and the last unit's all-gather output, which FSDP2 drops only
+    at the next forward's first copy-out (:func:`in_flight`)."""
+    if ctx.fsdp is None:
+        return 0
+    return after_forward_bytes(ctx, gathered) + _last_ahead(gathered)

@@ -8,7 +8,7 @@ from agilerl.utils.algo_utils import vllm_batched_tokens
 
 from ..hardware import fmt_bytes
 from ..workload import resolved
-from ._activations import nograd_forward_moment
+from ._activations import LayerMoment, nograd_beside_bytes, nograd_forward_moment
 from ._context import Context
 from ._units import Layout
 
@@ -50,34 +50,50 @@ def growing_cache_bytes(ctx: Context, tokens: int) -> int:
 
 
 def hf_rollout_moments(
-    ctx: Context, layout: Layout, windows: tuple[int, ...] = ()
-) -> tuple[dict[str, int], dict[str, int]]:
-    """The two moments Hugging Face generate peaks at: the prefill of the prompts (a no-grad
-    forward over n x prompt tokens beside the prompt's cache, at its largest block with the
-    gathered window FSDP2 holds while that block runs, from ``windows``, per layer: the logits
-    of the last position are made after the blocks have returned, and are less than the
-    decode's), and the last decode steps: the whole cache, what its update holds twice
-    (:func:`growing_cache_bytes`), and sampling's three logits copies (their window is the
-    caller's). Measured against a real ``generate`` with a live-tensor tracker
-    (tests/planner/memory/test_generation.py: within 1%).
+    ctx: Context, layout: Layout, windows: tuple[int, ...] = (), head_window: int = 0
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The moments Hugging Face generate peaks at (their windows are the caller's but the
+    prefill's):
+
+    - the prefill of the prompts: a no-grad forward over n x prompt tokens beside the prompt's
+      cache, at its largest block with the gathered window FSDP2 holds while that block runs
+      (``windows``, per layer), or at an untied head's unit running under ``head_window``, the
+      blocks returned and the whole prompt's cache made (the logits of its last position are
+      made then, and are less than a decode step's);
+    - a last decode step's forward: the whole cache, what its update holds twice
+      (:func:`growing_cache_bytes`), and the step before's three fp32 copies of the logits,
+      which the sampling loop's locals keep;
+    - its sampling, between forwards: the whole cache, the model's last-position logits in the
+      compute dtype and the three fp32 copies (GRPO samples at its temperature with no top-k
+      or top-p; greedy holds one copy less, a temperature other than 1 one more, top-p several,
+      and ``min_new_tokens`` about three more).
+
+    Measured against a real sampling ``generate`` with a live-tensor tracker
+    (tests/planner/memory/test_generation.py: within 2%).
 
     With the shared-prefix forward (GRPO._shared_prefill) the prefill runs each distinct prompt
     once, over all its columns but the last, and the cache is then copied to the group's rows;
     generate's first step runs the last column of every row."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
-    decode = {"kv_cache": full_kv + growing_cache_bytes(ctx, ctx.sequence_tokens), "logits": n * V * 4 * 3}
+    decode = {"kv_cache": full_kv + growing_cache_bytes(ctx, ctx.sequence_tokens), "logits": n * V * 3 * 4}
     if repeated := masked_decode_bytes(ctx):
         decode["activations"] = repeated
+    sampling = {"kv_cache": full_kv, "logits": n * V * (ctx.compute_bytes + 3 * 4)}
     rows = ctx.rollout_prefix_rows
     if not (rows < n and prompt > 1):
         rows, length = n, prompt
     else:
         length = prompt - 1
-    prefill = nograd_forward_moment(
-        ctx, layout, rows, length, forward="generate", windows=windows, held=prefill_cache_bytes(ctx, length, rows)
+    cache = prefill_cache_bytes(ctx, length, rows)
+    blocks = nograd_forward_moment(ctx, layout, rows, length, forward="generate", windows=windows, held=cache)
+    head = LayerMoment(nograd_beside_bytes(ctx, rows, length, forward="generate"), head_window, cache[-1])
+    prefill = max(blocks, head, key=sum) if head_window else blocks
+    return (
+        {"weights_gathered": prefill.window, "kv_cache": prefill.held, "activations": prefill.activations},
+        decode,
+        sampling,
     )
-    return ({"weights_gathered": prefill.window, "kv_cache": prefill.held, "activations": prefill.activations}, decode)
 
 
 def prefill_cache_bytes(ctx: Context, tokens: int, rows: int) -> tuple[int, ...]:

@@ -23,9 +23,11 @@ from ._gathered import (
     Gathered,
     after_forward_bytes,
     backward_gathered_bytes,
+    between_steps_bytes,
     build_gathered,
     forward_head_window,
     forward_layer_windows,
+    forward_unit_windows,
     nograd_gathered_bytes,
 )
 from ._generation import (
@@ -199,9 +201,16 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             # through the steps after it (apply_fsdp2). A unit copies out before its block has made
             # anything, so the prefill's block moment is the window while that block runs (a decode
             # step's block holds little: any).
+            # Under reshard_after_forward=False the prefill gathers the units the step before's
+            # backward resharded, and each stays gathered once it has run.
             widen = _gathered_throughout(ctx, terms)
             merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
-            prefill, decode = hf_rollout_moments(ctx, terms.layout, tuple(map(widen, terms.nograd_layers)))
+            units = forward_unit_windows(ctx, terms.layout, terms.gathered, regathers=True)
+            layers = forward_layer_windows(ctx, terms.layout, terms.gathered, regathers=True)
+            head = next((running for u, (running, _) in zip(terms.layout.units, units) if u.name == "lm_head"), 0)
+            prefill, decode, sampling = hf_rollout_moments(
+                ctx, terms.layout, tuple(widen(running) for running, _ in layers), widen(head) if head else 0
+            )
             prefill["weights_gathered"] += merged
             # a unit's copy-out (the first's beside the root's all-gather output) or a unit outside
             # the blocks running, with the embedded prompts
@@ -210,6 +219,11 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
                 {**terms.static, "weights_gathered": widen(terms.nograd_first) + merged, "activations": embedded},
                 {**terms.static, **prefill},
                 {**terms.static, "weights_gathered": widen(terms.nograd_later) + merged, **decode},
+                {
+                    **terms.static,
+                    "weights_gathered": widen(between_steps_bytes(ctx, terms.gathered)) + merged,
+                    **sampling,
+                },
             )
             # Before generating, GRPO folds the actor's LoRA into the gathered weights (or merged copies),
             # one linear at a time: everything gathered, no KV cache yet, and one delta being built.

@@ -6,10 +6,14 @@ from agilerl.distributed import FSDPConfig
 from planner.memory._gathered import (
     Gathered,
     after_forward_bytes,
+    between_steps_bytes,
+    build_gathered,
+    forward_unit_windows,
     in_flight,
     nograd_gathered_bytes,
     reversed_with_parents,
 )
+from planner.memory._units import build_layout
 
 from .conftest import make_context
 
@@ -70,6 +74,19 @@ def test_the_first_units_copy_out_holds_the_roots_all_gather_output(dense_spec):
     assert in_flight(ctx, _two_blocks(50, ranks=1), 1, forward=True) == 20 + 50
 
 
+def test_a_later_generate_steps_first_copy_out_holds_the_step_befores_last_all_gather_output(dense_spec):
+    # embed 40, block 20, untied head 30; root 1. Generate is one root forward to FSDP2, so the
+    # head's all-gather output from the step before is dropped only at the next step's first
+    # copy-out: the embeddings twice beside it (40 + 40 + 30), more than the embeddings running
+    # with the block prefetched (40 + 40 + 20) or the head's copy-out (30 + 30 + 20).
+    ctx = make_context(dense_spec, fsdp=FSDPConfig())
+    order = ((40, None, 40), (20, None, 20), (30, None, 30))
+    gathered = Gathered((40, 20, 30), 1, 1, 91, order, largest_bytes=40, buffer_bytes=0)
+    assert in_flight(ctx, gathered, 1, forward=True, first=False) == 40 + 40 + 30 + 1
+    # the first step: the root's all-gather output (1) is held there instead
+    assert in_flight(ctx, gathered, 1, forward=True) == 40 + 40 + 20 + 1
+
+
 def test_backward_window_adds_the_buffer(dense_spec):
     ctx = make_context(dense_spec, fsdp=FSDPConfig())
     # The head with block 1 prefetched: 30 + 20, the root and the buffer.
@@ -83,3 +100,26 @@ def test_without_resharding_everything_stays_gathered(dense_spec):
     assert after_forward_bytes(make_context(dense_spec, fsdp=FSDPConfig()), GATHERED) == 1  # the root
     unsharded = make_context(dense_spec, fsdp=None)
     assert in_flight(unsharded, GATHERED, 1, forward=True) == nograd_gathered_bytes(unsharded, GATHERED) == 0
+    # generate's steps after its first keep the last unit's (the head's) all-gather output beside
+    # everything: no later step gathers, so no copy-out drops it until generate returns
+    assert nograd_gathered_bytes(ctx, GATHERED, first=False) == 91 + 30
+    assert between_steps_bytes(ctx, GATHERED) == 91 + 30
+    assert between_steps_bytes(make_context(dense_spec, fsdp=FSDPConfig()), GATHERED) == 1 + 30
+
+
+def test_a_forward_regathering_without_resharding_keeps_each_unit_it_has_run(dense_spec):
+    # generate's prefill under reshard_after_forward=False: the step before's backward resharded
+    # every unit; each one that has run stays gathered beside the running one (held twice) and
+    # the next, in flight
+    ctx = make_context(dense_spec, fsdp=FSDPConfig(reshard_after_forward=False))
+    layout = build_layout(ctx)
+    gathered = build_gathered(ctx, layout)
+    names = [u.name for u in layout.units]
+    assert names[0] == "embed" and names[-1] == "lm_head"  # untied, one block a unit
+    sizes, root = gathered.unit_bytes, gathered.root_bytes
+    running = [r for r, _ in forward_unit_windows(ctx, layout, gathered, regathers=True)]
+    for k in range(len(sizes)):
+        coming = sizes[k + 1] if k + 1 < len(sizes) else 0
+        assert running[k] == root + sum(sizes[:k]) + 2 * sizes[k] + coming, names[k]
+    # a forward after the step's no-grad passes finds every unit gathered
+    assert {w for pair in forward_unit_windows(ctx, layout, gathered) for w in pair} == {gathered.all_bytes}

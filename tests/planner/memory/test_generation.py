@@ -182,15 +182,19 @@ def test_fsdp_gather_once_holds_merged_copies_of_the_replicated_adapted_linears_
         # the last 2 of 6 layers read the K and V of two earlier ones: no cache entry of their own
         ("gemma3n", {"num_layers": 6, "num_kv_shared_layers": 2}),
         ("gemma3n", {"num_layers": 6}),
+        # the logits dominating: a 32k vocabulary, narrow K/V heads
+        ("qwen2", {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 32768}),
     ],
 )
 def test_the_decode_peak_is_measured_on_hugging_face_generate(arch, extra):
-    """Measured, not pinned: the live tensors of a real ``generate`` (greedy, bf16, the KV cache
-    dominating: wide K/V heads, a 32-token vocabulary) against the estimate's decode moment (its
-    KV cache and sampling's logits). The cache grows by concatenation, one layer's keys (then its
+    """Measured, not pinned: the live tensors of a real ``generate`` sampling as GRPO does
+    (temperature 1, no top-k or top-p; bf16) against the estimate's decode moment (its KV cache
+    and sampling's logits). The cache grows by concatenation, one layer's keys (then its
     values) at a time; a sliding-window layer (Gemma-3n's) concatenates both before rebinding
     either (counted as one layer's keys, it read -7.4% here). Under Gemma-3n's K/V sharing the
-    layers reading another's K and V add no entry (counted, it read +29% here)."""
+    layers reading another's K and V add no entry (counted, it read +29% here). Sampling holds
+    the bf16 logits and three fp32 copies (counted as greedy's three fp32 copies, the 32k
+    vocabulary read -12% here)."""
     import torch
     import transformers
 
@@ -208,13 +212,13 @@ def test_the_decode_peak_is_measured_on_hugging_face_generate(arch, extra):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     prompts, group, prompt, completion = 4, 2, 8, 120
-    ids = torch.randint(3, 32, (prompts * group, prompt))
+    ids = torch.randint(3, sizes["vocab_size"], (prompts * group, prompt))
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     live = LiveBytes(params)
     with torch.no_grad(), live:
         model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=completion, min_new_tokens=completion,
-            do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=completion, do_sample=True,
+            temperature=1.0, top_k=0, top_p=1.0, use_cache=True, pad_token_id=0, eos_token_id=None,
         )  # fmt: skip
     spec = load_model_spec(f"tiny:{arch}?" + "&".join(f"{k}={v}" for k, v in sizes.items()))
     workload = Workload(

@@ -237,6 +237,26 @@ def test_a_no_grad_forward_pairs_each_layers_window_with_that_layers_own_activat
         assert phases[phase].total == pytest.approx(m.phase_total(phase), rel=0.02), phase
 
 
+def test_a_generate_steps_first_copy_out_holds_the_step_befores_head():
+    """An untied Qwen2 on 2 ranks whose embeddings and head (1 MiB each) outweigh a block (0.5
+    MiB), 64 tokens a row (row 31 of benchmarks/accuracy.py). Generate is one forward of the root
+    to FSDP2, so the head's all-gather output from a decode step is dropped only at the next
+    step's first copy-out: three head-sized buffers at the rollout's peak. Counted without it,
+    the rollout read 5.0% low."""
+    import benchmarks.accuracy as accuracy
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    row = next(c for c in accuracy.configurations() if c["id"] == 31)
+    request = accuracy.request_for(row, "cpu")
+    m = run_probe(request)
+    assert m.ok, m.failure
+    rollout = estimate_request(request, saved_coefficients("cpu")).phases["rollout"]
+    assert rollout.total == pytest.approx(m.phase_total("rollout"), rel=0.02)
+    assert rollout.components["weights_gathered"] == pytest.approx(
+        m.phase_total("rollout", key="weights_gathered"), rel=0.02
+    )
+
+
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
     """The root (here the tied embedding table, 4 MiB beside 0.5 MiB blocks) is gathered first;
     FSDP2 keeps its all-gather output until the first block's copy-out returns, so the root is
