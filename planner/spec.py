@@ -43,9 +43,9 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 7  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
+SPEC_SCHEMA_VERSION = 8  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
 # 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints); 6: the NF4 weights of QLoRA;
-# 7: K/V sharing across layers (Gemma-3n, Gemma 4), rotary_widths
+# 7: K/V sharing across layers (Gemma-3n, Gemma 4), rotary_widths; 8: rotary widths read off the forward (gpt-oss)
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -270,11 +270,31 @@ def _attention(block, config, roles: dict) -> AttentionSpec:
 
 
 def _rotary_widths(model) -> tuple[int, ...]:
-    """The cos width of each rotary table the forward computes: 2 x the length of each of the
-    rotary modules' ``inv_freq`` buffers (``<layer_type>_inv_freq`` where there is one per
-    attention type; the ``original_`` copies kept for dynamic scaling are not tables)."""
-    leaves = ((n.rsplit(".", 1)[-1], b) for n, b in model.named_buffers())
-    return tuple(2 * int(b.numel()) for leaf, b in leaves if leaf.endswith("inv_freq") and "original" not in leaf)
+    """The cos width of each rotary table the forward computes, one per ``inv_freq`` buffer of
+    the rotary modules (``<layer_type>_inv_freq`` where there is one per attention type; the
+    ``original_`` copies kept for dynamic scaling are not tables): read off the module's own
+    forward over one position on the meta device, as most concatenate the frequencies twice
+    (2 x the buffer's length) and gpt-oss does not (its length). A module that cannot run so, or
+    returns no (cos, sin) pair (DeepSeek-V2's complex ``freqs_cis``, as wide as the buffer at 8
+    bytes an element: 2 x its length x p in bf16), is taken as concatenating."""
+    widths = []
+    for module in model.modules():
+        for leaf, buffer in module.named_buffers(recurse=False):
+            if leaf.endswith("inv_freq") and "original" not in leaf:
+                widths.append(_cos_width(module, leaf[: -len("_inv_freq")] or None, 2 * int(buffer.numel())))
+    return tuple(widths)
+
+
+def _cos_width(module, layer_type: str | None, default: int) -> int:
+    import torch
+
+    x = torch.empty(1, 1, 1, device="meta")
+    positions = torch.zeros(1, 1, dtype=torch.long, device="meta")
+    try:
+        out = module(x, positions, layer_type) if layer_type else module(x, positions)
+    except Exception:  # noqa: BLE001 - a module of another signature: the common layout
+        return default
+    return int(out[0].shape[-1]) if isinstance(out, tuple) and len(out) == 2 else default
 
 
 def _mlp(block, config) -> MlpSpec:

@@ -170,6 +170,22 @@ def test_kv_sharing_is_read_per_layer_as_transformers_builds_it(name):
     assert len(widths) == 2 and sorted(spec.rotary_widths) == sorted(widths)
 
 
+@pytest.mark.parametrize("name", [GPT_OSS, SMOLLM3])
+def test_the_rotary_table_is_as_wide_as_the_forward_makes_it(name):
+    """gpt-oss's rotary module returns cos and sin as wide as its frequencies (half a head),
+    where most concatenate them twice (a head): read off the module's forward, not assumed
+    (read as a head, gpt-oss's tables were counted double)."""
+    import torch
+
+    spec, model = load_model_spec(name), _tiny(name)
+    widths: list[int] = []
+    model.model.rotary_emb.register_forward_hook(lambda m, args, out: widths.append(out[0].shape[-1]))
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 500, (1, 8)))
+    head = spec.block(0).attention.head_dim
+    assert spec.rotary_widths == tuple(widths) == ((head // 2,) if "gpt_oss" in name else (head,))
+
+
 def test_a_store_no_layer_reads_is_not_sharing():
     """transformers marks Gemma 4's last layer of each attention type as storing its K and V even
     when no layer reads them (for assistant models); the trainer stops it, and the spec has none."""
