@@ -765,26 +765,6 @@ def nograd_block_bytes(
     return int(max(peak, tokens * acts.attention_live_per_token + scores + repeated))
 
 
-def nograd_forward_bytes(
-    ctx: Context,
-    layout: Layout,
-    batch: int,
-    length: int,
-    adapters_on: bool = True,
-    *,
-    forward: str = "reference",
-    mask_bytes: int | None = None,
-    keys: int | None = None,
-    masked: bool | None = None,
-) -> int:
-    """A no-grad forward's most over its blocks, with what the model holds beside them
-    (:func:`nograd_forward_moment`'s activations, without gathered windows)."""
-    moment = nograd_forward_moment(
-        ctx, layout, batch, length, adapters_on, forward=forward, mask_bytes=mask_bytes, keys=keys, masked=masked
-    )
-    return moment.activations
-
-
 class LayerMoment(NamedTuple):
     """What a forward holds while one of its layers runs."""
 

@@ -14,7 +14,7 @@ from planner.memory._activations import (
     checkpointed_block_bytes,
     kept_bytes,
     learn_block_moments,
-    nograd_forward_bytes,
+    nograd_forward_moment,
     saved_activation_bytes,
     tape_of,
 )
@@ -106,8 +106,8 @@ def test_a_no_grad_forward_holds_the_embeddings_and_the_block_input(dense_spec):
     hidden, head_dim = dense_spec.hidden_size, dense_spec.block(0).attention.head_dim
     tokens = 3 * 10
     expected = 2 * tokens * hidden * 2 + 2 * head_dim * 2 * tokens + int(tokens * tape.nograd_peak)
-    assert nograd_forward_bytes(ctx, build_layout(ctx), 3, 10) == expected
-    base = nograd_forward_bytes(ctx, build_layout(ctx), 3, 10, adapters_on=False)
+    assert nograd_forward_moment(ctx, build_layout(ctx), 3, 10).activations == expected
+    base = nograd_forward_moment(ctx, build_layout(ctx), 3, 10, adapters_on=False).activations
     assert base < expected  # the base model casts nothing to fp32
 
 
@@ -136,14 +136,18 @@ def test_a_padded_batch_adds_one_shared_mask_to_learn_and_reference(dense_spec, 
     layout = build_layout(fixed)
     # Without grad the repeated copies sit beside the originals at the attention's moment, which
     # here stays below the block's MLP moment: the mask alone is added.
-    assert nograd_forward_bytes(padded, layout, m, T) - nograd_forward_bytes(fixed, layout, m, T) == one_mask
+    assert (
+        nograd_forward_moment(padded, layout, m, T).activations - nograd_forward_moment(fixed, layout, m, T).activations
+        == one_mask
+    )
 
 
 def test_generate_keeps_hugging_faces_boolean_mask_and_one_float_copy(dense_spec):
     fixed, padded = make_context(dense_spec), make_context(dense_spec, padded_batches=True)
     layout, n, P = build_layout(fixed), 16, WL.prompt_tokens
-    extra = nograd_forward_bytes(padded, layout, n, P, forward="generate") - nograd_forward_bytes(
-        fixed, layout, n, P, forward="generate"
+    extra = (
+        nograd_forward_moment(padded, layout, n, P, forward="generate").activations
+        - nograd_forward_moment(fixed, layout, n, P, forward="generate").activations
     )
     assert extra == n * P * P * (1 + 2)
 

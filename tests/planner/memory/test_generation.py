@@ -196,9 +196,7 @@ def test_the_decode_peak_is_measured_on_hugging_face_generate(arch, extra):
     the bf16 logits and three fp32 copies (counted as greedy's three fp32 copies, the 32k
     vocabulary read -12% here)."""
     import torch
-    import transformers
 
-    from agilerl.utils.tiny import tiny_config
     from planner.hardware import CPU_DEVICE, Cluster
     from planner.memory import estimate
     from planner.models import load_model_spec
@@ -207,10 +205,7 @@ def test_the_decode_peak_is_measured_on_hugging_face_generate(arch, extra):
 
     sizes = dict(hidden_size=256, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, vocab_size=32)
     sizes.update(extra)
-    config = tiny_config(arch, **sizes)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model = _bf16_sdpa_model(arch, sizes)
     prompts, group, prompt, completion = 4, 2, 8, 120
     ids = torch.randint(3, sizes["vocab_size"], (prompts * group, prompt))
     params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -243,20 +238,16 @@ def test_a_prefills_cache_holds_the_layers_that_have_run(arch, extra):
     cache holds the K and V of that layer and the ones before it only (a layer reading another's
     adds none), so the prefill's widest block is not paired with the whole prompt's cache."""
     import torch
-    import transformers
     from transformers.cache_utils import Cache
 
-    from agilerl.utils.tiny import tiny_config
     from planner.memory._generation import kv_cache_bytes, prefill_cache_bytes
     from planner.models import load_model_spec
     from planner.workload import Workload
 
     sizes = dict(hidden_size=64, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=64)
     sizes.update(extra)
-    config = tiny_config(arch, **sizes)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model = _bf16_sdpa_model(arch, sizes)
+    config = model.config
     rows, prompt = 4, 24
     seen: list[int] = []  # the cache's bytes as each layer of the prefill returns
 
@@ -292,3 +283,16 @@ def test_a_prefills_cache_holds_the_layers_that_have_run(arch, extra):
     assert len(seen) == spec.num_layers
     assert list(prefill_cache_bytes(ctx, prompt, rows)) == seen
     assert seen[0] < seen[-1] == kv_cache_bytes(ctx, prompt, rows)
+
+
+def _bf16_sdpa_model(arch: str, sizes: dict):
+    """A tiny random model of ``arch`` in bf16 with SDPA attention, seeded, in eval mode."""
+    import torch
+    import transformers
+
+    from agilerl.utils.tiny import tiny_config
+
+    config = tiny_config(arch, **sizes)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
