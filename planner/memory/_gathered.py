@@ -246,12 +246,8 @@ def forward_layer_windows(
     windows = forward_unit_windows(ctx, layout, gathered, regathers=regathers)
     if not windows or ctx.fsdp is None:
         return ()
-    first = next(k for k, u in enumerate(layout.units) if u.name.startswith("blocks."))
-    wrap = ctx.fsdp.wrap_every_n_blocks
-    return tuple(
-        (windows[first + j // wrap][0], windows[first + j // wrap][1] if j % wrap == 0 else 0)
-        for j in range(ctx.spec.num_layers)
-    )
+    units = layout.layer_units
+    return tuple((windows[k][0], windows[k][1] if j == 0 or units[j - 1] != k else 0) for j, k in enumerate(units))
 
 
 def forward_head_window(ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool = False) -> int:

@@ -302,17 +302,17 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     )
 
 
-def backward_gradients(ctx: Context, grads) -> tuple[int, ...]:
+def backward_gradients(layout: Layout, grads) -> tuple[int, ...]:
     """Per layer, the gradients a micro-batch has made when that layer runs backward: a trained
-    lm_head's, then every later block unit's (:class:`._static.GradientTerms`); none when the
-    earlier micro-batches' gradients already hold them all."""
+    lm_head's, then every later block unit's (:class:`._static.GradientTerms`, per block unit in
+    order); none when the earlier micro-batches' gradients already hold them all."""
     if not grads.per_unit:
         return ()
-    wrap = ctx.fsdp.wrap_every_n_blocks if ctx.fsdp else 1
     after = [0] * len(grads.per_unit)
     for u in range(len(grads.per_unit) - 2, -1, -1):
         after[u] = after[u + 1] + grads.per_unit[u + 1]
-    return tuple(grads.head + after[j // wrap] for j in range(ctx.spec.num_layers))
+    first = layout.layer_units[0]  # the block units are consecutive in layout.units
+    return tuple(grads.head + after[k - first] for k in layout.layer_units)
 
 
 def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
@@ -331,7 +331,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     grads = gradient_terms(ctx, terms.layout, terms.memory)
     windows = forward_layer_windows(ctx, terms.layout, terms.gathered)
     head_window = forward_head_window(ctx, terms.layout, terms.gathered)
-    acts = learn_activations(ctx, terms.layout, backward_gradients(ctx, grads), windows)
+    acts = learn_activations(ctx, terms.layout, backward_gradients(terms.layout, grads), windows)
     kept, backward = acts.kept, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)

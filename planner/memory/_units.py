@@ -106,6 +106,7 @@ class Layout:
     base_tensors: tuple[Tensor, ...]
     lora_tensors: tuple[Tensor, ...]
     block_units: tuple[Unit, ...]
+    layer_units: tuple[int, ...]  # per layer: the index in ``units`` of the block unit holding it
     expert_stack: tuple[int, ...]  # per layer: elements of its routed experts on one EP rank
     expert_down: tuple[int, ...]  # per layer: elements of its down_proj stack on one EP rank
     expert_adapters: tuple[int, ...]  # per layer: elements of its experts' adapters on one EP rank
@@ -240,12 +241,15 @@ def _build_layout(ctx: Context) -> Layout:
     )
     units: list[Unit] = []
     nested: dict[str, tuple[Unit, ...]] = {}
+    layer_units = [0] * spec.num_layers
     for part in parts:
         if part.kind != "blocks":
             tensor = {"embed": embed, "head": head}.get(part.kind) or ple[part.start]
             units.append(Unit(part.name, base=(tensor,)))
             continue
         members = range(part.start, part.stop)
+        for i in members:
+            layer_units[i] = len(units)
         unit = Unit(
             part.name,
             base=tuple(t for i in members for t in layers[i].base),
@@ -271,6 +275,7 @@ def _build_layout(ctx: Context) -> Layout:
         base_tensors=tuple(t for u in all_units for t in u.base),
         lora_tensors=tuple(t for u in all_units for t in u.lora),
         block_units=tuple(u for u in units if u.name.startswith("blocks.")),
+        layer_units=tuple(layer_units),
         expert_stack=tuple(sum(t.numel for t in layer.expert_base) for layer in layers),
         expert_down=tuple(layer.expert_down for layer in layers),
         expert_adapters=tuple(sum(t.numel for t in layer.expert_lora) for layer in layers),
