@@ -489,8 +489,9 @@ def test_a_rollout_that_does_not_fit_gets_fewer_prompts_and_a_vllm_engine_sugges
     prompts = int(fewer[0].split("=")[1].split()[0])
     assert 1 <= prompts < 64 and prompts * 8 % 2 == 0
     assert plan(spec7b, workload.model_copy(update={"prompts_per_step": prompts}), two).fits
-    # the largest that fits: one prompt more does not (8 completions each always split over 2 GPUs)
-    assert not plan(spec7b, workload.model_copy(update={"prompts_per_step": prompts + 1}), two).fits
+    # the largest that fits: the next count a run can take does not (the manifest gives every GPU
+    # whole prompts: a multiple of the 2 GPUs)
+    assert not plan(spec7b, workload.model_copy(update={"prompts_per_step": prompts + 2}), two).fits
     assert "generate with a colocated vLLM engine (generation='vllm')" in p.suggestions
     assert plan(spec7b, workload.model_copy(update={"generation": "vllm"}), two).fits
     # however far over: the same largest count (a list of every smaller count ran out of memory)
