@@ -250,11 +250,13 @@ def forward_layer_windows(
     return tuple((windows[k][0], windows[k][1] if j == 0 or units[j - 1] != k else 0) for j, k in enumerate(units))
 
 
-def forward_head_window(ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool = False) -> int:
-    """The most a forward holds gathered while an untied lm_head's unit copies out and runs
-    (0 without one, or unsharded; ``regathers``: as :func:`forward_unit_windows`)."""
+def forward_head_window(
+    ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool = False
+) -> tuple[int, int]:
+    """What a forward holds gathered while an untied lm_head's unit runs and at its copy-out
+    ((0, 0) without one, or unsharded; ``regathers``: as :func:`forward_unit_windows`)."""
     windows = forward_unit_windows(ctx, layout, gathered, regathers=regathers)
-    return next((max(w) for u, w in zip(layout.units, windows) if u.name == "lm_head"), 0)
+    return next((w for u, w in zip(layout.units, windows) if u.name == "lm_head"), (0, 0))
 
 
 def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:

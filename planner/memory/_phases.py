@@ -27,7 +27,6 @@ from ._gathered import (
     build_gathered,
     forward_head_window,
     forward_layer_windows,
-    forward_unit_windows,
     nograd_gathered_bytes,
 )
 from ._generation import (
@@ -75,7 +74,6 @@ class Terms:
     host: Components  # host memory held in every phase
     gathered: Gathered
     nograd_first: int  # a no-grad forward's window, the first forward (it gathers the root): copy-outs included
-    nograd_layers: tuple[int, ...]  # ... while each layer runs (empty unsharded)
     nograd_later: int  # ... in a no-grad forward that finds the root gathered (generate's later steps)
     after_forward: int  # what stays gathered after a forward
     vllm_asleep: int
@@ -110,7 +108,6 @@ def shared_terms(ctx: Context, layout: Layout) -> Terms:
         host=host_resident(ctx, memory),
         gathered=gathered,
         nograd_first=nograd_gathered_bytes(ctx, gathered),
-        nograd_layers=tuple(running for running, _ in forward_layer_windows(ctx, layout, gathered)),
         nograd_later=nograd_gathered_bytes(ctx, gathered, first=False),
         after_forward=after_forward_bytes(ctx, gathered),
         vllm_asleep=vllm_asleep_bytes(ctx),
@@ -205,9 +202,8 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             # backward resharded, and each stays gathered once it has run.
             widen = _gathered_throughout(ctx, terms)
             merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
-            units = forward_unit_windows(ctx, terms.layout, terms.gathered, regathers=True)
             layers = forward_layer_windows(ctx, terms.layout, terms.gathered, regathers=True)
-            head = next((running for u, (running, _) in zip(terms.layout.units, units) if u.name == "lm_head"), 0)
+            head, _ = forward_head_window(ctx, terms.layout, terms.gathered, regathers=True)
             prefill, decode, sampling = hf_rollout_moments(
                 ctx, terms.layout, tuple(widen(running) for running, _ in layers), widen(head) if head else 0
             )
@@ -279,7 +275,8 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     def widen(window: int) -> int:
         return gathered(window) + actors
 
-    fwd = reference_forward_moment(ctx, terms.layout, adapters_on, tuple(map(widen, terms.nograd_layers)))
+    layers = forward_layer_windows(ctx, terms.layout, terms.gathered)
+    fwd = reference_forward_moment(ctx, terms.layout, adapters_on, tuple(widen(running) for running, _ in layers))
     kept = terms.kept_reference
     return make_phase(
         ctx,
@@ -330,7 +327,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     """
     grads = gradient_terms(ctx, terms.layout, terms.memory)
     windows = forward_layer_windows(ctx, terms.layout, terms.gathered)
-    head_window = forward_head_window(ctx, terms.layout, terms.gathered)
+    head_window = max(forward_head_window(ctx, terms.layout, terms.gathered))
     acts = learn_activations(ctx, terms.layout, backward_gradients(terms.layout, grads), windows)
     kept, backward = acts.kept, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
