@@ -508,17 +508,19 @@ def learn_block_moments(
     pass_: Pass | None = None,
     grown: tuple[int, ...] = (),
     windows: tuple[tuple[int, int], ...] = (),
-) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    backward_windows: tuple[int, ...] = (),
+) -> tuple[tuple[int, int], tuple[int, int, int], tuple[int, int, int]]:
     """The most alive while a block not checkpointed runs its forward with grad, while a
     checkpointed block recomputes in backward, and while the blocks run backward: three
     moments, as FSDP2 holds a different gathered window in the forward than in the backward
     (planner.memory._gathered.in_flight), and a unit's unsharded gradients exist only in the
     last. The recompute and backward moments are (activations, gradients this micro-batch has
-    made so far): ``grown[j]``, held when layer j runs backward (or recomputes). A forward has
-    made none: its moment is (activations, gathered window) where the two together are
-    largest. ``windows``: per layer, the forward's window while it runs and at its unit's
-    copy-out, before it runs (planner.memory._gathered.forward_layer_windows; none: 0). A
-    moment no block has is (0, 0).
+    made so far, gathered window): ``grown[j]``, held when layer j runs backward (or
+    recomputes), under ``backward_windows[j]`` (planner.memory._gathered.backward_layer_windows;
+    none: 0). A forward has made none: its moment is (activations, gathered window) where the
+    two together are largest. ``windows``: per layer, the forward's window while it runs and at
+    its unit's copy-out, before it runs (planner.memory._gathered.forward_layer_windows; none:
+    0). A moment no block has is all zeros.
 
     At block j: everything the earlier blocks keep, and j's own most (its forward with
     grad or its recompute with the gradients flowing in, or its backward). The later
@@ -535,18 +537,20 @@ def learn_block_moments(
         gradients_in_flight(ctx, recompute=True, tokens=N),
     )
     shared_forward, shared_backward = shared_kv_moments(ctx, N, (pass_ or one_pass(ctx)).masked)
-    forward, recompute, backward, before = (0, 0), (0, 0), (0, 0), 0
+    forward, before = (0, 0), 0
+    recompute, backward = (0, 0, 0), (0, 0, 0)
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
         g = grown[j] if grown else 0
+        gathered = backward_windows[j] if backward_windows else 0
         held = before + shared_backward[j]  # in backward (a recompute is one)
         running, copying = windows[j] if windows else (0, 0)
         if j in ctx.checkpointed:
             # its forward saves nothing: only its unit's copy-out is a moment of the forward here
             # (its forward is checkpointed_forward_moment's)
             forward = max(forward, (before + shared_forward[j] + x_in, copying), key=sum)
-            recompute = max(recompute, (held + kept[j] + b.recompute + recomputing, g), key=sum)
-            backward = max(backward, (held + kept[j] + b.backward + flowing, g), key=sum)
+            recompute = max(recompute, (held + kept[j] + b.recompute + recomputing, g, gathered), key=sum)
+            backward = max(backward, (held + kept[j] + b.backward + flowing, g, gathered), key=sum)
         else:
             forward = max(
                 forward,
@@ -554,7 +558,7 @@ def learn_block_moments(
                 (before + shared_forward[j] + x_in, copying),
                 key=sum,
             )
-            backward = max(backward, (held + b.backward + flowing, g), key=sum)
+            backward = max(backward, (held + b.backward + flowing, g, gathered), key=sum)
         before += kept[j]
     return forward, recompute, backward
 
@@ -607,6 +611,8 @@ class LearnActivations:
     forward_gathered: int  # the forward's gathered window then (0 without windows)
     recompute: int  # the most while a checkpointed block recomputes (0: none is)
     backward: int  # the most while a block runs backward
+    recompute_gathered: int  # the backward's gathered window at the recompute moment (0 without windows)
+    backward_gathered: int  # ... at the backward moment
     head_rows: int  # tokens whose final hidden states reach the head (its input gradient's)
     embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in the moments
     recompute_grads: int = 0  # this micro-batch's gradients made by the recompute moment
@@ -616,21 +622,25 @@ class LearnActivations:
 
 
 def learn_activations(
-    ctx: Context, layout: Layout, grown: tuple[int, ...] = (), windows: tuple[tuple[int, int], ...] = ()
+    ctx: Context,
+    layout: Layout,
+    grown: tuple[int, ...] = (),
+    windows: tuple[tuple[int, int], ...] = (),
+    backward_windows: tuple[int, ...] = (),
 ) -> LearnActivations:
     """The one-pass forward's terms, or the shared-prefix forward's: the prefix pass runs every
     block first and its keep stays through the suffix pass, which runs and then back-propagates
     block by block beside it (the moments are the suffix pass's, plus everything the prefix
     pass keeps); the gradients of the recorded prefix K and V wait for the prefix pass's
     backward, after the suffix pass's. ``grown``: per layer, the gradients the micro-batch has
-    made when that layer runs backward; ``windows``: per layer, the forward's gathered windows
-    (:func:`learn_block_moments`)."""
+    made when that layer runs backward; ``windows`` and ``backward_windows``: per layer, the
+    forward's and the backward's gathered windows (:func:`learn_block_moments`)."""
     passes = learn_passes(ctx)
     running = tuple(w for w, _ in windows)
     if len(passes) == 1:
         blocks = activations_by_type(ctx, layout)
-        (forward, window), (recompute, g_run), (backward, g_back) = learn_block_moments(
-            ctx, blocks, grown=grown, windows=windows
+        (forward, window), (recompute, g_run, w_run), (backward, g_back, w_back) = learn_block_moments(
+            ctx, blocks, grown=grown, windows=windows, backward_windows=backward_windows
         )
         blocks_kept = sum(kept_bytes(ctx, blocks)) + stored_kv_kept(ctx, ctx.micro_batch_tokens, one_pass(ctx).masked)
         embedding = embedding_kept_bytes(ctx)
@@ -642,6 +652,8 @@ def learn_activations(
             forward_gathered=window,
             recompute=recompute + embedding if recompute else 0,
             backward=backward + embedding,
+            recompute_gathered=w_run,
+            backward_gathered=w_back,
             head_rows=ctx.micro_batch_tokens,
             embedding_kept=embedding,
             recompute_grads=g_run,
@@ -653,8 +665,8 @@ def learn_activations(
     prefix_blocks = activations_by_type(ctx, layout, prefix)
     prefix_kept = sum(kept_bytes(ctx, prefix_blocks, prefix, recorded=True))
     suffix_blocks = activations_by_type(ctx, layout, suffix)
-    (forward, window), (recompute, g_run), (backward, g_back) = learn_block_moments(
-        ctx, suffix_blocks, suffix, grown=grown, windows=windows
+    (forward, window), (recompute, g_run, w_run), (backward, g_back, w_back) = learn_block_moments(
+        ctx, suffix_blocks, suffix, grown=grown, windows=windows, backward_windows=backward_windows
     )
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
     embedding = embedding_kept_bytes(ctx, prefix.tokens + suffix.tokens)
@@ -672,6 +684,8 @@ def learn_activations(
         forward_gathered=window,
         recompute=prefix_kept + recompute + embedding if recompute else 0,
         backward=prefix_kept + backward + recorded_prefix_bytes(ctx) + embedding,
+        recompute_gathered=w_run,
+        backward_gathered=w_back,
         head_rows=suffix.tokens,
         embedding_kept=embedding,
         recompute_grads=g_run,

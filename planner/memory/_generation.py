@@ -50,16 +50,26 @@ def growing_cache_bytes(ctx: Context, tokens: int) -> int:
 
 
 def hf_rollout_moments(
-    ctx: Context, layout: Layout, windows: tuple[int, ...] = (), head_window: int = 0
+    ctx: Context,
+    layout: Layout,
+    windows: tuple[tuple[int, int], ...] = (),
+    head_window: tuple[int, int] = (0, 0),
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """The moments Hugging Face generate peaks at (their windows are the caller's but the
     prefill's):
 
     - the prefill of the prompts: a no-grad forward over n x prompt tokens beside the prompt's
-      cache, at its largest block with the gathered window FSDP2 holds while that block runs
-      (``windows``, per layer), or at an untied head's unit running under ``head_window``, the
-      blocks returned and the whole prompt's cache made (the logits of its last position are
-      made then, and are less than a decode step's);
+      cache, at its largest block with the gathered window FSDP2 holds while that block runs,
+      or at a unit's copy-out, before its block has made anything, with the cache of the
+      layers before it (``windows``, per layer: running and copy-out, as
+      planner.memory._gathered.forward_layer_windows gives them); or at an untied head's unit
+      (``head_window``: running and copy-out), the blocks returned and the whole prompt's
+      cache made (the logits of its last position are made then, and are less than a decode
+      step's). Under reshard_after_forward=False the prefill regathers every unit and keeps
+      the ones that have run, so the last unit's copy-out (the unit twice beside the unit
+      before's all-gather output) is the widest window: an untied head's was a 2-rank
+      rollout's peak (tests/planner/probe/test_probe.py: 4.4% low counted at the head
+      running);
     - a last decode step's forward: the whole cache, what its update holds twice
       (:func:`growing_cache_bytes`), and the step before's three fp32 copies of the logits,
       which the sampling loop's locals keep;
@@ -86,9 +96,13 @@ def hf_rollout_moments(
     else:
         length = prompt - 1
     cache = prefill_cache_bytes(ctx, length, rows)
-    blocks = nograd_forward_moment(ctx, layout, rows, length, forward="generate", windows=windows, held=cache)
-    head = LayerMoment(nograd_beside_bytes(ctx, rows, length, forward="generate"), head_window, cache[-1])
-    prefill = max(blocks, head, key=sum) if head_window else blocks
+    running = tuple(run for run, _ in windows)
+    moments = [nograd_forward_moment(ctx, layout, rows, length, forward="generate", windows=running, held=cache)]
+    beside = nograd_beside_bytes(ctx, rows, length, forward="generate")
+    made_before = (0, *cache[:-1])
+    moments += [LayerMoment(beside, copy, made) for (_, copy), made in zip(windows, made_before) if copy]
+    moments += [LayerMoment(beside, window, cache[-1]) for window in head_window if window]
+    prefill = max(moments, key=sum)
     return (
         {"weights_gathered": prefill.window, "kv_cache": prefill.held, "activations": prefill.activations},
         decode,

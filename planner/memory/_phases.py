@@ -15,6 +15,7 @@ from ._activations import (
     gradients_in_flight,
     learn_activations,
     learn_mask_bytes,
+    nograd_beside_bytes,
     reference_forward_moment,
     value_head_bytes,
 )
@@ -23,6 +24,7 @@ from ._gathered import (
     Gathered,
     after_forward_bytes,
     backward_gathered_bytes,
+    backward_layer_windows,
     between_steps_bytes,
     build_gathered,
     forward_head_window,
@@ -177,6 +179,47 @@ def merged_copy_bytes(ctx: Context) -> int:
     )
 
 
+def regathering(ctx: Context) -> tuple[bool, bool]:
+    """Under reshard_after_forward=False, whether (the no-grad passes' first micro-batch, the
+    learn phase's last micro-batch) finds the units resharded and gathers them again, each
+    staying gathered once it has run (planner.memory._gathered.forward_unit_windows'
+    ``regathers``), rather than finding them all gathered.
+
+    FSDP2 reshards every unit after its backward; GRPO reshards them after a rollout and
+    no-grad passes that gathered once (gather_weights_for_rollout), and a full fine-tune's
+    reference copy after its pass. So the no-grad passes regather unless Hugging Face generate
+    left the actor gathered, and the last learn micro-batch regathers unless it is the step's
+    only one and a no-grad forward of the actor (generate, the reference pass with adapters off
+    or its own adapter, the old-policy pass) left it gathered. Measured on 2 gloo ranks with an
+    untied head and no rollout: the reference pass and learn peak at the head's copy-out, the
+    head twice beside every unit and the last block's all-gather output (read 14.1% and 12.0%
+    low as every unit gathered: tests/planner/probe/test_probe.py)."""
+    workload = ctx.workload
+    once = ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf"
+    rollout_leaves = workload.generation == "hf" and not once
+    actor_passes = workload.has_old_policy_pass or (workload.has_reference and not ctx.reference_copy)
+    leaves = (actor_passes and not once) or (rollout_leaves and not actor_passes)
+    nograd = not rollout_leaves or ctx.reference_copy
+    learn = workload.update_epochs * ctx.micro_batches > 1 or not leaves
+    return nograd, learn
+
+
+def _layer_windows(
+    ctx: Context, terms: Terms, *, regathers: bool, also_gathered: bool = False
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, int]]:
+    """Per layer (running, copy-out) windows and the head's (forward_layer_windows,
+    forward_head_window) of a forward that ``regathers`` (with ``also_gathered``: the larger of
+    that and a forward finding every unit gathered, as the later micro-batches of a pass do)."""
+    layers = forward_layer_windows(ctx, terms.layout, terms.gathered, regathers=regathers)
+    head = forward_head_window(ctx, terms.layout, terms.gathered, regathers=regathers)
+    if regathers and also_gathered:
+        others = forward_layer_windows(ctx, terms.layout, terms.gathered)
+        layers = tuple((max(a, c), max(b, d)) for (a, b), (c, d) in zip(layers, others))
+        gathered_head = forward_head_window(ctx, terms.layout, terms.gathered)
+        head = (max(head[0], gathered_head[0]), max(head[1], gathered_head[1]))
+    return layers, head
+
+
 def _gathered_throughout(ctx: Context, terms: Terms) -> Callable[[int], int]:
     """A no-grad forward's window under gather_weights_for_rollout with Hugging Face generate
     (GRPO._gathered_for_rollout, and _gathered_for_reference for the no-grad passes): every unit
@@ -196,16 +239,19 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
         case "hf":
             # The prefill is the first forward, which gathers the root; the root stays gathered
             # through the steps after it (apply_fsdp2). A unit copies out before its block has made
-            # anything, so the prefill's block moment is the window while that block runs (a decode
-            # step's block holds little: any).
+            # anything: the prefill pairs a block's forward with the window while it runs, and a
+            # copy-out with the cache of the layers before (a decode step's block holds little: any).
             # Under reshard_after_forward=False the prefill gathers the units the step before's
             # backward resharded, and each stays gathered once it has run.
             widen = _gathered_throughout(ctx, terms)
             merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
             layers = forward_layer_windows(ctx, terms.layout, terms.gathered, regathers=True)
-            head, _ = forward_head_window(ctx, terms.layout, terms.gathered, regathers=True)
+            head = forward_head_window(ctx, terms.layout, terms.gathered, regathers=True)
             prefill, decode, sampling = hf_rollout_moments(
-                ctx, terms.layout, tuple(widen(running) for running, _ in layers), widen(head) if head else 0
+                ctx,
+                terms.layout,
+                tuple((widen(running), widen(copy) if copy else 0) for running, copy in layers),
+                (widen(head[0]), widen(head[1])) if any(head) else (0, 0),
             )
             prefill["weights_gathered"] += merged
             # a unit's copy-out (the first's beside the root's all-gather output) or a unit outside
@@ -275,8 +321,13 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     def widen(window: int) -> int:
         return gathered(window) + actors
 
-    layers = forward_layer_windows(ctx, terms.layout, terms.gathered)
+    # Its first micro-batch may gather the units again (regathering), the later ones find them gathered.
+    layers, head = _layer_windows(ctx, terms, regathers=regathering(ctx)[0], also_gathered=ctx.micro_batches > 1)
     fwd = reference_forward_moment(ctx, terms.layout, adapters_on, tuple(widen(running) for running, _ in layers))
+    # a unit's copy-out, before its block has made anything (the head's after every block)
+    copy_out = max((copy for _, copy in layers), default=0)
+    copying = widen(max(copy_out, *head)) if layers else 0
+    beside = nograd_beside_bytes(ctx, ctx.micro_batch, ctx.sequence_tokens - ctx.prefix_split)
     kept = terms.kept_reference
     return make_phase(
         ctx,
@@ -286,6 +337,7 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
             "vllm": terms.vllm_asleep,
             **larger(
                 {"weights_gathered": widen(terms.nograd_first), "activations": hidden + kept},
+                {"weights_gathered": copying, "activations": beside + kept},
                 {"weights_gathered": fwd.window, "activations": fwd.activations + kept},
                 {
                     "weights_gathered": terms.after_forward,
@@ -326,9 +378,10 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     backward's end (every gradient made, the embeddings' last).
     """
     grads = gradient_terms(ctx, terms.layout, terms.memory)
-    windows = forward_layer_windows(ctx, terms.layout, terms.gathered)
-    head_window = max(forward_head_window(ctx, terms.layout, terms.gathered))
-    acts = learn_activations(ctx, terms.layout, backward_gradients(terms.layout, grads), windows)
+    windows, head = _layer_windows(ctx, terms, regathers=regathering(ctx)[1])
+    head_window = max(head)
+    backward_windows = backward_layer_windows(ctx, terms.layout, terms.gathered)
+    acts = learn_activations(ctx, terms.layout, backward_gradients(terms.layout, grads), windows, backward_windows)
     kept, backward = acts.kept, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)
@@ -385,7 +438,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                 ),
                 # a checkpointed block's recompute in backward
                 {
-                    "weights_gathered": window,
+                    "weights_gathered": acts.recompute_gathered or window,
                     "gradients": grads.prior + acts.recompute_grads,
                     "activations": acts.recompute + beside + value,
                 },
@@ -402,7 +455,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     else []
                 ),
                 {
-                    "weights_gathered": window,
+                    "weights_gathered": acts.backward_gathered or window,
                     "gradients": grads.prior + acts.backward_grads,
                     "activations": backward + beside + value,
                 },

@@ -6,6 +6,8 @@ from agilerl.distributed import FSDPConfig
 from planner.memory._gathered import (
     Gathered,
     after_forward_bytes,
+    backward_gathered_bytes,
+    backward_layer_windows,
     between_steps_bytes,
     build_gathered,
     forward_unit_windows,
@@ -110,16 +112,42 @@ def test_without_resharding_everything_stays_gathered(dense_spec):
 def test_a_forward_regathering_without_resharding_keeps_each_unit_it_has_run(dense_spec):
     # generate's prefill under reshard_after_forward=False: the step before's backward resharded
     # every unit; each one that has run stays gathered beside the running one (held twice) and
-    # the next, in flight
-    ctx = make_context(dense_spec, fsdp=FSDPConfig(reshard_after_forward=False))
+    # the next, in flight (every block sharded: none under the persistence threshold)
+    ctx = make_context(dense_spec, fsdp=FSDPConfig(reshard_after_forward=False, param_persistence_threshold=0))
     layout = build_layout(ctx)
     gathered = build_gathered(ctx, layout)
     names = [u.name for u in layout.units]
     assert names[0] == "embed" and names[-1] == "lm_head"  # untied, one block a unit
     sizes, root = gathered.unit_bytes, gathered.root_bytes
-    running = [r for r, _ in forward_unit_windows(ctx, layout, gathered, regathers=True)]
-    for k in range(len(sizes)):
+    windows = forward_unit_windows(ctx, layout, gathered, regathers=True)
+    for k, (running, copying) in enumerate(windows):
         coming = sizes[k + 1] if k + 1 < len(sizes) else 0
-        assert running[k] == root + sum(sizes[:k]) + 2 * sizes[k] + coming, names[k]
+        assert running == root + sum(sizes[:k]) + 2 * sizes[k] + coming, names[k]
+        # at its copy-out the unit before's all-gather output is still held (the root's before
+        # the first unit), and the next unit is not yet prefetched
+        before = sizes[k - 1] if k else gathered.root_ahead
+        assert copying == root + sum(sizes[:k]) + 2 * sizes[k] + before, names[k]
+    # the head's copy-out is the widest: every unit, the head twice and the last block's output
+    assert max(windows, key=lambda w: w[1]) == windows[-1]
+    assert windows[-1][1] > windows[-1][0]
     # a forward after the step's no-grad passes finds every unit gathered
     assert {w for pair in forward_unit_windows(ctx, layout, gathered) for w in pair} == {gathered.all_bytes}
+
+
+def test_the_backward_reshards_each_unit_once_through_without_resharding_after_forward(dense_spec):
+    # under reshard_after_forward=False the forward left every unit gathered; FSDP2 reshards each
+    # in its post-backward, so layer j runs backward beside the root and the units up to its own
+    fsdp = FSDPConfig(reshard_after_forward=False, param_persistence_threshold=0)
+    ctx = make_context(dense_spec, fsdp=fsdp)
+    layout = build_layout(ctx)
+    gathered = build_gathered(ctx, layout)
+    sizes = gathered.unit_bytes  # embed, 4 blocks, lm_head
+    windows = backward_layer_windows(ctx, layout, gathered)
+    assert windows == tuple(
+        gathered.root_bytes + sum(sizes[: j + 2]) + gathered.buffer_bytes for j in range(dense_spec.num_layers)
+    )
+    assert windows[-1] == gathered.all_bytes - sizes[-1] + gathered.buffer_bytes  # the head already resharded
+    # resharding after forward: the backward gathers one unit at a time, the same window at every layer
+    ctx = make_context(dense_spec, fsdp=fsdp.model_copy(update={"reshard_after_forward": True}))
+    assert set(backward_layer_windows(ctx, layout, gathered)) == {backward_gathered_bytes(ctx, gathered)}
+    assert backward_layer_windows(make_context(dense_spec), layout, gathered) == ()  # unsharded

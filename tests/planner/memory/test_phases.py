@@ -52,3 +52,32 @@ def test_the_step_counts_the_runtimes_gradient_buckets():
     from planner.memory._phases import ALL_REDUCE_BUCKET_BYTES as planner
 
     assert planner == runtime
+
+
+def test_which_forwards_gather_the_units_again_without_resharding(dense_spec):
+    # FSDP2 reshards every unit after its backward; under reshard_after_forward=False a forward
+    # after one gathers them again (regathering), one after a no-grad forward finds them gathered
+    from agilerl.distributed import FSDPConfig
+    from planner.memory._phases import regathering
+
+    def case(**update):
+        one = {"micro_batch_size_per_gpu": 8}  # a rank's 8 completions in one micro-batch
+        ctx = make_context(dense_spec, fsdp=FSDPConfig(reshard_after_forward=False), **{**one, **update})
+        return regathering(ctx)
+
+    # generate leaves the actor gathered: the reference pass finds it so, and so does the only
+    # learn micro-batch, after the reference pass or after generate alone
+    assert case(generation="hf", beta=0.04) == (False, False)
+    assert case(generation="hf", beta=0.0) == (False, False)
+    # a later learn micro-batch follows a backward
+    assert case(generation="hf", beta=0.04, micro_batch_size_per_gpu=2) == (False, True)
+    assert case(generation="hf", beta=0.0, update_epochs=2) == (False, True)
+    # no rollout on the actor (vLLM, or none): the first forward of the step gathers again
+    assert case(generation="vllm", beta=0.04) == (True, False)
+    assert case(generation="vllm", beta=0.0) == (True, True)
+    assert case(generation="none", beta=0.0) == (True, True)
+    # gathered once for generate and the no-grad passes: both reshard at their end
+    assert case(generation="hf", beta=0.04, gather_weights_for_rollout=True) == (True, True)
+    # a full fine-tune's reference is a model of its own, resharded after its pass; the actor is
+    # still as generate left it
+    assert case(generation="hf", beta=0.04, full_finetune=True, lora_rank=None) == (True, False)

@@ -257,6 +257,80 @@ def test_a_generate_steps_first_copy_out_holds_the_step_befores_head():
     )
 
 
+def _untied_without_resharding(**workload) -> ProbeRequest:
+    """An untied Qwen2 on 2 ranks whose head (1 MiB) is twice a block, two completions a rank of
+    32 + 32 tokens, under reshard_after_forward=False."""
+    untied = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
+    update = {
+        "prompts_per_step": 1,
+        "group_size": 4,
+        "prompt_tokens": 32,
+        "completion_tokens": 32,
+        "padded_batches": False,
+        "share_prompt_prefix": False,
+        "lora_dropout": 0.0,
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "weights_dtype": "bfloat16",
+        "attn_implementation": "sdpa",
+        **workload,
+    }
+    return ProbeRequest(
+        model=f"{untied}&vocab_size=4096",
+        workload=SMALL.model_copy(update=update),
+        fsdp=FSDPConfig(param_dtype="bfloat16", reshard_after_forward=False, param_persistence_threshold=0),
+        nproc=2,
+        timed_steps=1,
+        generate=update["generation"] != "none",
+    )
+
+
+def _assert_peaks_at_the_heads_copy_out(request: ProbeRequest, phases: tuple[str, ...]) -> None:
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    m = run_probe(request)
+    assert m.ok, m.failure
+    estimated = estimate_request(request, saved_coefficients("cpu")).phases
+    for phase in phases:
+        estimate = estimated[phase]
+        assert estimate.total == pytest.approx(m.phase_total(phase), rel=0.02), phase
+        # every unit, the head twice and the last block's all-gather output: beyond what the
+        # tracker files as gathered, the head's copy being made (1 MiB, under activations there)
+        head = 4096 * 128 * 2
+        assert estimate.components["weights_gathered"] > m.phase_total(phase, key="weights_gathered") + head // 2
+
+
+def test_a_prefill_regathering_without_resharding_peaks_at_the_heads_copy_out():
+    """Under reshard_after_forward=False, generate's prefill regathers every unit the step
+    before's backward resharded and keeps each one that has run. The untied head copies out
+    last: the root, every block, the head twice and the last block's all-gather output, with the
+    prompt's whole cache. Counted at the head running (its all-gather output dropped), the
+    rollout read 4.4% low."""
+    _assert_peaks_at_the_heads_copy_out(_untied_without_resharding(generation="hf", beta=0.0), ("rollout",))
+
+
+def test_passes_regather_without_resharding_after_a_backward():
+    """FSDP2 reshards every unit after its backward, so without a rollout the reference pass
+    gathers them again, and so does the last of two learn micro-batches: both peak at the
+    head's copy-out. Counted as every unit gathered, the reference pass read 14.1% low and
+    learn 12.0% low."""
+    request = _untied_without_resharding(generation="none", beta=0.04, micro_batch_size_per_gpu=1)
+    _assert_peaks_at_the_heads_copy_out(request, ("reference", "learn"))
+
+
+def test_the_backward_releases_each_unit_once_through_without_resharding():
+    """One learn micro-batch after the reference pass finds every unit gathered, and FSDP2
+    reshards each in its post-backward: the head (1 MiB) is gone before the blocks run backward.
+    Counted with every unit gathered through the backward, learn read 8.6% high."""
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    request = _untied_without_resharding(generation="none", beta=0.04, micro_batch_size_per_gpu=2)
+    m = run_probe(request)
+    assert m.ok, m.failure
+    learn = estimate_request(request, saved_coefficients("cpu")).phases["learn"]
+    assert learn.total == pytest.approx(m.phase_total("learn"), rel=0.02)
+
+
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
     """The root (here the tied embedding table, 4 MiB beside 0.5 MiB blocks) is gathered first;
     FSDP2 keeps its all-gather output until the first block's copy-out returns, so the root is
