@@ -53,6 +53,8 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
     }
     if not offline:
         algorithm.update(group_size=w.group_size, update_epochs=w.update_epochs)
+        if w.temperature != 1.0:  # the trainer's default otherwise
+            algorithm["temperature"] = w.temperature
     if w.algorithm != "sft":
         algorithm["beta"] = w.beta
     if not offline:

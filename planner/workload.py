@@ -152,6 +152,16 @@ class Workload(BaseModel):
     update_epochs: Annotated[
         int, Field(ge=1, description="Optimizer passes per batch (>1 adds an old log-prob pass).")
     ] = 1
+    temperature: Annotated[
+        float,
+        Field(
+            gt=0.0,
+            allow_inf_nan=False,
+            description="Sampling temperature of the rollout (the trainer's default: 1; the log-probs use it "
+            "too): other than 1, Hugging Face generate keeps one more fp32 copy of the last position's "
+            "logits while it samples (the offline objectives sample nothing: 1).",
+        ),
+    ] = 1.0
     weights_dtype: Annotated[
         Literal["bfloat16", "float16", "float32"],
         Field(
@@ -300,6 +310,11 @@ class Workload(BaseModel):
                 )
             if self.update_epochs != 1:
                 raise ValueError(f"update_epochs={self.update_epochs}: {algorithm} takes one pass per batch")
+            if self.temperature != 1.0:
+                raise ValueError(
+                    f"temperature={self.temperature:g}: {algorithm} learns from a dataset, it samples nothing "
+                    "(temperature 1)"
+                )
         elif algorithm != "ppo" and self.group_size < 2:
             raise ValueError(
                 f"group_size={self.group_size}: {algorithm}'s advantages are relative within a group "

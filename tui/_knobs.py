@@ -57,6 +57,7 @@ WORKLOAD_FIELDS = (
     "attn_implementation",
     "beta",
     "update_epochs",
+    "temperature",
     "use_separate_reference_adapter",
     "logprob_rows",
     "padded_batches",

@@ -336,6 +336,7 @@ class GRPO(LLMAlgorithm):
             completion_tokens=completion,
             beta=self.beta,
             update_epochs=self.update_epochs,
+            temperature=self.temperature,
             # an engine of its own (rollout_engine): nothing generates on the trainer's GPUs
             generation="none" if self.engine is not None and vllm is None else ("vllm" if vllm is not None else "hf"),
             gather_weights_for_rollout=None

@@ -71,12 +71,12 @@ def hf_rollout_moments(
       rollout's peak (tests/planner/probe/test_probe.py: 4.4% low counted at the head
       running);
     - a last decode step's forward: the whole cache, what its update holds twice
-      (:func:`growing_cache_bytes`), and the step before's three fp32 copies of the logits,
-      which the sampling loop's locals keep;
+      (:func:`growing_cache_bytes`), and the fp32 copies of the step before's logits that the
+      sampling loop's locals keep (:func:`kept_logits_copies`);
     - its sampling, between forwards: the whole cache, the model's last-position logits in the
-      compute dtype and the three fp32 copies (GRPO samples at its temperature with no top-k
-      or top-p; greedy holds one copy less, a temperature other than 1 one more, top-p several,
-      and ``min_new_tokens`` about three more).
+      compute dtype, those copies and the one multinomial draws from (GRPO samples at its
+      temperature with no top-k or top-p; top-p holds several more, ``min_new_tokens`` about
+      three).
 
     Measured against a real sampling ``generate`` with a live-tensor tracker
     (tests/planner/memory/test_generation.py: within 2%).
@@ -86,10 +86,11 @@ def hf_rollout_moments(
     generate's first step runs the last column of every row."""
     n, prompt, V = ctx.completions_per_rank, ctx.workload.prompt_tokens, ctx.vocab_size
     full_kv = kv_cache_bytes(ctx, ctx.sequence_tokens)
-    decode = {"kv_cache": full_kv + growing_cache_bytes(ctx, ctx.sequence_tokens), "logits": n * V * 3 * 4}
+    copies = kept_logits_copies(ctx)
+    decode = {"kv_cache": full_kv + growing_cache_bytes(ctx, ctx.sequence_tokens), "logits": n * V * copies * 4}
     if repeated := masked_decode_bytes(ctx):
         decode["activations"] = repeated
-    sampling = {"kv_cache": full_kv, "logits": n * V * (ctx.compute_bytes + 3 * 4)}
+    sampling = {"kv_cache": full_kv, "logits": n * V * (ctx.compute_bytes + (copies + 1) * 4)}
     rows = ctx.rollout_prefix_rows
     if not (rows < n and prompt > 1):
         rows, length = n, prompt
@@ -108,6 +109,16 @@ def hf_rollout_moments(
         decode,
         sampling,
     )
+
+
+def kept_logits_copies(ctx: Context) -> int:
+    """The fp32 copies of a step's last-position logits that transformers' sampling loop keeps
+    in its locals into the next step's forward: the logits cast to fp32 and the softmax of its
+    scores, and at a temperature other than 1 the scores themselves (the temperature warper
+    divides into a new tensor; without a processor the scores are the cast logits). Measured on
+    a real generate (tests/planner/memory/test_generation.py: two at temperature 1, three at
+    0.7)."""
+    return 2 + (ctx.workload.temperature != 1.0)
 
 
 def prefill_cache_bytes(ctx: Context, tokens: int, rows: int) -> tuple[int, ...]:

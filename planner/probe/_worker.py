@@ -131,7 +131,13 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
             "input_ids": torch.randint(3, vocab, (workload.prompts_per_step, p_len), generator=gen),
             "attention_mask": torch.ones(workload.prompts_per_step, p_len, dtype=torch.long),
         }
-        agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length (the engine too)
+        if agent.engine is None:
+            # No EOS token: every completion runs its full length, as the worst case of a run does,
+            # with no min-length processor beside the sampling (it holds about three more copies
+            # of the logits than the trainer's own sampling).
+            agent.generation_kwargs["eos_token_id"] = None
+        else:
+            agent.generation_kwargs["min_new_tokens"] = c_len  # exactly the requested length
         ids, masks = agent.get_action(prompts)
         assert ids.shape[1] == p_len + c_len, ids.shape
         if agent.engine is not None:
@@ -216,6 +222,7 @@ def _algorithm_and_arguments(request: dict, workload, fsdp) -> tuple[type, dict]
         kwargs.update(
             group_size=workload.group_size,
             update_epochs=workload.update_epochs,
+            temperature=workload.temperature,
             max_output_tokens=workload.completion_tokens,
             gather_weights_for_rollout=bool(workload.gather_weights_for_rollout),
         )

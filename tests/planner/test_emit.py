@@ -37,6 +37,8 @@ PLANS = {
         "2",
         "--weights-dtype",
         "float16",
+        "--temperature",
+        "0.7",
     ],
     "vllm with a reference adapter": [
         "Qwen/Qwen2.5-7B",
@@ -147,6 +149,7 @@ def test_what_the_qlora_plan_spells_out(capsys, monkeypatch):
     lora = ours["lora_config"]
     assert (lora.r, lora.lora_alpha, set(lora.target_modules)) == (64, 128, {"q_proj", "v_proj"})
     assert ours["load_in_4bit"] is True and ours["dtype"] == "float16" and ours["update_epochs"] == 2
+    assert ours["temperature"] == 0.7
 
 
 @pytest.mark.parametrize("args", PLANS.values(), ids=PLANS.keys())

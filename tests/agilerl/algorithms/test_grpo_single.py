@@ -715,6 +715,13 @@ def test_the_estimate_behind_auto_is_asked_about_the_agents_lora_dropout(dropout
     assert _workload_for(make_agent(lora_config=config), None)[0].lora_dropout == dropout
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_estimate_behind_auto_is_asked_about_the_agents_temperature(temperature):
+    from agilerl.algorithms.core.autoplan import _workload_for
+
+    assert _workload_for(make_agent(temperature=temperature), None)[0].temperature == temperature
+
+
 @pytest.mark.parametrize("chunk", [None, 7, "auto"])
 def test_the_estimate_behind_auto_is_asked_about_the_agents_logprob_chunk(chunk):
     """The trainer's None is unchunked (the planner's None: it chooses). A step of 2 prompts x 4
