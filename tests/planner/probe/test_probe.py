@@ -257,26 +257,33 @@ def test_a_generate_steps_first_copy_out_holds_the_step_befores_head():
     )
 
 
+#: A tiny Qwen2 body (its vocabulary and head given by each test), and the probe settings of a
+#: bf16 run of fixed-length rows that share nothing, without LoRA dropout.
+QWEN2_BODY = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
+BF16_ROWS = {
+    "padded_batches": False,
+    "share_prompt_prefix": False,
+    "lora_dropout": 0.0,
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "weights_dtype": "bfloat16",
+    "attn_implementation": "sdpa",
+}
+
+
 def _untied_without_resharding(**workload) -> ProbeRequest:
     """An untied Qwen2 on 2 ranks whose head (1 MiB) is twice a block, two completions a rank of
     32 + 32 tokens, under reshard_after_forward=False."""
-    untied = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
     update = {
         "prompts_per_step": 1,
         "group_size": 4,
         "prompt_tokens": 32,
         "completion_tokens": 32,
-        "padded_batches": False,
-        "share_prompt_prefix": False,
-        "lora_dropout": 0.0,
-        "lora_rank": 8,
-        "lora_alpha": 16,
-        "weights_dtype": "bfloat16",
-        "attn_implementation": "sdpa",
+        **BF16_ROWS,
         **workload,
     }
     return ProbeRequest(
-        model=f"{untied}&vocab_size=4096",
+        model=f"{QWEN2_BODY}&vocab_size=4096",
         workload=SMALL.model_copy(update=update),
         fsdp=FSDPConfig(param_dtype="bfloat16", reshard_after_forward=False, param_persistence_threshold=0),
         nproc=2,
@@ -339,25 +346,18 @@ def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks
     paired with the rollout's decode (whose steps find the root gathered) 14.8% high."""
     from benchmarks._probe_cache import estimate_request, saved_coefficients
 
-    tied = "tiny:qwen2?hidden_size=128&intermediate_size=512&num_layers=4&num_heads=4&num_kv_heads=2"
     workload = SMALL.model_copy(
         update={
             "prompts_per_step": 2,
             "group_size": 2,
             "prompt_tokens": 16,
             "completion_tokens": 16,
-            "padded_batches": False,
-            "share_prompt_prefix": False,
-            "lora_dropout": 0.0,
-            "lora_rank": 8,
-            "lora_alpha": 16,
-            "weights_dtype": "bfloat16",
-            "attn_implementation": "sdpa",
+            **BF16_ROWS,
             "generation": "hf",
         }
     )
     request = ProbeRequest(
-        model=f"{tied}&vocab_size=16384&tie_word_embeddings=true",
+        model=f"{QWEN2_BODY}&vocab_size=16384&tie_word_embeddings=true",
         workload=workload,
         fsdp=FSDPConfig(param_dtype="bfloat16", param_persistence_threshold=0),
         nproc=2,
