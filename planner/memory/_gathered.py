@@ -260,6 +260,22 @@ def forward_head_window(
     return next((w for u, w in zip(layout.units, windows) if u.name == "lm_head"), (0, 0))
 
 
+def forward_windows(
+    ctx: Context, layout: Layout, gathered: Gathered, *, regathers: bool, also_gathered: bool = False
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, int]]:
+    """:func:`forward_layer_windows` and :func:`forward_head_window` of a forward that
+    ``regathers`` or not; with ``also_gathered``, the larger of that and a forward finding every
+    unit gathered (the later micro-batches of a pass after a first that regathered)."""
+    layers = forward_layer_windows(ctx, layout, gathered, regathers=regathers)
+    head = forward_head_window(ctx, layout, gathered, regathers=regathers)
+    if regathers and also_gathered:
+        others = forward_layer_windows(ctx, layout, gathered)
+        layers = tuple((max(a, c), max(b, d)) for (a, b), (c, d) in zip(layers, others))
+        gathered_head = forward_head_window(ctx, layout, gathered)
+        head = (max(head[0], gathered_head[0]), max(head[1], gathered_head[1]))
+    return layers, head
+
+
 def backward_gathered_bytes(ctx: Context, gathered: Gathered) -> int:
     """The backward's window with ``backward_prefetch_units`` prefetched."""
     return in_flight(ctx, gathered, ctx.fsdp.backward_prefetch_units if ctx.fsdp else 0, forward=False)

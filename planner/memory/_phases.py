@@ -27,8 +27,7 @@ from ._gathered import (
     backward_layer_windows,
     between_steps_bytes,
     build_gathered,
-    forward_head_window,
-    forward_layer_windows,
+    forward_windows,
     nograd_gathered_bytes,
 )
 from ._generation import (
@@ -204,22 +203,6 @@ def regathering(ctx: Context) -> tuple[bool, bool]:
     return nograd, learn
 
 
-def _layer_windows(
-    ctx: Context, terms: Terms, *, regathers: bool, also_gathered: bool = False
-) -> tuple[tuple[tuple[int, int], ...], tuple[int, int]]:
-    """Per layer (running, copy-out) windows and the head's (forward_layer_windows,
-    forward_head_window) of a forward that ``regathers`` (with ``also_gathered``: the larger of
-    that and a forward finding every unit gathered, as the later micro-batches of a pass do)."""
-    layers = forward_layer_windows(ctx, terms.layout, terms.gathered, regathers=regathers)
-    head = forward_head_window(ctx, terms.layout, terms.gathered, regathers=regathers)
-    if regathers and also_gathered:
-        others = forward_layer_windows(ctx, terms.layout, terms.gathered)
-        layers = tuple((max(a, c), max(b, d)) for (a, b), (c, d) in zip(layers, others))
-        gathered_head = forward_head_window(ctx, terms.layout, terms.gathered)
-        head = (max(head[0], gathered_head[0]), max(head[1], gathered_head[1]))
-    return layers, head
-
-
 def _gathered_throughout(ctx: Context, terms: Terms) -> Callable[[int], int]:
     """A no-grad forward's window under gather_weights_for_rollout with Hugging Face generate
     (GRPO._gathered_for_rollout, and _gathered_for_reference for the no-grad passes): every unit
@@ -245,8 +228,7 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
             # backward resharded, and each stays gathered once it has run.
             widen = _gathered_throughout(ctx, terms)
             merged = merged_copy_bytes(ctx)  # unsharded, or replicated under FSDP2: merged copies
-            layers = forward_layer_windows(ctx, terms.layout, terms.gathered, regathers=True)
-            head = forward_head_window(ctx, terms.layout, terms.gathered, regathers=True)
+            layers, head = forward_windows(ctx, terms.layout, terms.gathered, regathers=True)
             prefill, decode, sampling = hf_rollout_moments(
                 ctx,
                 terms.layout,
@@ -322,7 +304,9 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
         return gathered(window) + actors
 
     # Its first micro-batch may gather the units again (regathering), the later ones find them gathered.
-    layers, head = _layer_windows(ctx, terms, regathers=regathering(ctx)[0], also_gathered=ctx.micro_batches > 1)
+    layers, head = forward_windows(
+        ctx, terms.layout, terms.gathered, regathers=regathering(ctx)[0], also_gathered=ctx.micro_batches > 1
+    )
     fwd = reference_forward_moment(ctx, terms.layout, adapters_on, tuple(widen(running) for running, _ in layers))
     # a unit's copy-out, before its block has made anything (the head's after every block)
     copy_out = max((copy for _, copy in layers), default=0)
@@ -378,7 +362,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     backward's end (every gradient made, the embeddings' last).
     """
     grads = gradient_terms(ctx, terms.layout, terms.memory)
-    windows, head = _layer_windows(ctx, terms, regathers=regathering(ctx)[1])
+    windows, head = forward_windows(ctx, terms.layout, terms.gathered, regathers=regathering(ctx)[1])
     head_window = max(head)
     backward_windows = backward_layer_windows(ctx, terms.layout, terms.gathered)
     acts = learn_activations(ctx, terms.layout, backward_gradients(terms.layout, grads), windows, backward_windows)
