@@ -29,6 +29,7 @@ from ._gathered import (
     build_gathered,
     forward_windows,
     nograd_gathered_bytes,
+    post_backward_windows,
 )
 from ._generation import (
     VLLM_NOTE,
@@ -369,6 +370,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     kept, backward = acts.kept, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)
+    reducing = post_backward_windows(ctx, terms.layout, terms.gathered)
     # A padded batch's attention mask lives from the forward's start to the backward's end;
     # eager attention's own masks, without checkpointing, while the forward runs only.
     held_masks, forward_masks = learn_mask_bytes(ctx)
@@ -385,9 +387,10 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
             "allocator_slack": learn_tile_segment_bytes(ctx),
             **larger(
                 # (a trained untied lm_head: its unit's own backward and reduce-scatter, of the one-position
-                # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks)
+                # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks; the
+                # unit reshards before it reduce-scatters)
                 {
-                    "weights_gathered": terms.after_forward,
+                    "weights_gathered": reducing.head if grads.head_reducing else terms.after_forward,
                     "gradients": grads.prior + grads.head + grads.head_reducing,
                     "activations": kept + hidden_grad + beside + 2 * value,
                     "comm_buffers": grads.head_buffer,
@@ -446,14 +449,14 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                 # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
                 # its own activations are freed (what the blocks keep and the gradients flowing remain)
                 {
-                    "weights_gathered": window,
+                    "weights_gathered": reducing.block,
                     "gradients": grads.prior + acts.backward_grads + grads.reducing,
                     "activations": acts.blocks_kept + acts.embedding_kept + flowing_in + beside,
                     "comm_buffers": grads.reduce_buffer,
                 },
                 # the end of the backward: every gradient of the step made, the embeddings' as it is made
                 {
-                    "weights_gathered": window,
+                    "weights_gathered": reducing.end,
                     "gradients": max(grads.prior, grads.final) + grads.embed,
                     "activations": acts.embedding_kept + flowing_in + beside,
                 },

@@ -239,6 +239,12 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
             for group, _ in self._agilerl_groups.values():
                 for grad in _accumulated_gradients(group):
                     self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+                # Units an earlier forward left gathered (reshard_after_forward=False): the tracker
+                # registers unsharded parameters in a unit's pre-forward, so one that does not run
+                # in this phase (the actor while a full fine-tune's reference copy runs) would go
+                # unseen, and the resident scan skips them as the model's own parameters.
+                for param in _gathered_parameters(group):
+                    self._update_and_maybe_create_winfos(param, _FSDPRefType.UNSHARDED_PARAM)
             return entered
 
         def __exit__(self, *args):
@@ -267,6 +273,13 @@ def _accumulated_gradients(group) -> list[torch.Tensor]:
             if grad is not None:
                 out.append(grad)
     return out
+
+
+def _gathered_parameters(group) -> list[torch.Tensor]:
+    """The unsharded parameters of an FSDP2 param group that is gathered now."""
+    if not group.is_unsharded:
+        return []
+    return [fsdp_param.unsharded_param for fsdp_param in group.fsdp_params]
 
 
 def resident_tensors(device: torch.device, *, known: set[int]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from agilerl.distributed import FSDPConfig
 from planner.memory._gathered import (
     Gathered,
+    PostBackwardWindows,
     after_forward_bytes,
     backward_gathered_bytes,
     backward_layer_windows,
@@ -13,6 +14,7 @@ from planner.memory._gathered import (
     forward_unit_windows,
     in_flight,
     nograd_gathered_bytes,
+    post_backward_windows,
     reversed_with_parents,
 )
 from planner.memory._units import build_layout
@@ -151,3 +153,25 @@ def test_the_backward_reshards_each_unit_once_through_without_resharding_after_f
     ctx = make_context(dense_spec, fsdp=fsdp.model_copy(update={"reshard_after_forward": True}))
     assert set(backward_layer_windows(ctx, layout, gathered)) == {backward_gathered_bytes(ctx, gathered)}
     assert backward_layer_windows(make_context(dense_spec), layout, gathered) == ()  # unsharded
+
+
+def test_a_unit_reshards_before_its_reduce_scatter_without_resharding_after_forward(dense_spec):
+    # FSDP2's post-backward reshards a unit, then reduce-scatters its gradients; the units after it
+    # in forward order have done so already, the ones before it are still gathered from the forward
+    fsdp = FSDPConfig(reshard_after_forward=False, param_persistence_threshold=0)
+    ctx = make_context(dense_spec, fsdp=fsdp)
+    layout = build_layout(ctx)
+    gathered = build_gathered(ctx, layout)
+    embed, *blocks, head = gathered.unit_bytes
+    assert len(blocks) == dense_spec.num_layers
+    root, buffer = gathered.root_bytes, gathered.buffer_bytes
+    windows = post_backward_windows(ctx, layout, gathered)
+    assert windows.head == root + embed + sum(blocks)  # the head's own copy gone
+    assert windows.block == root + embed + sum(blocks[:-1]) + buffer  # the last block's, the widest
+    assert windows.end == root + embed + buffer  # the embeddings' backward
+    # resharding after forward: the head's unit was the forward's last and is resharded anyway
+    ctx = make_context(dense_spec, fsdp=fsdp.model_copy(update={"reshard_after_forward": True}))
+    windows = post_backward_windows(ctx, layout, gathered)
+    assert windows.head == after_forward_bytes(ctx, gathered) == root
+    assert windows.block == windows.end == backward_gathered_bytes(ctx, gathered)
+    assert post_backward_windows(make_context(dense_spec), layout, gathered) == PostBackwardWindows(0, 0, 0)

@@ -338,6 +338,21 @@ def test_the_backward_releases_each_unit_once_through_without_resharding():
     assert learn.total == pytest.approx(m.phase_total("learn"), rel=0.02)
 
 
+def test_a_full_fine_tune_without_resharding_holds_the_actors_units_through_the_reference_copys_pass():
+    """Generate leaves the actor's units gathered while the frozen reference copy runs its pass;
+    the actor runs no forward there, so the probe must register them itself (it read 20.6% below
+    the estimate without them). In learn, the trained untied head's unit reshards before its
+    gradients are reduce-scattered: counted gathered there, learn read 4.6% high."""
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
+    m = run_probe(request)
+    assert m.ok, m.failure
+    estimated = estimate_request(request, saved_coefficients("cpu")).phases
+    for phase in ("reference", "learn"):
+        assert estimated[phase].total == pytest.approx(m.phase_total(phase), rel=0.02), phase
+
+
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
     """The root (here the tied embedding table, 4 MiB beside 0.5 MiB blocks) is gathered first;
     FSDP2 keeps its all-gather output until the first block's copy-out returns, so the root is
