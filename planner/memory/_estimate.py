@@ -25,7 +25,8 @@ def estimate(
     *,
     coefficients: Coefficients | None = None,
 ) -> Estimate:
-    """Per-rank memory of a GRPO run by phase and component (see the package docstring)."""
+    """Per-rank memory of a training run (any ``Workload.algorithm``) by phase and component
+    (see the package docstring)."""
     k = coefficients or Coefficients()
     if fsdp is not None and fsdp.routed_expert_chunk_mib is None and spec.is_moe and row_wise_experts(spec):
         # agilerl's GRPO resolves None before sharding (FSDPConfig's documented choice).

@@ -303,7 +303,7 @@ class PostBackwardWindows:
 
     head: int  # a trained untied lm_head unit's post-backward (its gradients reduce-scattered)
     block: int  # a block unit's post-backward, the widest
-    end: int  # the embeddings' backward, every gradient made
+    end: int  # the backward's end, every gradient made (the embeddings' as it is made)
 
 
 def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> PostBackwardWindows:
@@ -313,8 +313,9 @@ def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> P
     reduce-scatters (FSDPParamGroup.post_backward), and the units after it in forward order have
     already done so. The head's reduce-scatter holds the root and the units before the head; a
     block unit's, the root and the units before its own (the last block's the widest), with the
-    buffer allowance; the embeddings' backward, the root and the units before the first block
-    (an embeddings unit; measured on 2 gloo ranks: a full
+    buffer allowance; the backward's end, the root and the units before the first block (an
+    embeddings unit), and the first block's too without trained embeddings: a unit's
+    post-backward hook fires once a gradient reaches its input (measured on 2 gloo ranks: a full
     fine-tune peaking at its untied head's reduce-scatter, counted with every unit gathered, read
     4.6% high)."""
     if ctx.fsdp is None:
@@ -324,11 +325,14 @@ def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> P
         return PostBackwardWindows(after_forward_bytes(ctx, gathered), window, window)
     through = (0, *itertools.accumulate(gathered.unit_bytes))  # through[k]: the units before unit k
     first, last = layout.layer_units[0], layout.layer_units[-1]
+    # Without trained embeddings the first block's input needs no gradient, so no hook reshards its
+    # unit: the root's final callback does, after the backward.
+    end = first if ctx.full_finetune else first + 1
     root = gathered.root_bytes
     return PostBackwardWindows(
         head=root + through[last + 1],
         block=root + through[last] + gathered.buffer_bytes,
-        end=root + through[first] + gathered.buffer_bytes,
+        end=root + through[end] + gathered.buffer_bytes,
     )
 
 

@@ -1,5 +1,5 @@
 """The phases of a training step, assembled from the terms: load, rollout (and vLLM's weight
-sync), reference, learn, step, save. Peak is the largest phase (DESIGN.md decision 3). The
+sync), reference, learn, step, save. Peak is the largest phase. The
 offline objectives (SFT, DPO) have no rollout; SFT has no reference pass either.
 
 Within a phase components peak at different moments, so a phase is the larger of its

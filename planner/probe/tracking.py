@@ -4,7 +4,7 @@ One tracker per phase (a tracker's global peak cannot be reset):
 
 - on CPU, torch's ``FSDPMemTracker`` (sharded) or ``MemTracker`` (unsharded)
   counts live tensor bytes by category; the categories map onto the
-  component names of DESIGN.md;
+  estimate's component names (planner.probe.COMPONENTS);
 - on CUDA, ``max_memory_allocated`` / ``max_memory_reserved`` are reset per
   phase and give the totals (the tracker still gives the breakdown);
 - the host's peak resident set (VmHWM, reset per phase through

@@ -1,7 +1,7 @@
 """Shared machinery of the LLM algorithms: launch checks, the actor (LoRA or every
 parameter), the reference policy, the log-prob forward, the optimizer step, checkpoints.
 
-Memory behaviour is deliberate and named by phase (DESIGN.md): ``rollout``
+Memory behaviour is deliberate and named by phase (docs/accuracy.md): ``rollout``
 (generation), ``reference`` (no-grad reference / old log-prob passes),
 ``learn`` (forward + backward of one micro-batch), ``step`` (clip and
 optimizer step), ``save``. A ``phase_observer`` (the probe's memory tracker)

@@ -168,7 +168,14 @@ def test_a_unit_reshards_before_its_reduce_scatter_without_resharding_after_forw
     windows = post_backward_windows(ctx, layout, gathered)
     assert windows.head == root + embed + sum(blocks)  # the head's own copy gone
     assert windows.block == root + embed + sum(blocks[:-1]) + buffer  # the last block's, the widest
-    assert windows.end == root + embed + buffer  # the embeddings' backward
+    assert windows.end == root + embed + blocks[0] + buffer  # no hook reshards the first block
+    full = make_context(dense_spec, fsdp=fsdp, full_finetune=True)
+    full_layout = build_layout(full)
+    full_gathered = build_gathered(full, full_layout)
+    # trained embeddings: the first block's input has a gradient, and its hook reshards it
+    assert post_backward_windows(full, full_layout, full_gathered).end == (
+        full_gathered.root_bytes + full_gathered.unit_bytes[0] + full_gathered.buffer_bytes
+    )
     # resharding after forward: the head's unit was the forward's last and is resharded anyway
     ctx = make_context(dense_spec, fsdp=fsdp.model_copy(update={"reshard_after_forward": True}))
     windows = post_backward_windows(ctx, layout, gathered)
