@@ -386,9 +386,10 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
             # reserved from the learn forward's head on, whichever moment peaks (GPU only)
             "allocator_slack": learn_tile_segment_bytes(ctx),
             **larger(
-                # (a trained untied lm_head: its unit's own backward and reduce-scatter, of the one-position
-                # logits, run while the chunked head's workspace is alive: measured on 2 gloo ranks; the
-                # unit reshards before it reduce-scatters)
+                # (a trained untied lm_head: the chunked head's workspace and its unit's reduce-scatter in one
+                # moment, an upper bound of both. Traced on 2 gloo ranks the peak is the reduce-scatter, after
+                # the workspace is freed and the unit resharded, where gloo holds a copy of the input, about as
+                # large as the workspace: exact there, high by up to V x H x 4 where NCCL copies nothing)
                 {
                     "weights_gathered": reducing.head if grads.head_reducing else terms.after_forward,
                     "gradients": grads.prior + grads.head + grads.head_reducing,

@@ -183,7 +183,7 @@ class GradientTerms:
     head: int = 0  # this micro-batch's gradients made before the blocks' backward (a trained lm_head)
     per_unit: tuple[int, ...] = ()  # per block unit, the gradients its backward adds to the held ones
     embed: int = 0  # the trained embeddings' gradient as it is made, at the very end of the backward
-    head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient, reduced beside its workspace
+    head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient, reduce-scattered
     head_buffer: int = 0  # ... and its reduce-scatter buffer
 
 
@@ -256,8 +256,8 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         prior = trainable_full * accumulated if fsdp.defer_grad_sync else memory.gradients_sharded
     else:
         prior = 0
-    # A trained untied lm_head (full fine-tuning): its unit's backward, reduce-scatter included, runs
-    # while the chunked head's weight-gradient workspace is still alive (measured on 2 gloo ranks).
+    # A trained untied lm_head (full fine-tuning): its unit's reduce-scatter, counted in one moment with
+    # the chunked head's weight-gradient workspace (planner.memory._phases.learn_phase says why).
     head_full = layout.head.numel if ctx.full_finetune and layout.head is not None and layout.head.sharded else 0
     return GradientTerms(
         prior=prior,
