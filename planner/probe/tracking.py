@@ -422,7 +422,7 @@ class PhaseRecorder:
                 yield
         finally:
             snapshot = tracker.get_tracker_snapshot("peak")
-            record = self._components(snapshot)
+            record = self._components(snapshot, seen_reference=self._seen_reference_shards(tracker))
             moved = min(accumulated, record["activations"])
             record["activations"] -= moved
             record["gradients"] += moved
@@ -476,7 +476,20 @@ class PhaseRecorder:
             return []
         return [t for t in masters() if t.device.type == self.device.type]
 
-    def _components(self, snapshot: dict) -> dict[str, int]:
+    def _seen_reference_shards(self, tracker) -> int:
+        """Bytes of the reference copy's local shards the tracker registered as parameters: the
+        generic tracker registers the parameters of every module that runs, and a sharded
+        reference copy's pre-forward finds them sharded. They are counted in reference_weights."""
+        if self.reference is None or not self.sharded or self.fsdp_categories:
+            return 0
+        tracked = {storage.data_ptr() for storage in list(getattr(tracker, "_WINFO", {}).keys())}
+        shards = {
+            storage.data_ptr(): storage.nbytes()
+            for storage in (_local(p).untyped_storage() for p in self.reference.parameters() if isinstance(p, DTensor))
+        }
+        return sum(nbytes for ptr, nbytes in shards.items() if ptr in tracked)
+
+    def _components(self, snapshot: dict, *, seen_reference: int = 0) -> dict[str, int]:
         device_snap: dict = {}
         for dev, values in snapshot.items():
             if torch.device(dev).type == self.device.type:
@@ -511,8 +524,8 @@ class PhaseRecorder:
             local = self.static["weights"] - self.quant_state + self.static["lora"] + self.static["weights_replicated"]
             replicated = self.static["weights_replicated"] + self.replicated_lora
             unseen = replicated if self.fsdp_categories else 0
-            record["weights_gathered"] += max(0, tracked_params - (local - unseen))
-            unseen += self.quant_state  # kept out of the resident scan: counted here
+            record["weights_gathered"] += max(0, tracked_params - seen_reference - (local - unseen))
+            unseen += self.quant_state - seen_reference  # the quantisation states; the reference's shards twice
         else:
             # The generic tracker counts the parameters of every module that runs, the reference copy's too.
             own = sum(v for k, v in self.static.items() if k != "reference_weights")

@@ -353,6 +353,20 @@ def test_a_full_fine_tune_without_resharding_holds_the_actors_units_through_the_
         assert estimated[phase].total == pytest.approx(m.phase_total(phase), rel=0.02), phase
 
 
+def test_a_grouped_layout_counts_the_reference_copys_shards_once():
+    """Two blocks a unit take the generic tracker, which registers the parameters of every module
+    that runs: the frozen reference copy's local shards too, which reference_weights counts
+    already. Counted twice, the reference pass read 7.6% above the estimate."""
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
+    request = request.model_copy(update={"fsdp": request.fsdp.model_copy(update={"wrap_every_n_blocks": 2})})
+    m = run_probe(request)
+    assert m.ok, m.failure
+    estimated = estimate_request(request, saved_coefficients("cpu")).phases["reference"]
+    assert estimated.total == pytest.approx(m.phase_total("reference"), rel=0.02)
+
+
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
     """The root (here the tied embedding table, 4 MiB beside 0.5 MiB blocks) is gathered first;
     FSDP2 keeps its all-gather output until the first block's copy-out returns, so the root is
