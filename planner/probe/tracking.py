@@ -477,17 +477,35 @@ class PhaseRecorder:
         return [t for t in masters() if t.device.type == self.device.type]
 
     def _seen_reference_shards(self, tracker) -> int:
-        """Bytes of the reference copy's local shards the tracker registered as parameters: the
-        generic tracker registers the parameters of every module that runs, and a sharded
-        reference copy's pre-forward finds them sharded. They are counted in reference_weights."""
+        """Bytes of what reference_weights counts that the tracker registered too: the generic
+        tracker registers the parameters and buffers of every module that runs, and a sharded
+        reference copy's root pre-forward finds them sharded."""
         if self.reference is None or not self.sharded or self.fsdp_categories:
             return 0
         tracked = {storage.data_ptr() for storage in list(getattr(tracker, "_WINFO", {}).keys())}
-        shards = {
-            storage.data_ptr(): storage.nbytes()
-            for storage in (_local(p).untyped_storage() for p in self.reference.parameters() if isinstance(p, DTensor))
-        }
-        return sum(nbytes for ptr, nbytes in shards.items() if ptr in tracked)
+        return sum(nbytes for ptr, nbytes in self._reference_storages().items() if ptr in tracked)
+
+    def _reference_storages(self) -> dict[int, int]:
+        """Storage pointer -> bytes of the reference copy's resident tensors on this device: its
+        units' local shards (whether or not a unit is gathered now), its replicated parameters
+        and its buffers; not the unsharded copies of units gathered now."""
+        from torch.distributed.fsdp import FSDPModule
+
+        assert self.reference is not None
+        found: dict[int, int] = {}
+        gathered: set[int] = set()
+        tensors: list[torch.Tensor] = []
+        for module in self.reference.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            if group is not None:
+                tensors += [_local(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params]
+                gathered.update(p.untyped_storage().data_ptr() for p in _gathered_parameters(group))
+        tensors += [_local(t) for t in (*self.reference.parameters(), *self.reference.buffers())]
+        for t in tensors:
+            storage = t.untyped_storage()
+            if t.device.type == self.device.type and storage.data_ptr() not in gathered:
+                found.setdefault(storage.data_ptr(), storage.nbytes())
+        return found
 
     def _components(self, snapshot: dict, *, seen_reference: int = 0) -> dict[str, int]:
         device_snap: dict = {}

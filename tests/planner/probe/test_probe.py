@@ -225,16 +225,10 @@ def test_a_no_grad_forward_pairs_each_layers_window_with_that_layers_own_activat
     window is not the widest (the last unit's), and while it runs the prompt's cache holds the
     layers that have run only. Paired with the widest window and the whole cache, the rollout
     read 6.3% high."""
-    from benchmarks._probe_cache import estimate_request, saved_coefficients
     from benchmarks.kv_sharing_memory import CONFIGS, request_for
 
     row = next(c for c in CONFIGS if c["model"] == "gemma4" and c["world"] == 2 and c["gc"])
-    request = request_for(row, "cpu")
-    m = run_probe(request)
-    assert m.ok, m.failure
-    phases = estimate_request(request, saved_coefficients("cpu")).phases
-    for phase in ("rollout", "reference"):
-        assert phases[phase].total == pytest.approx(m.phase_total(phase), rel=0.02), phase
+    _probe_within(request_for(row, "cpu"), ("rollout", "reference"))
 
 
 def test_a_generate_steps_first_copy_out_holds_the_step_befores_head():
@@ -271,6 +265,19 @@ BF16_ROWS = {
 }
 
 
+def _probe_within(request: ProbeRequest, phases: tuple[str, ...], rel: float = 0.02):
+    """Run ``request``'s probe and check each phase's estimate against it; the measurement and
+    the estimated phases, for more checks."""
+    from benchmarks._probe_cache import estimate_request, saved_coefficients
+
+    m = run_probe(request)
+    assert m.ok, m.failure
+    estimated = estimate_request(request, saved_coefficients("cpu")).phases
+    for phase in phases:
+        assert estimated[phase].total == pytest.approx(m.phase_total(phase), rel=rel), phase
+    return m, estimated
+
+
 def _untied_without_resharding(**workload) -> ProbeRequest:
     """An untied Qwen2 on 2 ranks whose head (1 MiB) is twice a block, two completions a rank of
     32 + 32 tokens, under reshard_after_forward=False."""
@@ -293,14 +300,9 @@ def _untied_without_resharding(**workload) -> ProbeRequest:
 
 
 def _assert_peaks_at_the_heads_copy_out(request: ProbeRequest, phases: tuple[str, ...]) -> None:
-    from benchmarks._probe_cache import estimate_request, saved_coefficients
-
-    m = run_probe(request)
-    assert m.ok, m.failure
-    estimated = estimate_request(request, saved_coefficients("cpu")).phases
+    m, estimated = _probe_within(request, phases)
     for phase in phases:
         estimate = estimated[phase]
-        assert estimate.total == pytest.approx(m.phase_total(phase), rel=0.02), phase
         # every unit, the head twice and the last block's all-gather output: beyond what the
         # tracker files as gathered, the head's copy being made (1 MiB, under activations there)
         head = 4096 * 128 * 2
@@ -329,13 +331,7 @@ def test_the_backward_releases_each_unit_once_through_without_resharding():
     """One learn micro-batch after the reference pass finds every unit gathered, and FSDP2
     reshards each in its post-backward: the head (1 MiB) is gone before the blocks run backward.
     Counted with every unit gathered through the backward, learn read 8.6% high."""
-    from benchmarks._probe_cache import estimate_request, saved_coefficients
-
-    request = _untied_without_resharding(generation="none", beta=0.04, micro_batch_size_per_gpu=2)
-    m = run_probe(request)
-    assert m.ok, m.failure
-    learn = estimate_request(request, saved_coefficients("cpu")).phases["learn"]
-    assert learn.total == pytest.approx(m.phase_total("learn"), rel=0.02)
+    _probe_within(_untied_without_resharding(generation="none", beta=0.04, micro_batch_size_per_gpu=2), ("learn",))
 
 
 def test_a_full_fine_tune_without_resharding_holds_the_actors_units_through_the_reference_copys_pass():
@@ -343,28 +339,17 @@ def test_a_full_fine_tune_without_resharding_holds_the_actors_units_through_the_
     the actor runs no forward there, so the probe must register them itself (it read 20.6% below
     the estimate without them). In learn, the trained untied head's unit reshards before its
     gradients are reduce-scattered: counted gathered there, learn read 4.6% high."""
-    from benchmarks._probe_cache import estimate_request, saved_coefficients
-
-    request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
-    m = run_probe(request)
-    assert m.ok, m.failure
-    estimated = estimate_request(request, saved_coefficients("cpu")).phases
-    for phase in ("reference", "learn"):
-        assert estimated[phase].total == pytest.approx(m.phase_total(phase), rel=0.02), phase
+    _probe_within(_untied_without_resharding(generation="hf", beta=0.04, full_finetune=True), ("reference", "learn"))
 
 
 def test_a_grouped_layout_counts_the_reference_copys_shards_once():
     """Two blocks a unit take the generic tracker, which registers the parameters of every module
     that runs: the frozen reference copy's local shards too, which reference_weights counts
     already. Counted twice, the reference pass read 7.6% above the estimate."""
-    from benchmarks._probe_cache import estimate_request, saved_coefficients
-
     request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
-    request = request.model_copy(update={"fsdp": request.fsdp.model_copy(update={"wrap_every_n_blocks": 2})})
-    m = run_probe(request)
-    assert m.ok, m.failure
-    estimated = estimate_request(request, saved_coefficients("cpu")).phases["reference"]
-    assert estimated.total == pytest.approx(m.phase_total("reference"), rel=0.02)
+    _probe_within(
+        request.model_copy(update={"fsdp": request.fsdp.model_copy(update={"wrap_every_n_blocks": 2})}), ("reference",)
+    )
 
 
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
