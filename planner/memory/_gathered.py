@@ -293,8 +293,13 @@ def backward_layer_windows(ctx: Context, layout: Layout, gathered: Gathered) -> 
         return ()
     if ctx.fsdp.reshard_after_forward:
         return (backward_gathered_bytes(ctx, gathered),) * ctx.spec.num_layers
-    through = tuple(itertools.accumulate(gathered.unit_bytes))
-    return tuple(gathered.root_bytes + through[k] + gathered.buffer_bytes for k in layout.layer_units)
+    before = _units_before(gathered)
+    return tuple(gathered.root_bytes + before[k + 1] + gathered.buffer_bytes for k in layout.layer_units)
+
+
+def _units_before(gathered: Gathered) -> tuple[int, ...]:
+    """Entry k: the bytes of the units before unit k in forward order (one entry more than units)."""
+    return (0, *itertools.accumulate(gathered.unit_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +328,7 @@ def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> P
     if ctx.fsdp.reshard_after_forward:
         window = backward_gathered_bytes(ctx, gathered)
         return PostBackwardWindows(after_forward_bytes(ctx, gathered), window, window)
-    through = (0, *itertools.accumulate(gathered.unit_bytes))  # through[k]: the units before unit k
+    through = _units_before(gathered)
     first, last = layout.layer_units[0], layout.layer_units[-1]
     # Without trained embeddings the first block's input needs no gradient, so no hook reshards its
     # unit: the root's final callback does, after the backward.

@@ -220,17 +220,10 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
             return self._wrap_once(super()._fsdp_param_group_post_backward, fsdp_mod, orig)
 
         def __enter__(self):
-            from torch.distributed.fsdp import FSDPModule
-
-            self._agilerl_groups = {}
-            for module in self._root_mod.modules():
-                if isinstance(module, FSDPModule):
-                    group = module._get_fsdp_state()._fsdp_param_group
-                    if group is not None:
-                        self._agilerl_groups[id(group)] = (
-                            group,
-                            {k: group.__dict__.get(k) for k in ("pre_backward", "post_backward")},
-                        )
+            self._agilerl_groups = {
+                id(group): (group, {k: group.__dict__.get(k) for k in ("pre_backward", "post_backward")})
+                for group in fsdp_param_groups(self._root_mod)
+            }
             entered = super().__enter__()
             # Gradients accumulated by earlier micro-batches (defer_grad_sync) predate this
             # tracker; register them, or its post-backward bookkeeping cannot find them.
@@ -303,18 +296,23 @@ def resident_tensors(device: torch.device, *, known: set[int]) -> list[torch.Ten
     return out
 
 
-def accumulated_fsdp_gradients(model: nn.Module) -> list[torch.Tensor]:
-    """:func:`_accumulated_gradients` of every FSDP2 unit of ``model``: tensors made before a
-    phase's tracker starts, which it would not see."""
+def fsdp_param_groups(model: nn.Module) -> list:
+    """The FSDP2 param groups of ``model``'s units, each once (a grouped unit's blocks share one)."""
     from torch.distributed.fsdp import FSDPModule
 
-    groups = {}
+    groups: dict[int, object] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
-                groups[id(group)] = group
-    return [g for group in groups.values() for g in _accumulated_gradients(group)]
+                groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
+def accumulated_fsdp_gradients(model: nn.Module) -> list[torch.Tensor]:
+    """:func:`_accumulated_gradients` of every FSDP2 unit of ``model``: tensors made before a
+    phase's tracker starts, which it would not see."""
+    return [g for group in fsdp_param_groups(model) for g in _accumulated_gradients(group)]
 
 
 class _NoopHandle:
@@ -489,17 +487,13 @@ class PhaseRecorder:
         """Storage pointer -> bytes of the reference copy's resident tensors on this device: its
         units' local shards (whether or not a unit is gathered now), its replicated parameters
         and its buffers; not the unsharded copies of units gathered now."""
-        from torch.distributed.fsdp import FSDPModule
-
         assert self.reference is not None
         found: dict[int, int] = {}
         gathered: set[int] = set()
         tensors: list[torch.Tensor] = []
-        for module in self.reference.modules():
-            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-            if group is not None:
-                tensors += [_local(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params]
-                gathered.update(p.untyped_storage().data_ptr() for p in _gathered_parameters(group))
+        for group in fsdp_param_groups(self.reference):
+            tensors += [_local(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params]
+            gathered.update(p.untyped_storage().data_ptr() for p in _gathered_parameters(group))
         tensors += [_local(t) for t in (*self.reference.parameters(), *self.reference.buffers())]
         for t in tensors:
             storage = t.untyped_storage()
