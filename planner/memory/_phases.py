@@ -304,9 +304,13 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     def widen(window: int) -> int:
         return gathered(window) + actors
 
+    # Full fine-tuning's frozen copy keeps its shards in the compute dtype: its all-gathers cast nothing.
+    own = terms.gathered
+    if ctx.reference_copy and not workload.has_old_policy_pass:
+        own = build_gathered(ctx, terms.layout, casts=False)
     # Its first micro-batch may gather the units again (regathering), the later ones find them gathered.
     layers, head = forward_windows(
-        ctx, terms.layout, terms.gathered, regathers=regathering(ctx)[0], also_gathered=ctx.micro_batches > 1
+        ctx, terms.layout, own, regathers=regathering(ctx)[0], also_gathered=ctx.micro_batches > 1
     )
     fwd = reference_forward_moment(ctx, terms.layout, adapters_on, tuple(widen(running) for running, _ in layers))
     # a unit's copy-out, before its block has made anything (the head's after every block)
@@ -321,7 +325,7 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
             **terms.static,
             "vllm": terms.vllm_asleep,
             **larger(
-                {"weights_gathered": widen(terms.nograd_first), "activations": hidden + kept},
+                {"weights_gathered": widen(nograd_gathered_bytes(ctx, own)), "activations": hidden + kept},
                 {"weights_gathered": copying, "activations": beside + kept},
                 {"weights_gathered": fwd.window, "activations": fwd.activations + kept},
                 {

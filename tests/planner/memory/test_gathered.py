@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from agilerl.distributed import FSDPConfig
 from planner.memory._gathered import (
     Gathered,
@@ -126,9 +128,13 @@ def test_a_forward_regathering_without_resharding_keeps_each_unit_it_has_run(den
         coming = sizes[k + 1] if k + 1 < len(sizes) else 0
         assert running == root + sum(sizes[:k]) + 2 * sizes[k] + coming, names[k]
         # at its copy-out the unit before's all-gather output is still held (the root's before
-        # the first unit), and the next unit is not yet prefetched
+        # the first unit), and the next unit is not yet prefetched; then the unit prefetches
+        # the next, beside the bf16 copy of that one's local fp32 adapter shards (2 ranks)
         before = sizes[k - 1] if k else gathered.root_ahead
-        assert copying == root + sum(sizes[:k]) + 2 * sizes[k] + before, names[k]
+        nxt = layout.units[k + 1].lora if k + 1 < len(sizes) else ()
+        cast = sum(math.ceil(t.rows / 2) * t.rest * 2 for t in nxt if t.sharded)
+        held = root + sum(sizes[:k]) + 2 * sizes[k]
+        assert copying == held + max(before, coming + cast), names[k]
     # the head's copy-out is the widest: every unit, the head twice and the last block's output
     assert max(windows, key=lambda w: w[1]) == windows[-1]
     assert windows[-1][1] > windows[-1][0]
@@ -182,3 +188,44 @@ def test_a_unit_reshards_before_its_reduce_scatter_without_resharding_after_forw
     assert windows.head == after_forward_bytes(ctx, gathered) == root
     assert windows.block == windows.end == backward_gathered_bytes(ctx, gathered)
     assert post_backward_windows(make_context(dense_spec), layout, gathered) == PostBackwardWindows(0, 0, 0)
+
+
+def test_a_prefetch_holds_the_cast_copy_of_the_units_local_shards(dense_spec):
+    # embed 10, two blocks 20, head 30 (root 1); each all-gather first casts the unit's local
+    # fp32 shards to the compute dtype: 5, 10, 10, 15 bytes (a full fine-tune on 2 ranks)
+    order = ((10, None, 10), (20, None, 20), (20, None, 20), (30, None, 30))
+    gathered = Gathered((10, 20, 20, 30), 1, 1, 81, order, largest_bytes=30, buffer_bytes=0, cast=(5, 10, 10, 15))
+    ctx = make_context(dense_spec, fsdp=FSDPConfig())
+    # Block 1 (twice) prefetches the head: its output and its 15-byte cast, before block 1 runs.
+    assert in_flight(ctx, gathered, 1, forward=True, moment="copying") == 20 + 20 + 30 + 15 + 1
+    assert in_flight(ctx, gathered, 1, forward=True, moment="running") == 20 + 20 + 30 + 1
+    # Without the casts the head's copy-out is the widest copying moment (head twice, block 1's output).
+    plain = Gathered((10, 20, 20, 30), 1, 1, 81, order, largest_bytes=30, buffer_bytes=0)
+    assert in_flight(ctx, plain, 1, forward=True, moment="copying") == 30 + 30 + 20 + 1
+    # Two prefetched: block 0 issues the head only (block 1 is in flight from the embeddings),
+    # the embeddings issue both blocks; block 1 issues nothing.
+    assert in_flight(ctx, gathered, 2, forward=True, moment="copying") == 20 + 20 + 20 + 30 + 15 + 1
+    # The backward casts too, but its gradients outsize the cast: not counted there.
+    assert in_flight(ctx, gathered, 1, forward=False) == in_flight(ctx, plain, 1, forward=False)
+
+
+def test_the_cast_shards_are_a_full_fine_tunes_fp32_shards_not_its_reference_copys(dense_spec):
+    fsdp = FSDPConfig(param_persistence_threshold=0)
+    ctx = make_context(dense_spec, fsdp=fsdp, full_finetune=True)
+    layout = build_layout(ctx)
+    gathered = build_gathered(ctx, layout)
+    for u, cast in zip(layout.units, gathered.cast):  # dense: one gathering entry per unit
+        assert cast == sum(math.ceil(t.rows / 2) * t.rest * 2 for t in u.base), u.name
+        assert 0 < cast < gathered.unit_bytes[layout.units.index(u)]
+    assert build_gathered(ctx, layout, casts=False).cast == ()
+    # A bf16 base computing in bf16 casts only the fp32 adapters; an fp32 compute dtype nothing.
+    lora = make_context(dense_spec, fsdp=fsdp)
+    lora_layout = build_layout(lora)
+    assert build_gathered(lora, lora_layout).cast == tuple(
+        sum(math.ceil(t.rows / 2) * t.rest * 2 for t in u.lora) for u in lora_layout.units
+    )
+    fp32 = make_context(dense_spec, fsdp=FSDPConfig(param_dtype="float32"), weights_dtype="float32")
+    assert build_gathered(fp32, build_layout(fp32)).cast == ()
+    # On one rank FSDP2 all-gathers nothing, so it casts nothing either.
+    one = make_context(dense_spec, fsdp=fsdp, full_finetune=True, gpus=1)
+    assert not any(build_gathered(one, build_layout(one)).cast)

@@ -352,6 +352,16 @@ def test_a_grouped_layout_counts_the_reference_copys_shards_once():
     )
 
 
+def test_a_full_fine_tunes_prefetch_holds_the_cast_of_its_fp32_shards():
+    """FSDP2 casts a unit's local fp32 shards to bf16 before all-gathering them, and the copy lives
+    beside the output it is copied into: here half a two-block unit, as a block prefetches the
+    next unit (the rollout's peak). Not counted, the rollout read 2.3% low; the frozen reference
+    copy keeps bf16 shards and casts nothing, so counting it there read 1.7% high."""
+    request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
+    fsdp = request.fsdp.model_copy(update={"wrap_every_n_blocks": 2, "reshard_after_forward": True})
+    _probe_within(request.model_copy(update={"fsdp": fsdp}), ("rollout", "reference"), rel=0.01)
+
+
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
     """The root (here the tied embedding table, 4 MiB beside 0.5 MiB blocks) is gathered first;
     FSDP2 keeps its all-gather output until the first block's copy-out returns, so the root is
