@@ -19,7 +19,8 @@ COMPONENTS = (
     "logits",  # the log-prob workspace
     "kv_cache",  # Hugging Face generation
     "vllm",  # a colocated vLLM engine
-    "comm_buffers",
+    "comm_buffers",  # FSDP2's reduce-scatter inputs, the data-parallel all-reduce bucket (tensors)
+    "nccl_buffers",  # NCCL communicators' own device memory (outside PyTorch's allocator)
     "cuda_context",
     "cublas_workspace",  # cuBLAS' per-thread workspaces, from the caching allocator
     "allocator_slack",
@@ -28,4 +29,4 @@ COMPONENTS = (
 #: Device components no tensor tracker and no ``max_memory_allocated`` sees: the context, the
 #: caching allocator's reserve beyond its blocks, NCCL's own buffers. A measured phase's tensors
 #: are compared with the estimate less these (0 on a CPU device).
-NOT_TENSORS = ("cuda_context", "allocator_slack", "comm_buffers")
+NOT_TENSORS = ("cuda_context", "allocator_slack", "nccl_buffers")

@@ -17,6 +17,7 @@ COMPONENT_COLORS: dict[str, str] = {
     "kv_cache": "#b07aa1",
     "vllm": "#d4a6c8",
     "comm_buffers": "#86bcb6",
+    "nccl_buffers": "#499894",
     "cuda_context": "#bab0ac",
     "cublas_workspace": "#9d7660",
     "allocator_slack": "#79706e",

@@ -103,7 +103,7 @@ def gpu_overheads(
         "cuda_context": ctx.cluster.gpu.cuda_context_bytes,
         **({"cublas_workspace": cublas_workspace_bytes(ctx)} if matmuls else {}),
         "allocator_slack": slack,
-        **({"comm_buffers": k.nccl_bytes} if ctx.num_gpus > 1 else {}),
+        **({"nccl_buffers": k.nccl_bytes} if ctx.num_gpus > 1 else {}),
     }
 
 

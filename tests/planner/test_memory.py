@@ -127,7 +127,7 @@ def test_gpu_terms_only_on_gpus(spec):
     assert comps["cuda_context"] == GPUS["A100-80GB"].cuda_context_bytes
     assert comps["allocator_slack"] > 0
     single = estimate(spec, WL, _cluster(1, GPUS["A100-80GB"]), None)
-    assert single.phases["learn"].components.get("comm_buffers", 0) == 0  # no NCCL on one GPU
+    assert single.phases["learn"].components.get("nccl_buffers", 0) == 0  # no NCCL on one GPU
 
 
 def test_vllm_terms_are_labelled(spec):

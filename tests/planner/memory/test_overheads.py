@@ -21,10 +21,10 @@ def test_gpu_terms_only_on_gpus(dense_spec):
         # two threads' cuBLAS workspaces (8 MiB + 128 KiB off Hopper) and cuBLASLt's (1 MiB each)
         "cublas_workspace": 2 * (8 * mib + 128 * 1024 + mib),
         "allocator_slack": int(10**9 * k.allocator_slack_fraction),
-        "comm_buffers": k.nccl_bytes,
+        "nccl_buffers": k.nccl_bytes,
     }
     single = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components)
-    assert "comm_buffers" not in single  # no NCCL on one GPU
+    assert "nccl_buffers" not in single  # no NCCL on one GPU
     # Hopper's default workspace is 32 MiB; none before the first matmul (loading the weights)
     hopper = gpu_overheads(make_context(dense_spec, gpu=GPUS["H200"], gpus=1), components)
     assert hopper["cublas_workspace"] == 2 * (32 * mib + mib)

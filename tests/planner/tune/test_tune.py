@@ -750,7 +750,7 @@ def test_calibration_judges_gpu_trials_by_the_estimate_on_their_gpu(spec):
 
     cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=2)
     # what max_memory_allocated never holds: the context, the allocator's reserve, NCCL's buffers
-    outside = ("cuda_context", "allocator_slack", "comm_buffers")
+    outside = ("cuda_context", "allocator_slack", "nccl_buffers")
 
     class Trial:
         def __init__(self, number, fsdp):
