@@ -509,18 +509,22 @@ def learn_block_moments(
     grown: tuple[int, ...] = (),
     windows: tuple[tuple[int, int], ...] = (),
     backward_windows: tuple[int, ...] = (),
-) -> tuple[tuple[int, int], tuple[int, int, int], tuple[int, int, int]]:
+    reduce_held: tuple[int, ...] = (),
+) -> tuple[tuple[int, int], tuple[int, int, int, int], tuple[int, int, int, int]]:
     """The most alive while a block not checkpointed runs its forward with grad, while a
     checkpointed block recomputes in backward, and while the blocks run backward: three
     moments, as FSDP2 holds a different gathered window in the forward than in the backward
     (planner.memory._gathered.in_flight), and a unit's unsharded gradients exist only in the
-    last. The recompute and backward moments are (activations, gradients this micro-batch has
-    made so far, gathered window): ``grown[j]``, held when layer j runs backward (or
-    recomputes), under ``backward_windows[j]`` (planner.memory._gathered.backward_layer_windows;
+    last. The recompute and backward moments are (activations, the change of the held gradients
+    so far, gathered window): ``grown[j]`` when layer j runs backward (or recomputes: made by this
+    micro-batch, or negative where deferred accumulated gradients gave way to their shards),
+    under ``backward_windows[j]`` (planner.memory._gathered.backward_layer_windows;
     none: 0). A forward has made none: its moment is (activations, gathered window) where the
     two together are largest. ``windows``: per layer, the forward's window while it runs and at
     its unit's copy-out, before it runs (planner.memory._gathered.forward_layer_windows; none:
-    0). A moment no block has is all zeros.
+    0). ``reduce_held``: per layer, the reduce-scatter input FSDP2 still holds while it runs
+    backward or recomputes (:func:`planner.memory._static.reduce_inputs_held`; none: 0), the
+    moments' fourth element. A moment no block has is all zeros.
 
     At block j: everything the earlier blocks keep, and j's own most (its forward with
     grad or its recompute with the gradients flowing in, or its backward). The later
@@ -538,19 +542,20 @@ def learn_block_moments(
     )
     shared_forward, shared_backward = shared_kv_moments(ctx, N, (pass_ or one_pass(ctx)).masked)
     forward, before = (0, 0), 0
-    recompute, backward = (0, 0, 0), (0, 0, 0)
+    recompute, backward = (0, 0, 0, 0), (0, 0, 0, 0)
     for j in range(ctx.spec.num_layers):
         b = blocks[ctx.representative[j]]
         g = grown[j] if grown else 0
         gathered = backward_windows[j] if backward_windows else 0
+        reducing = reduce_held[j] if reduce_held else 0
         held = before + shared_backward[j]  # in backward (a recompute is one)
         running, copying = windows[j] if windows else (0, 0)
         if j in ctx.checkpointed:
             # its forward saves nothing: only its unit's copy-out is a moment of the forward here
             # (its forward is checkpointed_forward_moment's)
             forward = max(forward, (before + shared_forward[j] + x_in, copying), key=sum)
-            recompute = max(recompute, (held + kept[j] + b.recompute + recomputing, g, gathered), key=sum)
-            backward = max(backward, (held + kept[j] + b.backward + flowing, g, gathered), key=sum)
+            recompute = max(recompute, (held + kept[j] + b.recompute + recomputing, g, gathered, reducing), key=sum)
+            backward = max(backward, (held + kept[j] + b.backward + flowing, g, gathered, reducing), key=sum)
         else:
             forward = max(
                 forward,
@@ -558,7 +563,7 @@ def learn_block_moments(
                 (before + shared_forward[j] + x_in, copying),
                 key=sum,
             )
-            backward = max(backward, (held + b.backward + flowing, g, gathered), key=sum)
+            backward = max(backward, (held + b.backward + flowing, g, gathered, reducing), key=sum)
         before += kept[j]
     return forward, recompute, backward
 
@@ -617,6 +622,8 @@ class LearnActivations:
     embedding_kept: int = 0  # kept through every block's backward (embedding_kept_bytes), in the moments
     recompute_grads: int = 0  # this micro-batch's gradients made by the recompute moment
     backward_grads: int = 0  # ... by the backward moment
+    recompute_reducing: int = 0  # the reduce-scatter input held at the recompute moment
+    backward_reducing: int = 0  # ... at the backward moment
     checkpointed_forward: int = 0  # the most while a checkpointed block runs forward (checkpointed_forward_moment)
     checkpointed_forward_gathered: int = 0  # the forward's gathered window then
 
@@ -627,6 +634,7 @@ def learn_activations(
     grown: tuple[int, ...] = (),
     windows: tuple[tuple[int, int], ...] = (),
     backward_windows: tuple[int, ...] = (),
+    reduce_held: tuple[int, ...] = (),
 ) -> LearnActivations:
     """The one-pass forward's terms, or the shared-prefix forward's: the prefix pass runs every
     block first and its keep stays through the suffix pass, which runs and then back-propagates
@@ -634,13 +642,14 @@ def learn_activations(
     pass keeps); the gradients of the recorded prefix K and V wait for the prefix pass's
     backward, after the suffix pass's. ``grown``: per layer, the gradients the micro-batch has
     made when that layer runs backward; ``windows`` and ``backward_windows``: per layer, the
-    forward's and the backward's gathered windows (:func:`learn_block_moments`)."""
+    forward's and the backward's gathered windows, ``reduce_held`` the reduce-scatter input held
+    (:func:`learn_block_moments`)."""
     passes = learn_passes(ctx)
     running = tuple(w for w, _ in windows)
     if len(passes) == 1:
         blocks = activations_by_type(ctx, layout)
-        (forward, window), (recompute, g_run, w_run), (backward, g_back, w_back) = learn_block_moments(
-            ctx, blocks, grown=grown, windows=windows, backward_windows=backward_windows
+        (forward, window), (recompute, g_run, w_run, r_run), (backward, g_back, w_back, r_back) = learn_block_moments(
+            ctx, blocks, grown=grown, windows=windows, backward_windows=backward_windows, reduce_held=reduce_held
         )
         blocks_kept = sum(kept_bytes(ctx, blocks)) + stored_kv_kept(ctx, ctx.micro_batch_tokens, one_pass(ctx).masked)
         embedding = embedding_kept_bytes(ctx)
@@ -658,6 +667,8 @@ def learn_activations(
             embedding_kept=embedding,
             recompute_grads=g_run,
             backward_grads=g_back,
+            recompute_reducing=r_run,
+            backward_reducing=r_back,
             checkpointed_forward=checkpointed.activations,
             checkpointed_forward_gathered=checkpointed.window,
         )
@@ -665,8 +676,14 @@ def learn_activations(
     prefix_blocks = activations_by_type(ctx, layout, prefix)
     prefix_kept = sum(kept_bytes(ctx, prefix_blocks, prefix, recorded=True))
     suffix_blocks = activations_by_type(ctx, layout, suffix)
-    (forward, window), (recompute, g_run, w_run), (backward, g_back, w_back) = learn_block_moments(
-        ctx, suffix_blocks, suffix, grown=grown, windows=windows, backward_windows=backward_windows
+    (forward, window), (recompute, g_run, w_run, r_run), (backward, g_back, w_back, r_back) = learn_block_moments(
+        ctx,
+        suffix_blocks,
+        suffix,
+        grown=grown,
+        windows=windows,
+        backward_windows=backward_windows,
+        reduce_held=reduce_held,
     )
     blocks_kept = prefix_kept + sum(kept_bytes(ctx, suffix_blocks, suffix))
     embedding = embedding_kept_bytes(ctx, prefix.tokens + suffix.tokens)
@@ -690,6 +707,8 @@ def learn_activations(
         embedding_kept=embedding,
         recompute_grads=g_run,
         backward_grads=g_back,
+        recompute_reducing=r_run,
+        backward_reducing=r_back,
         checkpointed_forward=checkpointed.activations,
         checkpointed_forward_gathered=checkpointed.window,
     )

@@ -377,7 +377,12 @@ def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> P
         return PostBackwardWindows(0, 0, 0)
     if ctx.fsdp.reshard_after_forward:
         window = backward_gathered_bytes(ctx, gathered)
-        return PostBackwardWindows(after_forward_bytes(ctx, gathered), window, window)
+        # the head's pre-backward prefetched the units after it in backward order (the last blocks):
+        # their all-gather outputs are in flight (traced on 2 gloo ranks: a block's, beside the head's
+        # reduce-scatter)
+        outer = [ahead for _, parent, ahead in gathered.order if parent is None]
+        prefetched = sum(outer[-1 - ctx.fsdp.backward_prefetch_units : -1])
+        return PostBackwardWindows(after_forward_bytes(ctx, gathered) + prefetched, window, window)
     through = _units_before(gathered)
     first, last = layout.layer_units[0], layout.layer_units[-1]
     # Without trained embeddings the first block's input needs no gradient, so no hook reshards its

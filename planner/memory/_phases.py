@@ -55,6 +55,8 @@ from ._static import (
     gradient_terms,
     load_gathered_bytes,
     load_host_checkpoint_bytes,
+    reduce_input_held_at_end,
+    reduce_inputs_held,
     save_gathered_bytes,
     save_host_checkpoint_bytes,
     static_components,
@@ -341,9 +343,10 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
 
 
 def backward_gradients(layout: Layout, grads) -> tuple[int, ...]:
-    """Per layer, the gradients a micro-batch has made when that layer runs backward: a trained
-    lm_head's, then every later block unit's (:class:`._static.GradientTerms`, per block unit in
-    order); none when the earlier micro-batches' gradients already hold them all."""
+    """Per layer, how the held gradients have changed when that layer runs backward: through a
+    trained lm_head's post-backward, then every later block unit's (:class:`._static.GradientTerms`,
+    per block unit in order: new shards, or accumulated gradients given way to their shards);
+    none when the earlier micro-batches' shards take every reduce-scatter in place."""
     if not grads.per_unit:
         return ()
     after = [0] * len(grads.per_unit)
@@ -351,6 +354,52 @@ def backward_gradients(layout: Layout, grads) -> tuple[int, ...]:
         after[u] = after[u + 1] + grads.per_unit[u + 1]
     first = layout.layer_units[0]  # the block units are consecutive in layout.units
     return tuple(grads.head + after[k - first] for k in layout.layer_units)
+
+
+def block_post_backward(grads) -> tuple[int, int]:
+    """The widest block unit's post-backward: (the gradients beyond ``prior`` then, its
+    reduce-scatter's input): the changes of the units that reduce-scattered before it (the
+    trained head's, the later blocks'), and its own (:class:`._static.GradientTerms`). (0, 0)
+    without FSDP."""
+    found, after = (0, 0), grads.head
+    for change, (reducing, buffer) in zip(
+        reversed(grads.per_unit or (0,) * len(grads.unit_reducing)), reversed(grads.unit_reducing)
+    ):
+        found = max(found, (after + reducing, buffer), key=sum)
+        after += change
+    return found
+
+
+def _head_reduce_moment(grads, window: int, activations: int) -> list[dict[str, int]]:
+    """A trained untied lm_head unit's reduce-scatter, the chunked head's workspace freed: its
+    gradient, the reduce-scatter's input and output beside the shard the chunked head made, under
+    ``window`` (traced on 2 gloo ranks); none without such a head."""
+    if not grads.head_buffer:
+        return []
+    return [
+        {
+            "weights_gathered": window,
+            "gradients": grads.prior + grads.head_made + grads.head_reducing + grads.head_output,
+            "activations": activations,
+            "comm_buffers": grads.head_buffer,
+        }
+    ]
+
+
+def _embed_reduce_moment(terms: Terms, grads, reduced: int, activations: int) -> list[dict[str, int]]:
+    """Trained embeddings' post-backward (full fine-tuning under FSDP2): every other unit, its own
+    too, resharded before its reduce-scatter; ``reduced``: the gradients held once every other
+    unit has reduce-scattered. None otherwise."""
+    if not grads.embed_buffer:
+        return []
+    return [
+        {
+            "weights_gathered": terms.gathered.root_bytes,
+            "gradients": reduced + grads.embed,
+            "activations": activations,
+            "comm_buffers": grads.embed_buffer,
+        }
+    ]
 
 
 def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
@@ -362,15 +411,26 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     windows (planner.memory._gathered.forward_layer_windows), a block's forward or its
     unit's copy-out (what the earlier blocks keep beside it), an untied lm_head unit's, and
     a checkpointed block's forward; a checkpointed block's recompute and a block's backward
-    (under the backward's window); a unit's post-backward (its unsharded gradients being
-    reduce-scattered, which FSDP2 does once the unit's backward is done); and the
-    backward's end (every gradient made, the embeddings' last).
+    (under the backward's window, beside the reduce-scatter input FSDP2 still holds); a trained
+    untied lm_head unit's post-backward, after the chunked head's workspace is freed; a block
+    unit's post-backward (its unsharded gradients being reduce-scattered, which FSDP2 does once
+    the unit's backward is done); the backward's end (every gradient made, the embeddings'
+    last) and trained embeddings' post-backward (planner.memory._static.gradient_terms).
     """
     grads = gradient_terms(ctx, terms.layout, terms.memory)
     windows, head = forward_windows(ctx, terms.layout, terms.gathered, regathers=regathering(ctx)[1])
     head_window = max(head)
     backward_windows = backward_layer_windows(ctx, terms.layout, terms.gathered)
-    acts = learn_activations(ctx, terms.layout, backward_gradients(terms.layout, grads), windows, backward_windows)
+    held = reduce_inputs_held(ctx, terms.layout)
+    post_backward = block_post_backward(grads)
+    # Every unit but the embeddings' (and the root's) through its post-backward; unsharded, where the
+    # gradients are the fp32 masters' or the weights' own, every gradient of the step is an upper bound.
+    reduced = grads.prior + grads.head + sum(grads.per_unit)
+    if ctx.fsdp is None:
+        reduced = max(reduced, grads.final)
+    acts = learn_activations(
+        ctx, terms.layout, backward_gradients(terms.layout, grads), windows, backward_windows, held
+    )
     kept, backward = acts.kept, acts.backward
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)
@@ -390,17 +450,13 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
             # reserved from the learn forward's head on, whichever moment peaks (GPU only)
             "allocator_slack": learn_tile_segment_bytes(ctx),
             **larger(
-                # (a trained untied lm_head: the chunked head's workspace and its unit's reduce-scatter in one
-                # moment, an upper bound of both. Traced on 2 gloo ranks the peak is the reduce-scatter, after
-                # the workspace is freed and the unit resharded, where gloo holds a copy of the input, about as
-                # large as the workspace: exact there, high by up to V x H x 4 where NCCL copies nothing)
                 {
-                    "weights_gathered": reducing.head if grads.head_reducing else terms.after_forward,
-                    "gradients": grads.prior + grads.head + grads.head_reducing,
+                    "weights_gathered": terms.after_forward,
+                    "gradients": grads.prior,
                     "activations": kept + hidden_grad + beside + 2 * value,
-                    "comm_buffers": grads.head_buffer,
                     "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx),
                 },
+                *_head_reduce_moment(grads, reducing.head, kept + hidden_grad + beside + 2 * value),
                 # a block's forward with grad, under the forward's gathered window (FSDP2 holds the running
                 # unit's all-gather output beside its unsharded copy, and the next unit's in flight)
                 *(
@@ -433,6 +489,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     "weights_gathered": acts.recompute_gathered or window,
                     "gradients": grads.prior + acts.recompute_grads,
                     "activations": acts.recompute + beside + value,
+                    "comm_buffers": acts.recompute_reducing,
                 },
                 # a checkpointed block's forward with grad, under the forward's gathered window
                 *(
@@ -450,21 +507,24 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     "weights_gathered": acts.backward_gathered or window,
                     "gradients": grads.prior + acts.backward_grads,
                     "activations": backward + beside + value,
+                    "comm_buffers": acts.backward_reducing,
                 },
-                # a unit's post-backward: its unsharded gradients and their reduce-scatter buffer, once
+                # a block unit's post-backward: its unsharded gradients and their reduce-scatter, once
                 # its own activations are freed (what the blocks keep and the gradients flowing remain)
                 {
                     "weights_gathered": reducing.block,
-                    "gradients": grads.prior + acts.backward_grads + grads.reducing,
+                    "gradients": grads.prior + post_backward[0],
                     "activations": acts.blocks_kept + acts.embedding_kept + flowing_in + beside,
-                    "comm_buffers": grads.reduce_buffer,
+                    "comm_buffers": post_backward[1],
                 },
                 # the end of the backward: every gradient of the step made, the embeddings' as it is made
                 {
                     "weights_gathered": reducing.end,
-                    "gradients": max(grads.prior, grads.final) + grads.embed,
+                    "gradients": reduced + grads.embed,
                     "activations": acts.embedding_kept + flowing_in + beside,
+                    "comm_buffers": reduce_input_held_at_end(ctx, terms.layout),  # the first block unit's
                 },
+                *_embed_reduce_moment(terms, grads, reduced, flowing_in + beside),
             ),
         },
     )

@@ -176,15 +176,22 @@ def static_components(memory: StaticMemory) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class GradientTerms:
-    prior: int  # gradients of the earlier micro-batches of this step
-    reducing: int  # a unit's unsharded gradients being reduced
-    reduce_buffer: int  # their reduce-scatter buffer in reduce_dtype
+    prior: int  # gradients of the earlier micro-batches of this step, as the last one starts
     final: int = 0  # every trained gradient once the last micro-batch's backward is done
-    head: int = 0  # this micro-batch's gradients made before the blocks' backward (a trained lm_head)
-    per_unit: tuple[int, ...] = ()  # per block unit, the gradients its backward adds to the held ones
+    # How the held gradients change once a unit has reduce-scattered in the last micro-batch: a new
+    # sharded gradient (one micro-batch), an accumulated unsharded one replaced by its shard
+    # (deferred sync: negative), or nothing (the shards of earlier micro-batches, added to in place).
+    head: int = 0  # ... a trained untied lm_head's (none tied: the root reduce-scatters last)
+    per_unit: tuple[int, ...] = ()  # ... each block unit's, in order (empty: none changes)
+    # Per block unit, its post-backward: (its compute-dtype gradient unless accumulated, and the
+    # reduce-scatter's output shard; the reduce-scatter's input, and gloo's copy of it on CPU)
+    unit_reducing: tuple[tuple[int, int], ...] = ()
     embed: int = 0  # the trained embeddings' gradient as it is made, at the very end of the backward
-    head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient, reduce-scattered
-    head_buffer: int = 0  # ... and its reduce-scatter buffer
+    embed_buffer: int = 0  # ... its reduce-scatter input (and gloo's copy, on CPU), the output shard beside
+    head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient at its reduce-scatter
+    head_buffer: int = 0  # ... its reduce-scatter input (and gloo's copy of it, on CPU)
+    head_output: int = 0  # ... and output: this rank's shard of the gradient, in reduce_dtype
+    head_made: int = 0  # ... the shard the chunked head's backward made before (_head_sharded_gradient)
 
 
 def _full_unit_elements(ctx: Context, layout: Layout, unit) -> int:
@@ -213,62 +220,125 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     each block unit's (``per_unit``), the embeddings' last (``embed``, made in the compute
     dtype before it is reduced or added to its master).
 
-    Under FSDP the running unit's trained gradients are unsharded (compute dtype) and
-    reduce-scattered through a buffer in reduce_dtype; the largest unit counts (a block's
-    with LoRA; with full fine-tuning any unit's, the embeddings' and lm_head's included).
+    Under FSDP each unit's post-backward (``unit_reducing``) adds its compute-dtype gradient into
+    the accumulated one (deferred sync: freeing it) or keeps it, copies the gradient into a
+    reduce-scatter input in reduce_dtype and reduce-scatters it into a new shard; the accumulated
+    gradient is freed as the post-backward returns, and the shard stays (``per_unit``; traced on
+    2 gloo ranks). A trained untied lm_head's is a moment of its own (``head_*``).
     """
     p = ctx.compute_bytes
     one = ctx.micro_batches == 1
     key = ("gradient_units", ctx.full_finetune, ctx.shard_group, ctx.sharded)
     if key not in layout.sums:
-        units = layout.units if ctx.full_finetune else layout.block_units
         layout.sums[key] = (
-            max((_full_unit_elements(ctx, layout, u) for u in units), default=0),
+            tuple(_full_unit_elements(ctx, layout, u) for u in layout.block_units),
             tuple(_held_elements(ctx, u) for u in layout.block_units),
             _held_elements(ctx, next((u for u in layout.units if u.name == "lm_head"), layout.root))
             if ctx.full_finetune and layout.head is not None
             else 0,
         )
-    largest_unit, per_unit, head = layout.sums[key]
-    growth = dict(head=head * 4, per_unit=tuple(n * 4 for n in per_unit)) if one else {}
+    full_units, held_units, held_head = layout.sums[key]
     embed = 0
     if ctx.full_finetune:
         embed = layout.embed.numel * p
-        if ctx.fsdp is not None:
-            embed += layout.embed.numel * DTYPE_BYTES[ctx.fsdp.reduce_dtype] if layout.embed.sharded else 0
-        elif ctx.stored_bytes == 4:
+        if ctx.fsdp is None and ctx.stored_bytes == 4:
             embed = 0  # fp32 weights: autograd accumulates into their own gradient
     fsdp = ctx.fsdp
     if fsdp is None:
+        growth = dict(head=held_head * 4, per_unit=tuple(n * 4 for n in held_units)) if one else {}
         prior = memory.trainable_elements * 4 if not one else 0
-        return GradientTerms(
-            prior=prior, reducing=0, reduce_buffer=0, final=memory.trainable_elements * 4, embed=embed, **growth
-        )
-    if not one:
+        return GradientTerms(prior=prior, final=memory.trainable_elements * 4, embed=embed, **growth)
+    reduce_bytes = DTYPE_BYTES[fsdp.reduce_dtype]
+    accumulates = not one and fsdp.defer_grad_sync
+    head = layout.head
+    head_full = head.numel if ctx.full_finetune and head is not None and head.sharded else 0
+    if one:
+        prior, changes, head_change = 0, tuple(n * 4 for n in held_units), held_head * 4
+    elif accumulates:
         if "trained_full" not in layout.sums:  # every trained element, unsharded (the layout knows which)
             layout.sums["trained_full"] = (
                 sum(t.numel for t in layout.base_tensors)
                 if ctx.full_finetune
                 else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters
             )
-        trainable_full = layout.sums["trained_full"]
-        accumulated = DTYPE_BYTES[fsdp.reduce_dtype]
-        prior = trainable_full * accumulated if fsdp.defer_grad_sync else memory.gradients_sharded
+        trainers = _head_sharded_gradient(ctx, layout)
+        prior = layout.sums["trained_full"] * reduce_bytes + trainers
+        changes = tuple(held * 4 - full * reduce_bytes for full, held in zip(full_units, held_units))
+        # the head's shard is the trainer's, in prior, which FSDP2's reduce-scatter adds to (else new)
+        head_change = -head_full * reduce_bytes + (0 if trainers else held_head * 4)
     else:
-        prior = 0
-    # A trained untied lm_head (full fine-tuning): its unit's reduce-scatter, counted in one moment with
-    # the chunked head's weight-gradient workspace (planner.memory._phases.learn_phase says why).
-    head_full = layout.head.numel if ctx.full_finetune and layout.head is not None and layout.head.sharded else 0
+        prior, changes, head_change = memory.gradients_sharded, (), 0
+    copies = reduce_scatter_copies(ctx)
     return GradientTerms(
         prior=prior,
-        reducing=largest_unit * p,
-        reduce_buffer=largest_unit * DTYPE_BYTES[fsdp.reduce_dtype],
         final=memory.gradients_sharded,
+        head=head_change,
+        per_unit=changes,
+        unit_reducing=tuple(
+            ((0 if accumulates else full * p) + held * reduce_bytes, full * reduce_bytes * copies)
+            for full, held in zip(full_units, held_units)
+        ),
         embed=embed,
-        head_reducing=head_full * p,
-        head_buffer=head_full * DTYPE_BYTES[fsdp.reduce_dtype],
-        **growth,
+        head_reducing=0 if accumulates else head_full * p,
+        head_buffer=head_full * reduce_bytes * copies,
+        head_output=head.local(ctx.shard_group) * reduce_bytes if head_full and head is not None else 0,
+        head_made=_head_sharded_gradient(ctx, layout) if one else 0,  # else among prior
+        embed_buffer=(
+            layout.embed.numel * reduce_bytes * copies + layout.embed.local(ctx.shard_group) * reduce_bytes
+            if ctx.full_finetune and layout.embed.sharded
+            else 0
+        ),
     )
+
+
+def _head_sharded_gradient(ctx: Context, layout: Layout) -> int:
+    """A trained untied lm_head's gradient this rank holds sharded from the first micro-batch on,
+    deferred sync or not: the trainer's chunked head reads the head's sharded fp32 weight through
+    materialize_dtensors, whose backward reduce-scatters the head's gradient into the sharded
+    parameter's own (planner.memory._logits.head_weight_bytes), beside FSDP2's unit. Traced on 2
+    gloo ranks: V x H x 4 / S already held as the second micro-batch's head ran backward. Under
+    reshard_after_forward=False the forward left the unit unsharded and the head reads that weight:
+    its gradient is FSDP2's, reduce-scattered by the unit (none here)."""
+    head = layout.head
+    if not ctx.full_finetune or head is None or not head.sharded or ctx.fsdp is None:
+        return 0
+    if not ctx.fsdp.reshard_after_forward:
+        return 0
+    return head.local(ctx.shard_group) * 4
+
+
+def reduce_inputs_held(ctx: Context, layout: Layout) -> tuple[int, ...]:
+    """Per layer, the reduce-scatter input FSDP2 holds while that layer runs backward: the one of
+    the unit after its own in forward order (which reduce-scattered last), or none (the last
+    unit's, or that unit trains nothing). FSDP2 keeps each reduce-scatter's input until the next
+    unit's post-backward (``reduce_scatter_states``, one buffer by default, so a later stream
+    cannot reuse it while the collective may still read it), on GPUs as on CPU. Traced on 2 gloo
+    ranks: a full fine-tune's last block ran backward beside its untied head's, the blocks before
+    beside the next block's (counted without them, a peak there read 4.8-6.2% low). Empty
+    unsharded."""
+    inputs = _unit_reduce_inputs(ctx, layout) + (0,)
+    return tuple(inputs[k + 1] for k in layout.layer_units) if ctx.fsdp is not None else ()
+
+
+def reduce_input_held_at_end(ctx: Context, layout: Layout) -> int:
+    """The reduce-scatter input held as the backward ends (the embeddings' gradient being made):
+    the first block unit's (:func:`reduce_inputs_held`); 0 unsharded."""
+    return _unit_reduce_inputs(ctx, layout)[layout.layer_units[0]] if ctx.fsdp is not None else 0
+
+
+def _unit_reduce_inputs(ctx: Context, layout: Layout) -> tuple[int, ...]:
+    """Per unit, its trained gradient's reduce-scatter input in reduce_dtype (0 unsharded)."""
+    if ctx.fsdp is None:
+        return (0,) * len(layout.units)
+    reduce_bytes = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
+    return tuple(_full_unit_elements(ctx, layout, u) * reduce_bytes for u in layout.units)
+
+
+def reduce_scatter_copies(ctx: Context) -> int:
+    """Copies of a reduce-scatter's input alive while it runs: the input, and on CPU a second,
+    as gloo's reduce-scatter reduces a copy of it (traced on 2 gloo ranks: the input's bytes
+    again inside the call); NCCL reduces in place."""
+    return 1 if ctx.on_gpu else 2
 
 
 def step_optimizer_bytes(ctx: Context, memory: StaticMemory) -> int:

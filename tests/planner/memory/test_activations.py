@@ -79,8 +79,8 @@ def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
     # runs: the last one's with what the three before it keep and its input (a checkpoint's size)
     assert learn_block_moments(ctx, blocks) == (
         (4 * checkpoint, 0),
-        (4 * checkpoint + recompute, 0, 0),
-        (4 * checkpoint + backward, 0, 0),
+        (4 * checkpoint + recompute, 0, 0, 0),
+        (4 * checkpoint + backward, 0, 0, 0),
     )
     none = make_context(dense_spec, gradient_checkpointing=False)
     blocks = activations_by_type(none, build_layout(none))
@@ -88,21 +88,26 @@ def test_the_last_block_holds_every_earlier_blocks_keep(dense_spec):
     forward = b.forward + TOKENS * hidden * 2  # its input, held by the caller
     assert learn_block_moments(none, blocks) == (
         (3 * b.saved + forward, 0),
-        (0, 0, 0),  # nothing recomputes
-        (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0, 0),
+        (0, 0, 0, 0),  # nothing recomputes
+        (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0, 0, 0),
     )
     # Gradients made so far in the backward (one micro-batch): the moment at the block where the
     # two together are largest, which for growing gradients is a later one.
     grown = tuple(1000 * (3 - j) for j in range(4))
-    (_, g_forward), _, (act, g_back, _) = learn_block_moments(none, blocks, grown=grown)
+    (_, g_forward), _, (act, g_back, _, _) = learn_block_moments(none, blocks, grown=grown)
     assert g_forward == 0 and (act, g_back) == (3 * b.saved + b.backward + TOKENS * 2 * hidden * 2, 0)
     huge = tuple(10**9 * (3 - j) for j in range(4))  # the first block (backward's last) made after every other
-    assert learn_block_moments(none, blocks, grown=huge)[2] == (b.backward + TOKENS * 2 * hidden * 2, 3 * 10**9, 0)
+    assert learn_block_moments(none, blocks, grown=huge)[2] == (b.backward + TOKENS * 2 * hidden * 2, 3 * 10**9, 0, 0)
     # Likewise the backward's window: under reshard_after_forward=False it shrinks as the backward
     # goes, each unit resharded once through; a first block with a window wide enough peaks there.
     wide = (10**9, 0, 0, 0)
     assert learn_block_moments(none, blocks, backward_windows=wide)[2] == (
-        b.backward + TOKENS * 2 * hidden * 2, 0, 10**9,
+        b.backward + TOKENS * 2 * hidden * 2, 0, 10**9, 0,
+    )  # fmt: skip
+    # And the reduce-scatter input FSDP2 still holds: the unit after a block's, until its own
+    # post-backward; a first block beside a wide one peaks there.
+    assert learn_block_moments(none, blocks, reduce_held=wide)[2] == (
+        b.backward + TOKENS * 2 * hidden * 2, 0, 0, 10**9,
     )  # fmt: skip
 
 

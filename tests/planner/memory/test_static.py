@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 
 from agilerl.distributed import FSDPConfig
-from planner.memory._static import gradient_terms, static_memory, step_optimizer_bytes
+from planner.hardware import GPUS
+from planner.memory._static import (
+    gradient_terms,
+    reduce_input_held_at_end,
+    reduce_inputs_held,
+    static_memory,
+    step_optimizer_bytes,
+)
 from planner.memory._units import build_layout
 
 from .conftest import WL, make_context
@@ -70,11 +77,22 @@ def test_gradients_of_the_earlier_micro_batches_and_the_reduced_unit(dense_spec)
     grads = gradient_terms(ctx, layout, memory)
     # defer_grad_sync: unsharded, upcast to reduce_dtype (float32) as FSDP2 keeps them
     assert grads.prior == dense_spec.num_layers * block * 4
-    assert grads.reducing == block * 2 and grads.reduce_buffer == block * 4  # reduce_dtype float32
+    local = _lora_local(dense_spec, WL.lora_rank, 2)[0] // dense_spec.num_layers  # a block's on rank 0
+    # a block's post-backward adds its bf16 gradient into the accumulated one (freed), reduce-scatters
+    # that through an fp32 input (and gloo's copy of it, on CPU) into a new fp32 shard; after it the
+    # accumulated gradient is gone and the shard stays
+    assert grads.unit_reducing == ((local * 4, block * 4 * 2),) * dense_spec.num_layers
+    assert grads.per_unit == (local * 4 - block * 4,) * dense_spec.num_layers
+    on_gpu = make_context(dense_spec, fsdp=SHARD_ALL, gpu=GPUS["H100-80GB"])
+    assert gradient_terms(on_gpu, build_layout(on_gpu), memory).unit_reducing[0][1] == block * 4  # NCCL: no copy
+    # without deferring: the earlier micro-batches' shards, the block's bf16 gradient kept through its reduce
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL.model_copy(update={"defer_grad_sync": False}))
-    assert gradient_terms(ctx, layout, memory).prior == memory.trainable_elements * 4
+    grads = gradient_terms(ctx, layout, memory)
+    assert grads.prior == memory.trainable_elements * 4 and grads.per_unit == ()
+    assert grads.unit_reducing[0] == (block * 2 + local * 4, block * 4 * 2)
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL, micro_batch_size_per_gpu=8)
-    assert gradient_terms(ctx, layout, memory).prior == 0  # one micro-batch
+    grads = gradient_terms(ctx, layout, memory)
+    assert grads.prior == 0 and grads.per_unit == (local * 4,) * dense_spec.num_layers  # one micro-batch
 
 
 def _base_elements(spec, shards: int, *, sharded: bool = True) -> tuple[int, int]:
@@ -118,8 +136,32 @@ def test_full_finetuning_gradients_grow_through_one_micro_batch(dense_spec):
     assert grads.prior == 0 and grads.final == memory.gradients_sharded
     # per block unit, its sharded fp32 gradients; the untied head's first; the embeddings' last
     assert len(grads.per_unit) == dense_spec.num_layers and grads.head > 0
-    assert grads.embed == math.prod(dense_spec.embed_shape) * (2 + 4)  # unsharded bf16, its fp32 reduce buffer
+    vocab, hidden = dense_spec.embed_shape
+    assert grads.embed == vocab * hidden * 2  # unsharded bf16; its fp32 reduce-scatter input twice on CPU, the shard
+    assert grads.embed_buffer == vocab * hidden * 4 * 2 + math.ceil(vocab / 2) * hidden * 4
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL, full_finetune=True)  # 4 micro-batches, defer_grad_sync
     grads = gradient_terms(ctx, layout, memory)
     every, _ = _base_elements(dense_spec, 1, sharded=False)
-    assert grads.prior == every * 4 and grads.per_unit == ()  # every unsharded gradient held in fp32
+    vocab, hidden = dense_spec.lm_head_shape
+    # every unsharded gradient held in fp32, and the untied head's fp32 shard, which the chunked
+    # head's backward reduce-scatters itself each micro-batch (materialize_dtensors)
+    assert grads.prior == every * 4 + math.ceil(vocab / 2) * hidden * 4
+    # the head's post-backward frees its accumulated gradient (its shard is the one above)
+    assert grads.head == -vocab * hidden * 4 and grads.head_reducing == 0
+    assert grads.head_buffer == vocab * hidden * 4 * 2 and grads.head_output == math.ceil(vocab / 2) * hidden * 4
+
+
+def test_a_block_runs_backward_beside_the_reduce_scatter_input_of_the_unit_after_it(dense_spec):
+    # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward: layer j runs
+    # backward beside the input of the unit after its own (one block a unit here)
+    block = WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in dense_spec.block(0).lora["all-linear"])
+    ctx = make_context(dense_spec, fsdp=SHARD_ALL)
+    layout = build_layout(ctx)
+    # LoRA: the untied head trains nothing, so the last block holds none
+    assert reduce_inputs_held(ctx, layout) == (block * 4,) * (dense_spec.num_layers - 1) + (0,)
+    assert reduce_input_held_at_end(ctx, layout) == block * 4  # the first block's, at the embeddings'
+    full = make_context(dense_spec, fsdp=SHARD_ALL, full_finetune=True)
+    vocab, hidden = dense_spec.lm_head_shape
+    assert reduce_inputs_held(full, build_layout(full))[-1] == vocab * hidden * 4  # the trained head's
+    unsharded = make_context(dense_spec, gpus=1)
+    assert reduce_inputs_held(unsharded, build_layout(unsharded)) == ()
