@@ -363,7 +363,8 @@ class PostBackwardWindows:
 
 def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> PostBackwardWindows:
     """The windows of a unit's post-backward and of the backward's end:
-    :func:`after_forward_bytes` for the head's and :func:`backward_gathered_bytes` for the rest,
+    :func:`after_forward_bytes` and the units the head's pre-backward prefetched (the last
+    blocks' all-gather outputs) for the head's, :func:`backward_gathered_bytes` for the rest,
     but under reshard_after_forward=False FSDP2 reshards a unit in its post-backward before it
     reduce-scatters (FSDPParamGroup.post_backward), and the units after it in forward order have
     already done so. The head's reduce-scatter holds the root and the units before the head; a

@@ -357,15 +357,17 @@ def backward_gradients(layout: Layout, grads) -> tuple[int, ...]:
 
 
 def block_post_backward(grads) -> tuple[int, int]:
-    """The widest block unit's post-backward: (the gradients beyond ``prior`` then, its
-    reduce-scatter's input): the changes of the units that reduce-scattered before it (the
-    trained head's, the later blocks'), and its own (:class:`._static.GradientTerms`). (0, 0)
-    without FSDP."""
+    """The widest block unit's post-backward: (the gradients beyond ``prior`` then, the
+    reduce-scatter input alive): the changes of the units that reduce-scattered before it (the
+    trained head's, the later blocks'), and its own, as it starts (its gradient all made, the
+    input the unit before kept) or as it reduce-scatters (:class:`._static.GradientTerms`).
+    (0, 0) without FSDP."""
     found, after = (0, 0), grads.head
-    for change, (reducing, buffer) in zip(
-        reversed(grads.per_unit or (0,) * len(grads.unit_reducing)), reversed(grads.unit_reducing)
+    changes = grads.per_unit or (0,) * len(grads.unit_reducing)
+    for change, (reducing, buffer), (made, before) in zip(
+        reversed(changes), reversed(grads.unit_reducing), reversed(grads.unit_entering)
     ):
-        found = max(found, (after + reducing, buffer), key=sum)
+        found = max(found, (after + made, before), (after + reducing, buffer), key=sum)
         after += change
     return found
 
@@ -395,7 +397,7 @@ def _embed_reduce_moment(terms: Terms, grads, reduced: int, activations: int) ->
     return [
         {
             "weights_gathered": terms.gathered.root_bytes,
-            "gradients": reduced + grads.embed,
+            "gradients": reduced + grads.embed_reducing,
             "activations": activations,
             "comm_buffers": grads.embed_buffer,
         }

@@ -186,8 +186,12 @@ class GradientTerms:
     # Per block unit, its post-backward: (its compute-dtype gradient unless accumulated, and the
     # reduce-scatter's output shard; the reduce-scatter's input, and gloo's copy of it on CPU)
     unit_reducing: tuple[tuple[int, int], ...] = ()
+    # ... and as it starts: (its compute-dtype gradient, all made; the reduce-scatter input of the
+    # unit before it in backward order, which FSDP2 frees only after accumulating and resharding)
+    unit_entering: tuple[tuple[int, int], ...] = ()
     embed: int = 0  # the trained embeddings' gradient as it is made, at the very end of the backward
     embed_buffer: int = 0  # ... its reduce-scatter input (and gloo's copy, on CPU), the output shard beside
+    embed_reducing: int = 0  # ... the gradient itself at that reduce-scatter (0: added to an accumulated one)
     head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient at its reduce-scatter
     head_buffer: int = 0  # ... its reduce-scatter input (and gloo's copy of it, on CPU)
     head_output: int = 0  # ... and output: this rank's shard of the gradient, in reduce_dtype
@@ -199,6 +203,14 @@ def _full_unit_elements(ctx: Context, layout: Layout, unit) -> int:
     if ctx.full_finetune:
         return sum(t.numel for t in unit.base if t.sharded)
     return sum(t.numel for t in unit.lora if t.sharded) // ctx.num_adapters
+
+
+def _held_sharded_elements(ctx: Context, unit) -> int:
+    """A unit's trained elements FSDP2 shards, on this rank (replicated ones, under the persistence
+    threshold, keep whole gradients of their own, never reduce-scattered)."""
+    tensors = unit.base if ctx.full_finetune else unit.lora
+    count = sum(t.local(ctx.shard_group) for t in tensors if t.sharded)
+    return count if ctx.full_finetune else count // ctx.num_adapters
 
 
 def _held_elements(ctx: Context, unit) -> int:
@@ -233,11 +245,12 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         layout.sums[key] = (
             tuple(_full_unit_elements(ctx, layout, u) for u in layout.block_units),
             tuple(_held_elements(ctx, u) for u in layout.block_units),
+            tuple(_held_sharded_elements(ctx, u) for u in layout.block_units),
             _held_elements(ctx, next((u for u in layout.units if u.name == "lm_head"), layout.root))
             if ctx.full_finetune and layout.head is not None
             else 0,
         )
-    full_units, held_units, held_head = layout.sums[key]
+    full_units, held_units, shard_units, held_head = layout.sums[key]
     embed = 0
     if ctx.full_finetune:
         embed = layout.embed.numel * p
@@ -252,8 +265,11 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     accumulates = not one and fsdp.defer_grad_sync
     head = layout.head
     head_full = head.numel if ctx.full_finetune and head is not None and head.sharded else 0
+    # a new shard's bytes on the device: none under cpu_offload, where FSDP2 copies it to the host
+    kept = 0 if fsdp.cpu_offload else 4
     if one:
-        prior, changes, head_change = 0, tuple(n * 4 for n in held_units), held_head * 4
+        changes = tuple((n - s) * 4 + s * kept for n, s in zip(held_units, shard_units))
+        prior, head_change = 0, held_head * kept
     elif accumulates:
         if "trained_full" not in layout.sums:  # every trained element, unsharded (the layout knows which)
             layout.sums["trained_full"] = (
@@ -263,9 +279,9 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
             )
         trainers = _head_sharded_gradient(ctx, layout)
         prior = layout.sums["trained_full"] * reduce_bytes + trainers
-        changes = tuple(held * 4 - full * reduce_bytes for full, held in zip(full_units, held_units))
+        changes = tuple(shard * kept - full * reduce_bytes for full, shard in zip(full_units, shard_units))
         # the head's shard is the trainer's, in prior, which FSDP2's reduce-scatter adds to (else new)
-        head_change = -head_full * reduce_bytes + (0 if trainers else held_head * 4)
+        head_change = -head_full * reduce_bytes + (0 if trainers else held_head * kept)
     else:
         prior, changes, head_change = memory.gradients_sharded, (), 0
     copies = reduce_scatter_copies(ctx)
@@ -275,9 +291,10 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         head=head_change,
         per_unit=changes,
         unit_reducing=tuple(
-            ((0 if accumulates else full * p) + held * reduce_bytes, full * reduce_bytes * copies)
-            for full, held in zip(full_units, held_units)
+            ((0 if accumulates else full * p) + shard * reduce_bytes, full * reduce_bytes * copies)
+            for full, shard in zip(full_units, shard_units)
         ),
+        unit_entering=tuple((full * p, before) for full, before in zip(full_units, _reduce_inputs_before(ctx, layout))),
         embed=embed,
         head_reducing=0 if accumulates else head_full * p,
         head_buffer=head_full * reduce_bytes * copies,
@@ -288,6 +305,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
             if ctx.full_finetune and layout.embed.sharded
             else 0
         ),
+        embed_reducing=0 if accumulates else embed,
     )
 
 
@@ -302,8 +320,8 @@ def _head_sharded_gradient(ctx: Context, layout: Layout) -> int:
     head = layout.head
     if not ctx.full_finetune or head is None or not head.sharded or ctx.fsdp is None:
         return 0
-    if not ctx.fsdp.reshard_after_forward:
-        return 0
+    if not ctx.fsdp.reshard_after_forward or ctx.fsdp.cpu_offload:
+        return 0  # (cpu_offload: the shard and its gradient are the host's)
     return head.local(ctx.shard_group) * 4
 
 
@@ -318,6 +336,13 @@ def reduce_inputs_held(ctx: Context, layout: Layout) -> tuple[int, ...]:
     unsharded."""
     inputs = _unit_reduce_inputs(ctx, layout) + (0,)
     return tuple(inputs[k + 1] for k in layout.layer_units) if ctx.fsdp is not None else ()
+
+
+def _reduce_inputs_before(ctx: Context, layout: Layout) -> tuple[int, ...]:
+    """Per block unit, the reduce-scatter input held as its post-backward starts: the next unit's
+    in forward order (:func:`reduce_inputs_held`)."""
+    inputs = _unit_reduce_inputs(ctx, layout) + (0,)
+    return tuple(inputs[layout.units.index(u) + 1] for u in layout.block_units)
 
 
 def reduce_input_held_at_end(ctx: Context, layout: Layout) -> int:

@@ -81,3 +81,21 @@ def test_which_forwards_gather_the_units_again_without_resharding(dense_spec):
     # a full fine-tune's reference is a model of its own, resharded after its pass; the actor is
     # still as generate left it
     assert case(generation="hf", beta=0.04, full_finetune=True, lora_rank=None) == (True, False)
+
+
+def test_a_block_units_post_backward_starts_beside_the_input_the_unit_before_kept():
+    from planner.memory._phases import block_post_backward
+    from planner.memory._static import GradientTerms
+
+    # two block units after a trained head (its change 10); each makes 50 bytes of gradient, then
+    # reduce-scatters 100 through an output of 5. The last block starts beside nothing held (the
+    # head's input, 0 here), so its reduce-scatter is wider; the first starts beside the last's 200.
+    grads = GradientTerms(
+        prior=0, head=10, per_unit=(1, 2), unit_reducing=((5, 100), (5, 100)), unit_entering=((50, 200), (50, 0))
+    )
+    assert block_post_backward(grads) == (10 + 2 + 50, 200)
+    # with nothing held the reduce-scatters are the moments
+    quiet = GradientTerms(
+        prior=0, head=10, per_unit=(1, 2), unit_reducing=((5, 100), (5, 100)), unit_entering=((50, 0), (50, 0))
+    )
+    assert block_post_backward(quiet) == (10 + 2 + 5, 100)

@@ -165,3 +165,21 @@ def test_a_block_runs_backward_beside_the_reduce_scatter_input_of_the_unit_after
     assert reduce_inputs_held(full, build_layout(full))[-1] == vocab * hidden * 4  # the trained head's
     unsharded = make_context(dense_spec, gpus=1)
     assert reduce_inputs_held(unsharded, build_layout(unsharded)) == ()
+
+
+def test_offloaded_and_replicated_gradients_are_not_new_device_shards(dense_spec):
+    block = WL.lora_rank * sum(ar * ac + br * bc for _, ar, ac, br, bc in dense_spec.block(0).lora["all-linear"])
+    layers = dense_spec.num_layers
+    # cpu_offload: FSDP2 copies each new shard to the host, so a reduce-scattered unit only frees
+    # its accumulated gradient (deferred sync) and a first micro-batch's adds nothing on the device
+    offload = SHARD_ALL.model_copy(update={"cpu_offload": True})
+    ctx, layout, memory = _memory(dense_spec, offload)
+    assert gradient_terms(ctx, layout, memory).per_unit == (-block * 4,) * layers
+    ctx, layout, memory = _memory(dense_spec, offload, micro_batch_size_per_gpu=8)
+    assert gradient_terms(ctx, layout, memory).per_unit == (0,) * layers
+    # under the persistence threshold the adapters are replicated: whole gradients of their own,
+    # accumulated and kept, none reduce-scattered
+    ctx, layout, memory = _memory(dense_spec, FSDPConfig(param_persistence_threshold=10**9))
+    grads = gradient_terms(ctx, layout, memory)
+    assert grads.prior == layers * block * 4 and grads.per_unit == (0,) * layers
+    assert set(grads.unit_reducing) == {(0, 0)}
