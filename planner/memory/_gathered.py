@@ -57,13 +57,21 @@ def gather_order(ctx: Context, layout: Layout, unit_bytes: tuple[int, ...]) -> t
     unit runs, so a prefetch there holds nothing.
     """
     order: list[OrderEntry] = []
-    for u, size in zip(layout.units, unit_bytes):
-        inner = [unit_gathered_bytes(ctx, x) for x in layout.nested.get(u.name, ())]
+    for own, inner in _own_and_nested(layout, unit_bytes, lambda x: unit_gathered_bytes(ctx, x)):
         outer = len(order)
-        own = size - sum(inner)
         order.append((own, None, own if ctx.shard_group > 1 else 0))
         order.extend((b, outer, b if (ctx.expert_group or ctx.shard_group) > 1 else 0) for b in inner)
     return tuple(order)
+
+
+def _own_and_nested(layout: Layout, unit_values, measure) -> list[tuple[int, list[int]]]:
+    """Per unit of ``layout.units`` (``unit_values``: a measure of each, nested units included):
+    its own share and each nested expert unit's (``measure`` of it), in gathering order."""
+    out = []
+    for u, value in zip(layout.units, unit_values):
+        inner = [measure(x) for x in layout.nested.get(u.name, ())]
+        out.append((value - sum(inner), inner))
+    return out
 
 
 def casts_shards(ctx: Context) -> tuple[bool, bool]:
@@ -144,11 +152,11 @@ def gather_casts(ctx: Context, layout: Layout, order: tuple[OrderEntry, ...]) ->
     casts = casts_shards(ctx)
     if not any(casts):
         return ()
-    out: list[int] = []
-    for u in layout.units:
-        inner = [unit_cast_bytes(ctx, x, casts) for x in layout.nested.get(u.name, ())]
-        out.append(unit_cast_bytes(ctx, u, casts) - sum(inner))
-        out.extend(inner)
+
+    def measure(unit: Unit) -> int:
+        return unit_cast_bytes(ctx, unit, casts)
+
+    out = [c for own, inner in _own_and_nested(layout, map(measure, layout.units), measure) for c in (own, *inner)]
     return tuple(c if ahead else 0 for c, (_, _, ahead) in zip(out, order))
 
 

@@ -304,9 +304,9 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     # Under reshard_after_forward=True GRPO reshards the actor's root after Hugging Face generate
     # (_gathered_for_rollout): counted gathered there, a tied head's reference pass (the root holds
     # the embeddings) read 7.8% high on 2 gloo ranks.
-    actors = terms.after_forward if ctx.reference_copy and ctx.sharded and workload.generation != "none" else 0
-    if workload.generation == "hf" and ctx.fsdp is not None and ctx.fsdp.reshard_after_forward:
-        actors = 0
+    resharded = workload.generation == "hf" and ctx.fsdp is not None and ctx.fsdp.reshard_after_forward
+    rolled_out = workload.generation != "none" and not resharded
+    actors = terms.after_forward if ctx.reference_copy and ctx.sharded and rolled_out else 0
 
     def widen(window: int) -> int:
         return gathered(window) + actors

@@ -205,18 +205,15 @@ def _full_unit_elements(ctx: Context, layout: Layout, unit) -> int:
     return sum(t.numel for t in unit.lora if t.sharded) // ctx.num_adapters
 
 
-def _held_sharded_elements(ctx: Context, unit) -> int:
-    """A unit's trained elements FSDP2 shards, on this rank (replicated ones, under the persistence
-    threshold, keep whole gradients of their own, never reduce-scattered)."""
+def _held_elements(ctx: Context, unit, *, sharded_only: bool = False) -> int:
+    """A unit's trained elements on this rank, as the held gradient stores them (sharded or whole);
+    ``sharded_only``: those FSDP2 shards (replicated ones, under the persistence threshold, keep
+    whole gradients of their own, never reduce-scattered)."""
     tensors = unit.base if ctx.full_finetune else unit.lora
-    count = sum(t.local(ctx.shard_group) for t in tensors if t.sharded)
-    return count if ctx.full_finetune else count // ctx.num_adapters
-
-
-def _held_elements(ctx: Context, unit) -> int:
-    """A unit's trained elements on this rank, as the held gradient stores them (sharded or whole)."""
-    tensors = unit.base if ctx.full_finetune else unit.lora
-    count = sum(t.local(ctx.shard_group) if ctx.sharded else t.numel for t in tensors)
+    if sharded_only:
+        count = sum(t.local(ctx.shard_group) for t in tensors if t.sharded)
+    else:
+        count = sum(t.local(ctx.shard_group) if ctx.sharded else t.numel for t in tensors)
     return count if ctx.full_finetune else count // ctx.num_adapters
 
 
@@ -245,7 +242,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         layout.sums[key] = (
             tuple(_full_unit_elements(ctx, layout, u) for u in layout.block_units),
             tuple(_held_elements(ctx, u) for u in layout.block_units),
-            tuple(_held_sharded_elements(ctx, u) for u in layout.block_units),
+            tuple(_held_elements(ctx, u, sharded_only=True) for u in layout.block_units),
             _held_elements(ctx, next((u for u in layout.units if u.name == "lm_head"), layout.root))
             if ctx.full_finetune and layout.head is not None
             else 0,
@@ -267,6 +264,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     head_full = head.numel if ctx.full_finetune and head is not None and head.sharded else 0
     # a new shard's bytes on the device: none under cpu_offload, where FSDP2 copies it to the host
     kept = 0 if fsdp.cpu_offload else 4
+    trainers = _head_sharded_gradient(ctx, layout)
     if one:
         changes = tuple((n - s) * 4 + s * kept for n, s in zip(held_units, shard_units))
         prior, head_change = 0, held_head * kept
@@ -277,7 +275,6 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
                 if ctx.full_finetune
                 else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters
             )
-        trainers = _head_sharded_gradient(ctx, layout)
         prior = layout.sums["trained_full"] * reduce_bytes + trainers
         changes = tuple(shard * kept - full * reduce_bytes for full, shard in zip(full_units, shard_units))
         # the head's shard is the trainer's, in prior, which FSDP2's reduce-scatter adds to (else new)
@@ -299,7 +296,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         head_reducing=0 if accumulates else head_full * p,
         head_buffer=head_full * reduce_bytes * copies,
         head_output=head.local(ctx.shard_group) * reduce_bytes if head_full and head is not None else 0,
-        head_made=_head_sharded_gradient(ctx, layout) if one else 0,  # else among prior
+        head_made=trainers if one else 0,  # else among prior
         embed_buffer=(
             layout.embed.numel * reduce_bytes * copies + layout.embed.local(ctx.shard_group) * reduce_bytes
             if ctx.full_finetune and layout.embed.sharded
@@ -340,9 +337,11 @@ def reduce_inputs_held(ctx: Context, layout: Layout) -> tuple[int, ...]:
 
 def _reduce_inputs_before(ctx: Context, layout: Layout) -> tuple[int, ...]:
     """Per block unit, the reduce-scatter input held as its post-backward starts: the next unit's
-    in forward order (:func:`reduce_inputs_held`)."""
+    in forward order (:func:`reduce_inputs_held`; the block units are consecutive in
+    ``layout.units``)."""
     inputs = _unit_reduce_inputs(ctx, layout) + (0,)
-    return tuple(inputs[layout.units.index(u) + 1] for u in layout.block_units)
+    first = layout.layer_units[0]
+    return inputs[first + 1 : first + 1 + len(layout.block_units)]
 
 
 def reduce_input_held_at_end(ctx: Context, layout: Layout) -> int:
@@ -352,11 +351,15 @@ def reduce_input_held_at_end(ctx: Context, layout: Layout) -> int:
 
 
 def _unit_reduce_inputs(ctx: Context, layout: Layout) -> tuple[int, ...]:
-    """Per unit, its trained gradient's reduce-scatter input in reduce_dtype (0 unsharded)."""
+    """Per unit, its trained gradient's reduce-scatter input in reduce_dtype (0 unsharded); made
+    once per layout and what it depends on (``layout.sums``): a learn phase asks three times."""
     if ctx.fsdp is None:
         return (0,) * len(layout.units)
     reduce_bytes = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
-    return tuple(_full_unit_elements(ctx, layout, u) * reduce_bytes for u in layout.units)
+    key = ("reduce_inputs", ctx.full_finetune, ctx.num_adapters, reduce_bytes)
+    if key not in layout.sums:
+        layout.sums[key] = tuple(_full_unit_elements(ctx, layout, u) * reduce_bytes for u in layout.units)
+    return layout.sums[key]
 
 
 def reduce_scatter_copies(ctx: Context) -> int:

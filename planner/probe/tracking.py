@@ -234,7 +234,7 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
             def inner(*args, **kwargs):
                 group = fsdp_mod._get_fsdp_state()._fsdp_param_group
                 if group is not None:
-                    register(_FSDPRefType.UNSHARDED_GRAD, _unsharded_grads(group))
+                    register(_FSDPRefType.UNSHARDED_GRAD, _accumulated_gradients(group))
                 snapshots = self.memory_tracking[fsdp_mod].snapshots
                 snapshots.setdefault(_FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
                 self._fsdp_state = _FSDPState.POST_BW
@@ -279,9 +279,10 @@ def _repeating_fsdp_mem_tracker(model, optimizer):
 
 
 def _accumulated_gradients(group) -> list[torch.Tensor]:
-    """Unsharded gradients an FSDP2 param group holds between micro-batches (defer_grad_sync):
-    the unsharded parameter's ``.grad``, or, when reduce_dtype differs from the gradient's
-    dtype, the upcast copy FSDP2 keeps in ``unsharded_accumulated_grad`` instead."""
+    """Unsharded gradients an FSDP2 param group holds: the unsharded parameter's ``.grad`` (made by
+    this backward, or kept between micro-batches under defer_grad_sync) and, when reduce_dtype
+    differs from the gradient's dtype, the upcast copy FSDP2 accumulates the earlier micro-batches'
+    into (``unsharded_accumulated_grad``)."""
     out = []
     for fsdp_param in group.fsdp_params:
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
@@ -292,12 +293,6 @@ def _accumulated_gradients(group) -> list[torch.Tensor]:
             if grad is not None:
                 out.append(grad)
     return out
-
-
-def _unsharded_grads(group) -> list[torch.Tensor]:
-    """The gradients autograd has left on an FSDP2 param group's unsharded parameters."""
-    found = (getattr(getattr(p, "_unsharded_param", None), "grad", None) for p in group.fsdp_params)
-    return [g for g in found if g is not None]
 
 
 def _sharded_grads(group) -> list[torch.Tensor]:
