@@ -365,42 +365,50 @@ class PostBackwardWindows:
     """What stays gathered while the backward's units reduce-scatter, and at its end."""
 
     head: int  # a trained untied lm_head unit's post-backward (its gradients reduce-scattered)
-    block: int  # a block unit's post-backward, the widest
+    block: int  # a block unit's post-backward as it starts, the widest
+    block_reducing: tuple[int, ...]  # each block unit's as it reduce-scatters, its own copy resharded
     end: int  # the backward's end, every gradient made (the embeddings' as it is made)
 
 
 def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> PostBackwardWindows:
     """The windows of a unit's post-backward and of the backward's end:
-    :func:`after_forward_bytes` and the units the head's pre-backward prefetched (the last
-    blocks' all-gather outputs) for the head's, :func:`backward_gathered_bytes` for the rest,
-    but under reshard_after_forward=False FSDP2 reshards a unit in its post-backward before it
-    reduce-scatters (FSDPParamGroup.post_backward), and the units after it in forward order have
-    already done so. The head's reduce-scatter holds the root and the units before the head; a
-    block unit's, the root and the units before its own (the last block's the widest), with the
-    buffer allowance; the backward's end, the root and the units before the first block (an
-    embeddings unit), and the first block's too without trained embeddings: a unit's
-    post-backward hook fires once a gradient reaches its input (measured on 2 gloo ranks: a full
-    fine-tune peaking at its untied head's reduce-scatter, counted with every unit gathered, read
-    4.6% high)."""
+    :func:`backward_gathered_bytes`, but under reshard_after_forward=False FSDP2 reshards a unit
+    in its post-backward before it reduce-scatters (FSDPParamGroup.post_backward), and the units
+    after it in forward order have already done so. The head's reduce-scatter holds the root and
+    the units before the head; a block unit's, the root and the units before its own (the last
+    block's the widest), with the buffer allowance; the backward's end, the root and the units
+    before the first block (an embeddings unit), and the first block's too without trained
+    embeddings: a unit's post-backward hook fires once a gradient reaches its input (measured on
+    2 gloo ranks: a full fine-tune peaking at its untied head's reduce-scatter, counted with every
+    unit gathered, read 4.6% high). Resharded after forward, a block unit's post-backward starts
+    under the backward's window and reshards its own copy before it reduce-scatters, when the
+    units its pre-backward prefetched (the ``backward_prefetch_units`` before it in forward order)
+    hold their all-gather outputs beside the root (traced on 2 gloo ranks: two-block units of a
+    full fine-tune, counted under the backward's window, learn read 7.4% high). The head's unit
+    reduce-scatters nothing there (planner.memory._static.trainer_gathers_head): no window."""
     if ctx.fsdp is None:
-        return PostBackwardWindows(0, 0, 0)
+        return PostBackwardWindows(0, 0, (), 0)
+    first, count = layout.layer_units[0], len(layout.block_units)  # block units are consecutive
     if ctx.fsdp.reshard_after_forward:
         window = backward_gathered_bytes(ctx, gathered)
-        # the head's pre-backward prefetched the units after it in backward order (the last blocks):
-        # their all-gather outputs are in flight (traced on 2 gloo ranks: a block's, beside the head's
-        # reduce-scatter)
-        outer = [ahead for _, parent, ahead in gathered.order if parent is None]
-        prefetched = sum(outer[-1 - ctx.fsdp.backward_prefetch_units : -1])
-        return PostBackwardWindows(after_forward_bytes(ctx, gathered) + prefetched, window, window)
+        outer = [ahead for _, parent, ahead in gathered.order if parent is None]  # per unit of layout.units
+        prefetch = ctx.fsdp.backward_prefetch_units
+        reducing = tuple(
+            gathered.root_bytes + gathered.buffer_bytes + sum(outer[max(0, k - prefetch) : k])
+            for k in range(first, first + count)
+        )
+        return PostBackwardWindows(0, window, reducing, window)
     through = _units_before(gathered)
-    first, last = layout.layer_units[0], layout.layer_units[-1]
+    last = layout.layer_units[-1]
     # Without trained embeddings the first block's input needs no gradient, so no hook reshards its
     # unit: the root's final callback does, after the backward.
     end = first if ctx.full_finetune else first + 1
     root = gathered.root_bytes
+    block = root + through[last] + gathered.buffer_bytes
     return PostBackwardWindows(
         head=root + through[last + 1],
-        block=root + through[last] + gathered.buffer_bytes,
+        block=block,
+        block_reducing=(block,) * count,
         end=root + through[end] + gathered.buffer_bytes,
     )
 

@@ -22,6 +22,7 @@ from ._activations import (
 from ._context import Context
 from ._gathered import (
     Gathered,
+    PostBackwardWindows,
     after_forward_bytes,
     backward_gathered_bytes,
     backward_layer_windows,
@@ -361,32 +362,37 @@ def backward_gradients(layout: Layout, grads) -> tuple[int, ...]:
     return tuple(grads.head + after[k - first] for k in layout.layer_units)
 
 
-def block_post_backward(grads) -> tuple[int, int]:
-    """The widest block unit's post-backward: (the gradients beyond ``prior`` then, the
-    reduce-scatter input alive): the changes of the units that reduce-scattered before it (the
-    trained head's, the later blocks'), and its own, as it starts (its gradient all made, the
-    input the unit before kept) or as it reduce-scatters (:class:`._static.GradientTerms`).
-    (0, 0) without FSDP."""
-    found, after = (0, 0), grads.head
+def block_post_backward(grads, windows: PostBackwardWindows) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The widest block unit's post-backward as it starts (its gradient all made, the input the
+    unit before kept) and as it reduce-scatters (:class:`._static.GradientTerms`), each as (the
+    window gathered, the gradients beyond ``prior`` then, the reduce-scatter input alive): the
+    changes of the units that reduce-scattered before it (the trained head's, the later
+    blocks'), and its own. Zeros without FSDP."""
+    entering, reducing, after = (0, 0, 0), (0, 0, 0), grads.head
     changes = grads.per_unit or (0,) * len(grads.unit_reducing)
-    for change, (reducing, buffer), (made, before) in zip(
-        reversed(changes), reversed(grads.unit_reducing), reversed(grads.unit_entering)
+    for change, (reduced, buffer), (made, before), window in zip(
+        reversed(changes),
+        reversed(grads.unit_reducing),
+        reversed(grads.unit_entering),
+        reversed(windows.block_reducing),
     ):
-        found = max(found, (after + made, before), (after + reducing, buffer), key=sum)
+        entering = max(entering, (windows.block, after + made, before), key=sum)
+        reducing = max(reducing, (window, after + reduced, buffer), key=sum)
         after += change
-    return found
+    return entering, reducing
 
 
 def _head_reduce_moment(grads, window: int, activations: int) -> list[dict[str, int]]:
     """A trained untied lm_head unit's reduce-scatter, the chunked head's workspace freed: its
-    gradient, the reduce-scatter's input and output beside the shard the chunked head made, under
-    ``window`` (traced on 2 gloo ranks); none without such a head."""
+    gradient, the reduce-scatter's input and output, under ``window`` (traced on 2 gloo ranks);
+    none without such a head, or where the trainer's head gathered and reduced its own copy
+    (planner.memory._static.trainer_gathers_head)."""
     if not grads.head_buffer:
         return []
     return [
         {
             "weights_gathered": window,
-            "gradients": grads.prior + grads.head_made + grads.head_reducing + grads.head_output,
+            "gradients": grads.prior + grads.head_reducing + grads.head_output,
             "activations": activations,
             "comm_buffers": grads.head_buffer,
         }
@@ -429,7 +435,6 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     head_window = max(head)
     backward_windows = backward_layer_windows(ctx, terms.layout, terms.gathered)
     held = reduce_inputs_held(ctx, terms.layout)
-    post_backward = block_post_backward(grads)
     # Every unit but the embeddings' (and the root's) through its post-backward; unsharded, where the
     # gradients are the fp32 masters' or the weights' own, every gradient of the step is an upper bound.
     reduced = grads.prior + grads.head + sum(grads.per_unit)
@@ -442,6 +447,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
     hidden_grad = acts.head_rows * ctx.hidden_size * ctx.compute_bytes  # the head's input gradient
     window = backward_gathered_bytes(ctx, terms.gathered)
     reducing = post_backward_windows(ctx, terms.layout, terms.gathered)
+    post_backward = block_post_backward(grads, reducing)
     # A padded batch's attention mask lives from the forward's start to the backward's end;
     # eager attention's own masks, without checkpointing, while the forward runs only.
     held_masks, forward_masks = learn_mask_bytes(ctx)
@@ -518,12 +524,15 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                 },
                 # a block unit's post-backward: its unsharded gradients and their reduce-scatter, once
                 # its own activations are freed (what the blocks keep and the gradients flowing remain)
-                {
-                    "weights_gathered": reducing.block,
-                    "gradients": grads.prior + post_backward[0],
-                    "activations": acts.blocks_kept + acts.embedding_kept + flowing_in + beside,
-                    "comm_buffers": post_backward[1],
-                },
+                *(
+                    {
+                        "weights_gathered": window,
+                        "gradients": grads.prior + made,
+                        "activations": acts.blocks_kept + acts.embedding_kept + flowing_in + beside,
+                        "comm_buffers": buffer,
+                    }
+                    for window, made, buffer in post_backward
+                ),
                 # the end of the backward: every gradient of the step made, the embeddings' as it is made
                 {
                     "weights_gathered": reducing.end,

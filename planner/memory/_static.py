@@ -183,8 +183,9 @@ class GradientTerms:
     # (deferred sync: negative), or nothing (the shards of earlier micro-batches, added to in place).
     head: int = 0  # ... a trained untied lm_head's (none tied: the root reduce-scatters last)
     per_unit: tuple[int, ...] = ()  # ... each block unit's, in order (empty: none changes)
-    # Per block unit, its post-backward: (its compute-dtype gradient unless accumulated, and the
-    # reduce-scatter's output shard; the reduce-scatter's input, and gloo's copy of it on CPU)
+    # Per block unit, its post-backward at the reduce-scatter: (the change of the gradients held, the
+    # unit's own freed once copied in and the output shard made; the reduce-scatter's input, and
+    # gloo's copy of it on CPU)
     unit_reducing: tuple[tuple[int, int], ...] = ()
     # ... and as it starts: (its compute-dtype gradient, all made; the reduce-scatter input of the
     # unit before it in backward order, which FSDP2 frees only after accumulating and resharding)
@@ -192,10 +193,11 @@ class GradientTerms:
     embed: int = 0  # the trained embeddings' gradient as it is made, at the very end of the backward
     embed_buffer: int = 0  # ... its reduce-scatter input (and gloo's copy, on CPU), the output shard beside
     embed_reducing: int = 0  # ... the gradient itself at that reduce-scatter (0: added to an accumulated one)
-    head_reducing: int = 0  # a trained untied lm_head unit's unsharded gradient at its reduce-scatter
+    # a trained untied lm_head unit's unsharded gradient at its reduce-scatter (none where the trainer's
+    # head gathers a copy of its own: trainer_gathers_head)
+    head_reducing: int = 0
     head_buffer: int = 0  # ... its reduce-scatter input (and gloo's copy of it, on CPU)
     head_output: int = 0  # ... and output: this rank's shard of the gradient, in reduce_dtype
-    head_made: int = 0  # ... the shard the chunked head's backward made before (_head_sharded_gradient)
 
 
 def _full_unit_elements(ctx: Context, layout: Layout, unit) -> int:
@@ -229,11 +231,13 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     each block unit's (``per_unit``), the embeddings' last (``embed``, made in the compute
     dtype before it is reduced or added to its master).
 
-    Under FSDP each unit's post-backward (``unit_reducing``) adds its compute-dtype gradient into
-    the accumulated one (deferred sync: freeing it) or keeps it, copies the gradient into a
-    reduce-scatter input in reduce_dtype and reduce-scatters it into a new shard; the accumulated
-    gradient is freed as the post-backward returns, and the shard stays (``per_unit``; traced on
-    2 gloo ranks). A trained untied lm_head's is a moment of its own (``head_*``).
+    Under FSDP each unit's post-backward starts with its compute-dtype gradient all made
+    (``unit_entering``), adds it into the accumulated one (deferred sync: freeing it) or keeps it,
+    copies the gradient into a reduce-scatter input in reduce_dtype, frees it (foreach_reduce
+    clears its list once copied in) and reduce-scatters into a new shard (``unit_reducing``); the
+    shard stays (``per_unit``; traced on 2 gloo ranks: at a full fine-tune's block reduce-scatter
+    under deferred sync, counted with the block's accumulated gradient still held, learn read
+    9-22% high). A trained untied lm_head's is a moment of its own (``head_*``).
     """
     p = ctx.compute_bytes
     one = ctx.micro_batches == 1
@@ -261,7 +265,10 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     reduce_bytes = DTYPE_BYTES[fsdp.reduce_dtype]
     accumulates = not one and fsdp.defer_grad_sync
     head = layout.head
-    head_full = head.numel if ctx.full_finetune and head is not None and head.sharded else 0
+    trained_head = head.numel if ctx.full_finetune and head is not None and head.sharded else 0
+    # FSDP2's unit reduces the head's gradient, or the trainer's own copy of it does (at once, into
+    # the sharded parameter's gradient: nothing unsharded accumulates over the micro-batches)
+    head_full = 0 if trainer_gathers_head(ctx, layout) else trained_head
     # a new shard's bytes on the device: none under cpu_offload, where FSDP2 copies it to the host
     kept = 0 if fsdp.cpu_offload else 4
     trainers = _head_sharded_gradient(ctx, layout)
@@ -275,7 +282,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
                 if ctx.full_finetune
                 else sum(t.numel for t in layout.lora_tensors) // ctx.num_adapters
             )
-        prior = layout.sums["trained_full"] * reduce_bytes + trainers
+        prior = (layout.sums["trained_full"] - trained_head + head_full) * reduce_bytes + trainers
         changes = tuple(shard * kept - full * reduce_bytes for full, shard in zip(full_units, shard_units))
         # the head's shard is the trainer's, in prior, which FSDP2's reduce-scatter adds to (else new)
         head_change = -head_full * reduce_bytes + (0 if trainers else held_head * kept)
@@ -288,7 +295,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         head=head_change,
         per_unit=changes,
         unit_reducing=tuple(
-            ((0 if accumulates else full * p) + shard * reduce_bytes, full * reduce_bytes * copies)
+            (shard * reduce_bytes - (full * reduce_bytes if accumulates else 0), full * reduce_bytes * copies)
             for full, shard in zip(full_units, shard_units)
         ),
         unit_entering=tuple((full * p, before) for full, before in zip(full_units, _reduce_inputs_before(ctx, layout))),
@@ -296,7 +303,6 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
         head_reducing=0 if accumulates else head_full * p,
         head_buffer=head_full * reduce_bytes * copies,
         head_output=head.local(ctx.shard_group) * reduce_bytes if head_full and head is not None else 0,
-        head_made=trainers if one else 0,  # else among prior
         embed_buffer=(
             layout.embed.numel * reduce_bytes * copies + layout.embed.local(ctx.shard_group) * reduce_bytes
             if ctx.full_finetune and layout.embed.sharded
@@ -306,20 +312,29 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
     )
 
 
+def trainer_gathers_head(ctx: Context, layout: Layout) -> bool:
+    """Whether the trainer's chunked head gathers a copy of its own of an untied lm_head unit's
+    weight (agilerl's LLMAlgorithm._head_gathers_own_copy): under FSDP with reshard_after_forward,
+    whose forward leaves the unit resharded. The model's own one-position head then runs without
+    grad, so FSDP2's unit gathers the head in no backward and reduce-scatters none of its
+    gradient; the copy's backward reduce-scatters it (:func:`_head_sharded_gradient`). Under
+    reshard_after_forward=False the chunked head reads the weight the forward left unsharded, and
+    the unit reduce-scatters its gradient in its post-backward."""
+    head = layout.head
+    return ctx.fsdp is not None and ctx.fsdp.reshard_after_forward and head is not None and head.sharded
+
+
 def _head_sharded_gradient(ctx: Context, layout: Layout) -> int:
     """A trained untied lm_head's gradient this rank holds sharded from the first micro-batch on,
-    deferred sync or not: the trainer's chunked head reads the head's sharded fp32 weight through
-    materialize_dtensors, whose backward reduce-scatters the head's gradient into the sharded
-    parameter's own (planner.memory._logits.head_weight_bytes), beside FSDP2's unit. Traced on 2
-    gloo ranks: V x H x 4 / S already held as the second micro-batch's head ran backward. Under
-    reshard_after_forward=False the forward left the unit unsharded and the head reads that weight:
-    its gradient is FSDP2's, reduce-scattered by the unit (none here)."""
-    head = layout.head
-    if not ctx.full_finetune or head is None or not head.sharded or ctx.fsdp is None:
+    deferred sync or not, where the trainer's chunked head gathers its own copy of the weight
+    (:func:`trainer_gathers_head`): materialize_dtensors' backward reduce-scatters the head's
+    gradient into the sharded fp32 parameter's own (planner.memory._logits.head_weight_bytes).
+    Traced on 2 gloo ranks: V x H x 4 / S already held as the second micro-batch's head ran
+    backward."""
+    head, fsdp = layout.head, ctx.fsdp
+    if not ctx.full_finetune or not trainer_gathers_head(ctx, layout) or head is None or fsdp is None:
         return 0
-    if not ctx.fsdp.reshard_after_forward or ctx.fsdp.cpu_offload:
-        return 0  # (cpu_offload: the shard and its gradient are the host's)
-    return head.local(ctx.shard_group) * 4
+    return 0 if fsdp.cpu_offload else head.local(ctx.shard_group) * 4  # (offloaded: the host's)
 
 
 def reduce_inputs_held(ctx: Context, layout: Layout) -> tuple[int, ...]:
@@ -356,9 +371,13 @@ def _unit_reduce_inputs(ctx: Context, layout: Layout) -> tuple[int, ...]:
     if ctx.fsdp is None:
         return (0,) * len(layout.units)
     reduce_bytes = DTYPE_BYTES[ctx.fsdp.reduce_dtype]
-    key = ("reduce_inputs", ctx.full_finetune, ctx.num_adapters, reduce_bytes)
+    gathers = trainer_gathers_head(ctx, layout)  # then the head's unit reduce-scatters nothing
+    key = ("reduce_inputs", ctx.full_finetune, ctx.num_adapters, reduce_bytes, gathers)
     if key not in layout.sums:
-        layout.sums[key] = tuple(_full_unit_elements(ctx, layout, u) * reduce_bytes for u in layout.units)
+        layout.sums[key] = tuple(
+            0 if gathers and u.name == "lm_head" else _full_unit_elements(ctx, layout, u) * reduce_bytes
+            for u in layout.units
+        )
     return layout.sums[key]
 
 

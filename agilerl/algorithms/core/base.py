@@ -149,6 +149,31 @@ def on_rank0(fn, *args) -> dict[str, Any]:
     return payload[0]
 
 
+@contextlib.contextmanager
+def _forward_without_grad(module: nn.Module):
+    """Run ``module``'s forward with grad disabled, FSDP2's hooks around it included, while the
+    context is open: FSDP2 then registers no backward hooks for its unit (its pre-forward hook
+    comes after ours, its post-forward hook before)."""
+    modes: list[bool] = []
+
+    def enter(_module, _args):
+        modes.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+
+    def leave(_module, _args, _output):
+        torch.set_grad_enabled(modes.pop())
+
+    before = module.register_forward_pre_hook(enter, prepend=True)
+    after = module.register_forward_hook(leave, always_call=True)
+    mode = torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        before.remove()
+        after.remove()
+        torch.set_grad_enabled(mode)
+
+
 def _four_bit_source_problem(full_finetune: bool, actor_network: nn.Module | None) -> str | None:
     """Why ``load_in_4bit`` cannot build this actor, or None: 4-bit weights do not train, and a
     given network is used as it is (only a model loaded from model_name is quantised)."""
@@ -746,17 +771,21 @@ class LLMAlgorithm:
             return self._shared_prefix_logprobs(ids, attention_mask, first, groups, model, hidden)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
+        own_head = self._head_gathers_own_copy(model)
         try:
             # The model's own head runs on the last position only (last_position_only); the
             # log-probs below come from the captured final hidden states, chunked.
-            out = model(
-                input_ids=ids,
-                # a padded batch: one additive mask shared by every layer, not a float copy per layer
-                attention_mask=shared_attention_mask(causal_lm(model).config, attention_mask, self._activation_dtype()),
-                position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False,
-                logits_to_keep=last_position_only(ids),
-            )
+            with _forward_without_grad(output_head(model)) if own_head else contextlib.nullcontext():
+                out = model(
+                    input_ids=ids,
+                    # a padded batch: one additive mask shared by every layer, not a float copy per layer
+                    attention_mask=shared_attention_mask(
+                        causal_lm(model).config, attention_mask, self._activation_dtype()
+                    ),
+                    position_ids=position_ids_from_mask(attention_mask),
+                    use_cache=False,
+                    logits_to_keep=last_position_only(ids),
+                )
         finally:
             handle.remove()
         if hidden is not None:
@@ -765,12 +794,23 @@ class LLMAlgorithm:
         # the final hidden states are used as they are rather than copied without their last row.
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
         logp = self._head_logprobs(captured["h"], targets, first, model)[:, :-1]
-        if torch.is_grad_enabled():
-            # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward
-            # (the lm_head) has no output in the graph; a zero-weighted term keeps
-            # its one-position logits in the graph at no cost to the gradient.
+        if torch.is_grad_enabled() and not own_head:
+            # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward with grad
+            # (the lm_head) has no output in the graph; a zero-weighted term keeps its
+            # one-position logits in the graph at no cost to the gradient.
             logp = logp + 0.0 * out.logits.sum()
         return logp
+
+    def _head_gathers_own_copy(self, model: nn.Module) -> bool:
+        """Whether ``model``'s lm_head is an FSDP2 unit of its own (untied) that reshards after
+        its forward, so the chunked head (:meth:`_head_logprobs`) gathers its own copy of the
+        weight, whose backward reduce-scatters the head's gradient. The model's own head then
+        runs its one-position forward without grad: in the graph, FSDP2 would gather the head
+        again in backward and reduce-scatter a zero gradient of it, held whole in fp32 through a
+        step that defers the gradient sync (V x H x 4 bytes when the head trains)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return self.sharded and self.fsdp_config.reshard_after_forward and isinstance(output_head(model), FSDPModule)
 
     def _prefix_groups(
         self, ids: torch.Tensor, attention_mask: torch.Tensor, split: int, model: nn.Module | None = None
@@ -829,23 +869,26 @@ class LLMAlgorithm:
         recorded = RecordingCache(config.num_hidden_layers)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
+        own_head = self._head_gathers_own_copy(model)
         try:
-            prefix = model(
-                input_ids=ids[rows, :first],
-                attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
-                position_ids=positions[rows, :first],
-                use_cache=True,
-                logits_to_keep=last_position_only(ids[:, :first]),
-                **{kv: recorded},
-            )
-            suffix = model(
-                input_ids=ids[:, first:],
-                attention_mask=suffix_attention_mask(attention_mask, first, dtype),
-                position_ids=positions[:, first:],
-                use_cache=True,
-                logits_to_keep=last_position_only(ids[:, first:]),
-                **{kv: PrefixedCache(recorded, groups.inverse, first)},
-            )
+            with _forward_without_grad(output_head(model)) if own_head else contextlib.nullcontext():
+                prefix = model(
+                    input_ids=ids[rows, :first],
+                    attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
+                    position_ids=positions[rows, :first],
+                    use_cache=True,
+                    logits_to_keep=last_position_only(ids[:, :first]),
+                    **{kv: recorded},
+                )
+                prefix_hidden = captured["h"]
+                suffix = model(
+                    input_ids=ids[:, first:],
+                    attention_mask=suffix_attention_mask(attention_mask, first, dtype),
+                    position_ids=positions[:, first:],
+                    use_cache=True,
+                    logits_to_keep=last_position_only(ids[:, first:]),
+                    **{kv: PrefixedCache(recorded, groups.inverse, first)},
+                )
         finally:
             handle.remove()
         if hidden is not None:
@@ -853,8 +896,12 @@ class LLMAlgorithm:
         targets = torch.nn.functional.pad(ids[:, first + 1 :], (0, 1))
         logp = torch.nn.functional.pad(self._head_logprobs(captured["h"], targets, 0, model)[:, :-1], (first, 0))
         if torch.is_grad_enabled():
-            # as in the one-pass forward: every lm_head forward keeps an output in the graph (FSDP2)
-            logp = logp + 0.0 * (prefix.logits.sum() + suffix.logits.sum())
+            # The prefix pass's last block feeds the loss through its keys and values only, so its
+            # output (from whose hook FSDP2 gathers the block again in backward) is kept in the graph
+            # by a zero-weighted term; as in the one-pass forward, so is the model's own head's when
+            # it ran with grad.
+            kept = prefix_hidden.sum() if own_head else prefix.logits.sum() + suffix.logits.sum()
+            logp = logp + 0.0 * kept
         return logp
 
     def _head_logprobs(

@@ -191,6 +191,45 @@ def every_algorithm_asks_the_planner_with_fsdp_config_auto(ctx):
 
 
 @cases.case
+def a_resharded_untied_heads_gradient_is_reduced_once_by_the_trainers_own_copy(ctx):
+    # Resharded after forward, the chunked head gathers its own copy of the untied lm_head, whose
+    # backward reduce-scatters the head's gradient; the model's own one-position head runs without
+    # grad, so FSDP2's unit reduce-scatters nothing of the head (before, a zero gradient of it, held
+    # whole in fp32 through a deferred-sync step). Kept gathered, the unit's reduce is the only one.
+    # Either way two micro-batches a rank give data parallel's update.
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+
+    from agilerl.algorithms import SFT
+
+    reduced: list[str] = []
+    original = group.foreach_reduce
+
+    def recording(fsdp_params, *args, **kwargs):
+        reduced.extend(p._param_fqn for p in fsdp_params)
+        return original(fsdp_params, *args, **kwargs)
+
+    plain = _offline(SFT, lora_config=None, batch_size=4, micro_batch_size_per_gpu=1, lr=1e-3)
+    batch = _rank_share(plain.encode(PROMPTS, ANSWERS), ctx.rank)
+    plain.learn(batch)
+    group.foreach_reduce = recording
+    try:
+        for reshard in (True, False):
+            fsdp = FSDPConfig(**FP32_SHARDED, reshard_after_forward=reshard)
+            sharded = _offline(
+                SFT, lora_config=None, batch_size=4, micro_batch_size_per_gpu=1, fsdp_config=fsdp, lr=1e-3
+            )
+            assert not sharded.model.config.tie_word_embeddings
+            reduced.clear()
+            sharded.learn(batch)
+            heads = [name for name in reduced if name.endswith("lm_head.weight")]
+            assert heads == ([] if reshard else ["lm_head.weight"]), (reshard, heads)
+            assert any(name.endswith("embed_tokens.weight") for name in reduced)  # the units still reduce
+            _close(_weights(sharded), _weights(plain), f"reshard_after_forward={reshard}")
+    finally:
+        group.foreach_reduce = original
+
+
+@cases.case
 def a_full_finetuning_checkpoint_saved_under_fsdp_loads_data_parallel(ctx):
     from agilerl.algorithms import SFT
 

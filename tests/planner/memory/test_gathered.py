@@ -182,13 +182,17 @@ def test_a_unit_reshards_before_its_reduce_scatter_without_resharding_after_forw
     assert post_backward_windows(full, full_layout, full_gathered).end == (
         full_gathered.root_bytes + full_gathered.unit_bytes[0] + full_gathered.buffer_bytes
     )
-    # resharding after forward: the head's unit was the forward's last and is resharded anyway; its
-    # pre-backward prefetched the last block, whose all-gather output is in flight (2 ranks)
+    assert windows.block_reducing == (windows.block,) * dense_spec.num_layers
+    # resharding after forward: the trainer's head reduces its own gradient, so the head's unit has no
+    # reduce-scatter; a block unit starts its post-backward under the backward's window and
+    # reduce-scatters with its own copy resharded, beside the unit its pre-backward prefetched (the
+    # one before it in forward order: the embeddings for the first block)
     ctx = make_context(dense_spec, fsdp=fsdp.model_copy(update={"reshard_after_forward": True}))
     windows = post_backward_windows(ctx, layout, gathered)
-    assert windows.head == after_forward_bytes(ctx, gathered) + blocks[-1] == root + blocks[-1]
+    assert windows.head == 0
     assert windows.block == windows.end == backward_gathered_bytes(ctx, gathered)
-    assert post_backward_windows(make_context(dense_spec), layout, gathered) == PostBackwardWindows(0, 0, 0)
+    assert windows.block_reducing == tuple(root + buffer + before for before in (embed, *blocks[:-1]))
+    assert post_backward_windows(make_context(dense_spec), layout, gathered) == PostBackwardWindows(0, 0, (), 0)
 
 
 def test_a_prefetch_holds_the_cast_copy_of_the_units_local_shards(dense_spec):

@@ -84,18 +84,19 @@ def test_which_forwards_gather_the_units_again_without_resharding(dense_spec):
 
 
 def test_a_block_units_post_backward_starts_beside_the_input_the_unit_before_kept():
+    from planner.memory._gathered import PostBackwardWindows
     from planner.memory._phases import block_post_backward
     from planner.memory._static import GradientTerms
 
     # two block units after a trained head (its change 10); each makes 50 bytes of gradient, then
     # reduce-scatters 100 through an output of 5. The last block starts beside nothing held (the
-    # head's input, 0 here), so its reduce-scatter is wider; the first starts beside the last's 200.
+    # head's input, 0 here); the first starts beside the last's 200. Each starts under the window
+    # 7; the last reduce-scatters under 4 (its prefetch), the first under 3, later, beside more.
+    windows = PostBackwardWindows(head=0, block=7, block_reducing=(3, 4), end=0)
     grads = GradientTerms(
         prior=0, head=10, per_unit=(1, 2), unit_reducing=((5, 100), (5, 100)), unit_entering=((50, 200), (50, 0))
     )
-    assert block_post_backward(grads) == (10 + 2 + 50, 200)
-    # with nothing held the reduce-scatters are the moments
-    quiet = GradientTerms(
-        prior=0, head=10, per_unit=(1, 2), unit_reducing=((5, 100), (5, 100)), unit_entering=((50, 0), (50, 0))
-    )
-    assert block_post_backward(quiet) == (10 + 2 + 5, 100)
+    assert block_post_backward(grads, windows) == ((7, 10 + 2 + 50, 200), (3, 10 + 2 + 5, 100))
+    # a wider window picks the last block's reduce-scatter
+    wide = PostBackwardWindows(head=0, block=7, block_reducing=(3, 10), end=0)
+    assert block_post_backward(grads, wide)[1] == (10, 10 + 5, 100)

@@ -78,18 +78,19 @@ def test_gradients_of_the_earlier_micro_batches_and_the_reduced_unit(dense_spec)
     # defer_grad_sync: unsharded, upcast to reduce_dtype (float32) as FSDP2 keeps them
     assert grads.prior == dense_spec.num_layers * block * 4
     local = _lora_local(dense_spec, WL.lora_rank, 2)[0] // dense_spec.num_layers  # a block's on rank 0
-    # a block's post-backward adds its bf16 gradient into the accumulated one (freed), reduce-scatters
-    # that through an fp32 input (and gloo's copy of it, on CPU) into a new fp32 shard; after it the
-    # accumulated gradient is gone and the shard stays
-    assert grads.unit_reducing == ((local * 4, block * 4 * 2),) * dense_spec.num_layers
+    # a block's post-backward adds its bf16 gradient into the accumulated one (freed), copies that
+    # into an fp32 reduce-scatter input (and gloo's copy of it, on CPU), frees it and reduce-scatters
+    # into a new fp32 shard, which stays
+    assert grads.unit_reducing == ((local * 4 - block * 4, block * 4 * 2),) * dense_spec.num_layers
     assert grads.per_unit == (local * 4 - block * 4,) * dense_spec.num_layers
     on_gpu = make_context(dense_spec, fsdp=SHARD_ALL, gpu=GPUS["H100-80GB"])
     assert gradient_terms(on_gpu, build_layout(on_gpu), memory).unit_reducing[0][1] == block * 4  # NCCL: no copy
-    # without deferring: the earlier micro-batches' shards, the block's bf16 gradient kept through its reduce
+    # without deferring: the earlier micro-batches' shards; the block's bf16 gradient is freed once copied in
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL.model_copy(update={"defer_grad_sync": False}))
     grads = gradient_terms(ctx, layout, memory)
     assert grads.prior == memory.trainable_elements * 4 and grads.per_unit == ()
-    assert grads.unit_reducing[0] == (block * 2 + local * 4, block * 4 * 2)
+    assert grads.unit_reducing[0] == (local * 4, block * 4 * 2)
+    assert grads.unit_entering[-1] == (block * 2, 0)  # as it starts: its bf16 gradient all made
     ctx, layout, memory = _memory(dense_spec, SHARD_ALL, micro_batch_size_per_gpu=8)
     grads = gradient_terms(ctx, layout, memory)
     assert grads.prior == 0 and grads.per_unit == (local * 4,) * dense_spec.num_layers  # one micro-batch
@@ -143,12 +144,20 @@ def test_full_finetuning_gradients_grow_through_one_micro_batch(dense_spec):
     grads = gradient_terms(ctx, layout, memory)
     every, _ = _base_elements(dense_spec, 1, sharded=False)
     vocab, hidden = dense_spec.lm_head_shape
-    # every unsharded gradient held in fp32, and the untied head's fp32 shard, which the chunked
-    # head's backward reduce-scatters itself each micro-batch (materialize_dtensors)
-    assert grads.prior == every * 4 + math.ceil(vocab / 2) * hidden * 4
-    # the head's post-backward frees its accumulated gradient (its shard is the one above)
-    assert grads.head == -vocab * hidden * 4 and grads.head_reducing == 0
-    assert grads.head_buffer == vocab * hidden * 4 * 2 and grads.head_output == math.ceil(vocab / 2) * hidden * 4
+    # every unsharded gradient held in fp32 but the untied head's: resharded after forward, the chunked
+    # head gathers its own copy, whose backward reduce-scatters the head's gradient into its fp32 shard
+    # each micro-batch (materialize_dtensors), and the head's unit has none to accumulate or reduce
+    head_shard = math.ceil(vocab / 2) * hidden * 4
+    assert grads.prior == (every - vocab * hidden) * 4 + head_shard
+    assert grads.head == grads.head_reducing == grads.head_buffer == grads.head_output == 0
+    # kept gathered after forward, the chunked head reads the unit's weight: FSDP2 accumulates the
+    # head's gradient and its post-backward reduce-scatters it into a new shard, freeing the rest
+    kept = SHARD_ALL.model_copy(update={"reshard_after_forward": False})
+    ctx, layout, memory = _memory(dense_spec, kept, full_finetune=True)
+    grads = gradient_terms(ctx, layout, memory)
+    assert grads.prior == every * 4
+    assert grads.head == head_shard - vocab * hidden * 4 and grads.head_reducing == 0
+    assert grads.head_buffer == vocab * hidden * 4 * 2 and grads.head_output == head_shard
 
 
 def test_a_block_runs_backward_beside_the_reduce_scatter_input_of_the_unit_after_it(dense_spec):
@@ -160,9 +169,15 @@ def test_a_block_runs_backward_beside_the_reduce_scatter_input_of_the_unit_after
     # LoRA: the untied head trains nothing, so the last block holds none
     assert reduce_inputs_held(ctx, layout) == (block * 4,) * (dense_spec.num_layers - 1) + (0,)
     assert reduce_input_held_at_end(ctx, layout) == block * 4  # the first block's, at the embeddings'
+    # a full fine-tune: the trained head's unit reduce-scatters only when kept gathered after forward
+    # (else the chunked head's own copy reduces the gradient)
     full = make_context(dense_spec, fsdp=SHARD_ALL, full_finetune=True)
+    kept = make_context(
+        dense_spec, fsdp=SHARD_ALL.model_copy(update={"reshard_after_forward": False}), full_finetune=True
+    )
     vocab, hidden = dense_spec.lm_head_shape
-    assert reduce_inputs_held(full, build_layout(full))[-1] == vocab * hidden * 4  # the trained head's
+    assert reduce_inputs_held(full, build_layout(full))[-1] == 0
+    assert reduce_inputs_held(kept, build_layout(kept))[-1] == vocab * hidden * 4  # the trained head's
     unsharded = make_context(dense_spec, gpus=1)
     assert reduce_inputs_held(unsharded, build_layout(unsharded)) == ()
 

@@ -387,8 +387,11 @@ def test_a_full_fine_tunes_prefetch_holds_the_cast_of_its_fp32_shards():
     beside the output it is copied into: here half a two-block unit, as a block prefetches the
     next unit (the rollout's peak). Not counted, the rollout read 2.3% low; the frozen reference
     copy keeps bf16 shards and casts nothing, so counting it there read 1.7% high. Its learn
-    phase peaks at the head's reduce-scatter beside the last block's prefetched all-gather output
-    and the head's shard the chunked head made (1.6% high with the workspace counted there too)."""
+    phase peaks at the chunked head's workspace: the trainer's own copy of the head reduces the
+    head's gradient, and FSDP2's head unit none (it reduced a zero gradient of it before, held
+    whole in fp32 through the deferred-sync step: learn measured 13.8% higher). A block unit
+    reduce-scatters with its own copy resharded and its gradient freed (counted gathered and
+    alive, learn read 10.5% high)."""
     request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
     fsdp = request.fsdp.model_copy(update={"wrap_every_n_blocks": 2, "reshard_after_forward": True})
     _probe_within(request.model_copy(update={"fsdp": fsdp}), ("rollout", "reference", "learn"), rel=0.01)
@@ -398,7 +401,9 @@ def test_a_tied_full_fine_tunes_reference_copy_runs_beside_a_resharded_actor():
     """A tied head (the root holds the embeddings) fully fine-tuned, resharded after forward: GRPO
     reshards the actor's root after Hugging Face generate, so the frozen copy's reference pass
     runs beside none of the actor's units (counted beside its root, it read 7.8% high). Learn
-    peaks at the chunked head's workspace (1.1% low: a block unit is gathered beside it)."""
+    peaks at the chunked head's workspace, where one block unit is gathered beside the root: not
+    modelled, so the estimate reads low by at most that unit (2.2% here; a block unit's
+    post-backward, counted with its gradient alive at its reduce-scatter, used to hide it)."""
     request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
     request = request.model_copy(
         update={
@@ -407,7 +412,11 @@ def test_a_tied_full_fine_tunes_reference_copy_runs_beside_a_resharded_actor():
         }
     )
     m, _ = _probe_within(request, ("rollout", "reference"), rel=0.01)
-    _probe_within_measured(m, request, ("learn",), rel=0.02)
+    learn = _probe_within_measured(m, request, ("learn",), rel=0.03)["learn"].total
+    # a block of QWEN2_BODY in bf16: attention 128 x (128 + 64 + 64 + 128) weights and 256 biases,
+    # the MLP 3 x 128 x 512, two norms of 128
+    block = (128 * (128 + 64 + 64 + 128) + 256 + 3 * 128 * 512 + 2 * 128) * 2
+    assert learn <= m.phase_total("learn") <= learn + block
 
 
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
