@@ -915,9 +915,11 @@ class LLMAlgorithm:
         temperature = self.temperature / logit_multiplier(config)
         weight = getattr(head, "weight", None)
         if isinstance(head, nn.Linear) and weight is not None:
-            # Cast before gathering: a sharded fp32 head (full fine-tuning) gathers in the compute dtype.
-            bias = head.bias.to(hidden.dtype) if head.bias is not None else None
-            with materialize_dtensors(weight.to(hidden.dtype), bias) as (w, b):
+            # Cast before gathering: a sharded fp32 head (full fine-tuning) gathers in the compute dtype,
+            # and a shard on the host (FSDP2's cpu_offload) gathers on the hidden states' device.
+            device, dtype = hidden.device, hidden.dtype
+            bias = head.bias.to(device=device, dtype=dtype) if head.bias is not None else None
+            with materialize_dtensors(weight.to(device=device, dtype=dtype), bias) as (w, b):
                 return linear_token_logprobs(
                     hidden,
                     targets,
