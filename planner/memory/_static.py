@@ -314,7 +314,7 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
 
 def trainer_gathers_head(ctx: Context, layout: Layout) -> bool:
     """Whether the trainer's chunked head gathers a copy of its own of an untied lm_head unit's
-    weight (agilerl's LLMAlgorithm._head_gathers_own_copy): under FSDP with reshard_after_forward,
+    weight (agilerl's LLMAlgorithm._model_head_without_grad): under FSDP with reshard_after_forward,
     whose forward leaves the unit resharded. The model's own one-position head then runs without
     grad, so FSDP2's unit gathers the head in no backward and reduce-scatters none of its
     gradient; the copy's backward reduce-scatters it (:func:`_head_sharded_gradient`). Under

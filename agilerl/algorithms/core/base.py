@@ -771,11 +771,11 @@ class LLMAlgorithm:
             return self._shared_prefix_logprobs(ids, attention_mask, first, groups, model, hidden)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
-        own_head = self._head_gathers_own_copy(model)
+        head_without_grad = self._model_head_without_grad(model)
         try:
             # The model's own head runs on the last position only (last_position_only); the
             # log-probs below come from the captured final hidden states, chunked.
-            with _forward_without_grad(output_head(model)) if own_head else contextlib.nullcontext():
+            with _forward_without_grad(output_head(model)) if head_without_grad else contextlib.nullcontext():
                 out = model(
                     input_ids=ids,
                     # a padded batch: one additive mask shared by every layer, not a float copy per layer
@@ -794,20 +794,26 @@ class LLMAlgorithm:
         # the final hidden states are used as they are rather than copied without their last row.
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
         logp = self._head_logprobs(captured["h"], targets, first, model)[:, :-1]
-        if torch.is_grad_enabled() and not own_head:
+        if torch.is_grad_enabled() and not head_without_grad:
             # FSDP2 (torch 2.13) segfaults in backward when a unit that ran forward with grad
             # (the lm_head) has no output in the graph; a zero-weighted term keeps its
             # one-position logits in the graph at no cost to the gradient.
             logp = logp + 0.0 * out.logits.sum()
         return logp
 
-    def _head_gathers_own_copy(self, model: nn.Module) -> bool:
-        """Whether ``model``'s lm_head is an FSDP2 unit of its own (untied) that reshards after
-        its forward, so the chunked head (:meth:`_head_logprobs`) gathers its own copy of the
-        weight, whose backward reduce-scatters the head's gradient. The model's own head then
-        runs its one-position forward without grad: in the graph, FSDP2 would gather the head
-        again in backward and reduce-scatter a zero gradient of it, held whole in fp32 through a
-        step that defers the gradient sync (V x H x 4 bytes when the head trains)."""
+    def _model_head_without_grad(self, model: nn.Module) -> bool:
+        """Whether ``model``'s own one-position lm_head forward runs without grad: under FSDP2,
+        where the head is an FSDP2 unit of its own (untied) that reshards after its forward. The
+        chunked head (:meth:`_head_logprobs`) then gathers its own copy of the weight, whose
+        backward reduce-scatters the head's gradient; in the graph, the unit would gather the
+        head again in backward and reduce-scatter a zero gradient of it, held whole in fp32
+        through a step that defers the gradient sync (V x H x 4 bytes when the head trains).
+
+        Kept gathered (reshard_after_forward=False), the chunked head reads the unit's weight,
+        and the unit's post-backward, which the model's head keeps in the graph, reduce-scatters
+        the gradient as soon as the head's backward is done. A tied head lives in the root unit
+        and keeps its zero-weighted term: without it, a 2-rank full fine-tune's learn peak moved
+        to a block's reduce-scatter and rose (20.44 to 20.49 MiB)."""
         from torch.distributed.fsdp import FSDPModule
 
         return self.sharded and self.fsdp_config.reshard_after_forward and isinstance(output_head(model), FSDPModule)
@@ -869,9 +875,9 @@ class LLMAlgorithm:
         recorded = RecordingCache(config.num_hidden_layers)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
-        own_head = self._head_gathers_own_copy(model)
+        head_without_grad = self._model_head_without_grad(model)
         try:
-            with _forward_without_grad(output_head(model)) if own_head else contextlib.nullcontext():
+            with _forward_without_grad(output_head(model)) if head_without_grad else contextlib.nullcontext():
                 prefix = model(
                     input_ids=ids[rows, :first],
                     attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
@@ -900,7 +906,7 @@ class LLMAlgorithm:
             # output (from whose hook FSDP2 gathers the block again in backward) is kept in the graph
             # by a zero-weighted term; as in the one-pass forward, so is the model's own head's when
             # it ran with grad.
-            kept = prefix_hidden.sum() if own_head else prefix.logits.sum() + suffix.logits.sum()
+            kept = prefix_hidden.sum() if head_without_grad else prefix.logits.sum() + suffix.logits.sum()
             logp = logp + 0.0 * kept
         return logp
 
