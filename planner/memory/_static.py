@@ -284,7 +284,8 @@ def gradient_terms(ctx: Context, layout: Layout, memory: StaticMemory) -> Gradie
             )
         prior = (layout.sums["trained_full"] - trained_head + head_full) * reduce_bytes + trainers
         changes = tuple(shard * kept - full * reduce_bytes for full, shard in zip(full_units, shard_units))
-        # the head's shard is the trainer's, in prior, which FSDP2's reduce-scatter adds to (else new)
+        # FSDP2's head unit frees its accumulated gradient for a new shard; the trainer's own copy's
+        # shard is in prior already, and changes nothing here
         head_change = -head_full * reduce_bytes + (0 if trainers else held_head * kept)
     else:
         prior, changes, head_change = memory.gradients_sharded, (), 0

@@ -161,7 +161,8 @@ def _forward_without_grad(module: nn.Module):
         torch.set_grad_enabled(False)
 
     def leave(_module, _args, _output):
-        torch.set_grad_enabled(modes.pop())
+        if modes:  # (always called: also when the forward raised before ``enter`` ran)
+            torch.set_grad_enabled(modes.pop())
 
     before = module.register_forward_pre_hook(enter, prepend=True)
     after = module.register_forward_hook(leave, always_call=True)
