@@ -772,11 +772,11 @@ class LLMAlgorithm:
             return self._shared_prefix_logprobs(ids, attention_mask, first, groups, model, hidden)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
-        head_without_grad = self._model_head_without_grad(model)
+        head_without_grad, head_context = self._model_head_forward(model)
         try:
             # The model's own head runs on the last position only (last_position_only); the
             # log-probs below come from the captured final hidden states, chunked.
-            with _forward_without_grad(output_head(model)) if head_without_grad else contextlib.nullcontext():
+            with head_context:
                 out = model(
                     input_ids=ids,
                     # a padded batch: one additive mask shared by every layer, not a float copy per layer
@@ -801,6 +801,13 @@ class LLMAlgorithm:
             # one-position logits in the graph at no cost to the gradient.
             logp = logp + 0.0 * out.logits.sum()
         return logp
+
+    def _model_head_forward(self, model: nn.Module) -> tuple[bool, ContextManager[None]]:
+        """(whether the model's own head runs without grad, the context its forwards run in):
+        :meth:`_model_head_without_grad`, for both log-prob forwards."""
+        if self._model_head_without_grad(model):
+            return True, _forward_without_grad(output_head(model))
+        return False, contextlib.nullcontext()
 
     def _model_head_without_grad(self, model: nn.Module) -> bool:
         """Whether ``model``'s own one-position lm_head forward runs without grad: under FSDP2,
@@ -876,9 +883,9 @@ class LLMAlgorithm:
         recorded = RecordingCache(config.num_hidden_layers)
         captured: dict[str, torch.Tensor] = {}
         handle = final_norm(model).register_forward_hook(lambda m, i, o: captured.__setitem__("h", o))
-        head_without_grad = self._model_head_without_grad(model)
+        head_without_grad, head_context = self._model_head_forward(model)
         try:
-            with _forward_without_grad(output_head(model)) if head_without_grad else contextlib.nullcontext():
+            with head_context:
                 prefix = model(
                     input_ids=ids[rows, :first],
                     attention_mask=shared_attention_mask(config, attention_mask[rows, :first], dtype),
