@@ -239,6 +239,12 @@ def block_activations(ctx: Context, layout: Layout, index: int, pass_: Pass | No
     forward = int(N * tape.grad_peak + extra_saved) + scores
     recompute = int(N * tape.recompute_peak + extra_saved) + scores
     backward = max(int(N * tape.backward_peak + extra_saved) + scores, saved + transient)
+    if ctx.fsdp is not None and tape.backward_weight_grad:
+        # a full fine-tune's MLP output weight gradient is made by the product's moment and held in
+        # the unit's unsharded copy until its post-backward (traced on 2 gloo ranks: down_proj's
+        # bf16 .grad beside the product's gradients; without it a block's backward read 0.7-1.0%
+        # low). On one device the fp32 masters take it at once (MasterWeightAdamW's hook).
+        backward = max(backward, int(N * tape.backward_product + extra_saved + tape.backward_weight_grad) + scores)
     # the experts' own moment: the block's saved tensors so far, the residual and the gate's temporaries
     at_experts = saved + N * ctx.hidden_size * ctx.compute_bytes + expert_forward_grad_transient(ctx, N, index)
     forward, recompute = max(forward, at_experts), max(recompute, at_experts)

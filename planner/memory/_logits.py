@@ -63,6 +63,19 @@ def learn_logits_bytes(ctx: Context, *, backward: bool) -> int:
     )
 
 
+def model_head_gradient_bytes(ctx: Context) -> int:
+    """As the model's own one-position head runs backward (the trainer keeps it in the graph):
+    its logits' gradient (m x V x p), and with a trained head the weight's two
+    gradients, the chunked head's and this head's (zero, from the zero-weighted term), and their
+    sum, which autograd makes in the weight's input buffer (3 x V x H x p; traced on 2 gloo
+    ranks, a tied head). The sum stays until the embeddings' backward when the head is tied
+    (planner.memory._static.tied_head_gradient_bytes)."""
+    logits = ctx.micro_batch * ctx.vocab_size * ctx.compute_bytes
+    if not ctx.full_finetune:
+        return logits
+    return logits + 3 * ctx.vocab_size * ctx.hidden_size * ctx.compute_bytes
+
+
 def reference_logits_bytes(ctx: Context) -> int:
     """Without grad: one tile of a chunk, the head weight and the one-position logits."""
     return (

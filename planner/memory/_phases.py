@@ -29,6 +29,7 @@ from ._gathered import (
     between_steps_bytes,
     build_gathered,
     forward_windows,
+    model_head_backward_bytes,
     nograd_gathered_bytes,
     post_backward_windows,
 )
@@ -45,6 +46,7 @@ from ._logits import (
     head_gradient_bytes,
     kept_logprob_bytes,
     learn_logits_bytes,
+    model_head_gradient_bytes,
     reference_logits_bytes,
 )
 from ._overheads import gpu_overheads, host_process_bytes, learn_tile_segment_bytes
@@ -63,6 +65,7 @@ from ._static import (
     static_components,
     static_memory,
     step_optimizer_bytes,
+    trainer_gathers_head,
 )
 from ._units import Layout, build_layout
 
@@ -350,11 +353,12 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
 
 def backward_gradients(layout: Layout, grads) -> tuple[int, ...]:
     """Per layer, how the held gradients have changed when that layer runs backward: through a
-    trained lm_head's post-backward, then every later block unit's (:class:`._static.GradientTerms`,
-    per block unit in order: new shards, or accumulated gradients given way to their shards);
-    none when the earlier micro-batches' shards take every reduce-scatter in place."""
-    if not grads.per_unit:
-        return ()
+    trained lm_head's post-backward (or a tied head's gradient, held), then every later block
+    unit's (:class:`._static.GradientTerms`, per block unit in order: new shards, or accumulated
+    gradients given way to their shards); only the head's when the earlier micro-batches' shards
+    take every reduce-scatter in place."""
+    if not grads.per_unit:  # a tied head's gradient still changes them
+        return (grads.head,) * len(layout.layer_units) if grads.head else ()
     after = [0] * len(grads.per_unit)
     for u in range(len(grads.per_unit) - 2, -1, -1):
         after[u] = after[u + 1] + grads.per_unit[u + 1]
@@ -399,16 +403,35 @@ def _head_reduce_moment(grads, window: int, activations: int) -> list[dict[str, 
     ]
 
 
+def _model_head_backward_moment(ctx: Context, terms: Terms, prior: int, activations: int) -> list[dict[str, int]]:
+    """The model's own one-position head running backward, where the trainer keeps it in the graph
+    (not :func:`._static.trainer_gathers_head`): after the chunked head's backward, its workspace
+    freed and its input's gradient beside (``activations``), under the window its logits' hook
+    opens (:func:`._gathered.model_head_backward_bytes`) and with a trained head's gradients
+    (:func:`._logits.model_head_gradient_bytes`)."""
+    if trainer_gathers_head(ctx, terms.layout):
+        return []
+    return [
+        {
+            "weights_gathered": model_head_backward_bytes(ctx, terms.gathered),
+            "gradients": prior,
+            "activations": activations,
+            "logits": model_head_gradient_bytes(ctx),
+        }
+    ]
+
+
 def _embed_reduce_moment(terms: Terms, grads, reduced: int, activations: int) -> list[dict[str, int]]:
     """Trained embeddings' post-backward (full fine-tuning under FSDP2): every other unit, its own
     too, resharded before its reduce-scatter; ``reduced``: the gradients held once every other
-    unit has reduce-scattered. None otherwise."""
+    unit has reduce-scattered (a tied head's among them: by now the embeddings' own, counted in
+    ``embed_reducing``). None otherwise."""
     if not grads.embed_buffer:
         return []
     return [
         {
             "weights_gathered": terms.gathered.root_bytes,
-            "gradients": reduced + grads.embed_reducing,
+            "gradients": reduced - grads.tied_head + grads.embed_reducing,
             "activations": activations,
             "comm_buffers": grads.embed_buffer,
         }
@@ -420,7 +443,9 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
 
     Components peak at different moments of a micro-batch, so the learn phase is the
     largest of them: the head's backward (every activation still kept, the logits workspace
-    at its largest, a trained head's weight gradient); in the forward, under its gathered
+    at its largest, a trained head's weight gradient); the model's own one-position head's backward
+    after it, where the trainer keeps that head in the graph (the last block prefetched, a trained
+    head's two gradients summed); in the forward, under its gathered
     windows (planner.memory._gathered.forward_layer_windows), a block's forward or its
     unit's copy-out (what the earlier blocks keep beside it), an untied lm_head unit's, and
     a checkpointed block's forward; a checkpointed block's recompute and a block's backward
@@ -469,6 +494,7 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     "activations": kept + hidden_grad + beside + 2 * value,
                     "logits": learn_logits_bytes(ctx, backward=True) + head_gradient_bytes(ctx),
                 },
+                *_model_head_backward_moment(ctx, terms, grads.prior, kept + hidden_grad + beside + 2 * value),
                 *_head_reduce_moment(grads, reducing.head, kept + hidden_grad + beside + 2 * value),
                 # a block's forward with grad, under the forward's gathered window (FSDP2 holds the running
                 # unit's all-gather output beside its unsharded copy, and the next unit's in flight)

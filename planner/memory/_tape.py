@@ -115,6 +115,11 @@ class BlockTape:
     nograd_parts_base: tuple[float, float] = (0.0, 0.0)
     masked_kv_saved: float = 0.0
     masked_kv_nograd: float = 0.0
+    # the backward at the MLP's product (within backward_peak), by when a trained MLP output
+    # linear's weight gradient is made: ``backward_weight_grad``, bytes a block (not a token) in
+    # the compute dtype, 0 without full fine-tuning
+    backward_product: float = 0.0
+    backward_weight_grad: float = 0.0
 
 
 def _role(path: str) -> str | None:
@@ -507,12 +512,11 @@ def block_tape(
     if tail:  # at its norm: the stream, the projection's output, the norm's fp32 normed and weighted copies
         saved += tail
         grad.append(saved + 2 * H * p + 8 * H)
-    down_adapted = any(x.adapted for x in lin["mlp_out"])
     return BlockTape(
         saved=saved,
         grad_peak=max(grad),
         recompute_peak=max(recompute),
-        backward_peak=_mlp_backward_peak(saved, down_adapted, down_input_saved, bool(tail), width=width, H=H, p=p, a=a),
+        **_mlp_backward(saved, lin["mlp_out"], down_input_saved, bool(tail), width=width, H=H, p=p, a=a, full=full),
         nograd_peak=max(nograd),
         nograd_peak_base=max(nograd_base),
         attention_live=attention_live,
@@ -525,19 +529,33 @@ def block_tape(
     )
 
 
-def _mlp_backward_peak(
-    saved: float, down_adapted: bool, down_input_saved: float, tail: bool, *, width: float, H: float, p: int, a: int
-) -> float:
+def _mlp_backward(
+    saved: float,
+    down: list[Linear],
+    down_input_saved: float,
+    tail: bool,
+    *,
+    width: float,
+    H: float,
+    p: int,
+    a: int,
+    full: bool,
+) -> dict[str, float]:
     """A block's backward peak, everything it saved alive (the gradients flowing into the block are
     the caller's to count): at down, its input's gradient through the adapter (width x a, beside
-    the saved cast it consumes) or through the base alone (width x p); at the product, its
-    output's gradient and its two input gradients, once the input down's lora_A saved is freed;
-    at a per-layer tail's norm, where its backward starts in fp32, five hidden-wide tensors and
-    the gradient of its input."""
-    at_down = saved + (width * a if down_adapted else width * p)
+    the saved cast it consumes) or through the base alone (width x p); at a per-layer tail's norm,
+    where its backward starts in fp32, five hidden-wide tensors and the gradient of its input; at
+    the product, its output's gradient and its two input gradients, once the input down's lora_A
+    saved is freed. With full fine-tuning down's weight gradient is made by then (bytes a block).
+    :class:`BlockTape`'s ``backward_peak``, ``backward_product`` and ``backward_weight_grad``."""
+    at_down = saved + (width * a if any(x.adapted for x in down) else width * p)
     at_product = saved - down_input_saved + 3 * width * p
     at_tail = saved + 20 * H + H * p if tail else 0.0
-    return max(at_down, at_product, at_tail)
+    return {
+        "backward_peak": max(at_down, at_product, at_tail),
+        "backward_product": at_product,
+        "backward_weight_grad": sum(x.in_features * x.out_features * p for x in down) if full else 0.0,
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from planner.memory._gathered import (
     build_gathered,
     forward_unit_windows,
     in_flight,
+    model_head_backward_bytes,
     nograd_gathered_bytes,
     post_backward_windows,
     reversed_with_parents,
@@ -234,3 +235,12 @@ def test_the_cast_shards_are_a_full_fine_tunes_fp32_shards_not_its_reference_cop
     # On one rank FSDP2 all-gathers nothing, so it casts nothing either.
     one = make_context(dense_spec, fsdp=fsdp, full_finetune=True, gpus=1)
     assert not any(build_gathered(one, build_layout(one)).cast)
+
+
+def test_the_model_heads_backward_runs_beside_the_last_unit_the_root_prefetched(dense_spec):
+    # its logits' hook fires the root's pre-backward, which all-gathers the unit that ran forward
+    # last (here the head, 30) beside the root (1); kept gathered, everything is already there
+    assert model_head_backward_bytes(make_context(dense_spec, fsdp=FSDPConfig()), GATHERED) == 1 + 30
+    kept = make_context(dense_spec, fsdp=FSDPConfig(reshard_after_forward=False))
+    assert model_head_backward_bytes(kept, GATHERED) == 91
+    assert model_head_backward_bytes(make_context(dense_spec, fsdp=None), GATHERED) == 0

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from agilerl.distributed import FSDPConfig
-from planner.memory._logits import kept_logprob_bytes, learn_logits_bytes, reference_logits_bytes
+from planner.memory._logits import (
+    kept_logprob_bytes,
+    learn_logits_bytes,
+    model_head_gradient_bytes,
+    reference_logits_bytes,
+)
 
 from .conftest import WL, make_context
 
@@ -46,3 +51,12 @@ def test_a_tied_head_reads_the_root_units_unsharded_embeddings(ple_spec):
     resharded = make_context(ple_spec, fsdp=FSDPConfig())
     kept = make_context(ple_spec, fsdp=FSDPConfig(reshard_after_forward=False))
     assert learn_logits_bytes(resharded, backward=True) == learn_logits_bytes(kept, backward=True)
+
+
+def test_the_model_heads_backward_sums_a_trained_heads_two_gradients(ple_spec):
+    V, H, m = ple_spec.vocab_size, ple_spec.hidden_size, WL.micro_batch_size_per_gpu
+    # its one-position logits' gradient; a trained head's, the chunked head's and this head's
+    # (zero) gradient and their sum beside (V x H each, bf16), under FSDP
+    assert model_head_gradient_bytes(make_context(ple_spec, fsdp=FSDPConfig())) == m * V * 2
+    full = make_context(ple_spec, fsdp=FSDPConfig(), full_finetune=True)
+    assert model_head_gradient_bytes(full) == m * V * 2 + 3 * V * H * 2

@@ -100,3 +100,18 @@ def test_a_block_units_post_backward_starts_beside_the_input_the_unit_before_kep
     # a wider window picks the last block's reduce-scatter
     wide = PostBackwardWindows(head=0, block=7, block_reducing=(3, 10), end=0)
     assert block_post_backward(grads, wide)[1] == (10, 10 + 5, 100)
+
+
+def test_the_embeddings_reduce_scatter_a_tied_heads_gradient_as_their_own():
+    from planner.memory._phases import _embed_reduce_moment
+    from planner.memory._static import GradientTerms
+
+    class _Terms:
+        class gathered:
+            root_bytes = 3
+
+    # held once every other unit reduce-scattered: 40, of which 16 the tied head's summed gradient;
+    # at the embeddings' reduce-scatter that sum is their gradient (embed_reducing, 16): once
+    grads = GradientTerms(prior=0, tied_head=16, embed_reducing=16, embed_buffer=64)
+    (moment,) = _embed_reduce_moment(_Terms, grads, 40, 1)
+    assert moment == {"weights_gathered": 3, "gradients": 40, "activations": 1, "comm_buffers": 64}

@@ -14,8 +14,9 @@ from planner.memory._static import (
     step_optimizer_bytes,
 )
 from planner.memory._units import build_layout
+from planner.models import load_model_spec
 
-from .conftest import WL, make_context
+from .conftest import DENSE, WL, make_context
 
 SHARD_ALL = FSDPConfig(param_persistence_threshold=0)
 
@@ -198,3 +199,27 @@ def test_offloaded_and_replicated_gradients_are_not_new_device_shards(dense_spec
     grads = gradient_terms(ctx, layout, memory)
     assert grads.prior == layers * block * 4 and grads.per_unit == (0,) * layers
     assert set(grads.unit_reducing) == {(0, 0)}
+
+
+def test_a_tied_heads_gradient_is_held_through_the_blocks_backward():
+    # The tied head is the embedding table, one leaf the chunked head, the model's own head and the
+    # embeddings all use: autograd sums the heads' gradients (V x H, bf16) in its input buffer and
+    # holds the sum until the embeddings' backward, so every block runs backward beside it.
+    from planner.memory._phases import backward_gradients
+
+    tied = load_model_spec(DENSE + "&tie_word_embeddings=true")
+    vocab, hidden = tied.embed_shape
+    for fsdp, micro in ((SHARD_ALL, 8), (SHARD_ALL, 2), (SHARD_ALL.model_copy(update={"defer_grad_sync": False}), 2)):
+        ctx, layout, memory = _memory(tied, fsdp, full_finetune=True, micro_batch_size_per_gpu=micro)
+        grads = gradient_terms(ctx, layout, memory)
+        assert grads.tied_head == vocab * hidden * 2
+        # no head unit reduce-scatters: the held sum is the head's whole change
+        assert grads.head == vocab * hidden * 2 and grads.head_buffer == 0
+        # the last block runs backward first, beside that sum and nothing else this micro-batch made
+        held = backward_gradients(layout, grads)
+        assert len(held) == tied.num_layers and held[-1] == vocab * hidden * 2
+    # LoRA trains no head; an untied head is its own unit's
+    ctx, layout, memory = _memory(tied, SHARD_ALL)
+    assert gradient_terms(ctx, layout, memory).tied_head == 0
+    ctx, layout, memory = _memory(load_model_spec(DENSE), SHARD_ALL, full_finetune=True)
+    assert gradient_terms(ctx, layout, memory).tied_head == 0

@@ -215,3 +215,22 @@ def test_the_full_finetuning_tape_counts_what_a_real_block_keeps(arch, dtype):
     # Control: the same block counted as LoRA-frozen keeps less (no linear saves its input).
     frozen = block_tape(spec.block(0), hidden=H, adapted=frozenset(), rank=RANK, compute_bytes=p)
     assert frozen.saved < tape.saved
+
+
+def test_a_full_fine_tunes_backward_makes_the_mlp_output_weights_gradient():
+    # down_proj's weight gradient, as a real block's backward leaves it on the weight: made by the
+    # product's moment (within the backward's peak), and none when the linears are frozen (LoRA)
+    decoder, _ = _full_block("qwen2", torch.bfloat16)
+    layer = decoder.layers[0]
+    x = torch.randn(1, 8, H, dtype=torch.bfloat16, requires_grad=True)
+    cos_sin = decoder.rotary_emb(x, torch.arange(8).unsqueeze(0))
+    layer(x, position_embeddings=cos_sin, attention_mask=None)[0].sum().backward()
+    grad = layer.mlp.down_proj.weight.grad
+    spec = load_model_spec(
+        f"tiny:qwen2?hidden_size={H}&intermediate_size={WIDTH}&num_layers=1&num_heads=4&num_kv_heads=2"
+    )
+    tape = block_tape(spec.block(0), hidden=H, adapted=frozenset(), rank=RANK, compute_bytes=2, full=True)
+    assert tape.backward_weight_grad == grad.numel() * grad.element_size()
+    assert tape.backward_product <= tape.backward_peak
+    frozen = block_tape(spec.block(0), hidden=H, adapted=frozenset(), rank=RANK, compute_bytes=2)
+    assert frozen.backward_weight_grad == 0
