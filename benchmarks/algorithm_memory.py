@@ -11,9 +11,11 @@ sync. Two tiny models that no term was written against (a Qwen2 with grouped-que
 attention and a Llama without), 2 micro-batches a rank. Nothing is fitted: every
 configuration is held out, except that the moment of a trained lm_head's backward (its unit's
 own reduce-scatter beside the chunked head's workspace) was revised after these rows read 5-7%
-low. The last four rows (``development``) are the full fine-tuning probes the terms were first
-checked against, another model and length; they read high. CISPO, GSPO and LLMREINFORCE run
-GRPO's passes and hold its memory; their rows would be GRPO's.
+low. The ``development`` rows are the full fine-tuning probes the terms were first checked
+against, another model and length. The last six (``tied``) fully fine-tune a Qwen2 whose head
+is its embedding table, on one device and on 2 ranks (resharded after forward or kept
+gathered). CISPO, GSPO and LLMREINFORCE run GRPO's passes and hold its memory; their rows would
+be GRPO's.
 
 Measurements are cached in ``benchmarks/results/algorithms_<device>.json``.
 """
@@ -37,6 +39,9 @@ MODELS = {
     "q96-L4": "tiny:qwen2?hidden_size=96&intermediate_size=320&num_layers=4&num_heads=4&num_kv_heads=2&vocab_size=1536",
     "l128-L3": "tiny:llama?hidden_size=128&intermediate_size=256&num_layers=3&num_heads=4&num_kv_heads=4"
     "&vocab_size=1024",
+    # a tied head (the embedding table in the root unit), as in the smaller Qwen2.5, Llama 3.2 and Gemma
+    "t128-L4": "tiny:qwen2?hidden_size=128&intermediate_size=768&num_layers=4&num_heads=4&num_kv_heads=2"
+    "&vocab_size=3072&tie_word_embeddings=true",
 }
 PHASES = ("reference", "learn", "step")
 ALGORITHMS = ("grpo", "ppo", "sft", "dpo")
@@ -67,7 +72,17 @@ DEVELOPMENT = [
     dict(algorithm=a, full=True, world=2, model="q128-L3", gc=True, defer=d, set="development")
     for a, d in (("grpo", False), ("grpo", True), ("sft", True), ("dpo", True))
 ]
-CONFIGS = _configs() + DEVELOPMENT
+#: A tied head fully fine-tuned: one device, and 2 ranks resharded after forward (deferred sync off
+#: and on, each algorithm with a loss over a sequence) and kept gathered (reshard_after_forward=False).
+TIED = [
+    dict(algorithm="grpo", full=True, world=1, model="t128-L4", gc=True, defer=False, set="tied"),
+    *(
+        dict(algorithm=a, full=True, world=2, model="t128-L4", gc=True, defer=d, set="tied")
+        for a, d in (("grpo", False), ("grpo", True), ("sft", True), ("dpo", True))
+    ),
+    dict(algorithm="grpo", full=True, world=2, model="t128-L4", gc=True, defer=False, reshard=False, set="tied"),
+]
+CONFIGS = _configs() + DEVELOPMENT + TIED
 
 
 def request_for(c: dict, device: str) -> ProbeRequest:
@@ -96,7 +111,11 @@ def request_for(c: dict, device: str) -> ProbeRequest:
     )
     fsdp = (
         FSDPConfig(
-            param_dtype="bfloat16", reduce_dtype="float32", param_persistence_threshold=0, defer_grad_sync=c["defer"]
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            param_persistence_threshold=0,
+            defer_grad_sync=c["defer"],
+            reshard_after_forward=c.get("reshard", True),
         )
         if c["world"] > 1
         else None
@@ -117,7 +136,7 @@ def report(results: dict, device: str) -> None:
     coefficients = saved_coefficients(device)
     print(f"\nEvery algorithm ({device}, bf16): measured vs estimated per-rank peak, MiB")
     print(
-        f"{'algorithm':9} {'train':5} {'model':8} {'gpus':>4} {'ckpt':>4} {'defer':>5} "
+        f"{'algorithm':9} {'train':5} {'model':8} {'gpus':>4} {'ckpt':>4} {'defer':>5} {'reshard':>7} "
         + " ".join(f"{ph + ' m/e':>17} {'err':>6}" for ph in PHASES)
     )
     errors: dict[str, list[float]] = {}
@@ -130,6 +149,7 @@ def report(results: dict, device: str) -> None:
         row = (
             f"{c['algorithm']:9} {'full' if c['full'] else 'lora':5} {c['model']:8} {c['world']:>4} "
             f"{'on' if c['gc'] else 'off':>4} {('yes' if c['defer'] else 'no') if c['world'] > 1 else '-':>5}"
+            f" {('on' if c.get('reshard', True) else 'off') if c['world'] > 1 else '-':>7}"
         )
         for ph in PHASES:
             if ph not in rec["phases"] or ph not in est.phases:
@@ -141,14 +161,14 @@ def report(results: dict, device: str) -> None:
                 keys = (
                     ("development",)
                     if c.get("set") == "development"
-                    else ("all", c["algorithm"], "full" if c["full"] else "lora")
+                    else ("all", c["algorithm"], "full" if c["full"] else "lora", *(("tied",) if c.get("set") else ()))
                 )
                 for key in keys:
                     errors.setdefault(key, []).append(abs(err))
             row += f" {measured / mib:8.2f}/{guess / mib:<8.2f} {err:+6.1%}"
         print(row)
     print()
-    for key in ("all", "lora", "full", *ALGORITHMS, "development"):
+    for key in ("all", "lora", "full", *ALGORITHMS, "tied", "development"):
         if key in errors:
             e = errors[key]
             print(
