@@ -209,10 +209,29 @@ _RELOAD_LOGGERS = (
 _NOT_WEIGHTS = ("RotaryEmbedding",)
 
 
-def _left_out(message: str) -> bool:
+def _left_out(message: str, aliased: tuple[str, ...] = ()) -> bool:
+    """Whether a reload warning names weights the sync left out. ``aliased``: the engine model's
+    layers whose every parameter is another layer's (:func:`_aliased_layers`), which get none."""
     if "were not loaded" in message:
         return True
-    return "Failed to load weights" in message and not message.split(":")[0].endswith(_NOT_WEIGHTS)
+    return "Failed to load weights" in message and not message.split(":")[0].endswith(_NOT_WEIGHTS + aliased)
+
+
+def _aliased_layers(worker) -> list[str]:
+    """Class names of the engine model's layers whose every parameter belongs to an earlier layer:
+    a tied output head (vLLM's ParallelLMHead holding the embedding table's weight). The sync
+    sends that weight once, under the embeddings' name (the trained model's parameters name a
+    tied weight once), so the reload fills the head through them and reports the head itself as
+    "Failed to load weights"."""
+    owner: dict[int, str] = {}
+    aliased = []
+    for name, module in worker.model_runner.model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(owner.get(id(p), name) != name for p in own):
+            aliased.append(type(module).__name__)
+        for p in own:
+            owner.setdefault(id(p), name)
+    return aliased
 
 
 class VLLMEngine:
@@ -286,6 +305,8 @@ class VLLMEngine:
         _LIVE.append(self)  # never collected: see "Engines live as long as the process"
         self._sampling = vllm.SamplingParams
         self._synced = False
+        # a tied head's layer receives no weights of its own in a sync: asked once, at start
+        self._aliased = tuple(sorted({n for names in self.llm.collective_rpc(_aliased_layers) for n in names}))
         # whether a sync must redo the CPU backend's expert prepack: asked once, not on every sync
         self._cpu_experts = any(self.llm.collective_rpc(lambda worker: bool(_cpu_experts(worker))))
         if self._cpu_experts and (padded := max(self.llm.collective_rpc(_padded_cpu_experts))):
@@ -364,7 +385,9 @@ class VLLMEngine:
                 logger.removeHandler(captured)
                 logger.removeFilter(captured.silence)
                 logger.setLevel(level)
-        missing = sorted((m for m in captured.messages if _left_out(m)), key=lambda m: "were not loaded" not in m)
+        missing = sorted(
+            (m for m in captured.messages if _left_out(m, self._aliased)), key=lambda m: "were not loaded" not in m
+        )
         if missing and not self._synced:
             raise EngineError(
                 f"the weight sync left vLLM engine weights unset ({len(sent)} tensors sent): {missing[0][:300]}"
