@@ -397,7 +397,10 @@ def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> P
             gathered.root_bytes + gathered.buffer_bytes + sum(outer[max(0, k - prefetch) : k])
             for k in range(first, first + count)
         )
-        return PostBackwardWindows(0, window, reducing, window)
+        # the backward's end: every block unit resharded, beside the root the units the first block's
+        # pre-backward prefetched (untied: the embeddings'), as at its reduce-scatter (traced on 2 gloo
+        # ranks: a tied full fine-tune's root alone)
+        return PostBackwardWindows(0, window, reducing, reducing[0])
     through = _units_before(gathered)
     last = layout.layer_units[-1]
     # Without trained embeddings the first block's input needs no gradient, so no hook reshards its
@@ -408,7 +411,8 @@ def post_backward_windows(ctx: Context, layout: Layout, gathered: Gathered) -> P
     return PostBackwardWindows(
         head=root + through[last + 1],
         block=block,
-        block_reducing=(block,) * count,
+        # each block unit's own resharded, the ones after it resharded in their post-backwards
+        block_reducing=tuple(root + through[k] + gathered.buffer_bytes for k in range(first, first + count)),
         end=root + through[end] + gathered.buffer_bytes,
     )
 

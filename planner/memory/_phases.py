@@ -201,7 +201,7 @@ def regathering(ctx: Context) -> tuple[bool, bool]:
     head twice beside every unit and the last block's all-gather output (read 14.1% and 12.0%
     low as every unit gathered: tests/planner/probe/test_probe.py)."""
     workload = ctx.workload
-    once = ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf"
+    once = gathers_once(ctx)
     rollout_leaves = workload.generation == "hf" and not once
     actor_passes = workload.has_old_policy_pass or (workload.has_reference and not ctx.reference_copy)
     leaves = (actor_passes and not once) or (rollout_leaves and not actor_passes)
@@ -210,13 +210,19 @@ def regathering(ctx: Context) -> tuple[bool, bool]:
     return nograd, learn
 
 
+def gathers_once(ctx: Context) -> bool:
+    """Whether Hugging Face generate runs under FSDP2 with every unit gathered once
+    (gather_weights_for_rollout: GRPO._gathered_for_rollout), which reshards them all after."""
+    workload = ctx.workload
+    return ctx.sharded and bool(workload.gather_weights_for_rollout) and workload.generation == "hf"
+
+
 def _gathered_throughout(ctx: Context, terms: Terms) -> Callable[[int], int]:
     """A no-grad forward's window under gather_weights_for_rollout with Hugging Face generate
     (GRPO._gathered_for_rollout, and _gathered_for_reference for the no-grad passes): every unit
     stays gathered from its first forward to the end, and the unit being gathered holds its
     all-gather output beside its unsharded copy meanwhile. Otherwise the window as it is."""
-    workload = ctx.workload
-    if not (ctx.sharded and workload.gather_weights_for_rollout and workload.generation == "hf"):
+    if not gathers_once(ctx):
         return lambda window: window
     floor = terms.gathered.all_bytes + terms.gathered.largest_bytes
     return lambda window: max(floor, window)
@@ -287,6 +293,23 @@ def rollout_phases(ctx: Context, terms: Terms) -> dict[str, PhaseEstimate]:
     return {}
 
 
+def _left_by_rollout(ctx: Context, terms: Terms) -> int:
+    """What the actor's rollout leaves gathered for the passes after it (full fine-tuning's
+    reference is a model of its own, whose window runs beside it). Only Hugging Face generate under
+    reshard_after_forward=False, without gathering once, leaves anything: every unit but the root.
+    FSDP2's wrapper of generate (register_fsdp_forward_method) runs the root's post-forward once
+    the nested forwards have left its group idle, so it reshards the root whatever its setting
+    (traced on 2 gloo ranks: counted with the root, a tied head's reference pass read 6.3% high).
+    Resharded after forward, every block unit reshards after its forward, and GRPO reshards the
+    root itself (_gathered_for_rollout; counted gathered, that pass read 7.8% high); gathering once
+    reshards every unit after; vLLM's weight sync reshards every unit first and then gathers one
+    module at a time outside the units."""
+    fsdp = ctx.fsdp
+    if fsdp is None or fsdp.reshard_after_forward or ctx.workload.generation != "hf" or gathers_once(ctx):
+        return 0
+    return terms.after_forward - terms.gathered.root_bytes
+
+
 def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     """The no-grad passes per micro-batch (None without them): a block's forward, or the chunked head.
 
@@ -303,14 +326,7 @@ def reference_phase(ctx: Context, terms: Terms) -> PhaseEstimate | None:
     # all-gather output: that forward gathers the root, which stays gathered for the others); a
     # block's forward runs under the window held while it runs.
     gathered = _gathered_throughout(ctx, terms)
-    # Full fine-tuning's reference is a model of its own: its window beside whatever the actor left
-    # gathered (a rollout's forwards under reshard_after_forward=False); it reshards after its pass.
-    # Under reshard_after_forward=True GRPO reshards the actor's root after Hugging Face generate
-    # (_gathered_for_rollout): counted gathered there, a tied head's reference pass (the root holds
-    # the embeddings) read 7.8% high on 2 gloo ranks.
-    resharded = workload.generation == "hf" and ctx.fsdp is not None and ctx.fsdp.reshard_after_forward
-    rolled_out = workload.generation != "none" and not resharded
-    actors = terms.after_forward if ctx.reference_copy and ctx.sharded and rolled_out else 0
+    actors = _left_by_rollout(ctx, terms) if ctx.reference_copy else 0
 
     def widen(window: int) -> int:
         return gathered(window) + actors
@@ -422,15 +438,20 @@ def _model_head_backward_moment(ctx: Context, terms: Terms, prior: int, activati
 
 
 def _embed_reduce_moment(terms: Terms, grads, reduced: int, activations: int) -> list[dict[str, int]]:
-    """Trained embeddings' post-backward (full fine-tuning under FSDP2): every other unit, its own
-    too, resharded before its reduce-scatter; ``reduced``: the gradients held once every other
-    unit has reduce-scattered (a tied head's among them: by now the embeddings' own, counted in
-    ``embed_reducing``). None otherwise."""
+    """Trained embeddings' post-backward (full fine-tuning under FSDP2), the last: every other unit
+    resharded in its own, and the embeddings' unit resharded before its reduce-scatter, so only
+    the root stays gathered when the embeddings are a unit of their own (untied), nothing when
+    they are the root's (tied). ``reduced``: the gradients held once every other unit has
+    reduce-scattered, a tied head's summed gradient among them: by now the embeddings' own, which
+    foreach_reduce frees once copied into the input (``embed_reducing``: under deferred sync their
+    accumulated one too). Traced on 2 gloo ranks: a tied full fine-tune in one micro-batch, counted
+    with the root gathered and its gradient alive, read 12.1% high. None otherwise."""
     if not grads.embed_buffer:
         return []
+    own_unit = any(u.name == "embed" for u in terms.layout.units)
     return [
         {
-            "weights_gathered": terms.gathered.root_bytes,
+            "weights_gathered": terms.gathered.root_bytes if own_unit else 0,
             "gradients": reduced - grads.tied_head + grads.embed_reducing,
             "activations": activations,
             "comm_buffers": grads.embed_buffer,
@@ -560,9 +581,10 @@ def learn_phase(ctx: Context, terms: Terms) -> PhaseEstimate:
                     for window, made, buffer in post_backward
                 ),
                 # the end of the backward: every gradient of the step made, the embeddings' as it is made
+                # (beside a tied head's summed gradient, and the sum of the two autograd makes)
                 {
                     "weights_gathered": reducing.end,
-                    "gradients": reduced + grads.embed,
+                    "gradients": reduced + grads.embed + grads.tied_head,
                     "activations": acts.embedding_kept + flowing_in + beside,
                     "comm_buffers": reduce_input_held_at_end(ctx, terms.layout),  # the first block unit's
                 },

@@ -183,7 +183,11 @@ def test_a_unit_reshards_before_its_reduce_scatter_without_resharding_after_forw
     assert post_backward_windows(full, full_layout, full_gathered).end == (
         full_gathered.root_bytes + full_gathered.unit_bytes[0] + full_gathered.buffer_bytes
     )
-    assert windows.block_reducing == (windows.block,) * dense_spec.num_layers
+    # each block unit reduce-scatters beside the units before it only (the last block's the widest)
+    assert windows.block_reducing == tuple(
+        root + embed + sum(blocks[:k]) + buffer for k in range(dense_spec.num_layers)
+    )
+    assert windows.block_reducing[-1] == windows.block
     # resharding after forward: the trainer's head reduces its own gradient, so the head's unit has no
     # reduce-scatter; a block unit starts its post-backward under the backward's window and
     # reduce-scatters with its own copy resharded, beside the unit its pre-backward prefetched (the
@@ -191,8 +195,10 @@ def test_a_unit_reshards_before_its_reduce_scatter_without_resharding_after_forw
     ctx = make_context(dense_spec, fsdp=fsdp.model_copy(update={"reshard_after_forward": True}))
     windows = post_backward_windows(ctx, layout, gathered)
     assert windows.head == 0
-    assert windows.block == windows.end == backward_gathered_bytes(ctx, gathered)
+    assert windows.block == backward_gathered_bytes(ctx, gathered)
     assert windows.block_reducing == tuple(root + buffer + before for before in (embed, *blocks[:-1]))
+    # the backward's end: every block resharded, the embeddings' unit the first block prefetched
+    assert windows.end == root + buffer + embed
     assert post_backward_windows(make_context(dense_spec), layout, gathered) == PostBackwardWindows(0, 0, (), 0)
 
 

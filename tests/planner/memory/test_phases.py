@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from agilerl.distributed import FSDPConfig
 from planner.hardware import GPUS
 from planner.memory import Coefficients
 from planner.memory._overheads import cublas_workspace_bytes, weight_segment_bytes
 from planner.memory._phases import larger, load_phase, make_phase, reference_phase, shared_terms
 from planner.memory._units import build_layout
+from planner.models import load_model_spec
 
-from .conftest import make_context
+from .conftest import DENSE, make_context
 
 
 def test_larger_takes_the_bigger_moment_first_on_a_tie():
@@ -102,7 +104,7 @@ def test_a_block_units_post_backward_starts_beside_the_input_the_unit_before_kep
     assert block_post_backward(grads, wide)[1] == (10, 10 + 5, 100)
 
 
-def test_the_embeddings_reduce_scatter_a_tied_heads_gradient_as_their_own():
+def test_the_embeddings_reduce_scatter_resharded_with_their_gradient_freed(dense_spec):
     from planner.memory._phases import _embed_reduce_moment
     from planner.memory._static import GradientTerms
 
@@ -110,8 +112,16 @@ def test_the_embeddings_reduce_scatter_a_tied_heads_gradient_as_their_own():
         class gathered:
             root_bytes = 3
 
-    # held once every other unit reduce-scattered: 40, of which 16 the tied head's summed gradient;
-    # at the embeddings' reduce-scatter that sum is their gradient (embed_reducing, 16): once
-    grads = GradientTerms(prior=0, tied_head=16, embed_reducing=16, embed_buffer=64)
+    # held once every other unit reduce-scattered: 40, of which 16 the tied head's summed gradient,
+    # by now the embeddings' own, freed once copied into the reduce-scatter input (64); under
+    # deferred sync their accumulated gradient (in the 40) is freed too (embed_reducing, -8)
+    tied = make_context(load_model_spec(DENSE + "&tie_word_embeddings=true"), fsdp=FSDPConfig(), full_finetune=True)
+    _Terms.layout = build_layout(tied)
+    grads = GradientTerms(prior=0, tied_head=16, embed_reducing=-8, embed_buffer=64)
     (moment,) = _embed_reduce_moment(_Terms, grads, 40, 1)
-    assert moment == {"weights_gathered": 3, "gradients": 40, "activations": 1, "comm_buffers": 64}
+    # tied: the embeddings are the root's, which reshards before its reduce-scatter
+    assert moment == {"weights_gathered": 0, "gradients": 40 - 16 - 8, "activations": 1, "comm_buffers": 64}
+    # untied: a unit of their own, the root (the final norm) still gathered beside
+    _Terms.layout = build_layout(make_context(dense_spec, fsdp=FSDPConfig(), full_finetune=True))
+    (moment,) = _embed_reduce_moment(_Terms, GradientTerms(prior=0, embed_buffer=64), 40, 1)
+    assert moment["weights_gathered"] == 3 and moment["gradients"] == 40

@@ -417,11 +417,44 @@ def test_a_tied_full_fine_tunes_reference_copy_runs_beside_a_resharded_actor():
     _probe_within(request, ("rollout", "reference", "learn"), rel=0.01)
 
 
+def test_generate_leaves_the_root_resharded_whatever_its_setting():
+    """Under reshard_after_forward=False Hugging Face generate leaves every block unit gathered, but
+    not the root: FSDP2's wrapper of generate runs the root's post-forward once the nested forwards
+    have left its group idle, and so reshards it. A tied full fine-tune's frozen copy runs its
+    reference pass beside the actor's blocks only (counted beside the root too, the embedding
+    table, it read 6.3% high)."""
+    request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
+    request = request.model_copy(update={"model": f"{QWEN2_BODY}&vocab_size=4096&tie_word_embeddings=true"})
+    _probe_within(request, ("reference", "learn"), rel=0.01)
+
+
+def test_the_embeddings_reduce_scatter_last_resharded_with_their_gradient_freed():
+    """One micro-batch of a tied full fine-tune kept gathered after forward. FSDP2 reshards the
+    embeddings' unit (here the root) before their reduce-scatter, the last, and frees their
+    gradient once copied into the input, as for a block unit; every block unit has resharded in
+    its own post-backward, so each reduce-scatters beside the units before it only. Counted with
+    the root gathered and the gradient alive, learn read 12.1% high, and with every block gathered
+    at each block's reduce-scatter 2.8% high.
+
+    The first block's input gradient feeds its unit's post-backward and the embeddings' backward,
+    in either order: in about half the runs one rank makes the embeddings' gradient (and its sum
+    with the tied head's, out of place) while the first block's reduce-scatter runs. The probe then
+    reads 17.84 MiB instead of 16.96; the estimate counts that schedule (17.90), so the bound is 6%,
+    which the old estimate (19.02) fails in either."""
+    request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True, micro_batch_size_per_gpu=2)
+    request = request.model_copy(update={"model": f"{QWEN2_BODY}&vocab_size=4096&tie_word_embeddings=true"})
+    m, estimated = _probe_within(request, ("learn",), rel=0.06)
+    assert estimated["learn"].total >= m.phase_total("learn") * 0.995  # never below the higher schedule
+
+
 def test_a_tied_full_fine_tune_holds_its_heads_gradient_through_the_blocks_backward():
     """A wider MLP (the blocks outweigh the 1 MiB tied head): learn peaks in a block's backward,
     beside the tied head's summed gradient (1 MiB, held in the embedding table's input buffer until
     the embeddings add theirs) and down_proj's weight gradient the block has made (0.5 MiB, in its
-    unit's unsharded copy until the post-backward). Counted without either, it read 3.0% low."""
+    unit's unsharded copy until the post-backward). Counted without either, it read 3.0% low. The
+    probe reads 49.62 MiB, and in about one run in ten 50.63 (one block higher, at the last
+    block unit's reduce-scatter: a schedule of gloo's collectives not traced further), so the
+    bound is 2.5%: the old estimate fails it in either schedule."""
     request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
     body = QWEN2_BODY.replace("intermediate_size=512", "intermediate_size=2048")
     request = request.model_copy(
@@ -430,7 +463,7 @@ def test_a_tied_full_fine_tune_holds_its_heads_gradient_through_the_blocks_backw
             "fsdp": request.fsdp.model_copy(update={"reshard_after_forward": True}),
         }
     )
-    _probe_within(request, ("learn",), rel=0.01)
+    _probe_within(request, ("learn",), rel=0.025)
 
 
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
