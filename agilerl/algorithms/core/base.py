@@ -820,8 +820,9 @@ class LLMAlgorithm:
         Kept gathered (reshard_after_forward=False), the chunked head reads the unit's weight,
         and the unit's post-backward, which the model's head keeps in the graph, reduce-scatters
         the gradient as soon as the head's backward is done. A tied head lives in the root unit
-        and keeps its zero-weighted term: without it, a 2-rank full fine-tune's learn peak moved
-        to a block's reduce-scatter and rose (20.44 to 20.49 MiB)."""
+        and keeps its zero-weighted term (tried without it: a 2-rank full fine-tune's learn peak
+        read 20.49 MiB, within the 20.44-20.49 MiB the probe measures with it, depending on the
+        schedule; planner.memory counts what the term costs, the model head's backward)."""
         from torch.distributed.fsdp import FSDPModule
 
         return self.sharded and self.fsdp_config.reshard_after_forward and isinstance(output_head(model), FSDPModule)
