@@ -448,10 +448,11 @@ def _embed_reduce_moment(terms: Terms, grads, reduced: int, activations: int) ->
     with the root gathered and its gradient alive, read 12.1% high. None otherwise."""
     if not grads.embed_buffer:
         return []
-    own_unit = any(u.name == "embed" for u in terms.layout.units)
+    layout = terms.layout
+    in_root = any(t is layout.embed for t in layout.root.base)  # tied: the root holds the table
     return [
         {
-            "weights_gathered": terms.gathered.root_bytes if own_unit else 0,
+            "weights_gathered": 0 if in_root else terms.gathered.root_bytes,
             "gradients": reduced - grads.tied_head + grads.embed_reducing,
             "activations": activations,
             "comm_buffers": grads.embed_buffer,
