@@ -155,7 +155,19 @@ def apply_activation_checkpointing(model: nn.Module, config: FSDPConfig) -> list
             container[i] = checkpoint_wrapper(container[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     if any(is_moe_block(blocks[i]) for i in chosen):
         install_router_forwards(model)  # out-of-place top-k renormalisation, replayable
+    if chosen and not getattr(model, "_agilerl_cache_off_in_training", False):
+        model.register_forward_pre_hook(_no_cache_while_training, with_kwargs=True)
+        model._agilerl_cache_off_in_training = True
     return chosen
+
+
+def _no_cache_while_training(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A checkpointed block's recompute would append its keys and values to the forward's
+    cache a second time: a forward with grad that leaves ``use_cache`` unset runs without one,
+    as Hugging Face's own gradient checkpointing does. An explicit ``use_cache`` is kept."""
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None:
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 @dataclass

@@ -45,7 +45,21 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _launched() -> bool:
-    return all(v in os.environ for v in _LAUNCHER_VARS)
+    """Whether a launcher set every variable a process group needs. A partial set that names
+    more than one process (``WORLD_SIZE`` > 1 without ``MASTER_ADDR``, say) is an error: run on
+    as one device, each process would train on its share of the data alone."""
+    present = [v for v in _LAUNCHER_VARS if v in os.environ]
+    if len(present) == len(_LAUNCHER_VARS):
+        return True
+    if present and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        missing = ", ".join(v for v in _LAUNCHER_VARS if v not in os.environ)
+        raise RuntimeError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {missing} "
+            f"{'is' if ', ' not in missing else 'are'} not: launch with torchrun "
+            "(for example `torchrun --nproc_per_node=2 train.py`), which sets them all, "
+            "or unset WORLD_SIZE to run on one device."
+        )
+    return False
 
 
 def init_distributed(timeout_seconds: int = 1800) -> bool:

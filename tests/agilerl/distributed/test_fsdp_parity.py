@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from agilerl.distributed import FSDPConfig, fsdp_layout
 from tests._dist import DistCases
-from tests.agilerl.distributed._parity import assert_parity
+from tests.agilerl.distributed._parity import assert_parity, batches
 
 cases = DistCases(__name__, nproc=2)
 
@@ -38,6 +38,14 @@ def _parity_cases(arch: str) -> None:
     def checkpointing(ctx):
         model = assert_parity(arch, FSDPConfig(**FP32), gradient_checkpointing=True)
         assert fsdp_layout(model).checkpointed_blocks == [0, 1, 2, 3]
+        # a plain Hugging Face forward with labels: the recompute must not find its keys and
+        # values cached twice (the forward with grad runs without a cache unless asked)
+        ids = batches(model.config.vocab_size, steps=1, rows=2, seq=6)[0]
+        out = model(input_ids=ids, labels=ids)
+        assert out.past_key_values is None
+        out.loss.backward()
+        with torch.no_grad():
+            assert model(input_ids=ids).past_key_values is not None
 
     def defer_grad_sync_two_micro_batches(ctx):
         assert_parity(arch, FSDPConfig(**FP32, defer_grad_sync=True), micro_batches=2)

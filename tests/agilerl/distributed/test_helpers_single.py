@@ -26,6 +26,24 @@ def test_init_is_noop_without_launcher():
     ad.barrier()
 
 
+def test_a_partial_launcher_env_for_several_processes_is_refused(monkeypatch):
+    # as if one process of a two-process run were started by hand: run on as one device, it
+    # would train on its half of the data alone
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT are not"):
+        ad.init_distributed()
+    with pytest.raises(RuntimeError, match="torchrun"):
+        ad.resolve_device()
+
+
+def test_a_partial_launcher_env_for_one_process_runs_on_one_device(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ad.init_distributed() is False
+    assert ad.get_world_size() == 1
+
+
 def test_object_helpers_are_identity():
     objs = [1, "a", {"b": 2}]
     assert ad.broadcast_object_list(objs) is objs
