@@ -147,13 +147,15 @@ class AlgorithmSection(_Section):
         int | None | Literal["auto"],
         Field(
             description="Token rows per log-prob chunk (bounds the logits workspace); null: unchunked; 'auto': "
-            "1024, or the planner's choice with fsdp: auto."
+            "the largest chunk whose logits workspace the memory estimate fits, under any sharding (1024 "
+            "rows when the estimate cannot be made)."
         ),
     ] = "auto"
     gradient_checkpointing: Annotated[
         bool | Literal["auto"],
         Field(
-            description="Recompute block activations in backward; 'auto': on, or the planner's choice with fsdp: auto."
+            description="Recompute block activations in backward; 'auto': off where the memory estimate fits every "
+            "block's activations, under any sharding (on when the estimate cannot be made)."
         ),
     ] = "auto"
     use_separate_reference_adapter: Annotated[

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
-from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters
+from .core.base import DEFAULT_LORA, LLMAlgorithm, check_counts, check_hyperparameters
 from .core.pairs import BatchError, check_length, completion_batch, encode_pairs
 
 __all__ = ["DPO", "dpo_loss"]
@@ -97,8 +97,7 @@ class DPO(LLMAlgorithm):
         index: int = 0,
         tokenizer=None,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_counts(batch_size=batch_size)
         check_hyperparameters(beta=beta, nll_alpha=nll_alpha)
         if beta == 0:
             raise ValueError(f"beta must be > 0 (the implicit reward's scale), got {beta}")

@@ -51,7 +51,7 @@ from agilerl.utils.logprobs import (
 )
 
 from .core.adapters import ACTOR, REFERENCE, use_adapter
-from .core.base import DEFAULT_LORA, LLMAlgorithm, check_hyperparameters, normalise_fsdp_config
+from .core.base import DEFAULT_LORA, LLMAlgorithm, check_counts, check_hyperparameters, normalise_fsdp_config
 
 __all__ = ["GRPO", "grpo_loss", "group_advantages", "k3_kl"]
 
@@ -210,19 +210,18 @@ class GRPO(LLMAlgorithm):
         index: int = 0,
         tokenizer=None,
     ) -> None:
+        check_counts(
+            group_size=group_size,
+            batch_size=batch_size,
+            update_epochs=update_epochs,
+            max_output_tokens=max_output_tokens,
+        )
         if group_size < self.min_group_size:
             raise ValueError(
                 f"group_size must be at least {self.min_group_size}"
                 + (" (advantages are relative within a group)" if self.min_group_size > 1 else "")
                 + f", got {group_size}"
             )
-        for name, value in (
-            ("batch_size", batch_size),
-            ("update_epochs", update_epochs),
-            ("max_output_tokens", max_output_tokens),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         check_hyperparameters(beta=beta, clip_coef=clip_coef)
         for name, value in (
             ("max_model_len", max_model_len),
@@ -365,12 +364,14 @@ class GRPO(LLMAlgorithm):
 
     # -- rollout -------------------------------------------------------------------------
 
-    def local_slice(self, num_prompts: int) -> slice:
-        """This rank's slice of the ``num_prompts * group_size`` completions."""
-        total = num_prompts * self.group_size
+    def local_slice(self, num_prompts: int, group_size: int | None = None) -> slice:
+        """This rank's slice of the ``num_prompts * group_size`` completions (``group_size``:
+        the agent's unless given)."""
+        group_size = self.group_size if group_size is None else group_size
+        total = num_prompts * group_size
         if total % self.data_parallel_ranks:
             raise ValueError(
-                f"{num_prompts} prompts x group_size {self.group_size} do not split over "
+                f"{num_prompts} prompts x group_size {group_size} do not split over "
                 f"{self.data_parallel_ranks} data-parallel ranks"
             )
         per_rank = total // self.data_parallel_ranks
@@ -392,11 +393,22 @@ class GRPO(LLMAlgorithm):
         ``ids`` holds the left-padded prompt followed by the completion (padded
         after its end-of-sequence token), and ``action_masks`` is 1 exactly on
         completion tokens (the end-of-sequence token included).
+
+        ``training=True`` takes exactly ``batch_size`` prompts (what memory is planned for
+        and what learn splits into micro-batches); ``training=False`` (evaluation, as in
+        upstream AgileRL) takes any number and generates one completion per prompt.
         """
         input_ids, attention_mask = self._fit_prompts(*self._encode(prompts))
         num_prompts = input_ids.shape[0]
-        index = torch.arange(num_prompts, device=input_ids.device).repeat_interleave(self.group_size)
-        index = index[self.local_slice(num_prompts)]
+        if training and num_prompts != self.batch_size:
+            raise ValueError(
+                f"get_action got {num_prompts} prompts; a training step takes batch_size={self.batch_size} "
+                "(prompts per step across all ranks, what memory is planned for): give that many, or "
+                "training=False to evaluate any number with one completion each"
+            )
+        group_size = self.group_size if training else 1
+        index = torch.arange(num_prompts, device=input_ids.device).repeat_interleave(group_size)
+        index = index[self.local_slice(num_prompts, group_size)]
         ids, mask = input_ids[index], attention_mask[index]
         self._sync_tensor_parallel_rng()
         with self._phase("rollout"):

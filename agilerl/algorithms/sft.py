@@ -22,7 +22,7 @@ from torch import nn
 from agilerl.distributed import aggregate_metrics_dict
 
 from .core.adapters import ACTOR, use_adapter
-from .core.base import DEFAULT_LORA, LLMAlgorithm
+from .core.base import DEFAULT_LORA, LLMAlgorithm, check_counts
 from .core.pairs import check_length, completion_batch, encode_pairs
 
 __all__ = ["SFT", "sft_loss"]
@@ -69,8 +69,7 @@ class SFT(LLMAlgorithm):
         index: int = 0,
         tokenizer=None,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_counts(batch_size=batch_size)
         self.batch_size = batch_size
         super().__init__(
             model_name=model_name,

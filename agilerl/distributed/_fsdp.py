@@ -157,7 +157,7 @@ def apply_activation_checkpointing(model: nn.Module, config: FSDPConfig) -> list
         install_router_forwards(model)  # out-of-place top-k renormalisation, replayable
     if chosen and not getattr(model, "_agilerl_cache_off_in_training", False):
         model.register_forward_pre_hook(_no_cache_while_training, with_kwargs=True)
-        model._agilerl_cache_off_in_training = True
+        setattr(model, "_agilerl_cache_off_in_training", True)  # noqa: B010 (an nn.Module attribute)
     return chosen
 
 

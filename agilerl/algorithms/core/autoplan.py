@@ -279,10 +279,17 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
 def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
     """FSDPConfig.optim_cpu_offload=None under FSDP2: as documented, Adam on the GPU where the
     memory estimate fits it there (with the user's other fields and the knobs as resolved), else
-    on the CPU."""
+    on the CPU. Under cpu_offload=True Adam already steps on the host beside the offloaded
+    shards (the two fields are exclusive): False, without asking the estimate."""
     from planner.calibration import coefficients_for
     from planner.memory import MARGIN_FRACTION, estimate
 
+    if agent.fsdp_config.cpu_offload:
+        return {
+            "optim_cpu_offload": False,
+            "summary": "[agilerl] optim_cpu_offload=False: cpu_offload=True keeps the parameter, gradient "
+            "and Adam shards on the host already",
+        }
     spec = _spec_for(agent, actor_network)
     workload = _as_resolved(agent, micro)
     cluster = visible_cluster(agent.world_size)

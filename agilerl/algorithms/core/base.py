@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from agilerl.distributed import (
+    DTYPE_NAMES,
     FSDPConfig,
     barrier,
     build_optimizer,
@@ -117,6 +118,42 @@ def check_hyperparameters(**values: Any) -> None:
             or (high is not None and value > high)
         ):
             raise ValueError(f"{name} must be {wanted}, got {value!r}")
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is an int >= 1 (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_counts(**values: Any) -> None:
+    """Raise ValueError naming the first of ``values`` that is not an int >= 1."""
+    for name, value in values.items():
+        if not _is_count(value):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_knobs(logprob_chunk_size: Any, gradient_checkpointing: Any, seed: Any) -> None:
+    """Raise ValueError naming the first of an algorithm's knobs of the wrong type or value."""
+    if logprob_chunk_size is not None and logprob_chunk_size != "auto" and not _is_count(logprob_chunk_size):
+        raise ValueError(
+            f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}"
+        )
+    if not (isinstance(gradient_checkpointing, bool) or gradient_checkpointing == "auto"):
+        raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def resolve_dtype(value: Any) -> torch.dtype:
+    """The base weights' dtype from an algorithm's ``dtype``: a name FSDPConfig's dtype fields
+    take ("bfloat16", "bf16", "float32", "fp32", ...) or a torch.dtype."""
+    name = str(value).removeprefix("torch.") if isinstance(value, (torch.dtype, str)) else value
+    if not isinstance(name, str) or name not in DTYPE_NAMES:
+        raise ValueError(
+            f"dtype must be a torch.dtype or one of {sorted(set(DTYPE_NAMES.values()))} (or an alias: "
+            f"{sorted(k for k in DTYPE_NAMES if k not in DTYPE_NAMES.values())}), got {value!r}"
+        )
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def normalise_fsdp_config(value: Any) -> FSDPConfig | str | None:
@@ -238,15 +275,9 @@ class LLMAlgorithm:
                 "pad_token_id and pad_token are required (for example tokenizer.pad_token_id and "
                 "tokenizer.pad_token; set tokenizer.pad_token = tokenizer.eos_token if it has none)"
             )
-        if logprob_chunk_size not in (None, "auto") and (
-            not isinstance(logprob_chunk_size, int) or logprob_chunk_size < 1
-        ):
-            raise ValueError(
-                f"logprob_chunk_size must be an int >= 1, None (unchunked) or 'auto', got {logprob_chunk_size!r}"
-            )
-        if gradient_checkpointing not in (True, False, "auto"):
-            raise ValueError(f"gradient_checkpointing must be True, False or 'auto', got {gradient_checkpointing!r}")
+        _check_knobs(logprob_chunk_size, gradient_checkpointing, seed)
         check_hyperparameters(lr=lr, max_grad_norm=max_grad_norm, temperature=temperature)
+        base_dtype = resolve_dtype(dtype)
         lora_config = resolve_lora_config(lora_config)
         self.full_finetune = lora_config is None
         if self.full_finetune and use_separate_reference_adapter:
@@ -310,7 +341,7 @@ class LLMAlgorithm:
         self._prefix_problems: dict[int, str | None] = {}
         self.use_separate_reference_adapter = use_separate_reference_adapter
         self.load_in_4bit = load_in_4bit
-        self.dtype = getattr(torch, dtype)
+        self.dtype = base_dtype
         if problem := attention_problem(attn_implementation):
             raise ValueError(problem)
         self.attn_implementation = attn_implementation
@@ -342,6 +373,12 @@ class LLMAlgorithm:
         # Collective (rank 0 may write a built-in model while the others wait): every rank, now.
         self.model_source = resolve_model_source(model_name) if model_name else None
         self.micro_batch_size_per_gpu = self._check_batch_shape(micro_batch_size_per_gpu)
+        if self.model_source is not None and not model_name.startswith("tiny:"):
+            from agilerl.utils.sources import check_model_source
+
+            # A missing path, a bad config or an unreachable hub: one clear error before any
+            # check reads the config, not the hub client's retries or its repo-id complaint.
+            check_model_source(self.model_source, allow_download=True)
         self._check_before_loading(actor_network, lora_config, model_name)
         if self.plan is None and self.auto_knobs:
             self._resolve_auto_knobs(actor_network)
@@ -547,11 +584,6 @@ class LLMAlgorithm:
         from .loading import build_actor, load_tokenizer
 
         source = self.model_source
-        if source is not None and self.model_name is not None and not self.model_name.startswith("tiny:"):
-            from agilerl.utils.sources import check_model_source
-
-            # A missing path, a bad config or an unreachable hub: one clear error now, not the hub client's retries.
-            check_model_source(source, allow_download=True)
         if self.tokenizer is None and source is not None:
             try:
                 self.tokenizer = load_tokenizer(source)
@@ -621,7 +653,16 @@ class LLMAlgorithm:
     def _encode(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts (strings, or a dict of ``input_ids`` / ``attention_mask``) as left-padded ids and mask."""
         if isinstance(prompts, dict):
+            if "input_ids" not in prompts or "attention_mask" not in prompts:
+                raise ValueError(
+                    "tokenized prompts need both input_ids and attention_mask (left-padded), "
+                    f"got keys {sorted(prompts)}"
+                )
             return prompts["input_ids"].to(self.device), prompts["attention_mask"].to(self.device)
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of strings, got one string: wrap it in a list")
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: give at least one prompt")
         if self.tokenizer is None:
             raise ValueError("string prompts need a tokenizer: pass tokenizer=... or tokenized prompts")
         enc = self.tokenizer(
@@ -1020,6 +1061,28 @@ class LLMAlgorithm:
             },
         }
 
+    def _saved_hyperparameters(self, saved: dict[str, Any], file: Path) -> dict[str, Any]:
+        """The checkpoint's hyperparameters that differ from this agent's and a load takes (see
+        :meth:`load_checkpoint`), each logged with those it keeps; checked before anything loads."""
+        taken = {k: v for k, v in saved.items() if hasattr(self, k) and getattr(self, k) != v}
+        kept = {k: taken.pop(k) for k in self.shape_hyperparameters if k in taken}
+        if taken.get("beta", 0) != 0 and self.full_finetune and self.reference_model is None:
+            raise CheckpointMismatch(
+                f"{file} was trained with beta={taken['beta']}, which reads a reference policy; this agent "
+                "(beta=0, every parameter trained) keeps no reference copy: build it with that beta to load it"
+            )
+        if is_main_process():
+            for name, value in taken.items():
+                logger.info("[agilerl] %s=%r from the checkpoint (this agent had %r)", name, value, getattr(self, name))
+            for name, value in kept.items():
+                logger.info(
+                    "[agilerl] %s=%r kept: it fixes the batch's shape (the checkpoint's was %r)",
+                    name,
+                    getattr(self, name),
+                    value,
+                )
+        return taken
+
     def _trained_weights(self) -> dict[str, dict[str, torch.Tensor]]:
         """What a checkpoint stores of the model, by name: the LoRA adapters (never the frozen
         base), or with full fine-tuning every parameter (and the reference copy once updated)."""
@@ -1038,8 +1101,10 @@ class LLMAlgorithm:
         with full fine-tuning), optimizer state, attributes, every rank's RNG states, and ``extra``
         (the caller's own state, e.g. a data position).
 
-        The same layout on one device and under FSDP2 (every rank must call this
-        under FSDP2; rank 0 writes). The file is written atomically (temporary
+        The same layout on one device and on several ranks. **Every rank must call this**
+        whenever the run has more than one (data parallel or FSDP2): each sends its RNG
+        states and shards, and rank 0 writes; called on rank 0 alone it waits for the others
+        until the process group's timeout. The file is written atomically (temporary
         file, fsync, rename): a kill mid-save leaves the previous checkpoint whole.
         """
         from agilerl.utils.checkpoint_io import atomic_save
@@ -1079,11 +1144,26 @@ class LLMAlgorithm:
         barrier()
         return path / CHECKPOINT_FILE
 
+    #: Saved hyperparameters a load leaves as this agent was built with: they fix the batch's
+    #: shape and what memory was planned for (a checkpoint may come from another number of ranks).
+    shape_hyperparameters: tuple[str, ...] = (
+        "batch_size",
+        "micro_batch_size_per_gpu",
+        "logprob_chunk_size",
+        "group_size",
+        "max_output_tokens",
+    )
+
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Load a checkpoint written by :meth:`save_checkpoint` (on any number of ranks); return its ``extra``.
 
-        Each rank takes back its own RNG states when the checkpoint was written
-        on as many ranks (so sampling continues as if never stopped); otherwise
+        The objective's hyperparameters (lr, beta, clip_coef, temperature, ...) take the
+        checkpoint's values, as the optimizer state already does for its learning rate (a
+        population member resumes as it was mutated); those in :attr:`shape_hyperparameters`
+        keep this agent's. Each differing value is logged.
+
+        Each rank takes back its own RNG states (Python's, NumPy's, torch's) when the checkpoint
+        was written on as many ranks (so sampling continues as if never stopped); otherwise
         they keep their current ones.
         """
         path = Path(path)
@@ -1110,6 +1190,7 @@ class LLMAlgorithm:
                 )
             if other := _other_shape(mine, saved, _checkpoint_shape(self.model)):
                 raise CheckpointMismatch(f"{file} holds adapters of another rank: {other}")
+        restored = self._saved_hyperparameters(payload.get("hyperparameters", {}), file)
         if self.full_finetune:
             weights = payload["weights"]
             mine = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in self.model.named_parameters()}
@@ -1141,6 +1222,10 @@ class LLMAlgorithm:
             self.head_optimizer.load_state_dict(payload["head_optimizer"])
         self.steps = payload.get("steps", 0)
         self.scores = list(payload.get("scores", []))
+        for name, value in restored.items():
+            setattr(self, name, value)
+        for group in self.optimizer.param_groups if "lr" in restored else ():
+            group["lr"] = self.lr
         rng = payload.get("rng")
         if rng and len(rng) == self.world_size:
             _set_rng_state(rng[self.rank])
@@ -1181,10 +1266,17 @@ class CheckpointMismatch(ValueError):
 
 
 def _rng_state() -> dict[str, Any]:
-    """This rank's random states: Python's, torch's CPU generator and, where present, the current CUDA one."""
+    """This rank's random states: Python's, NumPy's global one, torch's CPU generator and, where
+    present, the current CUDA one."""
     import random
 
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    import numpy as np
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -1194,6 +1286,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     import random
 
     random.setstate(state["python"])
+    if "numpy" in state:  # checkpoints written before NumPy's state was kept lack it
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

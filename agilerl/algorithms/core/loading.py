@@ -72,6 +72,14 @@ def resolve_lora_config(value):
                 f"linear) or None (full fine-tuning), got {value!r}"
             )
         return default_lora_config()
+    from peft import LoraConfig
+
+    if not isinstance(value, LoraConfig):
+        hint = " (build one with peft.LoraConfig(**fields))" if isinstance(value, dict) else ""
+        raise ValueError(
+            f"lora_config must be a peft LoraConfig{hint}, {DEFAULT_LORA!r} (r=16, alpha=32 on every "
+            f"linear) or None (full fine-tuning), got a {type(value).__name__}"
+        )
     init = getattr(value, "init_lora_weights", True)
     if init not in _ADAPTER_INITS:
         raise ValueError(

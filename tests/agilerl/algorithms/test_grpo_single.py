@@ -80,6 +80,65 @@ def test_bad_input_fails_before_loading(kwargs, error, match):
         make_agent(model_name=MISSING, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dtype="bf17"), r"dtype must be a torch.dtype or one of \['bfloat16', 'float16', 'float32'\]"),
+        (dict(dtype=None), "dtype must be a torch.dtype"),
+        (dict(seed=None), "seed must be an int, got None"),
+        (dict(seed=1.5), "seed must be an int, got 1.5"),
+        (dict(lora_config={"r": 4}), r"lora_config must be a peft LoraConfig \(build one with peft.LoraConfig"),
+        (dict(logprob_chunk_size=True), "logprob_chunk_size must be an int >= 1"),
+        (dict(logprob_chunk_size=0), "logprob_chunk_size must be an int >= 1"),
+        (dict(gradient_checkpointing=1), "gradient_checkpointing must be True, False or 'auto', got 1"),
+        (dict(batch_size=2.5), "batch_size must be an int >= 1, got 2.5"),
+        (dict(batch_size=True), "batch_size must be an int >= 1, got True"),
+        (dict(group_size="4"), "group_size must be an int >= 1, got '4'"),
+        (dict(max_output_tokens=0), "max_output_tokens must be an int >= 1, got 0"),
+    ],
+)
+def test_argument_types_are_checked_in_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_agent(model_name=MISSING, **kwargs)
+
+
+def test_a_missing_or_empty_model_directory_is_one_clear_error_before_its_config_is_read(tmp_path):
+    with pytest.raises(ValueError, match="model/dir: no such file or directory"):
+        make_agent(model_name=MISSING)
+    with pytest.raises(ValueError, match="directory has no config.json"):
+        make_agent(model_name=str(tmp_path))
+
+
+def test_dtype_takes_the_aliases_and_torch_dtypes_fsdp_config_takes():
+    from agilerl.algorithms.core.base import resolve_dtype
+
+    assert resolve_dtype("bf16") is torch.bfloat16
+    assert resolve_dtype("fp32") is torch.float32
+    assert resolve_dtype(torch.float16) is torch.float16
+    assert resolve_dtype("torch.bfloat16") is torch.bfloat16
+    assert make_agent(dtype=torch.float32).dtype is torch.float32
+
+
+def test_prompts_that_are_not_a_batch_are_refused_in_one_line():
+    agent = make_agent()
+    with pytest.raises(ValueError, match="got one string: wrap it in a list"):
+        agent.get_action("1+1=")
+    with pytest.raises(ValueError, match="prompts is empty"):
+        agent.get_action([])
+    with pytest.raises(ValueError, match=r"need both input_ids and attention_mask.*got keys \['input_ids'\]"):
+        agent.get_action({"input_ids": torch.ones(2, 3, dtype=torch.long)})
+
+
+def test_a_training_rollout_takes_batch_size_prompts_and_an_evaluation_any_number():
+    agent = make_agent(batch_size=2, group_size=4)
+    with pytest.raises(ValueError, match="got 3 prompts; a training step takes batch_size=2"):
+        agent.get_action(["1+1=", "2+2=", "3+3="])
+    ids, masks = agent.get_action(["1+1=", "2+2=", "3+3="], training=False)
+    assert ids.shape[0] == masks.shape[0] == 3  # one completion each
+    ids, _ = agent.get_action(["1+1=", "2+2="])
+    assert ids.shape[0] == 8
+
+
 def test_cpu_offload_without_vllm_and_qlora_with_cpu_offload_are_refused(monkeypatch):
     # Pretend a process group exists so the checks after it are reached, still before loading.
     import agilerl.algorithms.core.base as base
@@ -447,6 +506,41 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path):
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6)
     for k, v in lora_state(agent).items():
         torch.testing.assert_close(lora_state(resumed)[k], v, atol=1e-7, rtol=1e-6)
+
+
+def test_a_load_takes_the_checkpoints_objective_and_keeps_the_agents_batch_shape(tmp_path, caplog):
+    import random
+
+    import numpy as np
+
+    saved = make_agent(beta=0.3, lr=2e-3, clip_coef=0.15, temperature=0.7, batch_size=4)
+    saved.learn(synthetic_experiences(saved, num_prompts=4, seed=1)[:3])
+    np.random.seed(7)
+    saved.save_checkpoint(tmp_path / "ckpt")
+    draws = (np.random.rand(3), random.random())
+
+    loaded = make_agent(beta=0.1, lr=1e-2, clip_coef=0.2, temperature=1.0, batch_size=2)
+    np.random.seed(8)
+    with caplog.at_level("INFO"):
+        loaded.load_checkpoint(tmp_path / "ckpt")
+    assert (loaded.beta, loaded.lr, loaded.clip_coef, loaded.temperature) == (0.3, 2e-3, 0.15, 0.7)
+    assert loaded.optimizer.param_groups[0]["lr"] == loaded.lr  # the optimizer state's agrees
+    assert loaded.batch_size == 2 and "batch_size=2 kept" in caplog.text
+    assert "beta=0.3 from the checkpoint (this agent had 0.1)" in caplog.text
+    # every RNG continues where the saved agent's was (NumPy's too)
+    np.testing.assert_array_equal(np.random.rand(3), draws[0])
+    assert random.random() == draws[1]
+
+
+def test_a_checkpoint_whose_beta_needs_a_reference_copy_the_agent_lacks_is_refused_whole(tmp_path):
+    saved = make_agent(lora_config=None, beta=0.2)
+    saved.save_checkpoint(tmp_path / "ckpt")
+    loaded = make_agent(lora_config=None, beta=0.0)
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+    with pytest.raises(ValueError, match="trained with beta=0.2, which reads a reference policy"):
+        loaded.load_checkpoint(tmp_path / "ckpt")
+    assert loaded.beta == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in loaded.model.named_parameters())
 
 
 def test_load_rejects_missing_or_foreign_checkpoints(tmp_path):
@@ -940,6 +1034,12 @@ def test_optim_cpu_offload_none_keeps_adam_on_the_device_only_where_the_estimate
     monkeypatch.setattr(autoplan, "_host_available_bytes", lambda: int(need / 0.95) - 2**20)
     chosen = autoplan.pick_optim_offload(agent, None, micro)
     assert chosen["optim_cpu_offload"] is True and "Adam steps on the CPU" in chosen["summary"]
+    # under FSDP2's cpu_offload the shards and Adam are on the host already: never both (the
+    # config's own rule), however small the device
+    agent.fsdp_config = FSDPConfig(cpu_offload=True)
+    chosen = autoplan.pick_optim_offload(agent, None, micro)
+    assert chosen["optim_cpu_offload"] is False
+    FSDPConfig.model_validate({**agent.fsdp_config.model_dump(), "optim_cpu_offload": chosen["optim_cpu_offload"]})
 
 
 class _Engine:
