@@ -400,8 +400,18 @@ def main(argv: list[str] | None = None) -> int:
                 return probe_main(argv[1:])
             return plan_main(argv)
     except BrokenPipeError:
-        # what the reader took is all it wanted: no traceback, and stdout pointed at /dev/null so
-        # the interpreter's last flush at exit does not raise again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # what the reader took is all it wanted: no traceback
+        _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+    except OSError as err:
+        # the output could not be written (stdout on a full disk, say): one line, exit 2
+        where = f" ({err.filename})" if err.filename else " (standard output)"
+        print(f"agilerl-plan: error: cannot write the output{where}: {err.strerror or err}", file=sys.stderr)
+        _stdout_to_devnull()
+        return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

@@ -52,4 +52,12 @@ class Estimate(BaseModel):
 
     @property
     def host_per_node_bytes(self) -> int:
-        return self.host_peak_bytes * self.gpus_per_node
+        """Host memory of a node's ranks at the phase where their sum peaks. Rank 0 alone keeps
+        the checkpoint a save gathers (``host_checkpoint`` of ``save``); every other host term is
+        each rank's own."""
+
+        def node(name: str, phase: PhaseEstimate) -> int:
+            rank0_only = phase.host.get("host_checkpoint", 0) if name == "save" else 0
+            return phase.host_total + (phase.host_total - rank0_only) * (self.gpus_per_node - 1)
+
+        return max((node(name, phase) for name, phase in self.phases.items()), default=0)

@@ -190,9 +190,18 @@ def test_qlora_under_fsdp_shards_the_packed_bytes_and_keeps_the_constants_whole(
     assert est.phases["step"].components["weights"] < 0.6 * unsharded
 
 
-def test_host_per_node(spec):
-    est = estimate(spec, WL, _cluster(8, GPUS["H100-80GB"], per_node=4), SHARD_ALL)
-    assert est.host_per_node_bytes == 4 * est.host_peak_bytes
+def test_host_per_node_counts_the_saved_checkpoint_on_rank_0_only(spec):
+    for workload in (WL, WL.model_copy(update={"full_finetune": True})):
+        est = estimate(spec, workload, _cluster(8, GPUS["H100-80GB"], per_node=4), SHARD_ALL)
+        ranks = {
+            name: [
+                sum(v for k, v in p.host.items() if r == 0 or name != "save" or k != "host_checkpoint")
+                for r in range(4)
+            ]
+            for name, p in est.phases.items()
+        }
+        assert est.host_per_node_bytes == max(sum(per_rank) for per_rank in ranks.values())
+        assert est.host_per_node_bytes < 4 * est.host_peak_bytes  # the save's gathered checkpoint peaks rank 0
 
 
 def test_estimate_is_deterministic_and_coefficients_matter(spec):

@@ -71,6 +71,22 @@ async def test_up_doubles_the_gpus_and_the_plan_follows(size):
 
 
 @pilot_test
+async def test_up_and_down_on_an_infinite_or_nan_count_leave_it_as_typed():
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        field = control(pilot, "cluster.num_gpus")
+        for typed in ("inf", "nan", "1e400"):
+            field.value = typed
+            field.focus()
+            await pilot.press("up", "down")
+            assert field.value == typed  # nothing to step from; the field's own error says why
+        field.value = "2"
+        await pilot.press("up")
+        assert field.value == "4"
+
+
+@pilot_test
 async def test_typing_a_value_replans():
     app = ExplorerApp(MODEL, gpus=2)
     async with app.run_test(size=SMALL) as pilot:

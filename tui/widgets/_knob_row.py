@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from textual import on
@@ -40,6 +41,8 @@ class StepInput(Input):
             current = float(self.value) if self.value.strip() not in ("", AUTO) else None
         except ValueError:
             return
+        if current is not None and not math.isfinite(current):
+            return  # inf or nan (1e400 reads as inf): nothing to step from; the field says why
         self.value = _stepped(current, direction, integer=self.number == "int", can_be_auto=self.can_be_auto)
         self.cursor_position = len(self.value)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -185,6 +186,16 @@ def test_a_reader_that_goes_away_gets_no_traceback():
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and err == "", err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2():
+    """``agilerl-plan ... > /dev/full``: every write fails with ENOSPC."""
+    code = "import sys; from planner.cli import main; raise SystemExit(main(['Qwen/Qwen2.5-7B', '--format', 'json']))"
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "agilerl-plan: error: cannot write the output (standard output): No space left on device\n"
 
 
 def _tiny_config_dir(path):
