@@ -8,10 +8,11 @@ Strategy, deterministic and fast (tens of estimates, a few ms each):
    unit, prefetch 1, micro-batch 1, checkpointing on, the smallest log-prob
    chunk, Adam state on the GPU unless only the host can hold it, for full
    fine-tuning a reduce-scatter every micro-batch; for MoE
-   models the smallest expert chunk, and expert parallelism only when the
-   experts' gathered weights do not fit without it; CPU parameter offload
-   only as a last resort and only where Hugging Face generate does not run:
-   with a colocated vLLM, or for SFT and DPO).
+   models the smallest expert chunk). Where that does not fit: a
+   reduce-scatter every micro-batch for LoRA too, then expert parallelism,
+   then Adam on the host alone and with each expert-parallel degree, and CPU
+   parameter offload only as a last resort and only where Hugging Face
+   generate does not run (with a colocated vLLM, or for SFT and DPO).
 3. Relax one knob at a time, in order of what it buys in throughput, keeping
    the estimated peak under capacity minus a safety margin: Adam on the GPU,
    the largest micro-batch, no checkpointing, node-local sharding (HSDP),
@@ -457,11 +458,14 @@ def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: b
 
 def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
     """The most frugal FSDPConfig: resharding, one block a unit, prefetch 1, the smallest expert
-    chunk; then expert parallelism, Adam on the host and parameter offload, each only when what
-    came before does not fit."""
+    chunk; then, each only when what came before does not fit: a reduce-scatter every
+    micro-batch, expert parallelism, Adam on the host (with each expert-parallel degree too),
+    and parameter offload. Where nothing fits, the combination with the lowest peak."""
     spec, fixed, workload, frugal = search.spec, search.fixed, search.workload, draft.workload
-    # Full fine-tuning holds every unsharded gradient between micro-batches under defer_grad_sync:
-    # reduce-scatter each micro-batch instead until the deferral is known to fit.
+    # Deferred gradient sync holds every unsharded gradient between micro-batches (the whole
+    # model's with full fine-tuning): full fine-tuning starts without it; LoRA starts with it
+    # (its adapters are small) and drops it before anything costlier. _choose_gradient_flow
+    # takes it back where it fits.
     base: dict[str, Any] = dict(
         reshard_after_forward=True,
         wrap_every_n_blocks=1,
@@ -478,20 +482,35 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
         base["routed_expert_chunk_mib"] = EXPERT_CHUNKS_MIB[0]
     base.update(fixed)
     fsdp = FSDPConfig(**base)
-    if row_wise and "ep" not in fixed and not search.fits(frugal, fsdp):
-        # Expert parallel: each rank gathers E / ep experts, sharded over world / ep ranks.
-        for ep in _expert_parallel_degrees(spec, search.cluster):
-            candidate = fsdp.model_copy(update={"ep": ep})
-            if search.fits(frugal, candidate):
-                fsdp = candidate
-                draft.note("ep", ep, f"experts split over {ep} GPUs: each gathers {1 / ep:.3g} of a layer's experts")
-                break
-    if not search.fits(frugal, fsdp) and "optim_cpu_offload" not in fixed and not fsdp.cpu_offload:
-        fsdp = fsdp.model_copy(update={"optim_cpu_offload": True})
+    if search.fits(frugal, fsdp):
+        return fsdp
+    if "defer_grad_sync" not in fixed and fsdp.defer_grad_sync:
+        fsdp = fsdp.model_copy(update={"defer_grad_sync": False})
+    # Expert parallel (each rank gathers E / ep experts, sharded over world / ep ranks), then
+    # Adam on the host, alone and with each degree: the first that fits, in that order.
+    degrees = [1] + (_expert_parallel_degrees(spec, search.cluster) if row_wise and "ep" not in fixed else [])
+    offloads = [False] + ([True] if "optim_cpu_offload" not in fixed and not fsdp.cpu_offload else [])
+    candidates = [
+        fsdp.model_copy(
+            update={"optim_cpu_offload": fsdp.optim_cpu_offload or offload, "ep": fsdp.ep if ep == 1 else ep}
+        )
+        for offload in offloads
+        for ep in degrees
+    ]
+    fitting = next((c for c in candidates if search.fits(frugal, c)), None)
+    if fitting is None:
+        runnable = [c for c in candidates if search.layout_problem(c) is None] or candidates
+        fsdp = min(runnable, key=lambda c: search.estimate(frugal, c).peak_bytes)
+    else:
+        fsdp = fitting
+    if fsdp.ep > 1 and "ep" not in fixed:
+        draft.note(
+            "ep", fsdp.ep, f"experts split over {fsdp.ep} GPUs: each gathers {1 / fsdp.ep:.3g} of a layer's experts"
+        )
     # cpu_offload parks the weights on the host: only where Hugging Face generate does not need
     # them, and not beside offload_weights_during_rollout (which parks them itself)
     offloadable = (colocated or workload.algorithm in OFFLINE_SEQUENCES) and not workload.offload_weights_during_rollout
-    if not search.fits(frugal, fsdp) and offloadable and "cpu_offload" not in fixed and not workload.load_in_4bit:
+    if fitting is None and offloadable and "cpu_offload" not in fixed and not workload.load_in_4bit:
         candidate = fsdp.model_copy(update={"cpu_offload": True, "optim_cpu_offload": False})
         if search.fits(frugal, candidate):
             fsdp = candidate

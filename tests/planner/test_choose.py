@@ -239,6 +239,29 @@ def test_moe_uses_expert_parallel_only_when_the_experts_do_not_fit_without_it():
     assert "experts split over 2 GPUs" in p.reasons()["ep"]
 
 
+def test_the_frugal_settings_combine_expert_parallel_with_adam_on_the_host_before_nothing_fits():
+    """Where neither expert parallelism nor Adam on the host fits alone but the two together do,
+    the plan fits (it used to try the host only with ep=1, and said nothing fits)."""
+    spec = load_model_spec(WIDE)
+    wl = MOE_WL.model_copy(
+        update={"prompt_tokens": 64, "completion_tokens": 64, "micro_batch_size_per_gpu": 1, "logprob_chunk_size": 256}
+    )
+    two = Cluster(gpu=_gpu(256 * 1024), num_gpus=2)
+    frugal = FSDPConfig(**ALL, routed_expert_chunk_mib=64, optim_cpu_offload=False)
+    need = {
+        (ep, host): estimate(spec, wl, two, frugal.model_copy(update={"ep": ep, "optim_cpu_offload": host})).peak_bytes
+        for ep in (1, 2)
+        for host in (False, True)
+    }
+    together, alone = need[(2, True)], min(need[(2, False)], need[(1, True)])
+    assert together < alone
+    gpu = _gpu((together + alone) / 2 / 0.95 / MIB)  # only the two together fit
+    p = plan(spec, wl, Cluster(gpu=gpu, num_gpus=2), sharding="fsdp", fixed={**ALL, "routed_expert_chunk_mib": 64})
+    assert p.fits and (p.fsdp.ep, p.fsdp.optim_cpu_offload) == (2, True)
+    assert p.estimate.peak_bytes <= gpu.memory_bytes - p.margin_bytes
+    assert "experts split over 2 GPUs" in p.reasons()["ep"]
+
+
 def test_a_colocated_engine_that_breaks_the_fit_gets_a_lower_fraction_suggested():
     from planner import catalog
     from planner.hardware import GPUS
