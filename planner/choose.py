@@ -256,6 +256,12 @@ def check_inputs(
             f"{spec.max_position_embeddings} positions of {spec.name} (max_position_embeddings; "
             "a longer context needs rope scaling in its config.json)"
         )
+    if (engine_len := workload.vllm_max_model_len) is not None and engine_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"vllm_max_model_len={engine_len} is longer than the {spec.max_position_embeddings} positions of "
+            f"{spec.name} (max_position_embeddings), which vLLM refuses at start-up: at most "
+            f"{spec.max_position_embeddings}, or leave it unset (prompt + completion tokens)"
+        )
 
 
 def _vllm_frugal(
@@ -857,6 +863,13 @@ def _suggest(
                     "set offload_weights_during_rollout=True (the trainer's weights wait on the host "
                     "while the engine generates)"
                 )
+        # without an engine beside the trainer: Hugging Face generate on the actor's own weights
+        # (slower, but it takes no fraction of the GPU)
+        defaults = Workload()
+        engine_fields = {k: getattr(defaults, k) for k in Workload.model_fields if k.startswith("vllm_")}
+        wl = workload.model_copy(update={**engine_fields, "generation": "hf", "offload_weights_during_rollout": False})
+        if feasible(wl, cluster):
+            out.append("generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf')")
     if workload.generation == "hf":
         # generate holds every completion of a rank's rollout at once; a colocated engine pages
         # its KV cache within a fixed budget

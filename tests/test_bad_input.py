@@ -242,6 +242,10 @@ CASES = [
     (plan(M, "--vllm-sleep-level", "3"), "--vllm-sleep-level"),
     (plan(M, "--generation", "vllm", "--vllm-max-num-seqs", "0"), "vllm_max_num_seqs"),
     (plan(M, "--generation", "vllm", "--vllm-max-model-len", "64"), "vllm_max_model_len"),
+    (
+        plan(M, "--generation", "vllm", "--vllm-max-model-len", "1000000"),
+        "vllm_max_model_len=1000000 is longer than the 32768 positions",
+    ),
     (plan(M, "--offload-weights-during-rollout", "true"), "generation"),
     (plan(M, "--attn-implementation", "flex"), "--attn-implementation"),
     (plan(M, "--gradient-checkpointing", "perhaps"), "--gradient-checkpointing"),

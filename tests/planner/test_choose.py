@@ -568,6 +568,9 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         wl["offload_weights_during_rollout"] = True
     elif suggestion.startswith("generate with a colocated vLLM engine"):
         wl["generation"] = "vllm"
+    elif suggestion.startswith("generate with Hugging Face generate"):
+        wl = {k: v for k, v in Workload().model_dump().items() if k.startswith("vllm_")}
+        wl.update(generation="hf", offload_weights_during_rollout=False)
     elif suggestion.startswith("shard with FSDP2"):
         sharding = "fsdp"
     else:
@@ -608,6 +611,8 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
             "none",
             dict(prompts_per_step=8, full_finetune=True, generation="none"),
         ),
+        # only without the engine (whose fraction of each GPU the trainer cannot share)
+        ("meta-llama/Llama-3.1-70B", "H100-80GB", 16, "auto", dict(generation="vllm")),
         # a value the user fixed is what breaks the fit: the suggestion lowers it
         ("Qwen/Qwen2.5-0.5B", "H100-80GB", 1, "auto", dict(generation="vllm", vllm_kv_cache_memory_bytes=90 * 10**9)),
         ("Qwen/Qwen2.5-7B", "H100-80GB", 1, "auto", dict(lora_rank=100_000, generation="none")),
