@@ -216,6 +216,9 @@ def _verdict(plan: Plan) -> list[str]:
     ]
     if not plan.fits:
         lines.extend(f"# what would fit: {s}" for s in plan.suggestions)
+    # what the estimate noted (a multimodal checkpoint's text model: the trainer loads the
+    # export, not the checkpoint named here)
+    lines.extend(f"# note: {n}" for n in est.notes)
     return lines
 
 

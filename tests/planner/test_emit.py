@@ -152,6 +152,16 @@ def test_what_the_qlora_plan_spells_out(capsys, monkeypatch):
     assert ours["temperature"] == 0.7
 
 
+def test_a_multimodal_checkpoints_manifest_says_the_trainer_loads_its_exported_text_model(capsys):
+    code, manifest = _emit(["google/gemma-3-27b-it", "--gpus", "4"], "yaml", capsys)
+    assert code == 0
+    notes = [line for line in manifest.splitlines() if line.startswith("# note: ")]
+    assert len(notes) == 1 and "the text model of Gemma3ForConditionalGeneration" in notes[0]
+    assert "python -m agilerl.utils.text_model SOURCE OUT_DIR" in notes[0]
+    code, manifest = _emit(["Qwen/Qwen2.5-7B", "--gpus", "4"], "yaml", capsys)
+    assert "# note: " not in manifest  # a text model's manifest runs as written
+
+
 @pytest.mark.parametrize("args", PLANS.values(), ids=PLANS.keys())
 def test_the_snippet_says_whether_it_fits_and_imports_only_what_it_uses(args, capsys):
     code, snippet = _emit(args, "python", capsys)
