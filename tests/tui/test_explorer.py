@@ -20,6 +20,7 @@ from tui import _request
 from tui.app import ExplorerApp
 from tui.screens import ExportScreen, HelpScreen, ModelPicker, SavePrompt
 from tui.screens import _explorer as explorer_module
+from tui.screens._explorer import ExplorerScreen
 from tui.widgets import ComponentTable, DecisionView, KnobRow, PhaseBars, Verdict
 
 from ._helpers import BIG_MODEL, MODEL, SMALL, WIDE, control, pilot_test, set_knob, settle
@@ -309,6 +310,57 @@ async def test_an_unknown_model_is_an_error_and_the_plan_stays():
         assert screen.plan is good and screen.model_name == MODEL
         screen = await set_knob(pilot, "workload.group_size", "4")  # the plan goes on with the last model
         assert screen.plan.model == MODEL and screen.plan.workload.group_size == 4
+
+
+async def _pick(pilot, typed: str | None) -> ExplorerScreen:
+    """Ctrl+O, type ``typed`` (None: nothing), Enter; the explorer once it has settled."""
+    await pilot.press("ctrl+o")
+    await pilot.pause()
+    if typed is not None:
+        pilot.app.screen.query_one(Input).value = typed
+        await pilot.pause()
+    await pilot.press("enter")
+    return await settle(pilot)
+
+
+@pilot_test
+async def test_a_failed_pick_is_said_once_and_goes_once_the_plan_moves_on(tmp_path):
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=WIDE) as pilot:
+        await settle(pilot)
+        missing = str(tmp_path / "nope")
+        screen = await _pick(pilot, missing)
+        assert screen.model_error.count(missing) == 1, screen.model_error  # the path, once
+        screen = await set_knob(pilot, "workload.group_size", "4")
+        assert screen.model_error is None and "nope" not in _verdict(screen)
+
+
+@pilot_test
+async def test_enter_with_nothing_typed_keeps_a_model_from_outside_the_catalog():
+    tiny = "tiny:qwen2?num_layers=2"
+    app = ExplorerApp(tiny)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        screen = await _pick(pilot, None)
+        assert screen.model_name == tiny and screen.plan.model == tiny
+
+
+@pilot_test
+async def test_a_new_models_plan_blocked_by_a_knob_is_not_saved_as_the_last_models(tmp_path):
+    moe = "Qwen/Qwen3-30B-A3B"
+    app = ExplorerApp(moe, gpus=8)
+    async with app.run_test(size=WIDE) as pilot:
+        await settle(pilot)
+        screen = await set_knob(pilot, "fsdp.ep", "4")
+        assert screen.plan.model == moe and screen.plan.fsdp.ep == 4
+        screen = await _pick(pilot, MODEL)  # a dense model: ep=4 has no experts to split
+        assert screen.model_name == MODEL and screen.errors and screen.plan.model == moe
+        assert f"the plan shown is {moe}'s" in _verdict(screen)
+        assert screen.save_manifest(str(tmp_path / "x.yaml")) is None and not (tmp_path / "x.yaml").exists()
+        await pilot.pause()
+        assert any(f"not saved: the plan shown is {moe}'s" in n.message for n in app._notifications)
+        screen = await set_knob(pilot, "fsdp.ep", "")
+        assert screen.plan.model == MODEL and screen.save_manifest(str(tmp_path / "x.yaml")) is not None
 
 
 @pilot_test

@@ -109,6 +109,7 @@ class ExplorerScreen(Screen):
         self.values = dict(values)
         self.spec: ModelSpec | None = None
         self.plan: Plan | None = None
+        self.plan_model: str | None = None  # the model self.plan is of (the last good plan may be another's)
         self.request: PlanRequest | None = None  # the request self.plan answers
         self.errors: dict[str, str] = {}  # invalid knobs by key ("" for the whole request)
         self.model_error: str | None = None  # why the last model asked for did not load
@@ -171,7 +172,7 @@ class ExplorerScreen(Screen):
         self.loading_model = None
         self.query_one("#memory-row").loading = False
         message = str(error).strip("'\"")
-        self.model_error = f"{name}: {message}"
+        self.model_error = message if message.startswith(name) else f"{name}: {message}"
         self._show_verdict()
         self.notify(message, title="model not loaded", severity="error", timeout=8)
 
@@ -239,7 +240,8 @@ class ExplorerScreen(Screen):
             self._show_verdict()
         elif result is not None and done is not None:
             self.plan, self.manifest_problem, spec = result
-            self.request = done[1]
+            self.request, self.plan_model = done[1], self.model_name
+            self.model_error = None  # planned on: the failed pick's line has been seen
             if spec is not done[0] and self.spec is done[0]:  # keep the targets it now covers
                 self.spec = spec
             self._show_plan()
@@ -287,6 +289,10 @@ class ExplorerScreen(Screen):
     def warnings(self) -> list[str]:
         """What is off about the current plan itself (not about the inputs)."""
         out = []
+        if self.plan is not None and self.plan_model != self.model_name:
+            out.append(
+                f"the plan shown is {self.plan_model}'s: {self.model_name} has none until the inputs marked are fixed"
+            )
         if self.plan is not None and self.plan.fsdp is None and self.request and self.request.fixed:
             out.append(
                 f"FSDPConfig overrides ({', '.join(self.request.fixed)}) are unused: the plan does "
@@ -344,6 +350,13 @@ class ExplorerScreen(Screen):
         """Write the plan's manifest YAML to ``path``; the path, or None if cancelled or failed."""
         if not path or self.plan is None:
             return None
+        if self.plan_model != self.model_name:
+            self.notify(
+                f"not saved: the plan shown is {self.plan_model}'s, not {self.model_name}'s: fix the inputs marked",
+                severity="error",
+                timeout=8,
+            )
+            return None
         if self.manifest_problem:
             self.notify(
                 f"not saved: the manifest would not validate: {self.manifest_problem}",
@@ -369,6 +382,13 @@ class ExplorerScreen(Screen):
     def action_export(self) -> None:
         if self.plan is None:
             self.notify("no plan yet", severity="warning")
+            return
+        if self.plan_model != self.model_name:
+            self.notify(
+                f"no snippet: the plan shown is {self.plan_model}'s, not {self.model_name}'s: fix the inputs marked",
+                severity="error",
+                timeout=8,
+            )
             return
         if self.errors:  # as saving says it: the knobs on screen are not this plan's
             self.notify("inputs have errors: the snippet is the last good plan's", severity="warning", timeout=6)

@@ -80,6 +80,9 @@ class ModelPicker(ModalScreen[str | None]):
         event.stop()
         text = event.value.strip()
         options = self.query_one(OptionList)
+        if not text and not self._moved:
+            self.dismiss(None)  # nothing typed or picked: the model stays
+            return
         typed = _is_typed_source(text) or (text and not self._matched)
         if options.highlighted is None or (typed and not self._moved):
             self.dismiss(text or None)
