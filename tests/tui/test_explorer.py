@@ -88,6 +88,19 @@ async def test_up_and_down_on_an_infinite_or_nan_count_leave_it_as_typed():
 
 
 @pilot_test
+async def test_the_fsdp_tab_shows_every_workload_field_the_planner_decided():
+    app = ExplorerApp(MODEL, gpus=3)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await set_knob(pilot, "workload.generation", "vllm")
+        shown = str(screen.query_one(DecisionView).render())
+        plan = screen.plan
+        assert plan.workload.prompts_per_step == 9  # the default 8, raised to whole prompts on 3 GPUs
+        for field in ("prompts_per_step", "vllm_gpu_memory_utilization", "vllm_max_num_seqs"):
+            assert f"{field} = {getattr(plan.workload, field)}  planner" in shown, field
+            assert plan.reasons()[field] in shown
+
+
+@pilot_test
 async def test_typing_a_value_replans():
     app = ExplorerApp(MODEL, gpus=2)
     async with app.run_test(size=SMALL) as pilot:

@@ -10,6 +10,7 @@ from textual.widgets import Static
 
 from agilerl.distributed import FSDPConfig
 from planner.choose import Plan
+from planner.workload import Workload
 
 __all__ = ["DecisionView"]
 
@@ -49,8 +50,13 @@ class DecisionView(Static):
                 source = "you" if field in fixed else "planner" if field in reasons else "default"
                 _line(out, field, getattr(plan.fsdp, field), source, reasons.get(field))
         out.append("\nWorkload\n", style="bold underline")
-        for field in _WORKLOAD_DECISIONS:
-            source = "you" if workload_set.get(field) is not None else "planner" if field in reasons else "default"
+        # the knobs the planner always resolves, then every other workload field it decided (the
+        # engine's fraction and sequences, a rollout gather, prompts raised to whole ones per GPU)
+        decided = [d.field for d in plan.decisions if d.field in Workload.model_fields]
+        for field in dict.fromkeys([*_WORKLOAD_DECISIONS, *decided]):
+            # the planner's wherever it gave a reason: it decided the field, or moved the value the
+            # knob holds (prompts raised to whole ones per GPU)
+            source = "planner" if field in reasons else "you" if workload_set.get(field) is not None else "default"
             _line(out, field, getattr(plan.workload, field), source, reasons.get(field))
         out.append("\nNotes\n", style="bold underline")
         out.append(f"  coefficients: {plan.coefficients_source}\n", style="italic")
