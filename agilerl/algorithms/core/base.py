@@ -287,6 +287,13 @@ class LLMAlgorithm:
             )
         if load_in_4bit and (problem := _four_bit_source_problem(self.full_finetune, actor_network)):
             raise ValueError(problem)
+        if actor_network is not None and type(actor_network).__module__.startswith("peft."):
+            raise ValueError(
+                f"actor_network is a PEFT {type(actor_network).__name__}: the agent adds its own adapters, "
+                "so yours would not be the starting policy. Pass actor_network.merge_and_unload() to "
+                "start from it (its adapters folded into the base), or actor_network.get_base_model() "
+                "with lora_config=actor_network.peft_config['default'] to train adapters of that shape anew"
+            )
         self.fsdp_config = normalise_fsdp_config(fsdp_config)
         self.distributed = init_distributed()
         if isinstance(self.fsdp_config, FSDPConfig) and not is_distributed():

@@ -1235,3 +1235,26 @@ def test_load_in_4bit_beside_a_given_network_is_refused_not_ignored():
     network = tiny_model("qwen2", hidden_size=32, intermediate_size=64, num_layers=2, vocab_size=len(TOKENIZER))
     with pytest.raises(ValueError, match="an actor_network is used as given"):
         make_agent(actor_network=network, model_name=None, load_in_4bit=True)
+
+
+def test_a_peft_actor_is_refused_and_its_merged_model_starts_as_the_users_policy():
+    from peft import LoraConfig, get_peft_model
+
+    from agilerl.utils.tiny import tiny_model
+
+    peft_model = get_peft_model(
+        tiny_model("qwen2", hidden_size=32, intermediate_size=64, num_layers=2),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # an adapter that changes the policy
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        users = peft_model(input_ids=ids).logits
+    with pytest.raises(ValueError, match=r"actor_network is a PEFT PeftModelForCausalLM.*merge_and_unload\(\)"):
+        make_agent(actor_network=peft_model, model_name=None)
+    agent = make_agent(actor_network=peft_model.merge_and_unload(), model_name=None)
+    with torch.no_grad():
+        torch.testing.assert_close(agent.model(input_ids=ids).logits, users, atol=1e-5, rtol=1e-5)
