@@ -120,6 +120,10 @@ def manifest_yaml(plan: Plan) -> str:
             f"# rollouts: {engines} engine rank(s) of their own after the {plan.cluster.num_gpus} trainer ranks "
             "(generation 'none' plans none on the trainer GPUs): one more GPU per node"
         )
+        header.append(
+            "# an engine rank's memory is not planned: it holds the whole model and Hugging Face generate's "
+            "KV cache on its one GPU (plan generation 'hf' or 'vllm' to count the rollout)"
+        )
         if plan.cluster.num_nodes > 1:
             header.append(
                 "# the trainer ranks fill the nodes in rank order, so the first node holds one more of them and the "

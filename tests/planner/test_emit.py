@@ -216,8 +216,9 @@ def test_a_rollout_planned_off_the_trainer_gpus_gets_engine_ranks_of_its_own(gpu
     manifest = load_manifest(yaml.safe_load(text))
     assert manifest.training.rollout_engines_per_agent == engines
     assert f"# run: agilerl-train --nproc-per-node={nproc} " in text
+    assert "# an engine rank's memory is not planned: it holds the whole model" in text
     layout = manifest.training.layout(nproc * engines)  # the launch the line gives: every node's ranks
     assert (layout.trainers, layout.engines) == (per_node * engines, engines)
     code, sft = _emit(["Qwen/Qwen2.5-7B", *gpus, "--algorithm", "sft"], "yaml", capsys)
     assert load_manifest(yaml.safe_load(sft)).training.rollout_engines_per_agent == 0
-    assert f"--nproc-per-node={per_node} " in sft
+    assert f"--nproc-per-node={per_node} " in sft and "engine rank" not in sft
