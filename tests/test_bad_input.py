@@ -189,6 +189,9 @@ CASES = [
     (plan(M, "--checkpoint-skip-layer-types", "Qwen9DecoderLayer"), "checkpoint_skip_layer_types"),
     # -- agilerl-plan: the workload -------------------------------------------------------------
     (plan(M, "--prompts-per-step", "0"), "prompts_per_step"),
+    (plan(""), "MODEL is empty"),
+    (plan(M, "--trials", "3"), "--trials only applies with --tune"),
+    (plan(M, "--storage", "x.db", "--seed", "3"), "--storage, --seed only apply with --tune"),
     (plan(M, "--gpus", "2", "--prompts-per-step", "3"), "prompts_per_step = 3 must be a multiple of the 2 GPUs"),
     (plan(M, "--group-size", "1"), "group_size"),
     (plan(M, "--prompt-tokens", "0"), "prompt_tokens"),

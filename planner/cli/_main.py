@@ -102,6 +102,10 @@ def probe_main(argv: list[str]) -> int:
             raise ValueError("--rdzv-endpoint HOST:PORT is for a probe across nodes: give --nnodes > 1 too")
         if args.rdzv_endpoint is not None and not host_port(args.rdzv_endpoint):
             raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: give HOST:PORT, a port from 1 to 65535")
+        if not args.model.strip():
+            raise ValueError(
+                "MODEL is empty: give a catalog name or hub id, a model directory, a config.json or a tiny: name"
+            )
         if problem := _lora_flags_problem(parser, args):
             raise ValueError(problem)
         workload = Workload(**collect_fields(args, Workload))
@@ -209,6 +213,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 fits, 3 does not fit, 2 bad input; --tune: 0 a measured config fits, 3 none did, "
         "130 interrupted (rerun to resume)",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("model", help="catalog name or hub id, model directory, config.json, or 'tiny:<arch>?...'")
     parser.add_argument("--gpus", type=positive_int, default=1, help="trainer GPUs in total [default: 1]")
     parser.add_argument(
@@ -256,9 +261,16 @@ def plan_main(argv: list[str]) -> int:
         if args.gpus > MAX_GPUS:
             raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+        if not args.model.strip():
+            raise ValueError(
+                "MODEL is empty: give a catalog name or hub id, a model directory, a config.json or a tiny: name"
+            )
         check_output(args.output, args.model, storage=_study_url(args))
         if problem := _lora_flags_problem(parser, args):
             raise ValueError(problem)
+        if not args.tune and (extra := _flags_given(parser, args, keep=_not_tune_only(parser, args))):
+            verb = "applies" if len(extra) == 1 else "apply"
+            raise ValueError(f"{', '.join(extra)} only {verb} with --tune: add --tune, or leave them out")
         if args.tui:
             if extra := _flags_given(parser, args, keep=_TUI_FLAGS):
                 raise ValueError(
@@ -339,6 +351,28 @@ def _flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace, *, k
         and hasattr(args, action.dest)
         and getattr(args, action.dest) != parser.get_default(action.dest)
     ]
+
+
+def _version() -> str:
+    """The installed package's version ("unknown" from a source tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agilerl-fsdp-planner")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _not_tune_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """The dests of ``args`` other than the flags that only ``--tune`` reads."""
+    tune_only = {
+        action.dest
+        for group in parser._action_groups
+        if (group.title or "").startswith("tuning with real trials")
+        for action in group._group_actions
+        if action.dest != "tune"
+    }
+    return tuple(d for d in vars(args) if d not in tune_only)
 
 
 def _study_url(args: argparse.Namespace) -> str | None:

@@ -313,3 +313,12 @@ def test_a_config_json_is_trained_from_the_folder_that_holds_it(tmp_path, capsys
     manifest = load_manifest(tmp_path / "m.yaml")
     assert manifest.algorithm.model_name == str(model)
     assert check_model_source(manifest.algorithm.model_name, allow_download=False)["hidden_size"] == 64
+
+
+def test_version_names_the_installed_package(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"agilerl-plan {version('agilerl-fsdp-planner')}\n"
