@@ -147,6 +147,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="GPU memory in GiB (overrides the catalog figure of --gpu)",
     )
+    p.add_argument(
+        "--allow-download",
+        action="store_true",
+        help="fetch a model's config from the hub if it is not local (every model picked in the explorer too)",
+    )
     return p
 
 

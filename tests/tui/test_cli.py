@@ -51,6 +51,8 @@ def test_main_runs_the_explorer_with_the_parsed_flags(monkeypatch):
         DEFAULT_MODEL,
         {"gpus": 1, "gpus_per_node": None, "gpu": "H100-80GB", "gpu_memory_gib": None, "allow_download": False},
     )
+    assert main(["Qwen/Qwen2.5-7B", "--allow-download"]) == 0  # as agilerl-plan --tui takes it
+    assert calls[-1][1]["allow_download"] is True
 
 
 def test_an_unknown_gpu_kind_is_a_usage_error(monkeypatch, capsys):
