@@ -18,6 +18,7 @@ def test_flags_are_pinned():
         "gpus_per_node": ["--gpus-per-node"],
         "gpu": ["--gpu"],
         "gpu_memory": ["--gpu-memory"],
+        "allow_download": ["--allow-download"],
     }
 
 
