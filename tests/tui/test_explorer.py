@@ -308,6 +308,23 @@ async def test_the_model_picker_searches_the_catalog():
 
 
 @pilot_test
+async def test_input_errors_come_before_the_last_plans_fixes_in_the_capped_verdict():
+    app = ExplorerApp(BIG_MODEL, gpus=2)  # does not fit: several fixes
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        assert not screen.plan.fits and len(screen.plan.suggestions) >= 2
+        await set_knob(pilot, "workload.lora_rank", "x")
+        screen = await set_knob(pilot, "workload.temperature", "0")
+        lines = _verdict(screen).splitlines()
+        errors = [
+            i for i, line in enumerate(lines) if line.startswith("⚠ lora_rank") or line.startswith("⚠ temperature")
+        ]
+        fixes = [i for i, line in enumerate(lines) if line.lstrip().startswith("fix:")]
+        assert len(errors) == 2 and fixes and max(errors) < min(fixes), lines
+        assert max(errors) < 8  # within the verdict's capped height
+
+
+@pilot_test
 async def test_an_unknown_model_is_an_error_and_the_plan_stays():
     app = ExplorerApp(MODEL)
     async with app.run_test(size=SMALL) as pilot:

@@ -47,18 +47,21 @@ class Verdict(Static):
                     f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase} > {limit / GIB:.2f} usable",
                     style=f"bold {OVER_COLOR}",
                 )
-                for fix in plan.suggestions:
-                    out.append("\n  fix: ", style="bold")
-                    out.append(fix)
-            for warning in warnings:
-                out.append(f"\n⚠ {warning}", style="bold yellow")
-            if status:
-                out.append(f"\n{status}", style="dim italic")
+        # the inputs' errors right under the headline: the verdict's height is capped (8 lines),
+        # and a fix for the last good plan matters less than what stops the next one
         for key, message in errors.items():
             where = key.split(".", 1)[-1] if key else "input"
             out.append(f"\n⚠ {where}: {message}", style="bold yellow")
         if errors and plan is not None:
             out.append("\n  (showing the last good plan)", style="yellow")
+        if plan is not None:
+            for fix in () if plan.fits else plan.suggestions:
+                out.append("\n  fix: ", style="bold")
+                out.append(fix)
+            for warning in warnings:
+                out.append(f"\n⚠ {warning}", style="bold yellow")
+            if status:
+                out.append(f"\n{status}", style="dim italic")
         self.set_class(plan is not None and not plan.fits, "-over")
         if out != self._shown:  # an unchanged verdict costs no relayout
             self._shown = out
