@@ -19,38 +19,41 @@ from agilerl.utils.sources import existing_path
 __all__ = ["check_output", "write_output"]
 
 
-def _target(path: str) -> Path:
+def _target(path: str, what: str = "--output") -> Path:
     """``path`` with ``~`` expanded and symlinks followed; ValueError where it cannot be."""
     try:
         return Path(path).expanduser().resolve()
     except (RuntimeError, OSError) as err:  # ~user without a home; a loop of links
-        raise ValueError(f"--output {path!r}: {getattr(err, 'strerror', None) or err}") from None
+        raise ValueError(f"{what} {path!r}: {getattr(err, 'strerror', None) or err}") from None
 
 
-def check_output(path: str | None, model: str | None = None, storage: str | None = None) -> None:
+def check_output(
+    path: str | None, model: str | None = None, storage: str | None = None, *, what: str = "--output"
+) -> None:
     """Refuse an ``--output`` that cannot be written, or that is the model's own config.json or the
-    tuner's study (``storage``, a SQLAlchemy URL), before anything is planned."""
+    tuner's study (``storage``, a SQLAlchemy URL), before anything is planned. ``what`` names the
+    path in the error (the explorer's save prompt says "the path")."""
     if path is None:
         return
     if not path.strip():
-        raise ValueError("--output is empty: give a file path for the manifest, e.g. plan.yaml")
-    target = _target(path)
+        raise ValueError(f"{what} is empty: give a file path for the manifest, e.g. plan.yaml")
+    target = _target(path, what)
     try:
         if target.is_dir():
-            raise ValueError(f"--output {path!r} is a directory: give a file path for the manifest, e.g. plan.yaml")
+            raise ValueError(f"{what} {path!r} is a directory: give a file path for the manifest, e.g. plan.yaml")
         if not target.parent.exists():
-            raise ValueError(f"--output {path!r}: folder {target.parent} does not exist")
+            raise ValueError(f"{what} {path!r}: folder {target.parent} does not exist")
         if not target.parent.is_dir():
-            raise ValueError(f"--output {path!r}: {target.parent} is a file, not a folder")
+            raise ValueError(f"{what} {path!r}: {target.parent} is a file, not a folder")
         if not target.exists() or target.is_file():  # written through a new file in the folder
             if why := cannot_write_in(target.parent):
-                raise ValueError(f"--output {path!r}: cannot write in {target.parent} ({why})")
+                raise ValueError(f"{what} {path!r}: cannot write in {target.parent} ({why})")
     except OSError as err:  # a name longer than the file system allows
-        raise ValueError(f"--output {path!r}: {err.strerror or err}") from None
+        raise ValueError(f"{what} {path!r}: {err.strerror or err}") from None
     if model is not None and target == _model_config(model):
-        raise ValueError(f"--output {path!r} is the model's own config.json: give another path for the manifest")
+        raise ValueError(f"{what} {path!r} is the model's own config.json: give another path for the manifest")
     if storage is not None and storage.startswith("sqlite:///") and target == _target(unquote(storage[10:])):
-        raise ValueError(f"--output {path!r} is the tuner's study database (--storage): give another path")
+        raise ValueError(f"{what} {path!r} is the tuner's study database (--storage): give another path")
 
 
 def _model_config(model: str) -> Path | None:

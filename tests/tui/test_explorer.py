@@ -244,6 +244,18 @@ async def test_a_plan_whose_manifest_would_not_validate_is_flagged_and_not_saved
 
 
 @pilot_test
+async def test_a_save_to_a_folder_says_so_in_the_explorers_words(tmp_path):
+    app = ExplorerApp(MODEL)
+    async with app.run_test(size=SMALL) as pilot:
+        screen = await settle(pilot)
+        assert screen.save_manifest(str(tmp_path)) is None
+        await pilot.pause()
+        said = [n.message for n in app._notifications]
+        assert f"not saved: the path {str(tmp_path)!r} is a directory" in said[-1]
+        assert "--output" not in said[-1]
+
+
+@pilot_test
 async def test_escape_cancels_the_save(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     app = ExplorerApp(MODEL)

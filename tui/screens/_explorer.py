@@ -365,7 +365,7 @@ class ExplorerScreen(Screen):
             )
             return None
         try:  # the command line's --output rules: not a folder, not the model's own config.json, ...
-            check_output(path, self.model_name)
+            check_output(path, self.model_name, what="the path")
             write_output(path, emit.manifest_yaml(self.plan))
         except (ValueError, OSError) as err:
             self.notify(f"not saved: {getattr(err, 'strerror', None) or err}", severity="error", timeout=8)
