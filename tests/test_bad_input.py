@@ -285,6 +285,14 @@ CASES = [
         "hidden_size",
     ),
     (config({"hidden_size": None}), "hidden_size"),
+    # a state-space model: every size but attention heads, refused by what it is
+    (
+        config(
+            '{"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 64, '
+            '"num_hidden_layers": 2, "vocab_size": 128, "state_size": 16}'
+        ),
+        "MambaForCausalLM has no attention heads (num_attention_heads): blocks without softmax attention",
+    ),
     (config({"num_hidden_layers": None}), "num_hidden_layers"),
     # GPT-2's config names its sizes otherwise: said so, not "config has no hidden_size"
     (

@@ -211,6 +211,14 @@ def check_config(config: dict, name: str) -> None:
             f"and the estimate support the causal LMs whose configs name {', '.join(REQUIRED_FIELDS)} (the "
             "Llama, Qwen, Mistral, Gemma, OLMo, Phi, DeepSeek and GPT-OSS families and their kind), not this family"
         )
+    if missing == ["num_attention_heads"] and not any(k in text for k in ("n_head", "num_heads", "n_heads")):
+        # every size but the heads: a model without attention, not a config missing a field
+        kind = archs[0] if archs else f"model_type {text.get('model_type')!r}"
+        raise ValueError(
+            f"{name}: {kind} has no attention heads (num_attention_heads): blocks without softmax attention "
+            "(Mamba, RWKV and other state-space or recurrent models) are not supported; only attention "
+            "decoders are"
+        )
     if missing:
         raise ValueError(
             f"{name}: config has no {', '.join(missing)}; the estimate needs "
