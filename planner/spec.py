@@ -377,9 +377,21 @@ def _peft_lora(model, targets) -> list[tuple[str, str, tuple[int, int, int, int]
     from peft import LoraConfig, get_peft_model
 
     from agilerl.utils.peft_compat import quiet_peft
+    from agilerl.utils.sources import LoraTargetError
 
     with torch.device("meta"), quiet_peft():
-        pm = get_peft_model(model, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
+        try:
+            pm = get_peft_model(model, LoraConfig(r=1, lora_alpha=1, target_modules=targets, task_type="CAUSAL_LM"))
+        except ValueError as err:
+            if "is not supported" not in str(err):
+                raise
+            # a target PEFT cannot adapt (a packed expert module): the target's fault, not the config's
+            kind = str(err).split("Target module ", 1)[-1].split(" is not supported", 1)[0]
+            raise LoraTargetError(
+                f"LoRA targets {targets if isinstance(targets, str) else ', '.join(targets)} name a module PEFT "
+                f"cannot adapt ({kind}): target linear "
+                "layers (q_proj, v_proj, ..., or 'all-linear')"
+            ) from None
     out = []
     for mname, module in pm.get_base_model().named_modules():
         if not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):

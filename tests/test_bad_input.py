@@ -205,6 +205,8 @@ CASES = [
     (plan(M, "--lora-rank", "0"), "lora_rank"),
     (plan(M, "--lora-alpha", "0"), "lora_alpha"),
     (plan(M, "--lora-targets", "no_such_proj"), "no_such_proj"),
+    # a packed expert module: the target's fault, not "transformers cannot build" the config
+    (plan("tiny:gpt_oss", "--lora-targets", "experts"), "LoRA targets experts name a module PEFT cannot adapt"),
     (plan(M, "--lora-targets", ","), "--lora-targets"),
     (plan(M, "--lora-dropout", "1"), "lora_dropout"),
     # PEFT cannot drop out the inputs of expert parameters (all-linear adapts OLMoE's)
