@@ -275,19 +275,19 @@ def _vllm_frugal(
     update: dict[str, Any] = {}
     if workload.vllm_max_num_seqs is None:
         n = workload.completions_per_rank(max(1, cluster.num_gpus // tp))
-        seqs = min(VLLM_MAX_NUM_SEQS, n)
+        # no more in flight than a step's token budget schedules (vLLM refuses more at start-up)
+        budget = workload.vllm_max_num_batched_tokens or VLLM_MAX_NUM_SEQS
+        seqs = min(VLLM_MAX_NUM_SEQS, n, budget)
         update["vllm_max_num_seqs"] = seqs
-        notes.append(
-            Decision(
-                field="vllm_max_num_seqs",
-                value=seqs,
-                reason=(
-                    f"a rank's {n} completions per rollout all in flight at once"
-                    if seqs == n
-                    else f"vLLM's default; a rank has {n} completions per rollout"
-                ),
+        if seqs == n:
+            reason = f"a rank's {n} completions per rollout all in flight at once"
+        elif seqs == budget and budget < VLLM_MAX_NUM_SEQS:
+            reason = (
+                f"as many as vllm_max_num_batched_tokens={budget} schedules; a rank has {n} completions per rollout"
             )
-        )
+        else:
+            reason = f"vLLM's default; a rank has {n} completions per rollout"
+        notes.append(Decision(field="vllm_max_num_seqs", value=seqs, reason=reason))
     if workload.vllm_gpu_memory_utilization is None and workload.vllm_kv_cache_memory_bytes is None:
         sized = workload.model_copy(update={**update, "vllm_gpu_memory_utilization": 1.0})
         floor = vllm_floor(spec, sized, cluster, None) / cluster.gpu.memory_bytes

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agilerl.typing import AttnImplementation
+from agilerl.utils.algo_utils import batched_tokens_problem
 
 __all__ = [
     "Workload",
@@ -343,6 +344,8 @@ class Workload(BaseModel):
                 "offload_weights_during_rollout=True needs generation='vllm' (a colocated engine): "
                 "Hugging Face generate runs on the trainer's weights"
             )
+        if problem := batched_tokens_problem(self.vllm_max_num_batched_tokens, self.vllm_max_num_seqs, "vllm_"):
+            raise ValueError(problem)
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.sequence_tokens:
             raise ValueError(
                 f"vllm_max_model_len={self.vllm_max_model_len} is shorter than prompt_tokens + "

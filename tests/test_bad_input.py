@@ -248,6 +248,10 @@ CASES = [
     (plan(M, "--generation", "vllm", "--vllm-max-num-seqs", "0"), "vllm_max_num_seqs"),
     (plan(M, "--generation", "vllm", "--vllm-max-model-len", "64"), "vllm_max_model_len"),
     (
+        plan(M, "--generation", "vllm", "--vllm-max-num-batched-tokens", "4", "--vllm-max-num-seqs", "8"),
+        "vllm_max_num_batched_tokens=4 is less than vllm_max_num_seqs=8, which vLLM refuses at start-up",
+    ),
+    (
         plan(M, "--generation", "vllm", "--vllm-max-model-len", "1000000"),
         "vllm_max_model_len=1000000 is longer than the 32768 positions",
     ),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["VLLMConfig", "four_bit_problem", "vllm_batched_tokens", "weight_offload_problem"]
 
@@ -106,3 +106,23 @@ class VLLMConfig(BaseModel):
             "(on CPU: VLLM_CPU_KVCACHE_SPACE GiB when set).",
         ),
     ] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> VLLMConfig:
+        if problem := batched_tokens_problem(self.max_num_batched_tokens, self.max_num_seqs):
+            raise ValueError(problem)
+        return self
+
+
+def batched_tokens_problem(
+    max_num_batched_tokens: int | None, max_num_seqs: int | None, prefix: str = ""
+) -> str | None:
+    """Why vLLM would refuse these scheduler limits at start-up, or None: a step schedules at
+    least one token of every sequence in flight, so its token budget is at least ``max_num_seqs``."""
+    if max_num_batched_tokens is None or max_num_seqs is None or max_num_batched_tokens >= max_num_seqs:
+        return None
+    return (
+        f"{prefix}max_num_batched_tokens={max_num_batched_tokens} is less than {prefix}max_num_seqs={max_num_seqs}, "
+        "which vLLM refuses at start-up (a step schedules a token of every sequence in flight): give at least "
+        f"{max_num_seqs}, or fewer sequences"
+    )

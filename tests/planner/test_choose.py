@@ -749,3 +749,21 @@ def test_a_margin_the_user_raised_is_what_would_fit_when_the_default_fits():
     long = Workload(prompts_per_step=64, group_size=8, completion_tokens=8192)
     over = plan_request(spec, PlanRequest.build(one, long))
     assert not over.fits and over.suggestions and not any("safety margin" in s for s in over.suggestions)
+
+
+def test_a_colocated_engine_keeps_no_more_sequences_in_flight_than_its_token_budget_schedules():
+    """vLLM refuses max_num_batched_tokens < max_num_seqs at start-up: a budget the user gives
+    bounds the sequences the plan puts in flight."""
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec = catalog.load_spec("Qwen/Qwen2.5-0.5B")
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    p = plan(spec, Workload(generation="vllm", vllm_max_num_batched_tokens=16), one)
+    assert p.workload.vllm_max_num_seqs == 16 < p.workload.completions_per_rank(1)
+    assert "as many as vllm_max_num_batched_tokens=16 schedules" in p.reasons()["vllm_max_num_seqs"]
+    from agilerl.utils.algo_utils import VLLMConfig
+
+    VLLMConfig(**p.workload.vllm_settings())  # the manifest's engine starts
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16 is less than max_num_seqs=256"):
+        VLLMConfig(max_num_batched_tokens=16)
