@@ -259,7 +259,7 @@ def check_inputs(
     if (engine_len := workload.vllm_max_model_len) is not None and engine_len > spec.max_position_embeddings:
         raise ValueError(
             f"vllm_max_model_len={engine_len} is longer than the {spec.max_position_embeddings} positions of "
-            f"{spec.name} (max_position_embeddings), which vLLM refuses at start-up: at most "
+            f"{spec.name} (max_position_embeddings, as prompt + completion tokens are checked): at most "
             f"{spec.max_position_embeddings}, or leave it unset (prompt + completion tokens)"
         )
 

@@ -297,8 +297,17 @@ CASES = [
             '{"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 64, '
             '"num_hidden_layers": 2, "vocab_size": 128, "state_size": 16}'
         ),
-        "MambaForCausalLM has no attention heads (num_attention_heads): blocks without softmax attention",
+        "MambaForCausalLM has no softmax attention (a state-space or recurrent model",
     ),
+    (
+        config(
+            '{"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 64, '
+            '"num_hidden_layers": 2, "vocab_size": 128, "num_heads": 8, "state_size": 16}'
+        ),
+        "Mamba2ForCausalLM has no softmax attention",
+    ),
+    # an attention decoder that only lacks the field: said as the field it lacks
+    (config({"num_attention_heads": None}), "config has no num_attention_heads"),
     (config({"num_hidden_layers": None}), "num_hidden_layers"),
     # GPT-2's config names its sizes otherwise: said so, not "config has no hidden_size"
     (

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -305,7 +306,11 @@ class GRPO(LLMAlgorithm):
             # One engine per rank, shared by the population's agents on it: each agent syncs its own
             # weights into it before every rollout.
             self.engine = shared_vllm_engine(
-                self.model_source, vllm_config, dtype=dtype, seed=seed + self.rank, max_model_len=max_model_len
+                self.model_source,
+                vllm_config,
+                dtype=str(self.dtype).removeprefix("torch."),  # the canonical name of an alias ("bf16")
+                seed=seed + self.rank,
+                max_model_len=max_model_len,
             )
 
     #: The fewest completions per prompt the objective accepts (group-relative advantages need two).
@@ -370,9 +375,10 @@ class GRPO(LLMAlgorithm):
         group_size = self.group_size if group_size is None else group_size
         total = num_prompts * group_size
         if total % self.data_parallel_ranks:
+            what = f"{num_prompts} prompts" + (f" x group_size {group_size}" if group_size > 1 else "")
             raise ValueError(
-                f"{num_prompts} prompts x group_size {group_size} do not split over "
-                f"{self.data_parallel_ranks} data-parallel ranks"
+                f"{what} do not split over {self.data_parallel_ranks} data-parallel ranks: give a multiple "
+                f"of {self.data_parallel_ranks // math.gcd(self.data_parallel_ranks, group_size)} prompts"
             )
         per_rank = total // self.data_parallel_ranks
         start = self.data_parallel_rank * per_rank
@@ -396,7 +402,8 @@ class GRPO(LLMAlgorithm):
 
         ``training=True`` takes exactly ``batch_size`` prompts (what memory is planned for
         and what learn splits into micro-batches); ``training=False`` (evaluation, as in
-        upstream AgileRL) takes any number and generates one completion per prompt.
+        upstream AgileRL) takes any number (a multiple of the data-parallel ranks) and generates one
+        completion per prompt.
         """
         input_ids, attention_mask = self._fit_prompts(*self._encode(prompts))
         num_prompts = input_ids.shape[0]

@@ -51,7 +51,10 @@ def _launched() -> bool:
     present = [v for v in _LAUNCHER_VARS if v in os.environ]
     if len(present) == len(_LAUNCHER_VARS):
         return True
-    if present and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.strip().isdigit():
+        raise RuntimeError(f"WORLD_SIZE={world!r} is not a number of processes: launch with torchrun, which sets it")
+    if present and int(world) > 1:
         missing = ", ".join(v for v in _LAUNCHER_VARS if v not in os.environ)
         raise RuntimeError(
             f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {missing} "

@@ -76,6 +76,10 @@ _POSITIVE_INT_FIELDS = (
     "head_dim",
 )
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+#: Model types without attention layers, and the fields only state-space models' configs have:
+#: a config of one without num_attention_heads is such a model (hybrids name their heads).
+_ATTENTION_FREE_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
+_STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "d_state", "ssm_cfg")
 #: Sizes no model comes near (the largest released: ~130 layers, a 25k hidden size, a 262k
 #: vocabulary, 512 experts): a config beyond them is a typo, and building it would not end.
 _LARGEST = {
@@ -205,19 +209,20 @@ def check_config(config: dict, name: str) -> None:
         )
     text = text_config(config)
     missing = [key for key in REQUIRED_FIELDS if key not in text]
+    if "num_attention_heads" in missing and (
+        text.get("model_type") in _ATTENTION_FREE_TYPES or any(k in text for k in _STATE_SPACE_FIELDS)
+    ):
+        # a state-space or recurrent model: refused by what it is, not as a config missing a field
+        kind = archs[0] if archs else f"model_type {text.get('model_type')!r}"
+        raise ValueError(
+            f"{name}: {kind} has no softmax attention (a state-space or recurrent model, as Mamba and "
+            "RWKV are): only attention decoders are supported"
+        )
     if otherwise := _named_otherwise(text.get("model_type"), missing, text):
         raise ValueError(
             f"{name}: model_type {text.get('model_type')!r} names its sizes {', '.join(otherwise)}; the trainer "
             f"and the estimate support the causal LMs whose configs name {', '.join(REQUIRED_FIELDS)} (the "
             "Llama, Qwen, Mistral, Gemma, OLMo, Phi, DeepSeek and GPT-OSS families and their kind), not this family"
-        )
-    if missing == ["num_attention_heads"] and not any(k in text for k in ("n_head", "num_heads", "n_heads")):
-        # every size but the heads: a model without attention, not a config missing a field
-        kind = archs[0] if archs else f"model_type {text.get('model_type')!r}"
-        raise ValueError(
-            f"{name}: {kind} has no attention heads (num_attention_heads): blocks without softmax attention "
-            "(Mamba, RWKV and other state-space or recurrent models) are not supported; only attention "
-            "decoders are"
         )
     if missing:
         raise ValueError(

@@ -9,6 +9,7 @@ agilerl-plan probe MODEL --gpus N [workload and FSDPConfig flags] [--format json
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -438,11 +439,17 @@ def main(argv: list[str] | None = None) -> int:
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
     except OSError as err:
+        if err.errno not in _WRITE_ERRNOS:
+            raise
         # the output could not be written (stdout on a full disk, say): one line, exit 2
         where = f" ({err.filename})" if err.filename else " (standard output)"
         print(f"agilerl-plan: error: cannot write the output{where}: {err.strerror or err}", file=sys.stderr)
         _stdout_to_devnull()
         return 2
+
+
+#: What writing a plan's output fails with: a full disk, a quota, a file too large, an I/O error.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
 def _stdout_to_devnull() -> None:

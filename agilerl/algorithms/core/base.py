@@ -212,6 +212,19 @@ def _forward_without_grad(module: nn.Module):
         torch.set_grad_enabled(mode)
 
 
+def _peft_actor_problem(actor_network: nn.Module | None) -> str | None:
+    """Why a PEFT model cannot be the actor as given, or None: the agent adds its own adapters."""
+    if actor_network is None or not type(actor_network).__module__.startswith("peft."):
+        return None
+    return (
+        f"actor_network is a PEFT {type(actor_network).__name__}: the agent adds its own adapters, "
+        "so yours would not be the starting policy. Pass actor_network.merge_and_unload() to "
+        "start from it (its adapters folded into the base), or actor_network.unload() (the base "
+        "without them) with lora_config=actor_network.peft_config['default'] to train adapters of "
+        "that shape anew"
+    )
+
+
 def _four_bit_source_problem(full_finetune: bool, actor_network: nn.Module | None) -> str | None:
     """Why ``load_in_4bit`` cannot build this actor, or None: 4-bit weights do not train, and a
     given network is used as it is (only a model loaded from model_name is quantised)."""
@@ -287,13 +300,8 @@ class LLMAlgorithm:
             )
         if load_in_4bit and (problem := _four_bit_source_problem(self.full_finetune, actor_network)):
             raise ValueError(problem)
-        if actor_network is not None and type(actor_network).__module__.startswith("peft."):
-            raise ValueError(
-                f"actor_network is a PEFT {type(actor_network).__name__}: the agent adds its own adapters, "
-                "so yours would not be the starting policy. Pass actor_network.merge_and_unload() to "
-                "start from it (its adapters folded into the base), or actor_network.get_base_model() "
-                "with lora_config=actor_network.peft_config['default'] to train adapters of that shape anew"
-            )
+        if problem := _peft_actor_problem(actor_network):
+            raise ValueError(problem)
         self.fsdp_config = normalise_fsdp_config(fsdp_config)
         self.distributed = init_distributed()
         if isinstance(self.fsdp_config, FSDPConfig) and not is_distributed():

@@ -1258,3 +1258,15 @@ def test_a_peft_actor_is_refused_and_its_merged_model_starts_as_the_users_policy
     agent = make_agent(actor_network=peft_model.merge_and_unload(), model_name=None)
     with torch.no_grad():
         torch.testing.assert_close(agent.model(input_ids=ids).logits, users, atol=1e-5, rtol=1e-5)
+
+
+def test_a_dtype_alias_reaches_the_vllm_engine_by_its_canonical_name(monkeypatch):
+    """vLLM takes "bfloat16", not FSDPConfig's alias "bf16": the engine is given the resolved name."""
+    import agilerl.utils.engine as engine
+    from agilerl.utils.algo_utils import VLLMConfig
+
+    asked = {}
+    monkeypatch.setattr(engine, "require_vllm", lambda: None)
+    monkeypatch.setattr(engine, "shared_vllm_engine", lambda source, config, **kw: asked.update(kw) or object())
+    agent = make_agent(dtype="bf16", vllm_config=VLLMConfig())
+    assert asked["dtype"] == "bfloat16" and agent.dtype is torch.bfloat16

@@ -37,6 +37,12 @@ def test_a_partial_launcher_env_for_several_processes_is_refused(monkeypatch):
         ad.resolve_device()
 
 
+def test_a_world_size_that_is_not_a_number_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE='two' is not a number of processes"):
+        ad.init_distributed()
+
+
 def test_a_partial_launcher_env_for_one_process_runs_on_one_device(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
