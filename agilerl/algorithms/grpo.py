@@ -41,6 +41,7 @@ from torch import nn
 
 from agilerl.distributed import (
     aggregate_metrics_dict,
+    dtype_name,
     gather_tensor,
     is_main_process,
 )
@@ -308,7 +309,7 @@ class GRPO(LLMAlgorithm):
             self.engine = shared_vllm_engine(
                 self.model_source,
                 vllm_config,
-                dtype=str(self.dtype).removeprefix("torch."),  # the canonical name of an alias ("bf16")
+                dtype=dtype_name(self.dtype, "dtype"),  # the canonical name of an alias ("bf16")
                 seed=seed + self.rank,
                 max_model_len=max_model_len,
             )

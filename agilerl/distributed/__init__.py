@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from agilerl.utils.lazy import lazy_names
 
-from ._config import DTYPE_NAMES, FSDPConfig
+from ._config import DTYPE_NAMES, FSDPConfig, dtype_name
 from ._plan import (
     BLOCK_PLAN,
     COLWISE,
@@ -107,6 +107,7 @@ _LAZY = {
 __all__ = [
     "FSDPConfig",
     "DTYPE_NAMES",
+    "dtype_name",
     # how a model is laid out over ranks (torch-free; the planner counts from the same rules)
     "ParallelDims",
     "combination_problem",

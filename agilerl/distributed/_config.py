@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ._plan import ParallelDims, combination_problem
 
-__all__ = ["FSDPConfig", "DTYPE_NAMES"]
+__all__ = ["FSDPConfig", "DTYPE_NAMES", "dtype_name"]
 
 #: Dtype names accepted by ``param_dtype`` and ``reduce_dtype``, with aliases.
 DTYPE_NAMES: dict[str, str] = {
@@ -33,7 +33,9 @@ DTYPE_NAMES: dict[str, str] = {
 }
 
 
-def _dtype_name(value: Any, field_name: str) -> str:
+def dtype_name(value: Any, field_name: str) -> str:
+    """The canonical name ("bfloat16", "float16", "float32") of a torch dtype or a name in
+    :data:`DTYPE_NAMES`; ValueError naming ``field_name`` otherwise."""
     if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
         value = str(value)
     if not isinstance(value, str):
@@ -190,7 +192,7 @@ class FSDPConfig(BaseModel):
     @field_validator("param_dtype", "reduce_dtype", mode="before")
     @classmethod
     def _normalise_dtype(cls, value: Any, info) -> str:
-        return _dtype_name(value, info.field_name)
+        return dtype_name(value, info.field_name)
 
     @field_validator("checkpoint_skip_layer_types", mode="before")
     @classmethod

@@ -366,10 +366,12 @@ def _version() -> str:
 
 def _not_tune_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
     """The dests of ``args`` other than the flags that only ``--tune`` reads."""
+    from ..tune import TUNE_GROUP_TITLE
+
     tune_only = {
         action.dest
         for group in parser._action_groups
-        if (group.title or "").startswith("tuning with real trials")
+        if group.title == TUNE_GROUP_TITLE
         for action in group._group_actions
         if action.dest != "tune"
     }

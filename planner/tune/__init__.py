@@ -23,6 +23,7 @@ from agilerl.utils.lazy import lazy_names
 
 _LAZY = {
     "add_tune_arguments": "_args",
+    "TUNE_GROUP_TITLE": "_args",
     "check_tune_arguments": "_args",
     "tune_main": "_main",
     "tune": "_run",
@@ -43,6 +44,7 @@ _LAZY = {
 
 __all__ = [
     "add_tune_arguments",
+    "TUNE_GROUP_TITLE",
     "check_tune_arguments",
     "tune_main",
     "tune",
@@ -66,7 +68,7 @@ __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._args import add_tune_arguments, check_tune_arguments  # noqa: F401
+    from ._args import TUNE_GROUP_TITLE, add_tune_arguments, check_tune_arguments  # noqa: F401
     from ._calibrate import CalibrationReport  # noqa: F401
     from ._main import tune_main  # noqa: F401
     from ._objective import Objective  # noqa: F401

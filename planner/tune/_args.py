@@ -19,12 +19,16 @@ def _seed(text: str) -> int:
     return value
 
 
-__all__ = ["add_tune_arguments", "check_tune_arguments"]
+__all__ = ["TUNE_GROUP_TITLE", "add_tune_arguments", "check_tune_arguments"]
+
+
+#: The parser group of the ``--tune`` flags: every flag in it but ``--tune`` only the tuner reads.
+TUNE_GROUP_TITLE = "tuning with real trials (--tune; needs the 'tune' extra: optuna)"
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--tune`` flags of ``agilerl-plan``."""
-    g = parser.add_argument_group("tuning with real trials (--tune; needs the 'tune' extra: optuna)")
+    g = parser.add_argument_group(TUNE_GROUP_TITLE)
     g.add_argument(
         "--tune",
         action="store_true",

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from agilerl.distributed import dtype_name
+
 __all__ = [
     "plan_for_agent",
     "pick_auto_knobs",
@@ -94,7 +96,7 @@ def _workload_for(agent, micro: int | None):
     algorithm = next(k for k, name in ALGORITHM_CLASSES.items() if name == agent.algo_name)
     lora = agent.lora_config
     rank, alpha = (int(lora.r), int(lora.lora_alpha)) if lora is not None else (16, 32)
-    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[agent.dtype]
+    dtype = dtype_name(agent.dtype, "dtype")
     fields, prompt = agent.workload_fields()
     chunk = agent.logprob_chunk_size
     if "logprob_chunk_size" in agent.auto_knobs:

@@ -43,6 +43,7 @@ from agilerl.distributed import (
     barrier,
     build_optimizer,
     clip_grad_norm_,
+    dtype_name,
     full_optimizer_state_dict,
     full_tensors,
     get_rank,
@@ -147,13 +148,13 @@ def _check_knobs(logprob_chunk_size: Any, gradient_checkpointing: Any, seed: Any
 def resolve_dtype(value: Any) -> torch.dtype:
     """The base weights' dtype from an algorithm's ``dtype``: a name FSDPConfig's dtype fields
     take ("bfloat16", "bf16", "float32", "fp32", ...) or a torch.dtype."""
-    name = str(value).removeprefix("torch.") if isinstance(value, (torch.dtype, str)) else value
-    if not isinstance(name, str) or name not in DTYPE_NAMES:
+    try:
+        return getattr(torch, dtype_name(value, "dtype"))
+    except ValueError:  # said with the aliases, for an argument that takes them all
         raise ValueError(
             f"dtype must be a torch.dtype or one of {sorted(set(DTYPE_NAMES.values()))} (or an alias: "
             f"{sorted(k for k in DTYPE_NAMES if k not in DTYPE_NAMES.values())}), got {value!r}"
-        )
-    return getattr(torch, DTYPE_NAMES[name])
+        ) from None
 
 
 def normalise_fsdp_config(value: Any) -> FSDPConfig | str | None:
