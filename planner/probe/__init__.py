@@ -3,7 +3,8 @@
 ``run_probe`` launches ``torchrun`` on the worker (``planner.probe._worker``), which builds the
 real trainer and runs real steps on synthetic batches of exactly the requested shapes; the
 parent imports no torch. ``planner.probe.tracking`` holds the torch-side trackers the worker
-records each phase with (importing it imports torch).
+records each phase with, and ``planner.probe.gloo`` the settled collectives that make gloo free
+what FSDP2 drops when it drops it (importing either imports torch).
 """
 
 from ._launch import COMPONENTS, PHASES, Device, Measurement, ProbeRequest, RankMeasurement, default_device, run_probe

@@ -77,6 +77,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     import torch
 
     from agilerl.distributed import FSDPConfig, get_world_size, init_distributed
+    from planner.probe.gloo import settle_fsdp_collectives
     from planner.probe.tracking import PhaseRecorder, device_of
     from planner.workload import OFFLINE_SEQUENCES, Workload
 
@@ -104,6 +105,7 @@ def _run(request: dict, result: dict, current: dict, out_dir: Path) -> None:
     components = request.get("components")
     components = device != "cuda" if components is None else components
     agent = _load(algorithm, request["model"], kwargs, result, track=components)
+    settle_fsdp_collectives(agent.model, agent.reference_model)
     lap("load")
     dev = device_of(agent.model)
     recorder = PhaseRecorder(

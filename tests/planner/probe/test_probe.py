@@ -452,9 +452,8 @@ def test_a_tied_full_fine_tune_holds_its_heads_gradient_through_the_blocks_backw
     beside the tied head's summed gradient (1 MiB, held in the embedding table's input buffer until
     the embeddings add theirs) and down_proj's weight gradient the block has made (0.5 MiB, in its
     unit's unsharded copy until the post-backward). Counted without either, it read 3.0% low. The
-    probe reads 49.62 MiB, and in about one run in ten 50.63 (one block higher, at the last
-    block unit's reduce-scatter: a schedule of gloo's collectives not traced further), so the
-    bound is 2.5%: the old estimate fails it in either schedule."""
+    probe reads 49.62 MiB in every run since gloo's late frees and scratch copies are settled
+    (planner.probe.gloo); before, four runs in eight read up to 3.6% higher."""
     request = _untied_without_resharding(generation="hf", beta=0.04, full_finetune=True)
     body = QWEN2_BODY.replace("intermediate_size=512", "intermediate_size=2048")
     request = request.model_copy(
@@ -463,7 +462,7 @@ def test_a_tied_full_fine_tune_holds_its_heads_gradient_through_the_blocks_backw
             "fsdp": request.fsdp.model_copy(update={"reshard_after_forward": True}),
         }
     )
-    _probe_within(request, ("learn",), rel=0.025)
+    _probe_within(request, ("learn",), rel=0.02)
 
 
 def test_tied_embeddings_gathered_by_the_root_are_held_twice_at_the_first_blocks_copy_out():
