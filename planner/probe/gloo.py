@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import weakref
 from collections.abc import Iterator
@@ -46,8 +47,12 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["settle_fsdp_collectives", "SETTLE_LIMIT_S"]
 
 SETTLE_LIMIT_S = 2.0
-"""The longest a collective waits for gloo's worker to let go of its tensors; past it the run
-goes on as it would unsettled (a memory reading may then move; nothing else does)."""
+"""The longest a collective waits for gloo's worker to let go of its tensors. Past it the run
+goes on as it would unsettled (a memory reading may then move; nothing else does), and later
+collectives of the process do not wait: a torch whose gloo keeps them longer would otherwise
+cost this much per collective."""
+
+_waiting = [True]
 
 
 class _Scratch(TorchDispatchMode):
@@ -90,7 +95,14 @@ def _settled(*tensors: torch.Tensor) -> Iterator[None]:
                 return False
         return all(ref() is None for ref in scratch.made)
 
-    while not settled() and time.monotonic() < deadline:
+    while _waiting[0] and not settled():
+        if time.monotonic() > deadline:
+            _waiting[0] = False
+            print(
+                f"probe: gloo held a collective's tensors over {SETTLE_LIMIT_S:.0f} s; no longer waiting",
+                file=sys.stderr,
+            )
+            break
         os.sched_yield()
 
 

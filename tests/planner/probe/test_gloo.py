@@ -101,3 +101,29 @@ def gloos_copy_of_a_reduce_scatter_input_is_freed_when_the_call_returns(ctx):
 
 
 test_dist = cases.pytest_test()
+
+
+def test_a_holder_that_never_lets_go_stops_the_waiting_once(monkeypatch, capsys):
+    """A torch whose gloo kept a collective's tensors for good would cost the limit per
+    collective; past it once, the process waits no more, and says so on stderr."""
+    import time
+    from types import SimpleNamespace
+
+    from planner.probe import gloo
+
+    monkeypatch.setattr(gloo, "SETTLE_LIMIT_S", 0.2)
+    monkeypatch.setattr(gloo, "_waiting", [True])
+    tensor, kept = torch.zeros(4), []
+    start = time.monotonic()
+    with gloo._settled(tensor):
+        kept.append(tensor.view(2, 2))  # a holder the "collective" never drops
+    assert time.monotonic() - start >= 0.2
+    assert gloo._waiting == [False]
+
+    def waited() -> None:
+        raise AssertionError("waited again")
+
+    monkeypatch.setattr(gloo, "os", SimpleNamespace(sched_yield=waited))
+    with gloo._settled(tensor):
+        kept.append(tensor.view(4, 1))
+    assert "no longer waiting" in capsys.readouterr().err
