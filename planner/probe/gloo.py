@@ -5,8 +5,8 @@ differ, and both made a probe's phase peak move from run to run on the same inpu
 
 - **Late frees.** A gloo collective returns once its result is ready, but gloo's worker thread
   (``pt_gloo_runloop``) still holds its own references to the tensors it was handed until it
-  next takes its queue's lock: in a loop of 2-rank all-gathers, about one in seven outputs was
-  still held when the call returned. FSDP2 drops its own reference on time; the storage is freed
+  next takes its queue's lock: in loops of 300 2-rank all-gathers, 40 to 55 outputs were still
+  held when the call returned. FSDP2 drops its own reference on time; the storage is freed
   only when the worker drops the last one, sometimes several allocations later, and a tracker
   counts it live past the moment FSDP2 freed it.
 - **Scratch freed late.** Gloo's reduce-scatter reduces a copy of its input of its own and
@@ -99,7 +99,7 @@ def _settled(*tensors: torch.Tensor) -> Iterator[None]:
         if time.monotonic() > deadline:
             _waiting[0] = False
             print(
-                f"probe: gloo held a collective's tensors over {SETTLE_LIMIT_S:.0f} s; no longer waiting",
+                f"probe: gloo held a collective's tensors over {SETTLE_LIMIT_S:g} s; no longer waiting",
                 file=sys.stderr,
             )
             break
