@@ -386,14 +386,14 @@ def _reduce_inputs_before(ctx: Context, layout: Layout) -> tuple[int, ...]:
 
 def reduce_input_held_at_end(ctx: Context, layout: Layout) -> int:
     """The reduce-scatter of the first block unit as the backward ends (the embeddings' gradient
-    being made; 0 unsharded): its input (:func:`reduce_inputs_held`), and gloo's copy of it. The
-    first block's input gradient feeds both the block unit's post-backward and the embeddings'
-    backward, in either order: traced on 2 gloo ranks, a tied full fine-tune in one micro-batch
-    made the embeddings' gradient before that reduce-scatter on one rank in about half the runs
-    (learn 17.84 MiB rather than 16.96), so the collective itself may run beside it."""
+    being made; 0 unsharded): its input (:func:`reduce_inputs_held`), which FSDP2 keeps until the
+    backward's end, on a GPU while the collective may still run beside it. Not gloo's copy: that
+    lives inside the call only. Counted with it, a tied full fine-tune in one micro-batch on 2
+    gloo ranks read 5.5% high (17.90 MiB against 16.96) once the probe settled gloo's late frees
+    (planner.probe.gloo); before, about half the runs had caught the copy still alive."""
     if ctx.fsdp is None:
         return 0
-    return _unit_reduce_inputs(ctx, layout)[layout.layer_units[0]] * reduce_scatter_copies(ctx)
+    return _unit_reduce_inputs(ctx, layout)[layout.layer_units[0]]
 
 
 def _unit_reduce_inputs(ctx: Context, layout: Layout) -> tuple[int, ...]:

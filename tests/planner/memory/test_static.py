@@ -169,7 +169,7 @@ def test_a_block_runs_backward_beside_the_reduce_scatter_input_of_the_unit_after
     layout = build_layout(ctx)
     # LoRA: the untied head trains nothing, so the last block holds none
     assert reduce_inputs_held(ctx, layout) == (block * 4,) * (dense_spec.num_layers - 1) + (0,)
-    assert reduce_input_held_at_end(ctx, layout) == block * 4 * 2  # the first block's, and gloo's copy
+    assert reduce_input_held_at_end(ctx, layout) == block * 4  # the first block's; gloo's copy is the call's only
     # a full fine-tune: the trained head's unit reduce-scatters only when kept gathered after forward
     # (else the chunked head's own copy reduces the gradient)
     full = make_context(dense_spec, fsdp=SHARD_ALL, full_finetune=True)
