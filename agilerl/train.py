@@ -331,7 +331,11 @@ def _serve(ranks, algo, source: str, tokenizer, device: str | None) -> list:
     from agilerl.utils.remote_engine import HFGenerateEngine, serve_rollout_engine
 
     engine = HFGenerateEngine(
-        source, dtype=algo.dtype, device=resolve_device(device), pad_token_id=tokenizer.pad_token_id
+        source,
+        dtype=algo.dtype,
+        device=resolve_device(device),
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=algo.attn_implementation,  # the trainers' (the planner counts its generate in it)
     )
 
     served = serve_rollout_engine(engine, ranks)

@@ -192,17 +192,26 @@ def serve_rollout_engine(engine, ranks: EngineRanks) -> int:
 
 class HFGenerateEngine:
     """The engine protocol on Hugging Face generate: the engine rank's own copy of the model in
-    ``dtype``, its weights replaced by every ``load_weights``. Sampling seeds the whole batch
-    with ``seed`` (one draw per batch, not per prompt)."""
+    ``dtype`` and the trainers' attention (``attn_implementation``; None: transformers' default),
+    its weights replaced by every ``load_weights``. Sampling seeds the whole batch with ``seed``
+    (one draw per batch, not per prompt)."""
 
     def __init__(
-        self, model_source: str, *, dtype: str = "bfloat16", device: str = "cpu", pad_token_id: int = 0
+        self,
+        model_source: str,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        pad_token_id: int = 0,
+        attn_implementation: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         from agilerl.algorithms.core.loading import has_weights
 
         kwargs = {"dtype": getattr(torch, dtype)}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
         if has_weights(model_source):
             self.model = AutoModelForCausalLM.from_pretrained(model_source, **kwargs)
         else:
