@@ -30,12 +30,14 @@ agilerl.distributed splits the model (``_parallel``), tensors and FSDP units
 gradients (``_static``), a block's ops (``_tape``), activations (``_activations``),
 routed experts (``_moe``),
 the log-prob workspace (``_logits``), generation (``_generation``), GPU-only terms
-(``_overheads``), the phases (``_phases``) and the entry points (``_estimate``).
+(``_overheads``), the phases (``_phases``), the entry points (``_estimate``), and a rollout
+engine on a rank of its own (``_engine``: not a trainer rank's phase, a GPU of its own).
 """
 
 from ._allocator import CachingAllocator
 from ._coefficients import Coefficients
 from ._context import DTYPE_BYTES, resolve_workload
+from ._engine import engine_completions, engine_rank_count, engine_rank_estimate
 from ._estimate import (
     EXPERT_CHUNKS_MIB,
     MARGIN_FRACTION,
@@ -71,4 +73,7 @@ __all__ = [
     "MARGIN_FRACTION",
     "vllm_floor",
     "vllm_budget_problem",
+    "engine_rank_count",
+    "engine_completions",
+    "engine_rank_estimate",
 ]

@@ -25,6 +25,9 @@ def test_public_names_are_pinned():
             "row_wise_experts",
             "vllm_floor",
             "vllm_budget_problem",
+            "engine_rank_count",
+            "engine_completions",
+            "engine_rank_estimate",
         ]
     )
     assert all(hasattr(memory, name) for name in memory.__all__)

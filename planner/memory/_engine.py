@@ -1,0 +1,78 @@
+"""A rollout engine on a rank of its own (agilerl.utils.remote_engine): its one GPU's memory.
+
+An objective with a rollout planned with nothing generating on the trainer GPUs
+(``generation='none'``) gets engine ranks of their own, one per node (planner.emit writes
+``training.rollout_engines_per_agent``). Each runs :class:`~agilerl.utils.remote_engine.HFGenerateEngine`:
+the whole model, unsharded, in the weights' dtype (no adapters: the trainer sends merged
+weights, copied into it in place), and Hugging Face generate over its share of the step's
+completions. Its memory is the rollout phase of that run on one GPU, counted by the same terms
+as a trainer's Hugging Face rollout (:func:`._phases.rollout_phases`), with only the model's
+weights held beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..hardware import Cluster
+from ..spec import ModelSpec
+from ..workload import OFFLINE_SEQUENCES, Workload
+from ._coefficients import Coefficients
+from ._context import build_context
+from ._overheads import host_process_bytes
+from ._phases import rollout_phases, shared_terms
+from ._result import PhaseEstimate
+from ._units import build_layout
+
+
+def engine_rank_count(workload: Workload, cluster: Cluster) -> int:
+    """Engine ranks a run launches beside its trainer ranks: one per node for an objective with a
+    rollout planned with ``generation='none'``, else none."""
+    return cluster.num_nodes if workload.generation == "none" and workload.algorithm not in OFFLINE_SEQUENCES else 0
+
+
+def engine_completions(workload: Workload, cluster: Cluster) -> int:
+    """Completions the busiest engine rank generates at once: the step's completions in contiguous
+    shares over the engine ranks (remote_engine._share; even, since they split over the trainer
+    ranks, whole nodes of them); 0 without engine ranks."""
+    engines = engine_rank_count(workload, cluster)
+    return -(-workload.completions_per_step // engines) if engines else 0
+
+
+def engine_rank_estimate(
+    spec: ModelSpec, workload: Workload, cluster: Cluster, *, coefficients: Coefficients | None = None
+) -> PhaseEstimate | None:
+    """The busiest engine rank's memory on its GPU (one of ``cluster``'s kind), None where the run
+    has no engine ranks. Nothing the planner chooses for the trainers changes it.
+
+    The engine's run is the workload on one GPU with Hugging Face generate over
+    :func:`engine_completions` rows of one prompt each (the trainers send every completion's
+    prompt; the engine runs no shared-prefix prefill), the whole model in ``weights_dtype``
+    (QLoRA's trainers send dequantised merged weights: the engine holds no 4-bit copy), no adapters,
+    in the attention the trainers use (agilerl.train passes it), and the host's process.
+    """
+    rows = engine_completions(workload, cluster)
+    if not rows:
+        return None
+    engine = workload.model_copy(
+        update={
+            "generation": "hf",
+            "prompts_per_step": rows,
+            "group_size": 1,
+            "share_prompt_prefix": False,
+            "full_finetune": True,  # no adapters, nothing trained
+            "load_in_4bit": False,
+            "use_separate_reference_adapter": False,
+            "gather_weights_for_rollout": None,
+            "offload_weights_during_rollout": False,
+            "micro_batch_size_per_gpu": None,
+        }
+    )
+    one = cluster.model_copy(update={"num_gpus": 1, "gpus_per_node": None})
+    ctx = build_context(spec, engine, one, None, coefficients=coefficients or Coefficients())
+    terms = dataclasses.replace(
+        shared_terms(ctx, build_layout(ctx)),
+        static={"weights": spec.total_params * ctx.weight_bytes},
+        host={"host_process": host_process_bytes(ctx)},
+    )
+    return rollout_phases(ctx, terms)["rollout"]

@@ -1,0 +1,109 @@
+"""planner.memory._engine: a rollout engine on a rank of its own, measured on the real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.hardware import CPU_DEVICE, GPUS, Cluster
+from planner.workload import Workload
+
+#: A tiny bf16 model whose generate holds a cache and logits of the size of its weights.
+SIZES = dict(hidden_size=256, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=8, vocab_size=512)
+PROMPT, COMPLETION = 8, 120
+
+
+def _spec():
+    from planner.models import load_model_spec
+
+    return load_model_spec("tiny:qwen2?" + "&".join(f"{k}={v}" for k, v in SIZES.items()))
+
+
+def _workload(prompts: int, group: int, **extra) -> Workload:
+    return Workload(
+        prompts_per_step=prompts, group_size=group, prompt_tokens=PROMPT, completion_tokens=COMPLETION,
+        generation="none", weights_dtype="bfloat16", **extra,
+    )  # fmt: skip
+
+
+def test_an_engine_ranks_memory_is_measured_on_the_real_engine(tmp_path):
+    """Measured, not pinned: agilerl's own HFGenerateEngine, loaded from a saved model in bf16,
+    generating one engine's share of a step with a live-tensor tracker, against the estimate of
+    that engine rank on a CPU (its weights, the KV cache and sampling's logits; no GPU overheads).
+    One node of two trainer GPUs launches one engine for all 4 x 2 completions; two nodes of two
+    launch two, each generating half of 4 x 4: 8 rows both times."""
+    import torch
+
+    from agilerl.utils.remote_engine import HFGenerateEngine
+    from agilerl.utils.tiny import save_tiny_model
+    from planner.memory import engine_completions, engine_rank_estimate
+    from planner.probe.tracking import LiveBytes
+
+    save_tiny_model(tmp_path / "model", "qwen2", **SIZES)
+    engine = HFGenerateEngine(str(tmp_path / "model"), dtype="bfloat16", attn_implementation="sdpa")
+    state = engine.model.state_dict().values()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
+    rows = 8
+    torch.manual_seed(0)
+    prompts = torch.randint(3, SIZES["vocab_size"], (rows, PROMPT)).tolist()
+    live = LiveBytes(set(storages))
+    with live:
+        out = engine.generate(prompts, max_tokens=COMPLETION, temperature=1.0, seed=0)
+    assert len(out) == rows and all(len(o) == COMPLETION for o in out)  # no stop token: every step ran
+    measured = sum(storages.values()) + live.peak
+
+    spec = _spec()
+    for workload, cluster in (
+        (_workload(4, 2), Cluster(gpu=CPU_DEVICE, num_gpus=2)),
+        (_workload(4, 4), Cluster(gpu=CPU_DEVICE, num_gpus=4, gpus_per_node=2)),
+    ):
+        assert engine_completions(workload, cluster) == rows
+        est = engine_rank_estimate(spec, workload, cluster)
+        assert est is not None
+        assert est.components["weights"] == sum(storages.values())  # the whole model, in bf16
+        assert abs(est.total - measured) <= 0.02 * measured, (est.components, measured)
+
+
+def test_only_a_rollout_off_the_trainer_gpus_gets_engine_ranks():
+    """Engine ranks come with generation 'none' for an objective with a rollout, one per node;
+    a rollout on the trainers (hf, vllm) and the offline objectives launch none."""
+    from planner.memory import engine_rank_count, engine_rank_estimate
+
+    spec, two_nodes = _spec(), Cluster(gpu=CPU_DEVICE, num_gpus=4, gpus_per_node=2)
+    assert engine_rank_count(_workload(4, 2), two_nodes) == 2
+    assert engine_rank_count(_workload(4, 2, algorithm="ppo"), two_nodes) == 2
+    for workload in (_workload(4, 2).model_copy(update={"generation": "hf"}), _workload(4, 1, algorithm="sft")):
+        assert engine_rank_count(workload, two_nodes) == 0
+        assert engine_rank_estimate(spec, workload, two_nodes) is None
+
+
+def test_an_engine_rank_holds_the_whole_model_however_the_trainers_shard_it():
+    """The engine rank's weights are the model's, unsharded, in the weights' dtype: QLoRA's
+    trainers send it dequantised merged weights, and LoRA's adapters are merged before they go.
+    On a GPU it carries the device's overheads (its CUDA context, one GPU: no NCCL buffers)."""
+    from planner.memory import engine_rank_estimate
+
+    spec, gpu = _spec(), GPUS["H100-80GB"]
+    cluster = Cluster(gpu=gpu, num_gpus=8)
+    plain = engine_rank_estimate(spec, _workload(8, 2), cluster)
+    qlora = engine_rank_estimate(spec, _workload(8, 2, load_in_4bit=True), cluster)
+    assert plain is not None and qlora is not None
+    assert plain.components["weights"] == qlora.components["weights"] == spec.total_params * 2
+    assert "lora" not in plain.components and "optimizer_state" not in plain.components
+    assert plain.components["cuda_context"] == gpu.cuda_context_bytes
+    assert "nccl_buffers" not in plain.components
+    # more completions per engine, more cache
+    more = engine_rank_estimate(spec, _workload(16, 2), cluster)
+    assert more is not None and more.components["kv_cache"] > plain.components["kv_cache"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_takes_the_trainers_attention_and_dtype(tmp_path, dtype):
+    """The engine loads the model in the manifest's dtype and attention (agilerl.train passes
+    them): the estimate counts its generate in them."""
+    from agilerl.utils.remote_engine import HFGenerateEngine
+    from agilerl.utils.tiny import save_tiny_model
+
+    save_tiny_model(tmp_path / "model", "qwen2", **SIZES)
+    engine = HFGenerateEngine(str(tmp_path / "model"), dtype=dtype, attn_implementation="eager")
+    assert engine.model.config._attn_implementation == "eager"
+    assert {p.dtype for p in engine.model.parameters()} == {getattr(__import__("torch"), dtype)}
