@@ -22,6 +22,12 @@ Strategy, deterministic and fast (tens of estimates, a few ms each):
 
 Fields the user fixed are never changed. When nothing fits, the plan says so
 and names the smallest changes that would.
+
+A rollout on engine ranks of their own (``generation='none'`` with a rollout objective) is
+judged too: each engine rank's GPU holds the whole model and Hugging Face generate's cache of
+its share of the completions (:func:`planner.memory.engine_rank_estimate`). Nothing chosen for
+the trainers changes it, so an engine rank over the limit makes the plan not fit whatever the
+trainers' settings.
 """
 
 from __future__ import annotations
@@ -41,7 +47,11 @@ from .memory import (
     EXPERT_CHUNKS_MIB,
     Coefficients,
     Estimate,
+    PhaseEstimate,
     check_ep,
+    engine_completions,
+    engine_rank_count,
+    engine_rank_estimate,
     estimate,
     expert_parallel_degrees,
     row_wise_experts,
@@ -87,10 +97,19 @@ class Plan(BaseModel):
     margin_bytes: int
     suggestions: tuple[str, ...] = ()
     coefficients_source: str = "defaults"  # which coefficients the estimate used (planner.calibration)
+    #: The busiest engine rank's GPU where the rollout runs on ranks of its own (generation='none'
+    #: with a rollout objective: planner.memory.engine_rank_estimate), else None.
+    engine_rank: PhaseEstimate | None = None
 
     @property
     def headroom_bytes(self) -> int:
         return self.estimate.headroom_bytes
+
+    @property
+    def engine_rank_over(self) -> bool:
+        """Whether an engine rank of its own needs more than a GPU's limit (capacity less the margin)."""
+        limit = self.cluster.gpu.memory_bytes - self.margin_bytes
+        return self.engine_rank is not None and self.engine_rank.total > limit
 
     def reasons(self) -> dict[str, str]:
         return {d.field: d.reason for d in self.decisions}
@@ -112,11 +131,20 @@ class _Search:
         *,
         workload: Workload,
         fixed: dict[str, Any],
+        engine_ranks: bool = True,
     ):
         self.spec, self.cluster, self.coefficients, self.margin = spec, cluster, coefficients, margin
         self.row_wise = row_wise_experts(spec)  # the project's row-wise experts can run this model's
         self.workload, self.fixed = workload, fixed  # as the user gave them
         self.limit = cluster.gpu.memory_bytes - margin
+        # nothing chosen for the trainers changes an engine rank's memory: judged once
+        self.engine_rank = (
+            engine_rank_estimate(spec, workload, cluster, coefficients=coefficients) if engine_ranks else None
+        )
+
+    @property
+    def engine_rank_fits(self) -> bool:
+        return self.engine_rank is None or self.engine_rank.total <= self.limit
 
     def estimate(self, workload: Workload, fsdp: FSDPConfig | None) -> Estimate:
         return estimate(self.spec, workload, self.cluster, fsdp, coefficients=self.coefficients)
@@ -165,6 +193,7 @@ class _Draft:
             margin_bytes=search.margin,
             suggestions=tuple(suggestions),
             coefficients_source=source,
+            engine_rank=search.engine_rank,
         )
 
 
@@ -310,11 +339,15 @@ def plan(
     coefficients_source: str | None = None,
     margin_fraction: float = MARGIN_FRACTION,
     suggest: bool = True,
+    engine_ranks: bool = True,
 ) -> Plan:
     """Choose FSDPConfig fields and workload knobs the user left open.
 
     ``fixed``: FSDPConfig fields the user set (never changed). ``sharding``:
-    "auto" (data parallel when it fits, else FSDP2), "fsdp" or "none".
+    "auto" (data parallel when it fits, else FSDP2), "fsdp" or "none". ``engine_ranks``: a rollout
+    planned with ``generation='none'`` runs on engine ranks of their own, one per node, as the
+    manifest launches them (planner.emit), and the plan fits only if they do too; False plans the
+    trainer ranks alone (a rollout engine the caller runs and sizes elsewhere).
     """
     fixed = dict(fixed or {})
     source = coefficients_source or ("given" if coefficients is not None else "defaults")
@@ -323,18 +356,21 @@ def plan(
     margin = int(cluster.gpu.memory_bytes * margin_fraction)
 
     # 1. the most frugal settings, sharded only where data parallel does not fit
-    search, draft, vllm_notes = _most_frugal(spec, workload, cluster, fixed, sharding, colocated, coefficients, margin)
+    search, draft, vllm_notes = _most_frugal(
+        spec, workload, cluster, fixed, sharding, colocated, coefficients, margin, engine_ranks=engine_ranks
+    )
     if not search.fits(draft.workload, draft.fsdp):
         est = search.estimate(draft.workload, draft.fsdp)
         suggestions = (
-            _suggest(spec, workload, cluster, fixed, sharding, coefficients, margin_fraction) if suggest else []
+            _suggest(spec, workload, cluster, fixed, sharding, coefficients, margin_fraction, engine_ranks=engine_ranks)
+            if suggest
+            else []
         )
-        draft.note(
-            "fits",
-            False,
-            f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase "
-            f"{est.peak_phase}, over the {_gib(search.limit)} available",
+        over = f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, over the "
+        over += f"{_gib(search.limit)} available" + (
+            "" if search.engine_rank_fits else f"; {_engine_rank_over(search)}"
         )
+        draft.note("fits", False, over)
         return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
 
     # 2. relax, in order of throughput value
@@ -353,6 +389,14 @@ def plan(
     _choose_vllm_utilization(search, draft)
 
     est = search.estimate(draft.workload, draft.fsdp)
+    if not search.engine_rank_fits:
+        suggestions = (
+            _suggest(spec, workload, cluster, fixed, sharding, coefficients, margin_fraction, engine_ranks=engine_ranks)
+            if suggest
+            else []
+        )
+        draft.note("fits", False, f"the trainers fit, but {_engine_rank_over(search)}")
+        return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
     draft.note(
         "fits",
         True,
@@ -360,6 +404,17 @@ def plan(
         f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}",
     )
     return draft.plan(search, est, fits=True, source=source, suggestions=[])
+
+
+def _engine_rank_over(search: _Search) -> str:
+    """Why the engine ranks of their own do not fit."""
+    engine = search.engine_rank
+    assert engine is not None
+    rows = engine_completions(search.workload, search.cluster)
+    return (
+        f"an engine rank of its own (generation 'none') needs {_gib(engine.total)} on its GPU, over the "
+        f"{_gib(search.limit)} available: the whole model and Hugging Face generate's cache of {rows} completions"
+    )
 
 
 def plan_request(
@@ -401,10 +456,12 @@ def _most_frugal(
     colocated: bool,
     coefficients: Coefficients | None,
     margin: int,
+    *,
+    engine_ranks: bool = True,
 ) -> tuple[_Search, _Draft, list[Decision]]:
     """What plan() starts from, and judges a fit by: the open knobs at their most frugal, the
     colocated engine at the least it starts with, sharded only where data parallel does not fit."""
-    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed=fixed)
+    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed=fixed, engine_ranks=engine_ranks)
     draft = _Draft(_frugal_workload(workload))
     vllm_notes: list[Decision] = []
     if workload.generation == "vllm":
@@ -769,9 +826,12 @@ def suggest_fixes(
     sharding: str = "auto",
     coefficients: Coefficients | None = None,
     margin_fraction: float = MARGIN_FRACTION,
+    engine_ranks: bool = True,
 ) -> list[str]:
     """The smallest changes that would make a plan fit (what plan() reports when nothing does)."""
-    return _suggest(spec, workload, cluster, dict(fixed or {}), sharding, coefficients, margin_fraction)
+    return _suggest(
+        spec, workload, cluster, dict(fixed or {}), sharding, coefficients, margin_fraction, engine_ranks=engine_ranks
+    )
 
 
 def _suggest(
@@ -782,6 +842,8 @@ def _suggest(
     sharding: str,
     coefficients: Coefficients | None,
     margin_fraction: float,
+    *,
+    engine_ranks: bool = True,
 ) -> list[str]:
     """The smallest changes that make a plan fit, by kind. Each is judged as plan() judges the
     run it describes: the same checks the command line makes of its inputs (a batch that splits
@@ -798,8 +860,10 @@ def _suggest(
             check_inputs(spec, wl, cl, fixed, how)
             colocated = wl.generation == "vllm"
             margin = int(cl.gpu.memory_bytes * margin_of)
-            search, draft, _ = _most_frugal(spec, wl, cl, fixed, how, colocated, coefficients, margin)
-            return search.fits(draft.workload, draft.fsdp)
+            search, draft, _ = _most_frugal(
+                spec, wl, cl, fixed, how, colocated, coefficients, margin, engine_ranks=engine_ranks
+            )
+            return search.engine_rank_fits and search.fits(draft.workload, draft.fsdp)
         except ValueError:
             return False
 
@@ -870,6 +934,12 @@ def _suggest(
         wl = workload.model_copy(update={**engine_fields, "generation": "hf", "offload_weights_during_rollout": False})
         if feasible(wl, cluster):
             out.append("generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf')")
+    if engine_ranks and engine_rank_count(workload, cluster):
+        # the rollout on the trainer GPUs instead of engine ranks holding the whole model each
+        for generation, how in (("vllm", "a colocated vLLM engine"), ("hf", "Hugging Face generate")):
+            if feasible(workload.model_copy(update={"generation": generation}), cluster):
+                out.append(f"generate on the trainer GPUs with {how} (generation='{generation}')")
+                break
     if workload.generation == "hf":
         # generate holds every completion of a rank's rollout at once; a colocated engine pages
         # its KV cache within a fixed budget

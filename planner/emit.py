@@ -8,7 +8,7 @@ from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
 from .hardware import GIB, MIB, Cluster
-from .memory import Estimate
+from .memory import Estimate, engine_completions, engine_rank_count
 from .names import COMPONENTS, PHASES
 from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 
@@ -93,13 +93,12 @@ def manifest_dict(plan: Plan) -> dict[str, Any]:
 
 
 def engine_ranks(plan: Plan) -> int:
-    """Rollout engines on ranks of their own: none, unless an objective with a rollout was planned
-    with nothing generating on its GPUs (generation='none'); then as many as there are nodes, so
-    every node launches one more rank (agilerl.train puts a member's engine ranks after its
-    trainer ranks: on several nodes the last node holds them), each running Hugging Face
-    generate for the trainers (``rollout_engines_per_agent``)."""
-    w = plan.workload
-    return plan.cluster.num_nodes if w.generation == "none" and w.algorithm not in OFFLINE_SEQUENCES else 0
+    """Rollout engines on ranks of their own (``rollout_engines_per_agent``): none, unless an
+    objective with a rollout was planned with nothing generating on its GPUs (generation='none');
+    then as many as there are nodes (planner.memory.engine_rank_count), so every node launches one
+    more rank (agilerl.train puts a member's engine ranks after its trainer ranks: on several nodes
+    the last node holds them), each running Hugging Face generate for the trainers."""
+    return engine_rank_count(plan.workload, plan.cluster)
 
 
 def launch_command(cluster: Cluster, engines: int = 0) -> str:
@@ -112,6 +111,18 @@ def launch_command(cluster: Cluster, engines: int = 0) -> str:
     return f"{run} <this file>"
 
 
+def _engine_rank_line(plan: Plan) -> str:
+    """The engine rank's estimated peak against its GPU (plans with engine ranks only)."""
+    engine = plan.engine_rank
+    assert engine is not None
+    gpu = plan.cluster.gpu.memory_bytes
+    return (
+        f"an engine rank's estimated peak: {engine.total / GIB:.2f} GiB of {gpu / GIB:.2f} GiB "
+        f"({'over the limit' if plan.engine_rank_over else 'fits'}), the whole model and Hugging Face generate's "
+        f"cache of {engine_completions(plan.workload, plan.cluster)} completions"
+    )
+
+
 def manifest_yaml(plan: Plan) -> str:
     engines = engine_ranks(plan)
     header = [*_verdict(plan), f"# run: {launch_command(plan.cluster, engines)}"]
@@ -119,10 +130,6 @@ def manifest_yaml(plan: Plan) -> str:
         header.append(
             f"# rollouts: {engines} engine rank(s) of their own after the {plan.cluster.num_gpus} trainer ranks "
             "(generation 'none' plans none on the trainer GPUs): one more GPU per node"
-        )
-        header.append(
-            "# an engine rank's memory is not planned: it holds the whole model and Hugging Face generate's "
-            "KV cache on its one GPU (plan generation 'hf' or 'vllm' to count the rollout)"
         )
         if plan.cluster.num_nodes > 1:
             header.append(
@@ -151,6 +158,15 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "host_peak_bytes_per_node": est.host_per_node_bytes,
         "phases": {
             name: {"components": ph.components, "total": ph.total, "host": ph.host} for name, ph in est.phases.items()
+        },
+        "engine_rank": None
+        if plan.engine_rank is None
+        else {
+            "count": engine_ranks(plan),
+            "completions": engine_completions(plan.workload, plan.cluster),
+            "components": plan.engine_rank.components,
+            "total": plan.engine_rank.total,
+            "host": plan.engine_rank.host,
         },
         "decisions": [d.model_dump(mode="json") for d in plan.decisions],
         "suggestions": list(plan.suggestions),
@@ -218,6 +234,8 @@ def _verdict(plan: Plan) -> list[str]:
         f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
         f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
     ]
+    if plan.engine_rank is not None:
+        lines.append(f"# {_engine_rank_line(plan)}")
     if not plan.fits:
         lines.extend(f"# what would fit: {s}" for s in plan.suggestions)
     # what the estimate noted (a multimodal checkpoint's text model: the trainer loads the
@@ -304,10 +322,23 @@ def table(plan: Plan) -> str:
         f"{f', {c.per_node} per node' if c.num_nodes > 1 else ''}): {verdict}",
         f"peak {est.peak_bytes / scale:.2f} {unit} per GPU in phase {est.peak_phase}; headroom "
         f"{est.headroom_bytes / scale:.2f} {unit} (safety margin {plan.margin_bytes / scale:.2f} {unit})",
+        *(
+            [f"an engine rank of its own needs {plan.engine_rank.total / scale:.2f} {unit} on its GPU: over the limit"]
+            if plan.engine_rank is not None and plan.engine_rank_over
+            else []
+        ),
         "",
         estimate_table(est),
         "",
     ]
+    if plan.engine_rank is not None:
+        engine = plan.engine_rank
+        top = sorted(((v, c) for c, v in engine.components.items() if v), reverse=True)[:3]
+        lines.append(
+            f"engine rank (one more GPU per node): {engine.total / scale:.2f} {unit}  "
+            f"{_bar(engine.total, c.gpu.memory_bytes)}  " + ", ".join(f"{k} {v / scale:.2f}" for v, k in top)
+        )
+        lines.append("")
     if plan.fsdp is not None:
         lines.append(
             "FSDPConfig: " + ", ".join(f"{k}={v}" for k, v in plan.fsdp.model_dump(exclude_defaults=True).items())

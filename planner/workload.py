@@ -179,7 +179,11 @@ class Workload(BaseModel):
     ] = False
     generation: Annotated[
         Literal["hf", "vllm", "none"],
-        Field(description="Rollouts with Hugging Face generate (KV cache), a colocated vLLM engine, or none measured."),
+        Field(
+            description="Rollouts with Hugging Face generate (KV cache), a colocated vLLM engine, or none on "
+            "the trainer GPUs (an objective with a rollout then generates on engine ranks of their own, one "
+            "GPU per node, which a plan judges too)."
+        ),
     ] = "hf"
     vllm_gpu_memory_utilization: Annotated[
         float | None,

@@ -151,7 +151,19 @@ def tuned_plan(
             ),
         )
     )
-    return base.model_copy(update={"fits": True, "decisions": tuple(decisions), "suggestions": ()})
+    if base.engine_rank_over:  # measured trainers; the engine ranks of their own are estimated
+        engine = base.engine_rank
+        assert engine is not None
+        decisions.append(
+            Decision(
+                field="engine_rank",
+                value=False,
+                reason=f"an engine rank of its own (generation 'none') is estimated at {fmt_bytes(engine.total)}, "
+                f"over its GPU's {fmt_bytes(base.cluster.gpu.memory_bytes - base.margin_bytes)} limit",
+            )
+        )
+    update = {"fits": not base.engine_rank_over, "decisions": tuple(decisions), "suggestions": ()}
+    return base.model_copy(update=update)
 
 
 def tune(
@@ -219,6 +231,7 @@ def tune(
         sharding=sharding,
         coefficients=coefficients,
         margin_fraction=margin_fraction,
+        engine_ranks=False,  # the trials run the trainers: their pick, whatever an engine rank needs
     )
     if enqueue_planner_pick(study, plan_params(space, picked) if picked.fits else None):
         say("the planner's pick is the first trial")

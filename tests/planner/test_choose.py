@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agilerl.distributed import FSDPConfig
-from planner.choose import check_inputs, plan
+from planner.choose import check_inputs
+from planner.choose import plan as plan_with_engines
 from planner.hardware import GPU, Cluster
 from planner.memory import estimate
 from planner.models import load_model_spec
@@ -23,6 +24,15 @@ WL = Workload(
     weights_dtype="float32",
     generation="none",
 )
+
+
+def plan(*args, **kwargs):
+    """plan() of the trainer ranks alone: this module's workloads use generation='none' for "no
+    rollout measured", whose manifest would put the rollout on engine ranks of their own, judged
+    by the engine tests below (plan_with_engines)."""
+    return plan_with_engines(*args, **{"engine_ranks": False, **kwargs})
+
+
 # Tiny models' tensors are under the default persistence threshold: shard everything, as the
 # multi-rank tests do, so that sharding changes what fits.
 ALL = {"param_persistence_threshold": 0}
@@ -571,6 +581,8 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
     elif suggestion.startswith("generate with Hugging Face generate"):
         wl = {k: v for k, v in Workload().model_dump().items() if k.startswith("vllm_")}
         wl.update(generation="hf", offload_weights_during_rollout=False)
+    elif m := re.fullmatch(r"generate on the trainer GPUs with .+ \(generation='(\w+)'\)", suggestion):
+        wl["generation"] = m[1]
     elif suggestion.startswith("shard with FSDP2"):
         sharding = "fsdp"
     else:
@@ -616,6 +628,8 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         # a value the user fixed is what breaks the fit: the suggestion lowers it
         ("Qwen/Qwen2.5-0.5B", "H100-80GB", 1, "auto", dict(generation="vllm", vllm_kv_cache_memory_bytes=90 * 10**9)),
         ("Qwen/Qwen2.5-7B", "H100-80GB", 1, "auto", dict(lora_rank=100_000, generation="none")),
+        # the trainers fit; an engine rank of their own cannot hold the whole model
+        ("meta-llama/Llama-3.1-70B", "H100-80GB", 8, "auto", dict(prompts_per_step=16, generation="none")),
     ],
 )
 def test_every_suggestion_when_applied_gives_a_plan_that_fits(model, gpu, gpus, sharding, workload):
@@ -767,3 +781,44 @@ def test_a_colocated_engine_keeps_no_more_sequences_in_flight_than_its_token_bud
     VLLMConfig(**p.workload.vllm_settings())  # the manifest's engine starts
     with pytest.raises(ValueError, match="max_num_batched_tokens=16 is less than max_num_seqs=256"):
         VLLMConfig(max_num_batched_tokens=16)
+
+
+def test_an_engine_rank_that_cannot_hold_the_model_makes_the_plan_not_fit():
+    """generation='none' puts the rollout on engine ranks of their own, one per node, each with
+    the whole model: a 70B in bf16 (about 131 GiB) fits no 80 GB GPU, however well the trainers
+    shard. The plan says so (the trainers' own estimate fits), and its fix moves the rollout onto
+    the trainer GPUs."""
+    from planner.hardware import GPUS
+
+    spec = load_model_spec("meta-llama/Llama-3.1-70B")
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8)
+    wl = Workload(prompts_per_step=16, generation="none")
+    p = plan_with_engines(spec, wl, cluster)
+    assert p.estimate.peak_bytes <= cluster.gpu.memory_bytes - p.margin_bytes  # the trainers fit
+    assert not p.fits and p.engine_rank is not None and p.engine_rank_over
+    assert p.engine_rank.components["weights"] == spec.total_params * 2 > cluster.gpu.memory_bytes
+    reason = p.reasons()["fits"]
+    assert reason.startswith("the trainers fit, but an engine rank of its own") and "128 completions" in reason
+    assert "generate on the trainer GPUs with Hugging Face generate (generation='hf')" in p.suggestions
+    # the trainer ranks alone (engines the caller sizes elsewhere, as fsdp_config='auto' plans them)
+    alone = plan(spec, wl, cluster)
+    assert alone.fits and alone.engine_rank is None
+    assert (alone.fsdp, alone.workload) == (p.fsdp, p.workload)  # nothing chosen for the trainers moves
+
+
+def test_an_engine_rank_that_fits_is_reported_and_the_offline_objectives_have_none():
+    """A 7B engine rank holds its 14 GiB of weights and generate's cache of its node's completions
+    (two nodes: half the step's each): it fits, and the plan reports it; SFT has no rollout."""
+    from planner.hardware import GPUS
+
+    spec = load_model_spec("Qwen/Qwen2.5-7B")
+    one_node = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8)
+    two_nodes = Cluster(gpu=GPUS["H100-80GB"], num_gpus=16, gpus_per_node=8)
+    wl = Workload(prompts_per_step=16, generation="none")
+    one, two = plan_with_engines(spec, wl, one_node), plan_with_engines(spec, wl, two_nodes)
+    assert one.fits and two.fits and one.engine_rank is not None and two.engine_rank is not None
+    assert not one.engine_rank_over
+    assert one.engine_rank.components["weights"] == two.engine_rank.components["weights"] == spec.total_params * 2
+    assert two.engine_rank.components["kv_cache"] * 2 == one.engine_rank.components["kv_cache"]
+    sft = plan_with_engines(spec, Workload(algorithm="sft", prompts_per_step=16, group_size=1), one_node)
+    assert sft.engine_rank is None

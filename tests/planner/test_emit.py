@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -210,13 +211,19 @@ def test_the_manifest_keeps_the_planned_lora_dropout(capsys, monkeypatch):
 def test_a_rollout_planned_off_the_trainer_gpus_gets_engine_ranks_of_its_own(gpus, per_node, engines, nproc, capsys):
     """generation='none' plans nothing generating on the trainer GPUs: the manifest puts the
     rollout on engine ranks of their own (one more GPU per node), where it had the trainers run
-    Hugging Face generate, which the plan never counted."""
+    Hugging Face generate, and says what each engine rank's GPU holds: the step's 16 x 8
+    completions split over the nodes."""
     code, text = _emit(["Qwen/Qwen2.5-7B", *gpus, "--generation", "none", "--prompts-per-step", "16"], "yaml", capsys)
     assert code == 0
     manifest = load_manifest(yaml.safe_load(text))
     assert manifest.training.rollout_engines_per_agent == engines
     assert f"# run: agilerl-train --nproc-per-node={nproc} " in text
-    assert "# an engine rank's memory is not planned: it holds the whole model" in text
+    assert "# an engine rank's estimated peak: " in text
+    assert f"(fits), the whole model and Hugging Face generate's cache of {16 * 8 // engines} completions" in text
+    code, report = _emit(["Qwen/Qwen2.5-7B", *gpus, "--generation", "none", "--prompts-per-step", "16"], "json", capsys)
+    engine = json.loads(report)["engine_rank"]
+    assert (engine["count"], engine["completions"]) == (engines, 16 * 8 // engines)
+    assert engine["total"] == sum(engine["components"].values()) < 80 * 10**9
     layout = manifest.training.layout(nproc * engines)  # the launch the line gives: every node's ranks
     assert (layout.trainers, layout.engines) == (per_node * engines, engines)
     code, sft = _emit(["Qwen/Qwen2.5-7B", *gpus, "--algorithm", "sft"], "yaml", capsys)

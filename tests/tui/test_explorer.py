@@ -495,6 +495,23 @@ async def test_does_not_fit_is_plain_and_lists_the_planners_fixes():
 
 
 @pilot_test
+async def test_an_engine_rank_of_its_own_is_in_the_verdict_and_can_be_what_does_not_fit():
+    """generation 'none' puts the rollout on engine ranks of their own: the verdict gives an
+    engine rank's peak, and where the trainers fit but it does not, names it as what is over."""
+    app = ExplorerApp(BIG_MODEL, gpus=8)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await set_knob(pilot, "workload.generation", "none")
+        plan = screen.plan
+        assert not plan.fits and plan.engine_rank_over
+        assert plan.estimate.peak_bytes < plan.cluster.gpu.memory_bytes - plan.margin_bytes  # the trainers fit
+        text = _verdict(screen)
+        assert f"peak {plan.engine_rank.total / 2**30:.2f} GiB in an engine rank of its own > " in text
+        assert "fix: generate on the trainer GPUs with Hugging Face generate (generation='hf')" in text
+        screen = await set_knob(pilot, "workload.generation", "hf")
+        assert screen.plan.engine_rank is None and "engine rank" not in _verdict(screen)
+
+
+@pilot_test
 async def test_choices_work_from_the_keyboard_and_the_hint_shows_the_fields_description():
     app = ExplorerApp(BIG_MODEL, gpus=8)
     async with app.run_test(size=SMALL) as pilot:

@@ -40,13 +40,17 @@ class Verdict(Static):
                     f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}, "
                     f"{est.headroom_bytes / GIB:.2f} GiB headroom of {est.capacity_bytes / GIB:.2f}"
                 )
+                if plan.engine_rank is not None:
+                    out.append(f"; an engine rank of its own {plan.engine_rank.total / GIB:.2f} GiB")
             else:
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
                 limit = est.capacity_bytes - plan.margin_bytes
-                out.append(
-                    f" peak {est.peak_bytes / GIB:.2f} GiB in {est.peak_phase} > {limit / GIB:.2f} usable",
-                    style=f"bold {OVER_COLOR}",
-                )
+                if plan.engine_rank is not None and plan.engine_rank_over:  # the trainers may fit
+                    peak, where = plan.engine_rank.total, "an engine rank of its own"
+                else:
+                    peak, where = est.peak_bytes, est.peak_phase
+                line = f" peak {peak / GIB:.2f} GiB in {where} > {limit / GIB:.2f} usable"
+                out.append(line, style=f"bold {OVER_COLOR}")
         # the inputs' errors right under the headline: the verdict's height is capped (8 lines),
         # and a fix for the last good plan matters less than what stops the next one
         for key, message in errors.items():

@@ -140,6 +140,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sh
         coefficients=coefficients_for(cluster.gpu),
         coefficients_source=coefficients_source(cluster.gpu),
         sharding=sharding,
+        engine_ranks=False,  # the agent's rollout engine, if any, is the caller's: its own GPU and size
     )
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
     if prompt is not None:
@@ -197,6 +198,7 @@ def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[
         coefficients=coefficients_for(cluster.gpu),
         coefficients_source=coefficients_source(cluster.gpu),
         suggest=False,
+        engine_ranks=False,
         sharding="none" if fsdp is None else "fsdp",
         fixed=None if fsdp is None else fsdp.model_dump(),
     )
