@@ -250,6 +250,8 @@ def check_inputs(
         if not workload.full_finetune
         else []
     )
+    if not workload.full_finetune and (problem := lora_rank_problem(spec, workload)):
+        raise ValueError(problem)
     if workload.lora_dropout and packed:
         raise ValueError(
             f"lora_dropout={workload.lora_dropout:g}: these LoRA targets adapt {spec.name}'s MoE parameters "
@@ -325,6 +327,25 @@ def _vllm_frugal(
         least = next((u for u in reversed(VLLM_UTILIZATIONS) if u >= floor), min(1.0, math.ceil(floor * 100) / 100))
         update["vllm_gpu_memory_utilization"] = least
     return workload.model_copy(update=update), notes
+
+
+def lora_rank_problem(spec: ModelSpec, workload: Workload) -> str | None:
+    """Why ``lora_rank`` is more than any adapter of the targets can use, or None. A rank-r adapter
+    ``B A`` of a d_in x d_out weight has rank at most min(d_in, d_out) (per expert, on a packed
+    expert stack): a rank above that of every adapted weight adds parameters and optimizer state,
+    and nothing the adapters can express. PEFT would build it; the planner refuses it as a typo."""
+    if not spec.has_lora_targets(workload.lora_targets):
+        return None  # the estimate says the spec lacks them
+    usable = max(
+        (min(a_cols, b_rows) for _, _, a_cols, b_rows, _ in spec.lora_shapes(workload.lora_targets)), default=0
+    )
+    if not usable or workload.lora_rank <= usable:
+        return None
+    return (
+        f"lora_rank={workload.lora_rank} is more than any adapter on {spec.name}'s targets "
+        f"({ModelSpec.target_key(workload.lora_targets)}) can use: an adapter of a d_in x d_out weight has rank at "
+        f"most min(d_in, d_out), {usable} for the widest; give lora_rank <= {usable}"
+    )
 
 
 def plan(

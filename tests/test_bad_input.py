@@ -187,6 +187,7 @@ CASES = [
     (plan(M, "--reshard-after-forward", "maybe"), "--reshard-after-forward"),
     (plan(M, "--optim-cpu-offload", "sometimes"), "--optim-cpu-offload"),
     (plan(M, "--checkpoint-skip-layer-types", "Qwen9DecoderLayer"), "checkpoint_skip_layer_types"),
+    (plan(M, "--lora-rank", "100000000000000000000000"), "give lora_rank <= "),
     # -- agilerl-plan: the workload -------------------------------------------------------------
     (plan(M, "--prompts-per-step", "0"), "prompts_per_step"),
     (plan(""), "MODEL is empty"),

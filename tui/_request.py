@@ -123,11 +123,23 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
 
 def compute(spec: ModelSpec, request: PlanRequest) -> Plan:
     """The plan of a validated request (as the command line's: the GPU kind's coefficients or
-    the user's calibration); ValueError -> KnobErrors."""
+    the user's calibration); ValueError -> KnobErrors, under the knob the message opens with
+    (``name=value ...``) where there is one."""
     try:
         return plan_request(spec, request)
     except (ValueError, KeyError) as err:
-        raise KnobErrors({"": str(err).strip("'\"")}) from err
+        message = str(err).strip("'\"")
+        raise KnobErrors(_by_knob({_named_field(message): message})) from err
+
+
+def _named_field(message: str) -> str:
+    """The knob a model-level error opens with (``lora_rank=4096 is more than ...``), or ``""``."""
+    head = message.split(" ", 1)[0]
+    if "=" not in head:
+        return ""
+    name = head.split("=", 1)[0]
+    keys = {k.key for k in knob_table()}
+    return next((key for key in (f"workload.{name}", f"fsdp.{name}") if key in keys), "")
 
 
 def manifest_problem(result: Plan) -> str | None:

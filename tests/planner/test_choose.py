@@ -627,7 +627,7 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         ("meta-llama/Llama-3.1-70B", "H100-80GB", 16, "auto", dict(generation="vllm")),
         # a value the user fixed is what breaks the fit: the suggestion lowers it
         ("Qwen/Qwen2.5-0.5B", "H100-80GB", 1, "auto", dict(generation="vllm", vllm_kv_cache_memory_bytes=90 * 10**9)),
-        ("Qwen/Qwen2.5-7B", "H100-80GB", 1, "auto", dict(lora_rank=100_000, generation="none")),
+        ("Qwen/Qwen2.5-7B", "H100-80GB", 1, "auto", dict(lora_rank=3584, generation="none")),
         # the trainers fit; an engine rank of their own cannot hold the whole model
         ("meta-llama/Llama-3.1-70B", "H100-80GB", 8, "auto", dict(prompts_per_step=16, generation="none")),
     ],
@@ -822,3 +822,24 @@ def test_an_engine_rank_that_fits_is_reported_and_the_offline_objectives_have_no
     assert two.engine_rank.components["kv_cache"] * 2 == one.engine_rank.components["kv_cache"]
     sft = plan_with_engines(spec, Workload(algorithm="sft", prompts_per_step=16, group_size=1), one_node)
     assert sft.engine_rank is None
+
+
+@pytest.mark.parametrize(
+    "targets, usable",
+    [
+        ("all-linear", 3584),  # Qwen2.5-7B's hidden size: q_proj and o_proj are 3584 x 3584
+        (("k_proj", "v_proj"), 512),  # 4 K/V heads of 128: 3584 x 512
+    ],
+)
+def test_a_lora_rank_no_adapter_can_use_is_refused_in_one_line(targets, usable):
+    """A rank-r adapter of a d_in x d_out weight has rank at most min(d_in, d_out): a rank above
+    that of every adapted weight (a typo, 1e23) is refused, naming the most that helps, where it
+    planned astronomically."""
+    spec = load_model_spec("Qwen/Qwen2.5-7B", lora_targets=targets)
+    cluster = Cluster(gpu=_gpu(80 * 1024), num_gpus=8)
+    fine = Workload(lora_rank=usable, lora_targets=targets)
+    check_inputs(spec, fine, cluster)
+    for rank in (usable + 1, 10**23):
+        with pytest.raises(ValueError, match=rf"lora_rank={rank} is more than .* give lora_rank <= {usable}$"):
+            check_inputs(spec, fine.model_copy(update={"lora_rank": rank}), cluster)
+    check_inputs(spec, Workload(lora_rank=10**23, full_finetune=True), cluster)  # no adapters: the rank is unused

@@ -151,6 +151,20 @@ async def test_a_bad_group_size_is_marked_in_place_and_keeps_the_last_plan(size)
 
 
 @pilot_test
+async def test_a_lora_rank_the_model_cannot_use_is_marked_on_its_knob():
+    """A model-level refusal that opens with its field (``lora_rank=... is more than``) is marked
+    on that knob, not as a combination; the last good plan stays."""
+    app = ExplorerApp(MODEL, gpus=1)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        good = screen.plan
+        screen = await set_knob(pilot, "workload.lora_rank", "100000000000000000000000")
+        row = _row(screen, "workload.lora_rank")
+        assert row.has_class("-invalid") and "give lora_rank <= " in screen.errors["workload.lora_rank"]
+        assert screen.plan is good and "" not in screen.errors
+
+
+@pilot_test
 async def test_gpus_not_a_multiple_of_the_gpus_per_node_is_an_inline_error():
     app = ExplorerApp(MODEL, gpus=16, gpus_per_node=8)
     async with app.run_test(size=SMALL) as pilot:
