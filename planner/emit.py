@@ -336,7 +336,9 @@ def table(plan: Plan) -> str:
         top = sorted(((v, c) for c, v in engine.components.items() if v), reverse=True)[:3]
         lines.append(
             f"engine rank (one more GPU per node): {engine.total / scale:.2f} {unit}  "
-            f"{_bar(engine.total, c.gpu.memory_bytes)}  " + ", ".join(f"{k} {v / scale:.2f}" for v, k in top)
+            f"{_bar(engine.total, c.gpu.memory_bytes)}  "
+            + ", ".join(f"{k} {v / scale:.2f}" for v, k in top)
+            + f"; host {engine.host_total / GIB:.2f} GiB as it loads"
         )
         lines.append("")
     if plan.fsdp is not None:

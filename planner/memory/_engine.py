@@ -22,6 +22,7 @@ from ._context import build_context
 from ._overheads import host_process_bytes
 from ._phases import rollout_phases, shared_terms
 from ._result import PhaseEstimate
+from ._static import load_host_checkpoint_bytes
 from ._units import build_layout
 
 
@@ -49,7 +50,8 @@ def engine_rank_estimate(
     :func:`engine_completions` rows of one prompt each (the trainers send every completion's
     prompt; the engine runs no shared-prefix prefill), the whole model in ``weights_dtype``
     (QLoRA's trainers send dequantised merged weights: the engine holds no 4-bit copy), no adapters,
-    in the attention the trainers use (agilerl.train passes it), and the host's process.
+    in the attention the trainers use (agilerl.train passes it). Its host holds the process and,
+    while it loads, the whole model (HFGenerateEngine loads on the host, then moves it).
     """
     rows = engine_completions(workload, cluster)
     if not rows:
@@ -70,9 +72,12 @@ def engine_rank_estimate(
     )
     one = cluster.model_copy(update={"num_gpus": 1, "gpus_per_node": None})
     ctx = build_context(spec, engine, one, None, coefficients=coefficients or Coefficients())
+    layout = build_layout(ctx)
     terms = dataclasses.replace(
-        shared_terms(ctx, build_layout(ctx)),
+        shared_terms(ctx, layout),
         static={"weights": spec.total_params * ctx.weight_bytes},
-        host={"host_process": host_process_bytes(ctx)},
+        # from_pretrained builds the model on the host before it moves to the GPU: the whole
+        # checkpoint there, as an unsharded trainer loads it
+        host={"host_process": host_process_bytes(ctx), "host_checkpoint": load_host_checkpoint_bytes(ctx, layout)},
     )
     return rollout_phases(ctx, terms)["rollout"]

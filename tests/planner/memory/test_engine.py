@@ -91,6 +91,8 @@ def test_an_engine_rank_holds_the_whole_model_however_the_trainers_shard_it():
     assert "lora" not in plain.components and "optimizer_state" not in plain.components
     assert plain.components["cuda_context"] == gpu.cuda_context_bytes
     assert "nccl_buffers" not in plain.components
+    # its host builds the whole model before moving it (from_pretrained, then .to(device))
+    assert plain.host["host_checkpoint"] == spec.total_params * 2
     # more completions per engine, more cache
     more = engine_rank_estimate(spec, _workload(16, 2), cluster)
     assert more is not None and more.components["kv_cache"] > plain.components["kv_cache"]
