@@ -526,6 +526,20 @@ async def test_an_engine_rank_of_its_own_is_in_the_verdict_and_can_be_what_does_
 
 
 @pilot_test
+async def test_a_narrow_footer_still_shows_quit_and_help():
+    """The footer keeps its first bindings when the terminal is narrow: quit and help come first,
+    so a 60-column terminal still shows how to leave (the tab keys, cut there, have their tabs)."""
+    from textual.widgets._footer import FooterKey
+
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await settle(pilot)
+        shown = {k.key: k.region for k in app.screen.query(FooterKey)}
+        for key in ("ctrl+q", "f1"):
+            assert key in shown and shown[key].right <= 60, (key, shown.get(key))
+
+
+@pilot_test
 async def test_choices_work_from_the_keyboard_and_the_hint_shows_the_fields_description():
     app = ExplorerApp(BIG_MODEL, gpus=8)
     async with app.run_test(size=SMALL) as pilot:

@@ -64,6 +64,9 @@ class ExplorerScreen(Screen):
 
     AUTO_FOCUS = "#knob-cluster--num_gpus"
     BINDINGS = [
+        # the app's own two first: a narrow footer keeps its first bindings (quit and help at 60 columns)
+        Binding("ctrl+q", "app.quit", "Quit", tooltip="Leave the explorer"),
+        Binding("f1", "app.help", "Help", key_display="F1", tooltip="This help (also ? outside a text field)"),
         Binding(
             "ctrl+o",
             "pick_model",
