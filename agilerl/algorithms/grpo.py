@@ -46,6 +46,7 @@ from agilerl.distributed import (
     is_main_process,
 )
 from agilerl.utils.algo_utils import VLLMConfig, weight_offload_problem
+from agilerl.utils.generation import neutral_generation_config
 from agilerl.utils.logprobs import (
     causal_lm,
     position_ids_from_mask,
@@ -115,25 +116,6 @@ def grpo_loss(
             "clip_fraction": (is_clipped.to(mask.dtype) * mask).sum() / total,
         }
     return loss, stats
-
-
-@contextlib.contextmanager
-def _neutral_generation_config(model: nn.Module):
-    """The model's generation_config, for the duration, transformers' defaults: generate fills
-    every sampling setting it is not given from the checkpoint's generation_config.json
-    (Qwen2.5-Instruct ships repetition_penalty, top_k and top_p), which would sample the
-    rollout from another distribution than the policy the objective scores. Only the settings
-    GRPO passes (and ``generation_kwargs``, the user's own) shape the sampling, as with vLLM,
-    whose SamplingParams are built from the same few."""
-    from transformers import GenerationConfig
-
-    lm = causal_lm(model)
-    shipped = lm.generation_config
-    lm.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        lm.generation_config = shipped
 
 
 class GRPO(LLMAlgorithm):
@@ -591,7 +573,7 @@ class GRPO(LLMAlgorithm):
                 synced_gpus=self._generate_needs_sync(),
             )
             kwargs.update(self.generation_kwargs)
-            with use_adapter(self.model, ACTOR), self._gathered_for_rollout(), _neutral_generation_config(self.model):
+            with use_adapter(self.model, ACTOR), self._gathered_for_rollout(), neutral_generation_config(self.model):
                 prefilled = self._shared_prefill(ids, mask)
                 if prefilled is not None:
                     from agilerl.utils.prefix_cache import cache_argument

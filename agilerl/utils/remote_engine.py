@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from agilerl.utils.generation import neutral_generation_config
+
 __all__ = ["EngineRanks", "RemoteEngine", "HFGenerateEngine", "serve_rollout_engine", "engine_ranks"]
 
 
@@ -252,18 +254,19 @@ class HFGenerateEngine:
             mask[i, width - len(p) :] = 1
         if seed is not None:
             torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            max_new_tokens=max_tokens,
-            min_new_tokens=min_tokens or None,
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=list(stop_token_ids) or None,
-        )
+        with neutral_generation_config(self.model):  # the checkpoint's sampling settings do not apply
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=max_tokens,
+                min_new_tokens=min_tokens or None,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=list(stop_token_ids) or None,
+            )
         completions = []
         stops = set(stop_token_ids)
         for row in out[:, width:].tolist():
