@@ -60,11 +60,12 @@ class ExplorerApp(App[None]):
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
             return
-        keys = [
-            (b.key_display or b.key, b.tooltip or b.description)
-            for b in (*ExplorerScreen.BINDINGS, *self.BINDINGS)
-            if b.show
-        ]
+        keys: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        for b in (*ExplorerScreen.BINDINGS, *self.BINDINGS):  # the screen repeats quit and help first
+            if b.show and b.key not in seen:
+                seen.add(b.key)
+                keys.append((b.key_display or b.key, b.tooltip or b.description))
         keys += [
             ("Tab / Shift+Tab", "next / previous knob"),
             ("Up / Down", "double / halve a number; previous / next phase in the bars"),

@@ -311,6 +311,8 @@ async def test_f1_opens_the_help_and_escape_closes_it():
         assert isinstance(app.screen, HelpScreen)
         keys = dict(app.screen.bindings)
         assert {"^s", "^o", "^p", "F1"} <= {k.replace("ctrl+", "^") for k in keys}
+        listed = [k for k, _ in app.screen.bindings]
+        assert len(listed) == len(set(listed)), listed  # each key once
         await pilot.press("escape")
         await pilot.pause()
         assert app.screen is app.explorer
