@@ -330,21 +330,23 @@ def _vllm_frugal(
 
 
 def lora_rank_problem(spec: ModelSpec, workload: Workload) -> str | None:
-    """Why ``lora_rank`` is more than any adapter of the targets can use, or None. A rank-r adapter
-    ``B A`` of a d_in x d_out weight has rank at most min(d_in, d_out) (per expert, on a packed
-    expert stack): a rank above that of every adapted weight adds parameters and optimizer state,
-    and nothing the adapters can express. PEFT would build it; the planner refuses it as a typo."""
+    """Why ``lora_rank`` is a typo, or None: more than every dimension of every weight the targets
+    adapt. A rank-r adapter ``B A`` of a d_in x d_out weight has rank at most min(d_in, d_out)
+    (per expert, on a packed expert stack), so a larger rank adds parameters and optimizer state
+    and nothing the adapter can express; PEFT builds it all the same, and a narrow target at a
+    usual rank is a choice (a router's 8 outputs at the default rank 16), so only a rank past the
+    largest dimension of them all is refused. The message names the most that helps."""
     if not spec.has_lora_targets(workload.lora_targets):
         return None  # the estimate says the spec lacks them
-    usable = max(
-        (min(a_cols, b_rows) for _, _, a_cols, b_rows, _ in spec.lora_shapes(workload.lora_targets)), default=0
-    )
-    if not usable or workload.lora_rank <= usable:
+    shapes = [(a_cols, b_rows) for _, _, a_cols, b_rows, _ in spec.lora_shapes(workload.lora_targets)]
+    largest = max((max(shape) for shape in shapes), default=0)
+    if not largest or workload.lora_rank <= largest:
         return None
+    usable = max(min(shape) for shape in shapes)
     return (
-        f"lora_rank={workload.lora_rank} is more than any adapter on {spec.name}'s targets "
-        f"({ModelSpec.target_key(workload.lora_targets)}) can use: an adapter of a d_in x d_out weight has rank at "
-        f"most min(d_in, d_out), {usable} for the widest; give lora_rank <= {usable}"
+        f"lora_rank={workload.lora_rank} is more than every dimension of the weights {spec.name}'s targets "
+        f"({ModelSpec.target_key(workload.lora_targets)}) adapt, the largest being {largest}: an adapter of a "
+        f"d_in x d_out weight has rank at most min(d_in, d_out), {usable} for the widest; give lora_rank <= {usable}"
     )
 
 

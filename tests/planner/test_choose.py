@@ -825,21 +825,31 @@ def test_an_engine_rank_that_fits_is_reported_and_the_offline_objectives_have_no
 
 
 @pytest.mark.parametrize(
-    "targets, usable",
+    "targets, largest, usable",
     [
-        ("all-linear", 3584),  # Qwen2.5-7B's hidden size: q_proj and o_proj are 3584 x 3584
-        (("k_proj", "v_proj"), 512),  # 4 K/V heads of 128: 3584 x 512
+        # Qwen2.5-7B's config: hidden 3584, MLP 18944, 4 K/V heads of 128
+        ("all-linear", 18944, 3584),
+        (("k_proj", "v_proj"), 3584, 512),
     ],
 )
-def test_a_lora_rank_no_adapter_can_use_is_refused_in_one_line(targets, usable):
-    """A rank-r adapter of a d_in x d_out weight has rank at most min(d_in, d_out): a rank above
-    that of every adapted weight (a typo, 1e23) is refused, naming the most that helps, where it
-    planned astronomically."""
+def test_a_lora_rank_past_every_adapted_dimension_is_refused_in_one_line(targets, largest, usable):
+    """A rank-r adapter of a d_in x d_out weight has rank at most min(d_in, d_out). A rank past
+    every dimension of the adapted weights (a typo, 1e23) is refused, naming the most that helps,
+    where it planned astronomically; up to the largest dimension it is the user's choice."""
     spec = load_model_spec("Qwen/Qwen2.5-7B", lora_targets=targets)
     cluster = Cluster(gpu=_gpu(80 * 1024), num_gpus=8)
-    fine = Workload(lora_rank=usable, lora_targets=targets)
+    fine = Workload(lora_rank=largest, lora_targets=targets)
     check_inputs(spec, fine, cluster)
-    for rank in (usable + 1, 10**23):
+    for rank in (largest + 1, 10**23):
         with pytest.raises(ValueError, match=rf"lora_rank={rank} is more than .* give lora_rank <= {usable}$"):
             check_inputs(spec, fine.model_copy(update={"lora_rank": rank}), cluster)
     check_inputs(spec, Workload(lora_rank=10**23, full_finetune=True), cluster)  # no adapters: the rank is unused
+
+
+def test_a_narrow_target_at_a_usual_rank_is_the_users_choice():
+    """Mixtral's router maps 4096 to 8 experts: an adapter on it at the default rank 16 has rank
+    8 at most, but PEFT builds it and it is no typo."""
+    from planner.hardware import GPUS
+
+    spec = load_model_spec("mistralai/Mixtral-8x7B-v0.1", lora_targets=("gate",))
+    check_inputs(spec, Workload(lora_targets=("gate",)), Cluster(gpu=GPUS["H100-80GB"], num_gpus=8))
