@@ -19,7 +19,7 @@ from ..spec import ModelSpec
 from ..workload import OFFLINE_SEQUENCES, Workload
 from ._coefficients import Coefficients
 from ._context import build_context
-from ._overheads import host_process_bytes
+from ._overheads import host_process_bytes, thread_workspace_bytes
 from ._phases import rollout_phases, shared_terms
 from ._result import PhaseEstimate
 from ._static import load_host_checkpoint_bytes
@@ -50,8 +50,10 @@ def engine_rank_estimate(
     :func:`engine_completions` rows of one prompt each (the trainers send every completion's
     prompt; the engine runs no shared-prefix prefill), the whole model in ``weights_dtype``
     (QLoRA's trainers send dequantised merged weights: the engine holds no 4-bit copy), no adapters,
-    in the attention the trainers use (agilerl.train passes it). Its host holds the process and,
-    while it loads, the whole model (HFGenerateEngine loads on the host, then moves it).
+    in the attention the trainers use (agilerl.train passes it), with the GPU overheads of one
+    GPU whose one thread runs matmuls (its cuBLAS workspaces: no autograd thread). Its host holds
+    the process and, while it loads, the whole model (HFGenerateEngine loads on the host, then
+    moves it).
     """
     rows = engine_completions(workload, cluster)
     if not rows:
@@ -68,6 +70,11 @@ def engine_rank_estimate(
             "gather_weights_for_rollout": None,
             "offload_weights_during_rollout": False,
             "micro_batch_size_per_gpu": None,
+            # nothing but generate runs there: no reference or sampling-policy pass whose
+            # logits tiles would cache a backward thread's cuBLAS workspaces
+            "algorithm": "grpo",
+            "beta": 0.0,
+            "update_epochs": 1,
         }
     )
     one = cluster.model_copy(update={"num_gpus": 1, "gpus_per_node": None})
@@ -80,4 +87,10 @@ def engine_rank_estimate(
         # checkpoint there, as an unsharded trainer loads it
         host={"host_process": host_process_bytes(ctx), "host_checkpoint": load_host_checkpoint_bytes(ctx, layout)},
     )
-    return rollout_phases(ctx, terms)["rollout"]
+    phase = rollout_phases(ctx, terms)["rollout"]
+    if "cublas_workspace" not in phase.components:  # a CPU run: no GPU overheads
+        return phase
+    # one thread's handle: generate runs no backward
+    return PhaseEstimate(
+        components={**phase.components, "cublas_workspace": thread_workspace_bytes(ctx)}, host=phase.host
+    )

@@ -74,10 +74,10 @@ def cublas_workspace_bytes(ctx: Context) -> int:
     0 on a CPU run."""
     if not ctx.on_gpu:
         return 0
-    return CUBLAS_THREADS * _thread_workspace_bytes(ctx)
+    return CUBLAS_THREADS * thread_workspace_bytes(ctx)
 
 
-def _thread_workspace_bytes(ctx: Context) -> int:
+def thread_workspace_bytes(ctx: Context) -> int:
     """One thread's handle's workspaces: cuBLAS' (the GPU's) and cuBLASLt's."""
     return ctx.cluster.gpu.cublas_workspace_bytes + CUBLASLT_WORKSPACE
 
@@ -130,7 +130,7 @@ def cached_workspace_bytes(ctx: Context) -> int:
     with both taken up front it read 32-34 MiB over and 180-182 MiB under. 0 on a CPU run."""
     if not ctx.on_gpu or not no_grad_pass_first(ctx):
         return 0
-    per_thread = _thread_workspace_bytes(ctx)
+    per_thread = thread_workspace_bytes(ctx)
     return per_thread if chunk_rows(ctx) * ctx.vocab_size * 4 >= per_thread else 0
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..choose import Decision, Plan, plan
 from ..hardware import Cluster, fmt_bytes
-from ..memory import Coefficients
+from ..memory import Coefficients, engine_rank_estimate
 from ..probe import Device, Measurement, ProbeRequest, probe_model
 from ..request import PlanRequest
 from ..spec import ModelSpec
@@ -151,19 +151,8 @@ def tuned_plan(
             ),
         )
     )
-    if base.engine_rank_over:  # measured trainers; the engine ranks of their own are estimated
-        engine = base.engine_rank
-        assert engine is not None
-        decisions.append(
-            Decision(
-                field="engine_rank",
-                value=False,
-                reason=f"an engine rank of its own (generation 'none') is estimated at {fmt_bytes(engine.total)}, "
-                f"over its GPU's {fmt_bytes(base.cluster.gpu.memory_bytes - base.margin_bytes)} limit",
-            )
-        )
-    update = {"fits": not base.engine_rank_over, "decisions": tuple(decisions), "suggestions": ()}
-    return base.model_copy(update=update)
+    # (an engine rank of its own that cannot fit was refused before any trial: tune())
+    return base.model_copy(update={"fits": True, "decisions": tuple(decisions), "suggestions": ()})
 
 
 def tune(
@@ -204,6 +193,7 @@ def tune(
     if max_trials < 1:
         raise ValueError(f"--trials must be at least 1, got {max_trials}")
     generate = _trials_generate(workload, fixed, generate)
+    _check_engine_ranks(spec, request, coefficients)
     space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding, engine_in_trials=generate)
     killed = kill_orphans()
     if killed:
@@ -312,6 +302,19 @@ def tune(
         calibration=calibration,
         reason=reason,
     )
+
+
+def _check_engine_ranks(spec: ModelSpec, request: PlanRequest, coefficients: Coefficients | None) -> None:
+    """ValueError where the run's engine ranks of their own (generation 'none' with a rollout)
+    cannot fit their GPUs: the trials run the trainers, and nothing they choose changes that."""
+    engine = engine_rank_estimate(spec, request.workload, request.cluster, coefficients=coefficients)
+    limit = request.cluster.gpu.memory_bytes * (1 - request.margin_fraction)
+    if engine is not None and engine.total > limit:
+        raise ValueError(
+            f"an engine rank of its own (generation 'none') needs {fmt_bytes(engine.total)} on its GPU, over the "
+            f"{fmt_bytes(limit)} available, whatever the trials choose for the trainers: generate on the trainer "
+            "GPUs (--generation hf or vllm), or plan without --tune to see what would fit"
+        )
 
 
 def _trials_generate(workload: Workload, fixed: dict[str, Any], generate: bool | None) -> bool:

@@ -273,13 +273,22 @@ def test_generation_peaks_at_prefill_or_at_the_last_decode_step(spec, prompt, co
                           _cluster(1), None).phases["rollout"].components["kv_cache"]  # fmt: skip
         assert shared.phases["rollout"].components["kv_cache"] == decode
     else:
+        from planner.memory import Coefficients
+        from planner.memory._context import build_context
+        from planner.memory._generation import hf_rollout_moments
+        from planner.memory._units import build_layout
+
+        ctx = build_context(spec, workload, _cluster(1), None, coefficients=Coefficients())
+        _, decode, sampling = hf_rollout_moments(ctx, build_layout(ctx))
         full = n * (prompt + completion) * per_token
-        # The whole cache and less than one layer's more while a layer concatenates (the growth is
-        # measured against Hugging Face generate in tests/planner/memory/test_generation.py).
-        assert full < kv < full * (1 + 1 / spec.num_layers)
-        # the step before's fp32 logits and their softmax, which the sampling loop's locals keep
-        # (measured in tests/planner/memory/test_generation.py)
-        assert est.phases["rollout"].components["logits"] == n * spec.vocab_size * 4 * 2
+        # The last decode step: the whole cache and less than one layer's more while a layer
+        # concatenates (the growth is measured against Hugging Face generate in
+        # tests/planner/memory/test_generation.py), beside the step before's fp32 logits and their
+        # softmax, which the sampling loop's locals keep; its sampling: the whole cache.
+        assert full < decode["kv_cache"] < full * (1 + 1 / spec.num_layers)
+        assert decode["logits"] == n * spec.vocab_size * 4 * 2
+        assert sampling["kv_cache"] == full
+        assert kv in (decode["kv_cache"], full)  # the rollout peaks at one of them
 
 
 # -- mixture of experts ---------------------------------------------------------------------------

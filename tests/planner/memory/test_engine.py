@@ -12,10 +12,11 @@ SIZES = dict(hidden_size=256, intermediate_size=64, num_layers=2, num_heads=8, n
 PROMPT, COMPLETION = 8, 120
 
 
-def _spec():
+def _spec(kv_heads: int = SIZES["num_kv_heads"]):
     from planner.models import load_model_spec
 
-    return load_model_spec("tiny:qwen2?" + "&".join(f"{k}={v}" for k, v in SIZES.items()))
+    sizes = {**SIZES, "num_kv_heads": kv_heads}
+    return load_model_spec("tiny:qwen2?" + "&".join(f"{k}={v}" for k, v in sizes.items()))
 
 
 def _workload(prompts: int, group: int, **extra) -> Workload:
@@ -25,12 +26,23 @@ def _workload(prompts: int, group: int, **extra) -> Workload:
     )  # fmt: skip
 
 
-def test_an_engine_ranks_memory_is_measured_on_the_real_engine(tmp_path):
+@pytest.mark.parametrize(
+    "kv_heads, attention, padded",
+    [
+        (8, "sdpa", False),
+        # grouped-query attention: a masked SDPA decode step packs the query's heads onto the K/V
+        # heads (transformers >= 5.23; before, it repeated K and V), eager attention repeats them
+        (2, "sdpa", True),
+        (2, "eager", False),
+    ],
+)
+def test_an_engine_ranks_memory_is_measured_on_the_real_engine(tmp_path, kv_heads, attention, padded):
     """Measured, not pinned: agilerl's own HFGenerateEngine, loaded from a saved model in bf16,
     generating one engine's share of a step with a live-tensor tracker, against the estimate of
-    that engine rank on a CPU (its weights, the KV cache and sampling's logits; no GPU overheads).
-    One node of two trainer GPUs launches one engine for all 4 x 2 completions; two nodes of two
-    launch two, each generating half of 4 x 4: 8 rows both times."""
+    that engine rank on a CPU (its weights, the KV cache, sampling's logits and what a decode step
+    repeats; no GPU overheads). One node of two trainer GPUs launches one engine for all 4 x 2
+    completions; two nodes of two launch two, each generating half of 4 x 4: 8 rows both times.
+    Padded rows are left-padded by 0-2 tokens, as the engine pads prompts of different lengths."""
     import torch
 
     from agilerl.utils.remote_engine import HFGenerateEngine
@@ -38,23 +50,27 @@ def test_an_engine_ranks_memory_is_measured_on_the_real_engine(tmp_path):
     from planner.memory import engine_completions, engine_rank_estimate
     from planner.probe.tracking import LiveBytes
 
-    save_tiny_model(tmp_path / "model", "qwen2", **SIZES)
-    engine = HFGenerateEngine(str(tmp_path / "model"), dtype="bfloat16", attn_implementation="sdpa")
+    sizes = {**SIZES, "num_kv_heads": kv_heads}
+    save_tiny_model(tmp_path / "model", "qwen2", **sizes)
+    engine = HFGenerateEngine(str(tmp_path / "model"), dtype="bfloat16", attn_implementation=attention)
     state = engine.model.state_dict().values()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}
     rows = 8
     torch.manual_seed(0)
-    prompts = torch.randint(3, SIZES["vocab_size"], (rows, PROMPT)).tolist()
+    prompts = [
+        torch.randint(3, SIZES["vocab_size"], (PROMPT - (i % 3 if padded else 0),)).tolist() for i in range(rows)
+    ]
     live = LiveBytes(set(storages))
     with live:
         out = engine.generate(prompts, max_tokens=COMPLETION, temperature=1.0, seed=0)
     assert len(out) == rows and all(len(o) == COMPLETION for o in out)  # no stop token: every step ran
     measured = sum(storages.values()) + live.peak
 
-    spec = _spec()
+    spec = _spec(kv_heads)
+    extra = dict(attn_implementation=attention, padded_batches=padded)
     for workload, cluster in (
-        (_workload(4, 2), Cluster(gpu=CPU_DEVICE, num_gpus=2)),
-        (_workload(4, 4), Cluster(gpu=CPU_DEVICE, num_gpus=4, gpus_per_node=2)),
+        (_workload(4, 2, **extra), Cluster(gpu=CPU_DEVICE, num_gpus=2)),
+        (_workload(4, 4, **extra), Cluster(gpu=CPU_DEVICE, num_gpus=4, gpus_per_node=2)),
     ):
         assert engine_completions(workload, cluster) == rows
         est = engine_rank_estimate(spec, workload, cluster)
@@ -76,23 +92,35 @@ def test_only_a_rollout_off_the_trainer_gpus_gets_engine_ranks():
         assert engine_rank_estimate(spec, workload, two_nodes) is None
 
 
-def test_an_engine_rank_holds_the_whole_model_however_the_trainers_shard_it():
-    """The engine rank's weights are the model's, unsharded, in the weights' dtype: QLoRA's
-    trainers send it dequantised merged weights, and LoRA's adapters are merged before they go.
-    On a GPU it carries the device's overheads (its CUDA context, one GPU: no NCCL buffers)."""
-    from planner.memory import engine_rank_estimate
+def test_an_engine_rank_holds_the_whole_model_and_one_threads_workspaces():
+    """The engine rank's weights are the model's own, unsharded, in the weights' dtype (counted
+    here from the real model's tensors), QLoRA's trainers' too: they send dequantised merged
+    weights. Its host builds the whole model before moving it. On a GPU one thread runs its
+    matmuls (generate, no backward): half the cuBLAS workspaces a trainer's rollout holds, and
+    nothing of the trainers' objective (a reference pass, more epochs) changes it."""
+    import torch
 
+    from agilerl.utils.tiny import tiny_model
+    from planner.memory import engine_rank_estimate, estimate
+
+    model = tiny_model("qwen2", **SIZES).to(torch.bfloat16)
+    whole = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}.values()
+    )
     spec, gpu = _spec(), GPUS["H100-80GB"]
     cluster = Cluster(gpu=gpu, num_gpus=8)
     plain = engine_rank_estimate(spec, _workload(8, 2), cluster)
     qlora = engine_rank_estimate(spec, _workload(8, 2, load_in_4bit=True), cluster)
     assert plain is not None and qlora is not None
-    assert plain.components["weights"] == qlora.components["weights"] == spec.total_params * 2
+    assert plain.components["weights"] == qlora.components["weights"] == whole
+    assert plain.host["host_checkpoint"] == whole
     assert "lora" not in plain.components and "optimizer_state" not in plain.components
     assert plain.components["cuda_context"] == gpu.cuda_context_bytes
-    assert "nccl_buffers" not in plain.components
-    # its host builds the whole model before moving it (from_pretrained, then .to(device))
-    assert plain.host["host_checkpoint"] == spec.total_params * 2
+    assert "nccl_buffers" not in plain.components  # its GPU takes no NCCL collective
+    trainer = estimate(spec, _workload(8, 2).model_copy(update={"generation": "hf"}), cluster, None)
+    assert plain.components["cublas_workspace"] * 2 == trainer.phases["rollout"].components["cublas_workspace"]
+    for other in (_workload(8, 2, beta=0.0), _workload(8, 2, update_epochs=2), _workload(8, 2, algorithm="ppo")):
+        assert engine_rank_estimate(spec, other, cluster) == plain
     # more completions per engine, more cache
     more = engine_rank_estimate(spec, _workload(16, 2), cluster)
     assert more is not None and more.components["kv_cache"] > plain.components["kv_cache"]

@@ -1133,3 +1133,29 @@ def test_a_trial_on_two_nodes_runs_as_two_torchrun_agents(spec):
     [trial] = [t for t in result.trials if t.user_attrs.get("launched")]
     assert trial.user_attrs["status"] in ("fits", "over_budget"), trial.user_attrs.get("why")
     assert trial.user_attrs["tokens_per_second"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_engine_ranks_that_cannot_fit_are_refused_before_any_trial():
+    """generation 'none' puts the rollout on engine ranks of their own, each with the whole model:
+    a 70B's (131 GiB in bf16) fits no 80 GB GPU, whatever the trials choose for the trainers, so
+    the tuner says so before it launches anything."""
+    from planner.hardware import GPUS
+    from planner.models import load_model_spec
+
+    def never(request):
+        raise AssertionError("a trial was launched")
+
+    spec = load_model_spec("meta-llama/Llama-3.1-70B")
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8)
+    over = r"an engine rank of its own \(generation 'none'\) needs 1\d\d\.\d\d GiB on its GPU"
+    with pytest.raises(ValueError, match=over):
+        tune(
+            spec=spec,
+            model="meta-llama/Llama-3.1-70B",
+            request=PlanRequest(cluster, Workload(prompts_per_step=16, generation="none")),
+            coefficients=None,
+            storage="memory",
+            max_trials=1,
+            probe=never,
+        )
