@@ -339,6 +339,7 @@ def table(plan: Plan) -> str:
             f"{_bar(engine.total, c.gpu.memory_bytes)}  "
             + ", ".join(f"{k} {v / scale:.2f}" for v, k in top)
             + f"; host {engine.host_total / GIB:.2f} GiB as it loads"
+            + (f" ({c.num_nodes} engine ranks, all on the last node)" if c.num_nodes > 1 else "")
         )
         lines.append("")
     if plan.fsdp is not None:

@@ -523,6 +523,11 @@ async def test_an_engine_rank_of_its_own_is_in_the_verdict_and_can_be_what_does_
         text = _verdict(screen)
         assert f"peak {plan.engine_rank.total / 2**30:.2f} GiB in an engine rank of its own > " in text
         assert "fix: generate on the trainer GPUs with Hugging Face generate (generation='hf')" in text
+        screen = await set_knob(pilot, "cluster.gpu_memory_gib", "16")  # now the trainers are over too: both said
+        plan = screen.plan
+        assert plan.estimate.peak_bytes > plan.cluster.gpu.memory_bytes - plan.margin_bytes
+        trainers = f"{plan.estimate.peak_bytes / 2**30:.2f} GiB in {plan.estimate.peak_phase}"
+        assert f"peak {trainers} and {plan.engine_rank.total / 2**30:.2f} GiB in an engine rank" in _verdict(screen)
         screen = await set_knob(pilot, "workload.generation", "hf")
         assert screen.plan.engine_rank is None and "engine rank" not in _verdict(screen)
 

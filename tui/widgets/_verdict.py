@@ -45,12 +45,13 @@ class Verdict(Static):
             else:
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
                 limit = est.capacity_bytes - plan.margin_bytes
-                if plan.engine_rank is not None and plan.engine_rank_over:  # the trainers may fit
-                    peak, where = plan.engine_rank.total, "an engine rank of its own"
-                else:
-                    peak, where = est.peak_bytes, est.peak_phase
-                line = f" peak {peak / GIB:.2f} GiB in {where} > {limit / GIB:.2f} usable"
-                out.append(line, style=f"bold {OVER_COLOR}")
+                over = []  # what is over the limit: the trainers, an engine rank of its own, or both
+                if est.peak_bytes > limit:
+                    over.append(f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}")
+                if plan.engine_rank is not None and plan.engine_rank_over:
+                    over.append(f"{plan.engine_rank.total / GIB:.2f} GiB in an engine rank of its own")
+                shown = " and ".join(over) or f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}"
+                out.append(f" peak {shown} > {limit / GIB:.2f} usable", style=f"bold {OVER_COLOR}")
         # the inputs' errors right under the headline: the verdict's height is capped (8 lines),
         # and a fix for the last good plan matters less than what stops the next one
         for key, message in errors.items():
