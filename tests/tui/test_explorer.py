@@ -32,6 +32,14 @@ def _row(screen, key: str) -> KnobRow:
     return next(r for r in screen.query(KnobRow) if r.knob.key == key)
 
 
+async def _bad_value(pilot, key: str, value: str):
+    """Type ``value`` into the knob ``key`` once the first plan is in: (the screen, the knob's row,
+    the plan before)."""
+    good = (await settle(pilot)).plan
+    screen = await set_knob(pilot, key, value)
+    return screen, _row(screen, key), good
+
+
 def _verdict(screen) -> str:
     return str(screen.query_one(Verdict).render())
 
@@ -137,10 +145,7 @@ async def test_an_fsdp_override_is_kept_and_marked_as_yours():
 async def test_a_bad_group_size_is_marked_in_place_and_keeps_the_last_plan(size):
     app = ExplorerApp(MODEL, gpus=1)
     async with app.run_test(size=size) as pilot:
-        screen = await settle(pilot)
-        good = screen.plan
-        screen = await set_knob(pilot, "workload.group_size", "1")
-        row = _row(screen, "workload.group_size")
+        screen, row, good = await _bad_value(pilot, "workload.group_size", "1")
         assert row.has_class("-invalid")
         assert "at least 2" in str(row.query_one(".knob-error", Label).render())
         assert screen.plan is good
@@ -151,15 +156,12 @@ async def test_a_bad_group_size_is_marked_in_place_and_keeps_the_last_plan(size)
 
 
 @pilot_test
-async def test_a_lora_rank_the_model_cannot_use_is_marked_on_its_knob():
+async def test_a_lora_rank_past_every_adapted_dimension_is_marked_on_its_knob():
     """A model-level refusal that opens with its field (``lora_rank=... is more than``) is marked
     on that knob, not as a combination; the last good plan stays."""
     app = ExplorerApp(MODEL, gpus=1)
     async with app.run_test(size=WIDE) as pilot:
-        screen = await settle(pilot)
-        good = screen.plan
-        screen = await set_knob(pilot, "workload.lora_rank", "100000000000000000000000")
-        row = _row(screen, "workload.lora_rank")
+        screen, row, good = await _bad_value(pilot, "workload.lora_rank", "100000000000000000000000")
         assert row.has_class("-invalid") and "give lora_rank <= " in screen.errors["workload.lora_rank"]
         assert screen.plan is good and "" not in screen.errors
 
