@@ -44,15 +44,20 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["settle_fsdp_collectives", "SETTLE_LIMIT_S"]
+__all__ = ["settle_fsdp_collectives", "SETTLE_LIMIT_S", "SETTLE_MISSES"]
 
 SETTLE_LIMIT_S = 2.0
-"""The longest a collective waits for gloo's worker to let go of its tensors. Past it the run
-goes on as it would unsettled (a memory reading may then move; nothing else does), and later
-collectives of the process do not wait: a torch whose gloo keeps them longer would otherwise
-cost this much per collective."""
+"""The longest a collective waits for gloo's worker to let go of its tensors. Past it that
+collective goes on as it would unsettled (a memory reading may then move; nothing else does)."""
+
+SETTLE_MISSES = 3
+"""Collectives in a row past :data:`SETTLE_LIMIT_S` after which the process waits no more: a
+torch whose gloo keeps the tensors for good would otherwise cost the limit per collective,
+while one rank descheduled that long on a loaded machine costs one unsettled collective, not
+every later one."""
 
 _waiting = [True]
+_misses = [0]  # collectives in a row that ran past the limit
 
 
 class _Scratch(TorchDispatchMode):
@@ -97,13 +102,17 @@ def _settled(*tensors: torch.Tensor) -> Iterator[None]:
 
     while _waiting[0] and not settled():
         if time.monotonic() > deadline:
-            _waiting[0] = False
-            print(
-                f"probe: gloo held a collective's tensors over {SETTLE_LIMIT_S:g} s; no longer waiting",
-                file=sys.stderr,
-            )
-            break
+            _misses[0] += 1
+            if _misses[0] >= SETTLE_MISSES:
+                _waiting[0] = False
+                print(
+                    f"probe: gloo held {SETTLE_MISSES} collectives' tensors in a row over {SETTLE_LIMIT_S:g} s "
+                    "each; no longer waiting",
+                    file=sys.stderr,
+                )
+            return
         os.sched_yield()
+    _misses[0] = 0
 
 
 class _SettledAllGather(DefaultAllGather):
