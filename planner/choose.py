@@ -258,7 +258,7 @@ def check_inputs(
             f"({', '.join(packed)}), whose inputs PEFT cannot drop out: give lora_dropout 0, or targets without "
             "the experts"
         )
-    if fsdp.tp > 1 and workload.generation == "none" and workload.algorithm not in OFFLINE_SEQUENCES:
+    if fsdp.tp > 1 and engine_rank_count(workload, cluster):
         raise ValueError(  # the manifest refuses it too
             f"tp={fsdp.tp} with generation='none': the rollout runs on engine ranks of their own, which a "
             "tensor-parallel group cannot share (agilerl.train refuses it); use tp=1, or generation 'hf' or 'vllm'"
@@ -427,6 +427,21 @@ def plan(
         f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}",
     )
     return draft.plan(search, est, fits=True, source=source, suggestions=[])
+
+
+def engine_rank_problem(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    coefficients: Coefficients | None = None,
+    margin_fraction: float = MARGIN_FRACTION,
+) -> str | None:
+    """Why the run's engine ranks of their own cannot fit their GPUs, as plan() judges them, or
+    None (also without engine ranks). Nothing chosen for the trainers changes it."""
+    margin = int(cluster.gpu.memory_bytes * margin_fraction)
+    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed={})
+    return None if search.engine_rank_fits else _engine_rank_over(search)
 
 
 def _engine_rank_over(search: _Search) -> str:

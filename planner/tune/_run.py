@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..choose import Decision, Plan, plan
+from ..choose import Decision, Plan, engine_rank_problem, plan
 from ..hardware import Cluster, fmt_bytes
-from ..memory import Coefficients, engine_rank_estimate
+from ..memory import Coefficients
 from ..probe import Device, Measurement, ProbeRequest, probe_model
 from ..request import PlanRequest
 from ..spec import ModelSpec
@@ -307,13 +307,13 @@ def tune(
 def _check_engine_ranks(spec: ModelSpec, request: PlanRequest, coefficients: Coefficients | None) -> None:
     """ValueError where the run's engine ranks of their own (generation 'none' with a rollout)
     cannot fit their GPUs: the trials run the trainers, and nothing they choose changes that."""
-    engine = engine_rank_estimate(spec, request.workload, request.cluster, coefficients=coefficients)
-    limit = request.cluster.gpu.memory_bytes * (1 - request.margin_fraction)
-    if engine is not None and engine.total > limit:
+    problem = engine_rank_problem(
+        spec, request.workload, request.cluster, coefficients=coefficients, margin_fraction=request.margin_fraction
+    )
+    if problem is not None:
         raise ValueError(
-            f"an engine rank of its own (generation 'none') needs {fmt_bytes(engine.total)} on its GPU, over the "
-            f"{fmt_bytes(limit)} available, whatever the trials choose for the trainers: generate on the trainer "
-            "GPUs (--generation hf or vllm), or plan without --tune to see what would fit"
+            f"{problem}; whatever the trials choose for the trainers: generate on the trainer GPUs "
+            "(--generation hf or vllm), or plan without --tune to see what would fit"
         )
 
 
