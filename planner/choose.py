@@ -54,6 +54,7 @@ from .memory import (
     engine_rank_estimate,
     estimate,
     expert_parallel_degrees,
+    node_host_bytes,
     row_wise_experts,
     tp_problem,
     vllm_budget_problem,
@@ -100,10 +101,21 @@ class Plan(BaseModel):
     #: The busiest engine rank's GPU where the rollout runs on ranks of its own (generation='none'
     #: with a rollout objective: planner.memory.engine_rank_estimate), else None.
     engine_rank: PhaseEstimate | None = None
+    #: The busiest node's host memory: its trainer ranks' and any engine ranks' of their own
+    #: (planner.memory.node_host_bytes).
+    host_per_node_bytes: int = 0
+    #: What a node's host may hold: the cluster's host memory less the safety margin's fraction;
+    #: None where the host memory was not given (the host is then reported, not judged).
+    host_limit_bytes: int | None = None
 
     @property
     def headroom_bytes(self) -> int:
         return self.estimate.headroom_bytes
+
+    @property
+    def host_over(self) -> bool:
+        """Whether the busiest node's host needs more than its limit (never where not given)."""
+        return self.host_limit_bytes is not None and self.host_per_node_bytes > self.host_limit_bytes
 
     @property
     def engine_rank_over(self) -> bool:
@@ -127,16 +139,20 @@ class _Search:
         spec: ModelSpec,
         cluster: Cluster,
         coefficients: Coefficients | None,
-        margin: int,
+        margin_fraction: float,
         *,
         workload: Workload,
         fixed: dict[str, Any],
         engine_ranks: bool = True,
     ):
-        self.spec, self.cluster, self.coefficients, self.margin = spec, cluster, coefficients, margin
+        self.spec, self.cluster, self.coefficients = spec, cluster, coefficients
+        self.margin = int(cluster.gpu.memory_bytes * margin_fraction)
         self.row_wise = row_wise_experts(spec)  # the project's row-wise experts can run this model's
         self.workload, self.fixed = workload, fixed  # as the user gave them
-        self.limit = cluster.gpu.memory_bytes - margin
+        self.limit = cluster.gpu.memory_bytes - self.margin
+        host = cluster.host_memory_per_node_bytes
+        # the host keeps the same fraction back as the GPUs (the OS and the page cache take some)
+        self.host_limit = None if host is None else host - int(host * margin_fraction)
         # nothing chosen for the trainers changes an engine rank's memory: judged once
         self.engine_rank = (
             engine_rank_estimate(spec, workload, cluster, coefficients=coefficients) if engine_ranks else None
@@ -149,12 +165,48 @@ class _Search:
     def estimate(self, workload: Workload, fsdp: FSDPConfig | None) -> Estimate:
         return estimate(self.spec, workload, self.cluster, fsdp, coefficients=self.coefficients)
 
+    def node_host(self, est: Estimate) -> int:
+        """The busiest node's host memory under ``est``, engine ranks of their own included."""
+        return node_host_bytes(est, self.workload, self.cluster, self.engine_rank)
+
+    def host_fits(self, est: Estimate) -> bool:
+        return self.host_limit is None or self.node_host(est) <= self.host_limit
+
     def fits(self, workload, fsdp) -> bool:
-        """Whether it fits; a layout the runtime refuses on these GPUs (expert parallel with
-        tensor parallel or HSDP, say) is never a candidate, and fits nothing."""
+        """Whether it fits its GPUs and, where given, its nodes' host memory; a layout the runtime
+        refuses on these GPUs (expert parallel with tensor parallel or HSDP, say) is never a
+        candidate, and fits nothing."""
         if fsdp is not None and self.layout_problem(fsdp) is not None:
             return False
-        return self.estimate(workload, fsdp).peak_bytes <= self.limit
+        est = self.estimate(workload, fsdp)
+        return est.peak_bytes <= self.limit and self.host_fits(est)
+
+    def excess(self, workload: Workload, fsdp: FSDPConfig | None) -> tuple[float, float]:
+        """How far it is from fitting: the bytes its GPU peak, then its busiest node's host, are
+        over their limits ((0, 0) where it fits; infinite for a layout the runtime refuses). In
+        that order: where nothing fits, the plan reports the combination whose GPUs are nearest to
+        fitting, then whose host is."""
+        if fsdp is not None and self.layout_problem(fsdp) is not None:
+            return math.inf, math.inf
+        est = self.estimate(workload, fsdp)
+        host = 0 if self.host_limit is None else max(0, self.node_host(est) - self.host_limit)
+        return max(0, est.peak_bytes - self.limit), host
+
+    def over(self, est: Estimate) -> list[str]:
+        """What of ``est`` is over its limit: the trainer GPUs, a node's host, an engine rank."""
+        out = []
+        if est.peak_bytes > self.limit:
+            out.append(
+                f"{_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, over the {_gib(self.limit)} available"
+            )
+        if not self.host_fits(est):
+            assert self.host_limit is not None
+            out.append(
+                f"{_gib(self.node_host(est))} of host memory on a node, over the {_gib(self.host_limit)} available"
+            )
+        if not self.engine_rank_fits:
+            out.append(_engine_rank_over(self))
+        return out
 
     def layout_problem(self, fsdp: FSDPConfig) -> str | None:
         """Why ``fsdp`` cannot run on the cluster's ranks (agilerl.distributed's own check), or None."""
@@ -194,6 +246,8 @@ class _Draft:
             suggestions=tuple(suggestions),
             coefficients_source=source,
             engine_rank=search.engine_rank,
+            host_per_node_bytes=search.node_host(est),
+            host_limit_bytes=search.host_limit,
         )
 
 
@@ -376,11 +430,10 @@ def plan(
     source = coefficients_source or ("given" if coefficients is not None else "defaults")
     check_inputs(spec, workload, cluster, fixed, sharding)
     colocated = workload.generation == "vllm" if colocated_vllm is None else colocated_vllm
-    margin = int(cluster.gpu.memory_bytes * margin_fraction)
 
     # 1. the most frugal settings, sharded only where data parallel does not fit
     search, draft, vllm_notes = _most_frugal(
-        spec, workload, cluster, fixed, sharding, colocated, coefficients, margin, engine_ranks=engine_ranks
+        spec, workload, cluster, fixed, sharding, colocated, coefficients, margin_fraction, engine_ranks=engine_ranks
     )
     if not search.fits(draft.workload, draft.fsdp):
         est = search.estimate(draft.workload, draft.fsdp)
@@ -389,11 +442,8 @@ def plan(
             if suggest
             else []
         )
-        over = f"the most frugal settings need {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, over the "
-        over += f"{_gib(search.limit)} available" + (
-            "" if search.engine_rank_fits else f"; {_engine_rank_over(search)}"
-        )
-        draft.note("fits", False, over)
+        over = search.over(est) or [f"{_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}"]
+        draft.note("fits", False, "the most frugal settings need " + "; ".join(over))
         return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
 
     # 2. relax, in order of throughput value
@@ -420,11 +470,16 @@ def plan(
         )
         draft.note("fits", False, f"the trainers fit, but {_engine_rank_over(search)}")
         return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
+    host = (
+        ""
+        if search.host_limit is None
+        else f"; {_gib(search.node_host(est))} of host memory on a node, of {_gib(search.host_limit)}"
+    )
     draft.note(
         "fits",
         True,
         f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
-        f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}",
+        f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}{host}",
     )
     return draft.plan(search, est, fits=True, source=source, suggestions=[])
 
@@ -439,8 +494,7 @@ def engine_rank_problem(
 ) -> str | None:
     """Why the run's engine ranks of their own cannot fit their GPUs, as plan() judges them, or
     None (also without engine ranks). Nothing chosen for the trainers changes it."""
-    margin = int(cluster.gpu.memory_bytes * margin_fraction)
-    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed={})
+    search = _Search(spec, cluster, coefficients, margin_fraction, workload=workload, fixed={})
     return None if search.engine_rank_fits else _engine_rank_over(search)
 
 
@@ -493,13 +547,15 @@ def _most_frugal(
     sharding: str,
     colocated: bool,
     coefficients: Coefficients | None,
-    margin: int,
+    margin_fraction: float,
     *,
     engine_ranks: bool = True,
 ) -> tuple[_Search, _Draft, list[Decision]]:
     """What plan() starts from, and judges a fit by: the open knobs at their most frugal, the
     colocated engine at the least it starts with, sharded only where data parallel does not fit."""
-    search = _Search(spec, cluster, coefficients, margin, workload=workload, fixed=fixed, engine_ranks=engine_ranks)
+    search = _Search(
+        spec, cluster, coefficients, margin_fraction, workload=workload, fixed=fixed, engine_ranks=engine_ranks
+    )
     draft = _Draft(_frugal_workload(workload))
     vllm_notes: list[Decision] = []
     if workload.generation == "vllm":
@@ -561,7 +617,7 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
     """The most frugal FSDPConfig: resharding, one block a unit, prefetch 1, the smallest expert
     chunk; then, each only when what came before does not fit: a reduce-scatter every
     micro-batch, expert parallelism, Adam on the host (with each expert-parallel degree too),
-    and parameter offload. Where nothing fits, the combination with the lowest peak."""
+    and parameter offload. Where nothing fits, the combination nearest to fitting (:meth:`_Search.excess`)."""
     spec, fixed, workload, frugal = search.spec, search.fixed, search.workload, draft.workload
     # Deferred gradient sync holds every unsharded gradient between micro-batches (the whole
     # model's with full fine-tuning): full fine-tuning starts without it; LoRA starts with it
@@ -598,12 +654,16 @@ def _frugal_fsdp(search: _Search, draft: _Draft, colocated: bool) -> FSDPConfig:
         for offload in offloads
         for ep in degrees
     ]
-    fitting = next((c for c in candidates if search.fits(frugal, c)), None)
-    if fitting is None:
-        runnable = [c for c in candidates if search.layout_problem(c) is None] or candidates
-        fsdp = min(runnable, key=lambda c: search.estimate(frugal, c).peak_bytes)
-    else:
-        fsdp = fitting
+    # each judged once; where none fits, the one nearest to fitting (its GPUs first, then its host)
+    excess: dict[int, tuple[float, float]] = {}
+
+    def over(i: int) -> tuple[float, float]:
+        if i not in excess:
+            excess[i] = search.excess(frugal, candidates[i])
+        return excess[i]
+
+    fitting = next((c for i, c in enumerate(candidates) if over(i) == (0, 0)), None)
+    fsdp = fitting if fitting is not None else candidates[min(range(len(candidates)), key=over)]
     if fsdp.ep > 1 and "ep" not in fixed:
         draft.note(
             "ep", fsdp.ep, f"experts split over {fsdp.ep} GPUs: each gathers {1 / fsdp.ep:.3g} of a layer's experts"
@@ -897,9 +957,8 @@ def _suggest(
                 return False
             check_inputs(spec, wl, cl, fixed, how)
             colocated = wl.generation == "vllm"
-            margin = int(cl.gpu.memory_bytes * margin_of)
             search, draft, _ = _most_frugal(
-                spec, wl, cl, fixed, how, colocated, coefficients, margin, engine_ranks=engine_ranks
+                spec, wl, cl, fixed, how, colocated, coefficients, margin_of, engine_ranks=engine_ranks
             )
             return search.engine_rank_fits and search.fits(draft.workload, draft.fsdp)
         except ValueError:
@@ -917,6 +976,24 @@ def _suggest(
             more = f" with prompts_per_step={whole}" if whole != prompts else ""
             out.append(f"use {gpus} GPUs{where}{more}")
             break
+    if cluster.host_memory_per_node_bytes is not None:
+        # the same run with the host not judged: what its busiest node then needs
+        unjudged = cluster.model_copy(update={"host_memory_per_node_bytes": None})
+        if feasible(workload, unjudged):
+            freed = plan(
+                spec,
+                workload,
+                unjudged,
+                fixed=fixed,
+                sharding=sharding,
+                coefficients=coefficients,
+                margin_fraction=margin_fraction,
+                suggest=False,
+                engine_ranks=engine_ranks,
+            )
+            need = math.ceil(freed.host_per_node_bytes / (1 - margin_fraction) / GIB)
+            if need * GIB > cluster.host_memory_per_node_bytes:
+                out.append(f"nodes with at least {need} GiB of host memory each (--host-memory {need})")
     frugal_micro = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None}))
     least = frugal_micro.micro_batch_size_per_gpu
     if workload.micro_batch_size_per_gpu and least is not None and workload.micro_batch_size_per_gpu > least:

@@ -97,7 +97,8 @@ def engine_ranks(plan: Plan) -> int:
     objective with a rollout was planned with nothing generating on its GPUs (generation='none');
     then as many as there are nodes (planner.memory.engine_rank_count), so every node launches one
     more rank (agilerl.train puts a member's engine ranks after its trainer ranks: on several nodes
-    the last node holds them), each running Hugging Face generate for the trainers."""
+    the last node holds them: planner.memory.node_ranks), each running Hugging Face generate for
+    the trainers."""
     return engine_rank_count(plan.workload, plan.cluster)
 
 
@@ -133,8 +134,8 @@ def manifest_yaml(plan: Plan) -> str:
         )
         if plan.cluster.num_nodes > 1:
             header.append(
-                "# the trainer ranks fill the nodes in rank order, so the first node holds one more of them and the "
-                "last the engines: node-local shard groups (shard_group_size) then span two nodes"
+                "# the trainer ranks fill the nodes in rank order, so each node but the last holds one more of "
+                "them and the last every engine rank: node-local shard groups (shard_group_size) then span two nodes"
             )
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 
@@ -155,7 +156,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "headroom_bytes": est.headroom_bytes,
         "margin_bytes": plan.margin_bytes,
         "host_peak_bytes_per_rank": est.host_peak_bytes,
-        "host_peak_bytes_per_node": est.host_per_node_bytes,
+        "host_peak_bytes_per_node": plan.host_per_node_bytes,
+        "host_limit_bytes_per_node": plan.host_limit_bytes,
         "phases": {
             name: {"components": ph.components, "total": ph.total, "host": ph.host} for name, ph in est.phases.items()
         },
@@ -236,6 +238,8 @@ def _verdict(plan: Plan) -> list[str]:
     ]
     if plan.engine_rank is not None:
         lines.append(f"# {_engine_rank_line(plan)}")
+    if plan.host_limit_bytes is not None:
+        lines.append(f"# {host_line(plan)}")
     if not plan.fits:
         lines.extend(f"# what would fit: {s}" for s in plan.suggestions)
     # what the estimate noted (a multimodal checkpoint's text model: the trainer loads the
@@ -291,7 +295,9 @@ def _bar(value: int, capacity: int, width: int = 30) -> str:
     return "#" * filled + "." * (width - filled) + ("!" if value > capacity else " ")
 
 
-def estimate_table(est: Estimate, *, capacity: int | None = None) -> str:
+def estimate_table(est: Estimate, *, capacity: int | None = None, host_line: str | None = None) -> str:
+    """The estimate's phases against ``capacity`` (its own by default), their components, and
+    ``host_line`` (by default the host per rank and per node of the trainer ranks)."""
     capacity = capacity or est.capacity_bytes
     unit, scale = _unit(capacity)
     phases = [p for p in PHASES if p in est.phases]
@@ -308,8 +314,24 @@ def estimate_table(est: Estimate, *, capacity: int | None = None) -> str:
     for c in present:
         lines.append(f"{c:<20}" + "".join(f"{est.phases[p].components.get(c, 0) / scale:>10.2f}" for p in phases))
     lines.append(f"{'total':<20}" + "".join(f"{est.phases[p].total / scale:>10.2f}" for p in phases))
-    lines.append(f"host per rank {est.host_peak_bytes / GIB:.2f} GiB, per node {est.host_per_node_bytes / GIB:.2f} GiB")
+    lines.append(host_line or _host_sizes(est.host_peak_bytes, est.host_per_node_bytes))
     return "\n".join(lines)
+
+
+def _host_sizes(per_rank: int, per_node: int) -> str:
+    return f"host per rank {per_rank / GIB:.2f} GiB, per node {per_node / GIB:.2f} GiB"
+
+
+def host_line(plan: Plan) -> str:
+    """The plan's host memory: per rank, the busiest node (engine ranks of their own included),
+    and against the node's host memory where given."""
+    line = _host_sizes(plan.estimate.host_peak_bytes, plan.host_per_node_bytes)
+    if plan.host_limit_bytes is None:
+        return line + " (--host-memory not given: not judged)"
+    limit = plan.cluster.host_memory_per_node_bytes
+    assert limit is not None
+    verdict = "over the limit" if plan.host_over else "fits"
+    return line + f" of {limit / GIB:.2f} GiB ({verdict}; the margin leaves {plan.host_limit_bytes / GIB:.2f})"
 
 
 def table(plan: Plan) -> str:
@@ -327,8 +349,9 @@ def table(plan: Plan) -> str:
             if plan.engine_rank is not None and plan.engine_rank_over
             else []
         ),
+        *([f"a node's host needs {plan.host_per_node_bytes / GIB:.2f} GiB: over the limit"] if plan.host_over else []),
         "",
-        estimate_table(est),
+        estimate_table(est, host_line=host_line(plan)),
         "",
     ]
     if plan.engine_rank is not None:

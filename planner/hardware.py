@@ -198,7 +198,14 @@ class Cluster(BaseModel):
     gpu: GPU
     num_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS, description="Trainer GPUs (ranks) in total.")] = 1
     gpus_per_node: Annotated[int | None, Field(ge=1, description="GPUs per node; None: all on one node.")] = None
-    host_memory_per_node_bytes: Annotated[int | None, Field(ge=1, description="Host RAM per node, if known.")] = None
+    host_memory_per_node_bytes: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Host memory (RAM) per node: a plan fits only if every node's host holds its ranks'. "
+            "None: the host is reported, not judged.",
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _check(self) -> Cluster:

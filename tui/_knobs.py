@@ -165,6 +165,14 @@ def knob_table() -> tuple[Knob, ...]:
             auto=True,
         ),
         Knob(
+            "cluster.host_memory_gib",
+            "host memory GiB",
+            "Host memory (RAM) per node in GiB: the plan then fits only if every node's host holds its ranks' "
+            "(offloaded optimizer state, a gathered checkpoint, engine ranks). Empty: reported, not judged.",
+            "float",
+            auto=True,
+        ),
+        Knob(
             "plan.sharding",
             "sharding",
             SHARDING_HELP,
@@ -195,6 +203,7 @@ def initial_values(
     gpus_per_node: int | None = None,
     gpu: str = "H100-80GB",
     gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
 ) -> dict[str, str | bool]:
     """Each knob's starting value: the cluster given, Workload's defaults, FSDPConfig all on auto.
 
@@ -205,6 +214,7 @@ def initial_values(
         "cluster.gpus_per_node": _text(gpus_per_node),
         "cluster.gpu": gpu_by_name(gpu).name,
         "cluster.gpu_memory_gib": _text(gpu_memory_gib),
+        "cluster.host_memory_gib": _text(host_memory_gib),
         "plan.sharding": "auto",
         "plan.margin_fraction": _text(MARGIN_FRACTION),
     }

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from planner.choose import Plan, plan_request
-from planner.hardware import GPUS, Cluster, with_memory
+from planner.hardware import GPUS, Cluster, memory_bytes, with_memory
 from planner.request import PlanRequest, RequestError, fixed_problems
 from planner.spec import ModelSpec
 from planner.workload import Workload
@@ -100,6 +100,12 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
                 gpu = with_memory(gpu, memory)  # as `agilerl-plan --gpu-memory`: the calibration applies
             except ValueError as err:  # inf, nan, too small or too large a figure
                 raise KnobErrors({"cluster.gpu_memory_gib": str(err)}) from None
+        host = c.pop("host_memory_gib", None)
+        if host is not None:
+            try:  # as `agilerl-plan --host-memory`
+                c["host_memory_per_node_bytes"] = memory_bytes(host, "host memory")
+            except ValueError as err:
+                raise KnobErrors({"cluster.host_memory_gib": str(err)}) from None
         cluster = Cluster(gpu=gpu, **c)
     except KnobErrors as err:
         errors.update(err.errors)

@@ -48,10 +48,17 @@ class ExplorerApp(App[None]):
         gpus_per_node: int | None = None,
         gpu: str = "H100-80GB",
         gpu_memory_gib: float | None = None,
+        host_memory_gib: float | None = None,
         allow_download: bool = False,
     ) -> None:
         super().__init__()
-        values = initial_values(num_gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, gpu_memory_gib=gpu_memory_gib)
+        values = initial_values(
+            num_gpus=gpus,
+            gpus_per_node=gpus_per_node,
+            gpu=gpu,
+            gpu_memory_gib=gpu_memory_gib,
+            host_memory_gib=host_memory_gib,
+        )
         self.explorer = ExplorerScreen(model, values, allow_download=allow_download)
 
     def get_default_screen(self) -> ExplorerScreen:
@@ -81,6 +88,7 @@ def run(
     gpus_per_node: int | None = None,
     gpu: str = "H100-80GB",
     gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
     allow_download: bool = False,
 ) -> None:
     """Run the explorer in this terminal until the user quits; ValueError, before anything is
@@ -93,6 +101,8 @@ def run(
         )
     if gpu_memory_gib is not None:
         memory_bytes(gpu_memory_gib, "--gpu-memory")  # nan, inf, 0: one line, not a traceback
+    if host_memory_gib is not None:
+        memory_bytes(host_memory_gib, "--host-memory")
     check_model(model, allow_download=allow_download)
     ExplorerApp(
         model,
@@ -100,6 +110,7 @@ def run(
         gpus_per_node=gpus_per_node,
         gpu=gpu,
         gpu_memory_gib=gpu_memory_gib,
+        host_memory_gib=host_memory_gib,
         allow_download=allow_download,
     ).run()
 
@@ -112,6 +123,7 @@ def run_with(args: argparse.Namespace) -> None:
         gpus_per_node=args.gpus_per_node,
         gpu=args.gpu,
         gpu_memory_gib=args.gpu_memory,
+        host_memory_gib=args.host_memory,
         allow_download=getattr(args, "allow_download", False),
     )
 
@@ -147,6 +159,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GIB",
         help="GPU memory in GiB (overrides the catalog figure of --gpu)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=positive_float,
+        default=None,
+        metavar="GIB",
+        help="host memory (RAM) per node in GiB: judged by the plan [default: reported, not judged]",
     )
     p.add_argument(
         "--allow-download",

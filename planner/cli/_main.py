@@ -228,6 +228,14 @@ def _plan_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="GPU memory in GiB (overrides the catalog figure of --gpu)",
     )
+    parser.add_argument(
+        "--host-memory",
+        type=positive_float,
+        default=None,
+        metavar="GIB",
+        help="host memory (RAM) per node in GiB: the plan then fits only if every node's host holds its ranks' "
+        "(offloaded optimizer state, a gathered checkpoint, engine ranks) [default: reported, not judged]",
+    )
     parser.add_argument("--sharding", choices=SHARDINGS, default="auto", help=SHARDING_HELP)
     parser.add_argument(
         "--margin", type=margin_fraction, default=MARGIN_FRACTION, help=f"{MARGIN_HELP} [default: {MARGIN_FRACTION}]"
@@ -249,7 +257,7 @@ def plan_main(argv: list[str]) -> int:
 
     from .. import emit
     from ..choose import check_inputs, plan_request
-    from ..hardware import MAX_GPUS, Cluster, gpu_by_name, with_memory
+    from ..hardware import MAX_GPUS, Cluster, gpu_by_name, memory_bytes, with_memory
     from ..models import ModelNotFound, load_model_spec
     from ..request import PlanRequest
 
@@ -261,7 +269,10 @@ def plan_main(argv: list[str]) -> int:
             gpu = with_memory(gpu, args.gpu_memory, "--gpu-memory")
         if args.gpus > MAX_GPUS:
             raise ValueError(f"--gpus {args.gpus} is more than the {MAX_GPUS} GPUs planned for")
-        cluster = Cluster(gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+        host = None if args.host_memory is None else memory_bytes(args.host_memory, "--host-memory")
+        cluster = Cluster(
+            gpu=gpu, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node, host_memory_per_node_bytes=host
+        )
         if not args.model.strip():
             raise ValueError(
                 "MODEL is empty: give a catalog name or hub id, a model directory, a config.json or a tiny: name"
@@ -275,7 +286,8 @@ def plan_main(argv: list[str]) -> int:
         if args.tui:
             if extra := _flags_given(parser, args, keep=_TUI_FLAGS):
                 raise ValueError(
-                    f"--tui opens the explorer with MODEL, --gpus, --gpus-per-node, --gpu and --gpu-memory; "
+                    "--tui opens the explorer with MODEL, --gpus, --gpus-per-node, --gpu, --gpu-memory and "
+                    "--host-memory; "
                     f"set {', '.join(extra)} in the explorer (or plan without --tui)"
                 )
             try:
@@ -340,7 +352,7 @@ def plan_main(argv: list[str]) -> int:
 
 
 #: What ``--tui`` takes from the command line; every other knob is set in the explorer.
-_TUI_FLAGS = ("model", "gpus", "gpus_per_node", "gpu", "gpu_memory", "tui", "allow_download")
+_TUI_FLAGS = ("model", "gpus", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "tui", "allow_download")
 
 
 def _flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace, *, keep: tuple[str, ...]) -> list[str]:

@@ -21,7 +21,7 @@ from ._coefficients import Coefficients
 from ._context import build_context
 from ._overheads import host_process_bytes, thread_workspace_bytes
 from ._phases import rollout_phases, shared_terms
-from ._result import PhaseEstimate
+from ._result import Estimate, PhaseEstimate
 from ._static import load_host_checkpoint_bytes
 from ._units import build_layout
 
@@ -38,6 +38,36 @@ def engine_completions(workload: Workload, cluster: Cluster) -> int:
     ranks, whole nodes of them); 0 without engine ranks."""
     engines = engine_rank_count(workload, cluster)
     return -(-workload.completions_per_step // engines) if engines else 0
+
+
+def node_ranks(cluster: Cluster, engines: int) -> list[tuple[int, int]]:
+    """(trainer ranks, engine ranks) on each node, first node first, as ``agilerl-train`` places
+    them: every node launches ``per_node + engines / nodes`` ranks (planner.emit.launch_command),
+    torchrun gives each node the next block of ranks, and a member's engine ranks come after its
+    trainer ranks (agilerl.manifest.RankLayout). On several nodes the first ones hold one trainer
+    rank more than their share and the last node every engine rank."""
+    per = cluster.per_node + engines // cluster.num_nodes
+    trainers = cluster.num_gpus
+    out = []
+    for node in range(cluster.num_nodes):
+        here = max(0, min(per, trainers - node * per))
+        out.append((here, per - here))
+    return out
+
+
+def node_host_bytes(est: Estimate, workload: Workload, cluster: Cluster, engine: PhaseEstimate | None) -> int:
+    """The busiest node's host memory: its trainer ranks' (:meth:`Estimate.node_host_bytes`; rank 0
+    on the first node) and, beside them, each engine rank's peak (``engine``, None where the
+    trainers are planned alone) (its process and the model it
+    loads: :func:`engine_rank_estimate`). The engine ranks load as the trainers start, so their
+    peaks are added to the trainers' highest, not to one phase's: an upper bound by at most the
+    trainers' start-up terms."""
+    engines = engine_rank_count(workload, cluster) if engine is not None else 0
+    each = engine.host_total if engine is not None else 0
+    return max(
+        est.node_host_bytes(trainers, rank0=node == 0) + engines_here * each
+        for node, (trainers, engines_here) in enumerate(node_ranks(cluster, engines))
+    )
 
 
 def engine_rank_estimate(

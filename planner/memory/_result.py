@@ -52,12 +52,17 @@ class Estimate(BaseModel):
 
     @property
     def host_per_node_bytes(self) -> int:
-        """Host memory of a node's ranks at the phase where their sum peaks. Rank 0 alone keeps
-        the checkpoint a save gathers (``host_checkpoint`` of ``save``); every other host term is
-        each rank's own."""
+        """Host memory of a node's ranks at the phase where their sum peaks: the first node's,
+        which holds rank 0 (:meth:`node_host_bytes` of ``gpus_per_node`` ranks)."""
+        return self.node_host_bytes(self.gpus_per_node)
+
+    def node_host_bytes(self, ranks: int, *, rank0: bool = True) -> int:
+        """Host memory of ``ranks`` trainer ranks on one node at the phase where their sum peaks.
+        Rank 0 alone keeps the checkpoint a save gathers (``host_checkpoint`` of ``save``): the
+        node holds it only with ``rank0``; every other host term is each rank's own."""
 
         def node(name: str, phase: PhaseEstimate) -> int:
             rank0_only = phase.host.get("host_checkpoint", 0) if name == "save" else 0
-            return phase.host_total + (phase.host_total - rank0_only) * (self.gpus_per_node - 1)
+            return phase.host_total * ranks - rank0_only * (ranks - 1 if rank0 else ranks)
 
-        return max((node(name, phase) for name, phase in self.phases.items()), default=0)
+        return max((node(name, phase) for name, phase in self.phases.items()), default=0) if ranks else 0

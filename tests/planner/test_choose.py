@@ -587,6 +587,8 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         wl["generation"] = m[1]
     elif suggestion.startswith("shard with FSDP2"):
         sharding = "fsdp"
+    elif m := re.fullmatch(r"nodes with at least (\d+) GiB of host memory each \(--host-memory \1\)", suggestion):
+        cl["host_memory_per_node_bytes"] = int(m[1]) * 2**30
     else:
         raise AssertionError(f"a suggestion no user could apply: {suggestion!r}")
     return workload.model_copy(update=wl), cluster.model_copy(update=cl), sharding
@@ -647,10 +649,7 @@ def test_every_suggestion_when_applied_gives_a_plan_that_fits(model, gpu, gpus, 
     wl = Workload(**workload)
     p = plan_request(spec, PlanRequest.build(cluster, wl, sharding=sharding))
     assert not p.fits and p.suggestions and not p.suggestions[0].startswith("nothing nearby"), p.suggestions
-    for suggestion in p.suggestions:
-        changed, cl, how = _applied(suggestion, wl, cluster, sharding)
-        fixed = plan_request(spec, PlanRequest.build(cl, changed, sharding=how), suggest=False)
-        assert fixed.fits, (suggestion, fixed.reasons()["fits"])
+    _every_suggestion_fits(spec, wl, cluster, p.suggestions, sharding)
 
 
 @pytest.mark.parametrize(
@@ -855,3 +854,63 @@ def test_a_narrow_target_at_a_usual_rank_is_the_users_choice():
 
     spec = load_model_spec("mistralai/Mixtral-8x7B-v0.1", lora_targets=("gate",))
     check_inputs(spec, Workload(lora_targets=("gate",)), Cluster(gpu=GPUS["H100-80GB"], num_gpus=8))
+
+
+def test_the_host_memory_given_is_judged_and_what_would_fit_names_the_host_a_node_needs():
+    """Llama-3.1-70B fully fine-tuned on two nodes of 8 H100s keeps Adam on the host, and rank 0
+    gathers the whole saved checkpoint there: 16 bytes a parameter spread over a node's 8 ranks,
+    and 12 more on rank 0's node. Not given, the host is reported, not judged; given, the plan
+    fits only if the busiest node's host holds it, and its fix names the host that would."""
+    import re
+
+    from planner.hardware import GIB, GPUS
+
+    spec = load_model_spec("meta-llama/Llama-3.1-70B")
+    wl = Workload(full_finetune=True, prompts_per_step=16)
+    nodes = Cluster(gpu=GPUS["H100-80GB"], num_gpus=16, gpus_per_node=8)
+    unjudged = plan_with_engines(spec, wl, nodes)
+    assert unjudged.fits and unjudged.host_limit_bytes is None and not unjudged.host_over
+    assert unjudged.fsdp is not None and unjudged.fsdp.optim_cpu_offload
+    # Adam's fp32 master, moments and gradient (16 B) of 8 ranks' shards, and rank 0's checkpoint
+    assert unjudged.host_per_node_bytes > (16 * spec.total_params // 2 + 12 * spec.total_params) * 0.9
+    roomy = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": 2048 * GIB}))
+    assert roomy.fits and (roomy.fsdp, roomy.workload) == (unjudged.fsdp, unjudged.workload)
+    assert roomy.host_limit_bytes is not None and abs(roomy.host_limit_bytes - 0.95 * 2048 * GIB) < 2  # 5% kept back
+    assert "of host memory on a node" in roomy.reasons()["fits"]
+    tight = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": 1024 * GIB}))
+    assert not tight.fits and tight.host_over
+    assert "of host memory on a node, over the 972.80 GiB available" in tight.reasons()["fits"]
+    (need,) = [int(m[1]) for s in tight.suggestions if (m := re.fullmatch(r"nodes with at least (\d+) GiB .*", s))]
+    assert need * GIB * 0.95 >= unjudged.host_per_node_bytes > (need - 1) * GIB * 0.95
+    fixed = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": need * GIB}))
+    assert fixed.fits and not fixed.host_over
+    _every_suggestion_fits(spec, wl, tight.cluster, tight.suggestions)
+
+
+def _every_suggestion_fits(spec, workload, cluster, suggestions, sharding="auto"):
+    """Each suggestion, applied as the command line would take it, plans a run that fits."""
+    from planner.choose import plan_request
+    from planner.request import PlanRequest
+
+    for suggestion in suggestions:
+        changed, cl, how = _applied(suggestion, workload, cluster, sharding)
+        fixed = plan_request(spec, PlanRequest.build(cl, changed, sharding=how), suggest=False)
+        assert fixed.fits, (suggestion, fixed.reasons()["fits"])
+
+
+def test_a_one_gpu_plan_that_offloads_to_a_host_too_small_does_not_fit():
+    """Llama-3.1-8B fully fine-tuned on one H100 fits only with FSDP2's offload to the host; on a
+    node with too little host memory for what it parks there nothing fits, the plan says that the
+    host is what is over, and each of its fixes fits."""
+    from planner.hardware import GIB, GPUS
+
+    spec8 = load_model_spec("meta-llama/Llama-3.1-8B")
+    wl = Workload(algorithm="sft", full_finetune=True)
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    free = plan_with_engines(spec8, wl, one)
+    assert free.fits and free.fsdp is not None and (free.fsdp.optim_cpu_offload or free.fsdp.cpu_offload)
+    small = plan_with_engines(spec8, wl, one.model_copy(update={"host_memory_per_node_bytes": 64 * GIB}))
+    assert not small.fits and small.host_over
+    assert "of host memory on a node, over the 60.80 GiB available" in small.reasons()["fits"]
+    assert any(s.startswith("nodes with at least") for s in small.suggestions), small.suggestions
+    _every_suggestion_fits(spec8, wl, small.cluster, small.suggestions)

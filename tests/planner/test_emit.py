@@ -230,3 +230,24 @@ def test_a_rollout_planned_off_the_trainer_gpus_gets_engine_ranks_of_its_own(gpu
     code, sft = _emit(["Qwen/Qwen2.5-7B", *gpus, "--algorithm", "sft"], "yaml", capsys)
     assert load_manifest(yaml.safe_load(sft)).training.rollout_engines_per_agent == 0
     assert f"--nproc-per-node={per_node} " in sft and "engine rank" not in sft
+
+
+def test_the_host_memory_given_is_judged_in_every_output(capsys):
+    """--host-memory: the table, JSON, manifest and exit status judge the busiest node's host
+    against it (a 70B full fine-tune whose Adam state and saved checkpoint wait on the host);
+    without it the table says the host is not judged."""
+    run = ["meta-llama/Llama-3.1-70B", "--full-finetune", "--gpus", "16", "--gpus-per-node", "8"]
+    code, free = _emit(run, "table", capsys)
+    assert code == 0 and "GiB (--host-memory not given: not judged)" in free
+    code, text = _emit([*run, "--host-memory", "1024"], "table", capsys)
+    assert code == 3
+    assert "a node's host needs " in text and "GiB of 1024.00 GiB (over the limit; the margin leaves 972.80)" in text
+    assert "  - nodes with at least " in text
+    code, report = _emit([*run, "--host-memory", "1024"], "json", capsys)
+    plan = json.loads(report)
+    assert code == 3 and not plan["fits"]
+    assert plan["cluster"]["host_memory_per_node_bytes"] == 1024 * 2**30
+    assert plan["host_peak_bytes_per_node"] > plan["host_limit_bytes_per_node"] > 0.95 * 1024 * 2**30 - 2
+    code, yaml_text = _emit([*run, "--host-memory", "4096"], "yaml", capsys)
+    assert code == 0 and "GiB of 4096.00 GiB (fits; the margin leaves 3891.20)" in yaml_text
+    assert yaml_text.splitlines()[2].startswith("# host per rank ")

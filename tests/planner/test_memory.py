@@ -647,3 +647,23 @@ def test_gathering_every_unit_for_generation_holds_what_reshard_off_holds(spec):
     assert once > per_unit
     # Every unit in the compute dtype: the whole model's sharded tensors, gathered.
     assert once >= sum(math.prod(s) for i in range(spec.num_layers) for _, s in spec.block(i).tensors) * 2
+
+
+def test_a_node_without_rank_0_holds_each_ranks_own_host_terms_only():
+    """Only rank 0 gathers the saved checkpoint on the host: a node without it holds its ranks'
+    own terms at their highest (the process, the offloaded Adam state and, as each rank loads,
+    its own share of the checkpoint)."""
+    from planner.hardware import GPUS
+
+    spec8 = load_model_spec("meta-llama/Llama-3.1-8B")
+    est = estimate(
+        spec8,
+        Workload(full_finetune=True),
+        Cluster(gpu=GPUS["H100-80GB"], num_gpus=16, gpus_per_node=8),
+        FSDPConfig(optim_cpu_offload=True),
+    )
+    load, learn = est.phases["load"].host, est.phases["learn"].host
+    assert learn["host_optimizer_state"] > 0 and load["host_checkpoint"] > 0
+    assert est.node_host_bytes(8, rank0=False) == 8 * sum(load.values()) > 8 * sum(learn.values())
+    assert est.node_host_bytes(8) == est.host_per_node_bytes > est.node_host_bytes(8, rank0=False)
+    assert est.node_host_bytes(0) == 0

@@ -18,6 +18,7 @@ def test_flags_are_pinned():
         "gpus_per_node": ["--gpus-per-node"],
         "gpu": ["--gpu"],
         "gpu_memory": ["--gpu-memory"],
+        "host_memory": ["--host-memory"],
         "allow_download": ["--allow-download"],
     }
 
@@ -37,6 +38,8 @@ def test_main_runs_the_explorer_with_the_parsed_flags(monkeypatch):
                 "h200",
                 "--gpu-memory",
                 "120",
+                "--host-memory",
+                "2048",
             ]
         )
         == 0
@@ -44,13 +47,27 @@ def test_main_runs_the_explorer_with_the_parsed_flags(monkeypatch):
     assert calls == [
         (
             "meta-llama/Llama-3.1-70B",
-            {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": 120.0, "allow_download": False},
+            {
+                "gpus": 16,
+                "gpus_per_node": 8,
+                "gpu": "h200",
+                "gpu_memory_gib": 120.0,
+                "host_memory_gib": 2048.0,
+                "allow_download": False,
+            },
         )
     ]
     assert main([]) == 0
     assert calls[-1] == (
         DEFAULT_MODEL,
-        {"gpus": 1, "gpus_per_node": None, "gpu": "H100-80GB", "gpu_memory_gib": None, "allow_download": False},
+        {
+            "gpus": 1,
+            "gpus_per_node": None,
+            "gpu": "H100-80GB",
+            "gpu_memory_gib": None,
+            "host_memory_gib": None,
+            "allow_download": False,
+        },
     )
     assert main(["Qwen/Qwen2.5-7B", "--allow-download"]) == 0  # as agilerl-plan --tui takes it
     assert calls[-1][1]["allow_download"] is True
@@ -101,11 +118,19 @@ def test_plan_with_tui_opens_the_explorer_with_its_flags(monkeypatch):
 
     calls = []
     monkeypatch.setattr(tui.app, "run", lambda model, **kw: calls.append((model, kw)))
-    assert plan_main(["qwen2.5-0.5b", "--tui", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h200"]) == 0
+    argv = ["qwen2.5-0.5b", "--tui", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h200", "--host-memory", "512"]
+    assert plan_main(argv) == 0
     assert calls == [
         (
             "qwen2.5-0.5b",
-            {"gpus": 16, "gpus_per_node": 8, "gpu": "h200", "gpu_memory_gib": None, "allow_download": False},
+            {
+                "gpus": 16,
+                "gpus_per_node": 8,
+                "gpu": "h200",
+                "gpu_memory_gib": None,
+                "host_memory_gib": 512.0,
+                "allow_download": False,
+            },
         )
     ]
 
@@ -122,6 +147,9 @@ def test_a_gpu_memory_that_is_no_devices_is_one_line_before_the_explorer_starts(
         assert "--gpu-memory" in capsys.readouterr().err
     assert main(["--gpu-memory", "1e-9"]) == 2
     assert "--gpu-memory" in capsys.readouterr().err
+    for flag in ("--host-memory", "--gpu-memory"):  # a figure past any device's: one line, exit 2
+        assert main([flag, "1e300"]) == 2
+        assert flag in capsys.readouterr().err
 
 
 def test_allow_download_reaches_the_explorers_model_loads(monkeypatch):
@@ -135,7 +163,13 @@ def test_allow_download_reaches_the_explorers_model_loads(monkeypatch):
     apps = []
     monkeypatch.setattr(tui.app.ExplorerApp, "run", lambda self: apps.append(self))
     args = argparse.Namespace(
-        model=DEFAULT_MODEL, gpus=1, gpus_per_node=None, gpu="H100-80GB", gpu_memory=None, allow_download=True
+        model=DEFAULT_MODEL,
+        gpus=1,
+        gpus_per_node=None,
+        gpu="H100-80GB",
+        gpu_memory=None,
+        host_memory=None,
+        allow_download=True,
     )
     tui.app.run_with(args)
     assert seen == [True] and apps[0].explorer.allow_download is True

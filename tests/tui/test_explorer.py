@@ -535,6 +535,33 @@ async def test_an_engine_rank_of_its_own_is_in_the_verdict_and_can_be_what_does_
 
 
 @pilot_test
+async def test_the_host_memory_knob_judges_a_nodes_host_and_says_when_it_is_over():
+    """Empty, the host is not judged; a figure makes the plan fit only if a node's host holds its
+    ranks' (Llama-3.1-70B on 8 GPUs: each rank loads its share of the checkpoint on its host),
+    the verdict names the host when it is what is over, and a figure no host has is marked."""
+    app = ExplorerApp(BIG_MODEL, gpus=8)
+    async with app.run_test(size=WIDE) as pilot:
+        screen = await settle(pilot)
+        assert screen.plan.fits and screen.plan.host_limit_bytes is None and "host" not in _verdict(screen)
+        need = screen.plan.host_per_node_bytes
+        screen = await set_knob(pilot, "cluster.host_memory_gib", f"{2 * need / 2**30:.0f}")
+        plan = screen.plan
+        assert plan.fits and plan.host_limit_bytes is not None
+        assert f"; host {need / 2**30:.2f} GiB a node" in _verdict(screen)
+        screen = await set_knob(pilot, "cluster.host_memory_gib", f"{need / 2**30 / 2:.0f}")
+        plan = screen.plan
+        assert not plan.fits and plan.host_over
+        text = _verdict(screen)
+        assert f" host {need / 2**30:.2f} GiB a node > {plan.host_limit_bytes / 2**30:.2f} usable" in text
+        assert "peak " not in text.split("\n")[0]  # the GPUs fit: only the host is named
+        assert any(fix.startswith("nodes with at least") for fix in plan.suggestions)
+        screen = await set_knob(pilot, "cluster.host_memory_gib", "0")
+        assert "cluster.host_memory_gib" in screen.errors
+        screen = await set_knob(pilot, "cluster.host_memory_gib", "")
+        assert not screen.errors and screen.plan.fits and screen.plan.host_limit_bytes is None
+
+
+@pilot_test
 async def test_a_narrow_footer_still_shows_quit_and_help():
     """The footer keeps its first bindings when the terminal is narrow: quit and help come first,
     so a 60-column terminal still shows how to leave (the tab keys, cut there, have their tabs)."""

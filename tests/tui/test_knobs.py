@@ -50,6 +50,7 @@ def test_the_brief_knobs_are_there():
         "cluster.gpus_per_node",
         "cluster.gpu",
         "cluster.gpu_memory_gib",
+        "cluster.host_memory_gib",
         "workload.prompts_per_step",
         "workload.group_size",
         "workload.prompt_tokens",

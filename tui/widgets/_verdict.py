@@ -42,16 +42,27 @@ class Verdict(Static):
                 )
                 if plan.engine_rank is not None:
                     out.append(f"; an engine rank of its own {plan.engine_rank.total / GIB:.2f} GiB")
+                if plan.host_limit_bytes is not None:
+                    out.append(f"; host {plan.host_per_node_bytes / GIB:.2f} GiB a node")
             else:
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
                 limit = est.capacity_bytes - plan.margin_bytes
-                over = []  # what is over the limit: the trainers, an engine rank of its own, or both
+                over = []  # what is over its limit: the trainers, an engine rank of its own, a node's host
                 if est.peak_bytes > limit:
                     over.append(f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}")
                 if plan.engine_rank is not None and plan.engine_rank_over:
                     over.append(f"{plan.engine_rank.total / GIB:.2f} GiB in an engine rank of its own")
-                shown = " and ".join(over) or f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}"
-                out.append(f" peak {shown} > {limit / GIB:.2f} usable", style=f"bold {OVER_COLOR}")
+                shown = " and ".join(over)
+                if shown or not plan.host_over:
+                    shown = shown or f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}"
+                    out.append(f" peak {shown} > {limit / GIB:.2f} usable", style=f"bold {OVER_COLOR}")
+                if plan.host_over:
+                    assert plan.host_limit_bytes is not None
+                    out.append(
+                        f"{';' if shown else ''} host {plan.host_per_node_bytes / GIB:.2f} GiB a node > "
+                        f"{plan.host_limit_bytes / GIB:.2f} usable",
+                        style=f"bold {OVER_COLOR}",
+                    )
         # the inputs' errors right under the headline: the verdict's height is capped (8 lines),
         # and a fix for the last good plan matters less than what stops the next one
         for key, message in errors.items():

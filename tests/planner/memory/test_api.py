@@ -28,6 +28,8 @@ def test_public_names_are_pinned():
             "engine_rank_count",
             "engine_completions",
             "engine_rank_estimate",
+            "node_host_bytes",
+            "node_ranks",
         ]
     )
     assert all(hasattr(memory, name) for name in memory.__all__)

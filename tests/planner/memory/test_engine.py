@@ -137,3 +137,52 @@ def test_the_engine_takes_the_trainers_attention_and_dtype(tmp_path, dtype):
     engine = HFGenerateEngine(str(tmp_path / "model"), dtype=dtype, attn_implementation="eager")
     assert engine.model.config._attn_implementation == "eager"
     assert {p.dtype for p in engine.model.parameters()} == {getattr(__import__("torch"), dtype)}
+
+
+@pytest.mark.parametrize("gpus, per_node", [(8, None), (16, 8), (24, 8), (6, 2), (3, 1)])
+def test_each_nodes_ranks_are_those_the_launch_gives_it(gpus, per_node):
+    """node_ranks follows the launch: every node starts the manifest's ``--nproc-per-node`` ranks
+    (planner.emit.launch_command), torchrun numbers them node by node, and the trainer's own
+    RankLayout says which are engine ranks. On several nodes the trainers spill onto the first
+    nodes and every engine rank lands on the last."""
+    from agilerl.manifest import RankLayout
+    from planner.emit import launch_command
+    from planner.memory import node_ranks
+
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=gpus, gpus_per_node=per_node)
+    for engines in (0, cluster.num_nodes):
+        nproc = int(launch_command(cluster, engines).split("--nproc-per-node=")[1].split()[0])
+        layout = RankLayout(members=1, trainers=gpus, engines=engines)
+        expected = [
+            (
+                sum(not layout.of(r)[1] for r in range(node * nproc, (node + 1) * nproc)),
+                sum(layout.of(r)[1] for r in range(node * nproc, (node + 1) * nproc)),
+            )
+            for node in range(cluster.num_nodes)
+        ]
+        assert node_ranks(cluster, engines) == expected
+    if per_node == 8 and gpus == 24:  # spelled out once: 9 + 9 + 6 trainers, the 3 engines last
+        assert node_ranks(cluster, 3) == [(9, 0), (9, 0), (6, 3)]
+
+
+def test_a_nodes_host_holds_its_trainer_ranks_and_the_engine_ranks_on_it():
+    """The busiest node's host: without engine ranks the trainers' per-node figure; on one node
+    the engine rank's model load beside the trainers'; on three nodes of two GPUs the last node
+    holds no trainer, only the three engine ranks, each loading the whole model."""
+    from planner.memory import engine_rank_estimate, estimate, node_host_bytes
+
+    spec = _spec()
+    wl = _workload(12, 2)
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=2)
+    three = Cluster(gpu=GPUS["H100-80GB"], num_gpus=6, gpus_per_node=2)
+    est_one, est_three = estimate(spec, wl, one, None), estimate(spec, wl, three, None)
+    engine_one = engine_rank_estimate(spec, wl, one)
+    engine_three = engine_rank_estimate(spec, wl, three)
+    assert engine_one is not None and engine_three is not None
+    assert node_host_bytes(est_one, wl, one, None) == est_one.host_per_node_bytes
+    assert node_host_bytes(est_one, wl, one, engine_one) == est_one.host_per_node_bytes + engine_one.host_total
+    # nodes of 3 ranks: 3 trainers (rank 0 among them), 3 trainers, then the 3 engine ranks
+    assert node_host_bytes(est_three, wl, three, engine_three) == max(
+        est_three.node_host_bytes(3), 3 * engine_three.host_total
+    )
+    assert est_three.node_host_bytes(3) > est_three.host_per_node_bytes  # one trainer more than a node's GPUs
