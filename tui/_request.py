@@ -8,6 +8,7 @@ screen can mark each in place.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,9 +45,14 @@ def _validation_errors(err: ValidationError, group: str, fallback: str) -> dict[
     return out
 
 
+@functools.cache
+def _knob_keys() -> frozenset[str]:
+    return frozenset(k.key for k in knob_table())
+
+
 def _by_knob(problems: Mapping[str, str]) -> dict[str, str]:
     """A request's problems under their knobs; one no knob holds (a combination) under ``""``."""
-    keys = {k.key for k in knob_table()}
+    keys = _knob_keys()
     out: dict[str, str] = {}
     for key, msg in problems.items():
         out.setdefault(key if key in keys else "", msg)
@@ -144,8 +150,7 @@ def _named_field(message: str) -> str:
     if "=" not in head:
         return ""
     name = head.split("=", 1)[0]
-    keys = {k.key for k in knob_table()}
-    return next((key for key in (f"workload.{name}", f"fsdp.{name}") if key in keys), "")
+    return next((key for key in (f"workload.{name}", f"fsdp.{name}") if key in _knob_keys()), "")
 
 
 def manifest_problem(result: Plan) -> str | None:

@@ -19,7 +19,7 @@ from ..spec import ModelSpec
 from ..workload import OFFLINE_SEQUENCES, Workload
 from ._coefficients import Coefficients
 from ._context import build_context
-from ._overheads import host_process_bytes, thread_workspace_bytes
+from ._overheads import host_process_bytes
 from ._phases import rollout_phases, shared_terms
 from ._result import Estimate, PhaseEstimate
 from ._static import load_host_checkpoint_bytes
@@ -116,11 +116,6 @@ def engine_rank_estimate(
         # from_pretrained builds the model on the host before it moves to the GPU: the whole
         # checkpoint there, as an unsharded trainer loads it
         host={"host_process": host_process_bytes(ctx), "host_checkpoint": load_host_checkpoint_bytes(ctx, layout)},
+        matmul_threads=1,  # generate runs no backward: no autograd thread's workspaces
     )
-    phase = rollout_phases(ctx, terms)["rollout"]
-    if "cublas_workspace" not in phase.components:  # a CPU run: no GPU overheads
-        return phase
-    # one thread's handle: generate runs no backward
-    return PhaseEstimate(
-        components={**phase.components, "cublas_workspace": thread_workspace_bytes(ctx)}, host=phase.host
-    )
+    return rollout_phases(ctx, terms)["rollout"]

@@ -63,18 +63,19 @@ CUBLASLT_WORKSPACE = MIB
 CUBLAS_THREADS = 2
 
 
-def cublas_workspace_bytes(ctx: Context) -> int:
+def cublas_workspace_bytes(ctx: Context, threads: int = CUBLAS_THREADS) -> int:
     """PyTorch's cuBLAS and cuBLASLt workspaces: each (handle, stream) gets its own from the
     caching allocator at its first matmul and keeps it for the process's life, so from the
     first step on every phase holds those of the forward's thread and autograd's backward
-    thread: CUBLAS_THREADS x (the GPU's cublas_workspace_bytes + CUBLASLT_WORKSPACE). On an
+    thread: ``threads`` (CUBLAS_THREADS; 1 where only generate runs) x (the GPU's
+    cublas_workspace_bytes + CUBLASLT_WORKSPACE). On an
     H200 that is 66 MiB, and it is what one Qwen2.5-0.5B and one Qwen2.5-1.5B probe's step
     phase held beyond the counted tensors and the weights' blocks (66 + 7.9 MiB counted,
     74.3 measured; 66 + 0.9 counted, 67.5 measured: benchmarks/results/gpu_nvidia-h200.txt).
     0 on a CPU run."""
     if not ctx.on_gpu:
         return 0
-    return CUBLAS_THREADS * thread_workspace_bytes(ctx)
+    return threads * thread_workspace_bytes(ctx)
 
 
 def thread_workspace_bytes(ctx: Context) -> int:
@@ -83,10 +84,11 @@ def thread_workspace_bytes(ctx: Context) -> int:
 
 
 def gpu_overheads(
-    ctx: Context, components: dict[str, int], layout: Layout | None = None, *, matmuls: bool = True
+    ctx: Context, components: dict[str, int], layout: Layout | None = None, *, matmul_threads: int = CUBLAS_THREADS
 ) -> dict[str, int]:
-    """On a GPU: the device's CUDA context, cuBLAS' workspaces once a matmul has run
-    (:func:`cublas_workspace_bytes`; ``matmuls`` False before the first step, as in loading),
+    """On a GPU: the device's CUDA context, the cuBLAS workspaces of the ``matmul_threads``
+    threads that have run a matmul (:func:`cublas_workspace_bytes`; 0 before the first step, as
+    in loading; 1 where only generate runs, as on an engine rank of its own),
     the allocator's slack (allocator_slack_fraction x the churning components, and what the
     base weights' segments hold beyond them while the weights are on the device:
     :func:`weight_segment_bytes`), and nccl_bytes with more than one GPU. None on a CPU run."""
@@ -97,11 +99,11 @@ def gpu_overheads(
     resident = components.get("weights", 0) or components.get("weights_replicated", 0)
     segments = weight_segment_bytes(ctx, layout) if resident and layout is not None else 0
     slack = int(churning * k.allocator_slack_fraction) + segments
-    if matmuls:
+    if matmul_threads > 1:  # autograd's thread has run a matmul
         slack = max(0, slack - cached_workspace_bytes(ctx))
     return {
         "cuda_context": ctx.cluster.gpu.cuda_context_bytes,
-        **({"cublas_workspace": cublas_workspace_bytes(ctx)} if matmuls else {}),
+        **({"cublas_workspace": cublas_workspace_bytes(ctx, matmul_threads)} if matmul_threads else {}),
         "allocator_slack": slack,
         **({"nccl_buffers": k.nccl_bytes} if ctx.num_gpus > 1 else {}),
     }

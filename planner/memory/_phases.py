@@ -49,7 +49,7 @@ from ._logits import (
     model_head_gradient_bytes,
     reference_logits_bytes,
 )
-from ._overheads import gpu_overheads, host_process_bytes, learn_tile_segment_bytes
+from ._overheads import CUBLAS_THREADS, gpu_overheads, host_process_bytes, learn_tile_segment_bytes
 from ._result import Estimate, PhaseEstimate
 from ._static import (
     FULL_NOTE,
@@ -87,6 +87,9 @@ class Terms:
     vllm_asleep: int
     kept_logprobs: int  # per-token tensors kept from the no-grad passes through learn and the step
     kept_reference: int  # ... at the end of the no-grad passes
+    #: threads that run matmuls once the first step has (each keeps its cuBLAS workspaces): the
+    #: forward's and autograd's; 1 where only generate runs (an engine rank of its own)
+    matmul_threads: int = CUBLAS_THREADS
 
 
 def host_resident(ctx: Context, memory: StaticMemory) -> Components:
@@ -128,9 +131,10 @@ def make_phase(
     ctx: Context, terms: Terms, components: Components, host: Components | None = None, *, matmuls: bool = True
 ) -> PhaseEstimate:
     """A phase's non-zero components (as ints) with the GPU overheads on what they allocate
-    (``matmuls``: cuBLAS' workspaces are there, from the first step on)."""
+    (``matmuls``: the threads' cuBLAS workspaces are there, from the first step on)."""
     merged = {name: int(v) for name, v in components.items() if v}
-    for name, v in gpu_overheads(ctx, merged, terms.layout, matmuls=matmuls).items():
+    threads = terms.matmul_threads if matmuls else 0
+    for name, v in gpu_overheads(ctx, merged, terms.layout, matmul_threads=threads).items():
         merged[name] = merged.get(name, 0) + v
     return PhaseEstimate(components=merged, host={**terms.host, **(host or {})})
 

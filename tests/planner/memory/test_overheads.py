@@ -28,8 +28,10 @@ def test_gpu_terms_only_on_gpus(dense_spec):
     # Hopper's default workspace is 32 MiB; none before the first matmul (loading the weights)
     hopper = gpu_overheads(make_context(dense_spec, gpu=GPUS["H200"], gpus=1), components)
     assert hopper["cublas_workspace"] == 2 * (32 * mib + mib)
-    loading = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components, matmuls=False)
+    loading = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components, matmul_threads=0)
     assert "cublas_workspace" not in loading
+    generate_only = gpu_overheads(make_context(dense_spec, gpu=gpu, gpus=1), components, matmul_threads=1)
+    assert generate_only["cublas_workspace"] == 8 * mib + 128 * 1024 + mib
 
 
 def test_segments_follow_the_caching_allocators_rules():
@@ -125,5 +127,7 @@ def test_autograds_workspaces_take_no_segment_after_a_no_grad_pass():
     epochs = make_context(spec, gpu=h200, gpus=1, beta=0.0, update_epochs=2, logprob_chunk_size=1024)
     assert gpu_overheads(epochs, components)["allocator_slack"] == churn - 33 * mib
     # before the first matmul (loading) there is no workspace to place
-    assert gpu_overheads(kl, components, matmuls=False)["allocator_slack"] == churn
+    assert gpu_overheads(kl, components, matmul_threads=0)["allocator_slack"] == churn
+    # nor with no autograd thread (generate alone): its workspaces are not there to be served
+    assert gpu_overheads(kl, components, matmul_threads=1)["allocator_slack"] == churn
     assert gpu_overheads(make_context(spec, beta=0.04), components) == {}  # a CPU run
