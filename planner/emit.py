@@ -334,14 +334,24 @@ def host_line(plan: Plan) -> str:
     return line + f" of {limit / GIB:.2f} GiB ({verdict}; the margin leaves {plan.host_limit_bytes / GIB:.2f})"
 
 
+def _node_words(c: Cluster) -> str:
+    """How the GPUs sit on nodes, where that is not one whole node: several nodes, or part of one
+    (``--gpus-per-node`` above ``--gpus``: the plan's ranks, and its host figure, are those GPUs')."""
+    if c.num_nodes > 1:
+        return f", {c.per_node} per node"
+    if c.gpus_per_node is not None and c.gpus_per_node > c.num_gpus:
+        return f", {c.num_gpus} of a node's {c.gpus_per_node}"
+    return ""
+
+
 def table(plan: Plan) -> str:
     est = plan.estimate
     c = plan.cluster
     unit, scale = _unit(c.gpu.memory_bytes)
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines = [
-        f"{plan.model} on {c.num_gpus} x {c.gpu.name} ({c.gpu.memory_bytes / scale:.1f} {unit}"
-        f"{f', {c.per_node} per node' if c.num_nodes > 1 else ''}): {verdict}",
+        f"{plan.model} on {c.num_gpus} x {c.gpu.name} ({c.gpu.memory_bytes / scale:.1f} {unit}{_node_words(c)}): "
+        f"{verdict}",
         f"peak {est.peak_bytes / scale:.2f} {unit} per GPU in phase {est.peak_phase}; headroom "
         f"{est.headroom_bytes / scale:.2f} {unit} (safety margin {plan.margin_bytes / scale:.2f} {unit})",
         *(

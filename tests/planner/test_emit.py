@@ -251,3 +251,16 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     code, yaml_text = _emit([*run, "--host-memory", "4096"], "yaml", capsys)
     assert code == 0 and "GiB of 4096.00 GiB (fits; the margin leaves 3891.20)" in yaml_text
     assert yaml_text.splitlines()[2].startswith("# host per rank ")
+
+
+def test_the_table_says_how_the_gpus_sit_on_nodes(capsys):
+    """Several nodes: GPUs per node. Part of one node (--gpus-per-node above --gpus, accepted as a
+    node partly used): which part, so the reader sees the host figure is those GPUs' ranks'."""
+    heads = {}
+    for gpus in (["--gpus", "8", "--gpus-per-node", "16"], ["--gpus", "16", "--gpus-per-node", "8"], ["--gpus", "8"]):
+        code, text = _emit(["Qwen/Qwen2.5-7B", *gpus], "table", capsys)
+        assert code == 0
+        heads[" ".join(gpus)] = text.splitlines()[0]
+    assert heads["--gpus 8 --gpus-per-node 16"].endswith("(79.2 GiB, 8 of a node's 16): FITS")
+    assert heads["--gpus 16 --gpus-per-node 8"].endswith("(79.2 GiB, 8 per node): FITS")
+    assert heads["--gpus 8"].endswith("x H100-80GB (79.2 GiB): FITS")

@@ -575,6 +575,29 @@ async def test_a_narrow_footer_still_shows_quit_and_help():
             assert key in shown and shown[key].right <= 60, (key, shown.get(key))
 
 
+def _screen_text(app) -> str:
+    """The characters on screen, row by row (from the app's SVG screenshot)."""
+    import html
+    import re
+
+    rows: dict[float, list[tuple[float, str]]] = {}
+    for m in re.finditer(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)"[^>]*>(.*?)</text>', app.export_screenshot()):
+        rows.setdefault(float(m[2]), []).append((float(m[1]), html.unescape(m[3])))
+    return "\n".join("".join(t for _, t in sorted(r)).replace("\xa0", " ") for _, r in sorted(rows.items()))
+
+
+@pytest.mark.parametrize("width", [70, 80, 90, 100, 110, 120])
+@pilot_test
+async def test_the_bars_legend_shows_the_gpus_memory_at_every_width(width):
+    """The legend under the bars gives the scale: the GPU's memory. It came last, and panels
+    between 70 and 110 columns cut it; it now comes first."""
+    app = ExplorerApp(MODEL, gpus=2)
+    async with app.run_test(size=(width, 30)) as pilot:
+        await settle(pilot)
+        (legend,) = [row for row in _screen_text(app).splitlines() if "· free" in row]
+        assert "of 79.2" in legend, legend
+
+
 @pilot_test
 async def test_choices_work_from_the_keyboard_and_the_hint_shows_the_fields_description():
     app = ExplorerApp(BIG_MODEL, gpus=8)
