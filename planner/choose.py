@@ -192,8 +192,9 @@ class _Search:
         host = 0 if self.host_limit is None else max(0, self.node_host(est) - self.host_limit)
         return max(0, est.peak_bytes - self.limit), host
 
-    def over(self, est: Estimate) -> list[str]:
-        """What of ``est`` is over its limit: the trainer GPUs, a node's host, an engine rank."""
+    def over(self, est: Estimate, *, engine: bool = True) -> list[str]:
+        """What of ``est`` is over its limit: the trainer GPUs, a node's host, an engine rank
+        (unless not ``engine``)."""
         out = []
         if est.peak_bytes > self.limit:
             out.append(
@@ -204,7 +205,7 @@ class _Search:
             out.append(
                 f"{_gib(self.node_host(est))} of host memory on a node, over the {_gib(self.host_limit)} available"
             )
-        if not self.engine_rank_fits:
+        if engine and not self.engine_rank_fits:
             out.append(_engine_rank_over(self))
         return out
 
@@ -498,6 +499,25 @@ def engine_rank_problem(
     return None if search.engine_rank_fits else _engine_rank_over(search)
 
 
+def host_problem(
+    spec: ModelSpec,
+    workload: Workload,
+    cluster: Cluster,
+    est: Estimate,
+    *,
+    coefficients: Coefficients | None = None,
+    margin_fraction: float = MARGIN_FRACTION,
+) -> str | None:
+    """Why the busiest node's host cannot hold the run estimated by ``est`` (engine ranks of its
+    own included), as plan() judges it, or None (also where the host memory is not given)."""
+    if cluster.host_memory_per_node_bytes is None:
+        return None
+    search = _Search(spec, cluster, coefficients, margin_fraction, workload=workload, fixed={})
+    if search.host_fits(est):
+        return None
+    return search.over(est, engine=False)[-1]
+
+
 def _engine_rank_over(search: _Search) -> str:
     """Why the engine ranks of their own do not fit."""
     engine = search.engine_rank
@@ -588,26 +608,37 @@ def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: b
     if fixed:
         draft.note("sharding", "fsdp", f"FSDPConfig fields were given ({', '.join(sorted(fixed))})")
         return _frugal_fsdp(search, draft, colocated)
-    need = search.estimate(draft.workload, None).peak_bytes
-    if need <= search.limit:
+    unsharded = search.estimate(draft.workload, None)
+    need = unsharded.peak_bytes
+    if need <= search.limit and search.host_fits(unsharded):
         if gpus == 1:
             draft.note("sharding", "none", "one device: no sharding needed")
         else:
             draft.note("sharding", "data parallel", "the whole actor fits on each GPU, so no weight gathers are needed")
         return None
+    why = "; ".join(search.over(unsharded, engine=False))
     if gpus > 1:
-        draft.note("sharding", "fsdp", f"unsharded it needs {_gib(need)} per GPU, over {_gib(search.limit)}")
+        draft.note("sharding", "fsdp", f"unsharded it needs {why}")
         return _frugal_fsdp(search, draft, colocated)
     trial = _Draft(draft.workload)  # its notes join the plan's only if it is taken
     offloaded = _frugal_fsdp(search, trial, colocated)
     if not search.fits(draft.workload, offloaded):
-        draft.note("sharding", "none", f"one device: unsharded it needs {_gib(need)}, and offloading does not fit")
-        return None
+        # neither fits: the nearer to fitting, its GPU first (what the plan then reports)
+        if search.excess(draft.workload, None) <= search.excess(draft.workload, offloaded):
+            draft.note("sharding", "none", f"one device: unsharded it needs {why}, and offloading does not fit")
+            return None
+        draft.note(
+            "sharding",
+            "fsdp",
+            f"one device: unsharded it needs {why}; FSDP2 keeping the optimizer (or the parameters) on the host "
+            "comes nearer to fitting",
+        )
+        draft.decisions.extend(trial.decisions)
+        return offloaded
     draft.note(
         "sharding",
         "fsdp",
-        f"unsharded it needs {_gib(need)}, over {_gib(search.limit)}: FSDP2 on one GPU keeps the optimizer "
-        "(or the parameters) on the host",
+        f"unsharded it needs {why}: FSDP2 on one GPU keeps the optimizer (or the parameters) on the host",
     )
     draft.decisions.extend(trial.decisions)
     return offloaded
@@ -993,7 +1024,7 @@ def _suggest(
             )
             need = math.ceil(freed.host_per_node_bytes / (1 - margin_fraction) / GIB)
             if need * GIB > cluster.host_memory_per_node_bytes:
-                out.append(f"nodes with at least {need} GiB of host memory each (--host-memory {need})")
+                out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
     frugal_micro = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None}))
     least = frugal_micro.micro_batch_size_per_gpu
     if workload.micro_batch_size_per_gpu and least is not None and workload.micro_batch_size_per_gpu > least:

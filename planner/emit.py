@@ -8,7 +8,7 @@ from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
 from .hardware import GIB, MIB, Cluster
-from .memory import Estimate, engine_completions, engine_rank_count
+from .memory import Estimate, engine_completions, engine_rank_count, node_ranks
 from .names import COMPONENTS, PHASES
 from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 
@@ -102,6 +102,12 @@ def engine_ranks(plan: Plan) -> int:
     return engine_rank_count(plan.workload, plan.cluster)
 
 
+def _ranks_per_node(plan: Plan) -> str:
+    """Each node's trainer and engine ranks as the launch places them (planner.memory.node_ranks)."""
+    layout = node_ranks(plan.cluster, engine_ranks(plan))
+    return "trainers + engine ranks per node: " + ", ".join(f"{t} + {e}" for t, e in layout)
+
+
 def launch_command(cluster: Cluster, engines: int = 0) -> str:
     """The ``agilerl-train`` line that launches the manifest on ``cluster`` (and ``engines`` engine
     ranks, one per node): on more than one node, the node count and the rendezvous every node's
@@ -134,8 +140,8 @@ def manifest_yaml(plan: Plan) -> str:
         )
         if plan.cluster.num_nodes > 1:
             header.append(
-                "# the trainer ranks fill the nodes in rank order, so each node but the last holds one more of "
-                "them and the last every engine rank: node-local shard groups (shard_group_size) then span two nodes"
+                f"# the ranks fill the nodes in rank order, {_ranks_per_node(plan)}: node-local shard groups "
+                "(shard_group_size) then span nodes"
             )
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 
@@ -158,6 +164,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "host_peak_bytes_per_rank": est.host_peak_bytes,
         "host_peak_bytes_per_node": plan.host_per_node_bytes,
         "host_limit_bytes_per_node": plan.host_limit_bytes,
+        "host_fits": None if plan.host_limit_bytes is None else not plan.host_over,
         "phases": {
             name: {"components": ph.components, "total": ph.total, "host": ph.host} for name, ph in est.phases.items()
         },
@@ -319,7 +326,7 @@ def estimate_table(est: Estimate, *, capacity: int | None = None, host_line: str
 
 
 def _host_sizes(per_rank: int, per_node: int) -> str:
-    return f"host per rank {per_rank / GIB:.2f} GiB, per node {per_node / GIB:.2f} GiB"
+    return f"host per rank {per_rank / GIB:.2f} GiB (the busiest, rank 0), per node {per_node / GIB:.2f} GiB"
 
 
 def host_line(plan: Plan) -> str:
@@ -359,7 +366,14 @@ def table(plan: Plan) -> str:
             if plan.engine_rank is not None and plan.engine_rank_over
             else []
         ),
-        *([f"a node's host needs {plan.host_per_node_bytes / GIB:.2f} GiB: over the limit"] if plan.host_over else []),
+        *(
+            [
+                f"a node's host needs {plan.host_per_node_bytes / GIB:.2f} GiB: over the "
+                f"{(plan.host_limit_bytes or 0) / GIB:.2f} GiB usable"
+            ]
+            if plan.host_over
+            else []
+        ),
         "",
         estimate_table(est, host_line=host_line(plan)),
         "",
@@ -372,7 +386,7 @@ def table(plan: Plan) -> str:
             f"{_bar(engine.total, c.gpu.memory_bytes)}  "
             + ", ".join(f"{k} {v / scale:.2f}" for v, k in top)
             + f"; host {engine.host_total / GIB:.2f} GiB as it loads"
-            + (f" ({c.num_nodes} engine ranks, all on the last node)" if c.num_nodes > 1 else "")
+            + (f" ({_ranks_per_node(plan)})" if c.num_nodes > 1 else "")
         )
         lines.append("")
     if plan.fsdp is not None:

@@ -44,8 +44,9 @@ def node_ranks(cluster: Cluster, engines: int) -> list[tuple[int, int]]:
     """(trainer ranks, engine ranks) on each node, first node first, as ``agilerl-train`` places
     them: every node launches ``per_node + engines / nodes`` ranks (planner.emit.launch_command),
     torchrun gives each node the next block of ranks, and a member's engine ranks come after its
-    trainer ranks (agilerl.manifest.RankLayout). On several nodes the first ones hold one trainer
-    rank more than their share and the last node every engine rank."""
+    trainer ranks (agilerl.manifest.RankLayout). On several nodes the trainers spill one rank a node
+    past their GPUs' share, so the engine ranks fill the last node(s): two nodes of 8 hold 9 + 0
+    and 7 + 2; four nodes of 2 hold 3 + 0, 3 + 0, 2 + 1 and 0 + 3."""
     per = cluster.per_node + engines // cluster.num_nodes
     trainers = cluster.num_gpus
     out = []

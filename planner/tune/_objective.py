@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..choose import host_problem
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients, estimate
 from ..probe import Measurement, ProbeRequest
@@ -84,6 +85,7 @@ class Objective:
         self.request, self.probe, self.previous, self.claim = request, probe, previous, claim
         self.budget_bytes = cluster.gpu.memory_bytes
         self.limit_bytes = int(self.budget_bytes * (1 - margin_fraction))
+        self.margin_fraction = margin_fraction
 
     def __call__(self, trial: Any) -> float:
         confirming = "confirm_of" in trial.user_attrs  # a queued second run of a measured candidate
@@ -119,6 +121,11 @@ class Objective:
                 f"{fmt_bytes(self.budget_bytes)} budget: not launched",
             )
             set_constraint(trial, (est.peak_bytes - self.limit_bytes) / self.budget_bytes)
+            return 0.0
+        if (host := self._host_problem(candidate, est)) is not None:  # the gate of admits(): no trial measures it
+            trial.set_user_attr("status", "rejected")
+            trial.set_user_attr("why", f"estimated {host}: not launched")
+            set_constraint(trial, INFEASIBLE_FAILURE)
             return 0.0
         request = self.request.model_copy(update={"workload": candidate.workload, "fsdp": candidate.fsdp})
         trial.set_user_attr("launched", True)
@@ -187,6 +194,18 @@ class Objective:
         return float(tokens)
 
     def admits(self, candidate: Candidate) -> bool:
-        """Whether the estimate lets ``candidate`` be launched."""
+        """Whether the estimate lets ``candidate`` be launched: its GPU peak within the budget and,
+        where the host memory is given, its busiest node's host within the host's limit (a trial
+        measures the GPU; the host of the run's nodes is the estimate's alone)."""
         est = estimate(self.spec, candidate.workload, self.cluster, candidate.fsdp, coefficients=self.coefficients)
-        return est.peak_bytes <= self.budget_bytes
+        return est.peak_bytes <= self.budget_bytes and self._host_problem(candidate, est) is None
+
+    def _host_problem(self, candidate: Candidate, est: Any) -> str | None:
+        return host_problem(
+            self.spec,
+            candidate.workload,
+            self.cluster,
+            est,
+            coefficients=self.coefficients,
+            margin_fraction=self.margin_fraction,
+        )

@@ -587,7 +587,7 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         wl["generation"] = m[1]
     elif suggestion.startswith("shard with FSDP2"):
         sharding = "fsdp"
-    elif m := re.fullmatch(r"nodes with at least (\d+) GiB of host memory each \(--host-memory \1\)", suggestion):
+    elif m := re.fullmatch(r"give each node at least (\d+) GiB of host memory \(--host-memory \1\)", suggestion):
         cl["host_memory_per_node_bytes"] = int(m[1]) * 2**30
     else:
         raise AssertionError(f"a suggestion no user could apply: {suggestion!r}")
@@ -880,7 +880,7 @@ def test_the_host_memory_given_is_judged_and_what_would_fit_names_the_host_a_nod
     tight = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": 1024 * GIB}))
     assert not tight.fits and tight.host_over
     assert "of host memory on a node, over the 972.80 GiB available" in tight.reasons()["fits"]
-    (need,) = [int(m[1]) for s in tight.suggestions if (m := re.fullmatch(r"nodes with at least (\d+) GiB .*", s))]
+    (need,) = [int(m[1]) for s in tight.suggestions if (m := re.fullmatch(r"give each node at least (\d+) GiB .*", s))]
     assert need * GIB * 0.95 >= unjudged.host_per_node_bytes > (need - 1) * GIB * 0.95
     fixed = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": need * GIB}))
     assert fixed.fits and not fixed.host_over
@@ -898,6 +898,22 @@ def _every_suggestion_fits(spec, workload, cluster, suggestions, sharding="auto"
         assert fixed.fits, (suggestion, fixed.reasons()["fits"])
 
 
+def test_data_parallel_is_taken_only_where_the_host_holds_every_ranks_whole_model():
+    """Data parallel loads the whole model on every rank, through its host: eight ranks of
+    Qwen2.5-1.5B need more host than a 30 GiB node has, so the plan shards (each rank then loads
+    its shard) and says the host is why; with the host not given, data parallel as before."""
+    from planner.hardware import GIB, GPUS
+
+    spec = load_model_spec("Qwen/Qwen2.5-1.5B")
+    eight = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8)
+    free = plan_with_engines(spec, Workload(), eight)
+    assert free.fits and free.fsdp is None and free.host_per_node_bytes > 0.95 * 30 * GIB
+    small = plan_with_engines(spec, Workload(), eight.model_copy(update={"host_memory_per_node_bytes": 30 * GIB}))
+    assert small.fits and small.fsdp is not None and not small.host_over
+    assert small.reasons()["sharding"].startswith("unsharded it needs ")
+    assert "GiB of host memory on a node, over the 28.50 GiB available" in small.reasons()["sharding"]
+
+
 def test_a_one_gpu_plan_that_offloads_to_a_host_too_small_does_not_fit():
     """Llama-3.1-8B fully fine-tuned on one H100 fits only with FSDP2's offload to the host; on a
     node with too little host memory for what it parks there nothing fits, the plan says that the
@@ -911,6 +927,10 @@ def test_a_one_gpu_plan_that_offloads_to_a_host_too_small_does_not_fit():
     assert free.fits and free.fsdp is not None and (free.fsdp.optim_cpu_offload or free.fsdp.cpu_offload)
     small = plan_with_engines(spec8, wl, one.model_copy(update={"host_memory_per_node_bytes": 64 * GIB}))
     assert not small.fits and small.host_over
-    assert "of host memory on a node, over the 60.80 GiB available" in small.reasons()["fits"]
-    assert any(s.startswith("nodes with at least") for s in small.suggestions), small.suggestions
+    # the plan reports the offloaded run, whose GPU fits: only its host is named as over
+    assert small.fsdp is not None and small.estimate.peak_bytes <= one.gpu.memory_bytes - small.margin_bytes
+    reason = small.reasons()["fits"]
+    assert "of host memory on a node, over the 60.80 GiB available" in reason and "per GPU" not in reason
+    assert small.reasons()["sharding"].endswith("on the host comes nearer to fitting")
+    assert any(s.startswith("give each node at least") for s in small.suggestions), small.suggestions
     _every_suggestion_fits(spec8, wl, small.cluster, small.suggestions)

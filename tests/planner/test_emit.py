@@ -242,7 +242,7 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     code, text = _emit([*run, "--host-memory", "1024"], "table", capsys)
     assert code == 3
     assert "a node's host needs " in text and "GiB of 1024.00 GiB (over the limit; the margin leaves 972.80)" in text
-    assert "  - nodes with at least " in text
+    assert "  - give each node at least " in text
     code, report = _emit([*run, "--host-memory", "1024"], "json", capsys)
     plan = json.loads(report)
     assert code == 3 and not plan["fits"]

@@ -547,14 +547,14 @@ async def test_the_host_memory_knob_judges_a_nodes_host_and_says_when_it_is_over
         screen = await set_knob(pilot, "cluster.host_memory_gib", f"{2 * need / 2**30:.0f}")
         plan = screen.plan
         assert plan.fits and plan.host_limit_bytes is not None
-        assert f"; host {need / 2**30:.2f} GiB a node" in _verdict(screen)
+        assert f"; host {need / 2**30:.2f} of {plan.host_limit_bytes / 2**30:.2f} GiB a node" in _verdict(screen)
         screen = await set_knob(pilot, "cluster.host_memory_gib", f"{need / 2**30 / 2:.0f}")
         plan = screen.plan
         assert not plan.fits and plan.host_over
         text = _verdict(screen)
         assert f" host {need / 2**30:.2f} GiB a node > {plan.host_limit_bytes / 2**30:.2f} usable" in text
         assert "peak " not in text.split("\n")[0]  # the GPUs fit: only the host is named
-        assert any(fix.startswith("nodes with at least") for fix in plan.suggestions)
+        assert any(fix.startswith("give each node at least") for fix in plan.suggestions)
         screen = await set_knob(pilot, "cluster.host_memory_gib", "0")
         assert "cluster.host_memory_gib" in screen.errors
         screen = await set_knob(pilot, "cluster.host_memory_gib", "")

@@ -43,7 +43,9 @@ class Verdict(Static):
                 if plan.engine_rank is not None:
                     out.append(f"; an engine rank of its own {plan.engine_rank.total / GIB:.2f} GiB")
                 if plan.host_limit_bytes is not None:
-                    out.append(f"; host {plan.host_per_node_bytes / GIB:.2f} GiB a node")
+                    out.append(
+                        f"; host {plan.host_per_node_bytes / GIB:.2f} of {plan.host_limit_bytes / GIB:.2f} GiB a node"
+                    )
             else:
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
                 limit = est.capacity_bytes - plan.margin_bytes

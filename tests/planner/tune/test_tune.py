@@ -361,6 +361,34 @@ def test_a_candidate_the_estimate_rejects_is_never_launched(spec):
 
 
 @pytest.mark.timeout(60)
+def test_a_candidate_whose_nodes_host_the_estimate_rejects_is_never_launched(spec):
+    """A trial measures the GPU; the host of the run's nodes is the estimate's alone. Where the
+    host memory is given, a candidate whose busiest node's host is over its limit is rejected
+    before launch (and the tuner's enumeration does not admit it); with room, it launches."""
+    from planner.tune._space import suggest_candidate
+
+    params = {"sharding": "none", "micro_batch_size_per_gpu": 2, "gradient_checkpointing": False}
+    roomy_gpu = cpu_cluster(64 * 2**30)
+    workload = SMALL.model_copy(
+        update={"micro_batch_size_per_gpu": 2, "gradient_checkpointing": False, "logprob_chunk_size": 256}
+    )
+    node = estimate(spec, workload, roomy_gpu, None).host_per_node_bytes
+    assert node > 0
+    for host, launched in ((node // 2, False), (2 * node, True)):
+        cluster = roomy_gpu.model_copy(update={"host_memory_per_node_bytes": host})
+        probe = FakeProbe(spec, cluster)
+        trial = optuna.trial.FixedTrial(params)
+        objective = objective_for(spec, cluster, probe)
+        objective(trial)
+        assert bool(probe.requests) == launched == trial.user_attrs["launched"]
+        assert objective.admits(suggest_candidate(optuna.trial.FixedTrial(params), objective.space)) == launched
+        if not launched:
+            assert trial.user_attrs["status"] == "rejected" and trial.user_attrs["constraint"] > 0
+            assert "of host memory on a node, over the" in trial.user_attrs["why"]
+            assert trial.user_attrs["why"].endswith("not launched")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["oom", "crashed", "over_budget"])
 def test_an_oom_crash_or_overrun_is_an_infeasible_trial_not_an_error(spec, kind):
     cluster = cpu_cluster(64 * MIB)
