@@ -3,7 +3,8 @@
 Strategy, deterministic and fast (tens of estimates, a few ms each):
 
 1. Data parallel (no sharding) when the whole actor fits on every GPU with the
-   margin: it needs no weight gathers. Otherwise FSDP2.
+   margin (and, where the host memory is given, every rank's copy on its node's
+   host): it needs no weight gathers. Otherwise FSDP2.
 2. Start from the most frugal settings (reshard after forward, one block per
    unit, prefetch 1, micro-batch 1, checkpointing on, the smallest log-prob
    chunk, Adam state on the GPU unless only the host can hold it, for full
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ConfigDict
 from agilerl.distributed import FSDPConfig
 
 from . import calibration
-from .hardware import GIB, MARGIN_FRACTION, MIB, Cluster
+from .hardware import GIB, MARGIN_FRACTION, MAX_MEMORY_GIB, MIB, Cluster
 from .memory import (
     EXPERT_CHUNKS_MIB,
     Coefficients,
@@ -202,9 +203,7 @@ class _Search:
             )
         if not self.host_fits(est):
             assert self.host_limit is not None
-            out.append(
-                f"{_gib(self.node_host(est))} of host memory on a node, over the {_gib(self.host_limit)} available"
-            )
+            out.append(host_over_words(self.node_host(est), self.host_limit))
         if engine and not self.engine_rank_fits:
             out.append(_engine_rank_over(self))
         return out
@@ -499,7 +498,7 @@ def engine_rank_problem(
     return None if search.engine_rank_fits else _engine_rank_over(search)
 
 
-def host_problem(
+def node_host_need(
     spec: ModelSpec,
     workload: Workload,
     cluster: Cluster,
@@ -507,15 +506,19 @@ def host_problem(
     *,
     coefficients: Coefficients | None = None,
     margin_fraction: float = MARGIN_FRACTION,
-) -> str | None:
-    """Why the busiest node's host cannot hold the run estimated by ``est`` (engine ranks of its
-    own included), as plan() judges it, or None (also where the host memory is not given)."""
+) -> tuple[int, int] | None:
+    """The busiest node's host memory under ``est`` (engine ranks of their own included) and what
+    a node's host may hold, as plan() judges them; None where the host memory is not given."""
     if cluster.host_memory_per_node_bytes is None:
         return None
     search = _Search(spec, cluster, coefficients, margin_fraction, workload=workload, fixed={})
-    if search.host_fits(est):
-        return None
-    return search.over(est, engine=False)[-1]
+    assert search.host_limit is not None
+    return search.node_host(est), search.host_limit
+
+
+def host_over_words(need: int, limit: int) -> str:
+    """A host over its limit, as plans and the tuner say it."""
+    return f"{_gib(need)} of host memory on a node, over the {_gib(limit)} available"
 
 
 def _engine_rank_over(search: _Search) -> str:
@@ -1007,24 +1010,8 @@ def _suggest(
             more = f" with prompts_per_step={whole}" if whole != prompts else ""
             out.append(f"use {gpus} GPUs{where}{more}")
             break
-    if cluster.host_memory_per_node_bytes is not None:
-        # the same run with the host not judged: what its busiest node then needs
-        unjudged = cluster.model_copy(update={"host_memory_per_node_bytes": None})
-        if feasible(workload, unjudged):
-            freed = plan(
-                spec,
-                workload,
-                unjudged,
-                fixed=fixed,
-                sharding=sharding,
-                coefficients=coefficients,
-                margin_fraction=margin_fraction,
-                suggest=False,
-                engine_ranks=engine_ranks,
-            )
-            need = math.ceil(freed.host_per_node_bytes / (1 - margin_fraction) / GIB)
-            if need * GIB > cluster.host_memory_per_node_bytes:
-                out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
+    if cluster.host_memory_per_node_bytes is not None and (need := _least_host_gib(cluster, workload, feasible)):
+        out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
     frugal_micro = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None}))
     least = frugal_micro.micro_batch_size_per_gpu
     if workload.micro_batch_size_per_gpu and least is not None and workload.micro_batch_size_per_gpu > least:
@@ -1106,6 +1093,30 @@ def _suggest(
     if not out:
         out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
     return out
+
+
+def _least_host_gib(cluster: Cluster, workload: Workload, feasible: Callable[[Workload, Cluster], bool]) -> int | None:
+    """The least whole GiB of host memory per node above the cluster's with which the run fits,
+    or None where it does not fit with the host not judged either: doubling, then a binary search
+    (more host only adds choices: data parallel, offloading)."""
+    given = cluster.host_memory_per_node_bytes
+    assert given is not None
+    if not feasible(workload, cluster.model_copy(update={"host_memory_per_node_bytes": None})):
+        return None
+
+    def fits(gib: int) -> bool:
+        return feasible(workload, cluster.model_copy(update={"host_memory_per_node_bytes": gib * GIB}))
+
+    low = given // GIB  # whole GiB that do not fit (the host given, rounded down, does not)
+    high = max(low + 1, 2 * low)
+    while not fits(high):
+        if high >= MAX_MEMORY_GIB:
+            return None
+        low, high = high, min(2 * high, MAX_MEMORY_GIB)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
 
 
 def _fewest_prompts_cut(

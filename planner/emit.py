@@ -96,9 +96,9 @@ def engine_ranks(plan: Plan) -> int:
     """Rollout engines on ranks of their own (``rollout_engines_per_agent``): none, unless an
     objective with a rollout was planned with nothing generating on its GPUs (generation='none');
     then as many as there are nodes (planner.memory.engine_rank_count), so every node launches one
-    more rank (agilerl.train puts a member's engine ranks after its trainer ranks: on several nodes
-    the last node holds them: planner.memory.node_ranks), each running Hugging Face generate for
-    the trainers."""
+    more rank (agilerl.train puts a member's engine ranks after its trainer ranks, so on several
+    nodes they fill the last node(s): planner.memory.node_ranks), each running Hugging Face
+    generate for the trainers."""
     return engine_rank_count(plan.workload, plan.cluster)
 
 
@@ -140,8 +140,8 @@ def manifest_yaml(plan: Plan) -> str:
         )
         if plan.cluster.num_nodes > 1:
             header.append(
-                f"# the ranks fill the nodes in rank order, {_ranks_per_node(plan)}: node-local shard groups "
-                "(shard_group_size) then span nodes"
+                f"# the ranks fill the nodes in rank order, {_ranks_per_node(plan)}"
+                + (": node-local shard groups (shard_group_size) then span nodes" if plan.fsdp is not None else "")
             )
     import yaml  # on use: a table or JSON plan reads and writes no YAML
 
@@ -326,7 +326,7 @@ def estimate_table(est: Estimate, *, capacity: int | None = None, host_line: str
 
 
 def _host_sizes(per_rank: int, per_node: int) -> str:
-    return f"host per rank {per_rank / GIB:.2f} GiB (the busiest, rank 0), per node {per_node / GIB:.2f} GiB"
+    return f"host per trainer rank {per_rank / GIB:.2f} GiB (rank 0's), per node {per_node / GIB:.2f} GiB"
 
 
 def host_line(plan: Plan) -> str:

@@ -41,7 +41,8 @@ __all__ = [
 
 SHARDINGS = ("auto", "fsdp", "none")
 SHARDING_HELP = (
-    "auto: data parallel when the whole actor fits on each GPU, else FSDP2; fsdp: always FSDP2; none: never shard"
+    "auto: data parallel when the whole actor fits on each GPU (and every rank's copy on its node's host, where "
+    "--host-memory is given), else FSDP2; fsdp: always FSDP2; none: never shard"
 )
 MARGIN_HELP = "the share of GPU memory a plan leaves free (and of host memory, where given), a fraction in [0, 1)"
 _VLLM_FIELDS = tuple(name for name in Workload.model_fields if name.startswith("vllm_"))

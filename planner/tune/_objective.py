@@ -2,14 +2,16 @@
 
 ``objective(trial)`` builds a candidate with ``trial.suggest_*`` (planner.tune._space),
 estimates it, and launches a probe only when the estimate says it can fit the
-device at all. Every outcome is a finished trial:
+device at all and, where the host memory is given, that the busiest node's host holds it (no
+trial measures a node's host). Every outcome is a finished trial:
 
 ==============  =====================  ===========================================
 status          value                  constraint (> 0: infeasible)
 ==============  =====================  ===========================================
 fits            measured tokens/s      (peak - limit) / budget, <= 0
 over_budget     measured tokens/s      (peak - limit) / budget, > 0
-rejected        0, never launched      (estimated peak - limit) / budget, > 0
+rejected        0, never launched      (estimated peak - limit) / budget, > 0; or the
+                                       host's: (node host - its limit) / host memory
 oom, crashed    0                      1 (as bad as twice the budget)
 repeat          the earlier result     the earlier result
 ==============  =====================  ===========================================
@@ -28,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..choose import host_problem
+from ..choose import host_over_words, node_host_need
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients, estimate
 from ..probe import Measurement, ProbeRequest
@@ -122,10 +124,12 @@ class Objective:
             )
             set_constraint(trial, (est.peak_bytes - self.limit_bytes) / self.budget_bytes)
             return 0.0
-        if (host := self._host_problem(candidate, est)) is not None:  # the gate of admits(): no trial measures it
+        host = self._host(candidate, est)
+        if host is not None and host[0] > host[1]:  # the gate of admits(): no trial measures a node's host
+            need, limit = host
             trial.set_user_attr("status", "rejected")
-            trial.set_user_attr("why", f"estimated {host}: not launched")
-            set_constraint(trial, INFEASIBLE_FAILURE)
+            trial.set_user_attr("why", f"estimated {host_over_words(need, limit)}: not launched")
+            set_constraint(trial, (need - limit) / (self.cluster.host_memory_per_node_bytes or limit))
             return 0.0
         request = self.request.model_copy(update={"workload": candidate.workload, "fsdp": candidate.fsdp})
         trial.set_user_attr("launched", True)
@@ -198,10 +202,12 @@ class Objective:
         where the host memory is given, its busiest node's host within the host's limit (a trial
         measures the GPU; the host of the run's nodes is the estimate's alone)."""
         est = estimate(self.spec, candidate.workload, self.cluster, candidate.fsdp, coefficients=self.coefficients)
-        return est.peak_bytes <= self.budget_bytes and self._host_problem(candidate, est) is None
+        host = self._host(candidate, est)
+        return est.peak_bytes <= self.budget_bytes and (host is None or host[0] <= host[1])
 
-    def _host_problem(self, candidate: Candidate, est: Any) -> str | None:
-        return host_problem(
+    def _host(self, candidate: Candidate, est: Any) -> tuple[int, int] | None:
+        """(the busiest node's host, its limit) under ``est``; None where the host is not given."""
+        return node_host_need(
             self.spec,
             candidate.workload,
             self.cluster,

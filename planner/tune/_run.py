@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..choose import Decision, Plan, engine_rank_problem, plan
+from ..choose import Decision, Plan, engine_rank_problem, host_over_words, plan
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients
 from ..probe import Device, Measurement, ProbeRequest, probe_model
@@ -151,8 +151,14 @@ def tuned_plan(
             ),
         )
     )
-    # (an engine rank of its own that cannot fit was refused before any trial: tune())
-    return base.model_copy(update={"fits": True, "decisions": tuple(decisions), "suggestions": ()})
+    # (an engine rank of its own that cannot fit was refused before any trial: tune(); a candidate
+    # whose node's host is over is never launched, but a study resumed from before the host was
+    # judged may hold one)
+    if base.host_over:
+        assert base.host_limit_bytes is not None
+        over = host_over_words(base.host_per_node_bytes, base.host_limit_bytes)
+        decisions[-1] = Decision(field="fits", value=False, reason=f"{decisions[-1].reason}; but the estimate's {over}")
+    return base.model_copy(update={"fits": not base.host_over, "decisions": tuple(decisions), "suggestions": ()})
 
 
 def tune(
@@ -194,6 +200,17 @@ def tune(
         raise ValueError(f"--trials must be at least 1, got {max_trials}")
     generate = _trials_generate(workload, fixed, generate)
     _check_engine_ranks(spec, request, coefficients)
+    picked = plan(
+        spec,
+        workload,
+        cluster,
+        fixed=fixed,
+        sharding=sharding,
+        coefficients=coefficients,
+        margin_fraction=margin_fraction,
+        suggest=False,
+    )
+    _check_host(picked)
     space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding, engine_in_trials=generate)
     killed = kill_orphans()
     if killed:
@@ -213,16 +230,6 @@ def tune(
         say=say,
     )
 
-    picked = plan(
-        spec,
-        workload,
-        cluster,
-        fixed=fixed,
-        sharding=sharding,
-        coefficients=coefficients,
-        margin_fraction=margin_fraction,
-        engine_ranks=False,  # the trials run the trainers: their pick, whatever an engine rank needs
-    )
     if enqueue_planner_pick(study, plan_params(space, picked) if picked.fits else None):
         say("the planner's pick is the first trial")
     # A cluster of several nodes is emulated on this host: one torchrun agent per node, c10d rendezvous.
@@ -315,6 +322,18 @@ def _check_engine_ranks(spec: ModelSpec, request: PlanRequest, coefficients: Coe
             f"{problem}; whatever the trials choose for the trainers: generate on the trainer GPUs "
             "(--generation hf or vllm), or plan without --tune to see what would fit"
         )
+
+
+def _check_host(picked: Plan) -> None:
+    """ValueError where no run the plan can find fits the nodes' host memory: no trial measures a
+    node's host, so no trial could show one that fits."""
+    if picked.fits or not picked.host_over:
+        return
+    assert picked.host_limit_bytes is not None
+    raise ValueError(
+        f"the most frugal settings need {host_over_words(picked.host_per_node_bytes, picked.host_limit_bytes)}, "
+        "and no trial measures a node's host: plan without --tune to see what would fit"
+    )
 
 
 def _trials_generate(workload: Workload, fixed: dict[str, Any], generate: bool | None) -> bool:

@@ -912,6 +912,17 @@ def test_data_parallel_is_taken_only_where_the_host_holds_every_ranks_whole_mode
     assert small.fits and small.fsdp is not None and not small.host_over
     assert small.reasons()["sharding"].startswith("unsharded it needs ")
     assert "GiB of host memory on a node, over the 28.50 GiB available" in small.reasons()["sharding"]
+    # a host that holds no layout: the least whole GiB that does is named (FSDP2's, not data
+    # parallel's: more host only adds choices)
+    import re
+
+    tiny = plan_with_engines(spec, Workload(), eight.model_copy(update={"host_memory_per_node_bytes": 15 * GIB}))
+    assert not tiny.fits and tiny.host_over
+    (need,) = [int(m[1]) for s in tiny.suggestions if (m := re.fullmatch(r"give each node at least (\d+) GiB .*", s))]
+    assert need * GIB < 0.95 * free.host_per_node_bytes  # less than data parallel's
+    for gib, fits in ((need, True), (need - 1, False)):
+        again = plan_with_engines(spec, Workload(), eight.model_copy(update={"host_memory_per_node_bytes": gib * GIB}))
+        assert again.fits == fits, gib
 
 
 def test_a_one_gpu_plan_that_offloads_to_a_host_too_small_does_not_fit():

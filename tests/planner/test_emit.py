@@ -250,7 +250,7 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     assert plan["host_peak_bytes_per_node"] > plan["host_limit_bytes_per_node"] > 0.95 * 1024 * 2**30 - 2
     code, yaml_text = _emit([*run, "--host-memory", "4096"], "yaml", capsys)
     assert code == 0 and "GiB of 4096.00 GiB (fits; the margin leaves 3891.20)" in yaml_text
-    assert yaml_text.splitlines()[2].startswith("# host per rank ")
+    assert yaml_text.splitlines()[2].startswith("# host per trainer rank ")
 
 
 def test_the_table_says_how_the_gpus_sit_on_nodes(capsys):

@@ -589,13 +589,13 @@ def _screen_text(app) -> str:
 @pytest.mark.parametrize("width", [70, 80, 90, 100, 110, 120])
 @pilot_test
 async def test_the_bars_legend_shows_the_gpus_memory_at_every_width(width):
-    """The legend under the bars gives the scale: the GPU's memory. It came last, and panels
-    between 70 and 110 columns cut it; it now comes first."""
+    """The legend under the bars gives the scale: the GPU's memory. It came last ("of 79.2"), and
+    panels between 70 and 110 columns cut it; it now comes first, with its unit."""
     app = ExplorerApp(MODEL, gpus=2)
     async with app.run_test(size=(width, 30)) as pilot:
         await settle(pilot)
         (legend,) = [row for row in _screen_text(app).splitlines() if "· free" in row]
-        assert "of 79.2" in legend, legend
+        assert "79.2 GiB" in legend, legend
 
 
 @pilot_test

@@ -121,7 +121,7 @@ class PhaseBars(Widget, can_focus=True):
             out.append(f"{total / GIB:>{_TOTAL_WIDTH}.1f}", style=style.strip())
             out.append("\n")
         # the capacity first: a narrow panel cuts the legend's end, and the keys matter least
-        out.append(f"{'GiB of ' + format(capacity / GIB, '.1f'):<{_NAME_WIDTH - 1}} ", style="dim")
+        out.append(f"{format(capacity / GIB, '.1f') + ' GiB':<{_NAME_WIDTH - 1}} ", style="dim")
         out.append("· free ", style="dim")
         out.append("░ margin ", style="yellow")
         out.append("█ over", style=OVER_COLOR)

@@ -143,8 +143,8 @@ def test_the_engine_takes_the_trainers_attention_and_dtype(tmp_path, dtype):
 def test_each_nodes_ranks_are_those_the_launch_gives_it(gpus, per_node):
     """node_ranks follows the launch: every node starts the manifest's ``--nproc-per-node`` ranks
     (planner.emit.launch_command), torchrun numbers them node by node, and the trainer's own
-    RankLayout says which are engine ranks. On several nodes the trainers spill onto the first
-    nodes and every engine rank lands on the last."""
+    RankLayout says which are engine ranks. On several nodes the trainers spill one rank a node
+    past their GPUs, and the engine ranks fill the last node(s)."""
     from agilerl.manifest import RankLayout
     from planner.emit import launch_command
     from planner.memory import node_ranks

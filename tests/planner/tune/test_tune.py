@@ -1187,3 +1187,30 @@ def test_engine_ranks_that_cannot_fit_are_refused_before_any_trial():
             max_trials=1,
             probe=never,
         )
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_nodes_host_nothing_fits_is_refused_before_any_trial(tmp_path):
+    """No trial measures a node's host: where the plan finds no combination whose busiest node's
+    host holds it (Llama-3.1-70B fully fine-tuned on a node of 8 with 256 GiB: Adam's state
+    alone is 16 bytes a parameter), the tuner says so in one line and opens no study."""
+    from planner.hardware import GIB, GPUS
+    from planner.models import load_model_spec
+
+    def never(request):
+        raise AssertionError("a trial was launched")
+
+    spec = load_model_spec("meta-llama/Llama-3.1-70B")
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8, host_memory_per_node_bytes=256 * GIB)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(ValueError, match=r"of host memory on a node, over the 243\.20 GiB available, and no trial"):
+        tune(
+            spec=spec,
+            model="meta-llama/Llama-3.1-70B",
+            request=PlanRequest(cluster, Workload(full_finetune=True, prompts_per_step=8)),
+            coefficients=None,
+            storage=storage,
+            max_trials=1,
+            probe=never,
+        )
+    assert not (tmp_path / "study.db").exists()
