@@ -334,7 +334,7 @@ def host_line(plan: Plan) -> str:
     and against the node's host memory where given."""
     line = _host_sizes(plan.estimate.host_peak_bytes, plan.host_per_node_bytes)
     if plan.host_limit_bytes is None:
-        return line + " (--host-memory not given: not judged)"
+        return line + " (host memory not given: not judged)"
     limit = plan.cluster.host_memory_per_node_bytes
     assert limit is not None
     verdict = "over the limit" if plan.host_over else "fits"

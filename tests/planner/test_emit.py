@@ -238,7 +238,7 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     without it the table says the host is not judged."""
     run = ["meta-llama/Llama-3.1-70B", "--full-finetune", "--gpus", "16", "--gpus-per-node", "8"]
     code, free = _emit(run, "table", capsys)
-    assert code == 0 and "GiB (--host-memory not given: not judged)" in free
+    assert code == 0 and "GiB (host memory not given: not judged)" in free
     code, text = _emit([*run, "--host-memory", "1024"], "table", capsys)
     assert code == 3
     assert "a node's host needs " in text and "GiB of 1024.00 GiB (over the limit; the margin leaves 972.80)" in text
