@@ -498,22 +498,24 @@ def engine_rank_problem(
     return None if search.engine_rank_fits else _engine_rank_over(search)
 
 
-def node_host_need(
+def host_judge(
     spec: ModelSpec,
     workload: Workload,
     cluster: Cluster,
-    est: Estimate,
     *,
     coefficients: Coefficients | None = None,
     margin_fraction: float = MARGIN_FRACTION,
-) -> tuple[int, int] | None:
-    """The busiest node's host memory under ``est`` (engine ranks of their own included) and what
-    a node's host may hold, as plan() judges them; None where the host memory is not given."""
+) -> Callable[[Estimate], tuple[int, int]] | None:
+    """What plan() judges a node's host by, for any estimate of this run (whatever its FSDPConfig
+    and knobs): a function giving the busiest node's host memory under an estimate (engine ranks
+    of their own included) and what a node's host may hold; None where the host memory is not
+    given. The engine ranks are estimated once, here."""
     if cluster.host_memory_per_node_bytes is None:
         return None
     search = _Search(spec, cluster, coefficients, margin_fraction, workload=workload, fixed={})
-    assert search.host_limit is not None
-    return search.node_host(est), search.host_limit
+    limit = search.host_limit
+    assert limit is not None
+    return lambda est: (search.node_host(est), limit)
 
 
 def host_over_words(need: int, limit: int) -> str:
@@ -625,6 +627,13 @@ def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: b
         return _frugal_fsdp(search, draft, colocated)
     trial = _Draft(draft.workload)  # its notes join the plan's only if it is taken
     offloaded = _frugal_fsdp(search, trial, colocated)
+    how = (
+        "keeping the optimizer (or the parameters) on the host"
+        if offloaded.optim_cpu_offload or offloaded.cpu_offload
+        # FSDP2's load reads a shard's tensors one at a time, where from_pretrained builds the
+        # whole model on the host: what a host too small for one copy of the model needs
+        else "loading the weights a tensor at a time through the host"
+    )
     if not search.fits(draft.workload, offloaded):
         # neither fits: the nearer to fitting, its GPU first (what the plan then reports)
         if search.excess(draft.workload, None) <= search.excess(draft.workload, offloaded):
@@ -633,15 +642,14 @@ def _choose_sharding(search: _Search, draft: _Draft, sharding: str, colocated: b
         draft.note(
             "sharding",
             "fsdp",
-            f"one device: unsharded it needs {why}; FSDP2 keeping the optimizer (or the parameters) on the host "
-            "comes nearer to fitting",
+            f"one device: unsharded it needs {why}; FSDP2 {how} comes nearer to fitting",
         )
         draft.decisions.extend(trial.decisions)
         return offloaded
     draft.note(
         "sharding",
         "fsdp",
-        f"unsharded it needs {why}: FSDP2 on one GPU keeps the optimizer (or the parameters) on the host",
+        f"unsharded it needs {why}: FSDP2 on one GPU, {how}",
     )
     draft.decisions.extend(trial.decisions)
     return offloaded

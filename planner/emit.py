@@ -6,9 +6,9 @@ from typing import Any
 
 from agilerl.distributed import FSDPConfig
 
-from .choose import Plan
+from .choose import Plan, host_over_words
 from .hardware import GIB, MIB, Cluster
-from .memory import Estimate, engine_completions, engine_rank_count, node_ranks
+from .memory import Estimate, engine_completions, engine_rank_count, node_ranks, ranks_per_node
 from .names import COMPONENTS, PHASES
 from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 
@@ -112,7 +112,7 @@ def launch_command(cluster: Cluster, engines: int = 0) -> str:
     """The ``agilerl-train`` line that launches the manifest on ``cluster`` (and ``engines`` engine
     ranks, one per node): on more than one node, the node count and the rendezvous every node's
     launcher names (its host left to the user)."""
-    run = f"agilerl-train --nproc-per-node={cluster.per_node + engines // cluster.num_nodes}"
+    run = f"agilerl-train --nproc-per-node={ranks_per_node(cluster, engines)}"
     if cluster.num_nodes > 1:
         run += f" --nnodes={cluster.num_nodes} --rdzv-endpoint=<first node>:29500"
     return f"{run} <this file>"
@@ -233,6 +233,18 @@ def _config_expression(field: str, value: Any) -> tuple[str, str | None]:
     return call.format(", ".join(f"{k}={v!r}" for k, v in fields.items())), f"from {module} import {cls}"
 
 
+def _fit_words(plan: Plan) -> str:
+    """Whether the plan fits and, where its trainer GPUs fit but it does not, what does not."""
+    if plan.fits:
+        return "fits"
+    if plan.estimate.peak_bytes > plan.cluster.gpu.memory_bytes - plan.margin_bytes:
+        return "DOES NOT FIT"
+    over = [what for what, bad in (("a node's host", plan.host_over), ("an engine rank", plan.engine_rank_over)) if bad]
+    if not over:
+        return "DOES NOT FIT"
+    return f"DOES NOT FIT (the GPUs fit; {' and '.join(over)} do{'es' if len(over) == 1 else ''} not)"
+
+
 def _verdict(plan: Plan) -> list[str]:
     """The comment lines that head a manifest or a snippet: what was planned, and whether it fits
     (with what would, when not). A model path's line breaks are escaped: a comment is one line."""
@@ -241,7 +253,7 @@ def _verdict(plan: Plan) -> list[str]:
     lines = [
         f"# agilerl-plan: {model} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}",
         f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
-        f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {'fits' if plan.fits else 'DOES NOT FIT'}",
+        f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {_fit_words(plan)}",
     ]
     if plan.engine_rank is not None:
         lines.append(f"# {_engine_rank_line(plan)}")
@@ -366,14 +378,7 @@ def table(plan: Plan) -> str:
             if plan.engine_rank is not None and plan.engine_rank_over
             else []
         ),
-        *(
-            [
-                f"a node's host needs {plan.host_per_node_bytes / GIB:.2f} GiB: over the "
-                f"{(plan.host_limit_bytes or 0) / GIB:.2f} GiB usable"
-            ]
-            if plan.host_over
-            else []
-        ),
+        *([host_over_words(plan.host_per_node_bytes, plan.host_limit_bytes or 0)] if plan.host_over else []),
         "",
         estimate_table(est, host_line=host_line(plan)),
         "",

@@ -79,6 +79,8 @@ class Knob:
     auto: bool = False  # "auto" (or an empty field) leaves the value to the planner
     # "none" is a value of its own (FSDPConfig fields whose None means something)
     nullable: bool = False
+    # what an empty field shows, where "auto" would mislead (the host memory: not judged)
+    placeholder: str | None = None
 
     @property
     def group(self) -> str:
@@ -171,6 +173,7 @@ def knob_table() -> tuple[Knob, ...]:
             "(offloaded optimizer state, a gathered checkpoint, engine ranks). Empty: reported, not judged.",
             "float",
             auto=True,
+            placeholder="not judged",
         ),
         Knob(
             "plan.sharding",

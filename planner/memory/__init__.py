@@ -37,7 +37,14 @@ engine on a rank of its own (``_engine``: not a trainer rank's phase, a GPU of i
 from ._allocator import CachingAllocator
 from ._coefficients import Coefficients
 from ._context import DTYPE_BYTES, resolve_workload
-from ._engine import engine_completions, engine_rank_count, engine_rank_estimate, node_host_bytes, node_ranks
+from ._engine import (
+    engine_completions,
+    engine_rank_count,
+    engine_rank_estimate,
+    node_host_bytes,
+    node_ranks,
+    ranks_per_node,
+)
 from ._estimate import (
     EXPERT_CHUNKS_MIB,
     MARGIN_FRACTION,
@@ -78,4 +85,5 @@ __all__ = [
     "engine_rank_estimate",
     "node_host_bytes",
     "node_ranks",
+    "ranks_per_node",
 ]

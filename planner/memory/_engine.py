@@ -40,14 +40,20 @@ def engine_completions(workload: Workload, cluster: Cluster) -> int:
     return -(-workload.completions_per_step // engines) if engines else 0
 
 
+def ranks_per_node(cluster: Cluster, engines: int) -> int:
+    """The ranks every node launches (``--nproc-per-node``): its GPUs' trainer ranks and its share
+    of ``engines`` engine ranks, one per node."""
+    return cluster.per_node + engines // cluster.num_nodes
+
+
 def node_ranks(cluster: Cluster, engines: int) -> list[tuple[int, int]]:
     """(trainer ranks, engine ranks) on each node, first node first, as ``agilerl-train`` places
-    them: every node launches ``per_node + engines / nodes`` ranks (planner.emit.launch_command),
+    them: every node launches :func:`ranks_per_node` ranks (planner.emit.launch_command),
     torchrun gives each node the next block of ranks, and a member's engine ranks come after its
     trainer ranks (agilerl.manifest.RankLayout). On several nodes the trainers spill one rank a node
     past their GPUs' share, so the engine ranks fill the last node(s): two nodes of 8 hold 9 + 0
     and 7 + 2; four nodes of 2 hold 3 + 0, 3 + 0, 2 + 1 and 0 + 3."""
-    per = cluster.per_node + engines // cluster.num_nodes
+    per = ranks_per_node(cluster, engines)
     trainers = cluster.num_gpus
     out = []
     for node in range(cluster.num_nodes):

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..choose import host_over_words, node_host_need
+from ..choose import host_judge, host_over_words
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients, estimate
 from ..probe import Measurement, ProbeRequest
@@ -87,7 +87,10 @@ class Objective:
         self.request, self.probe, self.previous, self.claim = request, probe, previous, claim
         self.budget_bytes = cluster.gpu.memory_bytes
         self.limit_bytes = int(self.budget_bytes * (1 - margin_fraction))
-        self.margin_fraction = margin_fraction
+        # a node's host, judged as plan() judges it (None: the host memory is not given)
+        self.host = host_judge(
+            spec, request.workload, cluster, coefficients=coefficients, margin_fraction=margin_fraction
+        )
 
     def __call__(self, trial: Any) -> float:
         confirming = "confirm_of" in trial.user_attrs  # a queued second run of a measured candidate
@@ -115,21 +118,11 @@ class Objective:
             earlier = self.previous(candidate.key) if self.previous else None
         if earlier is not None:
             return self._repeat(trial, earlier)
-        if est.peak_bytes > self.budget_bytes:  # the gate of admits()
+        if (rejected := self.rejection(est)) is not None:
+            why, violation = rejected
             trial.set_user_attr("status", "rejected")
-            trial.set_user_attr(
-                "why",
-                f"estimated peak {fmt_bytes(est.peak_bytes)} in {est.peak_phase} over the "
-                f"{fmt_bytes(self.budget_bytes)} budget: not launched",
-            )
-            set_constraint(trial, (est.peak_bytes - self.limit_bytes) / self.budget_bytes)
-            return 0.0
-        host = self._host(candidate, est)
-        if host is not None and host[0] > host[1]:  # the gate of admits(): no trial measures a node's host
-            need, limit = host
-            trial.set_user_attr("status", "rejected")
-            trial.set_user_attr("why", f"estimated {host_over_words(need, limit)}: not launched")
-            set_constraint(trial, (need - limit) / (self.cluster.host_memory_per_node_bytes or limit))
+            trial.set_user_attr("why", why)
+            set_constraint(trial, violation)
             return 0.0
         request = self.request.model_copy(update={"workload": candidate.workload, "fsdp": candidate.fsdp})
         trial.set_user_attr("launched", True)
@@ -198,20 +191,23 @@ class Objective:
         return float(tokens)
 
     def admits(self, candidate: Candidate) -> bool:
-        """Whether the estimate lets ``candidate`` be launched: its GPU peak within the budget and,
-        where the host memory is given, its busiest node's host within the host's limit (a trial
-        measures the GPU; the host of the run's nodes is the estimate's alone)."""
+        """Whether the estimate lets ``candidate`` be launched (:meth:`rejection`)."""
         est = estimate(self.spec, candidate.workload, self.cluster, candidate.fsdp, coefficients=self.coefficients)
-        host = self._host(candidate, est)
-        return est.peak_bytes <= self.budget_bytes and (host is None or host[0] <= host[1])
+        return self.rejection(est) is None
 
-    def _host(self, candidate: Candidate, est: Any) -> tuple[int, int] | None:
-        """(the busiest node's host, its limit) under ``est``; None where the host is not given."""
-        return node_host_need(
-            self.spec,
-            candidate.workload,
-            self.cluster,
-            est,
-            coefficients=self.coefficients,
-            margin_fraction=self.margin_fraction,
-        )
+    def rejection(self, est: Any) -> tuple[str, float] | None:
+        """Why the estimate ``est`` keeps a candidate from launch, and its constraint, or None: its
+        GPU peak over the budget, or (where the host memory is given) its busiest node's host over
+        the host's limit, which no trial measures."""
+        if est.peak_bytes > self.budget_bytes:
+            why = (
+                f"estimated peak {fmt_bytes(est.peak_bytes)} in {est.peak_phase} over the "
+                f"{fmt_bytes(self.budget_bytes)} budget: not launched"
+            )
+            return why, (est.peak_bytes - self.limit_bytes) / self.budget_bytes
+        if self.host is not None:
+            need, limit = self.host(est)
+            if need > limit:
+                host = self.cluster.host_memory_per_node_bytes or limit
+                return f"estimated {host_over_words(need, limit)}: not launched", (need - limit) / host
+        return None

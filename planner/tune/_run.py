@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..choose import Decision, Plan, engine_rank_problem, host_over_words, plan
+from ..choose import Decision, Plan, engine_rank_problem, host_judge, host_over_words, plan
 from ..hardware import Cluster, fmt_bytes
-from ..memory import Coefficients
+from ..memory import Coefficients, estimate
 from ..probe import Device, Measurement, ProbeRequest, probe_model
 from ..request import PlanRequest
 from ..spec import ModelSpec
@@ -20,7 +20,7 @@ from ..workload import Workload
 from ._calibrate import CalibrationReport, calibrate
 from ._objective import Objective
 from ._report import progress_line
-from ._space import Candidate, grid, plan_params, search_space
+from ._space import Candidate, Space, grid, plan_params, search_space
 from ._storage import (
     DEFAULT_STORAGE,
     OWNER_ENV,
@@ -210,8 +210,9 @@ def tune(
         margin_fraction=margin_fraction,
         suggest=False,
     )
-    _check_host(picked)
     space = search_space(spec, workload, cluster, fixed=fixed, sharding=sharding, engine_in_trials=generate)
+    points = grid(space)
+    _check_host(spec, request, space, points, coefficients)
     killed = kill_orphans()
     if killed:
         say(f"killed {len(killed)} process(es) left behind by a tuner that died: {killed}")
@@ -283,7 +284,6 @@ def tune(
             )
         )
 
-    points = grid(space)
     admissible = None
     if len(points) <= MAX_ENUMERATED:
         admissible = {c.key for c in map(space.candidate, points) if objective.admits(c)}
@@ -324,15 +324,35 @@ def _check_engine_ranks(spec: ModelSpec, request: PlanRequest, coefficients: Coe
         )
 
 
-def _check_host(picked: Plan) -> None:
-    """ValueError where no run the plan can find fits the nodes' host memory: no trial measures a
-    node's host, so no trial could show one that fits."""
-    if picked.fits or not picked.host_over:
+def _check_host(
+    spec: ModelSpec, request: PlanRequest, space: Space, points: list[Any], coefficients: Coefficients | None
+) -> None:
+    """ValueError where no candidate of the search space fits the nodes' host memory (where it is
+    given): no trial measures a node's host, so no trial could show one that fits. A node's host
+    depends on a candidate's FSDPConfig alone (the workload knobs the tuner varies, micro-batch,
+    checkpointing, log-prob chunk, move no host term), so each distinct FSDPConfig is judged once,
+    with the first of its candidates; it stops at the first that fits."""
+    judge = host_judge(
+        spec, request.workload, request.cluster, coefficients=coefficients, margin_fraction=request.margin_fraction
+    )
+    if judge is None or not points:
         return
-    assert picked.host_limit_bytes is not None
+    seen: set[str] = set()
+    least: tuple[int, int] | None = None
+    for candidate in map(space.candidate, points):
+        key = candidate.fsdp.model_dump_json() if candidate.fsdp is not None else ""
+        if key in seen:
+            continue
+        seen.add(key)
+        est = estimate(spec, candidate.workload, request.cluster, candidate.fsdp, coefficients=coefficients)
+        need, limit = judge(est)
+        if need <= limit:
+            return
+        least = (need, limit) if least is None or need < least[0] else least
+    assert least is not None
     raise ValueError(
-        f"the most frugal settings need {host_over_words(picked.host_per_node_bytes, picked.host_limit_bytes)}, "
-        "and no trial measures a node's host: plan without --tune to see what would fit"
+        f"no candidate fits the nodes' host: the least needs {host_over_words(*least)}, and no trial measures "
+        "a node's host: plan without --tune to see what would fit"
     )
 
 

@@ -708,7 +708,7 @@ def test_one_gpu_offloads_with_fsdp2_where_unsharded_does_not_fit():
     )
     p = plan(spec8, workload, one)
     assert p.fits and p.fsdp is not None and (p.fsdp.optim_cpu_offload or p.fsdp.cpu_offload)
-    assert "FSDP2 on one GPU keeps the optimizer" in p.reasons()["sharding"]
+    assert "FSDP2 on one GPU, keeping the optimizer" in p.reasons()["sharding"]
 
 
 def test_a_colocated_engine_whose_floor_is_above_the_planners_largest_fraction_gets_the_least_it_starts_with():
@@ -942,6 +942,25 @@ def test_a_one_gpu_plan_that_offloads_to_a_host_too_small_does_not_fit():
     assert small.fsdp is not None and small.estimate.peak_bytes <= one.gpu.memory_bytes - small.margin_bytes
     reason = small.reasons()["fits"]
     assert "of host memory on a node, over the 60.80 GiB available" in reason and "per GPU" not in reason
-    assert small.reasons()["sharding"].endswith("on the host comes nearer to fitting")
+    assert small.reasons()["sharding"].endswith(
+        "FSDP2 keeping the optimizer (or the parameters) on the host comes nearer to fitting"
+    )
     assert any(s.startswith("give each node at least") for s in small.suggestions), small.suggestions
     _every_suggestion_fits(spec8, wl, small.cluster, small.suggestions)
+
+
+def test_one_gpu_shards_for_a_host_that_cannot_hold_the_whole_model_and_says_why():
+    """On one GPU FSDP2 also loads the checkpoint a tensor at a time, where unsharded
+    from_pretrained builds the whole model on the host: Qwen2.5-7B-Instruct (14.19 GiB of bf16
+    weights) with a 12 GiB host fits only sharded, Adam still on the GPU, and the reason says that
+    the load is why, not an offload the plan did not choose."""
+    from planner.hardware import GIB, GPUS
+
+    spec = load_model_spec("Qwen/Qwen2.5-7B-Instruct")
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1, host_memory_per_node_bytes=12 * GIB)
+    p = plan_with_engines(spec, Workload(), one)
+    assert p.fits and p.fsdp is not None and not p.fsdp.optim_cpu_offload and not p.fsdp.cpu_offload
+    assert p.host_per_node_bytes < spec.total_params * 2  # less than one copy of the weights
+    reason = p.reasons()["sharding"]
+    assert "of host memory on a node, over the 11.40 GiB available" in reason
+    assert reason.endswith("FSDP2 on one GPU, loading the weights a tensor at a time through the host")

@@ -241,15 +241,22 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     assert code == 0 and "GiB (host memory not given: not judged)" in free
     code, text = _emit([*run, "--host-memory", "1024"], "table", capsys)
     assert code == 3
-    assert "a node's host needs " in text and "GiB of 1024.00 GiB (over the limit; the margin leaves 972.80)" in text
+    assert "GiB of host memory on a node, over the 972.80 GiB available" in text.splitlines()[2]  # under the headline
+    assert "GiB of 1024.00 GiB (over the limit; the margin leaves 972.80)" in text
     assert "  - give each node at least " in text
     code, report = _emit([*run, "--host-memory", "1024"], "json", capsys)
     plan = json.loads(report)
     assert code == 3 and not plan["fits"]
     assert plan["cluster"]["host_memory_per_node_bytes"] == 1024 * 2**30
     assert plan["host_peak_bytes_per_node"] > plan["host_limit_bytes_per_node"] > 0.95 * 1024 * 2**30 - 2
+    assert plan["host_fits"] is False
+    for host, fits in (("4096", True), (None, None)):
+        _, report = _emit(run + (["--host-memory", host] if host else []), "json", capsys)
+        assert json.loads(report)["host_fits"] is fits
     code, yaml_text = _emit([*run, "--host-memory", "4096"], "yaml", capsys)
     assert code == 0 and "GiB of 4096.00 GiB (fits; the margin leaves 3891.20)" in yaml_text
+    code, yaml_text = _emit([*run, "--host-memory", "1024"], "yaml", capsys)  # the GPUs fit, the host does not
+    assert code == 3 and yaml_text.splitlines()[1].endswith("DOES NOT FIT (the GPUs fit; a node's host does not)")
     assert yaml_text.splitlines()[2].startswith("# host per trainer rank ")
 
 

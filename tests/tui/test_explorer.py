@@ -543,6 +543,7 @@ async def test_the_host_memory_knob_judges_a_nodes_host_and_says_when_it_is_over
     async with app.run_test(size=WIDE) as pilot:
         screen = await settle(pilot)
         assert screen.plan.fits and screen.plan.host_limit_bytes is None and "host" not in _verdict(screen)
+        assert control(pilot, "cluster.host_memory_gib").placeholder == "not judged"  # not "auto": nothing is chosen
         need = screen.plan.host_per_node_bytes
         screen = await set_knob(pilot, "cluster.host_memory_gib", f"{2 * need / 2**30:.0f}")
         plan = screen.plan

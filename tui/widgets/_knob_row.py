@@ -146,4 +146,5 @@ class KnobRow(Vertical):
 
 def _text_options(knob: Knob, cid: str) -> dict:
     """What every text control of a knob is built with."""
-    return {"placeholder": AUTO if knob.auto else "", "id": cid, "tooltip": knob.help, "compact": True}
+    placeholder = knob.placeholder if knob.placeholder is not None else AUTO if knob.auto else ""
+    return {"placeholder": placeholder, "id": cid, "tooltip": knob.help, "compact": True}

@@ -30,6 +30,7 @@ def test_public_names_are_pinned():
             "engine_rank_estimate",
             "node_host_bytes",
             "node_ranks",
+            "ranks_per_node",
         ]
     )
     assert all(hasattr(memory, name) for name in memory.__all__)

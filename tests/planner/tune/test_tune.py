@@ -1203,7 +1203,7 @@ def test_a_run_whose_nodes_host_nothing_fits_is_refused_before_any_trial(tmp_pat
     spec = load_model_spec("meta-llama/Llama-3.1-70B")
     cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8, host_memory_per_node_bytes=256 * GIB)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    with pytest.raises(ValueError, match=r"of host memory on a node, over the 243\.20 GiB available, and no trial"):
+    with pytest.raises(ValueError, match=r"no candidate fits the nodes. host: the least needs .* over the 243\.20 GiB"):
         tune(
             spec=spec,
             model="meta-llama/Llama-3.1-70B",
@@ -1214,3 +1214,39 @@ def test_a_run_whose_nodes_host_nothing_fits_is_refused_before_any_trial(tmp_pat
             probe=never,
         )
     assert not (tmp_path / "study.db").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_run_whose_plan_offloads_past_the_host_is_tuned_where_a_candidate_fits_it():
+    """The plan reports the run nearest to fitting the GPUs, which can be one whose offloaded
+    Adam state is what breaks the host (Llama-3.1-8B fully fine-tuned on 2 GPUs of 68.38 GiB with a
+    99.7 GiB host): a candidate with Adam on the GPU fits that host, and its estimated peak is
+    within the budget, so the tuner measures candidates instead of refusing; every one it launches
+    fits the host."""
+    from planner.choose import host_judge, plan
+    from planner.hardware import GIB, GPUS, with_memory
+    from planner.models import load_model_spec
+
+    spec = load_model_spec("meta-llama/Llama-3.1-8B")
+    gpu = with_memory(GPUS["H100-80GB"], 68.38)
+    cluster = Cluster(gpu=gpu, num_gpus=2, host_memory_per_node_bytes=int(99.7 * GIB))
+    workload = Workload(algorithm="sft", full_finetune=True, group_size=1, prompts_per_step=8)
+    picked = plan(spec, workload, cluster)
+    assert not picked.fits and picked.host_over  # what the plan reports cannot hold the host
+    probe = FakeProbe(spec, cluster)
+    result = tune(
+        spec=spec,
+        model="meta-llama/Llama-3.1-8B",
+        request=PlanRequest(cluster, workload),
+        coefficients=None,
+        storage="memory",
+        max_trials=2,
+        probe=probe,
+        calibration=False,
+    )
+    judge = host_judge(spec, workload, cluster)
+    assert judge is not None and probe.requests
+    for request in probe.requests:
+        need, limit = judge(estimate(spec, request.workload, cluster, request.fsdp))
+        assert need <= limit
+    assert result.trials
