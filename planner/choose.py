@@ -119,10 +119,19 @@ class Plan(BaseModel):
         return self.host_limit_bytes is not None and self.host_per_node_bytes > self.host_limit_bytes
 
     @property
+    def gpu_limit_bytes(self) -> int:
+        """What a GPU may hold: its capacity less the safety margin."""
+        return self.cluster.gpu.memory_bytes - self.margin_bytes
+
+    @property
+    def trainers_over(self) -> bool:
+        """Whether the trainer ranks' estimated peak is over a GPU's limit."""
+        return self.estimate.peak_bytes > self.gpu_limit_bytes
+
+    @property
     def engine_rank_over(self) -> bool:
-        """Whether an engine rank of its own needs more than a GPU's limit (capacity less the margin)."""
-        limit = self.cluster.gpu.memory_bytes - self.margin_bytes
-        return self.engine_rank is not None and self.engine_rank.total > limit
+        """Whether an engine rank of its own needs more than a GPU's limit."""
+        return self.engine_rank is not None and self.engine_rank.total > self.gpu_limit_bytes
 
     def reasons(self) -> dict[str, str]:
         return {d.field: d.reason for d in self.decisions}

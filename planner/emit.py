@@ -237,7 +237,7 @@ def _fit_words(plan: Plan) -> str:
     """Whether the plan fits and, where its trainer GPUs fit but it does not, what does not."""
     if plan.fits:
         return "fits"
-    if plan.estimate.peak_bytes > plan.cluster.gpu.memory_bytes - plan.margin_bytes:
+    if plan.trainers_over:
         return "DOES NOT FIT"
     over = [what for what, bad in (("a node's host", plan.host_over), ("an engine rank", plan.engine_rank_over)) if bad]
     if not over:

@@ -310,7 +310,7 @@ class ExplorerScreen(Screen):
         assert plan is not None and request is not None
         est = plan.estimate
         bars = self.query_one(PhaseBars)
-        bars.show(est, limit_bytes=est.capacity_bytes - plan.margin_bytes)
+        bars.show(est, limit_bytes=plan.gpu_limit_bytes)
         self.query_one(ComponentTable).show(est, bars.selected or est.peak_phase)
         self.query_one(DecisionView).show(
             plan, fixed=request.fixed, workload_set=request.workload.model_dump(exclude_unset=True)

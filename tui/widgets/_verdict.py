@@ -48,9 +48,9 @@ class Verdict(Static):
                     )
             else:
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
-                limit = est.capacity_bytes - plan.margin_bytes
+                limit = plan.gpu_limit_bytes
                 over = []  # what is over its limit: the trainers, an engine rank of its own, a node's host
-                if est.peak_bytes > limit:
+                if plan.trainers_over:
                     over.append(f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}")
                 if plan.engine_rank is not None and plan.engine_rank_over:
                     over.append(f"{plan.engine_rank.total / GIB:.2f} GiB in an engine rank of its own")
