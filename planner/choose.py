@@ -56,6 +56,7 @@ from .memory import (
     estimate,
     expert_parallel_degrees,
     node_host_bytes,
+    node_host_phase,
     row_wise_experts,
     tp_problem,
     vllm_budget_problem,
@@ -108,6 +109,8 @@ class Plan(BaseModel):
     #: What a node's host may hold: the cluster's host memory less the safety margin's fraction;
     #: None where the host memory was not given (the host is then reported, not judged).
     host_limit_bytes: int | None = None
+    #: The phase where the busiest node's host memory peaks ("save": rank 0 gathers the checkpoint).
+    host_peak_phase: str = ""
 
     @property
     def headroom_bytes(self) -> int:
@@ -179,6 +182,10 @@ class _Search:
         """The busiest node's host memory under ``est``, engine ranks of their own included."""
         return node_host_bytes(est, self.workload, self.cluster, self.engine_rank)
 
+    def node_host_phase(self, est: Estimate) -> str:
+        """The phase where :meth:`node_host` peaks."""
+        return node_host_phase(est, self.workload, self.cluster, self.engine_rank)
+
     def host_fits(self, est: Estimate) -> bool:
         return self.host_limit is None or self.node_host(est) <= self.host_limit
 
@@ -212,7 +219,7 @@ class _Search:
             )
         if not self.host_fits(est):
             assert self.host_limit is not None
-            out.append(host_over_words(self.node_host(est), self.host_limit))
+            out.append(host_over_words(self.node_host(est), self.host_limit, self.node_host_phase(est)))
         if engine and not self.engine_rank_fits:
             out.append(_engine_rank_over(self))
         return out
@@ -257,6 +264,7 @@ class _Draft:
             engine_rank=search.engine_rank,
             host_per_node_bytes=search.node_host(est),
             host_limit_bytes=search.host_limit,
+            host_peak_phase=search.node_host_phase(est),
         )
 
 
@@ -527,9 +535,16 @@ def host_judge(
     return lambda est: (search.node_host(est), limit)
 
 
-def host_over_words(need: int, limit: int) -> str:
-    """A host over its limit, as plans and the tuner say it."""
-    return f"{_gib(need)} of host memory on a node, over the {_gib(limit)} available"
+def host_over_words(need: int, limit: int, phase: str = "") -> str:
+    """A host over its limit, as plans and the tuner say it (``phase``: where it peaks, if known)."""
+    return f"{_gib(need)} of host memory on a node{host_phase_words(phase)}, over the {_gib(limit)} available"
+
+
+def host_phase_words(phase: str) -> str:
+    """Where a node's host memory peaks, as plans say it: the save's is rank 0's gathered checkpoint."""
+    if not phase:
+        return ""
+    return " in phase save (rank 0 gathers the checkpoint)" if phase == "save" else f" in phase {phase}"
 
 
 def _engine_rank_over(search: _Search) -> str:

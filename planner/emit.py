@@ -163,6 +163,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "margin_bytes": plan.margin_bytes,
         "host_peak_bytes_per_rank": est.host_peak_bytes,
         "host_peak_bytes_per_node": plan.host_per_node_bytes,
+        "host_peak_phase": plan.host_peak_phase,
         "host_limit_bytes_per_node": plan.host_limit_bytes,
         "host_fits": None if plan.host_limit_bytes is None else not plan.host_over,
         "phases": {
@@ -378,7 +379,11 @@ def table(plan: Plan) -> str:
             if plan.engine_rank is not None and plan.engine_rank_over
             else []
         ),
-        *([host_over_words(plan.host_per_node_bytes, plan.host_limit_bytes or 0)] if plan.host_over else []),
+        *(
+            [host_over_words(plan.host_per_node_bytes, plan.host_limit_bytes or 0, plan.host_peak_phase)]
+            if plan.host_over
+            else []
+        ),
         "",
         estimate_table(est, host_line=host_line(plan)),
         "",

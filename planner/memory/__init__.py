@@ -42,6 +42,7 @@ from ._engine import (
     engine_rank_count,
     engine_rank_estimate,
     node_host_bytes,
+    node_host_phase,
     node_ranks,
     ranks_per_node,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "engine_completions",
     "engine_rank_estimate",
     "node_host_bytes",
+    "node_host_phase",
     "node_ranks",
     "ranks_per_node",
 ]

@@ -69,11 +69,27 @@ def node_host_bytes(est: Estimate, workload: Workload, cluster: Cluster, engine:
     loads: :func:`engine_rank_estimate`). The engine ranks load as the trainers start, so their
     peaks are added to the trainers' highest, not to one phase's: an upper bound by at most the
     trainers' start-up terms."""
+    return _busiest_node(est, workload, cluster, engine)[1]
+
+
+def node_host_phase(est: Estimate, workload: Workload, cluster: Cluster, engine: PhaseEstimate | None) -> str:
+    """The phase where the busiest node's host memory (:func:`node_host_bytes`) peaks."""
+    trainers, rank0 = _busiest_node(est, workload, cluster, engine)[0]
+    return est.node_host_phase(trainers, rank0=rank0)
+
+
+def _busiest_node(
+    est: Estimate, workload: Workload, cluster: Cluster, engine: PhaseEstimate | None
+) -> tuple[tuple[int, bool], int]:
+    """((its trainer ranks, whether it holds rank 0), its host bytes) of the busiest node."""
     engines = engine_rank_count(workload, cluster) if engine is not None else 0
     each = engine.host_total if engine is not None else 0
     return max(
-        est.node_host_bytes(trainers, rank0=node == 0) + engines_here * each
-        for node, (trainers, engines_here) in enumerate(node_ranks(cluster, engines))
+        (
+            ((trainers, node == 0), est.node_host_bytes(trainers, rank0=node == 0) + engines_here * each)
+            for node, (trainers, engines_here) in enumerate(node_ranks(cluster, engines))
+        ),
+        key=lambda item: item[1],
     )
 
 

@@ -60,9 +60,17 @@ class Estimate(BaseModel):
         """Host memory of ``ranks`` trainer ranks on one node at the phase where their sum peaks.
         Rank 0 alone keeps the checkpoint a save gathers (``host_checkpoint`` of ``save``): the
         node holds it only with ``rank0``; every other host term is each rank's own."""
+        return self._node_host(ranks, rank0)[1]
 
+    def node_host_phase(self, ranks: int, *, rank0: bool = True) -> str:
+        """The phase where :meth:`node_host_bytes` peaks ("save" where rank 0's gathered
+        checkpoint is the largest host term)."""
+        return self._node_host(ranks, rank0)[0]
+
+    def _node_host(self, ranks: int, rank0: bool) -> tuple[str, int]:
         def node(name: str, phase: PhaseEstimate) -> int:
             rank0_only = phase.host.get("host_checkpoint", 0) if name == "save" else 0
             return phase.host_total * ranks - rank0_only * (ranks - 1 if rank0 else ranks)
 
-        return max((node(name, phase) for name, phase in self.phases.items()), default=0) if ranks else 0
+        sums = {name: node(name, phase) for name, phase in self.phases.items()} if ranks else {}
+        return max(sums.items(), key=lambda kv: kv[1], default=(next(iter(self.phases), ""), 0))

@@ -156,7 +156,7 @@ def tuned_plan(
     # judged may hold one)
     if base.host_over:
         assert base.host_limit_bytes is not None
-        over = host_over_words(base.host_per_node_bytes, base.host_limit_bytes)
+        over = host_over_words(base.host_per_node_bytes, base.host_limit_bytes, base.host_peak_phase)
         decisions[-1] = Decision(field="fits", value=False, reason=f"{decisions[-1].reason}; but the estimate's {over}")
     return base.model_copy(update={"fits": not base.host_over, "decisions": tuple(decisions), "suggestions": ()})
 

@@ -879,7 +879,8 @@ def test_the_host_memory_given_is_judged_and_what_would_fit_names_the_host_a_nod
     assert "of host memory on a node" in roomy.reasons()["fits"]
     tight = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": 1024 * GIB}))
     assert not tight.fits and tight.host_over
-    assert "of host memory on a node, over the 972.80 GiB available" in tight.reasons()["fits"]
+    over = "of host memory on a node in phase save (rank 0 gathers the checkpoint), over the 972.80 GiB available"
+    assert over in tight.reasons()["fits"]
     (need,) = [int(m[1]) for s in tight.suggestions if (m := re.fullmatch(r"give each node at least (\d+) GiB .*", s))]
     assert need * GIB * 0.95 >= unjudged.host_per_node_bytes > (need - 1) * GIB * 0.95
     fixed = plan_with_engines(spec, wl, nodes.model_copy(update={"host_memory_per_node_bytes": need * GIB}))
@@ -911,7 +912,8 @@ def test_data_parallel_is_taken_only_where_the_host_holds_every_ranks_whole_mode
     small = plan_with_engines(spec, Workload(), eight.model_copy(update={"host_memory_per_node_bytes": 30 * GIB}))
     assert small.fits and small.fsdp is not None and not small.host_over
     assert small.reasons()["sharding"].startswith("unsharded it needs ")
-    assert "GiB of host memory on a node, over the 28.50 GiB available" in small.reasons()["sharding"]
+    # each rank's whole copy is on the host as it loads
+    assert "GiB of host memory on a node in phase load, over the 28.50 GiB available" in small.reasons()["sharding"]
     # a host that holds no layout: the least whole GiB that does is named (FSDP2's, not data
     # parallel's: more host only adds choices)
     import re
@@ -941,7 +943,8 @@ def test_a_one_gpu_plan_that_offloads_to_a_host_too_small_does_not_fit():
     # the plan reports the offloaded run, whose GPU fits: only its host is named as over
     assert small.fsdp is not None and small.estimate.peak_bytes <= one.gpu.memory_bytes - small.margin_bytes
     reason = small.reasons()["fits"]
-    assert "of host memory on a node, over the 60.80 GiB available" in reason and "per GPU" not in reason
+    assert "of host memory on a node in phase save (rank 0 gathers the checkpoint), over the 60.80 GiB" in reason
+    assert "per GPU" not in reason
     assert small.reasons()["sharding"].endswith(
         "FSDP2 keeping the optimizer (or the parameters) on the host comes nearer to fitting"
     )
@@ -962,5 +965,5 @@ def test_one_gpu_shards_for_a_host_that_cannot_hold_the_whole_model_and_says_why
     assert p.fits and p.fsdp is not None and not p.fsdp.optim_cpu_offload and not p.fsdp.cpu_offload
     assert p.host_per_node_bytes < spec.total_params * 2  # less than one copy of the weights
     reason = p.reasons()["sharding"]
-    assert "of host memory on a node, over the 11.40 GiB available" in reason
+    assert "of host memory on a node in phase load, over the 11.40 GiB available" in reason
     assert reason.endswith("FSDP2 on one GPU, loading the weights a tensor at a time through the host")

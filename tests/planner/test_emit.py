@@ -241,7 +241,9 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     assert code == 0 and "GiB (host memory not given: not judged)" in free
     code, text = _emit([*run, "--host-memory", "1024"], "table", capsys)
     assert code == 3
-    assert "GiB of host memory on a node, over the 972.80 GiB available" in text.splitlines()[2]  # under the headline
+    # under the headline, with the phase: rank 0's gathered checkpoint beside the ranks' Adam state
+    over = "GiB of host memory on a node in phase save (rank 0 gathers the checkpoint), over the 972.80 GiB"
+    assert over in text.splitlines()[2]
     assert "GiB of 1024.00 GiB (over the limit; the margin leaves 972.80)" in text
     assert "  - give each node at least " in text
     code, report = _emit([*run, "--host-memory", "1024"], "json", capsys)
@@ -249,6 +251,7 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     assert code == 3 and not plan["fits"]
     assert plan["cluster"]["host_memory_per_node_bytes"] == 1024 * 2**30
     assert plan["host_peak_bytes_per_node"] > plan["host_limit_bytes_per_node"] > 0.95 * 1024 * 2**30 - 2
+    assert plan["host_peak_phase"] == "save"
     assert plan["host_fits"] is False
     for host, fits in (("4096", True), (None, None)):
         _, report = _emit(run + (["--host-memory", host] if host else []), "json", capsys)

@@ -11,6 +11,7 @@ path.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "pick_expert_chunk",
     "pick_optim_offload",
     "in_trainer_terms",
+    "node_memory_bytes",
 ]
 
 
@@ -40,8 +42,64 @@ def _host_available_bytes() -> int:
     return 16 * 2**30
 
 
+def node_memory_bytes(proc: Path = Path("/proc"), cgroup_fs: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory this node's processes may use: its RAM (``MemTotal``), or where lower the limit
+    of the memory cgroup this process runs in or any above it (a Slurm job's, a container's:
+    cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``). None where ``/proc/meminfo``
+    cannot be read. The whole node's, as ``agilerl-plan --host-memory`` takes it: what the OS, the
+    page cache and other processes hold is the margin's to cover."""
+    total = None
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if total is None:
+        return None
+    return min([total, *_cgroup_limits(proc, cgroup_fs)])
+
+
+def _cgroup_limits(proc: Path, cgroup_fs: Path) -> list[int]:
+    """The memory limits of this process's cgroup and of every cgroup above it, v2 and v1 (none
+    where ``/proc/self/cgroup`` cannot be read). A cgroup namespace (a container's) shows its
+    own cgroup as the root of the mount: the root's limit file is read too."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: one unified hierarchy
+            mount, name = cgroup_fs, "memory.max"
+        elif "memory" in controllers.split(","):
+            mount, name = cgroup_fs / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = mount / path.strip("/")
+        for where in (folder, *folder.parents):
+            if where.is_relative_to(mount):
+                limits += _limit_in(where / name)
+    return limits
+
+
+def _limit_in(file: Path) -> list[int]:
+    """A cgroup memory limit file's bytes; none where it is missing or says "max" (no limit)."""
+    try:
+        text = file.read_text().strip()
+    except OSError:
+        return []
+    return [int(text)] if text.isdigit() else []
+
+
 def visible_cluster(world_size: int):
-    """The cluster this process can see: world size, GPUs per node, this device's memory."""
+    """The cluster this process can see: world size, GPUs per node, this device's memory and, on
+    a GPU, the node's host memory (:func:`node_memory_bytes`), which the plan then judges. On a
+    CPU the device is the host: its memory is the device's, not judged a second time."""
     from planner.hardware import CPU_DEVICE, GPU, Cluster, gpu_for_device
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -55,9 +113,13 @@ def visible_cluster(world_size: int):
             cuda_context_bytes=match.cuda_context_bytes if match else GPU.model_fields["cuda_context_bytes"].default,
             source="visible device",
         )
+        host = node_memory_bytes()
     else:
         gpu = CPU_DEVICE.model_copy(update={"memory_bytes": _host_available_bytes() // max(1, per_node)})
-    return Cluster(gpu=gpu, num_gpus=world_size, gpus_per_node=min(per_node, world_size))
+        host = None
+    return Cluster(
+        gpu=gpu, num_gpus=world_size, gpus_per_node=min(per_node, world_size), host_memory_per_node_bytes=host
+    )
 
 
 def _spec_for(agent, actor_network: nn.Module | None):
@@ -128,7 +190,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sh
     "none" where no launcher started ranks to shard over), as the fields the agent takes."""
     from planner import emit
     from planner.calibration import coefficients_for, coefficients_source
-    from planner.choose import plan
+    from planner.choose import host_over_words, plan
 
     spec = _spec_for(agent, actor_network)
     workload, prompt = _workload_for(agent, micro)
@@ -154,6 +216,10 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sh
         "fits": result.fits,
         "peak_gib": result.estimate.peak_bytes / 2**30,
         "capacity_gib": cluster.gpu.memory_bytes / 2**30,
+        # where it fits the GPUs and not the node's host: that host, in words
+        "host_over": host_over_words(result.host_per_node_bytes, result.host_limit_bytes, result.host_peak_phase)
+        if result.host_over and result.host_limit_bytes is not None and not result.trainers_over
+        else None,
         "suggestions": [in_trainer_terms(line, workload) for line in result.suggestions],
         "summary": summary,
         "algorithm": result.workload.algorithm,  # what the planner was told this run is
@@ -176,6 +242,7 @@ def in_trainer_terms(suggestion: str, workload) -> str:
     line = line.replace("(full_finetune=False)", "(a lora_config)")
     line = line.replace("(generation='vllm')", "(vllm_config=VLLMConfig())")
     line = re.sub(r"\(lora_rank=(\d+)\)", r"(lora_config r=\1)", line)
+    line = re.sub(r" \(--host-memory \d+\)", "", line)  # the planner's flag: the trainer reads its node's
     line = line.replace("vllm_kv_cache_memory_bytes", "vllm_config.kv_cache_memory_bytes")
     return line.replace("vllm_gpu_memory_utilization", "vllm_config.gpu_memory_utilization")
 

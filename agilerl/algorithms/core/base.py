@@ -472,7 +472,10 @@ class LLMAlgorithm:
     def _resolve_auto_fsdp(self, actor_network: nn.Module | None, micro: int | None) -> int | None:
         """Ask the planner (on rank 0), share its choice with every rank, apply and log it. On a
         single device without a launcher nothing can shard: the plan is unsharded, and a run that
-        does not fit is refused before any weight loads, as it is under a launcher."""
+        does not fit is refused before any weight loads, as it is under a launcher. On a GPU the
+        plan judges the node's host memory too (``autoplan.node_memory_bytes``): a run whose ranks
+        the host cannot hold, a full fine-tune's save that rank 0 cannot gather included, is
+        refused the same way."""
         from .autoplan import plan_for_agent
 
         result = on_rank0(plan_for_agent, self, actor_network, micro, "auto" if self.distributed else "none")
@@ -488,9 +491,15 @@ class LLMAlgorithm:
         self._take_auto_knobs(result)  # logs the plan's table
         if not result["fits"]:
             instead = "; ".join(result["suggestions"])
+            instead = f"; what would fit: {instead}" if instead else ""
+            if result["host_over"] is not None:  # the GPUs fit; this node's RAM does not
+                raise ValueError(
+                    f"fsdp_config='auto': the plan fits the GPUs, but it needs {result['host_over']} "
+                    f"(this node's RAM, or its cgroup's limit, less the margin){instead}"
+                )
             raise ValueError(
                 f"fsdp_config='auto': no configuration fits in {result['capacity_gib']:.1f} GiB per device (the "
-                f"most frugal needs {result['peak_gib']:.1f} GiB)" + (f"; what would fit: {instead}" if instead else "")
+                f"most frugal needs {result['peak_gib']:.1f} GiB){instead}"
             )
         return micro if micro is not None else result["micro_batch_size_per_gpu"]
 

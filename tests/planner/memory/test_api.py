@@ -29,6 +29,7 @@ def test_public_names_are_pinned():
             "engine_completions",
             "engine_rank_estimate",
             "node_host_bytes",
+            "node_host_phase",
             "node_ranks",
             "ranks_per_node",
         ]

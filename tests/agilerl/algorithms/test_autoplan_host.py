@@ -1,0 +1,149 @@
+"""fsdp_config="auto" on a GPU judges its node's host memory: the RAM, or a cgroup's lower limit."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from agilerl.algorithms.core import autoplan
+from tests.agilerl.algorithms._common import make_agent
+
+GIB = 2**30
+
+
+def _node(tmp_path, *, mem_total_kib: int | None, cgroup: str | None, limits: dict[str, str]):
+    """A /proc and a /sys/fs/cgroup of files: ``limits`` maps a path under the cgroup mount to its text."""
+    proc, fs = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    fs.mkdir()
+    if mem_total_kib is not None:
+        (proc / "meminfo").write_text(
+            f"MemTotal:       {mem_total_kib} kB\nMemFree:         1024 kB\nMemAvailable:    2048 kB\n"
+        )
+    if cgroup is not None:
+        (proc / "self" / "cgroup").write_text(cgroup)
+    for path, text in limits.items():
+        (fs / path).parent.mkdir(parents=True, exist_ok=True)
+        (fs / path).write_text(text + "\n")
+    return proc, fs
+
+
+SIXTY_FOUR_GIB_KIB = 64 * 2**20
+
+
+@pytest.mark.parametrize(
+    "cgroup, limits, expected",
+    [
+        # no cgroup file (not Linux's procfs, say): the RAM
+        (None, {}, 64 * GIB),
+        # cgroup v2, a Slurm job's limit two levels above the task's own cgroup, which has none
+        (
+            "0::/system.slice/job_7/step_0/task_0\n",
+            {
+                "system.slice/job_7/memory.max": str(8 * GIB),
+                "system.slice/job_7/step_0/memory.max": "max",
+                "system.slice/job_7/step_0/task_0/memory.max": "max",
+            },
+            8 * GIB,
+        ),
+        # cgroup v2 in a container's namespace: its own cgroup is the mount's root
+        ("0::/\n", {"memory.max": str(12 * GIB)}, 12 * GIB),
+        # v2 without a namespace, the container's cgroup mounted alone: the path is not there
+        ("0::/docker/0123abcd\n", {"memory.max": str(6 * GIB)}, 6 * GIB),
+        # cgroup v1: the memory controller's hierarchy, the lowest limit on the way up
+        (
+            "12:pids:/docker/abc\n4:memory:/docker/abc\n0::/\n",
+            {
+                "memory/docker/abc/memory.limit_in_bytes": "9223372036854771712",  # v1's "unlimited"
+                "memory/docker/memory.limit_in_bytes": str(3 * GIB),
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+            },
+            3 * GIB,
+        ),
+        # a limit above the RAM limits nothing
+        ("0::/big\n", {"big/memory.max": str(128 * GIB)}, 64 * GIB),
+    ],
+    ids=["no-cgroup", "v2-slurm", "v2-namespace", "v2-own-mount", "v1-docker", "above-ram"],
+)
+def test_node_memory_is_the_ram_or_the_lowest_cgroup_limit_above_the_process(tmp_path, cgroup, limits, expected):
+    proc, fs = _node(tmp_path, mem_total_kib=SIXTY_FOUR_GIB_KIB, cgroup=cgroup, limits=limits)
+    assert autoplan.node_memory_bytes(proc, fs) == expected
+
+
+def test_node_memory_is_unknown_without_meminfo(tmp_path):
+    proc, fs = _node(tmp_path, mem_total_kib=None, cgroup="0::/\n", limits={"memory.max": str(GIB)})
+    assert autoplan.node_memory_bytes(proc, fs) is None
+
+
+def test_this_machines_node_memory_is_at_most_its_ram():
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert 0 < autoplan.node_memory_bytes() <= total
+
+
+def _on_an_h100_node(monkeypatch, host_gib: float) -> None:
+    """fsdp_config="auto" as it plans on a GPU node whose host memory is ``host_gib`` (this machine
+    has no GPU: the cluster visible_cluster would read there)."""
+    from planner.hardware import Cluster, gpu_by_name
+
+    cluster = Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=1, host_memory_per_node_bytes=int(host_gib * GIB))
+    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size: cluster)
+
+
+def _least_gib_that_holds(need_gib: float, margin: float = 0.05) -> int:
+    """The least whole GiB of host memory whose share less the margin holds ``need_gib``."""
+    gib = 1
+    while gib - int(gib * GIB * margin) / GIB < need_gib:
+        gib += 1
+    return gib
+
+
+def test_auto_fsdp_on_a_gpu_refuses_a_run_its_nodes_host_cannot_hold(monkeypatch):
+    """The GPU fits; a host of 1 GiB cannot hold even the trainer's process. One line saying what
+    is over and by how much, and the least host that would hold it, in the trainer's terms (no
+    planner flag)."""
+    _on_an_h100_node(monkeypatch, host_gib=1)
+    with pytest.raises(ValueError) as err:
+        make_agent(fsdp_config="auto")
+    message = str(err.value)
+    assert "\n" not in message, message
+    match = re.fullmatch(
+        r"fsdp_config='auto': the plan fits the GPUs, but it needs ([\d.]+) GiB of host memory on a node in phase "
+        r"\w+, over the ([\d.]+) GiB available \(this node's RAM, or its cgroup's limit, less the margin\); "
+        r"what would fit: .*give each node at least (\d+) GiB of host memory(;.*)?",
+        message,
+    )
+    assert match, message
+    need, limit, least = float(match[1]), float(match[2]), int(match[3])
+    assert need > limit == pytest.approx(0.95, abs=0.01)
+    assert least == _least_gib_that_holds(need)
+    assert "--host-memory" not in message
+
+
+def test_auto_fsdp_names_the_save_when_rank_0s_gathered_checkpoint_is_what_the_host_cannot_hold(monkeypatch):
+    """A full fine-tune of a 7B-shaped model on a GPU of 1 TiB: every phase fits the GPU and a
+    64 GiB host holds the run, but not the checkpoint a save gathers on rank 0 (its weights and
+    AdamW moments, 78 GB and more): refused before any weight is built, the save named."""
+    from planner.hardware import Cluster, gpu_by_name, with_memory
+
+    big = "tiny:llama?hidden_size=4096&intermediate_size=11008&num_layers=32&num_heads=32&num_kv_heads=32"
+    gpu = with_memory(gpu_by_name("H100-80GB"), 1024)
+    cluster = Cluster(gpu=gpu, num_gpus=1, host_memory_per_node_bytes=64 * GIB)
+    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size: cluster)
+    with pytest.raises(ValueError) as err:
+        make_agent(model_name=big, fsdp_config="auto", lora_config=None, max_model_len=64)
+    message = str(err.value)
+    assert "in phase save (rank 0 gathers the checkpoint), over the 60.80 GiB available" in message, message
+    need = float(re.search(r"needs ([\d.]+) GiB of host memory", message)[1])
+    blocks = 32 * (4 * 4096**2 + 3 * 4096 * 11008)  # the tokenizer's vocabulary is a few dozen rows
+    assert need > blocks * (4 + 8) / GIB  # fp32 weights and AdamW's two moments of every parameter, at least
+
+
+def test_auto_fsdp_on_a_gpu_with_a_roomy_host_plans_and_says_the_host_fits(monkeypatch, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="agilerl")
+    _on_an_h100_node(monkeypatch, host_gib=512)
+    make_agent(fsdp_config="auto")
+    assert re.search(r"per node [\d.]+ GiB of 512\.00 GiB \(fits; the margin leaves 486\.40\)", caplog.text)
