@@ -352,17 +352,17 @@ def check_inputs(
         )
     if problem := vllm_budget_problem(spec, workload, cluster, fsdp if fsdp.tp > 1 else None):
         raise ValueError(problem)
-    if workload.sequence_tokens > spec.max_position_embeddings:
+    if workload.sequence_tokens > spec.positions:
+        longer = "" if spec.rope_position_factor != 1 else "; a longer context needs rope scaling in its config.json"
         raise ValueError(
             f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "
-            f"{spec.max_position_embeddings} positions of {spec.name} (max_position_embeddings; "
-            "a longer context needs rope scaling in its config.json)"
+            f"{spec.positions} positions of {spec.name} ({spec.positions_words()}{longer})"
         )
-    if (engine_len := workload.vllm_max_model_len) is not None and engine_len > spec.max_position_embeddings:
+    if (engine_len := workload.vllm_max_model_len) is not None and engine_len > spec.positions:
         raise ValueError(
-            f"vllm_max_model_len={engine_len} is longer than the {spec.max_position_embeddings} positions of "
-            f"{spec.name} (max_position_embeddings, as prompt + completion tokens are checked): at most "
-            f"{spec.max_position_embeddings}, or leave it unset (prompt + completion tokens)"
+            f"vllm_max_model_len={engine_len} is longer than the {spec.positions} positions of "
+            f"{spec.name} ({spec.positions_words()}, as prompt + completion tokens are checked): at most "
+            f"{spec.positions}, or leave it unset (prompt + completion tokens)"
         )
 
 

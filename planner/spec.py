@@ -43,9 +43,10 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 8  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
+SPEC_SCHEMA_VERSION = 9  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
 # 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints); 6: the NF4 weights of QLoRA;
-# 7: K/V sharing across layers (Gemma-3n, Gemma 4), rotary_widths; 8: rotary widths read off the forward (gpt-oss)
+# 7: K/V sharing across layers (Gemma-3n, Gemma 4), rotary_widths; 8: rotary widths read off the forward (gpt-oss);
+# 9: rope_position_factor (linear and dynamic rope scaling stretch the positions)
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -129,6 +130,8 @@ class ModelSpec(_Frozen):
     vocab_size: int
     num_layers: int
     max_position_embeddings: int
+    #: How far a linear or dynamic rope scaling stretches the positions (agilerl.utils.sources.rope_position_factor).
+    rope_position_factor: float = 1.0
     tie_word_embeddings: bool
     embed_shape: tuple[int, ...]
     lm_head_shape: tuple[int, ...] | None  # None when tied to the embeddings
@@ -167,6 +170,18 @@ class ModelSpec(_Frozen):
     @property
     def blocks(self) -> list[BlockSpec]:
         return [self.block_types[k] for k in self.layers]
+
+    @property
+    def positions(self) -> int:
+        """The positions the model takes: ``max_position_embeddings``, stretched by a linear or
+        dynamic rope scaling."""
+        return int(self.max_position_embeddings * self.rope_position_factor)
+
+    def positions_words(self) -> str:
+        """Where :attr:`positions` comes from, for a message."""
+        from agilerl.utils.sources import positions_words
+
+        return positions_words(self.max_position_embeddings, self.rope_position_factor)
 
     @property
     def block_kinds(self) -> list[str]:
@@ -433,7 +448,7 @@ def build_spec(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from agilerl.distributed import block_kind, find_transformer_blocks, model_experts_problem
-    from agilerl.utils.sources import check_lora_targets, four_bit_linears, kv_sharing_roles
+    from agilerl.utils.sources import check_lora_targets, four_bit_linears, kv_sharing_roles, rope_position_factor
 
     if isinstance(config, dict):
         import copy
@@ -545,6 +560,7 @@ def build_spec(
         vocab_size=int(text_config.vocab_size),
         num_layers=len(blocks),
         max_position_embeddings=int(getattr(text_config, "max_position_embeddings", 0) or 0),
+        rope_position_factor=rope_position_factor(config_dict),
         tie_word_embeddings=bool(tied),
         embed_shape=_shape(embed.weight),
         lm_head_shape=None if tied or head is None else _shape(head.weight),

@@ -340,6 +340,13 @@ CASES = [
     (config({}, "--output", "{tmp}/config.json"), "own config.json"),
     (config({"max_position_embeddings": "x"}), "max_position_embeddings"),
     (config({"max_position_embeddings": 0}), "max_position_embeddings"),
+    # a linear rope scaling stretches the 512 positions to 1024 (600 + 300 tokens plan: test_choose)
+    (
+        config(
+            {"rope_scaling": {"type": "linear", "factor": 2.0}}, "--prompt-tokens", "800", "--completion-tokens", "300"
+        ),
+        "is longer than the 1024 positions of ",
+    ),
     (config('{"model_type": "llama", "name": "\xff"}'.encode("latin-1")), "not UTF-8"),
     (plan(M, "--lora-targets", "no_such_proj", "--load-in-4bit"), "no_such_proj"),
     (config({"num_hidden_layers": 1_000_000}), "num_hidden_layers"),

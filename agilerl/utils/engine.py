@@ -156,15 +156,20 @@ def _guard_registry_subprocess() -> None:
         registry._SUBPROCESS_COMMAND = guarded_command("vllm.model_executor.models.registry")
 
 
-def model_max_len(model_path: str) -> int | None:
-    """``max_position_embeddings`` of a local model directory's config.json (None when unknown)."""
+def model_max_len(model_path: str) -> tuple[int, str] | None:
+    """The positions of a local model directory's config.json (``max_position_embeddings``,
+    stretched by a linear or dynamic rope scaling, as vLLM reads them) and where they come from,
+    in words; None when unknown."""
+    from agilerl.utils.sources import model_positions, positions_words, rope_position_factor, text_config
+
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None
     data = json.loads(config.read_text())
-    data = data.get("text_config", data)
-    value = data.get("max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
+    limit = model_positions(data)
+    if limit is None:
+        return None
+    return limit, positions_words(text_config(data)["max_position_embeddings"], rope_position_factor(data))
 
 
 @contextlib.contextmanager
@@ -252,11 +257,11 @@ class VLLMEngine:
         distributed: bool | None = None,
     ) -> None:
         model_len = config.max_model_len or max_model_len
-        limit = model_max_len(model_path)
-        if model_len is not None and limit is not None and model_len > limit:
+        known = model_max_len(model_path)
+        if model_len is not None and known is not None and model_len > known[0]:
             raise EngineError(
-                f"vllm_config.max_model_len={model_len} is longer than the model's "
-                f"max_position_embeddings={limit}: lower it (or max_model_len)"
+                f"vllm_config.max_model_len={model_len} is longer than the model's {known[0]} positions "
+                f"({known[1]}): lower it (or max_model_len)"
             )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the trainer's log stays readable

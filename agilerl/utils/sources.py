@@ -50,6 +50,9 @@ __all__ = [
     "local_path",
     "existing_path",
     "text_config",
+    "rope_position_factor",
+    "model_positions",
+    "positions_words",
     "cached_config",
     "read_config",
     "multimodal_architecture",
@@ -124,6 +127,53 @@ def text_config(config: dict) -> dict:
     if isinstance(inner, dict) and "hidden_size" not in config:
         return inner
     return config
+
+
+#: Rope scalings whose ``factor`` stretches a model's positions past ``max_position_embeddings``:
+#: Hugging Face's linear interpolation and dynamic NTK. The others (llama3, yarn, longrope) give
+#: ``max_position_embeddings`` stretched already. vLLM derives its default max_model_len the same
+#: way (0.32: it multiplies by every other type's factor too; types not named here are taken at 1).
+STRETCHING_ROPE_TYPES = ("linear", "dynamic")
+
+
+def rope_position_factor(config: dict) -> float:
+    """How far a config's rope scaling stretches its positions: the ``factor`` of a linear or
+    dynamic scaling (``rope_scaling``, or transformers 5's ``rope_parameters``, one set or one per
+    layer type: the least of them), else 1. Gemma 3's ``max_position_embeddings`` counts its
+    linear factor already, as vLLM reads it: 1."""
+    text = text_config(config)
+    if any("gemma3" in str(c.get("model_type", "")) for c in (config, text)):
+        return 1.0
+    factors = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = text.get(key)
+        if not isinstance(value, dict):
+            continue
+        sets = [value] if any(k in value for k in ("rope_type", "type", "factor")) else list(value.values())
+        for params in sets:
+            if not isinstance(params, dict):
+                continue
+            kind = params.get("rope_type", params.get("type"))
+            factor = params.get("factor")
+            if kind in STRETCHING_ROPE_TYPES and isinstance(factor, int | float) and factor >= 1:
+                factors.append(float(factor))
+    return min(factors, default=1.0)
+
+
+def model_positions(config: dict) -> int | None:
+    """The positions a causal LM takes (its text config's ``max_position_embeddings`` times its
+    :func:`rope_position_factor`), or None where the config does not give them."""
+    positions = text_config(config).get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        return None
+    return int(positions * rope_position_factor(config))
+
+
+def positions_words(max_position_embeddings: int, factor: float) -> str:
+    """Where a model's positions come from, for a message: "max_position_embeddings=4096", with
+    " x its rope scaling's factor 4" where a scaling stretches them (:func:`rope_position_factor`)."""
+    words = f"max_position_embeddings={max_position_embeddings}"
+    return words if factor == 1 else f"{words} x its rope scaling's factor {factor:g}"
 
 
 #: Config keys of the encoders a multimodal checkpoint keeps beside its language model.

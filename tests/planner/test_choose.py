@@ -967,3 +967,35 @@ def test_one_gpu_shards_for_a_host_that_cannot_hold_the_whole_model_and_says_why
     reason = p.reasons()["sharding"]
     assert "of host memory on a node in phase load, over the 11.40 GiB available" in reason
     assert reason.endswith("FSDP2 on one GPU, loading the weights a tensor at a time through the host")
+
+
+def test_a_linear_rope_scaling_stretches_the_positions_a_plan_may_use(tmp_path):
+    """A config with 512 positions and a linear rope scaling of factor 2 takes 1024 tokens, as
+    transformers computes them and vLLM reads them: 900 plan, 1100 are refused naming the factor
+    (the refusal used to advise rope scaling that the check then ignored)."""
+    import json
+
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 512,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = load_model_spec(str(tmp_path))
+    one = Cluster(gpu=_gpu(4096), num_gpus=1)
+    assert plan(spec, Workload(prompt_tokens=600, completion_tokens=300), one).fits
+    assert plan(spec, Workload(generation="vllm", vllm_max_model_len=1024), one).workload.vllm_max_model_len == 1024
+    with pytest.raises(ValueError) as err:
+        plan(spec, Workload(prompt_tokens=800, completion_tokens=300), one)
+    assert "1100 is longer than the 1024 positions of " in str(err.value)
+    assert "(max_position_embeddings=512 x its rope scaling's factor 2)" in str(err.value)
+    assert "needs rope scaling" not in str(err.value)
+    with pytest.raises(ValueError, match="vllm_max_model_len=1025 is longer than the 1024 positions"):
+        plan(spec, Workload(generation="vllm", vllm_max_model_len=1025), one)

@@ -301,7 +301,9 @@ def attention_problem(attn_implementation: str | None) -> str | None:
 
 def check_model_length(source: str | None, actor_network: nn.Module | None, max_model_len: int | None) -> None:
     """Raise ValueError when ``max_model_len`` is longer than the model's positions (its config's
-    ``max_position_embeddings``), before any weight loads: the planner and vLLM refuse it too."""
+    ``max_position_embeddings``, stretched by a linear or dynamic rope scaling:
+    :func:`agilerl.utils.sources.model_positions`), before any weight loads: the planner and vLLM
+    refuse it too."""
     if max_model_len is None:
         return
     if actor_network is not None:
@@ -311,11 +313,14 @@ def check_model_length(source: str | None, actor_network: nn.Module | None, max_
 
         _quiet_transformers()
         config = AutoConfig.from_pretrained(source)
-    config = getattr(config, "text_config", None) or config
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and max_model_len > limit:
+    from agilerl.utils.sources import model_positions, positions_words, rope_position_factor, text_config
+
+    data = config.to_dict()
+    limit = model_positions(data)
+    if limit is not None and max_model_len > limit:
+        words = positions_words(text_config(data)["max_position_embeddings"], rope_position_factor(data))
         raise ValueError(
-            f"max_model_len={max_model_len} is longer than the model's max_position_embeddings={limit}: lower it"
+            f"max_model_len={max_model_len} is longer than the model's {limit} positions ({words}): lower it"
         )
 
 

@@ -1168,6 +1168,25 @@ def test_a_max_model_len_over_the_models_positions_is_refused_before_loading():
         make_agent(max_model_len=limit + 1)
 
 
+def test_a_linear_rope_scaling_stretches_the_positions_max_model_len_may_use(tmp_path):
+    """64 positions stretched by a linear rope factor of 2: 100 tokens train, 129 are refused
+    before any weight loads, the factor named."""
+    from agilerl.utils.tiny import tiny_config
+
+    config = tiny_config("qwen2", vocab_size=len(TOKENIZER), num_layers=2, max_position_embeddings=64)
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": 2.0}
+    config.pad_token_id = TOKENIZER.pad_token_id
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        make_agent(model_name=str(tmp_path), max_model_len=129)
+    assert str(err.value) == (
+        "max_model_len=129 is longer than the model's 128 positions "
+        "(max_position_embeddings=64 x its rope scaling's factor 2): lower it"
+    )
+    agent = make_agent(model_name=str(tmp_path), max_model_len=100)
+    agent.learn(synthetic_experiences(agent)[:3])
+
+
 @pytest.mark.parametrize("engine", [dict(sleep_mode=False), dict(tensor_parallel_size=2)])
 def test_engine_settings_the_estimate_does_not_plan_are_said_not_planned_as_others(engine):
     """The estimate plans a colocated engine on one GPU that sleeps while the trainer learns: an
