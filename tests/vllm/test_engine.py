@@ -129,8 +129,41 @@ def test_the_trainers_random_state_survives_the_engine_start(agent):
 def test_a_max_model_len_over_the_models_is_refused_before_start(agent):
     from agilerl.utils.engine import EngineError, VLLMEngine
 
-    with pytest.raises(EngineError, match=r"vllm_config.max_model_len=100000 .* max_position_embeddings"):
+    with pytest.raises(EngineError, match=r"vllm_config.max_model_len=100000 .* \(max_position_embeddings="):
         VLLMEngine(agent.model_source, VLLMConfig(max_model_len=100_000), dtype="float32", seed=0, max_model_len=None)
+
+
+def test_vllm_reads_a_rope_scaled_models_positions_as_the_checks_do(agent, tmp_path):
+    """64 positions and a linear rope factor of 2: vLLM's own max_model_len, derived from the
+    config, is the 128 the trainer's, the planner's and the engine's checks read
+    (agilerl.utils.sources.model_positions); the engine starts at 128 and refuses 129 itself."""
+    import json
+    import shutil
+
+    from agilerl.utils.engine import EngineError, VLLMEngine
+    from agilerl.utils.sources import model_positions
+
+    folder = tmp_path / "stretched"
+    shutil.copytree(agent.model_source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert model_positions(config) == 128
+    engine = VLLMEngine(str(folder), ENGINE, dtype="float32", seed=0, max_model_len=None)
+    assert engine.llm.llm_engine.model_config.max_model_len == 128  # vLLM's own reading
+    del engine
+    VLLMEngine(
+        str(folder),
+        VLLMConfig(**{**ENGINE.model_dump(), "max_model_len": 128}),
+        dtype="float32",
+        seed=0,
+        max_model_len=None,
+    )
+    with pytest.raises(
+        EngineError, match=r"max_model_len=129 is longer than the model's 128 positions \(max_position_"
+    ):
+        VLLMEngine(str(folder), ENGINE, dtype="float32", seed=0, max_model_len=129)
 
 
 def test_too_little_memory_for_the_kv_cache_names_the_knob(agent):
