@@ -350,9 +350,13 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
 def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
     """FSDPConfig.optim_cpu_offload=None under FSDP2: as documented, Adam on the GPU where the
     memory estimate fits it there (with the user's other fields and the knobs as resolved), else
-    on the CPU. Under cpu_offload=True Adam already steps on the host beside the offloaded
-    shards (the two fields are exclusive): False, without asking the estimate."""
+    on the CPU. On a GPU, whose node's host memory is known (:func:`visible_cluster`), the CPU
+    only where the host holds it: where neither does, the GPU, with a warning (its out-of-memory
+    error is said; the host's out-of-memory killer ends processes silently). Under
+    cpu_offload=True Adam already steps on the host beside the offloaded shards (the two fields
+    are exclusive): False, without asking the estimate."""
     from planner.calibration import coefficients_for
+    from planner.choose import host_judge, host_over_words
     from planner.memory import MARGIN_FRACTION, estimate
 
     if agent.fsdp_config.cpu_offload:
@@ -364,14 +368,28 @@ def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> di
     spec = _spec_for(agent, actor_network)
     workload = _as_resolved(agent, micro)
     cluster = visible_cluster(agent.world_size)
+    coefficients = coefficients_for(cluster.gpu)
     on_gpu = agent.fsdp_config.model_copy(update={"optim_cpu_offload": False})
-    peak = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients_for(cluster.gpu)).peak_bytes
+    peak = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients).peak_bytes
     budget = cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
     gib = 2**30
     offload = peak > budget
     where = "on the CPU: with Adam on the GPU" if offload else "on the GPU:"
+    device = f"the memory estimate's peak is {peak / gib:.2f} GiB of the {budget / gib:.2f} GiB per device it may take"
+    judge = host_judge(spec, workload, cluster, coefficients=coefficients, engine_ranks=False) if offload else None
+    if judge is not None:
+        on_host = agent.fsdp_config.model_copy(update={"optim_cpu_offload": True})
+        need, limit = judge(estimate(spec, workload, cluster, on_host, coefficients=coefficients))
+        if need > limit:  # neither holds it: the GPU's out-of-memory error says so; the host's killer does not
+            return {
+                "optim_cpu_offload": False,
+                "warning": True,
+                "summary": f"[agilerl] optim_cpu_offload=False: the memory estimate fits Adam nowhere: on the GPU "
+                f"{device}; on the host it needs {host_over_words(need, limit)}. Adam stays on the GPU, where "
+                "running out of memory is an error that says so (the host's out-of-memory killer ends the "
+                "processes without a word); give the run more GPUs, or nodes with more memory",
+            }
     return {
         "optim_cpu_offload": offload,
-        "summary": f"[agilerl] optim_cpu_offload={offload}: Adam steps {where} the memory estimate's peak is "
-        f"{peak / gib:.2f} GiB of the {budget / gib:.2f} GiB per device it may take",
+        "summary": f"[agilerl] optim_cpu_offload={offload}: Adam steps {where} {device}",
     }

@@ -584,7 +584,7 @@ class LLMAlgorithm:
             return
         self.fsdp_config = self.fsdp_config.model_copy(update={"optim_cpu_offload": result["optim_cpu_offload"]})
         if is_main_process():
-            logger.info("%s", result["summary"])
+            logger.log(logging.WARNING if result.get("warning") else logging.INFO, "%s", result["summary"])
 
     def _check_batch_shape(self, micro: int | None) -> int:
         """A rank's sequences per step, split into micro-batches of whole examples."""

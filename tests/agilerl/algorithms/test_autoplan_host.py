@@ -147,3 +147,40 @@ def test_auto_fsdp_on_a_gpu_with_a_roomy_host_plans_and_says_the_host_fits(monke
     _on_an_h100_node(monkeypatch, host_gib=512)
     make_agent(fsdp_config="auto")
     assert re.search(r"per node [\d.]+ GiB of 512\.00 GiB \(fits; the margin leaves 486\.40\)", caplog.text)
+
+
+@pytest.mark.parametrize("host_gib, offload", [(512, True), (1, False)])
+def test_optim_cpu_offload_none_moves_adam_to_the_host_only_where_the_host_holds_it(
+    monkeypatch, caplog, host_gib, offload
+):
+    """A GPU just too small for Adam beside everything else: a roomy host takes it; a host that
+    cannot hold even the process keeps it on the GPU, where running out of memory is an error
+    that says so, and the log warns that it fits nowhere."""
+    import logging
+
+    from agilerl.distributed import FSDPConfig
+    from planner.calibration import coefficients_for
+    from planner.hardware import Cluster, gpu_by_name, with_memory
+    from planner.memory import estimate
+
+    agent = make_agent()
+    agent.fsdp_config = FSDPConfig()  # as an FSDP2 run is given it (the decision needs no ranks)
+    micro = agent.micro_batch_size_per_gpu
+    gpu = gpu_by_name("H100-80GB")
+    spec, workload = autoplan._spec_for(agent, None), autoplan._as_resolved(agent, micro)
+    need = estimate(
+        spec, workload, Cluster(gpu=gpu), FSDPConfig(optim_cpu_offload=False), coefficients=coefficients_for(gpu)
+    ).peak_bytes
+    small = with_memory(gpu, (need / 0.95 - 2**20) / GIB)  # Adam on it is just over its limit
+    cluster = Cluster(gpu=small, num_gpus=1, host_memory_per_node_bytes=host_gib * GIB)
+    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size: cluster)
+    caplog.set_level(logging.INFO, logger="agilerl")
+    agent._resolve_optim_offload(None)
+    assert agent.fsdp_config.optim_cpu_offload is offload
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if offload:
+        assert not warned and "optim_cpu_offload=True: Adam steps on the CPU" in caplog.text
+    else:
+        (line,) = warned
+        assert line.startswith("[agilerl] optim_cpu_offload=False: the memory estimate fits Adam nowhere: on the GPU ")
+        assert "of host memory on a node" in line and "over the 0.95 GiB available" in line
