@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -69,6 +69,7 @@ from .workload import OFFLINE_SEQUENCES, Workload, resolved
 __all__ = [
     "Decision",
     "Plan",
+    "Limit",
     "plan",
     "plan_request",
     "check_inputs",
@@ -83,6 +84,51 @@ LOGPROB_CHUNKS = (256, 512, 1024, 2048, 4096)
 VLLM_UTILIZATIONS = tuple(round(0.9 - 0.05 * i, 2) for i in range(17))
 #: vLLM's own max_num_seqs default, the most the planner picks.
 VLLM_MAX_NUM_SEQS = 256
+
+
+class Limit(BaseModel):
+    """One limit a plan is judged by and what it needs of it: the trainer GPUs' (``gpu``), an
+    engine rank of its own's (``engine_rank``), a node's host memory (``host``, where given)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    what: Literal["gpu", "engine_rank", "host"]
+    need_bytes: int
+    limit_bytes: int
+    phase: str = ""  # where the need peaks ("" for an engine rank: it generates only)
+    completions: int = 0  # an engine rank's: the completions it generates at once
+
+    @property
+    def over(self) -> bool:
+        return self.need_bytes > self.limit_bytes
+
+    def words(self) -> str:
+        """What it needs against its limit, as plans, the table and the trainer say it."""
+        need, limit = _gib(self.need_bytes), _gib(self.limit_bytes)
+        if self.what == "gpu":
+            return f"{need} per GPU in phase {self.phase}, over the {limit} available"
+        if self.what == "host":
+            return host_over_words(self.need_bytes, self.limit_bytes, self.phase)
+        return (
+            f"an engine rank of its own (generation 'none') needs {need} on its GPU, over the {limit} available: "
+            f"the whole model and Hugging Face generate's cache of {self.completions} completions"
+        )
+
+    def short(self, *, limit: bool = True) -> str:
+        """The same in a few words (the explorer's verdict line), without the limit where not ``limit``
+        (:attr:`short_limit`: the trainers' and an engine rank's GPUs share theirs)."""
+        need = self.need_bytes / GIB
+        words = f"host {need:.2f} GiB a node" if self.what == "host" else f"{need:.2f} GiB "
+        if self.what != "host":
+            words += f"in {self.phase}" if self.what == "gpu" else "in an engine rank of its own"
+        return f"{words} > {self.short_limit}" if limit else words
+
+    @property
+    def short_limit(self) -> str:
+        return f"{self.limit_bytes / GIB:.2f} usable"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"what": self.what, "need_bytes": self.need_bytes, "limit_bytes": self.limit_bytes, "phase": self.phase}
 
 
 class Plan(BaseModel):
@@ -136,12 +182,46 @@ class Plan(BaseModel):
         """Whether an engine rank of its own needs more than a GPU's limit."""
         return self.engine_rank is not None and self.engine_rank.total > self.gpu_limit_bytes
 
+    def limits(self) -> tuple[Limit, ...]:
+        """Every limit the plan is judged by, with what it needs of each (:func:`_limits`)."""
+        return _limits(
+            self.estimate,
+            self.gpu_limit_bytes,
+            engine=self.engine_rank,
+            completions=engine_completions(self.workload, self.cluster),
+            host=(self.host_per_node_bytes, self.host_limit_bytes, self.host_peak_phase),
+        )
+
+    def over(self) -> tuple[Limit, ...]:
+        """The limits the plan is over: the GPUs', an engine rank's, a node's host."""
+        return tuple(limit for limit in self.limits() if limit.over)
+
     def reasons(self) -> dict[str, str]:
         return {d.field: d.reason for d in self.decisions}
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
+
+
+def _limits(
+    est: Estimate,
+    gpu_limit: int,
+    *,
+    engine: PhaseEstimate | None,
+    completions: int,
+    host: tuple[int, int | None, str],
+) -> tuple[Limit, ...]:
+    """The limits of one estimate: its trainer GPUs'; an engine rank of its own's, where the run
+    has them (``engine``); a node's host, where its limit is given (``host``: the busiest node's
+    need, its limit or None, the phase where it peaks)."""
+    out = [Limit(what="gpu", need_bytes=est.peak_bytes, limit_bytes=gpu_limit, phase=est.peak_phase)]
+    if engine is not None:
+        out.append(Limit(what="engine_rank", need_bytes=engine.total, limit_bytes=gpu_limit, completions=completions))
+    need, limit, phase = host
+    if limit is not None:
+        out.append(Limit(what="host", need_bytes=need, limit_bytes=limit, phase=phase))
+    return tuple(out)
 
 
 class _Search:
@@ -209,20 +289,22 @@ class _Search:
         host = 0 if self.host_limit is None else max(0, self.node_host(est) - self.host_limit)
         return max(0, est.peak_bytes - self.limit), host
 
+    def limits(self, est: Estimate) -> tuple[Limit, ...]:
+        """The limits ``est`` is judged by, as a plan of it would give them (:meth:`Plan.limits`)."""
+        judged = self.host_limit is not None
+        host = (self.node_host(est), self.host_limit, self.node_host_phase(est)) if judged else (0, None, "")
+        return _limits(
+            est,
+            self.limit,
+            engine=self.engine_rank,
+            completions=engine_completions(self.workload, self.cluster),
+            host=host,
+        )
+
     def over(self, est: Estimate, *, engine: bool = True) -> list[str]:
-        """What of ``est`` is over its limit: the trainer GPUs, a node's host, an engine rank
-        (unless not ``engine``)."""
-        out = []
-        if est.peak_bytes > self.limit:
-            out.append(
-                f"{_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, over the {_gib(self.limit)} available"
-            )
-        if not self.host_fits(est):
-            assert self.host_limit is not None
-            out.append(host_over_words(self.node_host(est), self.host_limit, self.node_host_phase(est)))
-        if engine and not self.engine_rank_fits:
-            out.append(_engine_rank_over(self))
-        return out
+        """What of ``est`` is over its limit, in words: the trainer GPUs, an engine rank (unless not
+        ``engine``), a node's host."""
+        return [limit.words() for limit in self.limits(est) if limit.over and (engine or limit.what != "engine_rank")]
 
     def layout_problem(self, fsdp: FSDPConfig) -> str | None:
         """Why ``fsdp`` cannot run on the cluster's ranks (agilerl.distributed's own check), or None."""
@@ -555,10 +637,7 @@ def _engine_rank_over(search: _Search) -> str:
     engine = search.engine_rank
     assert engine is not None
     rows = engine_completions(search.workload, search.cluster)
-    return (
-        f"an engine rank of its own (generation 'none') needs {_gib(engine.total)} on its GPU, over the "
-        f"{_gib(search.limit)} available: the whole model and Hugging Face generate's cache of {rows} completions"
-    )
+    return Limit(what="engine_rank", need_bytes=engine.total, limit_bytes=search.limit, completions=rows).words()
 
 
 def plan_request(

@@ -6,7 +6,7 @@ from typing import Any
 
 from agilerl.distributed import FSDPConfig
 
-from .choose import Plan, host_over_words
+from .choose import Plan
 from .hardware import GIB, MIB, Cluster
 from .memory import Estimate, engine_completions, engine_rank_count, node_ranks, ranks_per_node
 from .names import COMPONENTS, PHASES
@@ -166,6 +166,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "host_peak_phase": plan.host_peak_phase,
         "host_limit_bytes_per_node": plan.host_limit_bytes,
         "host_fits": None if plan.host_limit_bytes is None else not plan.host_over,
+        # every limit the plan is over: what, its need and limit, the phase where the need peaks
+        "over": [limit.as_json() for limit in plan.over()],
         "phases": {
             name: {"components": ph.components, "total": ph.total, "host": ph.host} for name, ph in est.phases.items()
         },
@@ -238,12 +240,11 @@ def _fit_words(plan: Plan) -> str:
     """Whether the plan fits and, where its trainer GPUs fit but it does not, what does not."""
     if plan.fits:
         return "fits"
-    if plan.trainers_over:
+    over = {limit.what for limit in plan.over()}
+    if "gpu" in over or not over:
         return "DOES NOT FIT"
-    over = [what for what, bad in (("a node's host", plan.host_over), ("an engine rank", plan.engine_rank_over)) if bad]
-    if not over:
-        return "DOES NOT FIT"
-    return f"DOES NOT FIT (the GPUs fit; {' and '.join(over)} do{'es' if len(over) == 1 else ''} not)"
+    named = [words for what, words in (("host", "a node's host"), ("engine_rank", "an engine rank")) if what in over]
+    return f"DOES NOT FIT (the GPUs fit; {' and '.join(named)} do{'es' if len(named) == 1 else ''} not)"
 
 
 def _verdict(plan: Plan) -> list[str]:
@@ -374,16 +375,8 @@ def table(plan: Plan) -> str:
         f"{verdict}",
         f"peak {est.peak_bytes / scale:.2f} {unit} per GPU in phase {est.peak_phase}; headroom "
         f"{est.headroom_bytes / scale:.2f} {unit} (safety margin {plan.margin_bytes / scale:.2f} {unit})",
-        *(
-            [f"an engine rank of its own needs {plan.engine_rank.total / scale:.2f} {unit} on its GPU: over the limit"]
-            if plan.engine_rank is not None and plan.engine_rank_over
-            else []
-        ),
-        *(
-            [host_over_words(plan.host_per_node_bytes, plan.host_limit_bytes or 0, plan.host_peak_phase)]
-            if plan.host_over
-            else []
-        ),
+        # what else is over its limit: an engine rank of its own, a node's host
+        *(limit.words() for limit in plan.over() if limit.what != "gpu"),
         "",
         estimate_table(est, host_line=host_line(plan)),
         "",

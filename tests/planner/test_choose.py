@@ -801,6 +801,11 @@ def test_an_engine_rank_that_cannot_hold_the_model_makes_the_plan_not_fit():
     reason = p.reasons()["fits"]
     assert reason.startswith("the trainers fit, but an engine rank of its own") and "128 completions" in reason
     assert "generate on the trainer GPUs with Hugging Face generate (generation='hf')" in p.suggestions
+    # its limits: the trainers' GPUs (within) and the engine rank's (over), one rule for every output
+    assert [(limit.what, limit.over) for limit in p.limits()] == [("gpu", False), ("engine_rank", True)]
+    (over,) = p.over()
+    assert over.need_bytes == p.engine_rank.total and over.limit_bytes == p.gpu_limit_bytes
+    assert reason == f"the trainers fit, but {over.words()}"
     # the trainer ranks alone (engines the caller sizes elsewhere, as fsdp_config='auto' plans them)
     alone = plan(spec, wl, cluster)
     assert alone.fits and alone.engine_rank is None

@@ -252,6 +252,15 @@ def test_the_host_memory_given_is_judged_in_every_output(capsys):
     assert plan["cluster"]["host_memory_per_node_bytes"] == 1024 * 2**30
     assert plan["host_peak_bytes_per_node"] > plan["host_limit_bytes_per_node"] > 0.95 * 1024 * 2**30 - 2
     assert plan["host_peak_phase"] == "save"
+    # what is over, for scripts: the host alone (its GPUs fit), need and limit as above
+    assert plan["over"] == [
+        {
+            "what": "host",
+            "need_bytes": plan["host_peak_bytes_per_node"],
+            "limit_bytes": plan["host_limit_bytes_per_node"],
+            "phase": "save",
+        }
+    ]
     assert plan["host_fits"] is False
     for host, fits in (("4096", True), (None, None)):
         _, report = _emit(run + (["--host-memory", host] if host else []), "json", capsys)

@@ -48,23 +48,16 @@ class Verdict(Static):
                     )
             else:
                 out.append(" DOES NOT FIT ", style=f"bold white on {OVER_COLOR}")
-                limit = plan.gpu_limit_bytes
-                over = []  # what is over its limit: the trainers, an engine rank of its own, a node's host
-                if plan.trainers_over:
-                    over.append(f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}")
-                if plan.engine_rank is not None and plan.engine_rank_over:
-                    over.append(f"{plan.engine_rank.total / GIB:.2f} GiB in an engine rank of its own")
-                shown = " and ".join(over)
-                if shown or not plan.host_over:
-                    shown = shown or f"{est.peak_bytes / GIB:.2f} GiB in {est.peak_phase}"
-                    out.append(f" peak {shown} > {limit / GIB:.2f} usable", style=f"bold {OVER_COLOR}")
-                if plan.host_over:
-                    assert plan.host_limit_bytes is not None
-                    out.append(
-                        f"{';' if shown else ''} host {plan.host_per_node_bytes / GIB:.2f} GiB a node > "
-                        f"{plan.host_limit_bytes / GIB:.2f} usable",
-                        style=f"bold {OVER_COLOR}",
-                    )
+                # what is over its limit (the trainers' GPUs where the plan names nothing: a plan
+                # that does not fit is over one of its limits)
+                over = plan.over() or plan.limits()[:1]
+                gpus = [
+                    limit for limit in over if limit.what != "host"
+                ]  # the trainers' and an engine rank's: one limit
+                shown = [limit.short() for limit in over if limit.what == "host"]
+                if gpus:
+                    shown.insert(0, f"peak {' and '.join(g.short(limit=False) for g in gpus)} > {gpus[0].short_limit}")
+                out.append(f" {'; '.join(shown)}", style=f"bold {OVER_COLOR}")
         # the inputs' errors right under the headline: the verdict's height is capped (8 lines),
         # and a fix for the last good plan matters less than what stops the next one
         for key, message in errors.items():
