@@ -541,21 +541,31 @@ class _WeightedCombine(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
-    """Differentiable ``all_to_all_single`` along dim 0; its backward is the reverse all-to-all."""
+    """Differentiable ``all_to_all_single`` along dim 0; its backward is the reverse all-to-all.
+
+    ``started``: a list to start it in the background instead (``async_op``) and append its
+    handle to: its output is then filled while the caller computes, and must not be read before
+    the handle's ``wait()``. The backward blocks either way."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any, started: list | None = None
+    ) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        work = dist.all_to_all_single(
+            out, x.contiguous(), out_splits, in_splits, group=group, async_op=started is not None
+        )
+        if started is not None:
+            started.append(work)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
 
 
 @dataclass
@@ -567,6 +577,7 @@ class ExpertParallelStats:
     num_expert_chunks: int = 0
     num_rows_received: int = 0  # (token, expert) rows computed here, summed over blocks
     max_rows_received: int = 0  # largest block: rows of the all-to-all receive buffer
+    max_blocks_in_flight: int = 0  # token blocks dispatched and not yet combined: 2 where the next overlaps
 
 
 @dataclass
@@ -587,55 +598,88 @@ def _inverse(perm: Tensor) -> Tensor:
     return inv
 
 
-def _token_block(
-    state: _ExpertState,
-    weights: _ExpertWeights,
-    x: Tensor,
-    indices: Tensor,
-    routing: Tensor,
-    chunk_rows: int | None,
-    combine_rows: int | None,
-) -> Tensor:
-    """Dispatch one token block's (token, expert) rows, run the experts, combine: [T, H] fp32."""
+@dataclass
+class _Dispatched:
+    """One token block's (token, expert) rows, sent to the ranks that own their experts: ``rows``
+    arrive by source rank, then expert (on this rank alone, by expert), once ``started`` is done."""
+
+    order: Tensor  # the block's rows sorted by expert, as indices into its (token, k) pairs
+    num_tokens: int
+    rows: Tensor | None
+    local_counts: list[int]  # rows of each local expert
+    recv_counts: Tensor | None  # [source rank, local expert] (expert parallel only)
+    splits: tuple[list[int], list[int]]  # (sent to, received from) each rank
+    started: list  # the dispatch all-to-all's handle while it runs in the background
+
+    def arrived(self) -> Tensor:
+        """The rows, once here; the block keeps no reference to them after."""
+        for work in self.started:
+            work.wait()
+        self.started.clear()
+        rows, self.rows = self.rows, None
+        assert rows is not None, "a dispatched block's rows are taken once"
+        return rows
+
+
+def _dispatch(state: _ExpertState, x: Tensor, indices: Tensor, *, background: bool) -> _Dispatched:
+    """Send one token block's rows to the ranks owning their experts; with ``background`` the
+    all-to-all runs while the caller computes (the counts it needs are exchanged first, blocking)."""
     num_tokens, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, hence by owning rank
     counts = torch.bincount(flat, minlength=state.num_experts)
-    # Each row buffer below is dropped as soon as the next one exists (``del``): indexing
-    # and the all-to-all save only indices and splits, so without grad a block holds at
-    # most two row copies besides one chunk's intermediates. With grad the experts' input
-    # rows stay saved for backward (by the chunks' checkpoints or the linears).
+    # Indexing and the all-to-all save only indices and splits: the row buffer sent is dropped
+    # as soon as it is sent (the collective keeps it until it is done).
     send = x[order // k]
     if state.ep == 1:
-        local_counts = counts.tolist()
-        out = _run_local_experts(send, local_counts, weights, chunk_rows, state.stats)
-        del send
+        return _Dispatched(order, num_tokens, send, counts.tolist(), None, ([], []), [])
+    recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
+    dist.all_to_all_single(recv_counts, counts, group=state.group)
+    recv_counts = recv_counts.view(state.ep, state.num_local_experts)
+    send_splits = counts.view(state.ep, -1).sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    started: list = []
+    rows = _AllToAll.apply(send, recv_splits, send_splits, state.group, started if background else None)
+    local_counts = recv_counts.sum(0).tolist()
+    return _Dispatched(order, num_tokens, rows, local_counts, recv_counts, (send_splits, recv_splits), started)
+
+
+def _combine_block(
+    state: _ExpertState,
+    weights: _ExpertWeights,
+    block: _Dispatched,
+    routing: Tensor,
+    chunk_rows: int | None,
+    combine_rows: int | None,
+) -> Tensor:
+    """Run the experts on a dispatched token block's rows, send the outputs back, combine them:
+    [T, H] fp32. Each row buffer is dropped as soon as the next one exists (``del``): without grad
+    a block holds at most two row copies besides one chunk's intermediates; with grad the experts'
+    input rows stay saved for backward (by the chunks' checkpoints or the linears)."""
+    rows = block.arrived()
+    if block.recv_counts is None:
+        out = _run_local_experts(rows, block.local_counts, weights, chunk_rows, state.stats)
+        del rows
     else:
-        recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
-        dist.all_to_all_single(recv_counts, counts, group=state.group)
-        recv_counts = recv_counts.view(state.ep, state.num_local_experts)
-        send_splits = counts.view(state.ep, -1).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
-        recv = _AllToAll.apply(send, recv_splits, send_splits, state.group)
-        del send
         # Rows arrive by source rank, then expert; the experts want them by expert.
-        expert_of_row = torch.arange(state.num_local_experts, device=x.device).repeat(state.ep)
-        regroup = torch.argsort(expert_of_row.repeat_interleave(recv_counts.flatten()), stable=True)
-        local_counts = recv_counts.sum(0).tolist()
-        grouped = recv[regroup]
-        del recv
-        out = _run_local_experts(grouped, local_counts, weights, chunk_rows, state.stats)
+        expert_of_row = torch.arange(state.num_local_experts, device=rows.device).repeat(state.ep)
+        regroup = torch.argsort(expert_of_row.repeat_interleave(block.recv_counts.flatten()), stable=True)
+        grouped = rows[regroup]
+        del rows
+        out = _run_local_experts(grouped, block.local_counts, weights, chunk_rows, state.stats)
         del grouped
         back = out[_inverse(regroup)]
         del out
+        send_splits, recv_splits = block.splits
         out = _AllToAll.apply(back, send_splits, recv_splits, state.group)
         del back
-    received = sum(local_counts)
+    received = sum(block.local_counts)
     state.stats.num_rows_received += received
     state.stats.max_rows_received = max(state.stats.max_rows_received, received)
-    pairs = out[_inverse(order)].view(num_tokens, k, x.shape[-1])
+    k = routing.shape[-1]
+    pairs = out[_inverse(block.order)].view(block.num_tokens, k, out.shape[-1])
     del out
-    step = combine_rows or max(num_tokens, 1)
+    step = combine_rows or max(block.num_tokens, 1)
     parts = [_WeightedCombine.apply(p, w) for p, w in zip(pairs.split(step), routing.split(step))]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -643,7 +687,11 @@ def _token_block(
 def _experts_forward(
     experts: nn.Module, state: _ExpertState, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
-    """Drop-in ``experts(hidden [T, H], top_k_index, top_k_weights)`` with EP, blocks and chunks."""
+    """Drop-in ``experts(hidden [T, H], top_k_index, top_k_weights)`` with EP, blocks and chunks.
+
+    Under expert parallel with several token blocks, the next block's dispatch all-to-all runs in
+    the background while this block's experts compute (its rows and the rows it sends are held
+    beside this block's meanwhile); the backward's all-to-alls block."""
     weights = _expert_weights(experts)
     hidden_dim = hidden_states.shape[-1]
     row_bytes = expert_row_bytes(
@@ -654,10 +702,21 @@ def _experts_forward(
     combine_rows = expert_chunk_rows(chunk_mib=state.chunk_mib, row_bytes=combine_row_bytes)
     state.stats.num_calls += 1
     inputs = (hidden_states, top_k_index, top_k_weights)
-    blocks = zip(*(torch.tensor_split(t, state.token_blocks) for t in inputs))
+    blocks = list(zip(*(torch.tensor_split(t, state.token_blocks) for t in inputs)))
+    overlap = state.ep > 1 and len(blocks) > 1
     outs = []
-    for x, idx, w in blocks:  # every rank runs every block, empty or not: collectives must match
-        outs.append(_token_block(state, weights, x, idx, w, chunk_rows, combine_rows))
+    ahead = _dispatch(state, blocks[0][0], blocks[0][1], background=overlap) if overlap else None
+    for i, (x, idx, w) in enumerate(blocks):  # every rank runs every block, empty or not: collectives must match
+        if ahead is not None:
+            current = ahead
+            more = i + 1 < len(blocks)
+            ahead = _dispatch(state, blocks[i + 1][0], blocks[i + 1][1], background=True) if more else None
+        else:
+            current = _dispatch(state, x, idx, background=False)
+        in_flight = 1 + (ahead is not None)
+        state.stats.max_blocks_in_flight = max(state.stats.max_blocks_in_flight, in_flight)
+        outs.append(_combine_block(state, weights, current, w, chunk_rows, combine_rows))
+        del current
         state.stats.num_token_blocks += 1
     return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(hidden_states.dtype)
 

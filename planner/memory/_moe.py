@@ -155,7 +155,11 @@ def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
     (:func:`_chunk_forward`), and the combine's input, which the saved count includes, is not
     made yet (rows x H): in all the chunk's forward less chunk x H; or the combine
     (:func:`_combine_forward`). Located with a live-tensor tracker on the tiny Qwen3-MoE
-    (tests/planner/memory/test_moe_layers.py).
+    (tests/planner/memory/test_moe_layers.py). Under expert parallel with several token blocks
+    the next block's dispatch runs beside a block's experts, its sent and received rows
+    (2 x rows x H) in flight: as much as the block saves for its backward (``moe_rows_saved``),
+    so the last block's moment, counted here, bounds the earlier ones' (a 2-block probe:
+    tests/planner/probe/test_probe.py).
     """
     moe = routed_experts(ctx, index)
     if moe is None:

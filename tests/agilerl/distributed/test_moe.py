@@ -446,6 +446,8 @@ def _register_family_cases(family: str) -> None:
     def lora_ep2_blocks2_chunked(ctx):
         _, _, layout = ep_parity(family, ep=2, lora=True, token_blocks=2, chunk_mib=1 / 1024)
         assert all(s.num_expert_chunks > s.num_token_blocks == 2 for s in layout.stats())
+        # the second block's dispatch ran while the first block's experts computed
+        assert all(s.max_blocks_in_flight == 2 for s in layout.stats())
 
     for fn in (full_ep2, lora_ep2_blocks2_chunked):
         fn.__name__ = f"{family}_{fn.__name__}"
@@ -458,7 +460,8 @@ for _family in ("qwen3_moe", "olmoe", "mixtral"):
 
 @two.case
 def mixtral_lora_ep2_blocks1(ctx):
-    ep_parity("mixtral", ep=2, lora=True)
+    _, _, layout = ep_parity("mixtral", ep=2, lora=True)
+    assert all(s.max_blocks_in_flight == 1 for s in layout.stats())  # one block: nothing to overlap
 
 
 @two.case
@@ -478,6 +481,7 @@ def empty_token_blocks(ctx):
     # runs every block's all-to-alls.
     _, _, layout = ep_parity("qwen3_moe", ep=2, lora=True, token_blocks=32)
     assert all(s.num_token_blocks == 32 for s in layout.stats())
+    assert all(s.max_blocks_in_flight == 2 for s in layout.stats())  # never more than the next block
 
 
 @two.case
