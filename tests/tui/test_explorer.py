@@ -742,3 +742,29 @@ async def test_lora_targets_plan_as_the_command_line_plans_them_and_a_misspelt_o
         screen = await set_knob(pilot, "workload.lora_targets", "q_prj")
         assert "q_prj" in screen.errors.get("workload.lora_targets", ""), screen.errors
         assert screen.plan is kept
+
+
+@pilot_test
+async def test_a_roomy_terminal_shows_every_knob_label_whole():
+    """Knob labels are their fields' names (micro_batch_size_per_gpu, up to 30 characters): cut
+    with an ellipsis below 150 columns, whole from there; the hint line names the focused one."""
+    from textual.widgets import Label
+
+    from tui._knobs import knob_table
+
+    longest = max(len(k.label) for k in knob_table())
+    app = ExplorerApp(MODEL, gpus=8)
+    async with app.run_test(size=(160, 50)) as pilot:
+        screen = await settle(pilot)
+        assert screen.has_class("-roomy")
+        labels = list(screen.query(".knob-label").results(Label))
+        assert len(labels) == len(knob_table())
+        for label in labels:
+            text = str(label.render())
+            assert "…" not in text and len(text.strip()) <= label.content_region.width, text
+        assert max(len(str(label.render()).strip()) for label in labels) == longest
+    async with ExplorerApp(MODEL, gpus=8).run_test(size=WIDE) as pilot:  # 120 columns: the longest are cut
+        screen = await settle(pilot)
+        assert not screen.has_class("-roomy")
+        widths = {label.content_region.width for label in screen.query(".knob-label").results(Label)}
+        assert max(widths) < longest

@@ -38,6 +38,8 @@ __all__ = ["ExplorerScreen"]
 
 #: Below this width the component table goes under the bars instead of beside them.
 NARROW_COLUMNS = 110
+#: From this width the knob panel is wide enough for every knob's full label (its field's name).
+ROOMY_COLUMNS = 150
 #: A plan taking longer than this shows "planning ..." until it is done.
 SLOW_PLAN_SECONDS = 0.25
 GENERAL_HINT = "Tab: next knob   Up/Down: double/halve a number   F1: help"
@@ -148,6 +150,7 @@ class ExplorerScreen(Screen):
 
     def on_resize(self) -> None:
         self.set_class(self.size.width < NARROW_COLUMNS, "-narrow")
+        self.set_class(self.size.width >= ROOMY_COLUMNS, "-roomy")
 
     # -- model -----------------------------------------------------------------------------------
     def _load_model(self, name: str) -> None:
