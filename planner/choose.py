@@ -605,19 +605,18 @@ def host_judge(
     coefficients: Coefficients | None = None,
     margin_fraction: float = MARGIN_FRACTION,
     engine_ranks: bool = True,
-) -> Callable[[Estimate], tuple[int, int]] | None:
+) -> Callable[[Estimate], Limit] | None:
     """What plan() judges a node's host by, for any estimate of this run (whatever its FSDPConfig
-    and knobs): a function giving the busiest node's host memory under an estimate (engine ranks
-    of their own included, unless not ``engine_ranks``, as plan()'s) and what a node's host may
-    hold; None where the host memory is not given. The engine ranks are estimated once, here."""
+    and knobs): a function giving the host :class:`Limit` under an estimate (the busiest node's
+    need, engine ranks of their own included unless not ``engine_ranks``, as plan()'s; what a
+    node's host may hold; the phase where it peaks); None where the host memory is not given.
+    The engine ranks are estimated once, here."""
     if cluster.host_memory_per_node_bytes is None:
         return None
     search = _Search(
         spec, cluster, coefficients, margin_fraction, workload=workload, fixed={}, engine_ranks=engine_ranks
     )
-    limit = search.host_limit
-    assert limit is not None
-    return lambda est: (search.node_host(est), limit)
+    return lambda est: next(limit for limit in search.limits(est) if limit.what == "host")
 
 
 def host_over_words(need: int, limit: int, phase: str = "") -> str:

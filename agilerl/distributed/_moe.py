@@ -621,27 +621,60 @@ class _Dispatched:
         return rows
 
 
-def _dispatch(state: _ExpertState, x: Tensor, indices: Tensor, *, background: bool) -> _Dispatched:
+@dataclass
+class _Counts:
+    """One token block's rows per expert, as the dispatch needs them: per global expert (``sent``),
+    and under expert parallel per source rank and local expert (``received``, on the device; the
+    splits as lists, read off one host copy for the whole layer)."""
+
+    sent: list[int]
+    received: Tensor | None = None  # [source rank, local expert]
+    local: list[int] = field(default_factory=list)  # rows each local expert computes
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+
+
+def _exchange_counts(state: _ExpertState, indices: list[Tensor]) -> list[_Counts]:
+    """Every token block's :class:`_Counts`: under expert parallel one all-to-all tells each rank
+    how many rows of each block it receives for each of its experts, for the whole layer at once
+    (so no block's exchange waits behind an earlier block's dispatch), and one host copy gives
+    every split."""
+    counts = torch.stack([torch.bincount(idx.reshape(-1), minlength=state.num_experts) for idx in indices])
+    if state.ep == 1:
+        return [_Counts(sent, local=sent) for sent in counts.tolist()]
+    blocks, ep = len(indices), state.ep
+    send = counts.view(blocks, ep, state.num_local_experts).transpose(0, 1).contiguous()  # by owning rank
+    received = torch.empty_like(send)  # [source rank, block, local expert]
+    dist.all_to_all_single(received, send, group=state.group)
+    sent_host, received_host = counts.tolist(), received.cpu()
+    per_rank = state.num_local_experts
+    return [
+        _Counts(
+            sent_host[b],
+            received[:, b],
+            local=received_host[:, b].sum(0).tolist(),
+            send_splits=[sum(sent_host[b][r * per_rank : (r + 1) * per_rank]) for r in range(ep)],
+            recv_splits=received_host[:, b].sum(1).tolist(),
+        )
+        for b in range(blocks)
+    ]
+
+
+def _dispatch(state: _ExpertState, x: Tensor, indices: Tensor, counts: _Counts, *, background: bool) -> _Dispatched:
     """Send one token block's rows to the ranks owning their experts; with ``background`` the
-    all-to-all runs while the caller computes (the counts it needs are exchanged first, blocking)."""
+    all-to-all runs while the caller computes."""
     num_tokens, k = indices.shape
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # rows grouped by expert, hence by owning rank
-    counts = torch.bincount(flat, minlength=state.num_experts)
+    order = torch.argsort(indices.reshape(-1), stable=True)  # rows grouped by expert, hence by owning rank
     # Indexing and the all-to-all save only indices and splits: the row buffer sent is dropped
     # as soon as it is sent (the collective keeps it until it is done).
     send = x[order // k]
-    if state.ep == 1:
-        return _Dispatched(order, num_tokens, send, counts.tolist(), None, ([], []), [])
-    recv_counts = torch.empty_like(counts)  # [source rank, local expert], flattened
-    dist.all_to_all_single(recv_counts, counts, group=state.group)
-    recv_counts = recv_counts.view(state.ep, state.num_local_experts)
-    send_splits = counts.view(state.ep, -1).sum(1).tolist()
-    recv_splits = recv_counts.sum(1).tolist()
+    if counts.received is None:
+        return _Dispatched(order, num_tokens, send, counts.local, None, ([], []), [])
     started: list = []
-    rows = _AllToAll.apply(send, recv_splits, send_splits, state.group, started if background else None)
-    local_counts = recv_counts.sum(0).tolist()
-    return _Dispatched(order, num_tokens, rows, local_counts, recv_counts, (send_splits, recv_splits), started)
+    rows = _AllToAll.apply(send, counts.recv_splits, counts.send_splits, state.group, started if background else None)
+    return _Dispatched(
+        order, num_tokens, rows, counts.local, counts.received, (counts.send_splits, counts.recv_splits), started
+    )
 
 
 def _combine_block(
@@ -703,16 +736,18 @@ def _experts_forward(
     state.stats.num_calls += 1
     inputs = (hidden_states, top_k_index, top_k_weights)
     blocks = list(zip(*(torch.tensor_split(t, state.token_blocks) for t in inputs)))
+    counts = _exchange_counts(state, [idx for _, idx, _ in blocks])
     overlap = state.ep > 1 and len(blocks) > 1
     outs = []
-    ahead = _dispatch(state, blocks[0][0], blocks[0][1], background=overlap) if overlap else None
+    ahead = _dispatch(state, blocks[0][0], blocks[0][1], counts[0], background=True) if overlap else None
     for i, (x, idx, w) in enumerate(blocks):  # every rank runs every block, empty or not: collectives must match
         if ahead is not None:
             current = ahead
             more = i + 1 < len(blocks)
-            ahead = _dispatch(state, blocks[i + 1][0], blocks[i + 1][1], background=True) if more else None
+            nxt = blocks[i + 1] if more else None
+            ahead = _dispatch(state, nxt[0], nxt[1], counts[i + 1], background=True) if nxt is not None else None
         else:
-            current = _dispatch(state, x, idx, background=False)
+            current = _dispatch(state, x, idx, counts[i], background=False)
         in_flight = 1 + (ahead is not None)
         state.stats.max_blocks_in_flight = max(state.stats.max_blocks_in_flight, in_flight)
         outs.append(_combine_block(state, weights, current, w, chunk_rows, combine_rows))

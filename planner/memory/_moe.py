@@ -157,9 +157,11 @@ def expert_forward_grad_transient(ctx: Context, tokens: int, index: int) -> int:
     (:func:`_combine_forward`). Located with a live-tensor tracker on the tiny Qwen3-MoE
     (tests/planner/memory/test_moe_layers.py). Under expert parallel with several token blocks
     the next block's dispatch runs beside a block's experts, its sent and received rows
-    (2 x rows x H) in flight: as much as the block saves for its backward (``moe_rows_saved``),
-    so the last block's moment, counted here, bounds the earlier ones' (a 2-block probe:
-    tests/planner/probe/test_probe.py).
+    (2 x rows x H) in flight: with balanced routing, as much as the block saves for its backward
+    (``moe_rows_saved``), so the last block's moment, counted here, is about the earlier ones'
+    (a 2-block probe reads learn as before: tests/planner/probe/test_probe.py). Routing that
+    sends the next block more rows, or a checkpointed MoE block (whose forward saves nothing
+    inside), holds up to those 2 x rows x H more; not counted.
     """
     moe = routed_experts(ctx, index)
     if moe is None:
@@ -239,7 +241,7 @@ def _hf_backward_transient(ctx: Context, layout: Layout, rows: int, expert_width
 
 def _combine_parts(ctx: Context, tokens: float, top_k: int) -> tuple[float, bool]:
     """(rows of one part, whether there are several) of a token block's combine: parts of at
-    most ``routed_expert_chunk_mib`` MiB of fp32 rows (agilerl.distributed._moe._token_block)."""
+    most ``routed_expert_chunk_mib`` MiB of fp32 rows (agilerl.distributed._moe._combine_block)."""
     part_tokens = chunk_rows(chunk_mib=ctx.expert_chunk_mib, row_bytes=top_k * ctx.hidden_size * 4)
     part = min(tokens, part_tokens or tokens)
     return part * top_k, part < tokens

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..choose import host_judge, host_over_words
+from ..choose import host_judge
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients, estimate
 from ..probe import Measurement, ProbeRequest
@@ -205,9 +205,7 @@ class Objective:
                 f"{fmt_bytes(self.budget_bytes)} budget: not launched"
             )
             return why, (est.peak_bytes - self.limit_bytes) / self.budget_bytes
-        if self.host is not None:
-            need, limit = self.host(est)
-            if need > limit:
-                host = self.cluster.host_memory_per_node_bytes or limit
-                return f"estimated {host_over_words(need, limit)}: not launched", (need - limit) / host
+        if self.host is not None and (host := self.host(est)).over:
+            given = self.cluster.host_memory_per_node_bytes or host.limit_bytes
+            return f"estimated {host.words()}: not launched", (host.need_bytes - host.limit_bytes) / given
         return None

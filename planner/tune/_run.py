@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..choose import Decision, Plan, engine_rank_problem, host_judge, host_over_words, plan
+from ..choose import Decision, Limit, Plan, engine_rank_problem, host_judge, plan
 from ..hardware import Cluster, fmt_bytes
 from ..memory import Coefficients, estimate
 from ..probe import Device, Measurement, ProbeRequest, probe_model
@@ -154,9 +154,8 @@ def tuned_plan(
     # (an engine rank of its own that cannot fit was refused before any trial: tune(); a candidate
     # whose node's host is over is never launched, but a study resumed from before the host was
     # judged may hold one)
-    if base.host_over:
-        assert base.host_limit_bytes is not None
-        over = host_over_words(base.host_per_node_bytes, base.host_limit_bytes, base.host_peak_phase)
+    if host := [limit for limit in base.over() if limit.what == "host"]:
+        over = host[0].words()
         decisions[-1] = Decision(field="fits", value=False, reason=f"{decisions[-1].reason}; but the estimate's {over}")
     return base.model_copy(update={"fits": not base.host_over, "decisions": tuple(decisions), "suggestions": ()})
 
@@ -338,20 +337,20 @@ def _check_host(
     if judge is None or not points:
         return
     seen: set[str] = set()
-    least: tuple[int, int] | None = None
+    least: Limit | None = None
     for candidate in map(space.candidate, points):
         key = candidate.fsdp.model_dump_json() if candidate.fsdp is not None else ""
         if key in seen:
             continue
         seen.add(key)
         est = estimate(spec, candidate.workload, request.cluster, candidate.fsdp, coefficients=coefficients)
-        need, limit = judge(est)
-        if need <= limit:
+        host = judge(est)
+        if not host.over:
             return
-        least = (need, limit) if least is None or need < least[0] else least
+        least = host if least is None or host.need_bytes < least.need_bytes else least
     assert least is not None
     raise ValueError(
-        f"no candidate fits the nodes' host: the least needs {host_over_words(*least)}, and no trial measures "
+        f"no candidate fits the nodes' host: the least needs {least.words()}, and no trial measures "
         "a node's host: plan without --tune to see what would fit"
     )
 

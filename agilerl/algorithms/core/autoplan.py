@@ -66,7 +66,7 @@ def _cgroup_limits(proc: Path, cgroup_fs: Path) -> list[int]:
     own cgroup as the root of the mount: the root's limit file is read too."""
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
-    except OSError:
+    except (OSError, ValueError):
         return []
     limits = []
     for line in lines:
@@ -80,6 +80,8 @@ def _cgroup_limits(proc: Path, cgroup_fs: Path) -> list[int]:
             mount, name = cgroup_fs / "memory", "memory.limit_in_bytes"
         else:
             continue
+        if ".." in Path(path).parts:  # not a cgroup of this mount's tree
+            continue
         folder = mount / path.strip("/")
         for where in (folder, *folder.parents):
             if where.is_relative_to(mount):
@@ -88,18 +90,21 @@ def _cgroup_limits(proc: Path, cgroup_fs: Path) -> list[int]:
 
 
 def _limit_in(file: Path) -> list[int]:
-    """A cgroup memory limit file's bytes; none where it is missing or says "max" (no limit)."""
+    """A cgroup memory limit file's bytes; none where it is missing, unreadable, says "max" (no
+    limit) or anything but a positive count of bytes."""
     try:
         text = file.read_text().strip()
-    except OSError:
+    except (OSError, ValueError):  # a file that is not text is no limit either
         return []
-    return [int(text)] if text.isdigit() else []
+    return [int(text)] if text.isascii() and text.isdecimal() and int(text) > 0 else []
 
 
-def visible_cluster(world_size: int):
-    """The cluster this process can see: world size, GPUs per node, this device's memory and, on
-    a GPU, the node's host memory (:func:`node_memory_bytes`), which the plan then judges. On a
-    CPU the device is the host: its memory is the device's, not judged a second time."""
+def visible_cluster(world_size: int, *, judge_host: bool = False):
+    """The cluster this process can see: world size, GPUs per node, this device's memory and,
+    with ``judge_host`` on a GPU, the node's host memory (:func:`node_memory_bytes`), which a
+    plan then judges: where the planner chooses what the host holds (fsdp_config="auto", Adam's
+    place). The other "auto" knobs move nothing to or from the host and are chosen for the GPU
+    alone. On a CPU the device is the host: its memory is the device's, not judged a second time."""
     from planner.hardware import CPU_DEVICE, GPU, Cluster, gpu_for_device
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -113,7 +118,7 @@ def visible_cluster(world_size: int):
             cuda_context_bytes=match.cuda_context_bytes if match else GPU.model_fields["cuda_context_bytes"].default,
             source="visible device",
         )
-        host = node_memory_bytes()
+        host = node_memory_bytes() if judge_host else None
     else:
         gpu = CPU_DEVICE.model_copy(update={"memory_bytes": _host_available_bytes() // max(1, per_node)})
         host = None
@@ -190,11 +195,11 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sh
     "none" where no launcher started ranks to shard over), as the fields the agent takes."""
     from planner import emit
     from planner.calibration import coefficients_for, coefficients_source
-    from planner.choose import host_over_words, plan
+    from planner.choose import plan
 
     spec = _spec_for(agent, actor_network)
     workload, prompt = _workload_for(agent, micro)
-    cluster = visible_cluster(agent.world_size)
+    cluster = visible_cluster(agent.world_size, judge_host=True)
     result = plan(
         spec,
         workload,
@@ -204,6 +209,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sh
         sharding=sharding,
         engine_ranks=False,  # the agent's rollout engine, if any, is the caller's: its own GPU and size
     )
+    over = result.over()  # what the plan is over: its GPUs', a node's host
     summary = "[agilerl] fsdp_config='auto' planned:\n" + emit.table(result)
     if prompt is not None:
         summary += f"\n{prompt} (set max_model_len to plan for your real length)"
@@ -217,9 +223,7 @@ def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sh
         "peak_gib": result.estimate.peak_bytes / 2**30,
         "capacity_gib": cluster.gpu.memory_bytes / 2**30,
         # where it fits the GPUs and not the node's host: that host, in words
-        "host_over": host_over_words(result.host_per_node_bytes, result.host_limit_bytes, result.host_peak_phase)
-        if result.host_over and result.host_limit_bytes is not None and not result.trainers_over
-        else None,
+        "host_over": over[0].words() if [limit.what for limit in over] == ["host"] else None,
         "suggestions": [in_trainer_terms(line, workload) for line in result.suggestions],
         "summary": summary,
         "algorithm": result.workload.algorithm,  # what the planner was told this run is
@@ -356,7 +360,7 @@ def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> di
     cpu_offload=True Adam already steps on the host beside the offloaded shards (the two fields
     are exclusive): False, without asking the estimate."""
     from planner.calibration import coefficients_for
-    from planner.choose import host_judge, host_over_words
+    from planner.choose import host_judge
     from planner.memory import MARGIN_FRACTION, estimate
 
     if agent.fsdp_config.cpu_offload:
@@ -367,10 +371,11 @@ def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> di
         }
     spec = _spec_for(agent, actor_network)
     workload = _as_resolved(agent, micro)
-    cluster = visible_cluster(agent.world_size)
+    cluster = visible_cluster(agent.world_size, judge_host=True)
     coefficients = coefficients_for(cluster.gpu)
     on_gpu = agent.fsdp_config.model_copy(update={"optim_cpu_offload": False})
-    peak = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients).peak_bytes
+    gpu_est = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients)
+    peak = gpu_est.peak_bytes
     budget = cluster.gpu.memory_bytes * (1 - MARGIN_FRACTION)
     gib = 2**30
     offload = peak > budget
@@ -379,13 +384,15 @@ def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> di
     judge = host_judge(spec, workload, cluster, coefficients=coefficients, engine_ranks=False) if offload else None
     if judge is not None:
         on_host = agent.fsdp_config.model_copy(update={"optim_cpu_offload": True})
-        need, limit = judge(estimate(spec, workload, cluster, on_host, coefficients=coefficients))
-        if need > limit:  # neither holds it: the GPU's out-of-memory error says so; the host's killer does not
+        host = judge(estimate(spec, workload, cluster, on_host, coefficients=coefficients))
+        if host.over:  # neither holds it: the GPU's out-of-memory error says so; the host's killer does not
+            without = judge(gpu_est)  # the host with Adam on the GPU: over already, Adam is not what fills it
+            already = f" (over with Adam on the GPU too: {without.words()})" if without.over else ""
             return {
                 "optim_cpu_offload": False,
                 "warning": True,
                 "summary": f"[agilerl] optim_cpu_offload=False: the memory estimate fits Adam nowhere: on the GPU "
-                f"{device}; on the host it needs {host_over_words(need, limit)}. Adam stays on the GPU, where "
+                f"{device}; on the host it needs {host.words()}{already}. Adam stays on the GPU, where "
                 "running out of memory is an error that says so (the host's out-of-memory killer ends the "
                 "processes without a word); give the run more GPUs, or nodes with more memory",
             }

@@ -63,12 +63,35 @@ SIXTY_FOUR_GIB_KIB = 64 * 2**20
         ),
         # a limit above the RAM limits nothing
         ("0::/big\n", {"big/memory.max": str(128 * GIB)}, 64 * GIB),
+        # what is no count of bytes is no limit: a zero, a sign, a superscript digit, a path out of the mount
+        ("0::/odd\n", {"odd/memory.max": "0", "memory.max": "-5"}, 64 * GIB),
+        ("0::/odd\n", {"odd/memory.max": "\u00b2"}, 64 * GIB),
+        ("0::/../../elsewhere\n", {"memory.max": str(GIB)}, 64 * GIB),
     ],
-    ids=["no-cgroup", "v2-slurm", "v2-namespace", "v2-own-mount", "v1-docker", "above-ram"],
+    ids=[
+        "no-cgroup",
+        "v2-slurm",
+        "v2-namespace",
+        "v2-own-mount",
+        "v1-docker",
+        "above-ram",
+        "zero-and-sign",
+        "superscript",
+        "dot-dot",
+    ],
 )
 def test_node_memory_is_the_ram_or_the_lowest_cgroup_limit_above_the_process(tmp_path, cgroup, limits, expected):
     proc, fs = _node(tmp_path, mem_total_kib=SIXTY_FOUR_GIB_KIB, cgroup=cgroup, limits=limits)
     assert autoplan.node_memory_bytes(proc, fs) == expected
+
+
+def test_a_cgroup_file_that_is_not_text_is_no_limit(tmp_path):
+    proc, fs = _node(tmp_path, mem_total_kib=SIXTY_FOUR_GIB_KIB, cgroup="0::/bin\n", limits={})
+    (fs / "bin").mkdir()
+    (fs / "bin" / "memory.max").write_bytes(b"\xff\xfe\x00")
+    assert autoplan.node_memory_bytes(proc, fs) == 64 * GIB
+    (proc / "self" / "cgroup").write_bytes(b"\xff\xfe")  # nor is such a cgroup list
+    assert autoplan.node_memory_bytes(proc, fs) == 64 * GIB
 
 
 def test_node_memory_is_unknown_without_meminfo(tmp_path):
@@ -87,8 +110,15 @@ def _on_an_h100_node(monkeypatch, host_gib: float) -> None:
     has no GPU: the cluster visible_cluster would read there)."""
     from planner.hardware import Cluster, gpu_by_name
 
-    cluster = Cluster(gpu=gpu_by_name("H100-80GB"), num_gpus=1, host_memory_per_node_bytes=int(host_gib * GIB))
-    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size: cluster)
+    gpu = gpu_by_name("H100-80GB")
+    host = int(host_gib * GIB)
+    monkeypatch.setattr(
+        autoplan,
+        "visible_cluster",
+        lambda world_size, judge_host=False: Cluster(
+            gpu=gpu, num_gpus=1, host_memory_per_node_bytes=host if judge_host else None
+        ),
+    )
 
 
 def _least_gib_that_holds(need_gib: float, margin: float = 0.05) -> int:
@@ -130,7 +160,7 @@ def test_auto_fsdp_names_the_save_when_rank_0s_gathered_checkpoint_is_what_the_h
     big = "tiny:llama?hidden_size=4096&intermediate_size=11008&num_layers=32&num_heads=32&num_kv_heads=32"
     gpu = with_memory(gpu_by_name("H100-80GB"), 1024)
     cluster = Cluster(gpu=gpu, num_gpus=1, host_memory_per_node_bytes=64 * GIB)
-    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size: cluster)
+    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size, judge_host=False: cluster)
     with pytest.raises(ValueError) as err:
         make_agent(model_name=big, fsdp_config="auto", lora_config=None, max_model_len=64)
     message = str(err.value)
@@ -149,17 +179,17 @@ def test_auto_fsdp_on_a_gpu_with_a_roomy_host_plans_and_says_the_host_fits(monke
     assert re.search(r"per node [\d.]+ GiB of 512\.00 GiB \(fits; the margin leaves 486\.40\)", caplog.text)
 
 
-@pytest.mark.parametrize("host_gib, offload", [(512, True), (1, False)])
-def test_optim_cpu_offload_none_moves_adam_to_the_host_only_where_the_host_holds_it(
-    monkeypatch, caplog, host_gib, offload
-):
-    """A GPU just too small for Adam beside everything else: a roomy host takes it; a host that
-    cannot hold even the process keeps it on the GPU, where running out of memory is an error
-    that says so, and the log warns that it fits nowhere."""
+@pytest.mark.parametrize("host", ["roomy", "between", "tiny"])
+def test_optim_cpu_offload_none_moves_adam_to_the_host_only_where_the_host_holds_it(monkeypatch, caplog, host):
+    """A GPU just too small for Adam beside everything else: a roomy host takes it. A host that
+    holds the run with Adam on the GPU but not with Adam beside it, or that holds neither, keeps
+    it on the GPU, where running out of memory is an error that says so, and the log warns that
+    it fits nowhere, saying when the host is over without Adam too."""
     import logging
 
     from agilerl.distributed import FSDPConfig
     from planner.calibration import coefficients_for
+    from planner.choose import host_judge
     from planner.hardware import Cluster, gpu_by_name, with_memory
     from planner.memory import estimate
 
@@ -168,19 +198,50 @@ def test_optim_cpu_offload_none_moves_adam_to_the_host_only_where_the_host_holds
     micro = agent.micro_batch_size_per_gpu
     gpu = gpu_by_name("H100-80GB")
     spec, workload = autoplan._spec_for(agent, None), autoplan._as_resolved(agent, micro)
-    need = estimate(
-        spec, workload, Cluster(gpu=gpu), FSDPConfig(optim_cpu_offload=False), coefficients=coefficients_for(gpu)
-    ).peak_bytes
+
+    def run(adam_on_host: bool, cluster: Cluster):
+        fsdp = FSDPConfig(optim_cpu_offload=adam_on_host)
+        return estimate(spec, workload, cluster, fsdp, coefficients=coefficients_for(cluster.gpu))
+
+    need = run(False, Cluster(gpu=gpu)).peak_bytes
     small = with_memory(gpu, (need / 0.95 - 2**20) / GIB)  # Adam on it is just over its limit
-    cluster = Cluster(gpu=small, num_gpus=1, host_memory_per_node_bytes=host_gib * GIB)
-    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size: cluster)
+    sized = Cluster(gpu=small, num_gpus=1, host_memory_per_node_bytes=GIB)
+    judge = host_judge(spec, workload, sized, engine_ranks=False)
+    with_adam, without = judge(run(True, sized)).need_bytes, judge(run(False, sized)).need_bytes
+    assert with_adam > without  # Adam's state on the host
+    host_bytes = {"roomy": 512 * GIB, "between": int((with_adam + without) / 2 / 0.95), "tiny": GIB}[host]
+    cluster = sized.model_copy(update={"host_memory_per_node_bytes": host_bytes})
+    monkeypatch.setattr(autoplan, "visible_cluster", lambda world_size, judge_host=False: cluster)
     caplog.set_level(logging.INFO, logger="agilerl")
     agent._resolve_optim_offload(None)
-    assert agent.fsdp_config.optim_cpu_offload is offload
+    assert agent.fsdp_config.optim_cpu_offload is (host == "roomy")
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    if offload:
+    if host == "roomy":
         assert not warned and "optim_cpu_offload=True: Adam steps on the CPU" in caplog.text
-    else:
-        (line,) = warned
-        assert line.startswith("[agilerl] optim_cpu_offload=False: the memory estimate fits Adam nowhere: on the GPU ")
-        assert "of host memory on a node" in line and "over the 0.95 GiB available" in line
+        return
+    (line,) = warned
+    assert line.startswith("[agilerl] optim_cpu_offload=False: the memory estimate fits Adam nowhere: on the GPU ")
+    assert "of host memory on a node in phase " in line
+    assert ("over with Adam on the GPU too" in line) == (host == "tiny")
+
+
+def test_the_other_auto_knobs_are_chosen_for_the_gpu_alone(monkeypatch):
+    """Checkpointing and the log-prob chunk move nothing to or from the host: they are chosen for
+    the GPU whatever the node's host holds. Judged against a host too small for the run (1 GiB),
+    the planner would fall back to its most frugal knobs."""
+    from planner.hardware import Cluster, gpu_by_name
+
+    gpu = gpu_by_name("H100-80GB")
+
+    def knobs(cluster_of) -> tuple:
+        monkeypatch.setattr(autoplan, "visible_cluster", cluster_of)
+        agent = make_agent(gradient_checkpointing="auto", logprob_chunk_size="auto")
+        return agent.gradient_checkpointing, agent.logprob_chunk_size
+
+    def small_host(world_size, judge_host=False):
+        return Cluster(gpu=gpu, num_gpus=1, host_memory_per_node_bytes=GIB if judge_host else None)
+
+    unknown = knobs(lambda world_size, judge_host=False: Cluster(gpu=gpu, num_gpus=1))
+    assert knobs(small_host) == unknown == (False, 4096)  # a tiny model: no checkpointing, the largest chunk
+    judged = knobs(lambda world_size, judge_host=False: Cluster(gpu=gpu, num_gpus=1, host_memory_per_node_bytes=GIB))
+    assert judged != unknown

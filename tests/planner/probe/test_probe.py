@@ -648,11 +648,12 @@ def test_expert_parallel_probe_reports_routed_rows_and_load_imbalance():
 
 def test_an_overlapped_expert_parallel_dispatch_stays_within_the_estimate():
     """ep=2 in two token blocks: the second block's dispatch runs while the first block's experts
-    compute, its sent and received rows held beside them. Those two row buffers are what the first
-    block saves for its backward (its dispatched rows and the combine's): with grad the last
-    block's moment still bounds the forward, and without grad the estimate counts every routed row
-    at once. The probe's reference and learn peaks are within 3% of the estimate (both read as
-    before the overlap: 1.39 and 1.97 MB, estimated 1.37 and 2.01)."""
+    compute, its sent and received rows held beside them. With balanced routing those two row
+    buffers are what the first block saves for its backward (its dispatched rows and the
+    combine's), so with grad the last block's moment is about the forward's peak, and without
+    grad the estimate counts every routed row at once. The probe's reference and learn peaks are
+    within 3% of the estimate (both read as before the overlap: 1.39 and 1.97 MB, estimated 1.37
+    and 2.01)."""
     from planner.hardware import CPU_DEVICE, Cluster
     from planner.memory import estimate
     from planner.models import load_model_spec

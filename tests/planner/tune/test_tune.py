@@ -1247,6 +1247,6 @@ def test_a_run_whose_plan_offloads_past_the_host_is_tuned_where_a_candidate_fits
     judge = host_judge(spec, workload, cluster)
     assert judge is not None and probe.requests
     for request in probe.requests:
-        need, limit = judge(estimate(spec, request.workload, cluster, request.fsdp))
-        assert need <= limit
+        host = judge(estimate(spec, request.workload, cluster, request.fsdp))
+        assert host.what == "host" and host.need_bytes <= host.limit_bytes
     assert result.trials
