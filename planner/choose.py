@@ -435,10 +435,9 @@ def check_inputs(
     if problem := vllm_budget_problem(spec, workload, cluster, fsdp if fsdp.tp > 1 else None):
         raise ValueError(problem)
     if workload.sequence_tokens > spec.positions:
-        longer = "" if spec.rope_position_factor != 1 else "; a longer context needs rope scaling in its config.json"
         raise ValueError(
             f"prompt_tokens + completion_tokens = {workload.sequence_tokens} is longer than the "
-            f"{spec.positions} positions of {spec.name} ({spec.positions_words()}{longer})"
+            f"{spec.positions} positions of {spec.name} ({spec.positions_words()})"
         )
     if (engine_len := workload.vllm_max_model_len) is not None and engine_len > spec.positions:
         raise ValueError(

@@ -175,7 +175,9 @@ class ModelSpec(_Frozen):
     def positions(self) -> int:
         """The positions the model takes: ``max_position_embeddings``, stretched by a linear or
         dynamic rope scaling."""
-        return int(self.max_position_embeddings * self.rope_position_factor)
+        from agilerl.utils.sources import stretched_positions
+
+        return stretched_positions(self.max_position_embeddings, self.rope_position_factor)
 
     def positions_words(self) -> str:
         """Where :attr:`positions` comes from, for a message."""

@@ -340,6 +340,8 @@ CASES = [
     (config({}, "--output", "{tmp}/config.json"), "own config.json"),
     (config({"max_position_embeddings": "x"}), "max_position_embeddings"),
     (config({"max_position_embeddings": 0}), "max_position_embeddings"),
+    (config({"rope_scaling": {"type": "linear", "factor": float("inf")}}), "rope scaling's factor"),
+    (config({"rope_scaling": {"type": "dynamic", "factor": 1e300}}), "rope scaling's factor"),
     # a linear rope scaling stretches the 512 positions to 1024 (600 + 300 tokens plan: test_choose)
     (
         config(

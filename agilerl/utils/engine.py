@@ -160,16 +160,12 @@ def model_max_len(model_path: str) -> tuple[int, str] | None:
     """The positions of a local model directory's config.json (``max_position_embeddings``,
     stretched by a linear or dynamic rope scaling, as vLLM reads them) and where they come from,
     in words; None when unknown."""
-    from agilerl.utils.sources import model_positions, positions_words, rope_position_factor, text_config
+    from agilerl.utils.sources import described_positions
 
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None
-    data = json.loads(config.read_text())
-    limit = model_positions(data)
-    if limit is None:
-        return None
-    return limit, positions_words(text_config(data)["max_position_embeddings"], rope_position_factor(data))
+    return described_positions(json.loads(config.read_text()))
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ No torch here: the planner's fast path imports it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -52,6 +53,8 @@ __all__ = [
     "text_config",
     "rope_position_factor",
     "model_positions",
+    "described_positions",
+    "stretched_positions",
     "positions_words",
     "cached_config",
     "read_config",
@@ -130,9 +133,11 @@ def text_config(config: dict) -> dict:
 
 
 #: Rope scalings whose ``factor`` stretches a model's positions past ``max_position_embeddings``:
-#: Hugging Face's linear interpolation and dynamic NTK. The others (llama3, yarn, longrope) give
-#: ``max_position_embeddings`` stretched already. vLLM derives its default max_model_len the same
-#: way (0.32: it multiplies by every other type's factor too; types not named here are taken at 1).
+#: Hugging Face's linear interpolation and dynamic NTK. The others (llama3, yarn, longrope) are
+#: taken at ``max_position_embeddings`` as it stands, as vLLM 0.32 takes them when it derives its
+#: default max_model_len (it multiplies by every other type's factor too; types not named here
+#: are taken at 1). A YaRN config that keeps the original length there (Qwen's long-context
+#: recipe: 32768 and factor 4) is therefore held to it, as vLLM holds it.
 STRETCHING_ROPE_TYPES = ("linear", "dynamic")
 
 
@@ -144,7 +149,18 @@ def rope_position_factor(config: dict) -> float:
     text = text_config(config)
     if any("gemma3" in str(c.get("model_type", "")) for c in (config, text)):
         return 1.0
-    factors = []
+    factors = [factor for _, factor in _stretching_factors(text) if math.isfinite(factor) and factor >= 1]
+    return min(factors, default=1.0)
+
+
+#: The largest rope stretch a config may give: more is a typo.
+MAX_ROPE_FACTOR = 1024
+
+
+def _stretching_factors(text: dict) -> list[tuple[str, float]]:
+    """(config key, factor) of every linear or dynamic rope scaling in a text config: its
+    ``rope_scaling`` or transformers 5's ``rope_parameters``, one set or one per layer type."""
+    out = []
     for key in ("rope_parameters", "rope_scaling"):
         value = text.get(key)
         if not isinstance(value, dict):
@@ -155,18 +171,31 @@ def rope_position_factor(config: dict) -> float:
                 continue
             kind = params.get("rope_type", params.get("type"))
             factor = params.get("factor")
-            if kind in STRETCHING_ROPE_TYPES and isinstance(factor, int | float) and factor >= 1:
-                factors.append(float(factor))
-    return min(factors, default=1.0)
+            if kind in STRETCHING_ROPE_TYPES and isinstance(factor, int | float) and not isinstance(factor, bool):
+                out.append((key, float(factor)))
+    return out
+
+
+def stretched_positions(max_position_embeddings: int, factor: float) -> int:
+    """``max_position_embeddings`` stretched by a rope scaling's :func:`rope_position_factor`."""
+    return int(max_position_embeddings * factor)
 
 
 def model_positions(config: dict) -> int | None:
     """The positions a causal LM takes (its text config's ``max_position_embeddings`` times its
     :func:`rope_position_factor`), or None where the config does not give them."""
+    known = described_positions(config)
+    return None if known is None else known[0]
+
+
+def described_positions(config: dict) -> tuple[int, str] | None:
+    """:func:`model_positions` and where they come from, in words (:func:`positions_words`), for a
+    refusal; None where the config does not give them."""
     positions = text_config(config).get("max_position_embeddings")
     if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
         return None
-    return int(positions * rope_position_factor(config))
+    factor = rope_position_factor(config)
+    return stretched_positions(positions, factor), positions_words(positions, factor)
 
 
 def positions_words(max_position_embeddings: int, factor: float) -> str:
@@ -294,6 +323,12 @@ def check_config(config: dict, name: str) -> None:
     positions = text.get("max_position_embeddings")
     if positions is not None and not _positive(positions):
         raise ValueError(f"{name}: config field max_position_embeddings={positions!r} must be a positive integer")
+    for key, factor in _stretching_factors(text):
+        if not (math.isfinite(factor) and 0 < factor <= MAX_ROPE_FACTOR):
+            raise ValueError(
+                f"{name}: config field {key} has factor={factor:g}: a linear or dynamic rope scaling's factor "
+                f"must be a number above 0 and at most {MAX_ROPE_FACTOR:,}"
+            )
     experts = text.get("num_local_experts") or text.get("num_experts")
     top_k = text.get("num_experts_per_tok")
     if _positive(experts) and _positive(top_k) and top_k > experts:

@@ -73,9 +73,10 @@ def node_host_bytes(est: Estimate, workload: Workload, cluster: Cluster, engine:
 
 
 def node_host_phase(est: Estimate, workload: Workload, cluster: Cluster, engine: PhaseEstimate | None) -> str:
-    """The phase where the busiest node's host memory (:func:`node_host_bytes`) peaks."""
+    """The trainers' phase where the busiest node's host memory (:func:`node_host_bytes`) peaks;
+    "" on a node of engine ranks alone (they load as the trainers start, and hold it)."""
     trainers, rank0 = _busiest_node(est, workload, cluster, engine)[0]
-    return est.node_host_phase(trainers, rank0=rank0)
+    return est.node_host_phase(trainers, rank0=rank0) if trainers else ""
 
 
 def _busiest_node(

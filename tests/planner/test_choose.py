@@ -804,8 +804,9 @@ def test_an_engine_rank_that_cannot_hold_the_model_makes_the_plan_not_fit():
     # its limits: the trainers' GPUs (within) and the engine rank's (over), one rule for every output
     assert [(limit.what, limit.over) for limit in p.limits()] == [("gpu", False), ("engine_rank", True)]
     (over,) = p.over()
-    assert over.need_bytes == p.engine_rank.total and over.limit_bytes == p.gpu_limit_bytes
-    assert reason == f"the trainers fit, but {over.words()}"
+    assert over.need_bytes > spec.total_params * 2  # the whole model in bf16, and generate's cache
+    assert abs(over.limit_bytes - 0.95 * cluster.gpu.memory_bytes) < 2  # the GPU less the 5% margin
+    assert f"needs {over.need_bytes / 2**30:.2f} GiB on its GPU, over the 75.24 GiB available" in reason
     # the trainer ranks alone (engines the caller sizes elsewhere, as fsdp_config='auto' plans them)
     alone = plan(spec, wl, cluster)
     assert alone.fits and alone.engine_rank is None
@@ -977,7 +978,8 @@ def test_one_gpu_shards_for_a_host_that_cannot_hold_the_whole_model_and_says_why
 def test_a_linear_rope_scaling_stretches_the_positions_a_plan_may_use(tmp_path):
     """A config with 512 positions and a linear rope scaling of factor 2 takes 1024 tokens, as
     transformers computes them and vLLM reads them: 900 plan, 1100 are refused naming the factor
-    (the refusal used to advise rope scaling that the check then ignored)."""
+    (the refusal used to advise rope scaling that the check then ignored; it advises none now:
+    a model may have one already, as Llama 3.1's and Gemma 3's do)."""
     import json
 
     config = {

@@ -136,7 +136,8 @@ def test_a_max_model_len_over_the_models_is_refused_before_start(agent):
 def test_vllm_reads_a_rope_scaled_models_positions_as_the_checks_do(agent, tmp_path):
     """64 positions and a linear rope factor of 2: vLLM's own max_model_len, derived from the
     config, is the 128 the trainer's, the planner's and the engine's checks read
-    (agilerl.utils.sources.model_positions); the engine starts at 128 and refuses 129 itself."""
+    (agilerl.utils.sources.model_positions); the engine starts at 128, and the engine's own check
+    refuses 129 before vLLM starts."""
     import json
     import shutil
 

@@ -313,14 +313,12 @@ def check_model_length(source: str | None, actor_network: nn.Module | None, max_
 
         _quiet_transformers()
         config = AutoConfig.from_pretrained(source)
-    from agilerl.utils.sources import model_positions, positions_words, rope_position_factor, text_config
+    from agilerl.utils.sources import described_positions
 
-    data = config.to_dict()
-    limit = model_positions(data)
-    if limit is not None and max_model_len > limit:
-        words = positions_words(text_config(data)["max_position_embeddings"], rope_position_factor(data))
+    known = described_positions(config.to_dict())
+    if known is not None and max_model_len > known[0]:
         raise ValueError(
-            f"max_model_len={max_model_len} is longer than the model's {limit} positions ({words}): lower it"
+            f"max_model_len={max_model_len} is longer than the model's {known[0]} positions ({known[1]}): lower it"
         )
 
 

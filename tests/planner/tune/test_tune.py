@@ -384,7 +384,9 @@ def test_a_candidate_whose_nodes_host_the_estimate_rejects_is_never_launched(spe
         assert objective.admits(suggest_candidate(optuna.trial.FixedTrial(params), objective.space)) == launched
         if not launched:
             assert trial.user_attrs["status"] == "rejected" and trial.user_attrs["constraint"] > 0
-            assert "of host memory on a node, over the" in trial.user_attrs["why"]
+            assert (
+                "of host memory on a node in phase load, over the" in trial.user_attrs["why"]
+            )  # the load: each whole copy
             assert trial.user_attrs["why"].endswith("not launched")
 
 
