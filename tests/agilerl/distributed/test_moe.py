@@ -470,6 +470,39 @@ def olmoe_full_ep2_blocks2_chunked(ctx):
 
 
 @two.case
+def a_dispatch_that_arrives_late_is_read_only_once_it_has(ctx):
+    # A slow link: every all-to-all started in the background fills its output with NaN and
+    # writes the real rows only when waited for. Reading a block's rows before its dispatch is
+    # done would feed NaN to the experts; parity (logits, loss, every gradient) says it never does.
+    from unittest import mock
+
+    real = dist.all_to_all_single
+    late = []
+
+    class _Late:
+        def __init__(self, out, staged, work):
+            self.out, self.staged, self.work = out, staged, work
+
+        def wait(self):
+            self.work.wait()
+            with torch.no_grad():  # as the collective writes it: outside autograd
+                self.out.copy_(self.staged)
+            return True
+
+    def slow(output, input, *args, async_op=False, **kwargs):
+        if not async_op:
+            return real(output, input, *args, **kwargs)
+        staged = torch.empty_like(output)
+        output.fill_(float("nan"))
+        late.append(1)
+        return _Late(output, staged, real(staged, input, *args, async_op=True, **kwargs))
+
+    with mock.patch.object(dist, "all_to_all_single", slow):
+        _, _, layout = ep_parity("qwen3_moe", ep=2, lora=True, token_blocks=3, chunk_mib=1 / 1024)
+    assert late and all(s.max_blocks_in_flight == 2 for s in layout.stats())
+
+
+@two.case
 def deepseek_v2_shared_experts_and_dense_first_layer(ctx):
     _, _, layout = ep_parity("deepseek_v2", ep=2, lora=True, token_blocks=2)
     assert len(layout.layers) == 2  # the dense first layer is no MoE layer
