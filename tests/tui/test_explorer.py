@@ -21,7 +21,7 @@ from tui.app import ExplorerApp
 from tui.screens import ExportScreen, HelpScreen, ModelPicker, SavePrompt
 from tui.screens import _explorer as explorer_module
 from tui.screens._explorer import ExplorerScreen
-from tui.widgets import ComponentTable, DecisionView, KnobRow, PhaseBars, Verdict
+from tui.widgets import ComponentTable, DecisionView, KnobPanel, KnobRow, PhaseBars, Verdict
 
 from ._helpers import BIG_MODEL, MODEL, SMALL, WIDE, control, pilot_test, set_knob, settle
 
@@ -696,6 +696,17 @@ async def test_the_default_prompts_are_raised_to_a_multiple_of_the_gpus_as_the_c
         assert not screen.errors, screen.errors
         assert screen.plan.workload.prompts_per_step == 9 and screen.manifest_problem is None
         assert any(d.field == "prompts_per_step" for d in screen.plan.decisions)
+        # the knob still shows the 8 it holds; the note under it gives the 9 planned, and why
+        row = _row(screen, "workload.prompts_per_step")
+        assert row.value == "8" and row.has_class("-noted")
+        note = str(row.query_one(".knob-note").render())
+        assert note.startswith("planned 9: the default 8 raised to a multiple of the 3 GPUs"), note
+        assert [key for key, r in screen.query_one(KnobPanel).rows().items() if r.has_class("-noted")] == [
+            "workload.prompts_per_step"
+        ]  # nothing else was moved: the knobs left at auto say nothing
+        # 12 prompts typed are planned as they are: no note
+        screen = await set_knob(pilot, "workload.prompts_per_step", "12")
+        assert screen.plan.workload.prompts_per_step == 12 and not row.has_class("-noted")
 
 
 @pilot_test

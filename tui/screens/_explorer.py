@@ -8,6 +8,7 @@ for the newest request, so a slow plan never blocks typing and never shows stale
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,7 +30,7 @@ from planner.request import PlanRequest
 from planner.spec import ModelSpec
 
 from .. import _request
-from .._knobs import KnobErrors, algorithm_values
+from .._knobs import AUTO, KnobErrors, algorithm_values
 from ..widgets import ComponentTable, DecisionView, KnobPanel, KnobRow, PhaseBars, Verdict
 from ._dialogs import ExportScreen, SavePrompt
 from ._model_picker import ModelPicker
@@ -318,7 +319,25 @@ class ExplorerScreen(Screen):
         self.query_one(DecisionView).show(
             plan, fixed=request.fixed, workload_set=request.workload.model_dump(exclude_unset=True)
         )
+        self.query_one(KnobPanel).show_notes(self._planned_notes())
         self._show_verdict()
+
+    def _planned_notes(self) -> dict[str, str]:
+        """A note under each workload knob whose value shown the plan moved (the default prompts
+        raised to whole ones per GPU): the planned value and why, in short (the FSDP tab has the
+        whole reason)."""
+        plan = self.plan
+        assert plan is not None
+        reasons = plan.reasons()
+        notes = {}
+        for key, shown in self.query_one(KnobPanel).values().items():
+            group, _, field = key.partition(".")
+            if group != "workload" or field not in reasons or shown in ("", AUTO):
+                continue
+            planned = getattr(plan.workload, field)
+            if str(planned) != str(shown):  # the reason's first clause: the rest is in the FSDP tab
+                notes[key] = f"planned {planned}: {re.split(r'[,;:] ', reasons[field])[0]}"
+        return notes
 
     @on(PhaseBars.Selected)
     def _phase_selected(self, event: PhaseBars.Selected) -> None:

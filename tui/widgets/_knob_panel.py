@@ -54,6 +54,11 @@ class KnobPanel(VerticalScroll):
         for key, row in self.rows().items():
             row.show_error(errors.get(key))
 
+    def show_notes(self, notes: Mapping[str, str]) -> None:
+        """Under each knob in ``notes`` (by key), what the plan made of its value."""
+        for key, row in self.rows().items():
+            row.show_note(notes.get(key))
+
     def set_model(self, model: str) -> None:
         self.model = model
         self.query_one("#model-button", Button).label = model

@@ -77,6 +77,7 @@ class KnobRow(Vertical):
         self.knob = knob
         self.initial = value
         self.error: str | None = None
+        self.note: str | None = None
 
     def compose(self) -> ComposeResult:
         knob = self.knob
@@ -84,6 +85,7 @@ class KnobRow(Vertical):
             yield Label(knob.label, classes="knob-label")
             yield self._control(knob, self.initial)
         yield Label("", classes="knob-error")
+        yield Label("", classes="knob-note")
 
     @staticmethod
     def _control(knob: Knob, value: str | bool) -> Widget:
@@ -133,6 +135,14 @@ class KnobRow(Vertical):
         self.error = message
         self.set_class(bool(message), "-invalid")
         self.query_one(".knob-error", Label).update(message or "")
+
+    def show_note(self, message: str | None) -> None:
+        """What the plan made of the value shown (``planned 9: ...``), or None; an error hides it."""
+        if message == self.note:
+            return
+        self.note = message
+        self.set_class(bool(message), "-noted")
+        self.query_one(".knob-note", Label).update(message or "")
 
     @on(Input.Changed)
     @on(Select.Changed)
