@@ -23,23 +23,14 @@ import pytest
 import yaml
 
 from agilerl.distributed import FSDPConfig
+from tests._configs import TINY_LLAMA
 
 M = "qwen2.5-0.5b"  # a catalog model: plans in milliseconds, no torch
 MOE = "allenai/OLMoE-1B-7B-0924"
 TINY = "tiny:qwen2?hidden_size=32&num_layers=2"
 
 # A valid config.json every config case starts from (a tiny Llama); None deletes a key.
-LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 512,
-}
+LLAMA = TINY_LLAMA
 
 # A valid manifest every train case starts from.
 MANIFEST = {

@@ -310,20 +310,11 @@ def test_a_config_transformers_refuses_is_one_line_naming_the_file(tmp_path, cap
     loading starts."""
     import json
 
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 512,
-    }
+    from tests._configs import TINY_LLAMA
+
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({**config, **change}))
+    (model / "config.json").write_text(json.dumps({**TINY_LLAMA, **change}))
     data = {**TINY_RUN, "algorithm": {**TINY_RUN["algorithm"], "model_name": str(model)}}
     line = _refused_in_one_line(tmp_path, capsys, data)
     assert f"{model / 'config.json'}: " in line and expect in line

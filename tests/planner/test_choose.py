@@ -982,18 +982,9 @@ def test_a_linear_rope_scaling_stretches_the_positions_a_plan_may_use(tmp_path):
     a model may have one already, as Llama 3.1's and Gemma 3's do)."""
     import json
 
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 512,
-        "rope_scaling": {"type": "linear", "factor": 2.0},
-    }
+    from tests._configs import TINY_LLAMA
+
+    config = {**TINY_LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}  # 512 positions
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = load_model_spec(str(tmp_path))
     one = Cluster(gpu=_gpu(4096), num_gpus=1)
