@@ -118,7 +118,8 @@ class Limit(BaseModel):
         """The same in a few words (the explorer's verdict line), without the limit where not ``limit``
         (:attr:`short_limit`: the trainers' and an engine rank's GPUs share theirs)."""
         need = self.need_bytes / GIB
-        words = f"host {need:.2f} GiB a node" if self.what == "host" else f"{need:.2f} GiB "
+        where = f" in {self.phase}" if self.phase else ""
+        words = f"host {need:.2f} GiB a node{where}" if self.what == "host" else f"{need:.2f} GiB "
         if self.what != "host":
             words += f"in {self.phase}" if self.what == "gpu" else "in an engine rank of its own"
         return f"{words} > {self.short_limit}" if limit else words
