@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict
 
@@ -185,12 +185,14 @@ class Plan(BaseModel):
 
     def limits(self) -> tuple[Limit, ...]:
         """Every limit the plan is judged by, with what it needs of each (:func:`_limits`)."""
+        limit = self.host_limit_bytes
         return _limits(
             self.estimate,
             self.gpu_limit_bytes,
-            engine=self.engine_rank,
-            completions=engine_completions(self.workload, self.cluster),
-            host=(self.host_per_node_bytes, self.host_limit_bytes, self.host_peak_phase),
+            engine=_engine_limit(self.engine_rank, self.gpu_limit_bytes, self.workload, self.cluster),
+            host=None
+            if limit is None
+            else Limit(what="host", need_bytes=self.host_per_node_bytes, limit_bytes=limit, phase=self.host_peak_phase),
         )
 
     def over(self) -> tuple[Limit, ...]:
@@ -205,24 +207,19 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _limits(
-    est: Estimate,
-    gpu_limit: int,
-    *,
-    engine: PhaseEstimate | None,
-    completions: int,
-    host: tuple[int, int | None, str],
-) -> tuple[Limit, ...]:
+def _limits(est: Estimate, gpu_limit: int, *, engine: Limit | None, host: Limit | None) -> tuple[Limit, ...]:
     """The limits of one estimate: its trainer GPUs'; an engine rank of its own's, where the run
-    has them (``engine``); a node's host, where its limit is given (``host``: the busiest node's
-    need, its limit or None, the phase where it peaks)."""
-    out = [Limit(what="gpu", need_bytes=est.peak_bytes, limit_bytes=gpu_limit, phase=est.peak_phase)]
-    if engine is not None:
-        out.append(Limit(what="engine_rank", need_bytes=engine.total, limit_bytes=gpu_limit, completions=completions))
-    need, limit, phase = host
-    if limit is not None:
-        out.append(Limit(what="host", need_bytes=need, limit_bytes=limit, phase=phase))
-    return tuple(out)
+    has them; a node's host, where its limit is given."""
+    gpu = Limit(what="gpu", need_bytes=est.peak_bytes, limit_bytes=gpu_limit, phase=est.peak_phase)
+    return tuple(limit for limit in (gpu, engine, host) if limit is not None)
+
+
+def _engine_limit(engine: PhaseEstimate | None, gpu_limit: int, workload: Workload, cluster: Cluster) -> Limit | None:
+    """An engine rank of its own's limit (its GPU's), None where the run has none."""
+    if engine is None:
+        return None
+    rows = engine_completions(workload, cluster)
+    return Limit(what="engine_rank", need_bytes=engine.total, limit_bytes=gpu_limit, completions=rows)
 
 
 class _Search:
@@ -290,17 +287,18 @@ class _Search:
         host = 0 if self.host_limit is None else max(0, self.node_host(est) - self.host_limit)
         return max(0, est.peak_bytes - self.limit), host
 
+    def host_limit_of(self, est: Estimate) -> Limit | None:
+        """A node's host limit under ``est`` (its need and the phase where it peaks), None where
+        the host memory is not given."""
+        if self.host_limit is None:
+            return None
+        need, phase = self.node_host(est), self.node_host_phase(est)
+        return Limit(what="host", need_bytes=need, limit_bytes=self.host_limit, phase=phase)
+
     def limits(self, est: Estimate) -> tuple[Limit, ...]:
         """The limits ``est`` is judged by, as a plan of it would give them (:meth:`Plan.limits`)."""
-        judged = self.host_limit is not None
-        host = (self.node_host(est), self.host_limit, self.node_host_phase(est)) if judged else (0, None, "")
-        return _limits(
-            est,
-            self.limit,
-            engine=self.engine_rank,
-            completions=engine_completions(self.workload, self.cluster),
-            host=host,
-        )
+        engine = _engine_limit(self.engine_rank, self.limit, self.workload, self.cluster)
+        return _limits(est, self.limit, engine=engine, host=self.host_limit_of(est))
 
     def over(self, est: Estimate, *, engine: bool = True) -> list[str]:
         """What of ``est`` is over its limit, in words: the trainer GPUs, an engine rank (unless not
@@ -616,7 +614,7 @@ def host_judge(
     search = _Search(
         spec, cluster, coefficients, margin_fraction, workload=workload, fixed={}, engine_ranks=engine_ranks
     )
-    return lambda est: next(limit for limit in search.limits(est) if limit.what == "host")
+    return lambda est: cast(Limit, search.host_limit_of(est))  # given: never None
 
 
 def host_over_words(need: int, limit: int, phase: str = "") -> str:
@@ -633,10 +631,9 @@ def host_phase_words(phase: str) -> str:
 
 def _engine_rank_over(search: _Search) -> str:
     """Why the engine ranks of their own do not fit."""
-    engine = search.engine_rank
+    engine = _engine_limit(search.engine_rank, search.limit, search.workload, search.cluster)
     assert engine is not None
-    rows = engine_completions(search.workload, search.cluster)
-    return Limit(what="engine_rank", need_bytes=engine.total, limit_bytes=search.limit, completions=rows).words()
+    return engine.words()
 
 
 def plan_request(

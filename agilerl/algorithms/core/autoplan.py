@@ -31,15 +31,21 @@ __all__ = [
 ]
 
 
-def _host_available_bytes() -> int:
+def _meminfo_bytes(key: str, proc: Path = Path("/proc")) -> int | None:
+    """``key``'s figure in ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``), in bytes; None where
+    it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
-    return 16 * 2**30
+    return None
+
+
+def _host_available_bytes() -> int:
+    available = _meminfo_bytes("MemAvailable")
+    return 16 * 2**30 if available is None else available
 
 
 def node_memory_bytes(proc: Path = Path("/proc"), cgroup_fs: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -48,16 +54,8 @@ def node_memory_bytes(proc: Path = Path("/proc"), cgroup_fs: Path = Path("/sys/f
     cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``). None where ``/proc/meminfo``
     cannot be read. The whole node's, as ``agilerl-plan --host-memory`` takes it: what the OS, the
     page cache and other processes hold is the margin's to cover."""
-    total = None
-    try:
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    if total is None:
-        return None
-    return min([total, *_cgroup_limits(proc, cgroup_fs)])
+    total = _meminfo_bytes("MemTotal", proc)
+    return None if total is None else min([total, *_cgroup_limits(proc, cgroup_fs)])
 
 
 def _cgroup_limits(proc: Path, cgroup_fs: Path) -> list[int]:
