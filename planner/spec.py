@@ -43,10 +43,11 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
 ]
 
-SPEC_SCHEMA_VERSION = 9  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
+SPEC_SCHEMA_VERSION = 10  # 3: hidden_streams, per_layer_input_width (Gemma-3n); 4: attention logit soft-capping;
 # 5: expert_layout_problem (gpt-oss), text_model_of (multimodal checkpoints); 6: the NF4 weights of QLoRA;
 # 7: K/V sharing across layers (Gemma-3n, Gemma 4), rotary_widths; 8: rotary widths read off the forward (gpt-oss);
-# 9: rope_position_factor (linear and dynamic rope scaling stretch the positions)
+# 9: rope_position_factor (linear and dynamic rope scaling stretch the positions); 10: every rope type
+# but YaRN and Llama 3 stretches them, by a factor below 1 too (as vLLM)
 #: LoRA target specs precomputed in every spec.
 DEFAULT_LORA_TARGETS = ("all-linear",)
 
@@ -130,7 +131,7 @@ class ModelSpec(_Frozen):
     vocab_size: int
     num_layers: int
     max_position_embeddings: int
-    #: How far a linear or dynamic rope scaling stretches the positions (agilerl.utils.sources.rope_position_factor).
+    #: How far the rope scaling stretches the positions (agilerl.utils.sources.rope_position_factor).
     rope_position_factor: float = 1.0
     tie_word_embeddings: bool
     embed_shape: tuple[int, ...]

@@ -158,7 +158,7 @@ def _guard_registry_subprocess() -> None:
 
 def model_max_len(model_path: str) -> tuple[int, str] | None:
     """The positions of a local model directory's config.json (``max_position_embeddings``,
-    stretched by a linear or dynamic rope scaling, as vLLM reads them) and where they come from,
+    stretched by its rope scaling's factor, as vLLM reads them) and where they come from,
     in words; None when unknown."""
     from agilerl.utils.sources import described_positions
 

@@ -132,24 +132,25 @@ def text_config(config: dict) -> dict:
     return config
 
 
-#: Rope scalings whose ``factor`` stretches a model's positions past ``max_position_embeddings``:
-#: Hugging Face's linear interpolation and dynamic NTK. The others (llama3, yarn, longrope) are
-#: taken at ``max_position_embeddings`` as it stands, as vLLM 0.32 takes them when it derives its
-#: default max_model_len (it multiplies by every other type's factor too; types not named here
-#: are taken at 1). A YaRN config that keeps the original length there (Qwen's long-context
-#: recipe: 32768 and factor 4) is therefore held to it, as vLLM holds it.
-STRETCHING_ROPE_TYPES = ("linear", "dynamic")
+#: Rope scalings whose config gives ``max_position_embeddings`` stretched already, as
+#: transformers' YaRN and Llama 3 code assumes: their ``factor`` is not applied again. Every other
+#: scaling with a ``factor`` (Hugging Face's linear interpolation, dynamic NTK, Gemma 4's
+#: proportional...) stretches the positions by it, or shrinks them where it is below 1. This is
+#: how vLLM 0.32 derives its default max_model_len. A YaRN config that keeps the original length
+#: there (Qwen's long-context recipe: 32768 and factor 4) is therefore held to it, as vLLM holds it.
+PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
 def rope_position_factor(config: dict) -> float:
-    """How far a config's rope scaling stretches its positions: the ``factor`` of a linear or
-    dynamic scaling (``rope_scaling``, or transformers 5's ``rope_parameters``, one set or one per
-    layer type: the least of them), else 1. Gemma 3's ``max_position_embeddings`` counts its
-    linear factor already, as vLLM reads it: 1."""
+    """How far a config's rope scaling stretches its positions: the ``factor`` of a scaling not in
+    :data:`PRESCALED_ROPE_TYPES` (``rope_scaling``, or transformers 5's ``rope_parameters``, one
+    set or one per layer type: the least of them, where vLLM takes the last and assumes they
+    agree), else 1. Gemma 3's ``max_position_embeddings`` counts its linear factor already, as
+    vLLM reads it: 1."""
     text = text_config(config)
     if any("gemma3" in str(c.get("model_type", "")) for c in (config, text)):
         return 1.0
-    factors = [factor for _, factor in _stretching_factors(text) if math.isfinite(factor) and factor >= 1]
+    factors = [factor for _, factor in _stretching_factors(text) if math.isfinite(factor) and factor > 0]
     return min(factors, default=1.0)
 
 
@@ -158,8 +159,9 @@ MAX_ROPE_FACTOR = 1024
 
 
 def _stretching_factors(text: dict) -> list[tuple[str, float]]:
-    """(config key, factor) of every linear or dynamic rope scaling in a text config: its
-    ``rope_scaling`` or transformers 5's ``rope_parameters``, one set or one per layer type."""
+    """(config key, factor) of every rope scaling in a text config that stretches its positions
+    (not in :data:`PRESCALED_ROPE_TYPES`, with a numeric ``factor``): its ``rope_scaling`` or
+    transformers 5's ``rope_parameters``, one set or one per layer type."""
     out = []
     for key in ("rope_parameters", "rope_scaling"):
         value = text.get(key)
@@ -171,7 +173,7 @@ def _stretching_factors(text: dict) -> list[tuple[str, float]]:
                 continue
             kind = params.get("rope_type", params.get("type"))
             factor = params.get("factor")
-            if kind in STRETCHING_ROPE_TYPES and isinstance(factor, int | float) and not isinstance(factor, bool):
+            if kind not in PRESCALED_ROPE_TYPES and isinstance(factor, int | float) and not isinstance(factor, bool):
                 out.append((key, float(factor)))
     return out
 
@@ -326,7 +328,7 @@ def check_config(config: dict, name: str) -> None:
     for key, factor in _stretching_factors(text):
         if not (math.isfinite(factor) and 0 < factor <= MAX_ROPE_FACTOR):
             raise ValueError(
-                f"{name}: config field {key} has factor={factor:g}: a linear or dynamic rope scaling's factor "
+                f"{name}: config field {key} has factor={factor:g}: a rope scaling's factor "
                 f"must be a number above 0 and at most {MAX_ROPE_FACTOR:,}"
             )
     experts = text.get("num_local_experts") or text.get("num_experts")

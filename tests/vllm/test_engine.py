@@ -167,6 +167,37 @@ def test_vllm_reads_a_rope_scaled_models_positions_as_the_checks_do(agent, tmp_p
         VLLMEngine(str(folder), ENGINE, dtype="float32", seed=0, max_model_len=129)
 
 
+@pytest.mark.parametrize(
+    "scaling, positions",
+    [
+        ({"rope_type": "linear", "factor": 0.5}, 32),  # a factor below 1 shrinks them
+        ({"rope_type": "proportional", "factor": 4.0}, 256),  # a type transformers 5 added
+        ({"factor": 2.0}, 128),  # no type: transformers reads "default", vLLM multiplies
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, 64),  # counted already
+    ],
+    ids=["below-1", "proportional", "untyped", "yarn"],
+)
+def test_vllm_derives_the_positions_the_checks_read_for_every_kind_of_scaling(agent, tmp_path, scaling, positions):
+    """64 positions under each kind of rope scaling: vLLM's own max_model_len, derived from the
+    config alone (its ModelConfig, no engine), is what agilerl.utils.sources.model_positions reads,
+    so no length passes the checks and then fails in vLLM."""
+    import json
+    import shutil
+
+    from vllm.config import ModelConfig
+
+    from agilerl.utils.sources import model_positions
+
+    folder = tmp_path / "scaled"
+    shutil.copytree(agent.model_source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    config["rope_parameters"] = {"rope_theta": config["rope_parameters"]["rope_theta"], **scaling}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert model_positions(config) == positions
+    assert ModelConfig(model=str(folder), dtype="float32").max_model_len == positions
+
+
 def test_too_little_memory_for_the_kv_cache_names_the_knob(agent):
     from agilerl.utils.engine import EngineError, VLLMEngine
 

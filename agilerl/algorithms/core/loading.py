@@ -301,7 +301,7 @@ def attention_problem(attn_implementation: str | None) -> str | None:
 
 def check_model_length(source: str | None, actor_network: nn.Module | None, max_model_len: int | None) -> None:
     """Raise ValueError when ``max_model_len`` is longer than the model's positions (its config's
-    ``max_position_embeddings``, stretched by a linear or dynamic rope scaling:
+    ``max_position_embeddings``, stretched by its rope scaling's factor:
     :func:`agilerl.utils.sources.model_positions`), before any weight loads: the planner and vLLM
     refuse it too."""
     if max_model_len is None:

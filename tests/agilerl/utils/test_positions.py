@@ -1,4 +1,4 @@
-"""A model's positions: max_position_embeddings, stretched by a linear or dynamic rope scaling.
+"""A model's positions: max_position_embeddings, stretched by its rope scaling's factor.
 
 The trainer's max_model_len check, vLLM's engine check and the planner read them from one rule
 (agilerl.utils.sources.model_positions); vLLM derives its own default max_model_len the same way.
@@ -37,12 +37,38 @@ LLAMA = {"model_type": "llama", "max_position_embeddings": 4096}
         # these give max_position_embeddings stretched already
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 512}}, 4096),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}, 4096),
+        (
+            {"rope_scaling": {"rope_type": "deepseek_yarn", "factor": 40, "original_max_position_embeddings": 4096}},
+            4096,
+        ),
+        ({"rope_scaling": {"type": "longrope", "long_factor": [2.0], "short_factor": [1.0]}}, 4096),
         ({"rope_scaling": {"rope_type": "default"}}, 4096),
         ({"rope_scaling": None}, 4096),
+        # any other scaling's factor stretches them (Gemma 4's proportional, say), and one below 1
+        # shrinks them, as vLLM reads it: a longer max_model_len would pass here and fail there
+        ({"rope_parameters": {"rope_type": "proportional", "factor": 4.0}}, 16384),
+        ({"rope_scaling": {"type": "linear", "factor": 0.5}}, 2048),
+        # a set with no type and a factor, as vLLM multiplies it too
+        ({"rope_scaling": {"factor": 2.0}}, 8192),
     ],
-    ids=["none", "v4-linear", "v4-dynamic", "v5-linear", "v5-per-layer", "llama3", "yarn", "default", "null"],
+    ids=[
+        "none",
+        "v4-linear",
+        "v4-dynamic",
+        "v5-linear",
+        "v5-per-layer",
+        "llama3",
+        "yarn",
+        "deepseek-yarn",
+        "longrope",
+        "default",
+        "null",
+        "proportional",
+        "below-1",
+        "untyped",
+    ],
 )
-def test_linear_and_dynamic_rope_scaling_stretch_the_positions(rope, positions):
+def test_a_rope_scalings_factor_stretches_the_positions_unless_they_count_it_already(rope, positions):
     assert model_positions({**LLAMA, **rope}) == positions
 
 
