@@ -45,6 +45,23 @@ def _validation_errors(err: ValidationError, group: str, fallback: str) -> dict[
     return out
 
 
+def _combination_errors(fields: Mapping[str, Any], err: ValidationError) -> dict[str, str]:
+    """The Workload's combination errors among its valid fields, which pydantic does not check
+    while a field fails (a ``group_size`` that does not suit the algorithm would show only once a
+    ``prompt_tokens`` of 0 is mended): the fields validated again without the failing ones, and
+    each error whose message names none of them."""
+    failing = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    rest = {k: v for k, v in fields.items() if k not in failing}
+    if not failing or len(rest) == len(fields):
+        return {}
+    try:
+        Workload(**rest)
+    except ValidationError as again:
+        found = _validation_errors(again, "workload", "workload.generation")
+        return {k: m for k, m in found.items() if not any(name in m for name in failing)}
+    return {}
+
+
 @functools.cache
 def _knob_keys() -> frozenset[str]:
     return frozenset(k.key for k in knob_table())
@@ -86,6 +103,8 @@ def build_request(values: Mapping[str, str | bool]) -> PlanRequest:
         workload = Workload(**fields)
     except ValidationError as err:
         errors.update(_validation_errors(err, "workload", "workload.generation"))
+        for key, msg in _combination_errors(fields, err).items():
+            errors.setdefault(key, msg)
     if workload is not None and workload.full_finetune:  # as the command line refuses LoRA flags beside it
         for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"):
             default = Workload.model_fields[name].default

@@ -137,6 +137,17 @@ def test_invalid_knobs_are_reported_by_key():
     assert set(several) == {"workload.group_size", "fsdp.tp"}
 
 
+def test_a_combinations_error_shows_beside_a_failing_field():
+    """pydantic checks the Workload's combinations only once every field is valid; the explorer
+    checks the valid fields' combinations anyway, so both problems show at once."""
+    both = _errors(workload__prompt_tokens="0", workload__group_size="1")
+    assert "greater than or equal to 1" in both["workload.prompt_tokens"]
+    assert "group of at least 2" in both["workload.group_size"]
+    # a combination that names the failing field is not checked against its default
+    named = _errors(workload__prompt_tokens="0", workload__vllm_max_model_len="16", workload__generation="vllm")
+    assert set(named) == {"workload.prompt_tokens"}
+
+
 @pytest.mark.parametrize(
     ("current", "direction", "integer", "expected"),
     [
