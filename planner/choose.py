@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict
 from agilerl.distributed import FSDPConfig
 
 from . import calibration
-from .hardware import GIB, MARGIN_FRACTION, MAX_MEMORY_GIB, MIB, Cluster
+from .hardware import GIB, MARGIN_FRACTION, MAX_MEMORY_GIB, MIB, Cluster, memory_unit, memory_words
 from .memory import (
     EXPERT_CHUNKS_MIB,
     Coefficients,
@@ -104,7 +104,7 @@ class Limit(BaseModel):
 
     def words(self) -> str:
         """What it needs against its limit, as plans, the table and the trainer say it."""
-        need, limit = _gib(self.need_bytes), _gib(self.limit_bytes)
+        need, limit = _gib(self.need_bytes, self.limit_bytes), _gib(self.limit_bytes, self.limit_bytes)
         if self.what == "gpu":
             return f"{need} per GPU in phase {self.phase}, over the {limit} available"
         if self.what == "host":
@@ -117,16 +117,18 @@ class Limit(BaseModel):
     def short(self, *, limit: bool = True) -> str:
         """The same in a few words (the explorer's verdict line), without the limit where not ``limit``
         (:attr:`short_limit`: the trainers' and an engine rank's GPUs share theirs)."""
-        need = self.need_bytes / GIB
+        need = _gib(self.need_bytes, self.limit_bytes)
         where = f" in {self.phase}" if self.phase else ""
-        words = f"host {need:.2f} GiB a node{where}" if self.what == "host" else f"{need:.2f} GiB "
+        words = f"host {need} a node{where}" if self.what == "host" else f"{need} "
         if self.what != "host":
             words += f"in {self.phase}" if self.what == "gpu" else "in an engine rank of its own"
         return f"{words} > {self.short_limit}" if limit else words
 
     @property
     def short_limit(self) -> str:
-        return f"{self.limit_bytes / GIB:.2f} usable"
+        unit, scale = memory_unit(self.limit_bytes)
+        shown = f"{self.limit_bytes / scale:.2f}" + ("" if unit == "GiB" else f" {unit}")  # GiB goes unsaid
+        return f"{shown} usable"
 
     def as_json(self) -> dict[str, Any]:
         return {"what": self.what, "need_bytes": self.need_bytes, "limit_bytes": self.limit_bytes, "phase": self.phase}
@@ -203,8 +205,9 @@ class Plan(BaseModel):
         return {d.field: d.reason for d in self.decisions}
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+def _gib(n: float, capacity: float) -> str:
+    """``n`` bytes beside a memory of ``capacity`` (:func:`planner.hardware.memory_words`)."""
+    return memory_words(n, capacity)
 
 
 def _limits(est: Estimate, gpu_limit: int, *, engine: Limit | None, host: Limit | None) -> tuple[Limit, ...]:
@@ -263,6 +266,10 @@ class _Search:
     def node_host_phase(self, est: Estimate) -> str:
         """The phase where :meth:`node_host` peaks."""
         return node_host_phase(est, self.workload, self.cluster, self.engine_rank)
+
+    def gpu_words(self, n: float) -> str:
+        """``n`` bytes in the unit the plan's table uses for its GPUs (GiB; MiB for a small one)."""
+        return memory_words(n, self.cluster.gpu.memory_bytes)
 
     def host_fits(self, est: Estimate) -> bool:
         return self.host_limit is None or self.node_host(est) <= self.host_limit
@@ -539,7 +546,7 @@ def plan(
             if suggest
             else []
         )
-        over = search.over(est) or [f"{_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}"]
+        over = search.over(est) or [f"{search.gpu_words(est.peak_bytes)} per GPU in phase {est.peak_phase}"]
         draft.note("fits", False, "the most frugal settings need " + "; ".join(over))
         return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
 
@@ -567,16 +574,18 @@ def plan(
         )
         draft.note("fits", False, f"the trainers fit, but {_engine_rank_over(search)}")
         return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
+    host_limit = search.host_limit
     host = (
         ""
-        if search.host_limit is None
-        else f"; {_gib(search.node_host(est))} of host memory on a node, of {_gib(search.host_limit)}"
+        if host_limit is None
+        else f"; {_gib(search.node_host(est), host_limit)} of host memory on a node, of {_gib(host_limit, host_limit)}"
     )
+    gpu = cluster.gpu.memory_bytes
     draft.note(
         "fits",
         True,
-        f"peak {_gib(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
-        f"{_gib(est.headroom_bytes)} headroom of {_gib(cluster.gpu.memory_bytes)}{host}",
+        f"peak {_gib(est.peak_bytes, gpu)} per GPU in phase {est.peak_phase}, "
+        f"{_gib(est.headroom_bytes, gpu)} headroom of {_gib(gpu, gpu)}{host}",
     )
     return draft.plan(search, est, fits=True, source=source, suggestions=[])
 
@@ -619,7 +628,8 @@ def host_judge(
 
 def host_over_words(need: int, limit: int, phase: str = "") -> str:
     """A host over its limit, as plans and the tuner say it (``phase``: where it peaks, if known)."""
-    return f"{_gib(need)} of host memory on a node{host_phase_words(phase)}, over the {_gib(limit)} available"
+    need_words, limit_words = _gib(need, limit), _gib(limit, limit)
+    return f"{need_words} of host memory on a node{host_phase_words(phase)}, over the {limit_words} available"
 
 
 def host_phase_words(phase: str) -> str:
@@ -831,7 +841,9 @@ def _note_optimizer_offload(search: _Search, draft: _Draft) -> None:
     if fsdp.optim_cpu_offload:
         on_gpu = search.estimate(draft.workload, fsdp.model_copy(update={"optim_cpu_offload": False})).peak_bytes
         draft.note(
-            "optim_cpu_offload", True, f"Adam state on the GPU would need {_gib(on_gpu)} per GPU; on the host it fits"
+            "optim_cpu_offload",
+            True,
+            f"Adam state on the GPU would need {search.gpu_words(on_gpu)} per GPU; on the host it fits",
         )
     else:
         draft.note("optim_cpu_offload", False, "Adam state fits on the GPU (fused AdamW there is fastest)")
@@ -870,7 +882,7 @@ def _choose_checkpointing(search: _Search, draft: _Draft) -> None:
         draft.note(
             "gradient_checkpointing",
             True,
-            f"without it the {without.peak_phase} phase needs {_gib(without.peak_bytes)}",
+            f"without it the {without.peak_phase} phase needs {search.gpu_words(without.peak_bytes)}",
         )
 
 
@@ -917,7 +929,7 @@ def _choose_gradient_flow(search: _Search, draft: _Draft, completions: int) -> N
                 "defer_grad_sync",
                 False,
                 f"holding every unsharded gradient between micro-batches would "
-                f"need {_gib(need)}: each micro-batch reduce-scatters",
+                f"need {search.gpu_words(need)}: each micro-batch reduce-scatters",
             )
     if "reshard_after_forward" not in fixed:
         keep = fsdp.model_copy(update={"reshard_after_forward": False})

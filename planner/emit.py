@@ -7,17 +7,12 @@ from typing import Any
 from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
-from .hardware import GIB, MIB, Cluster
+from .hardware import GIB, Cluster, memory_unit
 from .memory import Estimate, engine_completions, engine_rank_count, node_ranks, ranks_per_node
 from .names import COMPONENTS, PHASES
 from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
 
 __all__ = ["manifest_dict", "manifest_yaml", "plan_json", "python_snippet", "table", "estimate_table"]
-
-
-def _unit(capacity: int) -> tuple[str, int]:
-    """GiB for GPUs; MiB for the small budgets of CPU probes and tests."""
-    return ("MiB", MIB) if capacity < 4 * GIB else ("GiB", GIB)
 
 
 def _fsdp_fields(fsdp: FSDPConfig | None) -> dict[str, Any] | bool:
@@ -320,7 +315,7 @@ def estimate_table(est: Estimate, *, capacity: int | None = None, host_line: str
     """The estimate's phases against ``capacity`` (its own by default), their components, and
     ``host_line`` (by default the host per rank and per node of the trainer ranks)."""
     capacity = capacity or est.capacity_bytes
-    unit, scale = _unit(capacity)
+    unit, scale = memory_unit(capacity)
     phases = [p for p in PHASES if p in est.phases]
     present = [c for c in COMPONENTS if any(est.phases[p].components.get(c) for p in phases)]
     lines = [f"{'phase':<10} {unit:>7}  {'of ' + format(capacity / scale, '.1f') + ' ' + unit:<31}  largest components"]
@@ -368,7 +363,7 @@ def _node_words(c: Cluster) -> str:
 def table(plan: Plan) -> str:
     est = plan.estimate
     c = plan.cluster
-    unit, scale = _unit(c.gpu.memory_bytes)
+    unit, scale = memory_unit(c.gpu.memory_bytes)
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines = [
         f"{plan.model} on {c.num_gpus} x {c.gpu.name} ({c.gpu.memory_bytes / scale:.1f} {unit}{_node_words(c)}): "

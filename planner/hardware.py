@@ -25,6 +25,8 @@ __all__ = [
     "GIB",
     "MIB",
     "fmt_bytes",
+    "memory_unit",
+    "memory_words",
     "gpu_for_device",
     "with_memory",
     "memory_bytes",
@@ -43,6 +45,18 @@ def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.2f} MiB"
+
+
+def memory_unit(capacity: float) -> tuple[str, int]:
+    """The unit a figure is said in beside a memory of ``capacity`` bytes: GiB for GPUs and
+    hosts; MiB under 4 GiB (the small budgets of CPU probes and tests)."""
+    return ("MiB", MIB) if capacity < 4 * GIB else ("GiB", GIB)
+
+
+def memory_words(n: float, capacity: float) -> str:
+    """``n`` bytes in :func:`memory_unit` of ``capacity``: ``75.24 GiB``, or ``42.50 MiB``."""
+    unit, scale = memory_unit(capacity)
+    return f"{n / scale:.2f} {unit}"
 
 
 #: The most trainer GPUs a plan takes (2**17, above the largest training clusters built): more is a typo.

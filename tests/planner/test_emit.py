@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -283,3 +284,18 @@ def test_the_table_says_how_the_gpus_sit_on_nodes(capsys):
     assert heads["--gpus 8 --gpus-per-node 16"].endswith("(79.2 GiB, 8 of a node's 16): FITS")
     assert heads["--gpus 16 --gpus-per-node 8"].endswith("(79.2 GiB, 8 per node): FITS")
     assert heads["--gpus 8"].endswith("x H100-80GB (79.2 GiB): FITS")
+
+
+def test_a_small_gpus_figures_are_in_mib_in_the_reasons_as_in_the_table(capsys):
+    """A 0.5 GiB device (a CPU probe's budget): the table says MiB, and so do its reasons and its
+    verdict (they said 0.74 GiB of 0.48 GiB), each figure the table's."""
+    code, out = _emit(["tiny:llama", "--gpu-memory", "0.5"], "table", capsys)
+    assert code == 3, out  # does not fit
+    peak = re.search(r"^peak ([\d.]+) MiB per GPU in phase (\w+)", out, re.M)
+    assert peak, out
+    fits = re.search(
+        r"fits = False: the most frugal settings need ([\d.]+) MiB per GPU in phase (\w+), over the 486.40 MiB", out
+    )
+    assert fits, out
+    assert (fits[1], fits[2]) == (peak[1], peak[2])
+    assert "GiB per GPU" not in out

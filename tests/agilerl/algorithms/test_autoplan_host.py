@@ -139,13 +139,13 @@ def test_auto_fsdp_on_a_gpu_refuses_a_run_its_nodes_host_cannot_hold(monkeypatch
     message = str(err.value)
     assert "\n" not in message, message
     match = re.fullmatch(
-        r"fsdp_config='auto': the plan fits the GPUs, but it needs ([\d.]+) GiB of host memory on a node in phase "
-        r"\w+, over the ([\d.]+) GiB available \(this node's RAM, or its cgroup's limit, less the margin\); "
+        r"fsdp_config='auto': the plan fits the GPUs, but it needs ([\d.]+) MiB of host memory on a node in phase "
+        r"\w+, over the ([\d.]+) MiB available \(this node's RAM, or its cgroup's limit, less the margin\); "
         r"what would fit: .*give each node at least (\d+) GiB of host memory(;.*)?",
         message,
-    )
+    )  # in MiB beside a host under 4 GiB, as the plan's table says a GPU's
     assert match, message
-    need, limit, least = float(match[1]), float(match[2]), int(match[3])
+    need, limit, least = float(match[1]) / 1024, float(match[2]) / 1024, int(match[3])
     assert need > limit == pytest.approx(0.95, abs=0.01)
     assert least == _least_gib_that_holds(need)
     assert "--host-memory" not in message
