@@ -1205,6 +1205,8 @@ def _suggest(
         out.append(f"keep the default safety margin (margin_fraction={MARGIN_FRACTION}, --margin {MARGIN_FRACTION})")
     if (fewer := _fewest_prompts_cut(workload, cluster, feasible)) is not None:
         out.append(f"use prompts_per_step={fewer} (fewer completions per rank)")
+    if (smaller := _largest_group_cut(workload, cluster, feasible)) is not None:
+        out.append(f"use group_size={smaller} (fewer completions per prompt)")
     for key, what in (("completion_tokens", "completions"), ("prompt_tokens", "prompts")):
         length = getattr(workload, key)
         while length > 16:
@@ -1239,6 +1241,30 @@ def _least_host_gib(cluster: Cluster, workload: Workload, feasible: Callable[[Wo
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
     return high
+
+
+def _largest_group_cut(
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
+) -> int | None:
+    """The largest group_size below the workload's that fits (None if even the least does not, or
+    the algorithm fixes its sequences per example): a binary search, as :func:`_fewest_prompts_cut`
+    does over prompts, on the sizes whose completions split over the GPUs (and over a micro batch
+    the user fixed). PPO takes groups of 1; the group-relative objectives at least 2."""
+    import math
+
+    if workload.algorithm in OFFLINE_SEQUENCES:
+        return None
+    ranks = cluster.num_gpus * (workload.micro_batch_size_per_gpu or 1)
+    step = ranks // math.gcd(ranks, workload.prompts_per_step)
+    least = 1 if workload.algorithm == "ppo" else 2
+    lo, hi, found = -(-least // step), (workload.group_size - 1) // step, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if feasible(workload.model_copy(update={"group_size": mid * step}), cluster):
+            found, lo = mid * step, mid + 1
+        else:
+            hi = mid - 1
+    return found
 
 
 def _fewest_prompts_cut(

@@ -542,6 +542,39 @@ def test_a_rollout_that_does_not_fit_gets_fewer_prompts_and_a_vllm_engine_sugges
     assert not plan(spec7b, fixed.model_copy(update={"prompts_per_step": count + 8}), one).fits
 
 
+def test_a_group_too_large_for_even_one_prompt_per_gpu_gets_a_smaller_group_suggested():
+    """A group of 10**11 completions: no prompt count, GPU count or engine fits it, and the plan
+    said "nothing nearby fits: a smaller model". The largest group that fits is suggested: a
+    multiple of what splits over the GPUs and a fixed micro batch, at least 2 for GRPO."""
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec7b = catalog.load_spec("Qwen/Qwen2.5-7B")
+    eight = Cluster(gpu=GPUS["H100-80GB"], num_gpus=8)
+    workload = Workload(prompts_per_step=8, group_size=10**11, completion_tokens=1024)
+    p = plan(spec7b, workload, eight)
+    cut = [s for s in p.suggestions if s.startswith("use group_size=")]
+    assert len(cut) == 1 and cut[0].endswith(" (fewer completions per prompt)"), p.suggestions
+    group = int(cut[0].split("=")[1].split()[0])
+    assert 2 <= group < 10**11
+    assert plan(spec7b, workload.model_copy(update={"group_size": group}), eight).fits
+    assert not plan(spec7b, workload.model_copy(update={"group_size": group + 1}), eight).fits
+    # one prompt per GPU in micro batches of 3 that the user fixed: a group must be a multiple of 3
+    # (between them the plan is refused, which the bisection must not meet)
+    fixed = workload.model_copy(update={"micro_batch_size_per_gpu": 3, "group_size": 3 * 10**10})
+    step_cut = [s for s in plan(spec7b, fixed, eight).suggestions if s.startswith("use group_size=")]
+    assert len(step_cut) == 1, step_cut
+    fitted = int(step_cut[0].split("=")[1].split()[0])
+    assert fitted % 3 == 0
+    assert plan(spec7b, fixed.model_copy(update={"group_size": fitted}), eight).fits
+    assert not plan(spec7b, fixed.model_copy(update={"group_size": fitted + 3}), eight).fits
+    # DPO's two sequences per example are not a group to cut
+    dpo = Workload(algorithm="dpo", prompts_per_step=8, prompt_tokens=4096, completion_tokens=4096)
+    assert not any(
+        s.startswith("use group_size=") for s in plan(spec7b, dpo, Cluster(gpu=_gpu(4096), num_gpus=8)).suggestions
+    )
+
+
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
     from planner import catalog
     from planner.hardware import GPUS
