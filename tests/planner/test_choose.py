@@ -595,7 +595,7 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         cl["num_gpus"] = int(m[1])
         if m[2]:
             wl["prompts_per_step"] = int(m[2])
-    elif m := re.fullmatch(r"use (micro_batch_size_per_gpu|prompts_per_step)=(\d+).*", suggestion):
+    elif m := re.fullmatch(r"use (micro_batch_size_per_gpu|prompts_per_step|group_size)=(\d+).*", suggestion):
         wl[m[1]] = int(m[2])
     elif m := re.fullmatch(r"lower vllm_gpu_memory_utilization to ([\d.]+)", suggestion):
         wl["vllm_gpu_memory_utilization"] = float(m[1])
