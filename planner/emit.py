@@ -7,7 +7,7 @@ from typing import Any
 from agilerl.distributed import FSDPConfig
 
 from .choose import Plan
-from .hardware import GIB, Cluster, memory_unit
+from .hardware import GIB, Cluster, memory_unit, memory_words
 from .memory import Estimate, engine_completions, engine_rank_count, node_ranks, ranks_per_node
 from .names import COMPONENTS, PHASES
 from .workload import ALGORITHM_CLASSES, OFFLINE_SEQUENCES
@@ -119,7 +119,7 @@ def _engine_rank_line(plan: Plan) -> str:
     assert engine is not None
     gpu = plan.cluster.gpu.memory_bytes
     return (
-        f"an engine rank's estimated peak: {engine.total / GIB:.2f} GiB of {gpu / GIB:.2f} GiB "
+        f"an engine rank's estimated peak: {memory_words(engine.total, gpu)} of {memory_words(gpu, gpu)} "
         f"({'over the limit' if plan.engine_rank_over else 'fits'}), the whole model and Hugging Face generate's "
         f"cache of {engine_completions(plan.workload, plan.cluster)} completions"
     )
@@ -245,12 +245,12 @@ def _fit_words(plan: Plan) -> str:
 def _verdict(plan: Plan) -> list[str]:
     """The comment lines that head a manifest or a snippet: what was planned, and whether it fits
     (with what would, when not). A model path's line breaks are escaped: a comment is one line."""
-    est = plan.estimate
+    est, gpu = plan.estimate, plan.cluster.gpu.memory_bytes
     model = plan.model.replace("\r", "\\r").replace("\n", "\\n")
     lines = [
         f"# agilerl-plan: {model} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}",
-        f"# estimated peak {est.peak_bytes / GIB:.2f} GiB per GPU (phase {est.peak_phase}) of "
-        f"{plan.cluster.gpu.memory_bytes / GIB:.2f} GiB; {_fit_words(plan)}",
+        f"# estimated peak {memory_words(est.peak_bytes, gpu)} per GPU (phase {est.peak_phase}) of "
+        f"{memory_words(gpu, gpu)}; {_fit_words(plan)}",
     ]
     if plan.engine_rank is not None:
         lines.append(f"# {_engine_rank_line(plan)}")
@@ -334,20 +334,28 @@ def estimate_table(est: Estimate, *, capacity: int | None = None, host_line: str
     return "\n".join(lines)
 
 
-def _host_sizes(per_rank: int, per_node: int) -> str:
-    return f"host per trainer rank {per_rank / GIB:.2f} GiB (rank 0's), per node {per_node / GIB:.2f} GiB"
+def _host_words(n: float, limit: int | None) -> str:
+    """Host bytes in the unit of the host's limit where it is given (MiB under 4 GiB, as a GPU's
+    figures), else in GiB."""
+    return memory_words(n, GIB * 4 if limit is None else limit)
+
+
+def _host_sizes(per_rank: int, per_node: int, limit: int | None = None) -> str:
+    rank, node = _host_words(per_rank, limit), _host_words(per_node, limit)
+    return f"host per trainer rank {rank} (rank 0's), per node {node}"
 
 
 def host_line(plan: Plan) -> str:
     """The plan's host memory: per rank, the busiest node (engine ranks of their own included),
     and against the node's host memory where given."""
-    line = _host_sizes(plan.estimate.host_peak_bytes, plan.host_per_node_bytes)
+    limit = plan.cluster.host_memory_per_node_bytes
+    line = _host_sizes(plan.estimate.host_peak_bytes, plan.host_per_node_bytes, limit)
     if plan.host_limit_bytes is None:
         return line + " (host memory not given: not judged)"
-    limit = plan.cluster.host_memory_per_node_bytes
     assert limit is not None
     verdict = "over the limit" if plan.host_over else "fits"
-    return line + f" of {limit / GIB:.2f} GiB ({verdict}; the margin leaves {plan.host_limit_bytes / GIB:.2f})"
+    unit, scale = memory_unit(limit)
+    return line + f" of {limit / scale:.2f} {unit} ({verdict}; the margin leaves {plan.host_limit_bytes / scale:.2f})"
 
 
 def _node_words(c: Cluster) -> str:
@@ -383,7 +391,7 @@ def table(plan: Plan) -> str:
             f"engine rank (one more GPU per node): {engine.total / scale:.2f} {unit}  "
             f"{_bar(engine.total, c.gpu.memory_bytes)}  "
             + ", ".join(f"{k} {v / scale:.2f}" for v, k in top)
-            + f"; host {engine.host_total / GIB:.2f} GiB as it loads"
+            + f"; host {_host_words(engine.host_total, c.host_memory_per_node_bytes)} as it loads"
             + (f" ({_ranks_per_node(plan)})" if c.num_nodes > 1 else "")
         )
         lines.append("")

@@ -299,3 +299,23 @@ def test_a_small_gpus_figures_are_in_mib_in_the_reasons_as_in_the_table(capsys):
     assert fits, out
     assert (fits[1], fits[2]) == (peak[1], peak[2])
     assert "GiB per GPU" not in out
+
+
+def test_a_small_hosts_figures_are_in_mib_in_the_table_the_reasons_and_the_manifest(capsys):
+    """A 1 GiB host: the host line, the reasons and the manifest's header speak its figures in
+    MiB, each the same figure (the host line said GiB under reasons in MiB). A host not given
+    keeps GiB."""
+    args = ["tiny:llama", "--gpu-memory", "2", "--host-memory", "1"]
+    _, out = _emit(args, "table", capsys)
+    host = re.search(r"^host per trainer rank [\d.]+ MiB \(rank 0's\), per node ([\d.]+) MiB of 1024.00 MiB", out, re.M)
+    assert host, out
+    reason = re.search(r"fits = False: the most frugal settings need ([\d.]+) MiB of host memory on a node", out)
+    assert reason and reason[1] == host[1], out
+    _, manifest = _emit(args, "yaml", capsys)
+    header = [line for line in manifest.splitlines() if line.startswith("# ")][:3]
+    assert re.fullmatch(r"# estimated peak [\d.]+ MiB per GPU \(phase \w+\) of 2048.00 MiB; .*", header[1]), header
+    assert header[2].startswith("# host per trainer rank ") and f"per node {host[1]} MiB of 1024.00 MiB" in header[2]
+    _, roomy = _emit(["tiny:llama", "--gpu-memory", "2"], "table", capsys)
+    assert re.search(
+        r"^host per trainer rank [\d.]+ GiB \(rank 0's\), per node [\d.]+ GiB \(host memory not given", roomy, re.M
+    )
