@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict
 from agilerl.distributed import FSDPConfig
 
 from . import calibration
-from .hardware import GIB, MARGIN_FRACTION, MAX_MEMORY_GIB, MIB, Cluster, memory_unit, memory_words
+from .hardware import GIB, MARGIN_FRACTION, MAX_MEMORY_GIB, MIB, Cluster, memory_words
 from .memory import (
     EXPERT_CHUNKS_MIB,
     Coefficients,
@@ -115,20 +115,19 @@ class Limit(BaseModel):
         )
 
     def short(self, *, limit: bool = True) -> str:
-        """The same in a few words (the explorer's verdict line), without the limit where not ``limit``
-        (:attr:`short_limit`: the trainers' and an engine rank's GPUs share theirs)."""
-        need = _gib(self.need_bytes, self.limit_bytes)
+        """The same in a few words, in GiB as the explorer speaks throughout (its verdict line),
+        without the limit where not ``limit`` (:attr:`short_limit`: the trainers' and an engine
+        rank's GPUs share theirs)."""
+        need = self.need_bytes / GIB
         where = f" in {self.phase}" if self.phase else ""
-        words = f"host {need} a node{where}" if self.what == "host" else f"{need} "
+        words = f"host {need:.2f} GiB a node{where}" if self.what == "host" else f"{need:.2f} GiB "
         if self.what != "host":
             words += f"in {self.phase}" if self.what == "gpu" else "in an engine rank of its own"
         return f"{words} > {self.short_limit}" if limit else words
 
     @property
     def short_limit(self) -> str:
-        unit, scale = memory_unit(self.limit_bytes)
-        shown = f"{self.limit_bytes / scale:.2f}" + ("" if unit == "GiB" else f" {unit}")  # GiB goes unsaid
-        return f"{shown} usable"
+        return f"{self.limit_bytes / GIB:.2f} usable"
 
     def as_json(self) -> dict[str, Any]:
         return {"what": self.what, "need_bytes": self.need_bytes, "limit_bytes": self.limit_bytes, "phase": self.phase}
