@@ -1246,9 +1246,9 @@ def _largest_group_cut(
     workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
 ) -> int | None:
     """The largest group_size below the workload's that fits (None if even the least does not, or
-    the algorithm fixes its sequences per example): a binary search, as :func:`_fewest_prompts_cut`
-    does over prompts, on the sizes whose completions split over the GPUs (and over a micro batch
-    the user fixed). PPO takes groups of 1; the group-relative objectives at least 2."""
+    the algorithm fixes its sequences per example), on the sizes whose completions split over the
+    GPUs (and over a micro batch the user fixed). PPO takes groups of 1; the group-relative
+    objectives at least 2."""
     import math
 
     if workload.algorithm in OFFLINE_SEQUENCES:
@@ -1256,22 +1256,14 @@ def _largest_group_cut(
     ranks = cluster.num_gpus * (workload.micro_batch_size_per_gpu or 1)
     step = ranks // math.gcd(ranks, workload.prompts_per_step)
     least = 1 if workload.algorithm == "ppo" else 2
-    lo, hi, found = -(-least // step), (workload.group_size - 1) // step, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if feasible(workload.model_copy(update={"group_size": mid * step}), cluster):
-            found, lo = mid * step, mid + 1
-        else:
-            hi = mid - 1
-    return found
+    return _largest_cut(workload, cluster, feasible, "group_size", step, least)
 
 
 def _fewest_prompts_cut(
     workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
 ) -> int | None:
     """The largest prompts_per_step below the workload's that fits (None if even the fewest
-    does not): a binary search over the counts a run can take, since memory only falls with
-    fewer prompts."""
+    does not)."""
     import math
 
     # The counts a run can take: whole prompts on every GPU, and with a micro batch the user
@@ -1280,10 +1272,24 @@ def _fewest_prompts_cut(
     step = cluster.num_gpus
     if micro := workload.micro_batch_size_per_gpu:
         step *= micro // math.gcd(micro, workload.group_size)
-    lo, hi, found = 1, (workload.prompts_per_step - 1) // step, None  # multiples k x step below the workload's
-    while lo <= hi:  # a bisection on k, never a list of counts (a count may be astronomically large)
+    return _largest_cut(workload, cluster, feasible, "prompts_per_step", step, 1)
+
+
+def _largest_cut(
+    workload: Workload,
+    cluster: Cluster,
+    feasible: Callable[[Workload, Cluster], bool],
+    field: str,
+    step: int,
+    least: int,
+) -> int | None:
+    """The largest multiple of ``step``, at least ``least`` and below the workload's ``field``,
+    with which the run fits (None if none does): a bisection on the multiple, since memory only
+    falls with the count, and never a list of counts (one may be astronomically large)."""
+    lo, hi, found = -(-least // step), (getattr(workload, field) - 1) // step, None
+    while lo <= hi:
         mid = (lo + hi) // 2
-        if feasible(workload.model_copy(update={"prompts_per_step": mid * step}), cluster):
+        if feasible(workload.model_copy(update={field: mid * step}), cluster):
             found, lo = mid * step, mid + 1
         else:
             hi = mid - 1
