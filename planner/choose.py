@@ -104,7 +104,7 @@ class Limit(BaseModel):
 
     def words(self) -> str:
         """What it needs against its limit, as plans, the table and the trainer say it."""
-        need, limit = _gib(self.need_bytes, self.limit_bytes), _gib(self.limit_bytes, self.limit_bytes)
+        need, limit = (memory_words(n, self.limit_bytes) for n in (self.need_bytes, self.limit_bytes))
         if self.what == "gpu":
             return f"{need} per GPU in phase {self.phase}, over the {limit} available"
         if self.what == "host":
@@ -202,11 +202,6 @@ class Plan(BaseModel):
 
     def reasons(self) -> dict[str, str]:
         return {d.field: d.reason for d in self.decisions}
-
-
-def _gib(n: float, capacity: float) -> str:
-    """``n`` bytes beside a memory of ``capacity`` (:func:`planner.hardware.memory_words`)."""
-    return memory_words(n, capacity)
 
 
 def _limits(est: Estimate, gpu_limit: int, *, engine: Limit | None, host: Limit | None) -> tuple[Limit, ...]:
@@ -573,18 +568,16 @@ def plan(
         )
         draft.note("fits", False, f"the trainers fit, but {_engine_rank_over(search)}")
         return draft.plan(search, est, fits=False, source=source, suggestions=suggestions)
-    host_limit = search.host_limit
-    host = (
-        ""
-        if host_limit is None
-        else f"; {_gib(search.node_host(est), host_limit)} of host memory on a node, of {_gib(host_limit, host_limit)}"
-    )
+    host, host_limit = "", search.host_limit
+    if host_limit is not None:
+        node = memory_words(search.node_host(est), host_limit)
+        host = f"; {node} of host memory on a node, of {memory_words(host_limit, host_limit)}"
     gpu = cluster.gpu.memory_bytes
     draft.note(
         "fits",
         True,
-        f"peak {_gib(est.peak_bytes, gpu)} per GPU in phase {est.peak_phase}, "
-        f"{_gib(est.headroom_bytes, gpu)} headroom of {_gib(gpu, gpu)}{host}",
+        f"peak {memory_words(est.peak_bytes, gpu)} per GPU in phase {est.peak_phase}, "
+        f"{memory_words(est.headroom_bytes, gpu)} headroom of {memory_words(gpu, gpu)}{host}",
     )
     return draft.plan(search, est, fits=True, source=source, suggestions=[])
 
@@ -627,7 +620,7 @@ def host_judge(
 
 def host_over_words(need: int, limit: int, phase: str = "") -> str:
     """A host over its limit, as plans and the tuner say it (``phase``: where it peaks, if known)."""
-    need_words, limit_words = _gib(need, limit), _gib(limit, limit)
+    need_words, limit_words = (memory_words(n, limit) for n in (need, limit))
     return f"{need_words} of host memory on a node{host_phase_words(phase)}, over the {limit_words} available"
 
 

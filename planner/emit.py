@@ -337,7 +337,7 @@ def estimate_table(est: Estimate, *, capacity: int | None = None, host_line: str
 def _host_words(n: float, limit: int | None) -> str:
     """Host bytes in the unit of the host's limit where it is given (MiB under 4 GiB, as a GPU's
     figures), else in GiB."""
-    return memory_words(n, GIB * 4 if limit is None else limit)
+    return f"{n / GIB:.2f} GiB" if limit is None else memory_words(n, limit)
 
 
 def _host_sizes(per_rank: int, per_node: int, limit: int | None = None) -> str:
