@@ -572,12 +572,11 @@ def plan(
     if host_limit is not None:
         node = memory_words(search.node_host(est), host_limit)
         host = f"; {node} of host memory on a node, of {memory_words(host_limit, host_limit)}"
-    gpu = cluster.gpu.memory_bytes
     draft.note(
         "fits",
         True,
-        f"peak {memory_words(est.peak_bytes, gpu)} per GPU in phase {est.peak_phase}, "
-        f"{memory_words(est.headroom_bytes, gpu)} headroom of {memory_words(gpu, gpu)}{host}",
+        f"peak {search.gpu_words(est.peak_bytes)} per GPU in phase {est.peak_phase}, "
+        f"{search.gpu_words(est.headroom_bytes)} headroom of {search.gpu_words(cluster.gpu.memory_bytes)}{host}",
     )
     return draft.plan(search, est, fits=True, source=source, suggestions=[])
 
@@ -1242,8 +1241,6 @@ def _largest_group_cut(
     the algorithm fixes its sequences per example), on the sizes whose completions split over the
     GPUs (and over a micro batch the user fixed). PPO takes groups of 1; the group-relative
     objectives at least 2."""
-    import math
-
     if workload.algorithm in OFFLINE_SEQUENCES:
         return None
     ranks = cluster.num_gpus * (workload.micro_batch_size_per_gpu or 1)
@@ -1257,8 +1254,6 @@ def _fewest_prompts_cut(
 ) -> int | None:
     """The largest prompts_per_step below the workload's that fits (None if even the fewest
     does not)."""
-    import math
-
     # The counts a run can take: whole prompts on every GPU, and with a micro batch the user
     # fixed, completions per GPU it divides (between them the plan is refused, not short of
     # memory, and a bisection needs the fits to fall only with the count).
