@@ -4,6 +4,7 @@ calibrate, and turn the best measured trial into a :class:`~planner.choose.Plan`
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import time
 from collections.abc import Callable
@@ -399,7 +400,8 @@ def _open_study(
     if study_name is not None and not study_name.strip():
         raise ValueError("--study-name is empty: give a name, or leave it out for one derived from the run")
     spec_digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
-    fingerprint = {**parts, "spec": spec_digest, "timed_steps": timed_steps}
+    software = software_versions(workload, generate=generate)
+    fingerprint = {**parts, "spec": spec_digest, "timed_steps": timed_steps, "software": software}
     # a derived name digests all the fingerprint holds: a run it would refuse gets a study of its own
     name = study_name or default_study_name(model, fingerprint)
     study = create_study(storage=store, study_name=name, seed=seed, n_startup_trials=max(1, min(10, max_trials // 3)))
@@ -414,6 +416,26 @@ def _open_study(
         + (f"; trial(s) {stale} lost their tuner mid-run and are FAIL" if stale else "")
     )
     return store, study, name
+
+
+def software_versions(workload: Workload, *, generate: bool) -> dict[str, str | None]:
+    """The installed versions of what a probe's peak depends on: the trainer, torch (its
+    allocator and FSDP2), transformers and PEFT (what the model keeps for backward), and
+    bitsandbytes or vLLM where the run uses them. Part of a study's fingerprint, so that
+    trials measured under another torch or trainer are not taken for this one's (a derived
+    study name changes with them; a named study refuses to resume, naming the versions)."""
+    names = ["agilerl-fsdp-planner", "torch", "transformers", "peft"]
+    if workload.load_in_4bit:
+        names.append("bitsandbytes")
+    if generate and workload.generation == "vllm":
+        names.append("vllm")
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None  # the probe says what is missing when it launches
+    return versions
 
 
 def _where(storage: str | None) -> str:

@@ -54,6 +54,9 @@ FINGERPRINT_KEY = "fingerprint"
 
 
 def _differences(recorded: Any, wanted: Any, where: str = "") -> list[str]:
+    if isinstance(recorded, dict) or isinstance(wanted, dict):
+        if recorded is None or wanted is None:  # a part one side does not record: each of its fields differs
+            recorded, wanted = recorded or {}, wanted or {}
     if isinstance(recorded, dict) and isinstance(wanted, dict):
         out: list[str] = []
         for key in sorted(set(recorded) | set(wanted)):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -650,7 +652,7 @@ def test_a_derived_study_name_is_another_runs_for_every_difference_the_study_ref
     assert len(names) == 3
 
 
-def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
+def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path, monkeypatch):
     cluster = cpu_cluster(64 * MIB)
     storage = str(tmp_path / "study.db")
     common = dict(
@@ -678,8 +680,35 @@ def test_a_study_refuses_to_resume_for_another_run(spec, tmp_path):
     assert other.requests == []  # nothing launched for the wrong run
     tune(**common, request=request, max_trials=2, probe=other)  # the same run resumes
     assert len(other.requests) == 1
+    installed = importlib.metadata.version("torch")
+    real_version = importlib.metadata.version
+    with monkeypatch.context() as patched:  # the same run under another torch: its trials are not this one's
+        patched.setattr(importlib.metadata, "version", lambda n: "9.9.9" if n == "torch" else real_version(n))
+        named = rf"software\.torch \('{re.escape(installed)}' in the study, '9\.9\.9' now\)"
+        with pytest.raises(ValueError, match=named):
+            tune(**common, request=request, max_trials=3, probe=other)
+    assert len(other.requests) == 1
     with pytest.raises(ValueError, match="--storage is empty"):
         tune(**{**common, "storage": ""}, request=request, max_trials=1, probe=other)
+
+
+def test_a_study_fingerprinted_before_versions_were_recorded_names_each_version_it_lacks(spec, tmp_path):
+    cluster = cpu_cluster(64 * MIB)
+    storage = str(tmp_path / "study.db")
+    common = dict(spec=spec, model=MODEL, coefficients=None, storage=storage, study_name="old", seed=0)
+    request = PlanRequest(cluster, SMALL, SHARD_ALL)
+    tune(**common, request=request, max_trials=1, probe=FakeProbe(spec, cluster), calibration=False, confirm=0)
+    from planner.tune._study import FINGERPRINT_KEY
+
+    study = optuna.load_study(study_name="old", storage=f"sqlite:///{storage}")
+    recorded = dict(study.user_attrs[FINGERPRINT_KEY])
+    assert recorded["software"]["torch"] == importlib.metadata.version("torch")
+    del recorded["software"]
+    study.set_user_attr(FINGERPRINT_KEY, recorded)
+    later = FakeProbe(spec, cluster)
+    with pytest.raises(ValueError, match=r"software\.peft \(None in the study, '[^']+' now\); software\.torch"):
+        tune(**common, request=request, max_trials=2, probe=later, calibration=False, confirm=0)
+    assert later.requests == []
 
 
 @pytest.mark.timeout(120)
