@@ -10,6 +10,7 @@ path.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from agilerl.distributed import dtype_name
+from agilerl.distributed import dtype_name, is_main_process
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "plan_for_agent",
     "pick_auto_knobs",
     "visible_cluster",
+    "least_visible_cluster",
     "config_is_moe",
     "pick_expert_chunk",
     "pick_optim_offload",
@@ -125,6 +129,30 @@ def visible_cluster(world_size: int, *, judge_host: bool = False):
     )
 
 
+def least_visible_cluster(world_size: int, *, judge_host: bool = False):
+    """:func:`visible_cluster` as the least of what every rank sees: the device with the least
+    memory (a GPU of another kind or size on one node, a CPU rank's share of what is free) and
+    the least host memory of any node (nodes of one job differ in RAM and in their cgroups'
+    limits), so that a plan made on rank 0 fits every rank. A collective: every rank calls it.
+    Where ranks differ, rank 0 logs the range it planned within."""
+    from agilerl.distributed import gather_objects
+
+    mine = visible_cluster(world_size, judge_host=judge_host)
+    seen = gather_objects([mine])
+    gpu = min((c.gpu for c in seen), key=lambda g: g.memory_bytes)
+    hosts = sorted(c.host_memory_per_node_bytes for c in seen if c.host_memory_per_node_bytes is not None)
+    least = mine.model_copy(update={"gpu": gpu, "host_memory_per_node_bytes": hosts[0] if hosts else None})
+    gpus = sorted({c.gpu.memory_bytes for c in seen})
+    if is_main_process() and (len(gpus) > 1 or len(set(hosts)) > 1):
+        device = f"{gpus[0] / 2**30:.2f}-{gpus[-1] / 2**30:.2f} GiB a device" if len(gpus) > 1 else None
+        host = f"{hosts[0] / 2**30:.2f}-{hosts[-1] / 2**30:.2f} GiB of host a node" if len(set(hosts)) > 1 else None
+        logger.info(
+            "[agilerl] the ranks see different memory (%s): planning for the least",
+            ", ".join(x for x in (device, host) if x),
+        )
+    return least
+
+
 def _spec_for(agent, actor_network: nn.Module | None):
     from planner.models import load_model_spec
     from planner.spec import build_spec
@@ -188,16 +216,18 @@ def _workload_for(agent, micro: int | None):
     ), prompt
 
 
-def plan_for_agent(agent, actor_network: nn.Module | None, micro: int | None, sharding: str = "auto") -> dict[str, Any]:
-    """The planner's run for ``agent`` on the devices this process sees (``sharding``: "auto", or
-    "none" where no launcher started ranks to shard over), as the fields the agent takes."""
+def plan_for_agent(
+    agent, actor_network: nn.Module | None, micro: int | None, cluster, sharding: str = "auto"
+) -> dict[str, Any]:
+    """The planner's run for ``agent`` on ``cluster`` (:func:`least_visible_cluster`, judging the
+    host; ``sharding``: "auto", or "none" where no launcher started ranks to shard over), as the
+    fields the agent takes."""
     from planner import emit
     from planner.calibration import coefficients_for, coefficients_source
     from planner.choose import plan
 
     spec = _spec_for(agent, actor_network)
     workload, prompt = _workload_for(agent, micro)
-    cluster = visible_cluster(agent.world_size, judge_host=True)
     result = plan(
         spec,
         workload,
@@ -249,16 +279,16 @@ def in_trainer_terms(suggestion: str, workload) -> str:
     return line.replace("vllm_gpu_memory_utilization", "vllm_config.gpu_memory_utilization")
 
 
-def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
+def pick_auto_knobs(agent, actor_network: nn.Module | None, micro: int, cluster) -> dict[str, Any]:
     """gradient_checkpointing / logprob_chunk_size / gather_weights_for_rollout "auto" under the
-    sharding the user chose (one device, data parallel or an explicit FSDPConfig): the planner's
-    choice of those alone, every other field as given."""
+    sharding the user chose (one device, data parallel or an explicit FSDPConfig) on ``cluster``
+    (:func:`least_visible_cluster`, the GPU alone): the planner's choice of those alone, every
+    other field as given."""
     from planner.calibration import coefficients_for, coefficients_source
     from planner.choose import plan
 
     spec = _spec_for(agent, actor_network)
     workload, _ = _workload_for(agent, micro)
-    cluster = visible_cluster(agent.world_size)
     fsdp = agent.fsdp_config
     result = plan(
         spec,
@@ -319,9 +349,10 @@ def _as_resolved(agent, micro: int):
     )
 
 
-def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
+def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int, cluster) -> dict[str, Any]:
     """FSDPConfig.routed_expert_chunk_mib=None on a MoE model: the largest of 64/128/256/512
-    MiB the memory estimate fits (with the user's other fields), else the smallest."""
+    MiB the memory estimate fits on ``cluster`` (:func:`least_visible_cluster`, the GPU alone)
+    with the user's other fields, else the smallest."""
     from planner.calibration import coefficients_for
     from planner.memory import EXPERT_CHUNKS_MIB, MARGIN_FRACTION, resolve_expert_chunk
 
@@ -333,7 +364,6 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
             "Hugging Face's own expert loop (their layout has no chunked experts)",
         }
     workload = _as_resolved(agent, micro)
-    cluster = visible_cluster(agent.world_size)
     chosen, peaks = resolve_expert_chunk(
         spec, workload, cluster, agent.fsdp_config, coefficients=coefficients_for(cluster.gpu)
     )
@@ -349,10 +379,10 @@ def pick_expert_chunk(agent, actor_network: nn.Module | None, micro: int) -> dic
     return {"routed_expert_chunk_mib": chosen, "summary": f"[agilerl] routed_expert_chunk_mib={chosen}: {why}"}
 
 
-def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> dict[str, Any]:
+def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int, cluster) -> dict[str, Any]:
     """FSDPConfig.optim_cpu_offload=None under FSDP2: as documented, Adam on the GPU where the
     memory estimate fits it there (with the user's other fields and the knobs as resolved), else
-    on the CPU. On a GPU, whose node's host memory is known (:func:`visible_cluster`), the CPU
+    on the CPU. On a GPU, whose node's host memory ``cluster`` knows (:func:`least_visible_cluster`), the CPU
     only where the host holds it: where neither does, the GPU, with a warning (its out-of-memory
     error is said; the host's out-of-memory killer ends processes silently). Under
     cpu_offload=True Adam already steps on the host beside the offloaded shards (the two fields
@@ -369,7 +399,6 @@ def pick_optim_offload(agent, actor_network: nn.Module | None, micro: int) -> di
         }
     spec = _spec_for(agent, actor_network)
     workload = _as_resolved(agent, micro)
-    cluster = visible_cluster(agent.world_size, judge_host=True)
     coefficients = coefficients_for(cluster.gpu)
     on_gpu = agent.fsdp_config.model_copy(update={"optim_cpu_offload": False})
     gpu_est = estimate(spec, workload, cluster, on_gpu, coefficients=coefficients)

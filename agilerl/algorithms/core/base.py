@@ -476,9 +476,11 @@ class LLMAlgorithm:
         plan judges the node's host memory too (``autoplan.node_memory_bytes``): a run whose ranks
         the host cannot hold, a full fine-tune's save that rank 0 cannot gather included, is
         refused the same way."""
-        from .autoplan import plan_for_agent
+        from .autoplan import least_visible_cluster, plan_for_agent
 
-        result = on_rank0(plan_for_agent, self, actor_network, micro, "auto" if self.distributed else "none")
+        cluster = least_visible_cluster(self.world_size, judge_host=True)
+        sharding = "auto" if self.distributed else "none"
+        result = on_rank0(plan_for_agent, self, actor_network, micro, cluster, sharding)
         if "error" in result:  # what the planner refuses (a LoRA target, a batch): one line, as input errors are
             raise ValueError(f"fsdp_config='auto': the planner failed: {result['error']}")
         if not self.distributed:
@@ -508,9 +510,10 @@ class LLMAlgorithm:
         fsdp_config="auto" (one device, data parallel, an explicit FSDPConfig): rank 0 asks the memory
         estimate, every rank applies the same. Should the estimate fail, the safe defaults stay
         (checkpointing on, 1024-row chunks, no gather) and the reason is logged."""
-        from .autoplan import pick_auto_knobs
+        from .autoplan import least_visible_cluster, pick_auto_knobs
 
-        result = on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu)
+        cluster = least_visible_cluster(self.world_size)
+        result = on_rank0(pick_auto_knobs, self, actor_network, self.micro_batch_size_per_gpu, cluster)
         if "error" in result:
             if is_main_process():
                 logger.warning(
@@ -533,7 +536,7 @@ class LLMAlgorithm:
     def _resolve_expert_chunk(self, actor_network: nn.Module | None) -> None:
         """routed_expert_chunk_mib=None on a MoE model: as documented, the largest of 64/128/256/512
         MiB the memory estimate fits (rank 0 asks the planner; every rank applies the same)."""
-        from .autoplan import config_is_moe, pick_expert_chunk
+        from .autoplan import config_is_moe, least_visible_cluster, pick_expert_chunk
 
         if actor_network is not None:
             config = actor_network.config
@@ -543,7 +546,8 @@ class LLMAlgorithm:
             config = AutoConfig.from_pretrained(self.model_source)
         if not config_is_moe(config):
             return
-        result = on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu)
+        cluster = least_visible_cluster(self.world_size)
+        result = on_rank0(pick_expert_chunk, self, actor_network, self.micro_batch_size_per_gpu, cluster)
         if "error" in result:  # the smallest chunk, the most frugal, as the other open fields keep a safe value
             smallest = 64
             if is_main_process():
@@ -572,9 +576,10 @@ class LLMAlgorithm:
         """optim_cpu_offload=None: as documented, Adam on the GPU where the memory estimate fits,
         else on the CPU (rank 0 asks the estimate; every rank applies the same). Should the estimate
         fail, Adam stays on the device and the reason is logged."""
-        from .autoplan import pick_optim_offload
+        from .autoplan import least_visible_cluster, pick_optim_offload
 
-        result = on_rank0(pick_optim_offload, self, actor_network, self.micro_batch_size_per_gpu)
+        cluster = least_visible_cluster(self.world_size, judge_host=True)
+        result = on_rank0(pick_optim_offload, self, actor_network, self.micro_batch_size_per_gpu, cluster)
         if "error" in result:
             if is_main_process():
                 logger.warning(

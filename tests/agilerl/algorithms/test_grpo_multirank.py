@@ -590,6 +590,52 @@ def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
 
 
 @cases.case
+def auto_fsdp_plans_for_the_least_memory_any_rank_sees(ctx):
+    """Rank 1's GPU is smaller and its node's host holds less than rank 0's (another kind of GPU,
+    a node with a tighter cgroup): the plan rank 0 makes, and every rank applies, is judged
+    against rank 1's, and rank 0 says the ranks differ."""
+    import logging
+
+    import agilerl.algorithms.core.autoplan as autoplan
+    from agilerl.distributed import gather_objects
+    from planner.hardware import Cluster, gpu_by_name, with_memory
+
+    gib = 2**30
+    gpu_gib, host_gib = (80, 512) if ctx.rank == 0 else (40, 256)
+    gpu = with_memory(gpu_by_name("H100-80GB"), gpu_gib)
+
+    def seen(world_size, judge_host=False):
+        host = host_gib * gib if judge_host else None
+        return Cluster(gpu=gpu, num_gpus=world_size, host_memory_per_node_bytes=host)
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    kept, library, visible = Kept(), logging.getLogger("agilerl"), autoplan.visible_cluster
+    level = library.level
+    library.addHandler(kept)
+    library.setLevel(logging.INFO)
+    autoplan.visible_cluster = seen
+    try:
+        agent = make_agent(fsdp_config="auto", max_model_len=16)
+    finally:
+        autoplan.visible_cluster = visible
+        library.removeHandler(kept)
+        library.setLevel(level)
+    assert agent.plan["capacity_gib"] == 40  # rank 1's GPU, on rank 1 as on rank 0
+    assert "of 256.00 GiB" in agent.plan["summary"], agent.plan["summary"]  # rank 1's node's host
+    assert len(set(gather_objects([agent.plan["summary"]]))) == 1
+    logged = "\n".join(kept.messages)
+    said = "the ranks see different memory (40.00-80.00 GiB a device, 256.00-512.00 GiB of host a node)"
+    assert (said in logged) == (ctx.rank == 0), logged
+
+
+@cases.case
 def auto_fsdp_that_nothing_fits_is_one_line_with_what_would(ctx):
     """Llama-3.1-405B's shape (its config alone: it is planned before any weight loads) on two
     CPU ranks: the plan's table is logged, the error is one line saying what would fit."""

@@ -1030,14 +1030,16 @@ def test_optim_cpu_offload_none_keeps_adam_on_the_device_only_where_the_estimate
     ).peak_bytes
     # a device just roomy enough, then one just too small, for Adam beside everything else
     monkeypatch.setattr(autoplan, "_host_available_bytes", lambda: int(need / 0.95) + 2**20)
-    assert autoplan.pick_optim_offload(agent, None, micro)["optim_cpu_offload"] is False
+    assert (
+        autoplan.pick_optim_offload(agent, None, micro, autoplan.least_visible_cluster(1))["optim_cpu_offload"] is False
+    )
     monkeypatch.setattr(autoplan, "_host_available_bytes", lambda: int(need / 0.95) - 2**20)
-    chosen = autoplan.pick_optim_offload(agent, None, micro)
+    chosen = autoplan.pick_optim_offload(agent, None, micro, autoplan.least_visible_cluster(1))
     assert chosen["optim_cpu_offload"] is True and "Adam steps on the CPU" in chosen["summary"]
     # under FSDP2's cpu_offload the shards and Adam are on the host already: never both (the
     # config's own rule), however small the device
     agent.fsdp_config = FSDPConfig(cpu_offload=True)
-    chosen = autoplan.pick_optim_offload(agent, None, micro)
+    chosen = autoplan.pick_optim_offload(agent, None, micro, autoplan.least_visible_cluster(1))
     assert chosen["optim_cpu_offload"] is False
     FSDPConfig.model_validate({**agent.fsdp_config.model_dump(), "optim_cpu_offload": chosen["optim_cpu_offload"]})
 
