@@ -1176,10 +1176,19 @@ def _suggest(
         # without an engine beside the trainer: Hugging Face generate on the actor's own weights
         # (slower, but it takes no fraction of the GPU)
         defaults = Workload()
-        engine_fields = {k: getattr(defaults, k) for k in Workload.model_fields if k.startswith("vllm_")}
-        wl = workload.model_copy(update={**engine_fields, "generation": "hf", "offload_weights_during_rollout": False})
+        engine_fields = {
+            k: getattr(defaults, k)
+            for k in Workload.model_fields
+            if k.startswith("vllm_") or k == "offload_weights_during_rollout"
+        }
+        wl = workload.model_copy(update={**engine_fields, "generation": "hf"})
         if feasible(wl, cluster):
-            out.append("generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf')")
+            # the engine's own settings go with it: generation='hf' beside one is refused
+            given = [k for k, default in engine_fields.items() if getattr(workload, k) != default]
+            dropped = f", without {', '.join(given)}" if given else ""
+            out.append(
+                f"generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf'{dropped})"
+            )
     if engine_ranks and engine_rank_count(workload, cluster):
         # the rollout on the trainer GPUs instead of engine ranks holding the whole model each
         for generation, how in (("vllm", "a colocated vLLM engine"), ("hf", "Hugging Face generate")):

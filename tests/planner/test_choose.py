@@ -613,9 +613,12 @@ def _applied(suggestion: str, workload: Workload, cluster: Cluster, sharding: st
         wl["offload_weights_during_rollout"] = True
     elif suggestion.startswith("generate with a colocated vLLM engine"):
         wl["generation"] = "vllm"
-    elif suggestion.startswith("generate with Hugging Face generate"):
-        wl = {k: v for k, v in Workload().model_dump().items() if k.startswith("vllm_")}
-        wl.update(generation="hf", offload_weights_during_rollout=False)
+    elif m := re.fullmatch(
+        r"generate with Hugging Face generate .*\(generation='hf'(?:, without ([\w, ]+))?\)", suggestion
+    ):
+        wl["generation"] = "hf"  # and the engine settings the line says to drop, back to their defaults
+        for name in m[1].split(", ") if m[1] else ():
+            wl[name] = Workload.model_fields[name].default
     elif m := re.fullmatch(r"generate on the trainer GPUs with .+ \(generation='(\w+)'\)", suggestion):
         wl["generation"] = m[1]
     elif suggestion.startswith("shard with FSDP2"):

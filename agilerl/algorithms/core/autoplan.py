@@ -262,7 +262,8 @@ def plan_for_agent(
 def in_trainer_terms(suggestion: str, workload) -> str:
     """A "what would fit" line of the planner's, in the algorithm's own arguments: the planner's
     prompts_per_step is batch_size, its lengths max_output_tokens and max_model_len (prompt +
-    completion), its generation, engine fraction and KV cache vllm_config's, full_finetune=False a
+    completion), its generation, engine fraction and KV cache vllm_config's (Hugging Face generate:
+    none), full_finetune=False a
     lora_config, its lora_rank the lora_config's r."""
     import re
 
@@ -273,6 +274,7 @@ def in_trainer_terms(suggestion: str, workload) -> str:
     )
     line = line.replace("(full_finetune=False)", "(a lora_config)")
     line = line.replace("(generation='vllm')", "(vllm_config=VLLMConfig())")
+    line = re.sub(r"\(generation='hf'(, without [^)]*)?\)", "(no vllm_config)", line)
     line = re.sub(r"\(lora_rank=(\d+)\)", r"(lora_config r=\1)", line)
     line = re.sub(r" \(--host-memory \d+\)", "", line)  # the planner's flag: the trainer reads its node's
     line = line.replace("vllm_kv_cache_memory_bytes", "vllm_config.kv_cache_memory_bytes")

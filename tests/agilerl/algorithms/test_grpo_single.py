@@ -1241,6 +1241,9 @@ def test_what_would_fit_is_said_in_the_algorithms_own_arguments():
         "(vllm_config=VLLMConfig())",
         "lower vllm_gpu_memory_utilization to 0.25": "lower vllm_config.gpu_memory_utilization to 0.25",
         "use QLoRA (load_in_4bit=True)": "use QLoRA (load_in_4bit=True)",
+        "generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf', without "
+        "vllm_gpu_memory_utilization, vllm_max_num_seqs)": "generate with Hugging Face generate instead of a "
+        "colocated vLLM engine (no vllm_config)",
         "use a smaller LoRA rank (lora_rank=64)": "use a smaller LoRA rank (lora_config r=64)",
         "lower vllm_kv_cache_memory_bytes to 2.00 GiB (2147483648)": "lower vllm_config.kv_cache_memory_bytes to "
         "2.00 GiB (2147483648)",
