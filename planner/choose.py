@@ -1125,11 +1125,8 @@ def _suggest(
             break
     if cluster.host_memory_per_node_bytes is not None and (need := _least_host_gib(cluster, workload, feasible)):
         out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
-    frugal_micro = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None}))
-    least = frugal_micro.micro_batch_size_per_gpu
-    if workload.micro_batch_size_per_gpu and least is not None and workload.micro_batch_size_per_gpu > least:
-        if feasible(workload.model_copy(update={"micro_batch_size_per_gpu": least}), cluster):
-            out.append(f"use micro_batch_size_per_gpu={least}")
+    if (micro := _largest_micro_cut(workload, cluster, feasible)) is not None:
+        out.append(f"use micro_batch_size_per_gpu={micro}")
     if sharding == "none" and feasible(workload, cluster, "fsdp"):
         out.append("shard with FSDP2 (sharding='fsdp', or 'auto' to let the plan decide)")
     if workload.full_finetune:
@@ -1208,12 +1205,8 @@ def _suggest(
     if (smaller := _largest_group_cut(workload, cluster, feasible)) is not None:
         out.append(f"use group_size={smaller} (fewer completions per prompt)")
     for key, what in (("completion_tokens", "completions"), ("prompt_tokens", "prompts")):
-        length = getattr(workload, key)
-        while length > 16:
-            length //= 2
-            if feasible(workload.model_copy(update={key: length}), cluster):
-                out.append(f"shorten {what} to {length} tokens ({key}={length})")
-                break
+        if (length := _longest_cut(workload, cluster, feasible, key)) is not None:
+            out.append(f"shorten {what} to {length} tokens ({key}={length})")
     if not out:
         out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
     return out
@@ -1241,6 +1234,37 @@ def _least_host_gib(cluster: Cluster, workload: Workload, feasible: Callable[[Wo
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
     return high
+
+
+def _largest_micro_cut(
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
+) -> int | None:
+    """The largest micro batch below the one the user fixed that fits (None if none was fixed, or
+    even the most frugal does not fit), among its divisors (which divide the completions a GPU
+    takes whenever it does) down to the most frugal the plan starts from."""
+    given = workload.micro_batch_size_per_gpu
+    least = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None})).micro_batch_size_per_gpu
+    if not given or least is None or given <= least:
+        return None
+    for micro in sorted((m for m in range(least, given) if given % m == 0), reverse=True):
+        if feasible(workload.model_copy(update={"micro_batch_size_per_gpu": micro}), cluster):
+            return micro
+    return None
+
+
+def _longest_cut(
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool], key: str
+) -> int | None:
+    """The longest ``key`` (prompt or completion tokens) below the workload's that fits, to an
+    eighth of a power of two (64 tokens between 512 and 1024: 576, 640, ...), or None where even
+    16 tokens do not: halvings until one fits, then a bisection up from it."""
+    length = getattr(workload, key)
+    while length > 16:
+        length //= 2
+        if feasible(workload.model_copy(update={key: length}), cluster):
+            step = max(1, 2 ** (length.bit_length() - 1) // 8)
+            return _largest_cut(workload, cluster, feasible, key, step, length) or length
+    return None
 
 
 def _largest_group_cut(

@@ -575,6 +575,35 @@ def test_a_group_too_large_for_even_one_prompt_per_gpu_gets_a_smaller_group_sugg
     )
 
 
+def test_a_micro_batch_or_length_suggested_is_the_largest_that_fits_not_the_most_frugal():
+    """A micro batch of 64 and checkpointing off on one H100: the micro batch suggested is the
+    largest of 64's divisors that fits (it was the most frugal, 1, where 16 fits), and the
+    completion length the longest that fits to an eighth of a power of two (it was the first
+    halving that fit, 64 tokens, where 88 fits)."""
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec7b = catalog.load_spec("Qwen/Qwen2.5-7B")
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    workload = Workload(prompts_per_step=64, micro_batch_size_per_gpu=64, gradient_checkpointing=False)
+    p = plan(spec7b, workload, one)
+    assert not p.fits
+    (micro_line,) = [s for s in p.suggestions if s.startswith("use micro_batch_size_per_gpu=")]
+    micro = int(micro_line.split("=")[1])
+    assert 1 < micro < 64 and 64 % micro == 0, p.suggestions
+    assert plan(spec7b, workload.model_copy(update={"micro_batch_size_per_gpu": micro}), one).fits
+    assert not plan(spec7b, workload.model_copy(update={"micro_batch_size_per_gpu": 2 * micro}), one).fits
+    (length_line,) = [s for s in p.suggestions if s.startswith("shorten completions to ")]
+    length = int(length_line.split("completion_tokens=")[1].rstrip(")"))
+    eighth = 2 ** (length.bit_length() - 1) // 8
+    halving = next(
+        n for n in (128, 64, 32, 16) if plan(spec7b, workload.model_copy(update={"completion_tokens": n}), one).fits
+    )
+    assert halving < length < 2 * halving, (halving, p.suggestions)  # longer than the first halving that fits
+    assert plan(spec7b, workload.model_copy(update={"completion_tokens": length}), one).fits
+    assert not plan(spec7b, workload.model_copy(update={"completion_tokens": length + eighth}), one).fits
+
+
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
     from planner import catalog
     from planner.hardware import GPUS
