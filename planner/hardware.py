@@ -146,7 +146,9 @@ CPU_DEVICE = GPU(name="cpu", memory_bytes=64 * GIB, kind="cpu", cuda_context_byt
 
 
 def gpu_by_name(name: str) -> GPU:
-    """A catalog GPU by name (case- and punctuation-insensitive), or KeyError with suggestions."""
+    """A catalog GPU by name, case- and punctuation-insensitive, or by a part of one name alone
+    (``h100``, ``4090``, ``a100-80``, ``mi300``); KeyError naming the GPUs a part fits where it
+    fits several (``a100``: its 40 GB and 80 GB kinds differ in what fits), else with suggestions."""
 
     def norm(s: str) -> str:
         return "".join(ch for ch in s.lower() if ch.isalnum())
@@ -155,9 +157,11 @@ def gpu_by_name(name: str) -> GPU:
     key = norm(name)
     if key in table:
         return table[key]
-    aliases = {"a100": "A100-80GB", "h100": "H100-80GB", "4090": "RTX-4090", "rtx4090": "RTX-4090"}
-    if key in aliases:
-        return GPUS[aliases[key]]
+    matches = [gpu for known, gpu in table.items() if key and key in known]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise KeyError(f"GPU {name!r} could be {' or '.join(g.name for g in matches)}: give one of them")
     close = difflib.get_close_matches(name, list(GPUS), n=3, cutoff=0.3)
     raise KeyError(
         f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else "")

@@ -141,6 +141,7 @@ CASES = [
     (plan(M, "--gpus", "8", "--gpus-per-node", "3"), "--gpus-per-node"),
     (plan(M, "--gpu", "H999"), "unknown GPU"),
     (plan(M, "--gpu", ""), "unknown GPU"),
+    (plan(M, "--gpu", "A100"), "GPU 'A100' could be A100-40GB or A100-80GB: give one of them"),
     (plan(M, "--sharding", "zero3"), "--sharding"),
     (plan(M, "--margin", "-0.1"), "--margin"),
     (plan(M, "--margin", "1"), "--margin"),

@@ -24,6 +24,29 @@ def _problems(**kwargs) -> dict[str, str]:
     return info.value.problems
 
 
+@pytest.mark.parametrize(
+    "given, kind",
+    [
+        ("h100", "H100-80GB"),
+        ("a100-80", "A100-80GB"),
+        ("A100 40GB", "A100-40GB"),
+        ("4090", "RTX-4090"),
+        ("mi300", "MI300X"),
+    ],
+)
+def test_a_gpu_is_found_by_any_part_of_its_name_that_only_it_has(given, kind):
+    assert gpu_by_name(given).name == kind
+
+
+@pytest.mark.parametrize(
+    "given, kinds", [("A100", "A100-40GB or A100-80GB"), ("a10", "A100-40GB or A100-80GB or A10G")]
+)
+def test_a_gpu_name_several_kinds_share_is_refused_naming_them(given, kinds):
+    """An A100 comes with 40 or 80 GB: taking either for it would plan another GPU's memory."""
+    with pytest.raises(KeyError, match=f"could be {kinds}: give one of them"):
+        gpu_by_name(given)
+
+
 def test_each_bad_field_is_named_by_its_key():
     eight = Cluster(gpu=H100, num_gpus=8)
     assert "tp=3 must divide" in _problems(cluster=eight, workload=Workload(), fixed={"tp": 3})["fsdp.tp"]
