@@ -253,9 +253,10 @@ def _format_table(m: Measurement) -> str:
         for c in COMPONENTS + ("host_optimizer_state",)
         if any(rec.get(c, 0) for r in m.ranks for rec in r.phases.values())
     ]
+    widths = [max(10, len(c)) + 1 for c in components]  # each column as wide as its whole name
     header = (
         f"{'rank':>4} {'phase':<10}"
-        + "".join(f"{c[:14]:>15}" for c in components)
+        + "".join(f"{c:>{w}}" for c, w in zip(components, widths))
         + f"{'total MiB':>12}{'host MiB':>11}"
     )
     lines.append(header)
@@ -264,7 +265,7 @@ def _format_table(m: Measurement) -> str:
             rec = r.phases.get(phase)
             if rec is None:
                 continue
-            cells = "".join(f"{_mib(rec.get(c, 0)):>15}" for c in components)
+            cells = "".join(f"{_mib(rec.get(c, 0)):>{w}}" for c, w in zip(components, widths))
             lines.append(
                 f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}"
             )

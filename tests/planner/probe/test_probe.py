@@ -837,3 +837,22 @@ def test_a_record_without_components_needs_cudas_allocator():
         model(torch.ones(8, 4)).sum().backward()
     assert recorder.peaks["learn"]["total"] > 0 and "cuda_max_reserved" not in recorder.peaks["learn"]
     assert ProbeRequest(model="tiny:qwen2").components is None  # chosen by the device in the rank
+
+
+@pytest.mark.timeout(30)
+def test_the_probe_table_names_every_component_whole_above_its_own_column():
+    """The table's columns are as wide as their names (``optimizer_state`` was cut to
+    ``optimizer_stat``, ``host_optimizer_state`` to ``host_optimize``), and each figure ends where
+    its name ends."""
+    from planner.probe import Measurement, RankMeasurement
+
+    record = {"weights": 3 * 2**20, "optimizer_state": 5 * 2**20, "host_optimizer_state": 7 * 2**20, "total": 8 * 2**20}
+    m = Measurement(
+        request=ProbeRequest(model=MODEL, workload=SMALL, nproc=1),
+        ok=True,
+        ranks=[RankMeasurement(rank=0, phases={"step": record})],
+    )
+    header, row = m.table().splitlines()[1:3]
+    for name, mib in (("weights", "3.00"), ("optimizer_state", "5.00"), ("host_optimizer_state", "7.00")):
+        end = header.index(f" {name}") + 1 + len(name)
+        assert row[end - len(mib) : end] == mib, (name, header, row)
