@@ -38,6 +38,8 @@ def _probe_parser() -> argparse.ArgumentParser:
         prog="agilerl-plan probe",
         description="Measure a short real run of the GRPO trainer: per-rank, per-phase peak memory by component, "
         "host memory, step time. Launches torchrun itself.",
+        epilog="exit status: 0 fits (within --budget-gib, where given), 3 does not fit (out of memory, or over "
+        "--budget-gib), 1 the run failed (a rank crashed or timed out), 2 bad input, 130 interrupted",
     )
     parser.add_argument("model", help="model directory, config.json, hub id, or 'tiny:<arch>?...'")
     parser.add_argument(
@@ -448,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             if argv and argv[0] == "probe":
                 return probe_main(argv[1:])
             return plan_main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C: a probe's launch is killed on the way out (run_probe); --tune says its own line
+        print("agilerl-plan: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # what the reader took is all it wanted: no traceback
         _stdout_to_devnull()

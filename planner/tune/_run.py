@@ -287,6 +287,8 @@ def tune(
     admissible = None
     if len(points) <= MAX_ENUMERATED:
         admissible = {c.key for c in map(space.candidate, points) if objective.admits(c)}
+    if confirm > max_trials // 4:  # the rest of the trials explore: say so rather than take fewer silently
+        say(f"--confirm {confirm} is more than a quarter of --trials {max_trials}: {max_trials // 4} trial(s) confirm")
     confirm = max(0, min(confirm, max_trials // 4))
     start = time.monotonic()
     common = dict(storage=store, space_size=len(points), admissible=admissible, on_trial=on_trial)

@@ -856,3 +856,41 @@ def test_the_probe_table_names_every_component_whole_above_its_own_column():
     for name, mib in (("weights", "3.00"), ("optimizer_state", "5.00"), ("host_optimizer_state", "7.00")):
         end = header.index(f" {name}") + 1 + len(name)
         assert row[end - len(mib) : end] == mib, (name, header, row)
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_a_probe_in_one_line_with_status_130_and_leaves_nothing_running():
+    """Ctrl-C during a probe: its launch is killed, the command says so in one line (it printed
+    a KeyboardInterrupt traceback) and exits 130, as an interrupted tuner does."""
+    import os
+    import signal
+    import sys
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root), "AGILERL_PROBE_STALL": "0:learn"}
+    cmd = [sys.executable, "-m", "planner.cli", "probe", MODEL, "--gpus", "1", "--device", "cpu"]
+    cli = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    deadline = time.monotonic() + 120
+    launched: list[psutil.Process] = []
+    while not any("planner.probe._worker" in " ".join(p.cmdline()) for p in launched):  # a rank is running
+        assert time.monotonic() < deadline and cli.poll() is None
+        time.sleep(0.2)
+        try:
+            launched = psutil.Process(cli.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            launched = []
+    cli.send_signal(signal.SIGINT)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "agilerl-plan: interrupted", err
+    _, alive = psutil.wait_procs(launched, timeout=10)
+    assert not alive, alive

@@ -727,7 +727,10 @@ def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(
         ranks = [RankMeasurement(rank=0, phases={"learn": {"total": MIB}}, step_seconds=[step] * 3)]
         return Measurement(request=request, ok=True, ranks=ranks)
 
-    result = tune(**_small_run(spec, cluster), max_trials=8, probe=probe, confirm=2)
+    said: list[str] = []
+    result = tune(**_small_run(spec, cluster), max_trials=8, probe=probe, confirm=3, progress=said.append)
+    # a quarter of the trials at most confirm: taking fewer than asked is said, not silent
+    assert "--confirm 3 is more than a quarter of --trials 8: 2 trial(s) confirm" in said, said
     seconds = [t for t in result.trials if "confirm_of" in t.user_attrs]
     assert len(seconds) == 2 and all(t.user_attrs["launched"] for t in seconds)
     by_number = {t.number: t for t in result.trials}
