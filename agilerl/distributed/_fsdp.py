@@ -342,13 +342,18 @@ def _install_replicated_casts(
         for pname, p in module._parameters.items():
             if p is not None and p in ignored and p.is_floating_point() and p.dtype != dtype:
                 places.setdefault(id(p), []).append((module, pname))
+
+    def container_of(module: nn.Module) -> nn.Module:
+        owner_name = names[id(module)]
+        return next((m for prefix, m in prefixes if owner_name == prefix or owner_name.startswith(prefix + ".")), model)
+
     groups: dict[int, list[list[tuple[nn.Module, str]]]] = {}
     containers: dict[int, nn.Module] = {}
     for owner_list in places.values():
-        owner_name = names[id(owner_list[0][0])]
-        container = next(
-            (m for prefix, m in prefixes if owner_name == prefix or owner_name.startswith(prefix + ".")), model
-        )
+        found = {id(c): c for c in (container_of(module) for module, _ in owner_list)}
+        # a parameter several containers share (a tied embedding and head) is cast for the root's
+        # whole forward: cast around the first alone, the head would read it uncast after it
+        container = next(iter(found.values())) if len(found) == 1 else model
         groups.setdefault(id(container), []).append(owner_list)
         containers[id(container)] = container
     casts = []

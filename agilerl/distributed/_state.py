@@ -61,6 +61,22 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     return alias
 
 
+def _tied_places(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """Each place that registers a parameter registered before it (a tied head's weight), with
+    that first place: (module, name, first module, first name)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    out = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                out.append((module, name, *first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    return out
+
+
 @torch.no_grad()
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     if tuple(source.shape) != tuple(target.shape):
@@ -199,7 +215,10 @@ def materialize_fsdp2_from_cpu_state(
     Allocates only local shards on ``device`` (``to_empty``), recomputes the
     non-persistent buffers, then copies each rank's slice of every tensor.
     """
+    tied = _tied_places(model)
     model.to_empty(device=device)
+    for module, name, source, source_name in tied:  # to_empty gives each place a parameter of its own
+        module._parameters[name] = source._parameters[source_name]
     rebind_replicated_params(model)
     reinit_non_persistent_buffers(model)
     set_full_model_state_dict(model, cpu_state_dict, strict=strict)

@@ -82,6 +82,32 @@ for _arch in ("qwen2", "llama", "gemma3", "gemma3n"):
 
 
 @cases.case
+def a_tied_table_kept_replicated_stays_tied_from_meta_and_computes_in_param_dtype(ctx):
+    """A tied embedding table under param_persistence_threshold (replicated, as a tiny model's is
+    by default) with the default bf16 param_dtype. Materialised from meta, it lost its tie
+    (to_empty gave the head a parameter of its own, which no state dict key fills: the load
+    refused it), and the head read the table uncast after the embedding's forward (fp32 against
+    bf16 hidden states: a dtype error)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = tiny_model("qwen2", seed=5, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen2", tie_word_embeddings=True))
+    apply_fsdp2(model, FSDPConfig())
+    assert not isinstance(model.get_input_embeddings().weight, DTensor)  # replicated
+    materialize_fsdp2_from_cpu_state(model, reference.state_dict(), "cpu")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    torch.testing.assert_close(model.get_output_embeddings().weight, reference.lm_head.weight, atol=0, rtol=0)
+    rows = IDS[ctx.rank : ctx.rank + 1]
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    assert model.get_input_embeddings().weight.grad is not None
+    with torch.no_grad():  # the same forward, the whole model cast to bf16 as FSDP2 computes
+        expected = copy.deepcopy(reference).to(torch.bfloat16)(input_ids=rows, labels=rows).loss
+    torch.testing.assert_close(loss.float(), expected.float(), atol=0, rtol=2e-2)
+
+
+@cases.case
 def meta_materialised_model_with_replicated_params_trains_like_unsharded(ctx):
     # to_empty replaces the replicated (non-FSDP) parameters with new objects;
     # their gradient averaging must survive it.
