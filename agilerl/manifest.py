@@ -317,9 +317,9 @@ class TrainingSection(_Section):
         Field(
             ge=0,
             description="Rollout engines per member on ranks of their own, one GPU each, fed weights and "
-            "prompts by the member's trainer ranks (a vLLM engine with algorithm.vllm, else "
-            "Hugging Face generate); 0: the trainer ranks generate (with algorithm.vllm, a "
-            "colocated engine on each).",
+            "prompts by the member's trainer ranks; they run Hugging Face generate (algorithm.vllm "
+            "beside them is refused: a vLLM engine there is not supported yet). 0: the trainer ranks "
+            "generate (with algorithm.vllm, a colocated engine on each).",
         ),
     ] = 0
     max_steps: Annotated[int, Field(ge=1, description="Training steps per population member.")] = 100
@@ -372,7 +372,7 @@ class TrainingSection(_Section):
                 raise ValueError(
                     f"{world} launched rank(s) do not split into {members} population member(s) of trainer ranks"
                     + (f" and {engines} engine rank(s) each" if engines else "")
-                    + ": launch a multiple of population_size, or set training.training_gpus_per_agent"
+                    + f": {self._launches_near(world)}, or set training.training_gpus_per_agent"
                 )
             else:
                 trainers = world // members - engines
@@ -383,12 +383,24 @@ class TrainingSection(_Section):
                 f"{members * (trainers + engines)} ranks, but {world} were launched: run `agilerl-train "
                 f"--nproc-per-node={members * (trainers + engines)} ...` or change the manifest"
             )
-        if self.rollout_batch_size % trainers:
+        if self.rollout_batch_size % trainers:  # (a training_gpus_per_agent given is checked with the batch)
             raise ValueError(
                 f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of the "
-                f"{trainers} trainer rank(s) per member"
+                f"{trainers} trainer rank(s) per member: {self._launches_near(world)}, or change rollout_batch_size"
             )
         return RankLayout(members=members, trainers=trainers, engines=engines, shared=shared)
+
+    def _launches_near(self, world: int) -> str:
+        """The launches nearest ``world`` ranks that this manifest takes with its trainer ranks
+        per member left to the launch: the members' trainers split the rollout batch evenly and
+        each member has its engine ranks beside them."""
+        members, engines = self.population_size, self.rollout_engines_per_agent
+        sizes = sorted(
+            members * (t + engines) for t in range(1, self.rollout_batch_size + 1) if self.rollout_batch_size % t == 0
+        )
+        below = [n for n in sizes if n < world][-1:]
+        above = [n for n in sizes if n > world][:1]
+        return f"launch {' or '.join(map(str, below + above))} ranks in all (nodes x --nproc-per-node)"
 
 
 @dataclass(frozen=True)

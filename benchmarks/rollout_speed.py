@@ -81,7 +81,7 @@ def main() -> None:
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(args.reps):
         for mode in modes if rep % 2 == 0 else reversed(modes):
-            grpo._mergeable_lora_layers = mergeable if mode == "fsdp/once+merged" else (lambda model: [])
+            grpo._mergeable_lora_layers = mergeable if mode == "fsdp/once+merged" else (lambda model, **_: [])
             barrier()
             start = time.perf_counter()
             agents[mode].get_action(["1+2=", "3+4="])

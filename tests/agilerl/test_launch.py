@@ -67,6 +67,8 @@ def test_a_launch_the_manifest_cannot_take_is_refused_before_any_rank_starts(tmp
     assert main(["--nproc-per-node=3", str(_manifest(tmp_path)), "--device", "cpu"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "rollout_batch_size (2) must be a multiple of the 3 trainer rank(s)" in line
+    # the launches it takes, nearest the one given: one or two trainer ranks (2 divides over them)
+    assert "launch 2 ranks in all (nodes x --nproc-per-node), or change rollout_batch_size" in line, line
     assert LAUNCHER_ENV not in os.environ
     assert time.monotonic() - started < 30
 

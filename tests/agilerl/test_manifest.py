@@ -197,12 +197,15 @@ def test_the_launched_ranks_split_into_members_trainers_and_engines():
     pop = TrainingSection(rollout_batch_size=4, population_size=2)
     assert pop.layout(4).trainers == 2 and pop.layout(4).of(3) == (1, False, [2, 3], [])
     assert TrainingSection().layout(2).trainers == 2
-    with pytest.raises(ValueError, match="do not split into 2 population member"):
-        pop.layout(3)
+    with pytest.raises(ValueError, match=r"do not split into 2 population member.*: launch 2 or 4 ranks in all"):
+        pop.layout(3)  # two members of one or two trainers each (4 rows split over 1, 2 or 4)
+    engines = TrainingSection(rollout_batch_size=6, population_size=2, rollout_engines_per_agent=1)
+    with pytest.raises(ValueError, match=r"launch 6 or 8 ranks in all"):
+        engines.layout(7)  # members of 2 (or 3) trainers and an engine each: 6 or 8 ranks
     # a member given every rank shares them with the others (they train in turn)
     shared = TrainingSection(rollout_batch_size=4, population_size=2, training_gpus_per_agent=2).layout(2)
     assert shared.shared and shared.of(1) == (0, False, [0, 1], [])
-    with pytest.raises(ValueError, match="multiple of the 3 trainer"):
+    with pytest.raises(ValueError, match=r"multiple of the 3 trainer rank\(s\) per member: launch 2 or 4 ranks in all"):
         TrainingSection(rollout_batch_size=4).layout(3)
 
 
