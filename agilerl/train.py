@@ -297,9 +297,10 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
         if resumed is not None:
             history = resumed
             _log(f"agent {agent.index}: resumed at step {agent.steps} from {folder}")
+        trained = False
         for step in range(agent.steps + 1, steps + 1):
             metrics = _step(agent, env, algo.name, training.rollout_batch_size)
-            _stepped = True
+            trained = _stepped = True
             history.append(metrics)
             if step == 1 or step % training.log_every == 0 or step == steps:
                 _log(f"agent {agent.index} step {step:4d}  {_metrics_line(metrics)}")
@@ -309,10 +310,17 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
                 and step % training.checkpoint_interval == 0
                 and step < steps
             ):
-                _save(agent, env, history, folder / f"{STEP_PREFIX}{step:08d}")
+                saved = _save(agent, env, history, folder / f"{STEP_PREFIX}{step:08d}")
+                _log(f"agent {agent.index}: checkpoint {saved}")
                 _prune(folder, training.keep_checkpoints)
         histories.append(history)
-        if folder is not None:
+        if resumed is not None and not trained:  # the checkpoint holds this state already: nothing to save
+            beyond = f", beyond max_steps {steps}" if agent.steps > steps else ""
+            _log(
+                f"agent {agent.index}: the checkpoint is at step {agent.steps}{beyond}, so there is nothing to "
+                "train (raise training.max_steps, or --max-steps, to train on)"
+            )
+        elif folder is not None:
             path = _save(agent, env, history, folder)
             _log(f"saved {path}")
         if history:

@@ -117,6 +117,27 @@ def test_one_device_run_interrupted_and_restarted_ends_as_the_uninterrupted_one(
 
 
 @pytest.mark.timeout(300)
+def test_a_finished_run_run_again_trains_nothing_saves_nothing_and_says_so(tmp_path, caplog):
+    """Each periodic checkpoint is logged as it is written. Run again once finished (or with a
+    max_steps below its checkpoint's step), a run resumes at the checkpoint's step: it says there
+    is nothing to train, and the final checkpoint is left as it was (it was written again)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="agilerl")
+    folder = tmp_path / "ckpt"
+    train(load_manifest(_manifest(folder, max_steps=3)), device="cpu")
+    assert f"agent 0: checkpoint {folder / 'agent0' / 'step-00000002'}" in caplog.text
+    final = folder / "agent0" / "attributes.pt"
+    written = final.stat().st_mtime_ns, final.read_bytes()
+    for max_steps, said in ((3, "at step 3, so there is nothing"), (2, "at step 3, beyond max_steps 2, so there is")):
+        caplog.clear()
+        history = train(load_manifest(_manifest(folder, max_steps=max_steps)), device="cpu")
+        assert len(history[0]) == 3  # the checkpoint's own history
+        assert f"agent 0: the checkpoint is {said}" in caplog.text, caplog.text
+        assert "saved " not in caplog.text and (final.stat().st_mtime_ns, final.read_bytes()) == written
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "change, names",
     [
