@@ -391,12 +391,15 @@ class TrainingSection(_Section):
         return RankLayout(members=members, trainers=trainers, engines=engines, shared=shared)
 
     def _launches_near(self, world: int) -> str:
-        """The launches nearest ``world`` ranks that this manifest takes with its trainer ranks
-        per member left to the launch: the members' trainers split the rollout batch evenly and
-        each member has its engine ranks beside them."""
-        members, engines = self.population_size, self.rollout_engines_per_agent
+        """The rank counts nearest ``world`` that this manifest splits into, its trainer ranks per
+        member left to the launch: each member's trainers split the rollout batch evenly beside its
+        engine ranks, or (without engines) fewer ranks than members, shared. What the algorithm
+        asks of them besides (a tensor-parallel degree) is checked once they start."""
+        members, engines, batch = self.population_size, self.rollout_engines_per_agent, self.rollout_batch_size
+        trainers = [t for t in range(1, batch + 1) if batch % t == 0]
         sizes = sorted(
-            members * (t + engines) for t in range(1, self.rollout_batch_size + 1) if self.rollout_batch_size % t == 0
+            {members * (t + engines) for t in trainers}
+            | ({t for t in trainers if t < members} if not engines else set())
         )
         below = [n for n in sizes if n < world][-1:]
         above = [n for n in sizes if n > world][:1]

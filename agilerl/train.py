@@ -295,8 +295,8 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
         history: list[dict[str, float]] = []
         resumed = _resume(agent, env, folder) if folder is not None else None
         if resumed is not None:
-            history = resumed
-            _log(f"agent {agent.index}: resumed at step {agent.steps} from {folder}")
+            history, resumed_from = resumed
+            _log(f"agent {agent.index}: resumed at step {agent.steps} from {resumed_from}")
         trained = False
         for step in range(agent.steps + 1, steps + 1):
             metrics = _step(agent, env, algo.name, training.rollout_batch_size)
@@ -314,7 +314,7 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
                 _log(f"agent {agent.index}: checkpoint {saved}")
                 _prune(folder, training.keep_checkpoints)
         histories.append(history)
-        if resumed is not None and not trained:  # the checkpoint holds this state already: nothing to save
+        if resumed is not None and not trained and resumed_from == folder:  # the final checkpoint is this state
             beyond = f", beyond max_steps {steps}" if agent.steps > steps else ""
             _log(
                 f"agent {agent.index}: the checkpoint is at step {agent.steps}{beyond}, so there is nothing to "
@@ -418,8 +418,9 @@ def _checkpoints(folder: Path) -> list[Path]:
     return sorted(steps, key=lambda d: (steps[d], d == folder), reverse=True)
 
 
-def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
-    """Load the newest checkpoint under ``folder`` that loads on every rank; its metrics history, or None.
+def _resume(agent, env, folder: Path) -> tuple[list[dict[str, float]], Path] | None:
+    """Load the newest checkpoint under ``folder`` that loads on every rank; its metrics history
+    and its path (``folder`` itself for the final checkpoint), or None.
 
     The main rank lists the checkpoints and the ranks agree on each one before taking it: a file
     one rank cannot read (a torn copy, a shared file system failing on one node) is skipped by
@@ -459,7 +460,7 @@ def _resume(agent, env, folder: Path) -> list[dict[str, float]] | None:
             continue
         if "env_rng" in extra:
             env.set_state(extra["env_rng"])
-        return list(extra.get("history", []))
+        return list(extra.get("history", [])), path
     if allreduce_minmax_int(int(applied))[1]:  # some ranks hold a later step's state, the others none
         raise ValueError(
             f"training.checkpoint_dir: no checkpoint under {folder} loads on every rank, and some ranks "

@@ -351,7 +351,9 @@ class _Draft:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """``n``'s divisors, ascending (trial division to its square root: a count may be huge)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _expert_parallel_degrees(spec: ModelSpec, cluster: Cluster) -> list[int]:
@@ -1246,18 +1248,25 @@ def _largest_micro_cut(
     least = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None})).micro_batch_size_per_gpu
     if not given or least is None or given <= least:
         return None
-    for micro in sorted((m for m in range(least, given) if given % m == 0), reverse=True):
-        if feasible(workload.model_copy(update={"micro_batch_size_per_gpu": micro}), cluster):
-            return micro
-    return None
+    sizes = [m for m in _divisors(given) if least <= m < given and workload.micro_batch_fits_examples(m)]
+    lo, hi, found = 0, len(sizes) - 1, None  # a bisection: memory only falls with the micro batch
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if feasible(workload.model_copy(update={"micro_batch_size_per_gpu": sizes[mid]}), cluster):
+            found, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
+    return found
+
 
 
 def _longest_cut(
     workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool], key: str
 ) -> int | None:
-    """The longest ``key`` (prompt or completion tokens) below the workload's that fits, to an
-    eighth of a power of two (64 tokens between 512 and 1024: 576, 640, ...), or None where even
-    16 tokens do not: halvings until one fits, then a bisection up from it."""
+    """The longest ``key`` (prompt or completion tokens) below the workload's that fits, or None
+    where even 16 tokens do not: halvings until one fits, then a bisection up from it in steps of
+    an eighth of the largest power of two in that length (64 tokens from 512 or 1000: 576, 640,
+    ...; 32 from 500)."""
     length = getattr(workload, key)
     while length > 16:
         length //= 2

@@ -146,18 +146,15 @@ CPU_DEVICE = GPU(name="cpu", memory_bytes=64 * GIB, kind="cpu", cuda_context_byt
 
 
 def gpu_by_name(name: str) -> GPU:
-    """A catalog GPU by name, case- and punctuation-insensitive, or by a part of one name alone
-    (``h100``, ``4090``, ``a100-80``, ``mi300``); KeyError naming the GPUs a part fits where it
-    fits several (``a100``: its 40 GB and 80 GB kinds differ in what fits), else with suggestions."""
-
-    def norm(s: str) -> str:
-        return "".join(ch for ch in s.lower() if ch.isalnum())
-
-    table = {norm(k): v for k, v in GPUS.items()}
-    key = norm(name)
+    """A catalog GPU by name, case- and punctuation-insensitive, or by a shorter name that only it
+    answers to (:func:`_answers_to`: ``h100``, ``4090``, ``a100-80``, ``mi300``); KeyError naming
+    the GPUs a short name fits where it fits several (``a100``: its 40 GB and 80 GB kinds differ in
+    what fits), else with suggestions."""
+    table = {_norm(k): v for k, v in GPUS.items()}
+    key = _norm(name)
     if key in table:
         return table[key]
-    matches = [gpu for known, gpu in table.items() if key and key in known]
+    matches = [gpu for gpu in GPUS.values() if _answers_to(gpu.name, key)]
     if len(matches) == 1:
         return matches[0]
     if matches:
@@ -166,6 +163,25 @@ def gpu_by_name(name: str) -> GPU:
     raise KeyError(
         f"unknown GPU {name!r}; known: {', '.join(GPUS)}" + (f" (did you mean {', '.join(close)}?)" if close else "")
     )
+
+
+def _norm(s: str) -> str:
+    return "".join(ch for ch in s.lower() if ch.isalnum())
+
+
+def _answers_to(name: str, key: str) -> bool:
+    """Whether a catalog GPU ``name`` answers to the short name ``key`` (normalised): one with a
+    number in it that is a whole part of the name (``h100`` of H100-80GB, ``4090`` of RTX-4090) or
+    its start, cut where a run of digits or letters ends (``a10080``, ``mi300``). Not ``h20`` for
+    H200 (another GPU), nor ``rtx`` or ``l`` (no model number)."""
+    if not any(ch.isdigit() for ch in key):
+        return False
+    full = _norm(name)
+    if key in (_norm(part) for part in name.split("-")):
+        return True
+    if not full.startswith(key) or len(key) == len(full):
+        return False
+    return key[-1].isdigit() != full[len(key)].isdigit()
 
 
 def with_memory(gpu: GPU, gib: float, what: str = "GPU memory") -> GPU:

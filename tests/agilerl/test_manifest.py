@@ -202,6 +202,8 @@ def test_the_launched_ranks_split_into_members_trainers_and_engines():
     engines = TrainingSection(rollout_batch_size=6, population_size=2, rollout_engines_per_agent=1)
     with pytest.raises(ValueError, match=r"launch 6 or 8 ranks in all"):
         engines.layout(7)  # members of 2 (or 3) trainers and an engine each: 6 or 8 ranks
+    with pytest.raises(ValueError, match=r"launch 2 or 4 ranks in all"):  # 2: four members share them
+        TrainingSection(rollout_batch_size=4, population_size=4).layout(3)
     # a member given every rank shares them with the others (they train in turn)
     shared = TrainingSection(rollout_batch_size=4, population_size=2, training_gpus_per_agent=2).layout(2)
     assert shared.shared and shared.of(1) == (0, False, [0, 1], [])

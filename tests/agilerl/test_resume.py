@@ -120,7 +120,9 @@ def test_one_device_run_interrupted_and_restarted_ends_as_the_uninterrupted_one(
 def test_a_finished_run_run_again_trains_nothing_saves_nothing_and_says_so(tmp_path, caplog):
     """Each periodic checkpoint is logged as it is written. Run again once finished (or with a
     max_steps below its checkpoint's step), a run resumes at the checkpoint's step: it says there
-    is nothing to train, and the final checkpoint is left as it was (it was written again)."""
+    is nothing to train, and the final checkpoint is left as it was (it was written again).
+    Resumed from a periodic checkpoint with nothing to train, the run writes that state as its
+    final checkpoint."""
     import logging
 
     caplog.set_level(logging.INFO, logger="agilerl")
@@ -135,6 +137,12 @@ def test_a_finished_run_run_again_trains_nothing_saves_nothing_and_says_so(tmp_p
         assert len(history[0]) == 3  # the checkpoint's own history
         assert f"agent 0: the checkpoint is {said}" in caplog.text, caplog.text
         assert "saved " not in caplog.text and (final.stat().st_mtime_ns, final.read_bytes()) == written
+    # resumed from a periodic checkpoint with nothing left to train: that state is the final one
+    final.unlink()
+    caplog.clear()
+    train(load_manifest(_manifest(folder, max_steps=2)), device="cpu")
+    assert f"resumed at step 2 from {folder / 'agent0' / 'step-00000002'}" in caplog.text, caplog.text
+    assert f"saved {folder / 'agent0'}" in caplog.text and torch.load(final, weights_only=False)["steps"] == 2
 
 
 @pytest.mark.timeout(300)

@@ -575,6 +575,7 @@ def test_a_group_too_large_for_even_one_prompt_per_gpu_gets_a_smaller_group_sugg
     )
 
 
+@pytest.mark.timeout(60)
 def test_a_micro_batch_or_length_suggested_is_the_largest_that_fits_not_the_most_frugal():
     """A micro batch of 64 and checkpointing off on one H100: the micro batch suggested is the
     largest of 64's divisors that fits (it was the most frugal, 1, where 16 fits), and the
@@ -593,6 +594,11 @@ def test_a_micro_batch_or_length_suggested_is_the_largest_that_fits_not_the_most
     assert 1 < micro < 64 and 64 % micro == 0, p.suggestions
     assert plan(spec7b, workload.model_copy(update={"micro_batch_size_per_gpu": micro}), one).fits
     assert not plan(spec7b, workload.model_copy(update={"micro_batch_size_per_gpu": 2 * micro}), one).fits
+    # a micro batch of 2**33 (the completions of 8 prompts of 2**30 each on one GPU): the micro
+    # batches tried are its divisors, found to its square root; listed one by one up to it, they
+    # hung the plan (the test's timeout)
+    huge = Workload(prompts_per_step=8, group_size=2**30, micro_batch_size_per_gpu=2**33)
+    assert not plan(spec7b, huge, one).fits
     (length_line,) = [s for s in p.suggestions if s.startswith("shorten completions to ")]
     length = int(length_line.split("completion_tokens=")[1].rstrip(")"))
     eighth = 2 ** (length.bit_length() - 1) // 8

@@ -32,18 +32,25 @@ def _problems(**kwargs) -> dict[str, str]:
         ("A100 40GB", "A100-40GB"),
         ("4090", "RTX-4090"),
         ("mi300", "MI300X"),
+        ("a10", "A10G"),  # the A10 and the A10G have the same 24 GB
     ],
 )
-def test_a_gpu_is_found_by_any_part_of_its_name_that_only_it_has(given, kind):
+def test_a_gpu_is_found_by_a_short_name_that_only_it_answers_to(given, kind):
     assert gpu_by_name(given).name == kind
 
 
-@pytest.mark.parametrize(
-    "given, kinds", [("A100", "A100-40GB or A100-80GB"), ("a10", "A100-40GB or A100-80GB or A10G")]
-)
+@pytest.mark.parametrize("given, kinds", [("A100", "A100-40GB or A100-80GB"), ("80gb", "A100-80GB or H100-80GB")])
 def test_a_gpu_name_several_kinds_share_is_refused_naming_them(given, kinds):
     """An A100 comes with 40 or 80 GB: taking either for it would plan another GPU's memory."""
     with pytest.raises(KeyError, match=f"could be {kinds}: give one of them"):
+        gpu_by_name(given)
+
+
+@pytest.mark.parametrize("given", ["H20", "h2", "rtx", "l", "3"])
+def test_a_name_that_cuts_a_model_number_or_has_none_is_no_gpu_of_the_catalog(given):
+    """An H20 is another GPU (96 GB), not a short H200 (141 GB); a name without a model number
+    names no GPU."""
+    with pytest.raises(KeyError, match=f"unknown GPU '{given}'"):
         gpu_by_name(given)
 
 

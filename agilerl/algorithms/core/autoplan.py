@@ -137,15 +137,24 @@ def least_visible_cluster(world_size: int, *, judge_host: bool = False):
     Where ranks differ, rank 0 logs the range it planned within."""
     from agilerl.distributed import gather_objects
 
-    mine = visible_cluster(world_size, judge_host=judge_host)
+    try:
+        mine: Any = visible_cluster(world_size, judge_host=judge_host)
+    except Exception as err:  # every rank must learn of it: the others would wait in the gather
+        mine = f"{type(err).__name__}: {err}"
     seen = gather_objects([mine])
+    failed = [(rank, what) for rank, what in enumerate(seen) if isinstance(what, str)]
+    if failed:
+        rank, what = failed[0]
+        raise RuntimeError(f"rank {rank} could not read its device's memory: {what}")
     gpu = min((c.gpu for c in seen), key=lambda g: g.memory_bytes)
     hosts = sorted(c.host_memory_per_node_bytes for c in seen if c.host_memory_per_node_bytes is not None)
     least = mine.model_copy(update={"gpu": gpu, "host_memory_per_node_bytes": hosts[0] if hosts else None})
-    gpus = sorted({c.gpu.memory_bytes for c in seen})
-    if is_main_process() and (len(gpus) > 1 or len(set(hosts)) > 1):
-        device = f"{gpus[0] / 2**30:.2f}-{gpus[-1] / 2**30:.2f} GiB a device" if len(gpus) > 1 else None
-        host = f"{hosts[0] / 2**30:.2f}-{hosts[-1] / 2**30:.2f} GiB of host a node" if len(set(hosts)) > 1 else None
+    gpus = sorted(c.gpu.memory_bytes for c in seen)
+    # a spread under 1% is one figure read at different moments (a CPU rank's share of free memory)
+    gpus_differ, hosts_differ = (bool(f) and f[-1] - f[0] > 0.01 * f[-1] for f in (gpus, hosts))
+    if is_main_process() and (gpus_differ or hosts_differ):
+        device = f"{gpus[0] / 2**30:.2f}-{gpus[-1] / 2**30:.2f} GiB a device" if gpus_differ else None
+        host = f"{hosts[0] / 2**30:.2f}-{hosts[-1] / 2**30:.2f} GiB of host a node" if hosts_differ else None
         logger.info(
             "[agilerl] the ranks see different memory (%s): planning for the least",
             ", ".join(x for x in (device, host) if x),
@@ -274,7 +283,10 @@ def in_trainer_terms(suggestion: str, workload) -> str:
     )
     line = line.replace("(full_finetune=False)", "(a lora_config)")
     line = line.replace("(generation='vllm')", "(vllm_config=VLLMConfig())")
-    line = re.sub(r"\(generation='hf'(, without [^)]*)?\)", "(no vllm_config)", line)
+    if "instead of a colocated vLLM engine (generation='hf'" in line:  # the engine's settings go with it
+        offloaded = "offload_weights_during_rollout" in line
+        instead = "no vllm_config" + (", offload_weights_during_rollout=False" if offloaded else "")
+        line = re.sub(r"\(generation='hf'(, without [^)]*)?\)", f"({instead})", line)
     line = re.sub(r"\(lora_rank=(\d+)\)", r"(lora_config r=\1)", line)
     line = re.sub(r" \(--host-memory \d+\)", "", line)  # the planner's flag: the trainer reads its node's
     line = line.replace("vllm_kv_cache_memory_bytes", "vllm_config.kv_cache_memory_bytes")

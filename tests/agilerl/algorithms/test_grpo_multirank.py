@@ -505,8 +505,8 @@ def a_checkpoint_one_rank_cannot_load_is_skipped_by_every_rank(ctx):
 
     agent.load_checkpoint = torn_on_rank_1
     agent.steps = 0
-    history = _resume(agent, env, folder)
-    assert agent.steps == 2 and len(history) == 2, (ctx.rank, agent.steps)
+    history, path = _resume(agent, env, folder)
+    assert agent.steps == 2 and len(history) == 2 and path.name == f"{STEP_PREFIX}{2:08d}", (ctx.rank, agent.steps)
     # Step 4 alone: rank 0 would hold step 4's state and rank 1 none, and their loops would not
     # match; every rank says so instead.
     import shutil
@@ -582,6 +582,8 @@ def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
     assert plans[0] == plans[1]  # rank 0 planned, every rank applied the same plan
     logged = "\n".join(kept.messages)
     assert ("fsdp_config='auto' planned" in logged) == (ctx.rank == 0)  # the main rank says it, once
+    # each CPU rank's share of the free memory, read a moment apart, is one figure: no range is said
+    assert "the ranks see different memory" not in logged, logged
     assert agent.logprob_chunk_size == agent.plan["logprob_chunk_size"]
     assert agent.micro_batch_size_per_gpu == agent.plan["micro_batch_size_per_gpu"]
     assert agent.sharded == (agent.plan["fsdp"] is not None)
@@ -633,6 +635,28 @@ def auto_fsdp_plans_for_the_least_memory_any_rank_sees(ctx):
     logged = "\n".join(kept.messages)
     said = "the ranks see different memory (40.00-80.00 GiB a device, 256.00-512.00 GiB of host a node)"
     assert (said in logged) == (ctx.rank == 0), logged
+
+
+@cases.case
+def a_rank_that_cannot_read_its_memory_stops_every_rank_instead_of_leaving_them_waiting(ctx):
+    import agilerl.algorithms.core.autoplan as autoplan
+
+    visible = autoplan.visible_cluster
+
+    def unreadable(world_size, judge_host=False):
+        if ctx.rank == 1:
+            raise OSError("no device properties")
+        return visible(world_size, judge_host=judge_host)
+
+    autoplan.visible_cluster = unreadable
+    try:
+        autoplan.least_visible_cluster(ctx.world_size)
+    except RuntimeError as err:
+        assert str(err) == "rank 1 could not read its device's memory: OSError: no device properties", err
+    else:
+        raise AssertionError(f"rank {ctx.rank} planned beside a rank that could not read its memory")
+    finally:
+        autoplan.visible_cluster = visible
 
 
 @cases.case

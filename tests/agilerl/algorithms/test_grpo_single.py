@@ -1244,6 +1244,10 @@ def test_what_would_fit_is_said_in_the_algorithms_own_arguments():
         "generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf', without "
         "vllm_gpu_memory_utilization, vllm_max_num_seqs)": "generate with Hugging Face generate instead of a "
         "colocated vLLM engine (no vllm_config)",
+        # the trainer refuses offload_weights_during_rollout=True without a vllm_config
+        "generate with Hugging Face generate instead of a colocated vLLM engine (generation='hf', without "
+        "vllm_gpu_memory_utilization, offload_weights_during_rollout)": "generate with Hugging Face generate "
+        "instead of a colocated vLLM engine (no vllm_config, offload_weights_during_rollout=False)",
         "use a smaller LoRA rank (lora_rank=64)": "use a smaller LoRA rank (lora_config r=64)",
         "lower vllm_kv_cache_memory_bytes to 2.00 GiB (2147483648)": "lower vllm_config.kv_cache_memory_bytes to "
         "2.00 GiB (2147483648)",
