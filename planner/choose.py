@@ -1259,7 +1259,6 @@ def _largest_micro_cut(
     return found
 
 
-
 def _longest_cut(
     workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool], key: str
 ) -> int | None:
