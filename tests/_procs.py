@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["with_env"]
+__all__ = ["with_env", "free_port", "interruptible"]
 
 
 def with_env(name: str, value: str) -> list[int]:
@@ -30,3 +30,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def interruptible(cmd: list[str], env: dict[str, str]):
+    """``cmd`` started with its stderr piped (text) and SIGINT's default disposition, as from a
+    terminal: a shell that runs the suite in the background ignores SIGINT, and Python keeps an
+    ignored SIGINT ignored, so a Ctrl-C test would otherwise send a signal nobody hears."""
+    import signal
+    import subprocess
+
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )

@@ -552,35 +552,41 @@ def train_cli_short_runs_data_parallel_and_fsdp(ctx):
         assert all(math.isfinite(m["loss"]) for m in history[0])
 
 
-@cases.case
-def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
+@contextlib.contextmanager
+def _kept_logs():
+    """The library's log messages (INFO and up) while the block runs, as a list."""
     import logging
 
-    from agilerl.distributed import gather_objects
+    messages: list[str] = []
 
     class Kept(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.messages: list[str] = []
-
         def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
+            messages.append(record.getMessage())
 
-    kept, library = Kept(), logging.getLogger("agilerl")
+    kept, library = Kept(logging.INFO), logging.getLogger("agilerl")
     level = library.level
     library.addHandler(kept)
     library.setLevel(logging.INFO)
     try:
-        agent = make_agent(
-            fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto", max_model_len=16
-        )
+        yield messages
     finally:
         library.removeHandler(kept)
         library.setLevel(level)
+
+
+@cases.case
+def auto_fsdp_asks_the_planner_once_and_every_rank_applies_it(ctx):
+
+    from agilerl.distributed import gather_objects
+
+    with _kept_logs() as messages:
+        agent = make_agent(
+            fsdp_config="auto", logprob_chunk_size="auto", gradient_checkpointing="auto", max_model_len=16
+        )
     assert agent.plan is not None
     plans = gather_objects([agent.plan["summary"]])
     assert plans[0] == plans[1]  # rank 0 planned, every rank applied the same plan
-    logged = "\n".join(kept.messages)
+    logged = "\n".join(messages)
     assert ("fsdp_config='auto' planned" in logged) == (ctx.rank == 0)  # the main rank says it, once
     # each CPU rank's share of the free memory, read a moment apart, is one figure: no range is said
     assert "the ranks see different memory" not in logged, logged
@@ -596,7 +602,6 @@ def auto_fsdp_plans_for_the_least_memory_any_rank_sees(ctx):
     """Rank 1's GPU is smaller and its node's host holds less than rank 0's (another kind of GPU,
     a node with a tighter cgroup): the plan rank 0 makes, and every rank applies, is judged
     against rank 1's, and rank 0 says the ranks differ."""
-    import logging
 
     import agilerl.algorithms.core.autoplan as autoplan
     from agilerl.distributed import gather_objects
@@ -610,29 +615,17 @@ def auto_fsdp_plans_for_the_least_memory_any_rank_sees(ctx):
         host = host_gib * gib if judge_host else None
         return Cluster(gpu=gpu, num_gpus=world_size, host_memory_per_node_bytes=host)
 
-    class Kept(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.messages: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
-
-    kept, library, visible = Kept(), logging.getLogger("agilerl"), autoplan.visible_cluster
-    level = library.level
-    library.addHandler(kept)
-    library.setLevel(logging.INFO)
+    visible = autoplan.visible_cluster
     autoplan.visible_cluster = seen
     try:
-        agent = make_agent(fsdp_config="auto", max_model_len=16)
+        with _kept_logs() as messages:
+            agent = make_agent(fsdp_config="auto", max_model_len=16)
     finally:
         autoplan.visible_cluster = visible
-        library.removeHandler(kept)
-        library.setLevel(level)
     assert agent.plan["capacity_gib"] == 40  # rank 1's GPU, on rank 1 as on rank 0
     assert "of 256.00 GiB" in agent.plan["summary"], agent.plan["summary"]  # rank 1's node's host
     assert len(set(gather_objects([agent.plan["summary"]]))) == 1
-    logged = "\n".join(kept.messages)
+    logged = "\n".join(messages)
     said = "the ranks see different memory (40.00-80.00 GiB a device, 256.00-512.00 GiB of host a node)"
     assert (said in logged) == (ctx.rank == 0), logged
 

@@ -868,17 +868,12 @@ def test_ctrl_c_stops_a_probe_in_one_line_with_status_130_and_leaves_nothing_run
 
     import psutil
 
+    from tests._procs import interruptible
+
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root), "AGILERL_PROBE_STALL": "0:learn"}
     cmd = [sys.executable, "-m", "planner.cli", "probe", MODEL, "--gpus", "1", "--device", "cpu"]
-    cli = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
-    )
+    cli = interruptible(cmd, env)
     deadline = time.monotonic() + 120
     launched: list[psutil.Process] = []
     while not any("planner.probe._worker" in " ".join(p.cmdline()) for p in launched):  # a rank is running

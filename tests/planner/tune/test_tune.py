@@ -39,6 +39,7 @@ from planner.tune import (
     tune_main,
 )
 from planner.workload import Workload
+from tests._procs import interruptible
 
 MODEL = "tiny:qwen2?hidden_size=64&intermediate_size=128&num_layers=2"
 SMALL = Workload(
@@ -1039,16 +1040,7 @@ def test_ctrl_c_or_sigterm_kills_the_probe_and_fails_the_trial(tmp_path, signum)
     ]
     # The first probe stalls in learn, so it is still running when the signal arrives.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "AGILERL_PROBE_STALL": "0:learn"}
-    # A shell that runs the suite in the background ignores SIGINT, and Python keeps an ignored
-    # SIGINT ignored: give the tuner the default disposition a terminal would.
-    tuner = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    tuner = interruptible(cmd, env)
     deadline = time.monotonic() + 120
     while not _owned_by(tuner.pid):  # its first probe is running
         assert time.monotonic() < deadline and tuner.poll() is None
