@@ -1249,14 +1249,12 @@ def _largest_micro_cut(
     if not given or least is None or given <= least:
         return None
     sizes = [m for m in _divisors(given) if least <= m < given and workload.micro_batch_fits_examples(m)]
-    lo, hi, found = 0, len(sizes) - 1, None  # a bisection: memory only falls with the micro batch
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if feasible(workload.model_copy(update={"micro_batch_size_per_gpu": sizes[mid]}), cluster):
-            found, lo = sizes[mid], mid + 1
-        else:
-            hi = mid - 1
-    return found
+    found = _last_that_fits(
+        0,
+        len(sizes) - 1,
+        lambda i: feasible(workload.model_copy(update={"micro_batch_size_per_gpu": sizes[i]}), cluster),
+    )
+    return None if found is None else sizes[found]
 
 
 def _longest_cut(
@@ -1315,11 +1313,22 @@ def _largest_cut(
     """The largest multiple of ``step``, at least ``least`` and below the workload's ``field``,
     with which the run fits (None if none does): a bisection on the multiple, since memory only
     falls with the count, and never a list of counts (one may be astronomically large)."""
-    lo, hi, found = -(-least // step), (getattr(workload, field) - 1) // step, None
+    found = _last_that_fits(
+        -(-least // step),
+        (getattr(workload, field) - 1) // step,
+        lambda multiple: feasible(workload.model_copy(update={field: multiple * step}), cluster),
+    )
+    return None if found is None else found * step
+
+
+def _last_that_fits(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest ``i`` in ``lo..hi`` with ``fits(i)`` (None if none), by bisection: the
+    callers' candidates grow with ``i`` and memory only rises with them."""
+    found = None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if feasible(workload.model_copy(update={field: mid * step}), cluster):
-            found, lo = mid * step, mid + 1
+        if fits(mid):
+            found, lo = mid, mid + 1
         else:
             hi = mid - 1
     return found
