@@ -1113,18 +1113,11 @@ def _suggest(
         except ValueError:
             return False
 
-    prompts = workload.prompts_per_step
-    for factor in (2, 4, 8, 16, 32, 64):
-        gpus = cluster.num_gpus * factor
-        per = cluster.gpus_per_node
-        cl = cluster.model_copy(update={"num_gpus": gpus, "gpus_per_node": min(per, gpus) if per else None})
-        # every GPU takes whole prompts: as many more as it takes
-        whole = -(-prompts // gpus) * gpus
-        if feasible(workload.model_copy(update={"prompts_per_step": whole}), cl):
-            where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""
-            more = f" with prompts_per_step={whole}" if whole != prompts else ""
-            out.append(f"use {gpus} GPUs{where}{more}")
-            break
+    if (gpus := _fewest_gpus(workload, cluster, feasible)) is not None:
+        cl, whole = _on_gpus(workload, cluster, gpus)
+        where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""
+        more = f" with prompts_per_step={whole.prompts_per_step}" if whole != workload else ""
+        out.append(f"use {gpus} GPUs{where}{more}")
     if cluster.host_memory_per_node_bytes is not None and (need := _least_host_gib(cluster, workload, feasible)):
         out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
     if (micro := _largest_micro_cut(workload, cluster, feasible)) is not None:
@@ -1212,6 +1205,50 @@ def _suggest(
     if not out:
         out.append("nothing nearby fits: a smaller model, or GPUs with more memory")
     return out
+
+
+def _on_gpus(workload: Workload, cluster: Cluster, gpus: int) -> tuple[Cluster, Workload]:
+    """The cluster with ``gpus`` GPUs (nodes of the cluster's size, or one node of fewer) and the
+    workload with every GPU taking whole prompts: as many more prompts as that takes."""
+    per = cluster.gpus_per_node
+    cl = cluster.model_copy(update={"num_gpus": gpus, "gpus_per_node": min(per, gpus) if per else None})
+    whole = -(-workload.prompts_per_step // gpus) * gpus
+    return cl, workload if whole == workload.prompts_per_step else workload.model_copy(
+        update={"prompts_per_step": whole}
+    )
+
+
+def _fewest_gpus(workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]) -> int | None:
+    """The fewest GPUs above the cluster's with which the run fits (None where not even 64 times
+    as many do): doublings until one fits, then a bisection down to the count above the last
+    doubling that did not. The counts tried below it are those a cluster of its nodes can have
+    (any count within one node, whole nodes beyond it). Memory per GPU only falls with the count
+    (everything sharded is sharded finer, and each GPU takes no more prompts), so the bisection
+    finds the fewest; a count the run refuses (a micro batch the user fixed that does not divide
+    its completions per GPU) reads as not fitting, and may hide a smaller count that fits."""
+
+    def fits(gpus: int) -> bool:
+        cl, wl = _on_gpus(workload, cluster, gpus)
+        return feasible(wl, cl)
+
+    def whole_nodes(gpus: int) -> bool:
+        return not cluster.gpus_per_node or gpus <= cluster.gpus_per_node or gpus % cluster.gpus_per_node == 0
+
+    below = cluster.num_gpus
+    for factor in (2, 4, 8, 16, 32, 64):
+        gpus = cluster.num_gpus * factor
+        if not whole_nodes(gpus):
+            continue
+        if fits(gpus):
+            break
+        below = gpus
+    else:
+        return None
+    per = cluster.gpus_per_node or gpus
+    # the counts between, largest first: whole nodes, then (below one node) any count
+    counts = [*range(gpus - per, max(below, per - 1), -per), *range(min(gpus, per) - 1, below, -1)]
+    found = _last_that_fits(0, len(counts) - 1, lambda i: fits(counts[i]))
+    return gpus if found is None else counts[found]
 
 
 def _least_host_gib(cluster: Cluster, workload: Workload, feasible: Callable[[Workload, Cluster], bool]) -> int | None:

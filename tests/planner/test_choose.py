@@ -610,6 +610,50 @@ def test_a_micro_batch_or_length_suggested_is_the_largest_that_fits_not_the_most
     assert not plan(spec7b, workload.model_copy(update={"completion_tokens": length + eighth}), one).fits
 
 
+@pytest.mark.parametrize(
+    "gpus, per_node, full, fewest",
+    [
+        (1, None, False, 3),  # not a doubling: 2 GPUs do not fit, 4 was said where 3 fit
+        (8, 8, True, 16),  # beyond a node, whole nodes only (9 to 15 GPUs are not two nodes of 8)
+        (4, 4, True, 12),  # three nodes of 4, between the doublings 8 and 16
+        (6, 8, True, 16),  # 12 is not whole nodes of 8: the doublings go on to 24, then back to 16
+    ],
+)
+def test_the_gpus_suggested_are_the_fewest_that_fit_not_the_next_doubling(gpus, per_node, full, fewest):
+    """Llama-3.1-70B on H100s: "use N GPUs" names the fewest a cluster of those nodes can have
+    that fit, each count planned as given here, with the whole prompts per GPU the line names."""
+    import re
+
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec70 = catalog.load_spec("meta-llama/Llama-3.1-70B")
+    workload = Workload(full_finetune=full, prompts_per_step=6 if gpus == 6 else 8)
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=gpus, gpus_per_node=per_node)
+    p = plan(spec70, workload, cluster)
+    assert not p.fits
+    (line,) = [s for s in p.suggestions if s.startswith("use ") and " GPUs" in s]
+    m = re.fullmatch(r"use (\d+) GPUs(?: \((\d+) nodes of (\d+)\))?(?: with prompts_per_step=(\d+))?", line)
+    assert m, line
+    count = int(m[1])
+    assert count == fewest, p.suggestions
+
+    def planned(n: int):
+        per = min(per_node, n) if per_node else None
+        prompts = -(-workload.prompts_per_step // n) * n  # whole prompts on every GPU
+        return plan(
+            spec70,
+            workload.model_copy(update={"prompts_per_step": prompts}),
+            cluster.model_copy(update={"num_gpus": n, "gpus_per_node": per}),
+        )
+
+    assert planned(count).fits
+    if m[4]:
+        assert int(m[4]) == -(-workload.prompts_per_step // count) * count
+    smaller = count - 1 if not per_node or count <= per_node else count - per_node
+    assert not planned(smaller).fits, smaller
+
+
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
     from planner import catalog
     from planner.hardware import GPUS
