@@ -1120,7 +1120,7 @@ def _suggest(
         out.append(f"use {gpus} GPUs{where}{more}")
     if cluster.host_memory_per_node_bytes is not None and (need := _least_host_gib(cluster, workload, feasible)):
         out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
-    if (micro := _largest_micro_cut(workload, cluster, feasible)) is not None:
+    if (micro := _largest_micro_cut(workload, cluster, feasible, tp=int(fixed.get("tp", 1) or 1))) is not None:
         out.append(f"use micro_batch_size_per_gpu={micro}")
     if sharding == "none" and feasible(workload, cluster, "fsdp"):
         out.append("shard with FSDP2 (sharding='fsdp', or 'auto' to let the plan decide)")
@@ -1276,16 +1276,21 @@ def _least_host_gib(cluster: Cluster, workload: Workload, feasible: Callable[[Wo
 
 
 def _largest_micro_cut(
-    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool], *, tp: int
 ) -> int | None:
     """The largest micro batch below the one the user fixed that fits (None if none was fixed, or
-    even the most frugal does not fit), among its divisors (which divide the completions a GPU
-    takes whenever it does) down to the most frugal the plan starts from."""
+    even the most frugal does not fit), among the sizes the run takes: those that divide a rank's
+    completions (48 completions and a given 16: 12 is one), down to the most frugal the plan
+    starts from."""
     given = workload.micro_batch_size_per_gpu
     least = _frugal_workload(workload.model_copy(update={"micro_batch_size_per_gpu": None})).micro_batch_size_per_gpu
     if not given or least is None or given <= least:
         return None
-    sizes = [m for m in _divisors(given) if least <= m < given and workload.micro_batch_fits_examples(m)]
+    try:
+        completions = workload.completions_per_rank(max(1, cluster.num_gpus // tp))
+    except ValueError:
+        return None  # examples that do not split over the ranks: no micro batch makes it fit
+    sizes = [m for m in _divisors(completions) if least <= m < given and workload.micro_batch_fits_examples(m)]
     found = _last_that_fits(
         0,
         len(sizes) - 1,

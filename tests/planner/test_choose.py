@@ -610,6 +610,27 @@ def test_a_micro_batch_or_length_suggested_is_the_largest_that_fits_not_the_most
     assert not plan(spec7b, workload.model_copy(update={"completion_tokens": length + eighth}), one).fits
 
 
+def test_a_micro_batch_suggested_may_be_any_size_that_divides_the_completions_per_gpu():
+    """48 completions on one H100 in micro batches of 16 (checkpointing off, 640 tokens): 12
+    fits, and divides the 48 though not the 16 given (the sizes tried were 16's divisors: 8)."""
+    from planner import catalog
+    from planner.hardware import GPUS
+
+    spec7b = catalog.load_spec("Qwen/Qwen2.5-7B")
+    one = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1)
+    workload = Workload(
+        prompts_per_step=6,
+        group_size=8,
+        micro_batch_size_per_gpu=16,
+        gradient_checkpointing=False,
+        completion_tokens=640,
+    )
+    p = plan(spec7b, workload, one)
+    assert not p.fits
+    assert "use micro_batch_size_per_gpu=12" in p.suggestions, p.suggestions
+    assert plan(spec7b, workload.model_copy(update={"micro_batch_size_per_gpu": 12}), one).fits
+
+
 @pytest.mark.parametrize(
     "gpus, per_node, full, fewest",
     [
