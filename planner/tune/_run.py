@@ -6,9 +6,11 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..choose import Decision, Limit, Plan, engine_rank_problem, host_judge, plan
@@ -437,7 +439,27 @@ def software_versions(workload: Workload, *, generate: bool) -> dict[str, str | 
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None  # the probe says what is missing when it launches
+    if versions["agilerl-fsdp-planner"] is not None and (commit := checkout_commit()):
+        # an editable install keeps the version it was installed with, whatever the code does since
+        versions["agilerl-fsdp-planner"] += f"+g{commit}"
     return versions
+
+
+def checkout_commit() -> str | None:
+    """The git commit (12 hex digits) of the checkout this package runs from, where it runs from
+    one (an editable install); None from an installed wheel, or where git cannot say. Edits not
+    committed are not told apart."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit[:12] if out.returncode == 0 and len(commit) >= 12 else None
 
 
 def _where(storage: str | None) -> str:

@@ -712,6 +712,38 @@ def test_a_study_fingerprinted_before_versions_were_recorded_names_each_version_
     assert later.requests == []
 
 
+def test_a_study_run_from_a_checkout_records_its_commit_and_another_commit_does_not_resume(spec, tmp_path, monkeypatch):
+    """An editable install reports the version it was installed with whatever the code; run from
+    a git checkout (as the tests are), the study records the commit too, and a study measured at
+    another commit is not resumed."""
+    import subprocess
+    from pathlib import Path
+
+    import planner
+    from planner.tune import _run
+
+    root = Path(planner.__file__).resolve().parents[1]
+    installed = importlib.metadata.version("agilerl-fsdp-planner")
+    expected = installed  # a copy of the sources outside git: no commit to tell
+    if (root / ".git").exists():
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        expected = f"{installed}+g{head.stdout.strip()[:12]}"
+    assert _run.software_versions(SMALL, generate=False)["agilerl-fsdp-planner"] == expected
+
+    cluster = cpu_cluster(64 * MIB)
+    common = dict(spec=spec, model=MODEL, coefficients=None, storage=str(tmp_path / "s.db"), study_name="at")
+    request = PlanRequest(cluster, SMALL, SHARD_ALL)
+    tune(**common, request=request, max_trials=1, probe=FakeProbe(spec, cluster), seed=0, calibration=False, confirm=0)
+    monkeypatch.setattr(_run, "checkout_commit", lambda: "0123456789ab")
+    later = FakeProbe(spec, cluster)
+    with pytest.raises(
+        ValueError,
+        match=rf"software\.agilerl-fsdp-planner \('[^']+' in the study, '{re.escape(installed)}\+g0123456789ab' now\)",
+    ):
+        tune(**common, request=request, max_trials=2, probe=later, seed=0, calibration=False, confirm=0)
+    assert later.requests == []
+
+
 @pytest.mark.timeout(120)
 def test_the_fastest_candidates_are_measured_twice_and_a_lucky_run_does_not_win(spec):
     cluster = cpu_cluster(64 * MIB, num_gpus=1)  # unsharded only: 3 micro-batches x checkpointing on/off
