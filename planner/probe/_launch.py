@@ -253,22 +253,22 @@ def _format_table(m: Measurement) -> str:
         for c in COMPONENTS + ("host_optimizer_state",)
         if any(rec.get(c, 0) for r in m.ranks for rec in r.phases.values())
     ]
-    widths = [max(10, len(c)) + 1 for c in components]  # each column as wide as its whole name
-    header = (
-        f"{'rank':>4} {'phase':<10}"
-        + "".join(f"{c:>{w}}" for c, w in zip(components, widths))
-        + f"{'total MiB':>12}{'host MiB':>11}"
-    )
-    lines.append(header)
-    for r in m.ranks:
-        for phase in PHASES:
-            rec = r.phases.get(phase)
-            if rec is None:
-                continue
-            cells = "".join(f"{_mib(rec.get(c, 0)):>{w}}" for c, w in zip(components, widths))
-            lines.append(
-                f"{r.rank:>4} {phase:<10}{cells}{_mib(m.device_peak(rec)):>12}{_mib(rec.get('host_peak', 0)):>11}"
-            )
+    rows = [
+        (
+            r.rank,
+            phase,
+            [*(_mib(rec.get(c, 0)) for c in components), _mib(m.device_peak(rec)), _mib(rec.get("host_peak", 0))],
+        )
+        for r in m.ranks
+        for phase in PHASES
+        if (rec := r.phases.get(phase)) is not None
+    ]
+    names = [*components, "total MiB", "host MiB"]
+    # each column as wide as its whole name and its widest figure, and a space before it
+    widths = [max(10, len(name), *(len(cells[i]) for _, _, cells in rows)) + 1 for i, name in enumerate(names)]
+    lines.append(f"{'rank':>4} {'phase':<10}" + "".join(f"{c:>{w}}" for c, w in zip(names, widths)))
+    for rank, phase, cells in rows:
+        lines.append(f"{rank:>4} {phase:<10}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     lines.append(
         f"peak {_mib(m.peak_bytes)} MiB per rank (phase {m.peak_phase}); host peak {_mib(m.host_peak_bytes)} MiB"
         f" per rank, {_mib(m.host_per_node_bytes)} MiB per node"

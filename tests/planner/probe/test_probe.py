@@ -856,6 +856,14 @@ def test_the_probe_table_names_every_component_whole_above_its_own_column():
     for name, mib in (("weights", "3.00"), ("optimizer_state", "5.00"), ("host_optimizer_state", "7.00")):
         end = header.index(f" {name}") + 1 + len(name)
         assert row[end - len(mib) : end] == mib, (name, header, row)
+    # figures wider than a name (a TiB in MiB): the column widens, and a space still parts them
+    huge = {"weights": 2**40, "optimizer_state": 3 * 2**40, "total": 4 * 2**40}
+    wide = m.model_copy(update={"ranks": [RankMeasurement(rank=0, phases={"learn": huge, "step": record})]})
+    header, row = wide.table().splitlines()[1:3]
+    assert row.split()[2:5] == ["1,048,576.00", "3,145,728.00", "0.00"], row
+    for name, mib in (("weights", "1,048,576.00"), ("optimizer_state", "3,145,728.00")):
+        end = header.index(f" {name}") + 1 + len(name)
+        assert row[end - len(mib) : end] == mib, (name, header, row)
 
 
 @pytest.mark.timeout(150)
