@@ -1098,22 +1098,32 @@ def _suggest(
     settings plan() starts from (:func:`_most_frugal`), so that applying one gives a plan that fits."""
     out: list[str] = []
 
-    def feasible(wl: Workload, cl: Cluster, how: str = sharding, margin_of: float = margin_fraction) -> bool:
+    def taken(wl: Workload, cl: Cluster, how: str = sharding, margin_of: float = margin_fraction) -> Workload | None:
+        """The workload validated where the command line takes the run, else None."""
         try:  # model_copy does not validate: a combination the trainer refuses is no suggestion
             wl = Workload.model_validate(wl.model_dump())
             request = PlanRequest(cluster=cl, workload=wl, fixed=fixed, sharding=how, margin_fraction=margin_of)
             if request.manifest_problem() is not None:
-                return False
+                return None
             check_inputs(spec, wl, cl, fixed, how)
-            colocated = wl.generation == "vllm"
+        except ValueError:
+            return None
+        return wl
+
+    def feasible(wl: Workload, cl: Cluster, how: str = sharding, margin_of: float = margin_fraction) -> bool:
+        checked = taken(wl, cl, how, margin_of)
+        if checked is None:
+            return False
+        try:
+            colocated = checked.generation == "vllm"
             search, draft, _ = _most_frugal(
-                spec, wl, cl, fixed, how, colocated, coefficients, margin_of, engine_ranks=engine_ranks
+                spec, checked, cl, fixed, how, colocated, coefficients, margin_of, engine_ranks=engine_ranks
             )
             return search.engine_rank_fits and search.fits(draft.workload, draft.fsdp)
         except ValueError:
             return False
 
-    if (gpus := _fewest_gpus(workload, cluster, feasible)) is not None:
+    if (gpus := _fewest_gpus(workload, cluster, feasible, taken)) is not None:
         cl, whole = _on_gpus(workload, cluster, gpus)
         where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""
         more = f" with prompts_per_step={whole.prompts_per_step}" if whole != workload else ""
@@ -1218,36 +1228,46 @@ def _on_gpus(workload: Workload, cluster: Cluster, gpus: int) -> tuple[Cluster, 
     )
 
 
-def _fewest_gpus(workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]) -> int | None:
+def _fewest_gpus(
+    workload: Workload,
+    cluster: Cluster,
+    feasible: Callable[[Workload, Cluster], bool],
+    taken: Callable[[Workload, Cluster], Workload | None],
+) -> int | None:
     """The fewest GPUs above the cluster's with which the run fits (None where not even 64 times
-    as many do): doublings until one fits, then a bisection down to the count above the last
-    doubling that did not. The counts tried below it are those a cluster of its nodes can have
-    (any count within one node, whole nodes beyond it). Memory per GPU only falls with the count
-    (everything sharded is sharded finer, and each GPU takes no more prompts), so the bisection
-    finds the fewest; a count the run refuses (a micro batch the user fixed that does not divide
-    its completions per GPU) reads as not fitting, and may hide a smaller count that fits."""
+    as many do), among the counts a cluster of its nodes can have (any count within one node,
+    whole nodes beyond it) that the command line takes (a tp, ep or micro batch the user fixed
+    refuses some): doublings (in whole nodes past one node) until one fits, then a bisection down
+    to the count above the last one tried that did not. Memory per GPU only falls with the count
+    (everything sharded is sharded finer, and each GPU takes no more prompts), so it finds the
+    fewest; with the host judged, a node's host memory rises with its GPUs, and a count the host
+    refuses can hide a smaller one."""
 
     def fits(gpus: int) -> bool:
         cl, wl = _on_gpus(workload, cluster, gpus)
         return feasible(wl, cl)
 
-    def whole_nodes(gpus: int) -> bool:
-        return not cluster.gpus_per_node or gpus <= cluster.gpus_per_node or gpus % cluster.gpus_per_node == 0
+    def takes(gpus: int) -> bool:
+        cl, wl = _on_gpus(workload, cluster, gpus)
+        return taken(wl, cl) is not None
 
-    below = cluster.num_gpus
-    for factor in (2, 4, 8, 16, 32, 64):
-        gpus = cluster.num_gpus * factor
-        if not whole_nodes(gpus):
+    per = cluster.gpus_per_node
+    below, gpus = cluster.num_gpus, cluster.num_gpus
+    while True:
+        gpus *= 2
+        if per and gpus > per:
+            gpus = -(-gpus // per) * per  # whole nodes
+        if gpus > 64 * cluster.num_gpus:
+            return None
+        if not takes(gpus):
             continue
         if fits(gpus):
             break
         below = gpus
-    else:
-        return None
-    per = cluster.gpus_per_node or gpus
+    step = per or gpus
     # the counts between, largest first: whole nodes, then (below one node) any count
-    counts = [*range(gpus - per, max(below, per - 1), -per), *range(min(gpus, per) - 1, below, -1)]
-    found = _last_that_fits(0, len(counts) - 1, lambda i: fits(counts[i]))
+    counts = [*range(gpus - step, max(below, step - 1), -step), *range(min(gpus, step) - 1, below, -1)]
+    found = _last_that_fits(0, len(counts) - 1, lambda i: fits(counts[i]), taken=lambda i: takes(counts[i]))
     return gpus if found is None else counts[found]
 
 
@@ -1363,12 +1383,20 @@ def _largest_cut(
     return None if found is None else found * step
 
 
-def _last_that_fits(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+def _last_that_fits(
+    lo: int, hi: int, fits: Callable[[int], bool], *, taken: Callable[[int], bool] | None = None
+) -> int | None:
     """The largest ``i`` in ``lo..hi`` with ``fits(i)`` (None if none), by bisection: the
-    callers' candidates grow with ``i`` and memory only rises with them."""
+    callers' candidates grow with ``i`` and memory only rises with them. With ``taken``, only the
+    candidates it takes are judged: from the middle, the nearest one taken (a refused run is not
+    one short of memory, and judged as one it would end the bisection on the wrong side)."""
     found = None
     while lo <= hi:
         mid = (lo + hi) // 2
+        if taken is not None:
+            near = (k for d in range(hi - lo + 1) for k in ((mid - d, mid + d) if d else (mid,)) if lo <= k <= hi)
+            if (mid := next((k for k in near if taken(k)), -1)) < 0:
+                break
         if fits(mid):
             found, lo = mid, mid + 1
         else:

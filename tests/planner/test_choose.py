@@ -632,15 +632,17 @@ def test_a_micro_batch_suggested_may_be_any_size_that_divides_the_completions_pe
 
 
 @pytest.mark.parametrize(
-    "gpus, per_node, full, fewest",
+    "gpus, per_node, full, prompts, tp, fewest",
     [
-        (1, None, False, 3),  # not a doubling: 2 GPUs do not fit, 4 was said where 3 fit
-        (8, 8, True, 16),  # beyond a node, whole nodes only (9 to 15 GPUs are not two nodes of 8)
-        (4, 4, True, 12),  # three nodes of 4, between the doublings 8 and 16
-        (6, 8, True, 16),  # 12 is not whole nodes of 8: the doublings go on to 24, then back to 16
+        (1, None, False, 8, 1, 3),  # not a doubling: 2 GPUs do not fit, 4 was said where 3 fit
+        (8, 8, True, 8, 1, 16),  # beyond a node, whole nodes only (9 to 15 GPUs are not two nodes of 8)
+        (4, 4, True, 8, 1, 12),  # three nodes of 4, between the doublings 8 and 16
+        (6, 8, True, 6, 1, 16),  # 12 is not whole nodes of 8: 16 is the next doubling that is
+        (2, 6, True, 12, 1, 12),  # nodes of 6: the doublings past one node are whole nodes (no 8, 16, ...)
+        (10, None, True, 20, 2, 12),  # tp=2 refuses odd counts: the bisection steps over them
     ],
 )
-def test_the_gpus_suggested_are_the_fewest_that_fit_not_the_next_doubling(gpus, per_node, full, fewest):
+def test_the_gpus_suggested_are_the_fewest_that_fit_not_the_next_doubling(gpus, per_node, full, prompts, tp, fewest):
     """Llama-3.1-70B on H100s: "use N GPUs" names the fewest a cluster of those nodes can have
     that fit, each count planned as given here, with the whole prompts per GPU the line names."""
     import re
@@ -649,9 +651,10 @@ def test_the_gpus_suggested_are_the_fewest_that_fit_not_the_next_doubling(gpus, 
     from planner.hardware import GPUS
 
     spec70 = catalog.load_spec("meta-llama/Llama-3.1-70B")
-    workload = Workload(full_finetune=full, prompts_per_step=6 if gpus == 6 else 8)
+    workload = Workload(full_finetune=full, prompts_per_step=prompts)
     cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=gpus, gpus_per_node=per_node)
-    p = plan(spec70, workload, cluster)
+    fixed = {"tp": tp} if tp > 1 else {}
+    p = plan(spec70, workload, cluster, fixed=fixed)
     assert not p.fits
     (line,) = [s for s in p.suggestions if s.startswith("use ") and " GPUs" in s]
     m = re.fullmatch(r"use (\d+) GPUs(?: \((\d+) nodes of (\d+)\))?(?: with prompts_per_step=(\d+))?", line)
@@ -661,17 +664,20 @@ def test_the_gpus_suggested_are_the_fewest_that_fit_not_the_next_doubling(gpus, 
 
     def planned(n: int):
         per = min(per_node, n) if per_node else None
-        prompts = -(-workload.prompts_per_step // n) * n  # whole prompts on every GPU
+        whole = -(-prompts // n) * n  # whole prompts on every GPU
         return plan(
             spec70,
-            workload.model_copy(update={"prompts_per_step": prompts}),
+            workload.model_copy(update={"prompts_per_step": whole}),
             cluster.model_copy(update={"num_gpus": n, "gpus_per_node": per}),
+            fixed=fixed,
         )
 
     assert planned(count).fits
-    if m[4]:
-        assert int(m[4]) == -(-workload.prompts_per_step // count) * count
-    smaller = count - 1 if not per_node or count <= per_node else count - per_node
+    assert int(m[4] or prompts) == -(-prompts // count) * count
+    # the next count down that such a cluster can have and tp divides does not fit
+    smaller = next(
+        n for n in range(count - 1, 0, -1) if n % tp == 0 and (not per_node or n <= per_node or n % per_node == 0)
+    )
     assert not planned(smaller).fits, smaller
 
 
