@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import random
 import subprocess
 import time
 from collections.abc import Callable
@@ -293,7 +294,13 @@ def tune(
         say(f"--confirm {confirm} is more than a quarter of --trials {max_trials}: {max_trials // 4} trial(s) confirm")
     confirm = max(0, min(confirm, max_trials // 4))
     start = time.monotonic()
-    common = dict(storage=store, space_size=len(points), admissible=admissible, on_trial=on_trial)
+    common = dict(
+        storage=store,
+        space_size=len(points),
+        admissible=admissible,
+        on_trial=on_trial,
+        unseen=unseen_admitted(space, points, objective, seed),
+    )
     reason = run_trials(study, objective, max_launches=max_trials - confirm, timeout_s=timeout_s, **common)
     left = None if timeout_s is None else timeout_s - (time.monotonic() - start)
     if confirm and (left is None or left > 0):
@@ -420,6 +427,28 @@ def _open_study(
         + (f"; trial(s) {stale} lost their tuner mid-run and are FAIL" if stale else "")
     )
     return store, study, name
+
+
+def unseen_admitted(
+    space: Space, points: list[dict[str, Any]], objective: Objective, seed: int | None
+) -> Callable[[set[str]], dict[str, Any] | None]:
+    """``unseen(seen keys)``: the params of a grid point the estimate admits whose candidate no
+    trial has seen, drawn at random (by ``seed``) with each point judged once, or None when
+    none is left. Where the sampler proposes only candidates it has seen (its model can circle
+    rejected ones: a study stopped with nothing launched while admissible candidates were left),
+    the study goes on with these."""
+    order = list(range(len(points)))
+    random.Random(seed).shuffle(order)
+    remaining = iter(order)
+
+    def unseen(seen: set[str]) -> dict[str, Any] | None:
+        for i in remaining:
+            candidate = space.candidate(points[i])
+            if candidate.key not in seen and objective.admits(candidate):
+                return points[i]
+        return None
+
+    return unseen
 
 
 def software_versions(workload: Workload, *, generate: bool) -> dict[str, str | None]:

@@ -294,12 +294,16 @@ def run_trials(
     patience: int = 12,
     on_trial: Callable[[Any], None] | None = None,
     only_queued: bool = False,
+    unseen: Callable[[set[str]], dict[str, Any] | None] | None = None,
 ) -> StopReason:
     """Ask, evaluate, tell until a stop condition; returns why it stopped.
 
     ``admissible``: keys of every candidate the estimate lets through, when the space was small
     enough to enumerate; the study stops once each has a result. ``only_queued``: run the
-    queued trials (the confirmations) and stop, proposing none. Raises KeyboardInterrupt after
+    queued trials (the confirmations) and stop, proposing none. ``unseen(seen keys)``: the params
+    of a candidate the estimate admits that no trial has seen, or None; after ``patience``
+    repeats in a row the study goes on with it (queued) rather than stop while the sampler
+    circles candidates it has seen, and stops once there is none. Raises KeyboardInterrupt after
     marking the interrupted trial FAIL.
     """
     import optuna
@@ -322,7 +326,12 @@ def run_trials(
             if not queued and admissible is not None and admissible <= seen:
                 return f"every candidate the estimate admits ({len(admissible)}) was measured"
             if not queued and repeats >= patience:
-                return f"the sampler proposed only repeats {patience} times in a row"
+                params = unseen(seen) if unseen is not None else None
+                if params is None:
+                    return f"the sampler proposed only repeats {patience} times in a row"
+                study.enqueue_trial(params, user_attrs={"source": "unseen"})
+                repeats = 0
+                continue
             with warnings.catch_warnings():
                 # Heartbeats are recorded here, beside the probe, not by Study.optimize (which would
                 # also fail stale trials: done here, with the trials of dead tuners on this host).

@@ -1274,6 +1274,61 @@ def test_a_run_whose_nodes_host_nothing_fits_is_refused_before_any_trial(tmp_pat
     assert not (tmp_path / "study.db").exists()
 
 
+class _CirclingSampler(optuna.samplers.BaseSampler):
+    """Proposes the same candidate every time (the first choice of every knob): a sampler whose
+    model circles what it has seen."""
+
+    def infer_relative_search_space(self, study, trial):
+        return {}
+
+    def sample_relative(self, study, trial, search_space):
+        return {}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return param_distribution.choices[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_sampler_that_proposes_only_repeats_does_not_end_the_study_while_admitted_candidates_are_left(
+    monkeypatch,
+):
+    """The run of the next test, its sampler proposing one candidate over and over: after 12
+    repeats the study stopped, with at most that one launched (and at random, with nothing
+    launched: the sampler circled rejected candidates). It now goes on with candidates the
+    estimate admits that no trial has seen, each launched once, and stops at the budget."""
+    from planner.hardware import GIB, GPUS, with_memory
+    from planner.tune import _run
+
+    spec = load_model_spec("meta-llama/Llama-3.1-8B")
+    cluster = Cluster(gpu=with_memory(GPUS["H100-80GB"], 68.38), num_gpus=2, host_memory_per_node_bytes=int(99.7 * GIB))
+    workload = Workload(algorithm="sft", full_finetune=True, group_size=1, prompts_per_step=8)
+    real = _run.create_study
+
+    def circling(**kwargs):
+        study = real(**kwargs)
+        study.sampler = _CirclingSampler()
+        return study
+
+    monkeypatch.setattr(_run, "create_study", circling)
+    probe, said = FakeProbe(spec, cluster), []
+    result = tune(
+        spec=spec,
+        model="meta-llama/Llama-3.1-8B",
+        request=PlanRequest(cluster, workload),
+        coefficients=None,
+        storage="memory",
+        max_trials=3,
+        probe=probe,
+        calibration=False,
+        progress=said.append,
+    )
+    assert len(probe.requests) == 3, said[-3:]
+    keys = {json.dumps(r.fsdp.model_dump() if r.fsdp else None) + r.workload.model_dump_json() for r in probe.requests}
+    assert len(keys) == 3  # three candidates, each once
+    assert said[-1] == "stopped: 3 trials launched"
+    assert len(result.trials) > 3
+
+
 @pytest.mark.timeout(120)
 def test_a_run_whose_plan_offloads_past_the_host_is_tuned_where_a_candidate_fits_it():
     """The plan reports the run nearest to fitting the GPUs, which can be one whose offloaded
