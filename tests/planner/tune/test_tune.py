@@ -1274,6 +1274,31 @@ def test_a_run_whose_nodes_host_nothing_fits_is_refused_before_any_trial(tmp_pat
     assert not (tmp_path / "study.db").exists()
 
 
+def _host_bound_run():
+    """Llama-3.1-8B fully fine-tuned on 2 GPUs of 68.38 GiB with a 99.7 GiB host: (spec, cluster,
+    workload). The plan's pick offloads Adam past the host; candidates with Adam on the GPU fit."""
+    from planner.hardware import GIB, GPUS, with_memory
+
+    spec = load_model_spec("meta-llama/Llama-3.1-8B")
+    cluster = Cluster(gpu=with_memory(GPUS["H100-80GB"], 68.38), num_gpus=2, host_memory_per_node_bytes=int(99.7 * GIB))
+    return spec, cluster, Workload(algorithm="sft", full_finetune=True, group_size=1, prompts_per_step=8)
+
+
+def _tune_in_memory(spec, cluster, workload, probe, *, max_trials, **kwargs):
+    """tune() of that run with an in-memory study, no calibration, and ``probe`` for the trials."""
+    return tune(
+        spec=spec,
+        model="meta-llama/Llama-3.1-8B",
+        request=PlanRequest(cluster, workload),
+        coefficients=None,
+        storage="memory",
+        max_trials=max_trials,
+        probe=probe,
+        calibration=False,
+        **kwargs,
+    )
+
+
 class _CirclingSampler(optuna.samplers.BaseSampler):
     """Proposes the same candidate every time (the first choice of every knob): a sampler whose
     model circles what it has seen."""
@@ -1296,12 +1321,9 @@ def test_a_sampler_that_proposes_only_repeats_does_not_end_the_study_while_admit
     repeats the study stopped, with at most that one launched (and at random, with nothing
     launched: the sampler circled rejected candidates). It now goes on with candidates the
     estimate admits that no trial has seen, each launched once, and stops at the budget."""
-    from planner.hardware import GIB, GPUS, with_memory
     from planner.tune import _run
 
-    spec = load_model_spec("meta-llama/Llama-3.1-8B")
-    cluster = Cluster(gpu=with_memory(GPUS["H100-80GB"], 68.38), num_gpus=2, host_memory_per_node_bytes=int(99.7 * GIB))
-    workload = Workload(algorithm="sft", full_finetune=True, group_size=1, prompts_per_step=8)
+    spec, cluster, workload = _host_bound_run()
     real = _run.create_study
 
     def circling(**kwargs):
@@ -1311,17 +1333,7 @@ def test_a_sampler_that_proposes_only_repeats_does_not_end_the_study_while_admit
 
     monkeypatch.setattr(_run, "create_study", circling)
     probe, said = FakeProbe(spec, cluster), []
-    result = tune(
-        spec=spec,
-        model="meta-llama/Llama-3.1-8B",
-        request=PlanRequest(cluster, workload),
-        coefficients=None,
-        storage="memory",
-        max_trials=3,
-        probe=probe,
-        calibration=False,
-        progress=said.append,
-    )
+    result = _tune_in_memory(spec, cluster, workload, probe, max_trials=3, progress=said.append)
     assert len(probe.requests) == 3, said[-3:]
     keys = {json.dumps(r.fsdp.model_dump() if r.fsdp else None) + r.workload.model_dump_json() for r in probe.requests}
     assert len(keys) == 3  # three candidates, each once
@@ -1337,26 +1349,12 @@ def test_a_run_whose_plan_offloads_past_the_host_is_tuned_where_a_candidate_fits
     within the budget, so the tuner measures candidates instead of refusing; every one it launches
     fits the host."""
     from planner.choose import host_judge, plan
-    from planner.hardware import GIB, GPUS, with_memory
-    from planner.models import load_model_spec
 
-    spec = load_model_spec("meta-llama/Llama-3.1-8B")
-    gpu = with_memory(GPUS["H100-80GB"], 68.38)
-    cluster = Cluster(gpu=gpu, num_gpus=2, host_memory_per_node_bytes=int(99.7 * GIB))
-    workload = Workload(algorithm="sft", full_finetune=True, group_size=1, prompts_per_step=8)
+    spec, cluster, workload = _host_bound_run()
     picked = plan(spec, workload, cluster)
     assert not picked.fits and picked.host_over  # what the plan reports cannot hold the host
     probe = FakeProbe(spec, cluster)
-    result = tune(
-        spec=spec,
-        model="meta-llama/Llama-3.1-8B",
-        request=PlanRequest(cluster, workload),
-        coefficients=None,
-        storage="memory",
-        max_trials=2,
-        probe=probe,
-        calibration=False,
-    )
+    result = _tune_in_memory(spec, cluster, workload, probe, max_trials=2)
     judge = host_judge(spec, workload, cluster)
     assert judge is not None and probe.requests
     for request in probe.requests:
