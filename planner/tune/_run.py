@@ -275,18 +275,6 @@ def tune(
         claim=launch_claim(study, store, max_launches=max_trials - max(0, min(confirm, max_trials // 4))),
     )
 
-    def on_trial(frozen: Any) -> None:
-        done = finished(study)
-        best = _best(done)
-        say(
-            progress_line(
-                frozen,
-                launched=_num_launched(done),
-                max_launches=max_trials,
-                best=(best[0], median_tokens(best), len(best)) if best else None,
-            )
-        )
-
     admissible = None
     if len(points) <= MAX_ENUMERATED:
         admissible = {c.key for c in map(space.candidate, points) if objective.admits(c)}
@@ -298,7 +286,7 @@ def tune(
         storage=store,
         space_size=len(points),
         admissible=admissible,
-        on_trial=on_trial,
+        on_trial=_progress_of(study, max_trials, say),
         unseen=unseen_admitted(space, points, objective, seed),
     )
     reason = run_trials(study, objective, max_launches=max_trials - confirm, timeout_s=timeout_s, **common)
@@ -320,6 +308,24 @@ def tune(
         calibration=calibration,
         reason=reason,
     )
+
+
+def _progress_of(study: Any, max_trials: int, say: Callable[[str], None]) -> Callable[[Any], None]:
+    """What says each finished trial: its line, the launches so far and the best candidate."""
+
+    def on_trial(frozen: Any) -> None:
+        done = finished(study)
+        best = _best(done)
+        say(
+            progress_line(
+                frozen,
+                launched=_num_launched(done),
+                max_launches=max_trials,
+                best=(best[0], median_tokens(best), len(best)) if best else None,
+            )
+        )
+
+    return on_trial
 
 
 def _check_engine_ranks(spec: ModelSpec, request: PlanRequest, coefficients: Coefficients | None) -> None:
