@@ -287,7 +287,7 @@ def tune(
         space_size=len(points),
         admissible=admissible,
         on_trial=_progress_of(study, max_trials, say),
-        unseen=unseen_admitted(space, points, objective, seed),
+        unseen=unseen_admitted(space, points, objective, seed, admissible=admissible),
     )
     reason = run_trials(study, objective, max_launches=max_trials - confirm, timeout_s=timeout_s, **common)
     left = None if timeout_s is None else timeout_s - (time.monotonic() - start)
@@ -436,13 +436,19 @@ def _open_study(
 
 
 def unseen_admitted(
-    space: Space, points: list[dict[str, Any]], objective: Objective, seed: int | None
+    space: Space,
+    points: list[dict[str, Any]],
+    objective: Objective,
+    seed: int | None,
+    *,
+    admissible: set[str] | None = None,
 ) -> Callable[[set[str]], dict[str, Any] | None]:
     """``unseen(seen keys)``: the params of a grid point the estimate admits whose candidate no
     trial has seen, drawn at random (by ``seed``) with each point judged once, or None when
     none is left. Where the sampler proposes only candidates it has seen (its model can circle
     rejected ones: a study stopped with nothing launched while admissible candidates were left),
-    the study goes on with these."""
+    the study goes on with these. ``admissible``: the keys the estimate admits, where the space
+    was enumerated (those points are not estimated again)."""
     order = list(range(len(points)))
     random.Random(seed).shuffle(order)
     remaining = iter(order)
@@ -450,7 +456,8 @@ def unseen_admitted(
     def unseen(seen: set[str]) -> dict[str, Any] | None:
         for i in remaining:
             candidate = space.candidate(points[i])
-            if candidate.key not in seen and objective.admits(candidate):
+            admitted = candidate.key in admissible if admissible is not None else objective.admits(candidate)
+            if candidate.key not in seen and admitted:
                 return points[i]
         return None
 
