@@ -219,6 +219,13 @@ def _engine_limit(engine: PhaseEstimate | None, gpu_limit: int, workload: Worklo
     return Limit(what="engine_rank", need_bytes=engine.total, limit_bytes=gpu_limit, completions=rows)
 
 
+def _host_limit(cluster: Cluster, margin_fraction: float) -> int | None:
+    """What a node's host may hold (None where its memory is not given): the host keeps the same
+    fraction back as the GPUs (the OS and the page cache take some)."""
+    host = cluster.host_memory_per_node_bytes
+    return None if host is None else host - int(host * margin_fraction)
+
+
 class _Search:
     """The fixed inputs of one plan and the estimate they are judged by."""
 
@@ -238,9 +245,7 @@ class _Search:
         self.row_wise = row_wise_experts(spec)  # the project's row-wise experts can run this model's
         self.workload, self.fixed = workload, fixed  # as the user gave them
         self.limit = cluster.gpu.memory_bytes - self.margin
-        host = cluster.host_memory_per_node_bytes
-        # the host keeps the same fraction back as the GPUs (the OS and the page cache take some)
-        self.host_limit = None if host is None else host - int(host * margin_fraction)
+        self.host_limit = _host_limit(cluster, margin_fraction)
         # nothing chosen for the trainers changes an engine rank's memory: judged once
         self.engine_rank = (
             engine_rank_estimate(spec, workload, cluster, coefficients=coefficients) if engine_ranks else None
@@ -1123,7 +1128,10 @@ def _suggest(
         except ValueError:
             return False
 
-    if (gpus := _fewest_gpus(workload, cluster, feasible, taken)) is not None:
+    # a node's host holds every rank's process at least: no more ranks than that on one node
+    host = _host_limit(cluster, margin_fraction)
+    most = None if host is None else host // (coefficients or Coefficients()).host_process_bytes
+    if (gpus := _fewest_gpus(workload, cluster, feasible, taken, most_per_node=most)) is not None:
         cl, whole = _on_gpus(workload, cluster, gpus)
         where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""
         more = f" with prompts_per_step={whole.prompts_per_step}" if whole != workload else ""
@@ -1233,24 +1241,51 @@ def _fewest_gpus(
     cluster: Cluster,
     feasible: Callable[[Workload, Cluster], bool],
     taken: Callable[[Workload, Cluster], Workload | None],
+    *,
+    most_per_node: int | None = None,
 ) -> int | None:
     """The fewest GPUs above the cluster's with which the run fits (None where not even 64 times
     as many do), among the counts a cluster of its nodes can have (any count within one node,
     whole nodes beyond it) that the command line takes (a tp, ep or micro batch the user fixed
-    refuses some): doublings (in whole nodes past one node) until one fits, then a bisection down
-    to the count above the last one tried that did not. Memory per GPU only falls with the count
-    (everything sharded is sharded finer, and each GPU takes no more prompts), so it finds the
-    fewest; with the host judged, a node's host memory rises with its GPUs, and a count the host
-    refuses can hide a smaller one."""
+    refuses some).
 
-    def fits(gpus: int) -> bool:
-        cl, wl = _on_gpus(workload, cluster, gpus)
+    Memory per GPU only falls with the count (everything sharded is sharded finer, and each GPU
+    takes no more prompts), so the fewest count whose GPUs hold the run is found by doublings and
+    a bisection (:func:`_fewest_rising`). A node's host memory is not monotone in it: within one
+    node it holds every rank's process, so it rises with the count, until enough GPUs let the run
+    drop an offload the fewer needed. So with the host judged, a count the host refuses is
+    followed by the node's counts above it, one by one, to the first that fits: up to the node's
+    GPUs (with no node size given the whole cluster is one node), to ``most_per_node`` (the ranks
+    whose processes alone the host holds), and below the count found past the host's refusals.
+    Past one node every node keeps its GPUs and takes a finer shard as nodes are added, so there
+    the bisection holds."""
+
+    def fits(gpus: int, on: Cluster = cluster) -> bool:
+        cl, wl = _on_gpus(workload, on, gpus)
         return feasible(wl, cl)
 
     def takes(gpus: int) -> bool:
         cl, wl = _on_gpus(workload, cluster, gpus)
         return taken(wl, cl) is not None
 
+    if cluster.host_memory_per_node_bytes is None:
+        return _fewest_rising(cluster, fits, takes)
+    unjudged = cluster.model_copy(update={"host_memory_per_node_bytes": None})
+    least = _fewest_rising(cluster, lambda gpus: fits(gpus, unjudged), takes)
+    if least is None or fits(least):
+        return least
+    found = _fewest_rising(cluster, fits, takes)  # past the host's refusals, or None
+    most = 64 * cluster.num_gpus
+    node = min(cluster.gpus_per_node or most, most if most_per_node is None else most_per_node)
+    between = range(least + 1, min(node + 1, found or most + 1))
+    return next((gpus for gpus in between if takes(gpus) and fits(gpus)), found)
+
+
+def _fewest_rising(cluster: Cluster, fits: Callable[[int], bool], takes: Callable[[int], bool]) -> int | None:
+    """The fewest GPUs above the cluster's, among the counts of :func:`_fewest_gpus`, for which
+    ``fits`` holds, where it holds of every count above one that fits: doublings (in whole nodes
+    past one node) until one fits, then a bisection down to the count above the last one tried
+    that did not (None where not even 64 times the cluster's fits)."""
     per = cluster.gpus_per_node
     below, gpus = cluster.num_gpus, cluster.num_gpus
     while True:

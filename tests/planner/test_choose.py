@@ -681,6 +681,48 @@ def test_the_gpus_suggested_are_the_fewest_that_fit_not_the_next_doubling(gpus, 
     assert not planned(smaller).fits, smaller
 
 
+@pytest.mark.parametrize(
+    "model, full, gpu, host_gib, per_node, fewest, refused",
+    [
+        # 2 GPUs do not hold the LoRA run, 3 do, and 4 or 8 on the node are over its host (each
+        # rank's process takes its share): the doublings alone (2, 4, 8, ...) never fit
+        ("meta-llama/Llama-3.1-70B", False, "H100-80GB", 16, None, 3, (4, 8)),
+        ("meta-llama/Llama-3.1-70B", False, "H100-80GB", 16, 8, 3, (4, 8)),
+        # 3 and 4 GPUs hold the full fine-tune with Adam on the host, which the host does not
+        # take; 5 hold it with Adam on the GPUs
+        ("meta-llama/Llama-3.1-8B", True, "A100-40GB", 128, 8, 5, (3, 4)),
+    ],
+)
+def test_the_gpus_suggested_with_the_host_judged_are_the_fewest_its_nodes_hold(
+    model, full, gpu, host_gib, per_node, fewest, refused
+):
+    """With the host memory given, "use N GPUs" names the fewest count whose GPUs and nodes'
+    hosts both hold the run, though counts whose GPUs hold it are refused by the host below and
+    above it; each count planned as given here."""
+    from planner import catalog
+    from planner.hardware import GIB, GPUS
+
+    spec = catalog.load_spec(model)
+    workload = Workload(full_finetune=full)
+    cluster = Cluster(gpu=GPUS[gpu], num_gpus=1, gpus_per_node=per_node, host_memory_per_node_bytes=host_gib * GIB)
+
+    def planned(n: int, host: bool = True):
+        whole = -(-workload.prompts_per_step // n) * n  # whole prompts on every GPU
+        update = {"num_gpus": n, "gpus_per_node": min(per_node, n) if per_node else None}
+        if not host:
+            update["host_memory_per_node_bytes"] = None
+        return plan(spec, workload.model_copy(update={"prompts_per_step": whole}), cluster.model_copy(update=update))
+
+    p = plan(spec, workload, cluster)
+    assert not p.fits
+    said = [s for s in p.suggestions if s.startswith("use ") and " GPUs" in s]
+    whole = -(-workload.prompts_per_step // fewest) * fewest
+    assert said == [f"use {fewest} GPUs with prompts_per_step={whole}"], p.suggestions
+    assert planned(fewest).fits and not planned(fewest - 1).fits
+    for count in refused:  # their GPUs hold it, their node's host does not
+        assert planned(count, host=False).fits and not planned(count).fits, count
+
+
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
     from planner import catalog
     from planner.hardware import GPUS
