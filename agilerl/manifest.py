@@ -299,10 +299,23 @@ class AlgorithmSection(_Section):
             return FSDPConfig()
         return self.fsdp
 
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree a given FSDPConfig asks for (1 unsharded or under "auto",
+        which plans no tensor parallelism): its ranks share their rows, so the rollout batch splits
+        over the data-parallel ranks, trainer ranks / tp."""
+        fsdp = self.fsdp_config()
+        return fsdp.tp if isinstance(fsdp, FSDPConfig) else 1
+
 
 class TrainingSection(_Section):
     rollout_batch_size: Annotated[
-        int, Field(ge=1, description="Prompts per step across the agent's GPUs; a multiple of training_gpus_per_agent.")
+        int,
+        Field(
+            ge=1,
+            description="Prompts per step across the agent's GPUs; a multiple of its data-parallel ranks "
+            "(training_gpus_per_agent, over algorithm.fsdp.tp under tensor parallelism).",
+        ),
     ] = 8
     training_gpus_per_agent: Annotated[
         int | None,
@@ -349,20 +362,17 @@ class TrainingSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
-        if self.training_gpus_per_agent is not None and self.rollout_batch_size % self.training_gpus_per_agent:
-            raise ValueError(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of training_gpus_per_agent "
-                f"({self.training_gpus_per_agent})"
-            )
         if self.checkpoint_dir is not None and not self.checkpoint_dir.strip():
             raise ValueError("checkpoint_dir is empty: give a folder, or leave it out to keep no checkpoints")
         if self.checkpoint_interval is not None and not self.checkpoint_dir:
             raise ValueError("checkpoint_interval needs checkpoint_dir: where the checkpoints go")
         return self
 
-    def layout(self, world: int) -> RankLayout:
+    def layout(self, world: int, *, tp: int = 1) -> RankLayout:
         """How ``world`` launched ranks split into population members' trainer and engine ranks,
-        or a ValueError saying what launch the manifest needs."""
+        or a ValueError saying what launch the manifest needs. ``tp``: the algorithm's
+        tensor-parallel degree (:attr:`AlgorithmSection.tp`): a member's trainer ranks are whole
+        tensor-parallel groups, and its rollout batch splits over the groups."""
         members, engines = self.population_size, self.rollout_engines_per_agent
         trainers = self.training_gpus_per_agent
         if trainers is None:
@@ -372,7 +382,7 @@ class TrainingSection(_Section):
                 raise ValueError(
                     f"{world} launched rank(s) do not split into {members} population member(s) of trainer ranks"
                     + (f" and {engines} engine rank(s) each" if engines else "")
-                    + f": {self._launches_near(world)}, or set training.training_gpus_per_agent"
+                    + f": {self._launches_near(world, tp)}, or set training.training_gpus_per_agent"
                 )
             else:
                 trainers = world // members - engines
@@ -383,20 +393,29 @@ class TrainingSection(_Section):
                 f"{members * (trainers + engines)} ranks, but {world} were launched: run `agilerl-train "
                 f"--nproc-per-node={members * (trainers + engines)} ...` or change the manifest"
             )
-        if self.rollout_batch_size % trainers:  # (a training_gpus_per_agent given is checked with the batch)
-            raise ValueError(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of the "
-                f"{trainers} trainer rank(s) per member: {self._launches_near(world)}, or change rollout_batch_size"
-            )
+        if problem := self.batch_problem(trainers, tp):
+            raise ValueError(f"{problem}: {self._launches_near(world, tp)}, or change rollout_batch_size")
         return RankLayout(members=members, trainers=trainers, engines=engines, shared=shared)
 
-    def _launches_near(self, world: int) -> str:
+    def batch_problem(self, trainers: int, tp: int = 1, *, ranks: str | None = None) -> str | None:
+        """Why ``trainers`` trainer ranks per member (``ranks``: how to name them) under ``tp``
+        cannot take the rollout batch, or None: they are whole tensor-parallel groups, and each
+        group (a data-parallel rank) takes an even share of the prompts."""
+        ranks = ranks or f"the {trainers} trainer rank(s) per member"
+        if trainers % tp:
+            return f"algorithm.fsdp.tp={tp} must divide {ranks}"
+        if self.rollout_batch_size % (data_parallel := trainers // tp):
+            groups = f"the {data_parallel} data-parallel rank(s) of {ranks} under tp={tp}" if tp > 1 else ranks
+            return f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of {groups}"
+        return None
+
+    def _launches_near(self, world: int, tp: int = 1) -> str:
         """The rank counts nearest ``world`` that this manifest splits into, its trainer ranks per
-        member left to the launch: each member's trainers split the rollout batch evenly beside its
-        engine ranks, or (without engines) fewer ranks than members, shared. What the algorithm
-        asks of them besides (a tensor-parallel degree) is checked once they start."""
+        member left to the launch: each member's trainers, whole tensor-parallel groups of ``tp``,
+        split the rollout batch evenly between the groups beside its engine ranks, or (without
+        engines) fewer ranks than members, shared."""
         members, engines, batch = self.population_size, self.rollout_engines_per_agent, self.rollout_batch_size
-        trainers = [t for t in range(1, batch + 1) if batch % t == 0]
+        trainers = [t * tp for t in range(1, batch + 1) if batch % t == 0]
         sizes = sorted(
             {members * (t + engines) for t in trainers}
             | ({t for t in trainers if t < members} if not engines else set())
@@ -526,7 +545,11 @@ class Manifest(_Section):
         total = self.training.rollout_batch_size * self.algorithm.sequences_per_prompt
         micro = self.algorithm.micro_batch_size_per_gpu
         gpus = self.training.training_gpus_per_agent
-        tp = fsdp.tp if fsdp not in (None, "auto") else 1  # a tensor-parallel group shares its rows
+        tp = self.algorithm.tp  # a tensor-parallel group shares its rows
+        if gpus is not None and (
+            problem := self.training.batch_problem(gpus, tp, ranks=f"training_gpus_per_agent ({gpus})")
+        ):
+            raise ValueError(problem)
         per_rank = total // max(1, gpus // tp) if gpus else total
         if (
             micro is not None and per_rank % micro
@@ -552,6 +575,10 @@ class Manifest(_Section):
         if self.lora is None:
             data["lora"] = None  # full fine-tuning: written out, or a re-read would train the default LoRA
         return yaml.safe_dump(data, sort_keys=False)
+
+    def layout(self, world: int) -> RankLayout:
+        """:meth:`TrainingSection.layout` under the algorithm's tensor-parallel degree."""
+        return self.training.layout(world, tp=self.algorithm.tp)
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -103,7 +103,7 @@ def check_launch(manifest, *, device: str | None = None, world: int | None = Non
     training, algo = manifest.training, manifest.algorithm
     launched = world is not None or "WORLD_SIZE" in os.environ
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    layout = training.layout(world)  # ValueError naming the launch the manifest needs
+    layout = manifest.layout(world)  # ValueError naming the launch the manifest needs
     fsdp = algo.fsdp_config()
     if fsdp is not None and fsdp != "auto" and not launched:  # "auto" on one device plans unsharded
         raise ValueError(
@@ -219,7 +219,7 @@ def _train(manifest, *, device: str | None, max_steps: int | None) -> list[list[
     world = get_world_size()
     training, algo = manifest.training, manifest.algorithm
     steps = max_steps or training.max_steps
-    layout = training.layout(world)
+    layout = manifest.layout(world)
     from agilerl.distributed import get_rank, use_rank_group
 
     member, serves, trainers, engines = layout.of(get_rank())

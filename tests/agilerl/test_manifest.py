@@ -209,6 +209,39 @@ def test_the_launched_ranks_split_into_members_trainers_and_engines():
     assert shared.shared and shared.of(1) == (0, False, [0, 1], [])
     with pytest.raises(ValueError, match=r"multiple of the 3 trainer rank\(s\) per member: launch 2 or 4 ranks in all"):
         TrainingSection(rollout_batch_size=4).layout(3)
+    # under tensor parallelism a member's trainers are whole groups, and the groups split the prompts
+    one = TrainingSection(rollout_batch_size=1)
+    assert one.layout(2, tp=2).trainers == 2  # one group of 2 takes the one prompt
+    with pytest.raises(ValueError, match=r"multiple of the 2 trainer rank\(s\) per member: launch 1 ranks"):
+        one.layout(2)
+    with pytest.raises(ValueError, match=r"tp=2 must divide the 3 trainer rank\(s\) per member: launch 2 ranks"):
+        one.layout(3, tp=2)
+    with pytest.raises(
+        ValueError, match=r"of the 2 data-parallel rank\(s\) of the 4 .* under tp=2: launch 2 or 6 ranks"
+    ):
+        TrainingSection(rollout_batch_size=3).layout(4, tp=2)  # groups of 2: 1 or 3 of them split 3 prompts
+    assert TrainingSection(rollout_batch_size=3).layout(6, tp=2).trainers == 6
+
+
+def test_the_manifest_launches_under_its_tensor_parallel_degree():
+    """The manifest's layout takes its FSDPConfig's tp: one prompt on a tp=2 group of 2 ranks
+    (which the launch check takes), and a given trainer count tp does not divide is refused."""
+    from agilerl.manifest import load_manifest
+
+    def manifest(tp: int, prompts: int, gpus: int | None = None):
+        training = {"rollout_batch_size": prompts, **({"training_gpus_per_agent": gpus} if gpus else {})}
+        return load_manifest({"algorithm": {"model_name": "m", "fsdp": {"tp": tp}}, "training": training})
+
+    assert manifest(2, 1, 2).layout(2).trainers == 2
+    assert manifest(2, 2).layout(4).trainers == 4  # two groups of 2, a prompt each
+    with pytest.raises(ValueError, match=r"tp=2 must divide the 3 trainer rank\(s\) per member: launch 2 or 4 ranks"):
+        manifest(2, 2).layout(3)
+    with pytest.raises(ValueError, match=r"algorithm.fsdp.tp=2 must divide training_gpus_per_agent \(3\)"):
+        manifest(2, 3, 3)
+    with pytest.raises(
+        ValueError, match=r"multiple of the 2 data-parallel rank\(s\) of training_gpus_per_agent \(4\) under tp=2"
+    ):
+        manifest(2, 3, 4)
 
 
 def test_world_size_must_match_the_manifest(tmp_path, capsys, monkeypatch):

@@ -526,12 +526,14 @@ def a_checkpoint_one_rank_cannot_load_is_skipped_by_every_rank(ctx):
 
 
 @cases.case
-def train_cli_short_runs_data_parallel_and_fsdp(ctx):
+def train_cli_short_runs_data_parallel_fsdp_and_tensor_parallel(ctx):
     from agilerl.manifest import load_manifest
     from agilerl.train import train
     from tests.agilerl.algorithms._common import TINY
 
-    for fsdp in (False, {"param_dtype": "float32", "param_persistence_threshold": 0}):
+    sharded = {"param_dtype": "float32", "param_persistence_threshold": 0}
+    # (one prompt under tp=2: the two ranks are one data-parallel rank, which takes it whole)
+    for fsdp, prompts in ((False, 2), (sharded, 2), ({**sharded, "tp": 2}, 1)):
         manifest = load_manifest(
             {
                 "algorithm": {
@@ -543,7 +545,7 @@ def train_cli_short_runs_data_parallel_and_fsdp(ctx):
                     "lr": 0.01,
                     "micro_batch_size_per_gpu": 2,
                 },
-                "training": {"rollout_batch_size": 2, "training_gpus_per_agent": 2, "max_steps": 2},
+                "training": {"rollout_batch_size": prompts, "training_gpus_per_agent": 2, "max_steps": 2},
                 "lora": {"r": 2, "alpha": 4, "dropout": 0.0},
             }
         )
