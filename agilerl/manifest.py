@@ -394,7 +394,10 @@ class TrainingSection(_Section):
                 f"--nproc-per-node={members * (trainers + engines)} ...` or change the manifest"
             )
         if problem := self.batch_problem(trainers, tp):
-            raise ValueError(f"{problem}: {self._launches_near(world, tp)}, or change rollout_batch_size")
+            if self.training_gpus_per_agent is not None:  # the launch is given: the manifest changes
+                raise ValueError(f"{problem}: change training.training_gpus_per_agent or rollout_batch_size")
+            fix = "algorithm.fsdp.tp" if trainers % tp else "rollout_batch_size"
+            raise ValueError(f"{problem}: {self._launches_near(world, tp)}, or change {fix}")
         return RankLayout(members=members, trainers=trainers, engines=engines, shared=shared)
 
     def batch_problem(self, trainers: int, tp: int = 1, *, ranks: str | None = None) -> str | None:

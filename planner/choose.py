@@ -1129,8 +1129,8 @@ def _suggest(
             return False
 
     # a node's host holds every rank's process at least: no more ranks than that on one node
-    host = _host_limit(cluster, margin_fraction)
-    most = None if host is None else host // (coefficients or Coefficients()).host_process_bytes
+    host, process = _host_limit(cluster, margin_fraction), (coefficients or Coefficients()).host_process_bytes
+    most = None if host is None or not process else host // process
     if (gpus := _fewest_gpus(workload, cluster, feasible, taken, most_per_node=most)) is not None:
         cl, whole = _on_gpus(workload, cluster, gpus)
         where = f" ({cl.num_nodes} nodes of {cl.per_node})" if cl.num_nodes > 1 else ""

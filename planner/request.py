@@ -235,16 +235,23 @@ class PlanRequest:
 
     def manifest_problem(self) -> str | None:
         """Why a manifest of this request would not validate, or None. A manifest's
-        ``rollout_batch_size`` gives every GPU whole prompts, so ``prompts_per_step`` must be a
-        multiple of the GPUs. The plan itself does not need it (the explorer plans such a request
-        and marks its manifest); the command line, which always writes a manifest, refuses it."""
-        prompts, gpus = self.workload.prompts_per_step, self.cluster.num_gpus
-        if prompts % gpus:
-            return (
-                f"prompts_per_step = {prompts} must be a multiple of the {gpus} GPUs: the manifest's "
-                "rollout_batch_size gives every GPU whole prompts"
-            )
-        return None
+        ``rollout_batch_size`` gives every data-parallel rank whole prompts (every GPU, or each
+        group of a ``tp`` the user fixed: :meth:`agilerl.manifest.TrainingSection.batch_problem`),
+        so ``prompts_per_step`` must be a multiple of them. The plan itself does not need it (the
+        explorer plans such a request and marks its manifest); the command line, which always
+        writes a manifest, refuses it."""
+        from agilerl.manifest import TrainingSection
+
+        prompts, gpus, tp = self.workload.prompts_per_step, self.cluster.num_gpus, int(self.fixed.get("tp") or 1)
+        if TrainingSection(rollout_batch_size=prompts).batch_problem(gpus, tp) is None:
+            return None
+        if gpus % tp:
+            return f"tp = {tp} must divide the {gpus} GPUs"
+        ranks = f"the {gpus} GPUs" if tp == 1 else f"the {gpus // tp} data-parallel ranks of the {gpus} GPUs (tp={tp})"
+        return (
+            f"prompts_per_step = {prompts} must be a multiple of {ranks}: the manifest's "
+            "rollout_batch_size gives each whole prompts"
+        )
 
     def with_cluster(self, cluster: Cluster) -> PlanRequest:
         """The same request on other GPUs (validated again)."""

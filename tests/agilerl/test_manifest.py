@@ -221,6 +221,11 @@ def test_the_launched_ranks_split_into_members_trainers_and_engines():
     ):
         TrainingSection(rollout_batch_size=3).layout(4, tp=2)  # groups of 2: 1 or 3 of them split 3 prompts
     assert TrainingSection(rollout_batch_size=3).layout(6, tp=2).trainers == 6
+    with pytest.raises(ValueError, match=r"tp=2 must divide the 1 trainer rank\(s\) .*, or change algorithm.fsdp.tp$"):
+        one.layout(1, tp=2)  # no batch makes one rank a group of 2
+    given = TrainingSection(rollout_batch_size=3, training_gpus_per_agent=2)  # (a manifest refuses it first)
+    with pytest.raises(ValueError, match=r"multiple of the 2 .*: change training.training_gpus_per_agent or rollout_b"):
+        given.layout(2)
 
 
 def test_the_manifest_launches_under_its_tensor_parallel_degree():

@@ -723,6 +723,20 @@ def test_the_gpus_suggested_with_the_host_judged_are_the_fewest_its_nodes_hold(
         assert planned(count, host=False).fits and not planned(count).fits, count
 
 
+def test_a_calibration_with_no_process_term_still_names_the_gpus_with_the_host_judged():
+    """A calibration file may fit a host process of 0 bytes (the coefficient's floor): the ranks a
+    host holds are then not bounded by their processes, and the count is still named."""
+    from planner import catalog
+    from planner.hardware import GIB, GPUS
+    from planner.memory import Coefficients
+
+    spec70 = catalog.load_spec("meta-llama/Llama-3.1-70B")
+    cluster = Cluster(gpu=GPUS["H100-80GB"], num_gpus=1, host_memory_per_node_bytes=16 * GIB)
+    p = plan(spec70, Workload(full_finetune=False), cluster, coefficients=Coefficients(host_process_bytes=0))
+    assert not p.fits
+    assert any(s.startswith("use ") and " GPUs" in s for s in p.suggestions), p.suggestions
+
+
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
     from planner import catalog
     from planner.hardware import GPUS

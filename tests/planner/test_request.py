@@ -115,6 +115,12 @@ def test_build_raises_a_default_batch_to_whole_prompts_per_gpu_and_says_so():
     given = PlanRequest.build(three, Workload(prompts_per_step=4, group_size=3))
     assert given.workload.prompts_per_step == 4 and given.decisions == ()
     assert "must be a multiple of the 3 GPUs" in given.manifest_problem()
+    # under a tp the user fixed, each tensor-parallel group takes whole prompts (as the manifest's
+    # launch splits them): 2 prompts on 4 GPUs in groups of 2, not 3
+    four = Cluster(gpu=H100, num_gpus=4)
+    assert PlanRequest.build(four, Workload(prompts_per_step=2), {"tp": 2}, sharding="fsdp").manifest_problem() is None
+    odd = PlanRequest.build(four, Workload(prompts_per_step=3), {"tp": 2}, sharding="fsdp").manifest_problem()
+    assert "must be a multiple of the 2 data-parallel ranks of the 4 GPUs (tp=2)" in odd, odd
 
 
 def test_a_request_is_read_only_and_revalidated_on_other_gpus():
