@@ -246,7 +246,7 @@ class PlanRequest:
         if TrainingSection(rollout_batch_size=prompts).batch_problem(gpus, tp) is None:
             return None
         if gpus % tp:
-            return f"tp = {tp} must divide the {gpus} GPUs"
+            return f"tp={tp} must divide the {gpus} GPUs"
         ranks = f"the {gpus} GPUs" if tp == 1 else f"the {gpus // tp} data-parallel ranks of the {gpus} GPUs (tp={tp})"
         return (
             f"prompts_per_step = {prompts} must be a multiple of {ranks}: the manifest's "
