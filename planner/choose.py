@@ -1138,7 +1138,8 @@ def _suggest(
         out.append(f"use {gpus} GPUs{where}{more}")
     if cluster.host_memory_per_node_bytes is not None and (need := _least_host_gib(cluster, workload, feasible)):
         out.append(f"give each node at least {need} GiB of host memory (--host-memory {need})")
-    if (micro := _largest_micro_cut(workload, cluster, feasible, tp=int(fixed.get("tp", 1) or 1))) is not None:
+    tp = int(fixed.get("tp", 1) or 1)  # a tensor-parallel group takes its prompts together
+    if (micro := _largest_micro_cut(workload, cluster, feasible, tp=tp)) is not None:
         out.append(f"use micro_batch_size_per_gpu={micro}")
     if sharding == "none" and feasible(workload, cluster, "fsdp"):
         out.append("shard with FSDP2 (sharding='fsdp', or 'auto' to let the plan decide)")
@@ -1213,9 +1214,9 @@ def _suggest(
             out.append("generate with a colocated vLLM engine (generation='vllm')")
     if margin_fraction > MARGIN_FRACTION and feasible(workload, cluster, margin_of=MARGIN_FRACTION):
         out.append(f"keep the default safety margin (margin_fraction={MARGIN_FRACTION}, --margin {MARGIN_FRACTION})")
-    if (fewer := _fewest_prompts_cut(workload, cluster, feasible)) is not None:
+    if (fewer := _fewest_prompts_cut(workload, cluster, feasible, tp=tp)) is not None:
         out.append(f"use prompts_per_step={fewer} (fewer completions per rank)")
-    if (smaller := _largest_group_cut(workload, cluster, feasible)) is not None:
+    if (smaller := _largest_group_cut(workload, cluster, feasible, tp=tp)) is not None:
         out.append(f"use group_size={smaller} (fewer completions per prompt)")
     for key, what in (("completion_tokens", "completions"), ("prompt_tokens", "prompts")):
         if (length := _longest_cut(workload, cluster, feasible, key)) is not None:
@@ -1371,29 +1372,30 @@ def _longest_cut(
 
 
 def _largest_group_cut(
-    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool], *, tp: int = 1
 ) -> int | None:
     """The largest group_size below the workload's that fits (None if even the least does not, or
     the algorithm fixes its sequences per example), on the sizes whose completions split over the
-    GPUs (and over a micro batch the user fixed). PPO takes groups of 1; the group-relative
-    objectives at least 2."""
+    data-parallel ranks (the GPUs, or their groups under ``tp``; and over a micro batch the user
+    fixed). PPO takes groups of 1; the group-relative objectives at least 2."""
     if workload.algorithm in OFFLINE_SEQUENCES:
         return None
-    ranks = cluster.num_gpus * (workload.micro_batch_size_per_gpu or 1)
+    ranks = max(1, cluster.num_gpus // tp) * (workload.micro_batch_size_per_gpu or 1)
     step = ranks // math.gcd(ranks, workload.prompts_per_step)
     least = 1 if workload.algorithm == "ppo" else 2
     return _largest_cut(workload, cluster, feasible, "group_size", step, least)
 
 
 def _fewest_prompts_cut(
-    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool]
+    workload: Workload, cluster: Cluster, feasible: Callable[[Workload, Cluster], bool], *, tp: int = 1
 ) -> int | None:
     """The largest prompts_per_step below the workload's that fits (None if even the fewest
     does not)."""
-    # The counts a run can take: whole prompts on every GPU, and with a micro batch the user
-    # fixed, completions per GPU it divides (between them the plan is refused, not short of
-    # memory, and a bisection needs the fits to fall only with the count).
-    step = cluster.num_gpus
+    # The counts a run can take: whole prompts on every data-parallel rank (every GPU, or every
+    # group of a tp the user fixed: PlanRequest.manifest_problem), and with a micro batch the
+    # user fixed, completions per rank it divides (between them the plan is refused, not short
+    # of memory, and a bisection needs the fits to fall only with the count).
+    step = max(1, cluster.num_gpus // tp)
     if micro := workload.micro_batch_size_per_gpu:
         step *= micro // math.gcd(micro, workload.group_size)
     return _largest_cut(workload, cluster, feasible, "prompts_per_step", step, 1)

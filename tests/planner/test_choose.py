@@ -737,6 +737,35 @@ def test_a_calibration_with_no_process_term_still_names_the_gpus_with_the_host_j
     assert any(s.startswith("use ") and " GPUs" in s for s in p.suggestions), p.suggestions
 
 
+@pytest.mark.parametrize(
+    "model, fewer, over",
+    [
+        ("meta-llama/Llama-3.1-70B", 2, 4),  # a multiple of the GPUs (4) is over: each tp group takes 1
+        ("Qwen/Qwen2.5-32B", 6, 8),  # 6 prompts split over the 2 groups, not over the 4 GPUs
+    ],
+)
+def test_fewer_prompts_under_a_fixed_tp_split_over_its_groups_not_the_gpus(model, fewer, over):
+    """16k-token completions on 4 H100s with tp=2: the prompts suggested are the most that fit
+    among the counts whose manifest loads (whole prompts per tensor-parallel group), each
+    planned as given here."""
+    from planner import catalog
+    from planner.hardware import GPUS
+    from planner.request import PlanRequest
+
+    spec = catalog.load_spec(model)
+    workload = Workload(completion_tokens=16384, prompts_per_step=8)
+    four = Cluster(gpu=GPUS["H100-80GB"], num_gpus=4)
+    tp = {"tp": 2}
+    p = plan(spec, workload, four, fixed=tp, sharding="fsdp")
+    assert not p.fits
+    assert f"use prompts_per_step={fewer} (fewer completions per rank)" in p.suggestions, p.suggestions
+    fewer_workload = workload.model_copy(update={"prompts_per_step": fewer})
+    assert plan(spec, fewer_workload, four, fixed=tp, sharding="fsdp").fits
+    assert PlanRequest.build(four, fewer_workload, tp, sharding="fsdp").manifest_problem() is None
+    over_workload = workload.model_copy(update={"prompts_per_step": over})
+    assert not plan(spec, over_workload, four, fixed=tp, sharding="fsdp").fits
+
+
 def test_fewer_prompts_are_not_suggested_when_one_prompt_per_rank_does_not_fit():
     from planner import catalog
     from planner.hardware import GPUS
