@@ -1256,10 +1256,10 @@ def _fewest_gpus(
     node it holds every rank's process, so it rises with the count, until enough GPUs let the run
     drop an offload the fewer needed. So with the host judged, a count the host refuses is
     followed by the node's counts above it, one by one, to the first that fits: up to the node's
-    GPUs (with no node size given the whole cluster is one node), to ``most_per_node`` (the ranks
-    whose processes alone the host holds), and below the count found past the host's refusals.
-    Past one node every node keeps its GPUs and takes a finer shard as nodes are added, so there
-    the bisection holds."""
+    GPUs (with no node size given the whole cluster is one node) and to ``most_per_node`` (the
+    ranks whose processes alone the host holds); only where none fits are the counts past them
+    searched. Past one node every node keeps its GPUs and takes a finer shard as nodes are added,
+    so there the bisection holds."""
 
     def fits(gpus: int, on: Cluster = cluster) -> bool:
         cl, wl = _on_gpus(workload, on, gpus)
@@ -1275,11 +1275,10 @@ def _fewest_gpus(
     least = _fewest_rising(cluster, lambda gpus: fits(gpus, unjudged), takes)
     if least is None or fits(least):
         return least
-    found = _fewest_rising(cluster, fits, takes)  # past the host's refusals, or None
     most = 64 * cluster.num_gpus
     node = min(cluster.gpus_per_node or most, most if most_per_node is None else most_per_node)
-    between = range(least + 1, min(node + 1, found or most + 1))
-    return next((gpus for gpus in between if takes(gpus) and fits(gpus)), found)
+    in_node = next((gpus for gpus in range(least + 1, node + 1) if takes(gpus) and fits(gpus)), None)
+    return in_node if in_node is not None else _fewest_rising(cluster, fits, takes)  # past the host's refusals
 
 
 def _fewest_rising(cluster: Cluster, fits: Callable[[int], bool], takes: Callable[[int], bool]) -> int | None:
